@@ -1,0 +1,160 @@
+"""Claim stores: where payloads and large results live, addressed by SHA-256.
+
+The broker only ever holds a reference (:class:`~ccsq.common.protocol.Blob`).
+``file://PATH`` is the default (local disk or a shared mount); ``s3://bucket/prefix``
+is provided by :mod:`ccsq.common.s3store` (extra ``s3``).
+
+Writes are atomic (temporary name, fsync, rename, fsync of the directory) and
+idempotent (same content, same name); reads verify the digest, so a torn or
+tampered blob is reported as :class:`~ccsq.common.errors.PayloadMissing`.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ccsq.common.errors import ConfigError, PayloadMissing
+from ccsq.common.protocol import Blob
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ClaimStore(abc.ABC):
+    """Content-addressed blob store. Implementations are safe to share between
+    processes; one instance is used from one thread at a time."""
+
+    uri: str
+
+    @abc.abstractmethod
+    def put(self, data: bytes) -> str:
+        """Store ``data`` durably; return its SHA-256 hex. Idempotent."""
+
+    @abc.abstractmethod
+    def get(self, sha256: str) -> bytes:
+        """Return the content; raises PayloadMissing if absent or corrupt."""
+
+    @abc.abstractmethod
+    def exists(self, sha256: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, sha256: str) -> None:
+        """Delete a blob (no error if absent)."""
+
+    @abc.abstractmethod
+    def list(self) -> Iterator[tuple[str, float]]:
+        """Yield ``(sha256, mtime_unix_s)`` of every blob (for reconcile)."""
+
+    def put_blob(self, data: bytes, inline_max_bytes: int) -> Blob:
+        """Make a Blob: inline when ``len(data) <= inline_max_bytes``, else stored here."""
+        digest = sha256_hex(data)
+        if len(data) <= inline_max_bytes:
+            return Blob(digest, len(data), data)
+        self.put(data)
+        return Blob(digest, len(data), None)
+
+    def get_blob(self, blob: Blob) -> bytes:
+        """Resolve a Blob to bytes, verifying its digest either way."""
+        if blob.inline is not None:
+            if sha256_hex(blob.inline) != blob.sha256:
+                raise PayloadMissing(f"inline payload does not match its sha256 {blob.sha256}")
+            return blob.inline
+        data = self.get(blob.sha256)
+        if len(data) != blob.size:
+            raise PayloadMissing(f"blob {blob.sha256} has {len(data)} bytes, reference says {blob.size}")
+        return data
+
+
+class FileStore(ClaimStore):
+    """``file://PATH``: blobs at ``PATH/ab/cd/<sha256>``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.uri = f"file://{root}"
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sha256: str) -> Path:
+        if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
+            raise PayloadMissing(f"not a sha256 hex digest: {sha256!r}")
+        return self.root / sha256[:2] / sha256[2:4] / sha256
+
+    def put(self, data: bytes) -> str:
+        digest = sha256_hex(data)
+        path = self._path(digest)
+        if path.exists():
+            return digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return digest
+
+    def get(self, sha256: str) -> bytes:
+        try:
+            data = self._path(sha256).read_bytes()
+        except FileNotFoundError:
+            raise PayloadMissing(f"blob {sha256} is not in {self.uri}") from None
+        if sha256_hex(data) != sha256:
+            raise PayloadMissing(f"blob {sha256} in {self.uri} is corrupt (digest mismatch)")
+        return data
+
+    def exists(self, sha256: str) -> bool:
+        return self._path(sha256).exists()
+
+    def delete(self, sha256: str) -> None:
+        try:
+            self._path(sha256).unlink()
+        except FileNotFoundError:
+            pass
+
+    def list(self) -> Iterator[tuple[str, float]]:
+        for path in self.root.glob("??/??/*"):
+            if path.name.startswith(".tmp-") or len(path.name) != 64:
+                continue
+            try:
+                yield path.name, path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+
+
+def open_store(uri: str, base_dir: str | Path | None = None) -> ClaimStore:
+    """Open a claim store by URI. A relative ``file://`` path is resolved against
+    ``base_dir`` (the config file's directory). Raises ConfigError for unknown schemes."""
+    if uri.startswith("file://"):
+        path = Path(uri[len("file://"):])
+        if not path.is_absolute():
+            path = Path(base_dir or ".").resolve() / path
+        return FileStore(path)
+    if uri.startswith("s3://"):
+        try:
+            from ccsq.common.s3store import S3Store
+        except ImportError as exc:
+            raise ConfigError(f"claim store {uri}: install the s3 extra (pip install 'ccsq[s3]'): {exc}") from None
+        return S3Store.from_uri(uri)
+    raise ConfigError(f"claim store {uri!r}: scheme must be file:// or s3://")
+
+
+def now_s() -> float:
+    return time.time()

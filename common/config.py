@@ -1,0 +1,195 @@
+"""TOML configuration loaded into frozen dataclasses that refuse typos.
+
+Unknown keys, wrong types and out-of-range values raise
+:class:`~ccsq.common.errors.ConfigError` naming the file and the key. Relative
+paths are resolved against the config file's directory, so a swarm directory
+written by ``ccsq init`` can be moved as a whole. Durations carry their unit
+in the key name (``lease_ttl_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ccsq.common.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "") -> Any:
+    """A config field: default, inclusive range, whether it is a filesystem path, allowed values."""
+    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc})
+
+
+def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    key = f"{where}: {f.name}"
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        value = float(value)
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+    elif typing.get_origin(tp) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        value = tuple(value)
+    elif typing.get_origin(tp) is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        value = tuple(value)
+    md = f.metadata
+    if md.get("min") is not None and value < md["min"]:
+        raise ConfigError(f"{key} = {value!r} is below the minimum {md['min']}")
+    if md.get("max") is not None and value > md["max"]:
+        raise ConfigError(f"{key} = {value!r} is above the maximum {md['max']}")
+    if md.get("choices") and value not in md["choices"]:
+        raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
+    return value
+
+
+def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: str) -> T:
+    """Build ``cls`` from a mapping, rejecting unknown keys and bad values."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known keys: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name in data:
+            value = _check(cls.__name__, where, f, hints[name], data[name])
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            raise ConfigError(f"{where}: required key {name!r} is missing")
+        if f.metadata.get("path") and isinstance(value, str) and value and "://" not in value:
+            value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
+        kwargs[name] = value
+    kwargs.setdefault("config_path", "") if "config_path" in fields else None
+    return cls(**kwargs)
+
+
+def load(cls: type[T], path: str | Path) -> T:
+    """Load a TOML file into ``cls``; raises ConfigError with the file name on any problem."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (`ccsq init DIR` writes one)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    if "config_path" in {f.name for f in dataclasses.fields(cls)}:  # type: ignore[arg-type]
+        data = dict(data)
+        if "config_path" in data:
+            raise ConfigError(f"{path}: unknown key(s) ['config_path']")
+        data["config_path"] = str(path.resolve())
+    return from_mapping(cls, data, base_dir=path.resolve().parent, where=str(path))
+
+
+def describe(cls: type) -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, doc) for every key of a config class (used by docs and --help)."""
+    hints = typing.get_type_hints(cls)
+    return [
+        (f.name, getattr(hints[f.name], "__name__", str(hints[f.name])), f.default, f.metadata.get("doc", ""))
+        for f in dataclasses.fields(cls)
+        if f.name != "config_path"
+    ]
+
+
+# --- the config of each process --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PeerSettings:
+    """What every peer of the broker needs: identity, keys, where the broker is."""
+
+    peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
+    private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
+    authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint of ccsq-brokerd")
+    broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
+    max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
+    max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
+    reconnect_backoff_max_s: float = opt(5.0, min=0.05, max=300.0, doc="cap of the reconnect backoff")
+    hello_timeout_s: float = opt(5.0, min=0.1, max=300.0, doc="how long to wait for WELCOME before reconnecting")
+    log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
+    config_path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerConfig:
+    """``brokerd.toml``."""
+
+    peer_id: str = opt("broker", doc="the broker's peer id")
+    private_key: str = opt("keys/broker.key", path=True, doc="broker's Ed25519 private key (mode 0600)")
+    authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key; reloaded on SIGHUP")
+    endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint the ROUTER binds")
+    data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
+    heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
+    liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
+    lease_ttl_s: float = opt(30.0, min=0.1, max=86400.0, doc="a lease not extended by heartbeats expires after this")
+    max_attempts: int = opt(5, min=1, max=1000, doc="default attempts before an item is dead-lettered")
+    retry_backoff_base_s: float = opt(0.5, min=0.0, max=3600.0, doc="first retry delay (doubles per attempt, jittered)")
+    retry_backoff_max_s: float = opt(60.0, min=0.0, max=86400.0, doc="cap of the retry delay")
+    dedup_window_s: float = opt(7 * 86400.0, min=0.0, max=365 * 86400.0, doc="how long an idempotency key is remembered")
+    retention_s: float = opt(3600.0, min=0.0, max=365 * 86400.0, doc="acknowledged items are purged after this")
+    map_size_bytes: int = opt(1 << 30, min=1 << 20, max=1 << 44, doc="initial LMDB map size")
+    max_map_size_bytes: int = opt(64 << 30, min=1 << 20, max=1 << 46, doc="the map grows up to this, then SUBMIT gets QUEUE_FULL")
+    min_free_disk_bytes: int = opt(256 << 20, min=0, max=1 << 46, doc="below this free disk, SUBMIT gets DISK_FULL")
+    max_ready_items: int = opt(0, min=0, max=1 << 40, doc="0 = unlimited; above it SUBMIT gets QUEUE_FULL")
+    max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest accepted frame")
+    max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
+    slice_budget_ms: float = opt(5.0, min=0.1, max=1000.0, doc="time budget of one dispatch/expiry/purge slice")
+    max_batch_items: int = opt(256, min=1, max=65536, doc="most items in one DISPATCH or RESULT frame")
+    sndhwm: int = opt(1000, min=1, max=1 << 20, doc="ROUTER send high-water mark per peer")
+    metrics_port: int = opt(0, min=0, max=65535, doc="Prometheus metrics port on 127.0.0.1 (0 = off)")
+    log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
+    config_path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(PeerSettings):
+    """``workerd-N.toml``."""
+
+    handler: str = opt("echo", doc="handler name (entry point group ccsq.handlers)")
+    kinds: tuple[str, ...] = opt((), doc="item kinds to accept (default: the handler's name)")
+    slots: int = opt(1, min=1, max=1024, doc="concurrent inferences on this GPU (the semaphore)")
+    prefetch: int = opt(1, min=0, max=1024, doc="extra items held beyond free slots")
+    claim_store: str = opt("file://blobs", doc="claim store URI: file://PATH or s3://bucket/prefix")
+    journal_dir: str = opt("worker-journal", path=True, doc="the worker's local journal")
+    provider: str = opt("cpu", choices=("cpu", "cuda", "tensorrt"), doc="ONNX Runtime execution provider to require")
+    allow_cpu_fallback: bool = opt(False, doc="start on CPU (and say so in HELLO) when the GPU provider cannot load")
+    handler_threads: int = opt(0, min=0, max=256, doc="intra-op threads for the model (0 = library default)")
+    max_runtime_s: float = opt(0.0, min=0.0, max=86400.0, doc="default per-item runtime cap (0 = none)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerConfig(PeerSettings):
+    """``producer.toml``."""
+
+    claim_store: str = opt("file://blobs", doc="claim store URI: file://PATH or s3://bucket/prefix")
+    inline_max_bytes: int = opt(16384, min=0, max=1 << 20, doc="payloads up to this size travel inline")
+    outbox_dir: str = opt("", path=True, doc="local spool for submissions while the broker is down ('' = off)")
+    submit_timeout_s: float = opt(10.0, min=0.1, max=3600.0, doc="wait this long for SUBMIT_ACK before retrying")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionConfig(PeerSettings):
+    """``completion.toml``."""
+
+    claim_store: str = opt("file://blobs", doc="claim store URI for results stored by reference")
+    database: str = opt("sqlite:///results.db", doc="sqlite:///PATH or postgresql://... DSN")
+    credit: int = opt(64, min=1, max=65536, doc="results in flight from the broker")
+    batch_max: int = opt(256, min=1, max=65536, doc="most results in one database transaction")
+    batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
+    db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
+    backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")

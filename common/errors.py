@@ -1,0 +1,147 @@
+"""One exception tree for ccsq, and the named exit codes of its daemons.
+
+Every error a user can see names the cause and the fix. Whether an error is
+worth retrying is a *type* (:class:`RetryableError` vs :class:`PermanentError`),
+never a string to parse (after dramatiq's exception tree).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes. systemd units list the non-transient ones in
+    ``RestartPreventExitStatus`` so a config error does not restart-loop (case C11)."""
+
+    OK = 0
+    FAILURE = 1  # unexpected crash: systemd restarts it
+    USAGE = 2  # bad command line
+    CONFIG = 78  # EX_CONFIG: invalid config / keys / permissions; do not restart
+    GPU_UNAVAILABLE = 79  # a GPU was required but the provider cannot load (case C10)
+    LEDGER_LOCKED = 75  # EX_TEMPFAIL: ledger or port busy; transient, restart later
+    UNBALANCED = 3  # gap-report: accounting does not balance
+    INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
+
+
+class CcsqError(Exception):
+    """Root of every error ccsq raises on purpose."""
+
+    code: str = "ERROR"
+
+    def __init__(self, message: str = "", *, code: str | None = None) -> None:
+        super().__init__(message or self.__class__.__doc__ or self.__class__.__name__)
+        if code is not None:
+            self.code = code
+
+
+class RetryableError(CcsqError):
+    """The operation may succeed if retried later (back off first)."""
+
+
+class PermanentError(CcsqError):
+    """Retrying the same operation will fail the same way."""
+
+
+class ConfigError(PermanentError):
+    """Configuration is invalid; the message names the key and the fix."""
+
+    code = "CONFIG"
+
+
+class DecodeError(PermanentError):
+    """Bytes from the wire could not be turned into a valid message.
+
+    ``code`` is one of the ``REJECT_*`` reasons in :mod:`ccsq.common.protocol`.
+    """
+
+    code = "MALFORMED"
+
+
+class AuthError(DecodeError):
+    """The frame decoded but fails authentication or authorization."""
+
+    code = "BAD_SIGNATURE"
+
+
+class QueueFull(RetryableError):
+    """The broker's ledger is over its configured size: retry with backoff or spool to an outbox."""
+
+    code = "QUEUE_FULL"
+
+
+class DiskFull(RetryableError):
+    """The broker's disk is nearly full: retry with backoff or spool to an outbox; an operator must free space."""
+
+    code = "DISK_FULL"
+
+
+class BrokerUnavailable(RetryableError):
+    """No reply from the broker in time: check that ccsq-brokerd runs and the endpoint is right."""
+
+    code = "BROKER_UNAVAILABLE"
+
+
+class Unauthorized(PermanentError):
+    """The broker refused this peer: add its public key with the right role to authorized_keys."""
+
+    code = "UNAUTHORIZED"
+
+
+class PayloadTooLarge(PermanentError):
+    """A payload or frame is over the configured limit: raise max_frame_bytes or use the claim store."""
+
+    code = "PAYLOAD_TOO_LARGE"
+
+
+class DeadlineExceeded(PermanentError):
+    """The item's deadline passed before it completed."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class PayloadMissing(PermanentError):
+    """A claim-check reference points at a blob the store does not hold (or whose digest does not match)."""
+
+    code = "PAYLOAD_MISSING"
+
+
+class GpuUnavailable(PermanentError):
+    """A GPU execution provider was required but cannot be used; set allow_cpu_fallback = true to run on CPU."""
+
+    code = "GPU_UNAVAILABLE"
+
+
+class HandlerError(RetryableError):
+    """A handler failed on an item; retried per the item's max_attempts."""
+
+    code = "HANDLER_ERROR"
+
+
+class PermanentHandlerError(PermanentError):
+    """A handler says this item can never succeed (bad input): dead-letter it at once."""
+
+    code = "HANDLER_FATAL"
+
+
+#: Map from wire error code to exception type, used by clients to re-raise.
+ERRORS_BY_CODE: dict[str, type[CcsqError]] = {
+    cls.code: cls
+    for cls in (
+        QueueFull,
+        DiskFull,
+        BrokerUnavailable,
+        Unauthorized,
+        PayloadTooLarge,
+        DeadlineExceeded,
+        PayloadMissing,
+        ConfigError,
+        DecodeError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> CcsqError:
+    """Build the typed exception for a wire error ``code`` (unknown codes give :class:`CcsqError`)."""
+    cls = ERRORS_BY_CODE.get(code, CcsqError)
+    return cls(message, code=code)

@@ -1,0 +1,143 @@
+"""Ed25519 identities: key files and the authorized-keys file.
+
+Private key file: the raw 32-byte Ed25519 seed, base64, one line, mode 0600.
+Public key file: the raw 32-byte public key, base64, one line.
+Authorized keys (TOML)::
+
+    [peers.worker-1]
+    role = "worker"            # broker | worker | producer | completion | admin
+    public_key = "base64..."   # raw 32-byte Ed25519 public key
+
+Errors: :class:`~ccsq.common.errors.ConfigError` naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+import tomli_w
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ccsq.common.errors import ConfigError
+from ccsq.common.protocol import Role
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str, what: str) -> bytes:
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{what}: not valid base64") from None
+    if len(raw) != 32:
+        raise ConfigError(f"{what}: expected a 32-byte Ed25519 key, got {len(raw)} bytes")
+    return raw
+
+
+def public_key_b64(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    from cryptography.hazmat.primitives import serialization
+
+    return _b64(pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+def write_keypair(directory: Path, peer_id: str) -> tuple[Path, Path]:
+    """Create ``DIR/<peer_id>.key`` (0600) and ``DIR/<peer_id>.pub``; returns both paths.
+
+    Refuses to overwrite an existing private key (ConfigError)."""
+    from cryptography.hazmat.primitives import serialization
+
+    directory.mkdir(parents=True, exist_ok=True)
+    priv_path = directory / f"{peer_id}.key"
+    pub_path = directory / f"{peer_id}.pub"
+    if priv_path.exists():
+        raise ConfigError(f"{priv_path} exists; refusing to overwrite a private key (delete it first)")
+    key = Ed25519PrivateKey.generate()
+    seed = key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(_b64(seed) + "\n")
+    pub_path.write_text(public_key_b64(key) + "\n")
+    return priv_path, pub_path
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Load a private key file; refuses one that is group- or world-readable."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"private key {path} not found (create it with `ccsq keygen`)") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"private key {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}"
+        )
+    return Ed25519PrivateKey.from_private_bytes(_unb64(path.read_text(), str(path)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerKey:
+    peer_id: str
+    role: Role
+    public_key: Ed25519PublicKey
+
+
+class AuthorizedKeys:
+    """Peer id -> (role, public key), loaded from a TOML file; :meth:`reload` re-reads it (SIGHUP)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._peers: dict[str, PeerKey] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the file; on error the previous table stays in force and ConfigError is raised."""
+        self._peers = parse_authorized_keys(self.path)
+
+    def get(self, peer_id: str) -> PeerKey | None:
+        return self._peers.get(peer_id)
+
+    def __contains__(self, peer_id: str) -> bool:
+        return peer_id in self._peers
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
+def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"authorized keys file {path} not found (`ccsq init` writes one)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    unknown = set(doc) - {"peers"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only [peers.<id>] tables are allowed")
+    peers: dict[str, PeerKey] = {}
+    for peer_id, entry in doc.get("peers", {}).items():
+        where = f"{path}: peers.{peer_id}"
+        if not isinstance(entry, dict) or set(entry) != {"role", "public_key"}:
+            raise ConfigError(f"{where}: needs exactly the keys role and public_key")
+        try:
+            role = Role(entry["role"])
+        except ValueError:
+            raise ConfigError(f"{where}.role: {entry['role']!r} is not one of {[r.value for r in Role]}") from None
+        raw = _unb64(str(entry["public_key"]), f"{where}.public_key")
+        peers[peer_id] = PeerKey(peer_id, role, Ed25519PublicKey.from_public_bytes(raw))
+    return peers
+
+
+def write_authorized_keys(path: Path, entries: dict[str, tuple[str, str]]) -> None:
+    """Write ``{peer_id: (role, public_key_b64)}`` as an authorized-keys TOML file."""
+    doc = {"peers": {pid: {"role": role, "public_key": pub} for pid, (role, pub) in entries.items()}}
+    path.write_text(tomli_w.dumps(doc))

@@ -1,0 +1,295 @@
+"""A peer's session with the broker: one DEALER socket, HELLO/WELCOME, heartbeats,
+the one disconnect rule, and reconnection with capped, jittered backoff.
+
+Used by the worker, the producer's AsyncClient, the completion service and the
+admin CLI. The link owns its socket: only the coroutines of one session (one
+event loop, one thread) touch it. Other threads hand messages in with
+:meth:`BrokerLink.send_threadsafe`.
+
+Delivery contract: :meth:`BrokerLink.send` queues a message for the *current*
+session only. When a session ends, unsent messages are discarded and the owner
+re-sends whatever it still needs from ``on_connect`` (owners keep their own
+pending state: unconfirmed SUBMITs, unconfirmed COMPLETEs, held leases). This is
+the at-least-once pattern; the broker deduplicates.
+
+The one disconnect rule (DESIGN.md, "Liveness"): the broker is gone when nothing
+arrived for ``heartbeat_interval_s x liveness``, on any socket error, or on an
+invalid envelope from it. Then the DEALER is closed (LINGER 0) and rebuilt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from ccsq.common import protocol as p
+from ccsq.common.config import PeerSettings
+from ccsq.common.envelope import Envelope, EnvelopeCodec
+from ccsq.common.errors import DecodeError
+from ccsq.common.keys import AuthorizedKeys, load_private_key
+
+log = structlog.get_logger("ccsq.peer")
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    STOPPED = "stopped"
+
+
+class LinkLost(Exception):
+    """Internal: the current session ended (reason in args[0])."""
+
+
+def backoff_delay_s(attempt: int, base_s: float, cap_s: float) -> float:
+    """Capped exponential backoff with full jitter (AWS architecture blog, 2015):
+    uniform(0, min(cap, base * 2**attempt)). ``attempt`` counts from 0."""
+    return random.uniform(0.0, min(cap_s, base_s * (2 ** min(attempt, 30))))
+
+
+def make_codec(settings: PeerSettings) -> EnvelopeCodec:
+    """Build this peer's codec from its settings (keys loaded; ConfigError on problems)."""
+    return EnvelopeCodec(
+        settings.peer_id,
+        load_private_key(Path(settings.private_key)),
+        AuthorizedKeys(Path(settings.authorized_keys)),
+        max_frame_bytes=settings.max_frame_bytes,
+        max_clock_skew_s=settings.max_clock_skew_s,
+        require_hello=False,
+    )
+
+
+class BrokerLink:
+    """One peer's connection to the broker.
+
+    ``hello()`` builds the HELLO for each new session (so it can list held
+    leases); ``heartbeat()`` builds each HEARTBEAT; ``on_message(env)`` gets every
+    verified message except WELCOME and HEARTBEAT; ``on_connect(welcome)`` runs
+    once per session after WELCOME; ``on_disconnect(reason)`` when it ends.
+    """
+
+    # --- state owned by this link ---
+    settings: PeerSettings
+    codec: EnvelopeCodec
+    state: LinkState
+    ready: asyncio.Event
+    heartbeat_interval_s: float  # from the broker's WELCOME
+    liveness: int  # from the broker's WELCOME
+    broker_epoch: int
+    sessions: int  # sessions opened so far
+    last_recv_mono: float
+    _outbox: asyncio.Queue[p.Message]
+
+    def __init__(
+        self,
+        settings: PeerSettings,
+        *,
+        hello: Callable[[], p.Hello],
+        heartbeat: Callable[[], p.Heartbeat] | None = None,
+        on_message: Callable[[Envelope], Awaitable[None] | None],
+        on_connect: Callable[[p.Welcome], Awaitable[None] | None] | None = None,
+        on_disconnect: Callable[[str], None] | None = None,
+        codec: EnvelopeCodec | None = None,
+        send_timeout_s: float = 5.0,
+    ) -> None:
+        self.settings = settings
+        self.codec = codec or make_codec(settings)
+        self._hello = hello
+        self._heartbeat = heartbeat or (lambda: p.Heartbeat())
+        self._on_message = on_message
+        self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
+        self.send_timeout_s = send_timeout_s
+        self.state = LinkState.CONNECTING
+        self.ready = asyncio.Event()
+        self.heartbeat_interval_s = 1.0
+        self.liveness = 5
+        self.broker_epoch = 0
+        self.sessions = 0
+        self.last_recv_mono = time.monotonic()
+        self._outbox = asyncio.Queue()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx = zmq.asyncio.Context.instance()
+        self.log = log.bind(peer=settings.peer_id)
+
+    # --- API for owners ---
+    def send(self, msg: p.Message) -> bool:
+        """Queue ``msg`` for the current session; False (not queued) when not connected."""
+        if self.state is not LinkState.READY:
+            return False
+        self._outbox.put_nowait(msg)
+        return True
+
+    def send_threadsafe(self, msg: p.Message) -> None:
+        """Queue ``msg`` from another thread (e.g. an inference thread)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.send, msg)
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        """Say BYE (best effort, bounded) and end :meth:`run`."""
+        self._stopping = True
+        if self.state is LinkState.READY:
+            self._outbox.put_nowait(p.Bye(reason=reason))
+            deadline = time.monotonic() + 1.0
+            while not self._outbox.empty() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        self._stop_event().set()
+
+    def _stop_event(self) -> asyncio.Event:
+        if not hasattr(self, "_stopped_ev"):
+            self._stopped_ev = asyncio.Event()
+        return self._stopped_ev
+
+    async def run(self) -> None:
+        """Connect, serve sessions and reconnect until :meth:`stop`."""
+        self._loop = asyncio.get_running_loop()
+        attempt = 0
+        stop_ev = self._stop_event()
+        while not self._stopping:
+            reason = await self._one_session()
+            was_ready = self.state is LinkState.READY
+            self.state = LinkState.CONNECTING
+            self.ready.clear()
+            if was_ready:
+                attempt = 0
+                if self._on_disconnect:
+                    self._on_disconnect(reason)
+            if self._stopping:
+                break
+            delay = backoff_delay_s(attempt, 0.05, self.settings.reconnect_backoff_max_s)
+            attempt += 1
+            self.log.info("broker_link_lost", reason=reason, reconnect_in_s=round(delay, 3))
+            try:
+                await asyncio.wait_for(stop_ev.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+        self.state = LinkState.STOPPED
+
+    # --- one session ---
+    async def _one_session(self) -> str:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
+        sock.connect(self.settings.broker_endpoint)
+        self.codec.new_session()
+        self._outbox = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+        try:
+            await self._handshake(sock)
+            self.sessions += 1
+            self.state = LinkState.READY
+            self.ready.set()
+            self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch)
+            tasks = [
+                asyncio.create_task(self._reader(sock), name="link-reader"),
+                asyncio.create_task(self._writer(sock), name="link-writer"),
+                asyncio.create_task(self._ticker(), name="link-heartbeat"),
+                asyncio.create_task(self._stop_event().wait(), name="link-stop"),
+            ]
+            if self._on_connect:
+                res = self._on_connect(self._welcome)
+                if asyncio.iscoroutine(res):
+                    await res
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if isinstance(exc, LinkLost):
+                    return str(exc)
+                if exc is not None:
+                    raise exc
+            return "stopped"
+        except LinkLost as exc:
+            return str(exc)
+        except zmq.ZMQError as exc:
+            return f"socket error: {exc}"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+            sock.close(linger=0)
+
+    async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
+        frames = self.codec.encode(self._hello())
+        try:
+            await asyncio.wait_for(sock.send_multipart(frames), timeout=self.settings.hello_timeout_s)
+        except asyncio.TimeoutError:
+            raise LinkLost("broker not reachable (HELLO not sent)") from None
+        deadline = time.monotonic() + self.settings.hello_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinkLost("no WELCOME within hello_timeout_s")
+            try:
+                raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=left)
+            except asyncio.TimeoutError:
+                raise LinkLost("no WELCOME within hello_timeout_s") from None
+            env = self._decode(raw)
+            msg = env.message
+            if isinstance(msg, p.Welcome):
+                self._welcome = msg
+                self.heartbeat_interval_s = msg.heartbeat_interval_s
+                self.liveness = msg.liveness
+                self.broker_epoch = msg.broker_epoch
+                self.last_recv_mono = time.monotonic()
+                return
+            if isinstance(msg, p.Error):
+                self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
+                raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
+
+    def _decode(self, raw: list[bytes]) -> Envelope:
+        try:
+            return self.codec.decode(raw, bound_sender=self.settings.broker_id)
+        except DecodeError as exc:
+            # one disconnect rule: an invalid envelope from the broker ends the session
+            raise LinkLost(f"invalid envelope from broker: {exc.code}: {exc}") from None
+
+    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        silence_s = self.heartbeat_interval_s * self.liveness
+        while True:
+            try:
+                raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=silence_s)
+            except asyncio.TimeoutError:
+                raise LinkLost(f"broker silent for {silence_s:.2f}s") from None
+            except zmq.ZMQError as exc:
+                raise LinkLost(f"socket error: {exc}") from None
+            self.last_recv_mono = time.monotonic()
+            env = self._decode(raw)
+            if isinstance(env.message, (p.Heartbeat, p.Welcome)):
+                continue
+            res = self._on_message(env)
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def _writer(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            msg = await self._outbox.get()
+            frames = self.codec.encode(msg)
+            try:
+                await asyncio.wait_for(sock.send_multipart(frames), timeout=self.send_timeout_s)
+            except asyncio.TimeoutError:
+                raise LinkLost("send timed out (broker not reading)") from None
+            except zmq.ZMQError as exc:
+                raise LinkLost(f"socket error: {exc}") from None
+            if isinstance(msg, p.Bye):
+                raise LinkLost("bye sent")
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            self._outbox.put_nowait(self._heartbeat())

@@ -1,0 +1,630 @@
+"""The ccsq wire protocol: constants, typed messages and their body codec. No I/O.
+
+Every message is a frozen dataclass with a ``TYPE``. A message body is a
+msgpack map whose keys are exactly the dataclass's field names; nested records
+(items, leases, blobs) are maps too. :func:`decode_body` checks the key set and
+every value's type strictly, so nothing malformed is half-applied: either the
+whole message decodes or :class:`~ccsq.common.errors.DecodeError` is raised
+with one of the ``REJECT_*`` codes.
+
+Framing and signatures live in :mod:`ccsq.common.envelope`.
+(Design after zguide's MDP constants module and nats.py's protocol package.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from typing import Any, ClassVar, Union
+
+from ccsq.common.errors import DecodeError
+
+PROTOCOL_VERSION = 1
+
+# --- rejection reasons (counted per reason by the broker) -------------------
+REJECT_OVERSIZE = "OVERSIZE"  # frame over max_frame_bytes (checked before anything else)
+REJECT_FRAMING = "FRAMING"  # wrong number of frames / signature length
+REJECT_MALFORMED = "MALFORMED"  # msgpack invalid, over a decode limit, or wrong shape/types
+REJECT_VERSION = "VERSION"  # unknown protocol version
+REJECT_UNKNOWN_TYPE = "UNKNOWN_TYPE"
+REJECT_UNKNOWN_SENDER = "UNKNOWN_SENDER"
+REJECT_BAD_SIGNATURE = "BAD_SIGNATURE"
+REJECT_FORGED_ORIGIN = "FORGED_ORIGIN"  # sender id differs from the one bound to this connection
+REJECT_ROLE = "ROLE"  # role may not send this type
+REJECT_REPLAY = "REPLAY"  # (session, seq) already seen
+REJECT_STALE = "STALE"  # timestamp outside max_clock_skew_s
+REJECT_NO_SESSION = "NO_SESSION"  # first message of a session is not HELLO
+
+ALL_REJECT_REASONS = (
+    REJECT_OVERSIZE,
+    REJECT_FRAMING,
+    REJECT_MALFORMED,
+    REJECT_VERSION,
+    REJECT_UNKNOWN_TYPE,
+    REJECT_UNKNOWN_SENDER,
+    REJECT_BAD_SIGNATURE,
+    REJECT_FORGED_ORIGIN,
+    REJECT_ROLE,
+    REJECT_REPLAY,
+    REJECT_STALE,
+    REJECT_NO_SESSION,
+)
+
+# --- default limits ---------------------------------------------------------
+DEFAULT_MAX_FRAME_BYTES = 1 << 20  # 1 MiB
+MAX_ARRAY_LEN = 65_536
+MAX_MAP_LEN = 256
+MAX_DEPTH = 8
+SIGNATURE_BYTES = 64  # Ed25519
+SHA256_HEX_LEN = 64
+
+
+class Role(str, enum.Enum):
+    BROKER = "broker"
+    WORKER = "worker"
+    PRODUCER = "producer"
+    COMPLETION = "completion"
+    ADMIN = "admin"
+
+
+class MsgType(enum.IntEnum):
+    # session, all roles
+    HELLO = 1
+    WELCOME = 2
+    HEARTBEAT = 3
+    BYE = 4
+    ERROR = 5
+    # producer <-> broker
+    SUBMIT = 10
+    SUBMIT_ACK = 11
+    STATUS = 12
+    STATUS_REPLY = 13
+    # worker <-> broker
+    CREDIT = 20
+    DISPATCH = 21
+    COMPLETE = 22
+    COMPLETE_ACK = 23
+    FAIL = 24
+    FAIL_ACK = 25
+    # completion service <-> broker
+    RESULT = 30
+    ACK = 31
+    ACK_OK = 32
+    # admin <-> broker
+    ADMIN = 40
+    ADMIN_REPLY = 41
+
+
+class ItemState(str, enum.Enum):
+    READY = "ready"
+    LEASED = "leased"
+    COMPLETED = "completed"
+    ACKNOWLEDGED = "acknowledged"
+    DEAD = "dead"
+    EXPIRED = "expired"
+
+
+TERMINAL_STATES = frozenset({ItemState.ACKNOWLEDGED, ItemState.DEAD, ItemState.EXPIRED})
+
+
+class Outcome(str, enum.Enum):
+    """What the broker did with a COMPLETE, FAIL or ACK."""
+
+    ACCEPTED = "accepted"  # first valid report with the current lease token
+    FENCED = "fenced"  # stale lease token: confirmed but discarded (gap event)
+    DUPLICATE = "duplicate"  # already recorded (a replay); idempotent no-op
+    UNKNOWN = "unknown"  # the broker has no such item (purged or never existed)
+
+
+class FailReason(str, enum.Enum):
+    HANDLER_ERROR = "handler_error"
+    TIMEOUT = "timeout"  # max_runtime_s exceeded
+    PAYLOAD_MISSING = "payload_missing"
+    RELEASED = "released"  # the worker gives the lease back without running it
+    WORKER_LOST = "worker_lost"  # lease expired (set by the broker, never sent)
+    FATAL = "fatal"  # permanent handler error: dead-letter at once
+    CANCELLED = "cancelled"
+
+
+#: Which message types each role may send; anything else is REJECT_ROLE.
+ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
+    Role.BROKER: frozenset(
+        {
+            MsgType.WELCOME,
+            MsgType.HEARTBEAT,
+            MsgType.BYE,
+            MsgType.ERROR,
+            MsgType.SUBMIT_ACK,
+            MsgType.STATUS_REPLY,
+            MsgType.DISPATCH,
+            MsgType.COMPLETE_ACK,
+            MsgType.FAIL_ACK,
+            MsgType.RESULT,
+            MsgType.ACK_OK,
+            MsgType.ADMIN_REPLY,
+        }
+    ),
+    Role.PRODUCER: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.SUBMIT, MsgType.STATUS}),
+    Role.WORKER: frozenset(
+        {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL}
+    ),
+    Role.COMPLETION: frozenset(
+        {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.ACK, MsgType.STATUS}
+    ),
+    Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS}),
+}
+
+# A scalar value allowed in free-form maps (params, info).
+Scalar = Union[str, int, float, bool, bytes, None]
+Params = dict[str, Scalar]
+
+
+# --- nested records -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Blob:
+    """A payload or result: inline bytes, or a claim-check reference into the claim store.
+
+    ``sha256`` is the lowercase hex SHA-256 of the content (64 chars) and ``size``
+    its length in bytes, in both forms; ``inline`` holds the bytes when small
+    (below the producer's ``inline_max_bytes``), else ``None`` and the content is
+    in the claim store under ``sha256``.
+    """
+
+    sha256: str
+    size: int
+    inline: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != SHA256_HEX_LEN or not all(c in "0123456789abcdef" for c in self.sha256):
+            raise DecodeError("blob sha256 must be 64 lowercase hex chars", code=REJECT_MALFORMED)
+        if self.size < 0:
+            raise DecodeError("blob size must be >= 0", code=REJECT_MALFORMED)
+        if self.inline is not None and len(self.inline) != self.size:
+            raise DecodeError("inline blob length differs from size", code=REJECT_MALFORMED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseRef:
+    """A lease a worker holds: item id and its fencing token."""
+
+    item_id: str
+    token: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SubmitItem:
+    """One item in a SUBMIT. ``key`` is the idempotency key; ``deadline_ts`` is
+    wall-clock UNIX seconds (None: no deadline); ``max_attempts`` 0 means the
+    broker default; ``max_runtime_s`` 0 means no per-attempt limit."""
+
+    key: str
+    kind: str
+    payload: Blob
+    params: Params = dataclasses.field(default_factory=dict)
+    priority: int = 0
+    deadline_ts: float | None = None
+    max_attempts: int = 0
+    max_runtime_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SubmitResult:
+    """Per-item answer in SUBMIT_ACK: ``error`` is "" on success or an error code
+    (``QUEUE_FULL``, ``DISK_FULL``, ``PAYLOAD_TOO_LARGE``...)."""
+
+    key: str
+    item_id: str
+    duplicate: bool = False
+    error: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Task:
+    """One leased item in a DISPATCH; ``token`` is the fencing token to quote back."""
+
+    item_id: str
+    token: int
+    kind: str
+    payload: Blob
+    params: Params
+    attempt: int
+    max_runtime_s: float = 0.0
+    deadline_ts: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskResult:
+    """One finished item in a COMPLETE. ``runtime_s`` is handler wall time in seconds."""
+
+    item_id: str
+    token: int
+    result: Blob
+    handler: str
+    handler_version: str
+    runtime_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TaskFailure:
+    """One failed item in a FAIL. ``reason`` is a :class:`FailReason` value."""
+
+    item_id: str
+    token: int
+    reason: str
+    retryable: bool
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """The broker's answer for one item in COMPLETE_ACK / FAIL_ACK (an :class:`Outcome` value)."""
+
+    item_id: str
+    token: int
+    outcome: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivery:
+    """One completed result in a RESULT to the completion service.
+    ``redelivery`` is true when this result was sent before without an ACK (gap G3)."""
+
+    item_id: str
+    key: str
+    kind: str
+    result: Blob
+    params: Params
+    attempt: int
+    handler: str
+    handler_version: str
+    completed_ts: float
+    redelivery: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemStatus:
+    """An item's state as STATUS_REPLY reports it (``state`` is an :class:`ItemState`
+    value, or "unknown"); ``result`` is set once completed."""
+
+    item_id: str
+    state: str
+    attempt: int = 0
+    kind: str = ""
+    error: str = ""
+    result: Blob | None = None
+
+
+# --- messages ---------------------------------------------------------------------
+class Message:
+    """Base of all messages; subclasses are frozen dataclasses with a ``TYPE``."""
+
+    TYPE: ClassVar[MsgType]
+    __slots__ = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First message of a session. ``credit`` is the initial credit (workers,
+    completion service); ``leases`` the leases the peer still holds (resume);
+    ``info`` free-form facts (execution provider, cpu_fallback, handler version)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    role: str
+    slots: int = 0
+    credit: int = 0
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    leases: list[LeaseRef] = dataclasses.field(default_factory=list)
+    info: Params = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Broker's answer to HELLO. Peers use these liveness settings.
+    ``resumed`` leases are still theirs; ``released`` ones are not (drop them)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WELCOME
+    heartbeat_interval_s: float
+    liveness: int
+    broker_epoch: int
+    resumed: list[LeaseRef] = dataclasses.field(default_factory=list)
+    released: list[LeaseRef] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Liveness ping, either direction. From a worker it lists the leases it
+    holds (which extends them), ``busy`` slots, ``done`` items so far and
+    ``healthy``; ``info`` may carry e.g. ``gpu_mem_free_bytes``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    leases: list[LeaseRef] = dataclasses.field(default_factory=list)
+    busy: int = 0
+    done: int = 0
+    healthy: bool = True
+    info: Params = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bye(Message):
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A typed refusal. ``ref_seq`` is the sequence number of the offending message (0 if none)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: str
+    message: str
+    ref_seq: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """Submit items; ``req`` is a producer-chosen request id echoed in SUBMIT_ACK."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUBMIT
+    req: int
+    items: list[SubmitItem]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SubmitAck(Message):
+    """Sent only after the ledger commit (fsync) that made the items durable."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUBMIT_ACK
+    req: int
+    results: list[SubmitResult]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Status(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+    req: int
+    item_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
+    req: int
+    items: list[ItemStatus]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Credit(Message):
+    """Grant ``credit`` more deliveries (incremental; HELLO sets the initial amount)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CREDIT
+    credit: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dispatch(Message):
+    """Leased items for a worker; each lease was committed before this was sent."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DISPATCH
+    tasks: list[Task]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Complete(Message):
+    TYPE: ClassVar[MsgType] = MsgType.COMPLETE
+    results: list[TaskResult]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompleteAck(Message):
+    """Sent after the commit; only then may the worker forget the result."""
+
+    TYPE: ClassVar[MsgType] = MsgType.COMPLETE_ACK
+    outcomes: list[ItemOutcome]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fail(Message):
+    TYPE: ClassVar[MsgType] = MsgType.FAIL
+    failures: list[TaskFailure]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FailAck(Message):
+    TYPE: ClassVar[MsgType] = MsgType.FAIL_ACK
+    outcomes: list[ItemOutcome]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Result(Message):
+    """Completed results for the completion service (at most its credit)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+    deliveries: list[Delivery]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """The completion service committed these results to its database."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ACK
+    item_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AckOk(Message):
+    """Sent after the broker committed the acknowledgements. ``unknown`` lists
+    ids the broker does not hold in state completed (already acknowledged or purged)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ACK_OK
+    item_ids: list[str]
+    unknown: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admin(Message):
+    """An admin command (``status``, ``items_show``, ``dlq_list``, ``dlq_replay``,
+    ``dlq_purge``, ``drain``) with string arguments."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ADMIN
+    req: int
+    command: str
+    args: Params = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdminReply(Message):
+    """``body`` is a msgpack-encoded JSON-like document (decoded by the admin CLI)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ADMIN_REPLY
+    req: int
+    ok: bool
+    body: bytes = b""
+    error: str = ""
+
+
+MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Heartbeat,
+        Bye,
+        Error,
+        Submit,
+        SubmitAck,
+        Status,
+        StatusReply,
+        Credit,
+        Dispatch,
+        Complete,
+        CompleteAck,
+        Fail,
+        FailAck,
+        Result,
+        Ack,
+        AckOk,
+        Admin,
+        AdminReply,
+    )
+}
+
+
+# --- body codec -----------------------------------------------------------------
+def encode_body(obj: Any) -> Any:
+    """Turn a message or record into plain msgpack-able data (maps of field name -> value)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: encode_body(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [encode_body(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: encode_body(v) for k, v in obj.items()}
+    return obj
+
+
+_SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    h = _HINTS.get(cls)
+    if h is None:
+        h = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+        _HINTS[cls] = h
+    return h
+
+
+def _bad(path: str, why: str) -> DecodeError:
+    return DecodeError(f"{path}: {why}", code=REJECT_MALFORMED)
+
+
+def _convert(value: Any, tp: Any, path: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise _bad(path, "nested too deeply")
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path, depth)
+            except DecodeError as exc:
+                errors.append(str(exc))
+        raise _bad(path, f"no variant matched ({'; '.join(errors)})")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _bad(path, f"expected array, got {type(value).__name__}")
+        (elem,) = typing.get_args(tp)
+        return [_convert(v, elem, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _bad(path, f"expected map, got {type(value).__name__}")
+        if len(value) > MAX_MAP_LEN:
+            raise _bad(path, "map too long")
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise _bad(path, "map keys must be strings")
+            if not isinstance(v, _SCALAR_TYPES):
+                raise _bad(f"{path}.{k}", "map values must be scalars")
+        return dict(value)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _record(value, tp, path, depth + 1)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(path, f"expected number, got {type(value).__name__}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(path, f"expected integer, got {type(value).__name__}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _bad(path, f"expected bool, got {type(value).__name__}")
+        return value
+    if tp in (str, bytes):
+        if not isinstance(value, tp):
+            raise _bad(path, f"expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    raise _bad(path, f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+
+
+def _record(value: Any, cls: type, path: str, depth: int) -> Any:
+    if not isinstance(value, dict):
+        raise _bad(path, f"expected map for {cls.__name__}, got {type(value).__name__}")
+    hints = _hints(cls)
+    unknown = set(value) - set(hints)
+    if unknown:
+        raise _bad(path, f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _convert(value[f.name], hints[f.name], f"{path}.{f.name}", depth)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _bad(path, f"missing field {f.name!r} for {cls.__name__}")
+    try:
+        return cls(**kwargs)
+    except DecodeError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise _bad(path, str(exc)) from None
+
+
+def decode_body(msg_type: int, body: Any) -> Message:
+    """Build the typed message for ``msg_type`` from decoded msgpack ``body``.
+
+    Raises :class:`DecodeError` (``UNKNOWN_TYPE`` or ``MALFORMED``) on any
+    unknown type, unknown or missing field, or wrong value type.
+    """
+    try:
+        cls = MESSAGE_CLASSES[MsgType(msg_type)]
+    except ValueError:
+        raise DecodeError(f"unknown message type {msg_type!r}", code=REJECT_UNKNOWN_TYPE) from None
+    return _record(body, cls, cls.__name__, 0)
