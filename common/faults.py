@@ -1,0 +1,45 @@
+"""Named crash points for fault-injection tests (never active by accident).
+
+A process kills itself with SIGKILL right after a named durable step when BOTH
+environment variables are set::
+
+    CCSQ_FAULT_INJECTION=kill-me-at-crash-points
+    CCSQ_CRASH_AT=<point>[,<point>...]        e.g. broker.after_submit_commit
+
+The first variable must hold that exact phrase, so a stray ``CCSQ_CRASH_AT``
+in a production environment does nothing. Optionally ``CCSQ_CRASH_AFTER_N=K``
+crashes at the K-th time a point is reached (default 1).
+
+Known points (see docs/gap-register.md for what each one exercises):
+broker.after_submit_commit, broker.after_lease_commit, broker.after_complete_commit,
+broker.after_ack_commit, worker.after_infer, worker.after_result_stored,
+completion.after_db_commit, producer.after_blob_put.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_PHRASE = "kill-me-at-crash-points"
+_counts: dict[str, int] = {}
+
+
+def _armed() -> set[str]:
+    if os.environ.get("CCSQ_FAULT_INJECTION") != _PHRASE:
+        return set()
+    return {p.strip() for p in os.environ.get("CCSQ_CRASH_AT", "").split(",") if p.strip()}
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process here if ``name`` is armed (see module doc); otherwise a no-op."""
+    if name not in _armed():
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] >= int(os.environ.get("CCSQ_CRASH_AFTER_N", "1")):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def env_for(point: str, after_n: int = 1) -> dict[str, str]:
+    """Environment that arms ``point`` in a child process (for tests)."""
+    return {"CCSQ_FAULT_INJECTION": _PHRASE, "CCSQ_CRASH_AT": point, "CCSQ_CRASH_AFTER_N": str(after_n)}
