@@ -89,7 +89,12 @@ class FileStore(ClaimStore):
         digest = sha256_hex(data)
         path = self._path(digest)
         if path.exists():
-            return digest
+            # refresh mtime: reconcile's grace period must protect a blob about to be referenced again
+            try:
+                os.utime(path)
+                return digest
+            except FileNotFoundError:
+                pass  # collected meanwhile: write it again
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:

@@ -1,0 +1,35 @@
+# ccsq: two commands matter. `make demo` runs the main job; `make test` runs the suite.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: demo test chaos bench soak install-systemd clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+$(VENV)/.installed-cpu: $(VENV)/bin/python setup.cfg pyproject.toml
+	$(PIP) install -q -e '.[cpu]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed-cpu
+	$(PIP) install -q -e '.[cpu,test]'
+	touch $@
+
+## make demo: OCR every bundled page through broker + 2 workers + completion service (SQLite)
+demo: $(VENV)/.installed-cpu
+	$(PY) examples/demo.py
+
+## make test: the whole suite (what CI runs)
+test: $(VENV)/.installed-test
+	$(VENV)/bin/pytest -q -m "not soak" $(PYTEST_ARGS)
+
+## make soak: long runs excluded from CI
+soak: $(VENV)/.installed-test
+	$(VENV)/bin/pytest -q -m soak $(PYTEST_ARGS)
+
+clean:
+	rm -rf .demo build *.egg-info
