@@ -86,6 +86,7 @@ class BrokerLink:
     broker_epoch: int
     sessions: int  # sessions opened so far
     last_recv_mono: float
+    last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
     _outbox: asyncio.Queue[p.Message]
 
     def __init__(
@@ -115,6 +116,7 @@ class BrokerLink:
         self.broker_epoch = 0
         self.sessions = 0
         self.last_recv_mono = time.monotonic()
+        self.last_refusal = None
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -247,8 +249,10 @@ class BrokerLink:
                 self.liveness = msg.liveness
                 self.broker_epoch = msg.broker_epoch
                 self.last_recv_mono = time.monotonic()
+                self.last_refusal = None
                 return
             if isinstance(msg, p.Error):
+                self.last_refusal = msg
                 self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
 
@@ -272,6 +276,9 @@ class BrokerLink:
             env = self._decode(raw)
             if isinstance(env.message, (p.Heartbeat, p.Welcome)):
                 continue
+            if isinstance(env.message, p.Error) and env.message.code == p.REJECT_NO_SESSION:
+                # the broker ended this session (one disconnect rule): start a new one now
+                raise LinkLost(f"broker has no session for us: {env.message.message}")
             res = self._on_message(env)
             if asyncio.iscoroutine(res):
                 await res

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import types
 import typing
 from typing import Any, ClassVar, Union
@@ -156,6 +157,8 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
     Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS}),
 }
 
+_HEX_RE = re.compile(r"[0-9a-f]{64}")
+
 # A scalar value allowed in free-form maps (params, info).
 Scalar = Union[str, int, float, bool, bytes, None]
 Params = dict[str, Scalar]
@@ -177,7 +180,7 @@ class Blob:
     inline: bytes | None = None
 
     def __post_init__(self) -> None:
-        if len(self.sha256) != SHA256_HEX_LEN or not all(c in "0123456789abcdef" for c in self.sha256):
+        if len(self.sha256) != SHA256_HEX_LEN or not _HEX_RE.fullmatch(self.sha256):
             raise DecodeError("blob sha256 must be 64 lowercase hex chars", code=REJECT_MALFORMED)
         if self.size < 0:
             raise DecodeError("blob size must be >= 0", code=REJECT_MALFORMED)
@@ -513,108 +516,184 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 
 
 # --- body codec -----------------------------------------------------------------
-def encode_body(obj: Any) -> Any:
-    """Turn a message or record into plain msgpack-able data (maps of field name -> value)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: encode_body(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list):
-        return [encode_body(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: encode_body(v) for k, v in obj.items()}
-    return obj
-
+# Converters are compiled once per dataclass (a closure per field) so the hot
+# path does no typing introspection per value.
 
 _SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    h = _HINTS.get(cls)
-    if h is None:
-        h = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
-        _HINTS[cls] = h
-    return h
+_ENCODERS: dict[type, Any] = {}
+_DECODERS: dict[type, Any] = {}
 
 
 def _bad(path: str, why: str) -> DecodeError:
     return DecodeError(f"{path}: {why}", code=REJECT_MALFORMED)
 
 
-def _convert(value: Any, tp: Any, path: str, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise _bad(path, "nested too deeply")
+def _compile_encoder(tp: Any):
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            enc = _record_encoder(inner[0])
+            return lambda v: None if v is None else enc(v)
+        return None
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(elem):
+            enc = _record_encoder(elem)
+            return lambda v: [enc(x) for x in v]
+        return list
+    if origin is dict:
+        return dict
+    if dataclasses.is_dataclass(tp):
+        return _record_encoder(tp)
+    return None  # scalar: as is
+
+
+def _record_encoder(cls: type):
+    enc = _ENCODERS.get(cls)
+    if enc is not None:
+        return enc
+    hints = typing.get_type_hints(cls)
+    plan: list = []
+
+    def encode(obj: Any) -> dict:
+        out = {}
+        for name, conv in plan:
+            v = getattr(obj, name)
+            out[name] = v if conv is None else conv(v)
+        return out
+
+    _ENCODERS[cls] = encode
+    plan.extend((f.name, _compile_encoder(hints[f.name])) for f in dataclasses.fields(cls))
+    return encode
+
+
+def encode_body(obj: Any) -> Any:
+    """Turn a message or record into plain msgpack-able data (maps of field name -> value)."""
+    return _record_encoder(type(obj))(obj)
+
+
+def _compile_decoder(tp: Any):
+    """Return ``conv(value, path, depth)`` that validates and converts one value of type ``tp``."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path, depth)
-            except DecodeError as exc:
-                errors.append(str(exc))
-        raise _bad(path, f"no variant matched ({'; '.join(errors)})")
+        nullable = type(None) in args
+        variants = [_compile_decoder(a) for a in args if a is not type(None)]
+
+        def conv_union(v, path, depth):
+            if v is None and nullable:
+                return None
+            errors = []
+            for var in variants:
+                try:
+                    return var(v, path, depth)
+                except DecodeError as exc:
+                    errors.append(str(exc))
+            raise _bad(path, f"no variant matched ({'; '.join(errors)})")
+
+        return conv_union
     if origin is list:
-        if not isinstance(value, list):
-            raise _bad(path, f"expected array, got {type(value).__name__}")
         (elem,) = typing.get_args(tp)
-        return [_convert(v, elem, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        econv = _compile_decoder(elem)
+
+        def conv_list(v, path, depth):
+            if type(v) is not list:
+                raise _bad(path, f"expected array, got {type(v).__name__}")
+            if depth >= MAX_DEPTH:
+                raise _bad(path, "nested too deeply")
+            return [econv(x, path, depth + 1) for x in v]  # element errors name the list
+
+        return conv_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise _bad(path, f"expected map, got {type(value).__name__}")
-        if len(value) > MAX_MAP_LEN:
-            raise _bad(path, "map too long")
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise _bad(path, "map keys must be strings")
-            if not isinstance(v, _SCALAR_TYPES):
-                raise _bad(f"{path}.{k}", "map values must be scalars")
-        return dict(value)
-    if tp is Any:
-        return value
+
+        def conv_map(v, path, depth):
+            if type(v) is not dict:
+                raise _bad(path, f"expected map, got {type(v).__name__}")
+            if len(v) > MAX_MAP_LEN:
+                raise _bad(path, "map too long")
+            for k, x in v.items():
+                if type(k) is not str:
+                    raise _bad(path, "map keys must be strings")
+                if not isinstance(x, _SCALAR_TYPES):
+                    raise _bad(f"{path}.{k}", "map values must be scalars")
+            return dict(v)
+
+        return conv_map
     if dataclasses.is_dataclass(tp):
-        return _record(value, tp, path, depth + 1)
+        rec = _record_decoder(tp)
+
+        def conv_rec(v, path, depth):
+            if depth >= MAX_DEPTH:
+                raise _bad(path, "nested too deeply")
+            return rec(v, path, depth + 1)
+
+        return conv_rec
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(path, f"expected number, got {type(value).__name__}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(path, f"expected integer, got {type(value).__name__}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _bad(path, f"expected bool, got {type(value).__name__}")
-        return value
-    if tp in (str, bytes):
-        if not isinstance(value, tp):
-            raise _bad(path, f"expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise _bad(path, f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+
+        def conv_float(v, path, depth):
+            t = type(v)
+            if t is float:
+                return v
+            if t is int:
+                return float(v)
+            raise _bad(path, f"expected number, got {t.__name__}")
+
+        return conv_float
+    if tp in (int, bool, str, bytes):
+        name = "integer" if tp is int else tp.__name__
+
+        def conv_exact(v, path, depth, tp=tp, name=name):
+            if type(v) is not tp:
+                raise _bad(path, f"expected {name}, got {type(v).__name__}")
+            return v
+
+        return conv_exact
+    if tp is Any:
+        return lambda v, path, depth: v
+    raise TypeError(f"unsupported field type {tp!r}")  # programming error, at import time
 
 
-def _record(value: Any, cls: type, path: str, depth: int) -> Any:
-    if not isinstance(value, dict):
-        raise _bad(path, f"expected map for {cls.__name__}, got {type(value).__name__}")
-    hints = _hints(cls)
-    unknown = set(value) - set(hints)
-    if unknown:
-        raise _bad(path, f"unknown field(s) {sorted(map(str, unknown))} for {cls.__name__}")
-    kwargs = {}
+def _record_decoder(cls: type):
+    dec = _DECODERS.get(cls)
+    if dec is not None:
+        return dec
+    fields: list = []
+    required: set[str] = set()
+    known: set[str] = set()
+
+    def decode(value: Any, path: str, depth: int) -> Any:
+        if type(value) is not dict:
+            raise _bad(path, f"expected map for {cls.__name__}, got {type(value).__name__}")
+        if not known.issuperset(value.keys()):
+            unknown = sorted(str(k) for k in value if k not in known)
+            raise _bad(path, f"unknown field(s) {unknown} for {cls.__name__}")
+        if not required.issubset(value.keys()):
+            missing = sorted(required - set(value))
+            raise _bad(path, f"missing field {missing[0]!r} for {cls.__name__}")
+        kwargs = {}
+        for name, conv in fields:
+            if name in value:
+                try:
+                    kwargs[name] = conv(value[name], name, depth)
+                except DecodeError as exc:
+                    # paths are built only on the error path (hot path stays cheap)
+                    raise DecodeError(f"{path}.{exc}", code=exc.code) from None
+        try:
+            return cls(**kwargs)
+        except DecodeError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise _bad(path, str(exc)) from None
+
+    _DECODERS[cls] = decode
+    hints = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
     for f in dataclasses.fields(cls):
-        if f.name in value:
-            kwargs[f.name] = _convert(value[f.name], hints[f.name], f"{path}.{f.name}", depth)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _bad(path, f"missing field {f.name!r} for {cls.__name__}")
-    try:
-        return cls(**kwargs)
-    except DecodeError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise _bad(path, str(exc)) from None
+        fields.append((f.name, _compile_decoder(hints[f.name])))
+        known.add(f.name)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.add(f.name)
+    return decode
 
 
 def decode_body(msg_type: int, body: Any) -> Message:
@@ -627,4 +706,9 @@ def decode_body(msg_type: int, body: Any) -> Message:
         cls = MESSAGE_CLASSES[MsgType(msg_type)]
     except ValueError:
         raise DecodeError(f"unknown message type {msg_type!r}", code=REJECT_UNKNOWN_TYPE) from None
-    return _record(body, cls, cls.__name__, 0)
+    return _record_decoder(cls)(body, cls.__name__, 0)
+
+
+for _cls in MESSAGE_CLASSES.values():  # compile eagerly: errors show at import, not on the wire
+    _record_encoder(_cls)
+    _record_decoder(_cls)

@@ -1,0 +1,729 @@
+"""The broker actor: the one asyncio task that owns the ledger and the peer table.
+
+One *turn* of the loop:
+
+1. drain every readable frame from the ROUTER (up to a budget) and verify it;
+2. apply session messages (HELLO, HEARTBEAT, CREDIT, BYE) to the peer table at once;
+3. apply ledger messages (SUBMIT, COMPLETE, FAIL, ACK, STATUS, ADMIN) plus the
+   background slices (deferred releases, due lease expiries, deadline and purge
+   scans, dispatch, result delivery) in ONE write transaction with ONE fsync;
+4. after the commit: crash points, in-memory effects, then the replies.
+
+Step 3 is a pure function of the ledger and the inputs: all in-memory effects
+and replies are collected in a :class:`Batch` and only applied after commit,
+so a full map (``lmdb.MapFullError``) aborts and retries the whole step after
+growing the map, or with SUBMITs refused (QUEUE_FULL) at the maximum size.
+Nothing is half-applied and nothing is confirmed before it is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import lmdb
+import structlog
+
+from ccsq.brokerd import transport as tp
+from ccsq.brokerd.admin import AdminCommands
+from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
+from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
+from ccsq.common import protocol as p
+from ccsq.common.config import BrokerConfig
+from ccsq.common.envelope import Envelope
+from ccsq.common.errors import ConfigError, DecodeError
+from ccsq.common.faults import crash_point
+
+log = structlog.get_logger("ccsq.brokerd")
+
+MAX_FRAMES_PER_TURN = 256  # ~60 us of signature check each: keeps a turn near 15 ms
+MAX_PENDING_PER_PEER = 10_000
+PENDING_RETRY_S = 0.01
+BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
+BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
+SLICE_ENTRIES = 500  # index entries per deadline/purge slice
+REJECT_LOG_INTERVAL_S = 10.0
+DISK_CHECK_INTERVAL_S = 1.0
+SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
+GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
+#: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR.
+POST_VERIFY_CODES = frozenset(
+    {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
+)
+SESSION_TYPES = (p.Hello, p.Heartbeat, p.Credit, p.Bye)
+
+
+@dataclasses.dataclass
+class Batch:
+    """What one transaction will do once it has committed."""
+
+    replies: list[tuple[bytes, p.Message]] = dataclasses.field(default_factory=list)
+    effects: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    crash_points: list[str] = dataclasses.field(default_factory=list)
+
+    def crash(self, name: str) -> None:
+        if name not in self.crash_points:
+            self.crash_points.append(name)
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Broker:
+    """The broker actor. Build it with an open :class:`Ledger` and a bound
+    :class:`~ccsq.brokerd.transport.Transport`; ``await run()`` until :meth:`stop`."""
+
+    # --- configuration ---
+    cfg: BrokerConfig
+    hb_s: float  # heartbeat interval (seconds)
+    silence_s: float  # heartbeat_interval_s x liveness
+    lease_ttl_s: float
+    # --- owned state ---
+    ledger: Ledger
+    transport: tp.Transport
+    peers: PeerTable
+    leases: LeaseTimers
+    epoch: int
+    delivered: dict[str, str]  # item id -> completion peer id (in flight, not yet acknowledged)
+    redeliver: set[str]  # item ids whose next delivery is a redelivery (G3)
+    deferred: list[tuple[str, str, int, str]]  # (op, item_id, token, why) for the next transaction
+    rejects: collections.Counter  # DecodeError code -> count (since start)
+
+    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.Transport) -> None:
+        self.cfg = cfg
+        self.hb_s = cfg.heartbeat_interval_s
+        self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
+        self.lease_ttl_s = cfg.lease_ttl_s
+        self.ledger = ledger
+        self.transport = transport
+        self.codec = transport.codec
+        self.peers = PeerTable()
+        self.leases = LeaseTimers()
+        self.delivered = {}
+        self.redeliver = set()
+        self.deferred = []
+        self.rejects = collections.Counter()
+        self.snapshot: dict = {}
+        self._rejects_unsaved: collections.Counter = collections.Counter()
+        self._reject_logged: dict[tuple[bytes, str], float] = {}
+        self._stopping = False
+        self._started_mono = time.monotonic()
+        self._last_turn_mono = self._started_mono
+        now = time.monotonic()
+        self._next_hb_mono = now + self.hb_s
+        self._next_liveness_mono = now + self.hb_s / 2
+        self._next_background_mono = now
+        self._dispatch_at_mono = now  # when a dispatch pass may find work (inf: nothing until an event)
+        self._deliver_possible = True
+        self._disk_checked_mono = 0.0
+        self._disk_full = False
+        self._rr = 0  # round-robin start among workers
+        self.admin = AdminCommands(self)
+        self.epoch = ledger.bump_epoch()
+        self._recover()
+
+    # --- lifecycle ---
+    def _recover(self) -> None:
+        """Restart recovery: every leased item gets expiry now + lease_ttl_s, so its
+        worker can come back and resume it."""
+        expires = time.monotonic() + self.lease_ttl_s
+        with self.ledger.read() as view:
+            for item_id, token, worker in view.leased_items():
+                self.leases.add(item_id, token, worker, expires)
+            states, counters = view.states(), view.counters()
+        log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"])
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the current turn, say BYE and return."""
+        self._stopping = True
+        self.transport.wake()
+
+    def reload_keys(self) -> None:
+        """SIGHUP: re-read authorized keys; on error the old table stays in force."""
+        try:
+            self.codec.authorized.reload()
+        except ConfigError as exc:
+            log.error("authorized_keys_reload_failed", error=str(exc))
+            return
+        log.info("authorized_keys_reloaded", peers=len(self.codec.authorized))
+
+    async def run(self) -> None:
+        log.info("broker_started", endpoint=self.transport.endpoint, epoch=self.epoch, ledger=str(self.ledger.path))
+        while not self._stopping:
+            timeout = self._idle_timeout_s(time.monotonic())
+            if timeout > 0:
+                await self.transport.wait_readable(timeout)
+            if self._stopping:
+                break
+            self.turn(self.transport.drain(MAX_FRAMES_PER_TURN))
+            await asyncio.sleep(0)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        for s in self.peers.sessions():
+            try:
+                self.transport.send(s.routing_id, p.Bye(reason="broker shutting down"))
+            except DecodeError:
+                pass
+        log.info("broker_stopped", peers=len(self.peers))
+
+    def _idle_timeout_s(self, now: float) -> float:
+        if self.deferred or self._rejects_unsaved:
+            return 0.0
+        wake = min(self._next_hb_mono, self._next_liveness_mono, self._next_background_mono)
+        if self._workers_with_credit():
+            wake = min(wake, self._dispatch_at_mono)
+        if self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION)):
+            return 0.0
+        due = self.leases.next_due_mono()
+        if due is not None:
+            wake = min(wake, due)
+        if any(s.pending for s in self.peers.by_id.values()):
+            wake = min(wake, now + PENDING_RETRY_S)
+        return max(0.0, min(wake - now, 1.0))
+
+    # --- one turn ---
+    def turn(self, frames: list[list[bytes]]) -> None:
+        now = time.monotonic()
+        self._compensate_stall(now)
+        ledger_ops: list[tuple[bytes, Session, Envelope]] = []
+        for raw in frames:
+            decoded = self._decode(raw, now)
+            if decoded is None:
+                continue
+            rid, env = decoded
+            if isinstance(env.message, p.Hello):
+                self._on_hello(rid, env, now)
+                continue
+            sess = self.peers.by_routing(rid)
+            if sess is None or sess.peer_id != env.sender:
+                self._send_raw(rid, p.Error(p.REJECT_NO_SESSION, "no session: reconnect and send HELLO", env.seq))
+                continue
+            sess.last_recv_mono = now
+            if isinstance(env.message, SESSION_TYPES):
+                self._on_session_message(sess, env, now)
+            else:
+                ledger_ops.append((rid, sess, env))
+        self._transact(ledger_ops, self._compensate_stall(time.monotonic()))
+        self._timers(self._compensate_stall(time.monotonic()))
+
+    def _compensate_stall(self, now: float) -> float:
+        """If this loop did not run for a long time (SIGSTOP, VM pause, swap), the
+        peers were not silent: we were. Shift liveness and lease timers by the
+        stall so queued heartbeats get processed before anyone is declared gone.
+        Called before every liveness or expiry decision; returns ``now``."""
+        gap = now - self._last_turn_mono
+        self._last_turn_mono = now
+        if gap <= max(2.0, 2 * self.hb_s):
+            return now
+        for sess in self.peers.by_id.values():
+            sess.last_recv_mono += gap
+        self.leases.shift(gap)
+        log.warning("broker_stalled", stalled_s=round(gap, 3), peers=len(self.peers), leases=len(self.leases))
+        return now
+
+    # --- decoding and the one disconnect rule ---
+    def _decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
+        rid = raw[0]
+        sess = self.peers.by_routing(rid)
+        try:
+            return rid, self.codec.decode(raw[1:], bound_sender=sess.peer_id if sess else None)
+        except DecodeError as exc:
+            self.rejects[exc.code] += 1
+            self._rejects_unsaved[exc.code] += 1
+            key = (rid, exc.code)
+            if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
+                if len(self._reject_logged) > 10_000:
+                    self._reject_logged.clear()
+                self._reject_logged[key] = now
+                log.warning("frame_rejected", code=exc.code, reason=str(exc)[:300], peer=sess.peer_id if sess else None)
+            if sess is not None or exc.code in POST_VERIFY_CODES:
+                self._send_raw(rid, p.Error(exc.code, str(exc)[:300]))
+            if sess is not None:
+                self._end_session(sess, f"invalid envelope: {exc.code}")
+            return None
+
+    def _end_session(self, sess: Session, reason: str) -> None:
+        """Remove a session (the one disconnect rule, BYE, or replacement). Its
+        leases stay until they expire; unsent DISPATCHes are released (never sent);
+        its unacknowledged deliveries become deliverable again (G3)."""
+        if self.peers.get(sess.peer_id) is sess:
+            self.peers.remove(sess.peer_id)
+        sess.status = PeerStatus.GONE
+        for msg, _ in sess.pending:
+            if isinstance(msg, p.Dispatch):
+                for t in msg.tasks:
+                    self.deferred.append(("release", t.item_id, t.token, "dispatch never sent"))
+        sess.pending.clear()
+        for item_id in sess.in_flight:
+            if self.delivered.get(item_id) == sess.peer_id:
+                del self.delivered[item_id]
+                self.redeliver.add(item_id)
+        if sess.in_flight:
+            self._deliver_possible = True
+        sess.in_flight.clear()
+        log.info("peer_disconnected", peer=sess.peer_id, role=sess.role.value, reason=reason)
+
+    # --- session messages (peer table only; no ledger writes) ---
+    def _on_hello(self, rid: bytes, env: Envelope, now: float) -> None:
+        hello: p.Hello = env.message  # type: ignore[assignment]
+        if hello.role != env.role.value:
+            self._send_raw(rid, p.Error(p.REJECT_ROLE, f"authorized as {env.role.value}, HELLO says {hello.role}", env.seq))
+            return
+        old = self.peers.get(env.sender)
+        if old is not None:
+            self._end_session(old, "replaced by a new session")
+        sess = Session(
+            peer_id=env.sender,
+            role=env.role,
+            routing_id=rid,
+            session=env.session,
+            credit=max(0, min(hello.credit, 1 << 20)),
+            slots=hello.slots,
+            kinds=tuple(hello.kinds),
+            info=dict(hello.info),
+            info_hello=dict(hello.info),
+        )
+        self.peers.add(sess)
+        resumed: list[p.LeaseRef] = []
+        released: list[p.LeaseRef] = []
+        if env.role is p.Role.WORKER:
+            listed = set()
+            for ref in hello.leases:
+                listed.add(ref.item_id)
+                if self.leases.extend(ref.item_id, ref.token, env.sender, now + self.lease_ttl_s):
+                    resumed.append(ref)
+                else:
+                    released.append(ref)
+            for lease in self.leases.held_by(env.sender):
+                if lease.item_id not in listed:
+                    self.deferred.append(("expire", lease.item_id, lease.token, "worker reconnected without it"))
+            self._dispatch_at_mono = now
+        if env.role is p.Role.COMPLETION:
+            self._deliver_possible = True
+        welcome = p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released)
+        self._send(rid, welcome)
+        log.info(
+            "peer_connected",
+            peer=env.sender,
+            role=env.role.value,
+            credit=sess.credit,
+            kinds=list(sess.kinds),
+            resumed=len(resumed),
+            released=len(released),
+            info=sess.info,
+        )
+
+    def _on_session_message(self, sess: Session, env: Envelope, now: float) -> None:
+        msg = env.message
+        if isinstance(msg, p.Heartbeat):
+            if sess.role is p.Role.WORKER:
+                for ref in msg.leases:
+                    self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
+                if msg.healthy and not sess.healthy:
+                    self._dispatch_at_mono = now
+                sess.healthy = msg.healthy
+                sess.busy, sess.done = msg.busy, msg.done
+                if len(sess.info) + len(msg.info) > 256:
+                    sess.info = dict(sess.info_hello)
+                sess.info.update(msg.info)
+        elif isinstance(msg, p.Credit):
+            if msg.credit <= 0:
+                self._send(sess.routing_id, p.Error(p.REJECT_MALFORMED, "credit must be > 0", env.seq))
+                return
+            sess.credit = min(sess.credit + msg.credit, 1 << 20)
+            self._dispatch_at_mono = now
+            self._deliver_possible = True
+        elif isinstance(msg, p.Bye):
+            self._end_session(sess, f"bye: {msg.reason}")
+
+    # --- the transaction of a turn ---
+    def _background_due(self, now: float) -> bool:
+        if self.deferred or self._rejects_unsaved or now >= self._next_background_mono:
+            return True
+        due = self.leases.next_due_mono()
+        if due is not None and due <= now:
+            return True
+        if now >= self._dispatch_at_mono and self._workers_with_credit():
+            return True
+        return self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION))
+
+    def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
+        if not ops and not self._background_due(now):
+            return
+        deferred, self.deferred = self.deferred, []
+        due = self.leases.pop_due(now, SLICE_ENTRIES)
+        background = now >= self._next_background_mono
+        refuse = self._submit_refusal(ops, now)
+        mode = "normal"
+        batch = None
+        for _ in range(8):
+            batch = Batch()
+            txn = self.ledger.begin()
+            try:
+                self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
+                self._apply_deferred(txn, batch, deferred)
+                self._apply_expiries(txn, batch, due)
+                backlog = False
+                if background and mode != "minimal":
+                    backlog = txn.expire_deadlines(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
+                    backlog = txn.purge(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
+                if mode != "minimal":
+                    self._dispatch(txn, batch, now)
+                    self._deliver(txn, batch)
+                for code, n in self._rejects_unsaved.items():
+                    txn.count_reject(code, n)
+                if txn.changed:
+                    txn.commit()
+                else:
+                    txn.abort()
+                break
+            except lmdb.MapFullError:
+                txn.abort()
+                if self.ledger.grow_map():
+                    log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
+                    continue
+                mode = "refuse" if mode == "normal" else "minimal"
+                log.warning("ledger_map_full", mode=mode, map_size_bytes=self.ledger.map_size_bytes())
+        else:
+            # Still full with only completions, failures and acks: answer nothing (peers
+            # retry); put the due work back so it is tried again.
+            log.error("ledger_full_batch_dropped", ops=len(ops))
+            self.deferred = deferred + self.deferred
+            for lease in due:
+                self.leases.requeue_check(lease)
+            return
+        if background:
+            # a slice that used its whole budget has more to do: come back soon
+            self._next_background_mono = now + (BACKGROUND_BUSY_INTERVAL_S if backlog else BACKGROUND_INTERVAL_S)
+            self._refresh_snapshot()
+        self._rejects_unsaved.clear()
+        for name in batch.crash_points:
+            crash_point(name)
+        for fn in batch.effects:
+            fn()
+        for rid, msg in batch.replies:
+            self._send(rid, msg)
+
+    def _refresh_snapshot(self) -> None:
+        """Replace :attr:`snapshot` (read by the metrics thread; never the ledger itself)."""
+        with self.ledger.read() as view:
+            counters, states = view.counters(), view.states()
+        self.snapshot = {
+            "counters": counters,
+            "states": states,
+            "rejects": dict(self.rejects),
+            "map_size_bytes": self.ledger.map_size_bytes(),
+            "map_used_bytes": self.ledger.used_bytes(),
+            "max_map_size_bytes": self.ledger.max_map_size_bytes,
+            "peers": len(self.peers),
+            "leases": len(self.leases),
+        }
+
+    def _submit_refusal(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> str:
+        """"" or the code every new item of this turn is refused with (DISK_FULL, QUEUE_FULL)."""
+        if not any(isinstance(env.message, p.Submit) for _, _, env in ops):
+            return ""
+        if now - self._disk_checked_mono >= DISK_CHECK_INTERVAL_S:
+            self._disk_checked_mono = now
+            self._disk_full = disk_free_bytes(self.ledger.path) < self.cfg.min_free_disk_bytes
+        if self._disk_full:
+            return "DISK_FULL"
+        used, size = self.ledger.used_bytes(), self.ledger.map_size_bytes()
+        if used > GROW_AT_FRACTION * size and self.ledger.grow_map():
+            log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
+            size = self.ledger.map_size_bytes()
+        if not self.ledger.can_grow() and used > SOFT_FULL_FRACTION * size:
+            return "QUEUE_FULL"
+        return ""
+
+    def _apply_ops(self, txn: LedgerTxn, batch: Batch, ops: list[tuple[bytes, Session, Envelope]], refuse: str) -> None:
+        now_ms = wall_ms()
+        for rid, sess, env in ops:
+            msg = env.message
+            if isinstance(msg, p.Submit):
+                results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
+                batch.replies.append((rid, p.SubmitAck(msg.req, results)))
+                if any(r.item_id and not r.duplicate for r in results):
+                    batch.crash("broker.after_submit_commit")
+                    batch.effects.append(self._wake_dispatch)
+            elif isinstance(msg, p.Complete):
+                outcomes = []
+                for r in msg.results:
+                    outcome = txn.complete(r, now_ms)
+                    outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
+                    if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+                        batch.effects.append(lambda i=r.item_id, t=r.token: self.leases.discard(i, t))
+                batch.crash("broker.after_complete_commit")
+                batch.effects.append(self._wake_delivery)
+                batch.replies.append((rid, p.CompleteAck(outcomes)))
+            elif isinstance(msg, p.Fail):
+                outcomes = []
+                for f in msg.failures:
+                    outcome = txn.fail(f, now_ms)
+                    outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
+                    if outcome == p.Outcome.ACCEPTED.value:
+                        batch.effects.append(lambda i=f.item_id, t=f.token: self.leases.discard(i, t))
+                batch.effects.append(self._wake_dispatch)
+                batch.replies.append((rid, p.FailAck(outcomes)))
+            elif isinstance(msg, p.Ack):
+                done, unknown = [], []
+                for item_id in msg.item_ids:
+                    r = txn.ack(item_id, now_ms)
+                    (unknown if r is None else done).append(item_id)
+                    if r is not None:
+                        batch.effects.append(lambda i=item_id: self._forget_delivery(i))
+                batch.crash("broker.after_ack_commit")
+                batch.replies.append((rid, p.AckOk(done, unknown)))
+            elif isinstance(msg, p.Status):
+                statuses = [txn.item_status(i) for i in msg.item_ids]
+                for chunk in _chunks(statuses, _status_size, self._reply_budget(), 1 << 16):
+                    batch.replies.append((rid, p.StatusReply(msg.req, chunk)))
+            elif isinstance(msg, p.Admin):
+                batch.replies.append((rid, self.admin.handle(txn, batch, sess, msg)))
+
+    def _apply_deferred(self, txn: LedgerTxn, batch: Batch, deferred: list[tuple[str, str, int, str]]) -> None:
+        now_ms = wall_ms()
+        for op, item_id, token, why in deferred:
+            if op == "release":
+                if txn.release(item_id, token, now_ms):
+                    log.info("lease_released", item=item_id, token=token, why=why)
+            elif op == "expire":
+                new = txn.expire_lease(item_id, token, now_ms, why)
+                if new:
+                    log.info("lease_expired", item=item_id, token=token, why=why, now=new)
+            elif op == "dead":
+                if txn.dead_letter(item_id, token, why, "cannot be dispatched", now_ms):
+                    log.warning("item_dead", item=item_id, reason=why)
+            batch.effects.append(lambda i=item_id, t=token: self.leases.discard(i, t))
+        if deferred:
+            batch.effects.append(self._wake_dispatch)
+
+    def _apply_expiries(self, txn: LedgerTxn, batch: Batch, due: list) -> None:
+        now_ms = wall_ms()
+        for lease in due:
+            new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
+            if new:
+                log.info("lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
+                if new == p.ItemState.DEAD.value:
+                    log.warning("item_dead", item=lease.item_id, reason="worker_lost")
+            batch.effects.append(lambda i=lease.item_id, t=lease.token: self.leases.discard(i, t))
+        if due:
+            batch.effects.append(self._wake_dispatch)
+
+    # --- dispatch (pull: only to workers with credit) ---
+    def _workers_with_credit(self) -> list[Session]:
+        return [s for s in self.peers.sessions(p.Role.WORKER) if s.credit > 0 and s.healthy and not s.pending]
+
+    def _wake_dispatch(self) -> None:
+        self._dispatch_at_mono = 0.0
+
+    def _dispatch(self, txn: LedgerTxn, batch: Batch, now: float) -> None:
+        if now < self._dispatch_at_mono:
+            return
+        workers = self._workers_with_credit()
+        if not workers:
+            return
+        if txn.state_count(p.ItemState.READY.value) == 0:
+            batch.effects.append(lambda: setattr(self, "_dispatch_at_mono", float("inf")))
+            return
+        budget_end = time.monotonic() + self.cfg.slice_budget_ms / 1000.0
+        k = self._rr % len(workers)
+        workers = workers[k:] + workers[:k]
+        self._rr += 1
+        now_ms = wall_ms()
+        ttl_ms = int(self.lease_ttl_s * 1000)
+        next_at = float("inf")
+        exhausted = False
+        for sess in workers:
+            if time.monotonic() > budget_end:
+                exhausted = True
+                break
+            limit = min(sess.credit, self.cfg.max_batch_items)
+            ids, hint = txn.scan_ready(list(sess.kinds) or None, limit, now_ms)
+            if hint is not None:
+                next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
+            tasks = [t for t in (txn.lease(i, sess.peer_id, now_ms, ttl_ms) for i in ids) if t is not None]
+            if len(ids) == limit and sess.credit > len(tasks):
+                exhausted = True  # some were expired or more may be waiting
+            if not tasks:
+                continue
+            batch.crash("broker.after_lease_commit")
+            batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
+            for chunk in _chunks(tasks, _task_size, self._reply_budget(), self.cfg.max_batch_items):
+                batch.replies.append((sess.routing_id, p.Dispatch(chunk)))
+        at = 0.0 if exhausted else next_at
+        batch.effects.append(lambda: setattr(self, "_dispatch_at_mono", at))
+
+    def _leased(self, sess: Session, tasks: list[p.Task]) -> None:
+        expires = time.monotonic() + self.lease_ttl_s
+        for t in tasks:
+            self.leases.add(t.item_id, t.token, sess.peer_id, expires)
+        sess.credit -= len(tasks)
+
+    # --- result delivery to completion services ---
+    def _wake_delivery(self) -> None:
+        self._deliver_possible = True
+
+    def _forget_delivery(self, item_id: str) -> None:
+        peer = self.delivered.pop(item_id, None)
+        self.redeliver.discard(item_id)
+        if peer is not None:
+            sess = self.peers.get(peer)
+            if sess is not None:
+                sess.in_flight.discard(item_id)
+
+    def _deliver(self, txn: LedgerTxn, batch: Batch) -> None:
+        if not self._deliver_possible:
+            return
+        sessions = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.pending]
+        if not sessions:
+            return
+        now_ms = wall_ms()
+        planned: set[str] = set()
+        more = False
+        for sess in sessions:
+            limit = min(sess.credit, self.cfg.max_batch_items)
+            ids = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit)
+            if len(ids) == limit:
+                more = True
+            if not ids:
+                continue
+            deliveries = []
+            for item_id in ids:
+                planned.add(item_id)
+                rec = txn.get(item_id)
+                redelivery = item_id in self.redeliver
+                why = "completion session ended before ACK"
+                if not redelivery and rec is not None and rec.get("completed_epoch", self.epoch) < self.epoch:
+                    redelivery, why = True, "completed before a broker restart: may have been delivered"
+                if redelivery:
+                    txn.note_redelivery(item_id, now_ms, why)
+                deliveries.append(txn.delivery(item_id, redelivery))
+            batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
+            for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
+                batch.replies.append((sess.routing_id, p.Result(chunk)))
+        batch.effects.append(lambda: setattr(self, "_deliver_possible", more))
+
+    def _delivered(self, sess: Session, deliveries: list[p.Delivery]) -> None:
+        for d in deliveries:
+            self.delivered[d.item_id] = sess.peer_id
+            self.redeliver.discard(d.item_id)
+            sess.in_flight.add(d.item_id)
+        sess.credit -= len(deliveries)
+
+    # --- sending (never blocks, never drops silently) ---
+    def _reply_budget(self) -> int:
+        return max(self.cfg.max_frame_bytes - 8192, self.cfg.max_frame_bytes // 2)
+
+    def _send_raw(self, rid: bytes, msg: p.Message) -> None:
+        """Best-effort send to a routing id without a session (errors to strangers)."""
+        try:
+            self.transport.send(rid, msg)
+        except DecodeError:
+            pass
+
+    def _send(self, rid: bytes, msg: p.Message) -> None:
+        sess = self.peers.by_routing(rid)
+        if sess is None:
+            # The session ended after this reply was made: whatever it confirmed is
+            # durable; the peer re-sends on its next session (at-least-once).
+            self._unsendable(msg, "no session")
+            return
+        if sess.pending:
+            if len(sess.pending) >= MAX_PENDING_PER_PEER:
+                self._end_session(sess, "send queue overflow")
+                self._unsendable(msg, "send queue overflow")
+                return
+            sess.pending.append((msg, time.monotonic()))
+            return
+        self._try_send(sess, msg, queue_on_again=True)
+
+    def _try_send(self, sess: Session, msg: p.Message, *, queue_on_again: bool) -> bool:
+        try:
+            r = self.transport.send(sess.routing_id, msg)
+        except DecodeError as exc:
+            log.error("reply_too_large", peer=sess.peer_id, type=msg.TYPE.name, error=str(exc))
+            self._unsendable(msg, "too large", dead=True)
+            return True
+        if r == tp.SENT:
+            return True
+        if r == tp.AGAIN:
+            if queue_on_again:
+                sess.pending.append((msg, time.monotonic()))
+            return False
+        self._end_session(sess, "unroutable (socket gone)")
+        self._unsendable(msg, "unroutable")
+        return False
+
+    def _unsendable(self, msg: p.Message, why: str, *, dead: bool = False) -> None:
+        """A reply that cannot be sent: DISPATCHed leases go back (never sent)."""
+        if isinstance(msg, p.Dispatch):
+            op = "dead" if dead else "release"
+            for t in msg.tasks:
+                self.deferred.append((op, t.item_id, t.token, "payload_too_large" if dead else f"dispatch {why}"))
+
+    # --- timers: heartbeats, liveness, pending sends ---
+    def _timers(self, now: float) -> None:
+        for sess in [s for s in self.peers.by_id.values() if s.pending]:
+            while sess.pending and sess.status is PeerStatus.CONNECTED:
+                msg, _ = sess.pending[0]
+                if not self._try_send(sess, msg, queue_on_again=False):
+                    break
+                if sess.pending:
+                    sess.pending.popleft()
+            if not sess.pending:
+                self._dispatch_at_mono = 0.0
+                self._deliver_possible = True
+        if now >= self._next_liveness_mono:
+            self._next_liveness_mono = now + min(self.hb_s / 2, 0.25)
+            for sess in list(self.peers.by_id.values()):
+                if now - sess.last_recv_mono > self.silence_s:
+                    self._end_session(sess, f"silent for {now - sess.last_recv_mono:.2f}s")
+        if now >= self._next_hb_mono:
+            self._next_hb_mono = now + self.hb_s
+            for sess in list(self.peers.by_id.values()):
+                if not sess.pending:
+                    self._try_send(sess, p.Heartbeat(), queue_on_again=False)
+
+
+def _chunks(items: list, size_of: Callable[[object], int], budget_bytes: int, max_items: int) -> list[list]:
+    """Split ``items`` into lists that stay under ``budget_bytes`` (estimated) and ``max_items``."""
+    out: list[list] = []
+    cur: list = []
+    size = 0
+    for it in items:
+        n = size_of(it)
+        if cur and (size + n > budget_bytes or len(cur) >= max_items):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    if cur or not out:
+        out.append(cur)
+    return out
+
+
+def _blob_size(b: p.Blob | None) -> int:
+    return 0 if b is None or b.inline is None else len(b.inline)
+
+
+def _params_size(params: dict) -> int:
+    return sum(len(k) + (len(v) if isinstance(v, (str, bytes)) else 9) for k, v in params.items())
+
+
+def _status_size(s: p.ItemStatus) -> int:
+    return 200 + len(s.error) + _blob_size(s.result)
+
+
+def _task_size(t: p.Task) -> int:
+    return 260 + len(t.kind) + _blob_size(t.payload) + _params_size(t.params)
+
+
+def _delivery_size(d: p.Delivery) -> int:
+    return 320 + len(d.key) + len(d.kind) + _blob_size(d.result) + _params_size(d.params)
+

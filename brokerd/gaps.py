@@ -1,0 +1,112 @@
+"""The gap register: every window where ccsq is at-least-once or at-most-once.
+
+Each window has a stable id (G1, G2, ...) used in the ledger's event records,
+in ``ccsq gap-report`` and in ``docs/gap-register.md`` (keep the three in step).
+The broker appends an event (window id, item id, wall time, detail) in the same
+ledger transaction as the state change that hit the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Window:
+    """One named window: ``where`` it opens, ``why`` it exists, what ``repair``s it,
+    and which ``counter`` shows it (besides the window's own event count)."""
+
+    id: str
+    name: str
+    where: str
+    why: str
+    repair: str
+    counter: str = ""
+
+
+G1_ORPHAN_BLOB = "G1"
+G2_LEASE_EXPIRED = "G2"
+G3_RESULT_REDELIVERED = "G3"
+G4_FENCED_COMPLETION = "G4"
+G5_DEDUP_WINDOW_PASSED = "G5"
+G6_DEADLINE_EXPIRED = "G6"
+G7_DEAD_LETTERED = "G7"
+G8_LATE_RESULT_ACCEPTED = "G8"
+G9_SUBMIT_RETRIED = "G9"
+
+WINDOWS: tuple[Window, ...] = (
+    Window(
+        G1_ORPHAN_BLOB,
+        "orphan blob",
+        "producer: between the claim-store PUT and the committed SUBMIT",
+        "the producer crashed or gave up after storing the payload, so no item refers to the blob",
+        "`ccsq reconcile` deletes unreferenced blobs older than its grace period (no broker event; reconcile reports it)",
+    ),
+    Window(
+        G2_LEASE_EXPIRED,
+        "lease expired, requeued",
+        "broker: a lease ran out (worker lost, partitioned, or not listing it in heartbeats)",
+        "the worker may still have run the item (at-least-once): the next attempt re-runs it",
+        "automatic: the item is ready again with attempt+1 after a backoff; the fencing token keeps one result",
+        "retried",
+    ),
+    Window(
+        G3_RESULT_REDELIVERED,
+        "result redelivered",
+        "broker -> completion service: between RESULT and ACK",
+        "the completion session ended (or the broker restarted) before it acknowledged a delivered result",
+        "the result is sent again with redelivery=true; the consumer's upsert keyed by item id absorbs it",
+        "redelivered",
+    ),
+    Window(
+        G4_FENCED_COMPLETION,
+        "late completion fenced",
+        "worker -> broker: a COMPLETE quoting a lease token that is no longer current",
+        "the lease moved on (expiry, requeue) while the first worker still finished the item: it ran twice",
+        "the first valid completion wins; the late one is confirmed to its sender but discarded",
+        "fenced_completions",
+    ),
+    Window(
+        G5_DEDUP_WINDOW_PASSED,
+        "dedup window passed",
+        "producer -> broker: a SUBMIT whose idempotency key was last seen more than dedup_window_s ago",
+        "the key is no longer protected, so the same document becomes a second item",
+        "raise dedup_window_s above the longest producer retry/outbox delay; the consumer upsert keeps results single",
+    ),
+    Window(
+        G6_DEADLINE_EXPIRED,
+        "deadline expired",
+        "broker: an item's deadline_ts passed before it completed",
+        "the item will never run (at-most-zero): it is terminal in state expired",
+        "operator: look at capacity (ccsq gap-report, admin status); resubmit with a later deadline if still wanted",
+        "expired",
+    ),
+    Window(
+        G7_DEAD_LETTERED,
+        "dead-lettered",
+        "broker: attempts exhausted (worker_lost, handler_error, timeout) or a permanent failure",
+        "the item is terminal in state dead and not done",
+        "operator: fix the cause, then replay the dead letter (admin dlq_replay) which makes it ready again",
+        "dead",
+    ),
+    Window(
+        G8_LATE_RESULT_ACCEPTED,
+        "late result accepted after expiry",
+        "worker -> broker: a COMPLETE for a lease that expired, arriving before anyone else leased the item",
+        "the expiry counted a retry that did not happen: the same work is accepted instead of being re-run",
+        "nothing to repair; the event explains why a G2 event has no second execution",
+    ),
+    Window(
+        G9_SUBMIT_RETRIED,
+        "submit retried (dedup hit)",
+        "broker -> producer: between the SUBMIT commit and the producer receiving SUBMIT_ACK",
+        "the ack was lost (crash, disconnect, timeout) or the producer resubmitted the same document",
+        "the idempotency key returns the original item id with duplicate=true; no second item is made",
+        "duplicate_submits",
+    ),
+)
+
+WINDOWS_BY_ID: dict[str, Window] = {w.id: w for w in WINDOWS}
+
+#: Events kept per window in the ledger (older ones are trimmed by the purge slice).
+EVENTS_KEPT_PER_WINDOW = 1000

@@ -1,0 +1,954 @@
+"""The broker's ledger: all item state in one LMDB environment (see docs/ledger.md).
+
+This is the only module that touches the LMDB env. Every state change runs
+inside a :class:`LedgerTxn` (one write transaction), which keeps the counters,
+the per-state counts, the state indexes and the gap-register events in step
+with the item records, so that the balance
+
+    received == ready + leased + completed + acknowledged + dead + expired
+
+holds at every commit. Times stored here are wall-clock milliseconds (they must
+survive restarts); the broker keeps its monotonic lease timers in memory.
+
+Errors: ``lmdb.MapFullError`` propagates out of any write so the caller can
+abort, grow the map (:meth:`Ledger.grow_map`) and retry the whole batch;
+:class:`LedgerError` for a ledger that cannot be opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import secrets
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+from ccsq.brokerd import gaps
+from ccsq.common import protocol as p
+from ccsq.common.errors import CcsqError
+
+S = p.ItemState
+STATES: tuple[str, ...] = tuple(s.value for s in S)
+
+#: Flow counters (monotonic, in the ledger, changed in the same txn as the state).
+COUNTERS: tuple[str, ...] = (
+    "received",
+    "routed",
+    "completed",
+    "acknowledged",
+    "retried",
+    "failed",
+    "dead",
+    "expired",
+    "duplicate_submits",
+    "fenced_completions",
+    "fenced_failures",
+    "redelivered",
+    "released",
+    "late_results_accepted",
+    "purged",
+    "replayed",
+)
+
+DB_NAMES = (
+    "items",  # item_id -> msgpack record
+    "payloads",  # item_id -> msgpack Blob
+    "results",  # item_id -> msgpack Blob
+    "ready",  # kind \0 >I prio_key >Q not_before_ms >Q seq -> item_id
+    "leased",  # item_id -> msgpack [token, worker]
+    "completed",  # >Q completion_seq -> item_id
+    "dead",  # item_id -> b""
+    "acked",  # >Q acked_ms + item_id -> b""
+    "deadline",  # >Q deadline_ms + item_id -> b""
+    "keys",  # idempotency key -> msgpack [item_id, created_ms]
+    "keytime",  # >Q created_ms + key -> b""
+    "events",  # window \0 >Q n -> msgpack event
+    "meta",  # counters, per-state counts, ids (see docs/ledger.md)
+)
+
+PRIO_MAX = (1 << 31) - 1
+PRIO_MIN = -(1 << 31)
+MAX_KIND_LEN = 128
+MAX_KEY_BYTES = 400
+_Q = struct.Struct(">Q")
+_q = struct.Struct(">q")
+_READY = struct.Struct(">IQQ")
+
+
+class LedgerError(CcsqError):
+    """The ledger cannot be opened or is inconsistent; the message says which file and why."""
+
+    code = "LEDGER"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Ledger-side policy (from BrokerConfig). Durations in seconds."""
+
+    max_attempts: int = 5
+    retry_backoff_base_s: float = 0.5
+    retry_backoff_max_s: float = 60.0
+    dedup_window_s: float = 7 * 86400.0
+    retention_s: float = 3600.0
+    max_ready_items: int = 0  # 0 = unlimited
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Policy:
+        return cls(
+            max_attempts=cfg.max_attempts,
+            retry_backoff_base_s=cfg.retry_backoff_base_s,
+            retry_backoff_max_s=cfg.retry_backoff_max_s,
+            dedup_window_s=cfg.dedup_window_s,
+            retention_s=cfg.retention_s,
+            max_ready_items=cfg.max_ready_items,
+        )
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False)
+
+
+def _blob_to_wire(blob: p.Blob) -> dict:
+    return {"sha256": blob.sha256, "size": blob.size, "inline": blob.inline}
+
+
+def _blob_from_wire(d: dict) -> p.Blob:
+    return p.Blob(d["sha256"], d["size"], d.get("inline"))
+
+
+def ready_key(kind: str, priority: int, not_before_ms: int, seq: int) -> bytes:
+    """Index key ordering ready items by priority desc, then not-before, then arrival."""
+    return kind.encode() + b"\0" + _READY.pack(PRIO_MAX - priority, not_before_ms, seq)
+
+
+def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
+    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based)."""
+    cap_s = min(policy.retry_backoff_max_s, policy.retry_backoff_base_s * (2 ** min(max(attempt - 1, 0), 30)))
+    return int(rng.uniform(0.0, cap_s) * 1000)
+
+
+def validate_submit_item(item: p.SubmitItem) -> str:
+    """Return "" when ``item`` is acceptable, else a human reason (answered as MALFORMED)."""
+    if not item.kind or len(item.kind) > MAX_KIND_LEN or "\0" in item.kind:
+        return f"kind must be 1..{MAX_KIND_LEN} chars without NUL"
+    if not item.key or len(item.key.encode()) > MAX_KEY_BYTES:
+        return f"key must be 1..{MAX_KEY_BYTES} bytes"
+    if not PRIO_MIN <= item.priority <= PRIO_MAX:
+        return "priority out of the 32-bit signed range"
+    if not 0 <= item.max_attempts <= 1000:
+        return "max_attempts must be 0..1000"
+    if item.max_runtime_s < 0:
+        return "max_runtime_s must be >= 0"
+    return ""
+
+
+class Ledger:
+    """The LMDB environment and its sub-databases.
+
+    ``path``: the ledger directory (created). ``map_size_bytes`` is the initial
+    map; :meth:`grow_map` doubles it up to ``max_map_size_bytes``. With
+    ``readonly=True`` (reports) nothing is created and the lock table is used,
+    so it is safe while a broker writes. Call :meth:`close` when done; never
+    fork with an open ledger.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        map_size_bytes: int = 1 << 30,
+        max_map_size_bytes: int = 64 << 30,
+        policy: Policy | None = None,
+        readonly: bool = False,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.policy = policy or Policy()
+        self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
+        self.readonly = readonly
+        self.rng = rng or random.Random()
+        if readonly:
+            if not (self.path / "data.mdb").exists():
+                raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size_bytes,
+                max_dbs=len(DB_NAMES) + 2,
+                subdir=True,
+                readonly=readonly,
+                lock=True,
+                sync=True,
+                metasync=True,
+                writemap=False,
+                max_readers=126,
+                create=not readonly,
+            )
+        except lmdb.Error as exc:
+            raise LedgerError(f"cannot open ledger {self.path}: {exc}") from None
+        if not readonly:
+            self.env.reader_check()
+        try:
+            self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+        except lmdb.Error as exc:
+            self.env.close()
+            raise LedgerError(f"ledger {self.path} lacks its sub-databases: {exc}") from None
+        self.ledger_id = ""
+        if not readonly:
+            with self.env.begin(write=True) as txn:
+                lid = txn.get(b"m:ledger_id", db=self.db["meta"])
+                if lid is None:
+                    lid = secrets.token_hex(4).encode()
+                    txn.put(b"m:ledger_id", lid, db=self.db["meta"])
+                self.ledger_id = lid.decode()
+        else:
+            with self.env.begin() as txn:
+                lid = txn.get(b"m:ledger_id", db=self.db["meta"])
+                self.ledger_id = lid.decode() if lid else ""
+
+    # --- environment ---
+    def close(self) -> None:
+        self.env.close()
+
+    def begin(self) -> LedgerTxn:
+        """Open the write transaction of one batch (commit or abort it)."""
+        return LedgerTxn(self)
+
+    def read(self) -> LedgerView:
+        """A read-only snapshot (use as a context manager)."""
+        return LedgerView(self)
+
+    def bump_epoch(self) -> int:
+        """Increment and return the broker epoch (once per broker start)."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(b"m:epoch", db=self.db["meta"])
+            epoch = (_q.unpack(raw)[0] if raw else 0) + 1
+            txn.put(b"m:epoch", _q.pack(epoch), db=self.db["meta"])
+        return epoch
+
+    def map_size_bytes(self) -> int:
+        return self.env.info()["map_size"]
+
+    def used_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+        """Bytes of pages in use by all trees (freed pages, reused by LMDB, not counted).
+        Pass the open transaction when there is one (a thread holds one at a time)."""
+        psize = self.env.stat()["psize"]
+        pages = 0
+        own = txn is None
+        txn = txn or self.env.begin()
+        try:
+            for db in self.db.values():
+                st = txn.stat(db)
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        finally:
+            if own:
+                txn.abort()
+        main = self.env.stat()
+        pages += main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
+        return (pages + 4) * psize  # + 2 meta pages and the 2 roots of the free/main trees
+
+    def can_grow(self) -> bool:
+        return self.map_size_bytes() < self.max_map_size_bytes
+
+    def grow_map(self) -> bool:
+        """Double the map (capped at the max). Only with no transaction open. False if at max."""
+        cur = self.map_size_bytes()
+        if cur >= self.max_map_size_bytes:
+            return False
+        self.env.set_mapsize(min(cur * 2, self.max_map_size_bytes))
+        return True
+
+
+class LedgerView:
+    """Read-only queries on a snapshot; also the base of :class:`LedgerTxn`."""
+
+    def __init__(self, ledger: Ledger, *, write: bool = False) -> None:
+        self.ledger = ledger
+        self.db = ledger.db
+        self.txn = ledger.env.begin(write=write)
+
+    def __enter__(self) -> LedgerView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.txn.abort()
+
+    # --- numbers in meta ---
+    def num(self, key: bytes) -> int:
+        raw = self.txn.get(key, db=self.db["meta"])
+        return _q.unpack(raw)[0] if raw else 0
+
+    def counter(self, name: str) -> int:
+        return self.num(b"c:" + name.encode())
+
+    def state_count(self, state: str) -> int:
+        return self.num(b"s:" + state.encode())
+
+    def counters(self) -> dict[str, int]:
+        return {name: self.counter(name) for name in COUNTERS}
+
+    def states(self) -> dict[str, int]:
+        return {s: self.state_count(s) for s in STATES}
+
+    def balanced(self) -> bool:
+        return self.counter("received") == sum(self.states().values())
+
+    def epoch(self) -> int:
+        return self.num(b"m:epoch")
+
+    def gap_counts(self) -> dict[str, int]:
+        return {w.id: self.num(b"g:" + w.id.encode()) for w in gaps.WINDOWS}
+
+    def rejects(self) -> dict[str, int]:
+        out = {}
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(b"r:"):
+            for k, v in cur:
+                if not k.startswith(b"r:"):
+                    break
+                out[k[2:].decode()] = _q.unpack(v)[0]
+        return out
+
+    def kind_states(self) -> dict[str, dict[str, int]]:
+        """{kind: {state: count}} (acknowledged counts keep purged items)."""
+        out: dict[str, dict[str, int]] = {}
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(b"k:"):
+            for k, v in cur:
+                if not k.startswith(b"k:"):
+                    break
+                kind, _, state = k[2:].decode().partition("\0")
+                n = _q.unpack(v)[0]
+                if n:
+                    out.setdefault(kind, {})[state] = n
+        return out
+
+    def recent_events(self, window: str, limit: int) -> list[dict]:
+        """The newest ``limit`` events of ``window``, newest first."""
+        prefix = window.encode() + b"\0"
+        cur = self.txn.cursor(db=self.db["events"])
+        out: list[dict] = []
+        if not cur.set_range(prefix + b"\xff" * 8):
+            if not cur.last():
+                return out
+        else:
+            if not cur.prev():
+                return out
+        while len(out) < limit:
+            k = cur.key()
+            if not k.startswith(prefix):
+                break
+            out.append(_unpack(cur.value()))
+            if not cur.prev():
+                break
+        return out
+
+    # --- items ---
+    def get(self, item_id: str) -> dict | None:
+        raw = self.txn.get(item_id.encode(), db=self.db["items"])
+        return _unpack(raw) if raw is not None else None
+
+    def payload(self, item_id: str) -> p.Blob:
+        return _blob_from_wire(_unpack(self.txn.get(item_id.encode(), db=self.db["payloads"])))
+
+    def result(self, item_id: str) -> p.Blob | None:
+        raw = self.txn.get(item_id.encode(), db=self.db["results"])
+        return _blob_from_wire(_unpack(raw)) if raw is not None else None
+
+    def item_status(self, item_id: str) -> p.ItemStatus:
+        rec = self.get(item_id)
+        if rec is None:
+            return p.ItemStatus(item_id, "unknown")
+        result = self.result(item_id) if rec["state"] in (S.COMPLETED.value, S.ACKNOWLEDGED.value) else None
+        return p.ItemStatus(item_id, rec["state"], rec["attempt"], rec["kind"], rec.get("error", ""), result)
+
+    def blob_refs(self) -> Iterator[tuple[str, str, str]]:
+        """``(item_id, state, sha256)`` of every claim-store reference the ledger holds:
+        payloads and results stored by reference (inline blobs are not in the store)."""
+        items = self.db["items"]
+        for name in ("payloads", "results"):
+            for k, v in self.txn.cursor(db=self.db[name]):
+                b = _unpack(v)
+                if b.get("inline") is not None:
+                    continue
+                raw = self.txn.get(k, db=items)
+                state = _unpack(raw)["state"] if raw is not None else "unknown"
+                yield k.decode(), state, b["sha256"]
+
+    def leased_items(self) -> Iterator[tuple[str, int, str]]:
+        """(item_id, token, worker) of every leased item (restart recovery)."""
+        for k, v in self.txn.cursor(db=self.db["leased"]):
+            token, worker = _unpack(v)
+            yield k.decode(), token, worker
+
+    def dead_items(self, limit: int) -> list[dict]:
+        out = []
+        for k, _ in self.txn.cursor(db=self.db["dead"]):
+            rec = self.get(k.decode())
+            if rec is not None:
+                out.append(rec)
+            if len(out) >= limit:
+                break
+        return out
+
+    def ready_kinds(self) -> list[str]:
+        """Kinds that have at least one ready item (skips from prefix to prefix)."""
+        kinds = []
+        cur = self.txn.cursor(db=self.db["ready"])
+        ok = cur.first()
+        while ok:
+            kind = cur.key().split(b"\0", 1)[0]
+            kinds.append(kind.decode())
+            ok = cur.set_range(kind + b"\x01")
+        return kinds
+
+    def oldest_ready_created_ms(self) -> int | None:
+        """Creation time of the oldest ready item (heads of each kind/priority bucket)."""
+        best: int | None = None
+        cur = self.txn.cursor(db=self.db["ready"])
+        ok = cur.first()
+        while ok:
+            k = cur.key()
+            kind, _, rest = k.partition(b"\0")
+            pk, _nb, _seq = _READY.unpack(rest)
+            rec = self.get(cur.value().decode())
+            if rec is not None:
+                best = rec["created_ms"] if best is None else min(best, rec["created_ms"])
+            if pk == 0xFFFFFFFF:
+                ok = cur.set_range(kind + b"\x01")
+            else:
+                ok = cur.set_range(kind + b"\0" + struct.pack(">I", pk + 1))
+        return best
+
+    def completed_ids(self, skip: Callable[[str], bool], limit: int) -> list[str]:
+        """Up to ``limit`` completed item ids, oldest completion first, except ``skip``ped ones."""
+        out = []
+        for _k, v in self.txn.cursor(db=self.db["completed"]):
+            item_id = v.decode()
+            if skip(item_id):
+                continue
+            out.append(item_id)
+            if len(out) >= limit:
+                break
+        return out
+
+    def delivery(self, item_id: str, redelivery: bool) -> p.Delivery:
+        rec = self.get(item_id)
+        if rec is None:
+            raise LedgerError(f"completed index points at missing item {item_id}")
+        result = self.result(item_id)
+        if result is None:
+            raise LedgerError(f"completed item {item_id} has no result")
+        return p.Delivery(
+            item_id=item_id,
+            key=rec["key"],
+            kind=rec["kind"],
+            result=result,
+            params=rec["params"],
+            attempt=rec["attempt"],
+            handler=rec.get("handler", ""),
+            handler_version=rec.get("handler_version", ""),
+            completed_ts=rec.get("completed_ms", 0) / 1000.0,
+            redelivery=redelivery,
+        )
+
+    def scan_ready(self, kinds: list[str] | None, limit: int, now_ms: int) -> tuple[list[str], int | None]:
+        """Eligible ready item ids for ``kinds`` (None: every kind), best first.
+
+        Returns ``(item_ids, next_not_before_ms)``: the earliest not-before time
+        among skipped (backing-off) items, or None if none was seen.
+        """
+        kinds = self.ready_kinds() if kinds is None else sorted(set(kinds))
+        cands: list[tuple[int, int, int, str]] = []
+        hint: int | None = None
+        cur = self.txn.cursor(db=self.db["ready"])
+        for kind in kinds:
+            prefix = kind.encode() + b"\0"
+            found = 0
+            ok = cur.set_range(prefix)
+            while ok and found < limit:
+                k = cur.key()
+                if not k.startswith(prefix):
+                    break
+                pk, nb, seq = _READY.unpack(k[len(prefix):])
+                if nb > now_ms:
+                    hint = nb if hint is None else min(hint, nb)
+                    if pk == 0xFFFFFFFF:
+                        break
+                    ok = cur.set_range(prefix + struct.pack(">I", pk + 1))
+                    continue
+                cands.append((pk, nb, seq, cur.value().decode()))
+                found += 1
+                ok = cur.next()
+        cands.sort()
+        return [c[3] for c in cands[:limit]], hint
+
+
+class LedgerTxn(LedgerView):
+    """One write transaction. Every mutation of item state goes through here.
+
+    Use :meth:`commit` or :meth:`abort` exactly once. Methods take ``now_ms``
+    (wall clock, milliseconds) so tests can drive time.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger, write=True)
+        self._nums: dict[bytes, int] = {}
+        self._dirty: set[bytes] = set()
+        self.changed = False
+
+    def __exit__(self, *exc: object) -> None:
+        if self.txn is not None:
+            self.abort()
+
+    def commit(self) -> None:
+        """Write the counters and commit (fsync). Raises MapFullError (txn aborted) on a full map."""
+        meta = self.db["meta"]
+        try:
+            for key in self._dirty:
+                self.txn.put(key, _q.pack(self._nums[key]), db=meta)
+            self.txn.commit()
+        except BaseException:
+            self.txn.abort()
+            self.txn = None
+            raise
+        self.txn = None
+
+    def abort(self) -> None:
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
+
+    # --- numbers ---
+    def num(self, key: bytes) -> int:
+        if key in self._nums:
+            return self._nums[key]
+        v = super().num(key)
+        self._nums[key] = v
+        return v
+
+    def _add(self, key: bytes, delta: int) -> None:
+        self._nums[key] = self.num(key) + delta
+        self._dirty.add(key)
+        self.changed = True
+
+    def bump(self, name: str, delta: int = 1) -> None:
+        self._add(b"c:" + name.encode(), delta)
+
+    def _next(self, name: bytes) -> int:
+        v = self.num(b"m:" + name) + 1
+        self._add(b"m:" + name, 1)
+        return v
+
+    def count_reject(self, code: str, n: int = 1) -> None:
+        self._add(b"r:" + code.encode(), n)
+
+    def event(self, window: str, item_id: str, now_ms: int, detail: str) -> None:
+        """Append a gap-register event and bump the window's count."""
+        n = self.num(b"g:" + window.encode()) + 1
+        self._add(b"g:" + window.encode(), 1)
+        ev = {"window": window, "item_id": item_id, "ts": now_ms / 1000.0, "detail": detail}
+        self.txn.put(window.encode() + b"\0" + _Q.pack(n), _pack(ev), db=self.db["events"])
+
+    # --- records and indexes ---
+    def _put(self, rec: dict) -> None:
+        self.txn.put(rec["id"].encode(), _pack(rec), db=self.db["items"])
+        self.changed = True
+
+    def _index_remove(self, rec: dict) -> None:
+        st, iid = rec["state"], rec["id"].encode()
+        if st == S.READY.value:
+            self.txn.delete(ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self.db["ready"])
+        elif st == S.LEASED.value:
+            self.txn.delete(iid, db=self.db["leased"])
+        elif st == S.COMPLETED.value:
+            self.txn.delete(_Q.pack(rec["cseq"]), db=self.db["completed"])
+        elif st == S.DEAD.value:
+            self.txn.delete(iid, db=self.db["dead"])
+        elif st == S.ACKNOWLEDGED.value:
+            self.txn.delete(_Q.pack(rec["acked_ms"]) + iid, db=self.db["acked"])
+
+    def _index_add(self, rec: dict) -> None:
+        st, iid = rec["state"], rec["id"].encode()
+        if st == S.READY.value:
+            self.txn.put(ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self.db["ready"])
+        elif st == S.LEASED.value:
+            self.txn.put(iid, _pack([rec["token"], rec["worker"]]), db=self.db["leased"])
+        elif st == S.COMPLETED.value:
+            self.txn.put(_Q.pack(rec["cseq"]), iid, db=self.db["completed"])
+        elif st == S.DEAD.value:
+            self.txn.put(iid, b"", db=self.db["dead"])
+        elif st == S.ACKNOWLEDGED.value:
+            self.txn.put(_Q.pack(rec["acked_ms"]) + iid, b"", db=self.db["acked"])
+
+    def _transition(self, rec: dict, new_state: str, **updates: Any) -> None:
+        """Move ``rec`` to ``new_state`` applying ``updates``; keeps indexes and counts in step."""
+        old = rec["state"]
+        self._index_remove(rec)
+        rec.update(updates)
+        rec["state"] = new_state
+        self._index_add(rec)
+        if old != new_state:
+            self._add(b"s:" + old.encode(), -1)
+            self._add(b"s:" + new_state.encode(), 1)
+            kind = rec["kind"].encode()
+            self._add(b"k:" + kind + b"\0" + old.encode(), -1)
+            self._add(b"k:" + kind + b"\0" + new_state.encode(), 1)
+        self._put(rec)
+
+    def _max_attempts(self, rec: dict) -> int:
+        return rec["max_attempts"] or self.ledger.policy.max_attempts
+
+    def _deadline_passed(self, rec: dict, now_ms: int) -> bool:
+        return rec.get("deadline_ms") is not None and rec["deadline_ms"] <= now_ms
+
+    def _expire(self, rec: dict, now_ms: int, why: str) -> None:
+        self._transition(rec, S.EXPIRED.value, error="deadline", ended_ms=now_ms)
+        self.bump("expired")
+        self.event(gaps.G6_DEADLINE_EXPIRED, rec["id"], now_ms, why)
+
+    def _dead(self, rec: dict, now_ms: int, reason: str, message: str) -> None:
+        self._transition(rec, S.DEAD.value, error=reason, error_message=message[:500], ended_ms=now_ms)
+        self.bump("dead")
+        self.event(gaps.G7_DEAD_LETTERED, rec["id"], now_ms, f"{reason} after attempt {rec['attempt']}: {message[:200]}")
+
+    def _requeue(self, rec: dict, now_ms: int) -> None:
+        nb = now_ms + backoff_ms(rec["attempt"], self.ledger.policy, self.ledger.rng)
+        self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
+
+    # --- SUBMIT ---
+    def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "") -> p.SubmitResult:
+        """Create one item (or answer a duplicate). ``refuse`` is an error code
+        (QUEUE_FULL/DISK_FULL) to answer for new items without writing them."""
+        policy = self.ledger.policy
+        why = validate_submit_item(item)
+        if why:
+            return p.SubmitResult(item.key, "", error="MALFORMED", message=why)
+        kb = item.key.encode()
+        raw = self.txn.get(kb, db=self.db["keys"])
+        window_ms = int(policy.dedup_window_s * 1000)
+        stale_key = None
+        if raw is not None:
+            item_id, created_ms = _unpack(raw)
+            if now_ms - created_ms <= window_ms:
+                self.bump("duplicate_submits")
+                self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
+                return p.SubmitResult(item.key, item_id, duplicate=True)
+            stale_key = (item_id, created_ms)
+        if refuse:
+            return p.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
+        if policy.max_ready_items and self.state_count(S.READY.value) >= policy.max_ready_items:
+            return p.SubmitResult(
+                item.key, "", error="QUEUE_FULL", message=f"{policy.max_ready_items} items ready (max_ready_items)"
+            )
+        if item.deadline_ts is not None and item.deadline_ts * 1000 <= now_ms:
+            return p.SubmitResult(item.key, "", error="DEADLINE_EXCEEDED", message="deadline_ts is already past")
+        seq = self._next(b"next_seq")
+        item_id = f"{self.ledger.ledger_id}{seq:012x}"
+        deadline_ms = int(item.deadline_ts * 1000) if item.deadline_ts is not None else None
+        rec = {
+            "id": item_id,
+            "key": item.key,
+            "kind": item.kind,
+            "params": item.params,
+            "priority": item.priority,
+            "deadline_ms": deadline_ms,
+            "max_attempts": item.max_attempts,
+            "max_runtime_s": item.max_runtime_s,
+            "state": S.READY.value,
+            "attempt": 0,
+            "token": 0,
+            "worker": "",
+            "nb_ms": now_ms,
+            "seq": seq,
+            "created_ms": now_ms,
+            "error": "",
+        }
+        self.txn.put(item_id.encode(), _pack(_blob_to_wire(item.payload)), db=self.db["payloads"])
+        self._put(rec)
+        self._index_add(rec)
+        self._add(b"s:ready", 1)
+        self._add(b"k:" + item.kind.encode() + b"\0ready", 1)
+        self.bump("received")
+        self.txn.put(kb, _pack([item_id, now_ms]), db=self.db["keys"])
+        self.txn.put(_Q.pack(now_ms) + kb, b"", db=self.db["keytime"])
+        if deadline_ms is not None:
+            self.txn.put(_Q.pack(deadline_ms) + item_id.encode(), b"", db=self.db["deadline"])
+        if stale_key is not None:
+            self.event(
+                gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} (window passed)"
+            )
+        return p.SubmitResult(item.key, item_id)
+
+    # --- LEASE ---
+    def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> p.Task | None:
+        """Lease a ready item to ``worker`` with a fresh fencing token; None if it is
+        not ready (or its deadline passed: then it is expired here)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.READY.value:
+            return None
+        if self._deadline_passed(rec, now_ms):
+            self._expire(rec, now_ms, "deadline passed while ready")
+            return None
+        token = self._next(b"next_token")
+        self._transition(
+            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms
+        )
+        self.bump("routed")
+        return p.Task(
+            item_id=item_id,
+            token=token,
+            kind=rec["kind"],
+            payload=self.payload(item_id),
+            params=rec["params"],
+            attempt=rec["attempt"],
+            max_runtime_s=rec["max_runtime_s"],
+            deadline_ts=rec["deadline_ms"] / 1000.0 if rec["deadline_ms"] is not None else None,
+        )
+
+    def release(self, item_id: str, token: int, now_ms: int) -> bool:
+        """Give a lease back without counting the attempt (never sent, or the worker
+        released it). True if it was leased with ``token``."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return False
+        self._transition(rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, worker="", lease_expires_ms=0)
+        self.bump("released")
+        return True
+
+    def expire_lease(self, item_id: str, token: int, now_ms: int, why: str = "lease expired") -> str:
+        """A lease ran out: requeue with backoff, or dead-letter (worker_lost) after
+        max attempts, or expire past the deadline. Returns the new state, or "" if
+        the lease was not current (nothing done)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return ""
+        worker = rec["worker"]
+        if rec["attempt"] >= self._max_attempts(rec):
+            self._dead(rec, now_ms, p.FailReason.WORKER_LOST.value, f"{why} on {worker}")
+            return S.DEAD.value
+        if self._deadline_passed(rec, now_ms):
+            self._expire(rec, now_ms, f"{why} on {worker} after the deadline")
+            return S.EXPIRED.value
+        self._requeue(rec, now_ms)
+        self.bump("retried")
+        self.event(gaps.G2_LEASE_EXPIRED, item_id, now_ms, f"{why}: token {token} on {worker}, attempt {rec['attempt']}")
+        return S.READY.value
+
+    # --- COMPLETE / FAIL ---
+    def complete(self, res: p.TaskResult, now_ms: int) -> str:
+        """Record a result. Returns an :class:`Outcome` value.
+
+        Rule for late results: accepted if the item is leased with this token,
+        or if its lease with this token expired and nobody leased it since
+        (state ready, same token: the same work, G8 event). A replay of an
+        accepted result is ``duplicate``; any other token is ``fenced`` (G4)."""
+        rec = self.get(res.item_id)
+        if rec is None:
+            return p.Outcome.UNKNOWN.value
+        st = rec["state"]
+        if st in (S.COMPLETED.value, S.ACKNOWLEDGED.value) and rec.get("completed_token") == res.token:
+            return p.Outcome.DUPLICATE.value
+        late = st == S.READY.value and rec["token"] == res.token and res.token != 0
+        if (st == S.LEASED.value and rec["token"] == res.token) or late:
+            self.txn.put(res.item_id.encode(), _pack(_blob_to_wire(res.result)), db=self.db["results"])
+            cseq = self._next(b"next_cseq")
+            self._transition(
+                rec,
+                S.COMPLETED.value,
+                cseq=cseq,
+                completed_token=res.token,
+                completed_ms=now_ms,
+                completed_epoch=self.epoch(),
+                handler=res.handler,
+                handler_version=res.handler_version,
+                runtime_s=res.runtime_s,
+                worker_done=rec["worker"],
+                lease_expires_ms=0,
+            )
+            self.bump("completed")
+            if late:
+                self.bump("late_results_accepted")
+                self.event(gaps.G8_LATE_RESULT_ACCEPTED, res.item_id, now_ms, f"token {res.token} after its lease expired")
+            return p.Outcome.ACCEPTED.value
+        self.bump("fenced_completions")
+        self.event(
+            gaps.G4_FENCED_COMPLETION,
+            res.item_id,
+            now_ms,
+            f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
+        )
+        return p.Outcome.FENCED.value
+
+    def fail(self, f: p.TaskFailure, now_ms: int) -> str:
+        """Record a failure report. Returns an :class:`Outcome` value.
+
+        ``released``: back to ready now, attempt not counted. ``retryable``: ready
+        after backoff unless attempts are exhausted (dead) or the deadline passed
+        (expired). Not retryable: dead at once with ``reason``."""
+        rec = self.get(f.item_id)
+        if rec is None:
+            return p.Outcome.UNKNOWN.value
+        if rec["state"] != S.LEASED.value or rec["token"] != f.token:
+            if rec.get("fail_token") == f.token:
+                return p.Outcome.DUPLICATE.value
+            self.bump("fenced_failures")
+            return p.Outcome.FENCED.value
+        rec["fail_token"] = f.token
+        if f.reason == p.FailReason.RELEASED.value:
+            self._transition(
+                rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, worker="", lease_expires_ms=0
+            )
+            self.bump("released")
+            return p.Outcome.ACCEPTED.value
+        self.bump("failed")
+        reason = f.reason or p.FailReason.HANDLER_ERROR.value
+        if not f.retryable:
+            self._dead(rec, now_ms, reason, f.message)
+        elif rec["attempt"] >= self._max_attempts(rec):
+            self._dead(rec, now_ms, reason, f.message)
+        elif self._deadline_passed(rec, now_ms):
+            self._expire(rec, now_ms, f"failed ({reason}) after the deadline")
+        else:
+            rec["error"] = reason
+            self._requeue(rec, now_ms)
+            self.bump("retried")
+        return p.Outcome.ACCEPTED.value
+
+    # --- ACK ---
+    def ack(self, item_id: str, now_ms: int) -> bool | None:
+        """Mark a completed item acknowledged. True: done now; False: it was already
+        acknowledged (idempotent); None: unknown / not completed."""
+        rec = self.get(item_id)
+        if rec is None:
+            return None
+        if rec["state"] == S.ACKNOWLEDGED.value:
+            return False
+        if rec["state"] != S.COMPLETED.value:
+            return None
+        self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms)
+        self.bump("acknowledged")
+        return True
+
+    def note_redelivery(self, item_id: str, now_ms: int, why: str) -> None:
+        self.bump("redelivered")
+        self.event(gaps.G3_RESULT_REDELIVERED, item_id, now_ms, why)
+
+    # --- dead letters ---
+    def dead_letter(self, item_id: str, token: int, reason: str, message: str, now_ms: int) -> bool:
+        """Dead-letter a leased item (e.g. it can never be dispatched). False if not leased with ``token``."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return False
+        self._dead(rec, now_ms, reason, message)
+        return True
+
+    def replay_dead(self, item_id: str, now_ms: int) -> bool:
+        """Make a dead item ready again with its attempt count reset. False if not dead."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.DEAD.value:
+            return False
+        self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="", worker="")
+        self.bump("replayed")
+        return True
+
+    # --- background slices ---
+    def expire_deadlines(self, now_ms: int, limit: int) -> int:
+        """Expire up to ``limit`` ready items whose deadline passed; drop stale index
+        entries. Returns the number of index entries looked at."""
+        cur = self.txn.cursor(db=self.db["deadline"])
+        seen = 0
+        todo: list[bytes] = []
+        for k, _ in cur:
+            if seen >= limit or _Q.unpack(k[:8])[0] > now_ms:
+                break
+            todo.append(k)
+            seen += 1
+        for k in todo:
+            self.txn.delete(k, db=self.db["deadline"])
+            self.changed = True
+            rec = self.get(k[8:].decode())
+            if rec is not None and rec["state"] == S.READY.value:
+                self._expire(rec, now_ms, "deadline passed while ready")
+        return seen
+
+    def purge(self, now_ms: int, limit: int) -> int:
+        """Delete up to ``limit`` acknowledged items older than retention_s, stale
+        idempotency keys and surplus events. Returns entries processed."""
+        policy = self.ledger.policy
+        done = 0
+        cut = now_ms - int(policy.retention_s * 1000)
+        todo = []
+        for k, _ in self.txn.cursor(db=self.db["acked"]):
+            if done + len(todo) >= limit or _Q.unpack(k[:8])[0] > cut:
+                break
+            todo.append(k)
+        for k in todo:
+            iid = k[8:]
+            self.txn.delete(k, db=self.db["acked"])
+            for name in ("items", "payloads", "results"):
+                self.txn.delete(iid, db=self.db[name])
+            self.bump("purged")
+            done += 1
+        kcut = now_ms - int(policy.dedup_window_s * 1000)
+        ktodo = []
+        for k, _ in self.txn.cursor(db=self.db["keytime"]):
+            if done + len(ktodo) >= limit or _Q.unpack(k[:8])[0] >= kcut:
+                break
+            ktodo.append(k)
+        for k in ktodo:
+            created_ms, key = _Q.unpack(k[:8])[0], k[8:]
+            self.txn.delete(k, db=self.db["keytime"])
+            raw = self.txn.get(key, db=self.db["keys"])
+            if raw is not None and _unpack(raw)[1] == created_ms:
+                self.txn.delete(key, db=self.db["keys"])
+            self.changed = True
+            done += 1
+        for w in gaps.WINDOWS:
+            if done >= limit:
+                break
+            total = self.num(b"g:" + w.id.encode())
+            keep_from = total - gaps.EVENTS_KEPT_PER_WINDOW
+            if keep_from <= 0:
+                continue
+            prefix = w.id.encode() + b"\0"
+            cur = self.txn.cursor(db=self.db["events"])
+            etodo = []
+            if cur.set_range(prefix):
+                for k, _ in cur:
+                    if not k.startswith(prefix) or _Q.unpack(k[len(prefix):])[0] > keep_from or done + len(etodo) >= limit:
+                        break
+                    etodo.append(k)
+            for k in etodo:
+                self.txn.delete(k, db=self.db["events"])
+                self.changed = True
+                done += 1
+        return done
+
+
+_REFUSE_MESSAGES = {
+    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes reached): retry with backoff or spool",
+    "DISK_FULL": "the broker's disk is nearly full (min_free_disk_bytes): retry with backoff or spool",
+}
+
+
+def data_paths(data_dir: Path) -> tuple[Path, Path]:
+    """(ledger directory, lock file) inside a broker's ``data_dir``."""
+    return data_dir / "ledger", data_dir / "broker.lock"
+
+
+def disk_free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,172 @@
+"""The broker's typed peer table and in-memory lease timers (owned by the actor).
+
+Only the broker actor mutates these. A *session* is one connected peer: it is
+bound to a ZeroMQ routing id at HELLO and removed by the one disconnect rule
+(silence, socket error, invalid envelope), by BYE, or when a new HELLO for the
+same peer id replaces it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import heapq
+import time
+
+from ccsq.common import protocol as p
+
+
+class PeerStatus(enum.Enum):
+    CONNECTED = "connected"
+    GONE = "gone"
+
+
+@dataclasses.dataclass
+class Session:
+    """One connected peer."""
+
+    # --- identity ---
+    peer_id: str
+    role: p.Role
+    routing_id: bytes
+    session: int  # the peer's envelope session id
+    status: PeerStatus = PeerStatus.CONNECTED
+    # --- liveness (monotonic seconds) ---
+    connected_mono: float = dataclasses.field(default_factory=time.monotonic)
+    last_recv_mono: float = dataclasses.field(default_factory=time.monotonic)
+    # --- flow control ---
+    credit: int = 0  # deliveries (DISPATCH tasks / RESULT items) we may still send
+    slots: int = 0
+    kinds: tuple[str, ...] = ()  # empty: every kind
+    healthy: bool = True
+    busy: int = 0
+    done: int = 0
+    info: dict = dataclasses.field(default_factory=dict)  # HELLO info, updated by heartbeats
+    info_hello: dict = dataclasses.field(default_factory=dict)  # HELLO info as sent
+    # --- unsent replies while the peer's pipe is full (HWM): (message, first_try_mono) ---
+    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # --- completion service: item ids delivered to this session and not yet acknowledged ---
+    in_flight: set[str] = dataclasses.field(default_factory=set)
+
+    def accepts(self, kind: str) -> bool:
+        return not self.kinds or kind in self.kinds
+
+
+class PeerTable:
+    """peer id -> Session, and routing id -> peer id."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Session] = {}
+        self.by_route: dict[bytes, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def get(self, peer_id: str) -> Session | None:
+        return self.by_id.get(peer_id)
+
+    def by_routing(self, routing_id: bytes) -> Session | None:
+        pid = self.by_route.get(routing_id)
+        return self.by_id.get(pid) if pid is not None else None
+
+    def add(self, s: Session) -> Session | None:
+        """Bind ``s``; returns the session it replaces (same peer id), already unbound."""
+        old = self.remove(s.peer_id)
+        self.by_id[s.peer_id] = s
+        self.by_route[s.routing_id] = s.peer_id
+        return old
+
+    def remove(self, peer_id: str) -> Session | None:
+        s = self.by_id.pop(peer_id, None)
+        if s is not None:
+            s.status = PeerStatus.GONE
+            if self.by_route.get(s.routing_id) == peer_id:
+                del self.by_route[s.routing_id]
+        return s
+
+    def sessions(self, role: p.Role | None = None) -> list[Session]:
+        return [s for s in self.by_id.values() if role is None or s.role is role]
+
+
+@dataclasses.dataclass
+class Lease:
+    item_id: str
+    token: int
+    worker: str
+    expires_mono: float
+
+
+class LeaseTimers:
+    """item id -> Lease with expiry on the monotonic clock; a heap finds the due ones.
+
+    Extending a lease only updates the dict; a popped heap entry whose lease was
+    extended is pushed again, so each lease has one heap entry at a time."""
+
+    def __init__(self) -> None:
+        self.leases: dict[str, Lease] = {}
+        self.by_worker: dict[str, set[str]] = {}
+        self._heap: list[tuple[float, str, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def get(self, item_id: str) -> Lease | None:
+        return self.leases.get(item_id)
+
+    def add(self, item_id: str, token: int, worker: str, expires_mono: float) -> None:
+        self.discard(item_id)
+        self.leases[item_id] = Lease(item_id, token, worker, expires_mono)
+        self.by_worker.setdefault(worker, set()).add(item_id)
+        heapq.heappush(self._heap, (expires_mono, item_id, token))
+
+    def extend(self, item_id: str, token: int, worker: str, expires_mono: float) -> bool:
+        """Extend a lease held by ``worker`` with ``token``; False if it is not that lease."""
+        lease = self.leases.get(item_id)
+        if lease is None or lease.token != token or lease.worker != worker:
+            return False
+        lease.expires_mono = max(lease.expires_mono, expires_mono)
+        return True
+
+    def discard(self, item_id: str, token: int | None = None) -> None:
+        lease = self.leases.get(item_id)
+        if lease is None or (token is not None and lease.token != token):
+            return
+        del self.leases[item_id]
+        held = self.by_worker.get(lease.worker)
+        if held is not None:
+            held.discard(item_id)
+            if not held:
+                del self.by_worker[lease.worker]
+
+    def held_by(self, worker: str) -> list[Lease]:
+        return [self.leases[i] for i in self.by_worker.get(worker, ())]
+
+    def next_due_mono(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now_mono: float, limit: int) -> list[Lease]:
+        """Up to ``limit`` leases whose expiry has passed (they stay in the table
+        until :meth:`discard`; the caller expires them in the ledger)."""
+        due: list[Lease] = []
+        while self._heap and len(due) < limit and self._heap[0][0] <= now_mono:
+            _, item_id, token = heapq.heappop(self._heap)
+            lease = self.leases.get(item_id)
+            if lease is None or lease.token != token:
+                continue  # stale heap entry
+            if lease.expires_mono > now_mono:
+                heapq.heappush(self._heap, (lease.expires_mono, item_id, token))
+                continue
+            due.append(lease)
+        return due
+
+    def shift(self, delta_s: float) -> None:
+        """Push every expiry ``delta_s`` later (the broker itself was stalled and could
+        not hear the heartbeats that would have extended them)."""
+        for lease in self.leases.values():
+            lease.expires_mono += delta_s
+
+    def requeue_check(self, lease: Lease) -> None:
+        """Put a popped lease back on the heap (its ledger expiry was not applied)."""
+        if self.leases.get(lease.item_id) is lease:
+            heapq.heappush(self._heap, (lease.expires_mono, lease.item_id, lease.token))

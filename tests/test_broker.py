@@ -1,0 +1,550 @@
+"""The real ``ccsq-brokerd`` subprocess driven by scripted peers (raw DEALER + codec).
+
+Each test names the failure case it covers (shared/cases/CASES.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import msgpack
+import pytest
+import tomli_w
+
+from ccsq.brokerd.report import load_report, render_text
+from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from ccsq.common import protocol as p
+from ccsq.common.errors import ExitCode
+from ccsq.common.faults import env_for
+
+PEERS = {
+    "prod": "producer",
+    "wA": "worker",
+    "wB": "worker",
+    "comp": "completion",
+    "adm": "admin",
+}
+
+
+def blob(data: bytes) -> p.Blob:
+    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+
+
+def item(key: str, kind: str = "echo", data: bytes | None = None, **kw) -> p.SubmitItem:
+    return p.SubmitItem(key, kind, blob(data if data is not None else key.encode()), **kw)
+
+
+def result_of(t: p.Task, data: bytes = b"result") -> p.TaskResult:
+    return p.TaskResult(t.item_id, t.token, blob(data), "echo", "1", 0.01)
+
+
+class Harness:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.brokers: list[BrokerProcess] = []
+        self.peers: list[ScriptedPeer] = []
+        self.config: Path | None = None
+
+    def start(self, env: dict | None = None, **overrides) -> BrokerProcess:
+        if self.config is None:
+            self.config = make_swarm(self.root, PEERS, **overrides)
+        b = BrokerProcess(self.config, env=env).start()
+        self.brokers.append(b)
+        return b
+
+    def pin_endpoint(self, endpoint: str) -> None:
+        """Write the bound endpoint into the config so a restart binds the same one."""
+        assert self.config is not None
+        cfg = tomllib.loads(self.config.read_text())
+        cfg["endpoint"] = endpoint
+        self.config.write_text(tomli_w.dumps(cfg))
+
+    def peer(self, peer_id: str, endpoint: str, **kw) -> ScriptedPeer:
+        sp = ScriptedPeer(self.root, peer_id, endpoint, **kw)
+        self.peers.append(sp)
+        return sp
+
+    def report(self) -> dict:
+        return load_report(self.root / "broker-data")
+
+    def close(self) -> None:
+        for sp in self.peers:
+            sp.close()
+        for b in self.brokers:
+            b.kill()
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.close()
+
+
+def recv_tasks(w: ScriptedPeer, n: int, timeout_s: float = 10.0) -> list[p.Task]:
+    tasks: list[p.Task] = []
+    deadline = time.monotonic() + timeout_s
+    while len(tasks) < n:
+        tasks += w.recv_type(p.Dispatch, max(0.01, deadline - time.monotonic())).tasks
+    return tasks
+
+
+# --- C04 -------------------------------------------------------------------------------
+def test_late_completion_is_fenced_and_result_delivered_once(h):
+    """C04: worker A's COMPLETE is lost, its lease expires, worker B gets the item;
+    A's replayed COMPLETE is confirmed but fenced (counted, gap event), B's wins,
+    B's replay is a duplicate; the completion service gets the result once."""
+    b = h.start(lease_ttl_s=0.5)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("doc-1")])
+    a = h.peer("wA", b.endpoint)
+    a.hello("worker", slots=1, credit=1)
+    (ta,) = recv_tasks(a, 1)
+    assert (ta.item_id, ta.attempt) == (r.item_id, 1)
+    a.close()  # the link is cut before A's COMPLETE goes out
+    wb = h.peer("wB", b.endpoint)
+    wb.hello("worker", slots=1, credit=1)
+    (tb,) = recv_tasks(wb, 1)  # after A's lease expired
+    assert (tb.item_id, tb.attempt) == (ta.item_id, 2) and tb.token > ta.token
+
+    a.connect()
+    welcome = a.hello("worker", slots=1, credit=0, leases=[p.LeaseRef(ta.item_id, ta.token)])
+    assert welcome.released == [p.LeaseRef(ta.item_id, ta.token)] and welcome.resumed == []
+    a.send(p.Complete([result_of(ta, b"from A")]))
+    assert a.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(ta.item_id, ta.token, "fenced")]
+    wb.send(p.Complete([result_of(tb, b"from B")]))
+    assert wb.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    wb.send(p.Complete([result_of(tb, b"from B")]))  # replay: idempotent
+    assert wb.recv_type(p.CompleteAck).outcomes[0].outcome == "duplicate"
+
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    (d,) = comp.recv_type(p.Result).deliveries
+    assert (d.item_id, d.result, d.attempt, d.redelivery) == (r.item_id, blob(b"from B"), 2, False)
+    comp.send(p.Ack([d.item_id]))
+    assert comp.recv_type(p.AckOk).item_ids == [d.item_id]
+    with pytest.raises(TimeoutError):
+        comp.recv_type(p.Result, 0.5)
+    rep = h.report()
+    assert (rep["completed"], rep["acknowledged"], rep["fenced_completions"], rep["retried"]) == (1, 1, 1, 1)
+    windows = {w["id"]: w for w in rep["windows"]}
+    assert windows["G4"]["count"] == 1 and windows["G4"]["recent"][0]["item_id"] == r.item_id
+    assert windows["G2"]["count"] == 1
+    assert rep["balanced"] and "BALANCED" in render_text(rep)
+
+
+# --- C07b ------------------------------------------------------------------------------
+def test_poison_job_dead_lettered_attempts_survive_restart(h):
+    """C07b: a job that kills every worker that runs it is dead-lettered with
+    reason worker_lost after max_attempts, across a broker SIGKILL + restart;
+    the 20 normal jobs behind it all complete."""
+    b = h.start(lease_ttl_s=5.0, retry_backoff_base_s=0.05, retry_backoff_max_s=0.2)
+    h.pin_endpoint(b.endpoint)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (poison,) = prod.submit([item("poison", kind="poison", priority=9, max_attempts=3)])
+    normal = prod.submit([item(f"n{i}") for i in range(20)])
+    wb = h.peer("wB", b.endpoint)
+    wb.hello("worker", slots=4, credit=20, kinds=["echo"])
+    tasks = recv_tasks(wb, 20)
+    wb.send(p.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in wb.recv_type(p.CompleteAck).outcomes} == {"accepted"}
+
+    k = h.peer("wA", b.endpoint)
+    attempts = []
+    for n in (1, 2, 3):
+        if n == 3:  # the broker is SIGKILLed while attempt 2 is leased, then restarted
+            b.kill()
+            b = h.start()
+        k.connect()
+        k.hello("worker", slots=1, credit=1, kinds=["poison"])  # a fresh worker process: holds nothing
+        (t,) = recv_tasks(k, 1)
+        attempts.append(t.attempt)
+        k.close()  # the job kills the worker
+    assert attempts == [1, 2, 3]
+    k.connect()
+    k.hello("worker", slots=1, credit=1, kinds=["poison"])
+    prod.connect()
+    prod.hello("producer")
+    st = wait_for(lambda: (s := prod.status([poison.item_id])[0]).state == "dead" and s, 10, what="dead letter")
+    assert (st.error, st.attempt) == ("worker_lost", 3)
+    assert {s.state for s in prod.status([r.item_id for r in normal])} == {"completed"}
+    rep = h.report()
+    assert rep["dead"] == 1 and rep["completed"] == 20 and rep["balanced"] and rep["epoch"] == 2
+    windows = {w["id"]: w["count"] for w in rep["windows"]}
+    assert windows["G2"] == 2 and windows["G7"] == 1
+
+
+# --- C08 -------------------------------------------------------------------------------
+def test_ledger_full_refuses_submit_then_recovers(h):
+    """C08: with a tiny map, SUBMIT is refused with a typed retryable QUEUE_FULL
+    (no crash, no partial item); in-flight items still complete and acknowledge;
+    after the acknowledged items are purged, submits succeed again. Map usage is
+    exported by admin status."""
+    b = h.start(map_size_bytes=1 << 20, max_map_size_bytes=1 << 20, retention_s=0.0, max_batch_items=8)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=1, credit=4)
+    accepted, refused = [], []
+    for batch in range(60):
+        res = prod.submit([item(f"b{batch}-{i}", data=os.urandom(6000)) for i in range(20)], timeout_s=10)
+        accepted += [r for r in res if not r.error]
+        refused += [r for r in res if r.error]
+        if refused:
+            break
+    assert refused and accepted
+    assert {r.error for r in refused} == {"QUEUE_FULL"} and all(r.item_id == "" for r in refused)
+    assert b.proc.poll() is None
+    tasks = recv_tasks(w, 4)
+    w.send(p.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in w.recv_type(p.CompleteAck).outcomes} == {"accepted"}
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    ids = [d.item_id for d in comp.recv_type(p.Result).deliveries]
+    comp.send(p.Ack(ids))
+    assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(t.item_id for t in tasks)
+
+    def submit_ok():
+        (r,) = prod.submit([item(f"again-{time.monotonic()}", data=b"small")])
+        return not r.error
+
+    wait_for(submit_ok, 10, interval_s=0.2, what="submit accepted after purge")
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    st = adm.admin_status()
+    assert st["ledger"]["map_size_bytes"] == 1 << 20 and 0 < st["ledger"]["used_bytes"] <= 1 << 20
+    rep = h.report()
+    assert rep["received"] == len(accepted) + 1 and rep["acknowledged"] == 4 and rep["balanced"]
+
+
+# --- C01 -------------------------------------------------------------------------------
+@pytest.fixture
+def ipc_dir():
+    d = tempfile.mkdtemp(prefix="ccsq-")  # short path: ipc endpoints are limited to ~100 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_full_producer_channel_delays_never_drops(h, ipc_dir):
+    """C01: a producer stops reading (as if SIGSTOPped) with a tiny receive HWM while
+    the broker (SNDHWM 2) has 50 SUBMIT_ACKs for it: the broker parks them
+    (EAGAIN counted, peer kept) and, once the producer reads again, all 50 arrive."""
+    b = h.start(sndhwm=2, endpoint=f"ipc://{ipc_dir}/b.sock")
+    prod = h.peer("prod", b.endpoint, rcvhwm=2)
+    prod.hello("producer")
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    for req in range(1, 51):
+        prod.send(p.Submit(req, [item(f"r{req}-{i}-" + "k" * 100) for i in range(200)]))
+
+    def parked():
+        st = adm.admin_status()
+        pend = {x["peer_id"]: x["pending_sends"] for x in st["peers"]}
+        return st["counters"]["received"] == 10_000 and pend.get("prod", 0) > 0 and st
+
+    st = wait_for(parked, 20, interval_s=0.05, what="acks parked for the stopped producer")
+    assert st["send"]["again"] > 0
+    acks = {}
+    while len(acks) < 50:  # the producer resumes reading
+        ack = prod.recv_type(p.SubmitAck, 10)
+        acks[ack.req] = ack
+    assert sorted(acks) == list(range(1, 51))
+    assert all(r.item_id and not r.error for a in acks.values() for r in a.results)
+    st = adm.admin_status()
+    assert "prod" in {x["peer_id"] for x in st["peers"]} and st["states"]["ready"] == 10_000
+
+
+def test_dispatch_to_departed_worker_goes_back_to_ready(h, ipc_dir):
+    """C01: DISPATCHes parked for a worker whose pipe is full are released (never
+    sent: attempt not counted) when that worker turns out to be gone; every item
+    reaches a live worker; nothing is lost."""
+    b = h.start(sndhwm=1, endpoint=f"ipc://{ipc_dir}/b.sock", lease_ttl_s=1.0, max_batch_items=1)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    gone = h.peer("wA", b.endpoint, rcvhwm=1)
+    gone.hello("worker", slots=1, credit=40)
+    res = prod.submit([item(f"big{i}", data=os.urandom(16000)) for i in range(40)])
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    wait_for(lambda: next(x for x in adm.admin_status()["peers"] if x["peer_id"] == "wA")["pending_sends"] > 0, 10)
+    gone.close()  # the worker departs with DISPATCHes still queued for it
+    live = h.peer("wB", b.endpoint)
+    live.hello("worker", slots=1, credit=40)
+    tasks = recv_tasks(live, 40, timeout_s=20)
+    assert sorted(t.item_id for t in tasks) == sorted(r.item_id for r in res)
+    assert any(t.attempt == 1 for t in tasks)  # released, never sent: no attempt counted
+    live.send(p.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in live.recv_type(p.CompleteAck, 10).outcomes} == {"accepted"}
+    st = adm.admin_status()
+    assert st["counters"]["released"] > 0 and st["counters"]["completed"] == 40 and st["balanced"]
+    assert "wA" not in {x["peer_id"] for x in st["peers"]}
+
+
+# --- C09 + invalid frames ---------------------------------------------------------------
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _submit_of_size(sp: ScriptedPeer, size: int) -> list[bytes]:
+    pad = size - 300
+    for _ in range(10):
+        frames = sp.codec.encode(p.Submit(1, [p.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
+        if len(frames[0]) == size:
+            return frames
+        pad += size - len(frames[0])
+    raise AssertionError("could not hit the exact size")
+
+
+def test_hostile_msgpack_and_invalid_frames(h):
+    """C09: (a) a header claiming a 4 GiB binary and (b) a body one byte over
+    max_frame_bytes are rejected with a typed error and a counter, the sender's
+    session is dropped (one disconnect rule), RSS stays flat, other peers are
+    unaffected; (c) a frame exactly at the limit is accepted."""
+    limit = 65536
+    b = h.start(max_frame_bytes=limit)
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    bad = h.peer("prod", b.endpoint)
+    bad.hello("producer")
+    rss0 = _rss_kib(b.proc.pid)
+    # (a) msgpack array header, then a bin32 that claims 4 GiB in a handful of bytes
+    bad.send_raw([b"\x97\x01\x0a\xa4prod\x01\x01\x01\xc6\xff\xff\xff\xff" + b"xx", b"\0" * 64])
+    err = bad.recv_type(p.Error)
+    assert err.code == p.REJECT_MALFORMED
+    bad.send(p.Status(1, []))  # the session is gone
+    assert bad.recv_type(p.Error).code == p.REJECT_NO_SESSION
+    # (b) one byte over the limit, properly signed
+    bad.connect()
+    bad.hello("producer")
+    bad.send_raw(_submit_of_size(bad, limit + 1))
+    assert bad.recv_type(p.Error).code == p.REJECT_OVERSIZE
+    # (c) exactly at the limit
+    bad.connect()
+    bad.hello("producer")
+    bad.send_raw(_submit_of_size(bad, limit))
+    (res,) = bad.recv_type(p.SubmitAck).results
+    assert res.item_id and not res.error
+    st = adm.admin_status()
+    assert st["rejects"][p.REJECT_MALFORMED] == 1 and st["rejects"][p.REJECT_OVERSIZE] == 1
+    assert _rss_kib(b.proc.pid) - rss0 < 8 * 1024
+    wait_for(lambda: h.report()["rejects"].get(p.REJECT_OVERSIZE) == 1, 5, what="rejects persisted")
+    reasons = [e["reason"] for e in b.events("peer_disconnected")]
+    assert "invalid envelope: MALFORMED" in reasons and "invalid envelope: OVERSIZE" in reasons
+
+
+# --- resume across disconnect and broker restart (C02/C03/C05 at the broker) -----------
+def test_heartbeats_extend_leases_and_resume_after_broker_restart(h):
+    """C02/C03/C05: heartbeats listing a lease keep it alive far past lease_ttl_s;
+    after a broker SIGKILL + restart the worker's HELLO resumes the lease and its
+    COMPLETE is accepted: completed once, no retry."""
+    b = h.start(lease_ttl_s=0.4)
+    h.pin_endpoint(b.endpoint)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("long-job")])
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    lease = p.LeaseRef(t.item_id, t.token)
+    end = time.monotonic() + 6 * 0.4
+    while time.monotonic() < end:  # a job 6 x lease_ttl long, heartbeating every 0.1 s
+        w.heartbeat([lease], busy=1)
+        time.sleep(0.1)
+    assert prod.status([r.item_id])[0].state == "leased"
+    b.kill()
+    b = h.start()
+    w.connect()
+    welcome = w.hello("worker", slots=1, credit=0, leases=[lease])
+    assert welcome.resumed == [lease] and welcome.broker_epoch == 2
+    w.send(p.Complete([result_of(t)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    rep = h.report()
+    assert (rep["completed"], rep["retried"], rep["routed"]) == (1, 0, 1) and rep["balanced"]
+
+
+# --- G3 redelivery, ACK idempotence ---------------------------------------------------
+def test_unacknowledged_results_are_redelivered_to_a_new_session(h):
+    """G3: results delivered to a completion session that ends before ACK are sent
+    again with redelivery=true (counted, gap event); ACK is idempotent."""
+    b = h.start()
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    res = prod.submit([item("x1"), item("x2")])
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=2, credit=2)
+    tasks = recv_tasks(w, 2)
+    w.send(p.Complete([result_of(t) for t in tasks]))
+    w.recv_type(p.CompleteAck)
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    first = comp.recv_type(p.Result).deliveries
+    assert sorted(d.item_id for d in first) == sorted(r.item_id for r in res) and not any(d.redelivery for d in first)
+    comp.connect()  # a new session before any ACK
+    comp.hello("completion", credit=10)
+    again = comp.recv_type(p.Result).deliveries
+    assert sorted(d.item_id for d in again) == sorted(r.item_id for r in res) and all(d.redelivery for d in again)
+    ids = [d.item_id for d in again]
+    comp.send(p.Ack(ids + ["nope"]))
+    ok = comp.recv_type(p.AckOk)
+    assert sorted(ok.item_ids) == sorted(ids) and ok.unknown == ["nope"]
+    comp.send(p.Ack(ids))
+    assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(ids)
+    rep = h.report()
+    assert (rep["acknowledged"], rep["redelivered"]) == (2, 2) and rep["balanced"]
+
+
+# --- crash point: SUBMIT committed, ack never sent --------------------------------------
+def test_crash_after_submit_commit_then_duplicate_on_retry(h):
+    """G9: the broker dies right after committing a SUBMIT (before SUBMIT_ACK);
+    the producer's retry with the same key gets duplicate=true and the same item."""
+    b = h.start(env=env_for("broker.after_submit_commit"))
+    h.pin_endpoint(b.endpoint)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    prod.send(p.Submit(1, [item("once")]))
+    assert b.wait(10) == -signal.SIGKILL
+    b = h.start()
+    prod.connect()
+    prod.hello("producer")
+    (r,) = prod.submit([item("once")])
+    assert r.duplicate and r.item_id
+    assert prod.status([r.item_id])[0].state == "ready"
+    assert h.report()["received"] == 1
+
+
+# --- admin -------------------------------------------------------------------------------
+def test_admin_status_and_dlq_replay(h):
+    """Admin: status lists peers and backlog; a dead letter can be replayed."""
+    b = h.start()
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("fatal-one", kind="ocr")])
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1, kinds=["ocr"], info={"provider": "cuda", "cpu_fallback": False})
+    (t,) = recv_tasks(w, 1)
+    w.send(p.Fail([p.TaskFailure(t.item_id, t.token, "fatal", False, "bad input")]))
+    assert w.recv_type(p.FailAck).outcomes[0].outcome == "accepted"
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    st = adm.admin_status()
+    wa = next(x for x in st["peers"] if x["peer_id"] == "wA")
+    assert wa["info"]["provider"] == "cuda" and wa["kinds"] == ["ocr"]
+    assert st["backlog"]["ocr"] == {"dead": 1} and st["balanced"]
+    adm.send(p.Admin(7, "dlq_replay", {"item_id": r.item_id}))
+    reply = adm.recv_type(p.AdminReply)
+    assert reply.ok and msgpack.unpackb(reply.body)["replayed"] == [r.item_id]
+    w.send(p.Credit(1))
+    (t2,) = recv_tasks(w, 1)
+    assert (t2.item_id, t2.attempt) == (r.item_id, 1)
+    adm.send(p.Admin(8, "no_such_command"))
+    assert not adm.recv_type(p.AdminReply).ok
+
+
+# --- lifecycle and exit codes ---------------------------------------------------------------
+def test_sigterm_says_bye_and_exits_zero(h):
+    """SIGTERM: stop accepting, commit, send BYE to peers, exit 0 within seconds."""
+    b = h.start()
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    prod.submit([item("kept")])
+    t0 = time.monotonic()
+    b.signal(signal.SIGTERM)
+    assert prod.recv_type(p.Bye, 5).reason
+    assert b.wait(5) == 0 and time.monotonic() - t0 < 5
+    assert b.events("broker_stopped")
+    assert h.report()["ready"] == 1
+
+
+def test_second_broker_exits_ledger_locked(h):
+    """C11: a second broker on a locked ledger, or on a taken endpoint, exits with
+    the transient LEDGER_LOCKED code and a one-line reason."""
+    b = h.start()
+    second = BrokerProcess(h.config).start(wait=False)
+    assert second.wait(20) == ExitCode.LEDGER_LOCKED
+    assert "lock" in "".join(second.lines)
+    other = h.root / "other"
+    other.mkdir()
+    cfg = tomllib.loads(h.config.read_text())
+    cfg.update(endpoint=b.endpoint, data_dir=str(other / "data"), private_key=str(h.root / "keys/broker.key"),
+               authorized_keys=str(h.root / "authorized_keys.toml"))
+    (other / "brokerd.toml").write_text(tomli_w.dumps(cfg))
+    third = BrokerProcess(other / "brokerd.toml").start(wait=False)
+    assert third.wait(20) == ExitCode.LEDGER_LOCKED
+    assert "in use" in "".join(third.lines)
+
+
+@pytest.mark.parametrize("problem", ["bad_toml", "unknown_key", "key_mode", "missing_key"])
+def test_bad_config_exits_config(h, problem):
+    """C11: config errors exit with ExitCode.CONFIG and a one-line reason on stderr."""
+    cfg_path = make_swarm(h.root, {"prod": "producer"})
+    text = cfg_path.read_text()
+    if problem == "bad_toml":
+        cfg_path.write_text(text + "\nthis is = = not toml\n")
+    elif problem == "unknown_key":
+        cfg_path.write_text(text + "\nlease_tll_s = 3\n")
+    elif problem == "key_mode":
+        os.chmod(h.root / "keys" / "broker.key", 0o644)
+    else:
+        (h.root / "keys" / "broker.key").unlink()
+    bp = BrokerProcess(cfg_path).start(wait=False)
+    assert bp.wait(20) == ExitCode.CONFIG
+    lines = [line for line in bp.lines if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ccsq-brokerd: config error:")
+
+
+def test_frozen_broker_keeps_sessions_and_leases(h):
+    """C02: the broker is frozen (SIGSTOP) longer than the silence window and the
+    lease while a worker keeps heartbeating its lease; after SIGCONT the session
+    and the lease survive (no requeue), and the COMPLETE is accepted once."""
+    b = h.start(lease_ttl_s=1.0, heartbeat_interval_s=0.25, liveness=4)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("held")])
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    lease = p.LeaseRef(t.item_id, t.token)
+    b.signal(signal.SIGSTOP)
+    try:
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:  # the worker heartbeats into the frozen broker's socket
+            w.heartbeat([lease], busy=1)
+            time.sleep(0.2)
+    finally:
+        b.signal(signal.SIGCONT)
+    w.heartbeat([lease], busy=1)
+    w.send(p.Complete([result_of(t)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    wait_for(lambda: b.events("broker_stalled"), 5, what="stall logged")
+    assert not [e for e in b.events("peer_disconnected") if e["peer"] == "wA"]
+    rep = h.report()
+    assert (rep["completed"], rep["retried"]) == (1, 0) and rep["balanced"]
+
+
+def test_sighup_reloads_authorized_keys(h):
+    """SIGHUP re-reads authorized_keys: a peer added afterwards can connect."""
+    from ccsq.common.keys import write_keypair
+
+    b = h.start()
+    _priv, pub = write_keypair(h.root / "keys", "late")
+    ak = h.root / "authorized_keys.toml"
+    ak.write_text(ak.read_text() + f'\n[peers.late]\nrole = "producer"\npublic_key = "{pub.read_text().strip()}"\n')
+    late = h.peer("late", b.endpoint)
+    late.send(p.Hello(role="producer"))
+    assert late.recv(0.5) is None  # unknown sender: silently rejected
+    b.signal(signal.SIGHUP)
+    wait_for(lambda: b.events("authorized_keys_reloaded"), 5)
+    late.connect()
+    assert late.hello("producer").broker_epoch == 1

@@ -1,0 +1,292 @@
+"""Ledger unit tests on real LMDB files (no broker process)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from ccsq.brokerd import gaps
+from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, backoff_ms
+from ccsq.common import protocol as p
+
+S = p.ItemState
+
+
+def blob(data: bytes = b"x") -> p.Blob:
+    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+
+
+def item(key: str, kind: str = "echo", **kw) -> p.SubmitItem:
+    return p.SubmitItem(key, kind, blob(key.encode()), **kw)
+
+
+def open_ledger(path: Path, **policy) -> Ledger:
+    return Ledger(path, map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(**policy), rng=random.Random(7))
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = open_ledger(tmp_path / "l", retry_backoff_base_s=0.0, max_attempts=3)
+    yield led
+    led.close()
+
+
+def submit(led: Ledger, *items: p.SubmitItem, now_ms: int = 1_000) -> list[p.SubmitResult]:
+    txn = led.begin()
+    out = [txn.submit(i, now_ms) for i in items]
+    txn.commit()
+    return out
+
+
+def lease_all(led: Ledger, worker: str = "w1", now_ms: int = 2_000, kinds=None, limit: int = 100) -> list[p.Task]:
+    txn = led.begin()
+    ids, _ = txn.scan_ready(kinds, limit, now_ms)
+    tasks = [t for t in (txn.lease(i, worker, now_ms, 5_000) for i in ids) if t]
+    txn.commit()
+    return tasks
+
+
+def check_balance(led: Ledger) -> dict:
+    with led.read() as v:
+        assert v.balanced(), (v.counters(), v.states())
+        return v.states()
+
+
+def test_submit_dedup_and_dedup_window(tmp_path):
+    led = open_ledger(tmp_path / "l", dedup_window_s=10.0)
+    a, b = submit(led, item("k1"), item("k1"))
+    assert not a.duplicate and b.duplicate and b.item_id == a.item_id
+    (c,) = submit(led, item("k1"), now_ms=1_000 + 11_000)  # window passed: a new item, G5
+    assert not c.duplicate and c.item_id != a.item_id
+    with led.read() as v:
+        assert v.counter("received") == 2 and v.counter("duplicate_submits") == 1
+        assert v.gap_counts()[gaps.G5_DEDUP_WINDOW_PASSED] == 1
+        assert v.gap_counts()[gaps.G9_SUBMIT_RETRIED] == 1
+    check_balance(led)
+    led.close()
+
+
+def test_bad_items_are_refused_without_a_record(ledger):
+    res = submit(ledger, item("k", kind=""), item("k2", kind="a\0b"), item("k3", priority=1 << 40), item("", kind="x"))
+    assert [r.error for r in res] == ["MALFORMED"] * 4
+    (late,) = submit(ledger, item("k4", deadline_ts=0.5), now_ms=1_000)
+    assert late.error == "DEADLINE_EXCEEDED"
+    assert check_balance(ledger)["ready"] == 0
+
+
+def test_dispatch_order_priority_then_not_before_then_arrival(ledger):
+    ids = [r.item_id for r in submit(ledger, item("a"), item("b", priority=5), item("c"), item("d", priority=5))]
+    tasks = lease_all(ledger, limit=10)
+    assert [t.item_id for t in tasks] == [ids[1], ids[3], ids[0], ids[2]]
+    assert all(t.attempt == 1 for t in tasks)
+    assert len({t.token for t in tasks}) == 4 and sorted(t.token for t in tasks) == [t.token for t in tasks]
+
+
+def test_kinds_filter_and_backoff_skip(tmp_path):
+    led = open_ledger(tmp_path / "l", retry_backoff_base_s=10.0, max_attempts=5)
+    submit(led, item("a", kind="ocr"), item("b", kind="echo"))
+    (t,) = lease_all(led, kinds=["ocr"])
+    txn = led.begin()
+    assert txn.expire_lease(t.item_id, t.token, 3_000) == S.READY.value
+    rec = txn.get(t.item_id)
+    assert 3_000 <= rec["nb_ms"] <= 3_000 + 10_000
+    ids, hint = txn.scan_ready(["ocr"], 10, 3_000)
+    if rec["nb_ms"] > 3_000:
+        assert ids == [] and hint == rec["nb_ms"]  # backing off: skipped, with a wake-up hint
+    ids, _ = txn.scan_ready(["ocr"], 10, rec["nb_ms"])
+    assert ids == [t.item_id]
+    txn.commit()
+    check_balance(led)
+    led.close()
+
+
+def test_backoff_is_capped_full_jitter():
+    pol = Policy(retry_backoff_base_s=0.5, retry_backoff_max_s=4.0)
+    rng = random.Random(1)
+    assert all(0 <= backoff_ms(1, pol, rng) <= 500 for _ in range(100))
+    assert all(0 <= backoff_ms(20, pol, rng) <= 4000 for _ in range(100))
+    assert max(backoff_ms(20, pol, rng) for _ in range(200)) > 2000
+
+
+def test_complete_accept_duplicate_fenced_and_late(ledger):
+    """C04 at the ledger level: the first valid completion wins, a replay is a
+    duplicate, a stale token is fenced (G4)."""
+    (r,) = submit(ledger, item("k"))
+    (t1,) = lease_all(ledger, "A")
+    txn = ledger.begin()
+    assert txn.expire_lease(t1.item_id, t1.token, 3_000) == S.READY.value
+    txn.commit()
+    (t2,) = lease_all(ledger, "B", now_ms=4_000)
+    assert t2.attempt == 2 and t2.token > t1.token
+    txn = ledger.begin()
+    res = lambda t: p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1")  # noqa: E731
+    assert txn.complete(res(t1), 5_000) == p.Outcome.FENCED.value
+    assert txn.complete(res(t2), 5_000) == p.Outcome.ACCEPTED.value
+    assert txn.complete(res(t2), 5_001) == p.Outcome.DUPLICATE.value
+    assert txn.complete(res(t1), 5_002) == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult("nope", 1, blob(), "echo", "1"), 5_002) == p.Outcome.UNKNOWN.value
+    txn.commit()
+    with ledger.read() as v:
+        assert v.counter("completed") == 1 and v.counter("fenced_completions") == 2
+        assert v.gap_counts()[gaps.G4_FENCED_COMPLETION] == 2
+        assert v.item_status(r.item_id).result == blob(b"r")
+    check_balance(ledger)
+
+
+def test_late_result_after_expiry_accepted_when_nobody_holds_it(ledger):
+    submit(ledger, item("k"))
+    (t,) = lease_all(ledger)
+    txn = ledger.begin()
+    txn.expire_lease(t.item_id, t.token, 3_000)
+    assert txn.complete(p.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 3_100) == p.Outcome.ACCEPTED.value
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(t.item_id)["state"] == S.COMPLETED.value
+        assert v.gap_counts()[gaps.G8_LATE_RESULT_ACCEPTED] == 1
+    assert check_balance(ledger)["ready"] == 0
+
+
+def test_fail_variants(ledger):
+    submit(ledger, item("r"), item("rel"), item("fatal"))
+    tasks = {t.item_id: t for t in lease_all(ledger)}
+    ids = list(tasks)
+    txn = ledger.begin()
+    f = lambda t, reason, retry: p.TaskFailure(t.item_id, t.token, reason, retry, "boom")  # noqa: E731
+    assert txn.fail(f(tasks[ids[0]], "handler_error", True), 3_000) == "accepted"
+    assert txn.fail(f(tasks[ids[0]], "handler_error", True), 3_000) == "duplicate"
+    assert txn.fail(f(tasks[ids[1]], "released", True), 3_000) == "accepted"
+    assert txn.fail(f(tasks[ids[2]], "fatal", False), 3_000) == "accepted"
+    r0, r1, r2 = (txn.get(i) for i in ids)
+    assert (r0["state"], r0["attempt"]) == ("ready", 1)
+    assert (r1["state"], r1["attempt"]) == ("ready", 0)  # released: attempt not counted
+    assert (r2["state"], r2["error"]) == ("dead", "fatal")
+    txn.commit()
+    with ledger.read() as v:
+        c = v.counters()
+        assert (c["failed"], c["retried"], c["released"], c["dead"]) == (2, 1, 1, 1)
+    check_balance(ledger)
+
+
+def test_attempts_survive_reopen_and_dead_letter_worker_lost(tmp_path):
+    """C07b at the ledger level: the attempt count lives in the record."""
+    path = tmp_path / "l"
+    led = open_ledger(path, max_attempts=5, retry_backoff_base_s=0.0)
+    (r,) = submit(led, item("poison", max_attempts=2))
+    for n in (1, 2):
+        (t,) = lease_all(led, now_ms=2_000 * n)
+        assert t.attempt == n
+        led.close()
+        led = open_ledger(path, max_attempts=5, retry_backoff_base_s=0.0)
+        with led.read() as v:
+            assert list(v.leased_items()) == [(r.item_id, t.token, "w1")]
+        txn = led.begin()
+        state = txn.expire_lease(t.item_id, t.token, 2_000 * n + 1)
+        txn.commit()
+    assert state == S.DEAD.value
+    with led.read() as v:
+        rec = v.get(r.item_id)
+        assert (rec["error"], rec["attempt"]) == ("worker_lost", 2)
+        assert v.gap_counts()[gaps.G7_DEAD_LETTERED] == 1 and v.gap_counts()[gaps.G2_LEASE_EXPIRED] == 1
+    txn = led.begin()
+    assert txn.replay_dead(r.item_id, 9_000)
+    txn.commit()
+    assert check_balance(led)["ready"] == 1
+    led.close()
+
+
+def test_deadline_expiry_scan(ledger):
+    (a, b) = submit(ledger, item("a", deadline_ts=5.0), item("b", deadline_ts=50.0))
+    txn = ledger.begin()
+    txn.expire_deadlines(6_000, 100)
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(a.item_id)["state"] == S.EXPIRED.value and v.get(b.item_id)["state"] == S.READY.value
+        assert v.gap_counts()[gaps.G6_DEADLINE_EXPIRED] == 1
+    # a ready item past its deadline is expired when a dispatch scan reaches it, never leased
+    assert lease_all(ledger, now_ms=60_000) == []
+    assert check_balance(ledger)["expired"] == 2
+
+
+def test_ack_idempotent_and_purge_keeps_counts(tmp_path):
+    led = open_ledger(tmp_path / "l", retention_s=1.0, dedup_window_s=5.0)
+    (r,) = submit(led, item("k"))
+    (t,) = lease_all(led)
+    txn = led.begin()
+    txn.complete(p.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 2_500)
+    assert txn.ack(r.item_id, 3_000) is True
+    assert txn.ack(r.item_id, 3_000) is False
+    assert txn.ack("missing", 3_000) is None
+    txn.commit()
+    txn = led.begin()
+    assert txn.purge(3_500, 100) == 0  # retention not reached
+    assert txn.purge(10_000, 100) == 2  # the item and its idempotency key
+    txn.commit()
+    with led.read() as v:
+        assert v.get(r.item_id) is None and v.item_status(r.item_id).state == "unknown"
+        assert v.state_count("acknowledged") == 1 and v.counter("purged") == 1
+    check_balance(led)
+    led.close()
+
+
+def test_events_are_trimmed_per_window(ledger, monkeypatch):
+    monkeypatch.setattr(gaps, "EVENTS_KEPT_PER_WINDOW", 3)
+    submit(ledger, item("k"))
+    txn = ledger.begin()
+    for i in range(10):
+        txn.event(gaps.G2_LEASE_EXPIRED, f"i{i}", 1_000 + i, "x")
+    txn.commit()
+    txn = ledger.begin()
+    txn.purge(2_000, 1000)
+    txn.commit()
+    with ledger.read() as v:
+        recent = v.recent_events(gaps.G2_LEASE_EXPIRED, 100)
+        assert [e["item_id"] for e in recent] == ["i9", "i8", "i7"]
+        assert v.gap_counts()[gaps.G2_LEASE_EXPIRED] == 10
+
+
+def test_map_full_aborts_whole_txn_then_grow(tmp_path):
+    """C08 at the ledger level: a full map raises, the aborted txn leaves nothing."""
+    led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=4 << 20)
+    big = b"z" * 8000
+    n_ok = 0
+    with pytest.raises(lmdb.MapFullError):
+        while True:
+            txn = led.begin()
+            try:
+                for j in range(10):
+                    txn.submit(p.SubmitItem(f"k{n_ok}-{j}", "echo", p.Blob(hashlib.sha256(big).hexdigest(), len(big), big)), 1_000)
+                txn.commit()
+            finally:
+                txn.abort()  # no-op after commit; the broker actor does the same on MapFullError
+            n_ok += 1
+    with led.read() as v:
+        assert v.counter("received") == n_ok * 10 and v.balanced()
+    assert led.grow_map() and led.map_size_bytes() == 2 << 20
+    submit(led, item("after-grow"))
+    assert led.grow_map() and not led.grow_map()  # capped at the max
+    led.close()
+
+
+def test_readonly_open_requires_existing_ledger(tmp_path):
+    with pytest.raises(LedgerError):
+        Ledger(tmp_path / "none", readonly=True)
+
+
+def test_blob_refs_for_reconcile(tmp_path):
+    """Only claim-store references (not inline blobs) are listed, with the item's state."""
+    from ccsq.brokerd.report import iter_blob_refs
+
+    led = Ledger(tmp_path / "ledger", map_size_bytes=1 << 20)
+    ref = p.Blob("a" * 64, 100_000, None)
+    (r1, r2) = submit(led, p.SubmitItem("by-ref", "echo", ref), item("inline"))
+    (t1, _t2) = lease_all(led)
+    txn = led.begin()
+    txn.complete(p.TaskResult(t1.item_id, t1.token, p.Blob("b" * 64, 20_000, None), "echo", "1"), 3_000)
+    txn.commit()
+    led.close()
+    refs = sorted(iter_blob_refs(tmp_path))
+    assert refs == sorted([(r1.item_id, "completed", "a" * 64), (r1.item_id, "completed", "b" * 64)])
