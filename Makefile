@@ -33,3 +33,7 @@ soak: $(VENV)/.installed-test
 
 clean:
 	rm -rf .demo build *.egg-info
+
+## make install-systemd: install the systemd units (root; DRY_RUN=1 prints the steps; CCSQ_VENV=/opt/ccsq/venv links the binaries)
+install-systemd:
+	sh systemd/install.sh $(if $(DRY_RUN),--dry-run) $(if $(CCSQ_VENV),--venv $(CCSQ_VENV))

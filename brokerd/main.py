@@ -27,6 +27,7 @@ from ccsq.common.config import BrokerConfig, load
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode
 from ccsq.common.keys import AuthorizedKeys, load_private_key
+from ccsq.common.systemd import Notifier, watchdog_task
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -65,6 +66,7 @@ def run(config_path: str) -> int:
             raise ConfigError(f"{config_path}: max_map_size_bytes must be >= map_size_bytes")
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
+        notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")
     logsetup.configure(cfg.log_format)
@@ -79,12 +81,12 @@ def run(config_path: str) -> int:
     except LedgerLocked as exc:
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
     try:
-        return _serve(cfg, key, authorized, ledger_dir, data_dir)
+        return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier)
     finally:
         os.close(lock_fd)
 
 
-def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path, data_dir: Path) -> int:
+def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path, data_dir: Path, notifier: Notifier) -> int:
     try:
         ledger = Ledger(
             ledger_dir,
@@ -115,7 +117,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             from ccsq.brokerd.metrics import start_metrics
 
             metrics = start_metrics(broker, cfg.metrics_port)
-        uvloop.run(_main(broker))
+        uvloop.run(_main(broker, notifier, transport.endpoint))
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded
@@ -126,12 +128,17 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
     return int(ExitCode.OK)
 
 
-async def _main(broker: Broker) -> None:
+async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, broker.stop)
+        loop.add_signal_handler(sig, lambda: (notifier.stopping(), broker.stop()))
     loop.add_signal_handler(signal.SIGHUP, broker.reload_keys)
-    await broker.run()
+    watchdog = asyncio.create_task(watchdog_task(notifier))
+    notifier.ready(f"serving on {endpoint}")
+    try:
+        await broker.run()
+    finally:
+        watchdog.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
