@@ -170,6 +170,7 @@ class WorkerConfig(PeerSettings):
     allow_cpu_fallback: bool = opt(False, doc="start on CPU (and say so in HELLO) when the GPU provider cannot load")
     handler_threads: int = opt(0, min=0, max=256, doc="intra-op threads for the model (0 = library default)")
     max_runtime_s: float = opt(0.0, min=0.0, max=86400.0, doc="default per-item runtime cap (0 = none)")
+    drain_timeout_s: float = opt(30.0, min=0.0, max=86400.0, doc="on SIGTERM, running items get this long to finish before they are given back")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,200 @@
+"""Worker parts without processes: the GPU semaphore, the journal, provider
+resolution (case C10), the built-in handlers and the OCR handler on a real page."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from ccsq.common import protocol as p
+from ccsq.common.config import WorkerConfig
+from ccsq.common.errors import ConfigError, GpuUnavailable, HandlerError, PermanentHandlerError
+from ccsq.workerd import providers
+from ccsq.workerd.handlers import EchoHandler, FailHandler, SleepHandler, load_handler
+from ccsq.workerd.journal import EntryState, Journal, JournalLocked
+from ccsq.workerd.slots import SlotGate
+
+DOCS = Path(__file__).resolve().parent.parent / "examples" / "documents"
+
+
+# --- the semaphore -------------------------------------------------------------------
+def test_semaphore_survives_1000_randomly_cancelled_tasks() -> None:
+    """1,000 tasks, a random third cancelled while queued or while holding a slot:
+    never more than ``slots`` at once, and every permit comes back."""
+
+    async def scenario() -> SlotGate:
+        rng = random.Random(7)
+        gate = SlotGate(3)
+        over: list[int] = []
+
+        async def job() -> None:
+            async with gate.slot():
+                if gate.busy > gate.slots:
+                    over.append(gate.busy)
+                await asyncio.sleep(rng.random() * 0.002)
+
+        tasks = [asyncio.create_task(job()) for _ in range(1000)]
+        for _ in range(40):
+            await asyncio.sleep(0.001)
+            for t in rng.sample(tasks, 10):
+                t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        assert 0 < cancelled < 1000
+        assert not over
+        assert gate.peak == gate.slots and gate.busy == 0
+        assert gate.free == gate.slots
+        # and the permits really work: slots acquisitions succeed without waiting
+        for _ in range(gate.slots):
+            await asyncio.wait_for(gate._sem.acquire(), timeout=0.1)
+        assert gate._sem.locked()
+        return gate
+
+    asyncio.run(scenario())
+
+
+# --- the journal ---------------------------------------------------------------------
+def _result(item_id: str, token: int, data: bytes = b"out") -> p.TaskResult:
+    from ccsq.common.claimstore import sha256_hex
+
+    return p.TaskResult(item_id, token, p.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
+
+
+def test_journal_round_trip_and_single_writer(tmp_path: Path) -> None:
+    j = Journal.open(tmp_path / "j")
+    with pytest.raises(JournalLocked):
+        Journal.open(tmp_path / "j")
+    j.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")])
+    j.mark_started(("b", 2))
+    j.mark_started(("c", 3))
+    j.record(_result("c", 3), "echo")
+    j.record(p.TaskFailure("a", 1, "released", True, "bye"), "echo")
+    j.close()
+
+    j = Journal.open(tmp_path / "j")  # the lock was released with the journal
+    by_key = {(e.item_id, e.token): e for e in j.entries()}
+    assert by_key[("a", 1)].state is EntryState.FAILED
+    assert by_key[("a", 1)].report == p.TaskFailure("a", 1, "released", True, "bye")
+    assert by_key[("b", 2)].state is EntryState.STARTED and by_key[("b", 2)].report is None
+    assert by_key[("c", 3)].report == _result("c", 3)
+    j.forget([("a", 1), ("c", 3)])
+    assert [(e.item_id, e.state) for e in j.entries()] == [("b", EntryState.STARTED)]
+    j.close()
+
+
+# --- providers (C10) -----------------------------------------------------------------------
+def test_provider_choice_matrix() -> None:
+    """Case C10 as a pure decision: what was asked, what ORT offers, what the session uses."""
+    cpu_only = ["AzureExecutionProvider", "CPUExecutionProvider"]
+    gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert providers.choose("cpu", cpu_only, ["CPUExecutionProvider"], allow_cpu_fallback=False).provider == "CPUExecutionProvider"
+    ok = providers.choose("cuda", gpu, gpu, allow_cpu_fallback=False)
+    assert (ok.provider, ok.cpu_fallback) == ("CUDAExecutionProvider", False)
+    # tensorrt may run on CUDA (next in its chain)
+    assert providers.choose("tensorrt", gpu, gpu, allow_cpu_fallback=False).provider == "CUDAExecutionProvider"
+    with pytest.raises(GpuUnavailable, match="not among onnxruntime.get_available_providers"):
+        providers.choose("cuda", cpu_only, ["CPUExecutionProvider"], allow_cpu_fallback=False)
+    # compiled in but the libraries did not load: ORT silently fell back
+    with pytest.raises(GpuUnavailable, match="fell back"):
+        providers.choose("cuda", gpu, ["CPUExecutionProvider"], allow_cpu_fallback=False)
+    fb = providers.choose("cuda", gpu, ["CPUExecutionProvider"], allow_cpu_fallback=True)
+    assert (fb.provider, fb.cpu_fallback) == ("CPUExecutionProvider", True) and "fell back" in fb.reason
+
+
+def test_provider_probe_on_real_sessions() -> None:
+    """C10 against real ONNX Runtime sessions on this CPU-only machine: the tiny
+    built-in model and the OCR handler's real detection model."""
+    assert providers.probe("cpu", allow_cpu_fallback=False).provider == "CPUExecutionProvider"
+    from ccsq.workerd.ocr import bundled_model_paths
+
+    model = bundled_model_paths()["cls"]
+    with pytest.raises(GpuUnavailable, match="CUDAExecutionProvider"):
+        providers.probe("cuda", allow_cpu_fallback=False, model=model)
+    fb = providers.probe("cuda", allow_cpu_fallback=True, model=model, threads=1)
+    assert fb.cpu_fallback and fb.provider == "CPUExecutionProvider"
+    free = providers.gpu_mem_free_bytes()  # None without nvidia-smi (this machine), bytes with it
+    assert free is None or free > 0
+
+
+# --- handlers --------------------------------------------------------------------------
+def test_builtin_handlers() -> None:
+    cfg = WorkerConfig()
+    echo = load_handler("echo", cfg)
+    assert isinstance(echo, EchoHandler)
+    echo.load()
+    assert echo.provider == "CPUExecutionProvider" and not echo.cpu_fallback
+    assert echo.run(b"abc", {}) == b"abc"
+    out = json.loads(SleepHandler(cfg).run(b"xy", {"seconds": 0.01, "burn": True}))
+    assert out == {"slept_s": 0.01, "burn": True, "payload_bytes": 2}
+    with pytest.raises(PermanentHandlerError):
+        SleepHandler(cfg).run(b"", {"seconds": "soon"})
+    with pytest.raises(HandlerError):
+        FailHandler(cfg).run(b"", {})
+    with pytest.raises(PermanentHandlerError):
+        FailHandler(cfg).run(b"", {"permanent": True})
+    with pytest.raises(ConfigError, match="known handlers"):
+        load_handler("nope", cfg)
+
+
+def test_doc_type_classification() -> None:
+    from ccsq.workerd.ocr import classify
+
+    assert classify("MIT License\nCopyright 2024\nTHE SOFTWARE IS PROVIDED WITHOUT WARRANTY") == "licence"
+    assert classify("def main():\n    import os\n    return 0") == "code"
+    assert classify("The sender MUST sign. A receiver SHALL reject it (Section 4).") == "spec"
+    assert classify("Install the package, then configure it: step 1") == "manual"
+    assert classify("Table of Contents\nChapter 1 ... 3\nIndex ... 99") == "index"
+    assert classify("a quiet afternoon by the river") == "other"
+
+
+def _page_png() -> tuple[bytes, list[str]]:
+    """The smallest real corpus page (with its ground-truth lines when the corpus
+    has them), else a rendered text page; returns (png, lines expected in the text)."""
+    pages = sorted(DOCS.glob("*.png"), key=lambda path: path.stat().st_size)
+    truth_path = DOCS / "ground_truth.json"
+    if pages:
+        truth = json.loads(truth_path.read_text()) if truth_path.exists() else {}
+        with_truth = [path for path in pages if truth.get(path.name)]
+        page = (with_truth or pages)[0]
+        return page.read_bytes(), list(truth.get(page.name, []))[:3]
+    from PIL import Image, ImageDraw, ImageFont
+
+    lines = ["Permission is hereby granted, free of charge", "THE SOFTWARE IS PROVIDED WITHOUT WARRANTY"]
+    img = Image.new("RGB", (900, 300), "white")
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=28)
+    for i, line in enumerate(lines):
+        draw.text((30, 60 + 70 * i), line, fill="black", font=font)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue(), lines
+
+
+@pytest.mark.timeout(120)
+def test_ocr_handler_on_a_real_page_with_cuda_fallback() -> None:
+    """OCR smoke on one page; configured for CUDA on this CPU-only host with
+    allow_cpu_fallback, the handler reports the CPU provider its real sessions
+    use (C10). Without the fallback it refuses to load."""
+    from ccsq.workerd.ocr import OcrHandler
+
+    with pytest.raises(GpuUnavailable, match="CUDAExecutionProvider"):
+        OcrHandler(WorkerConfig(handler="ocr", provider="cuda", handler_threads=1)).load()
+    h = OcrHandler(WorkerConfig(handler="ocr", provider="cuda", allow_cpu_fallback=True, handler_threads=2))
+    h.load()
+    assert (h.provider, h.cpu_fallback) == ("CPUExecutionProvider", True)
+    png, expected = _page_png()
+    doc = json.loads(h.run(png, {}))
+    assert set(doc) == {"text", "lines", "first_line", "chars", "doc_type", "provider", "seconds", "width", "height"}
+    for line in expected:
+        assert line.replace(" ", "") in doc["text"].replace(" ", ""), (line, doc["text"])
+    assert doc["chars"] == len(doc["text"]) > 20
+    assert doc["provider"] == "CPUExecutionProvider"
+    assert doc["first_line"] == doc["lines"][0]["text"] and len(doc["lines"][0]["box"]) == 4
+    assert doc["width"] > 0 and doc["height"] > 0
+    with pytest.raises(PermanentHandlerError, match="not a decodable image"):
+        h.run(b"definitely not a png", {})

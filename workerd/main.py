@@ -1,0 +1,126 @@
+"""``ccsq-workerd --config DIR/workerd-N.toml``: the worker daemon's entry point.
+
+Start order: config -> journal lock -> handler load and provider check ->
+journal recovery -> READY=1 (systemd) -> serve. Exit codes
+(:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
+
+    0   stopped by SIGTERM/SIGINT after draining
+    78  CONFIG: invalid config, keys, handler name or missing model files
+    79  GPU_UNAVAILABLE: provider cuda/tensorrt required and not usable (case C10);
+        set allow_cpu_fallback = true to run on CPU and say so in HELLO
+    75  LEDGER_LOCKED: another ccsq-workerd holds this journal_dir (transient)
+    1   FAILURE: a bug; systemd restarts the worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+
+from ccsq.common import config as cfgmod
+from ccsq.common import log as logsetup
+from ccsq.common.claimstore import open_store
+from ccsq.common.config import WorkerConfig
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable
+from ccsq.common.peer import make_codec
+from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.workerd.handlers import load_handler
+from ccsq.workerd.journal import Journal, JournalCorrupt, JournalLocked
+from ccsq.workerd.worker import Worker
+
+log = structlog.get_logger("ccsq.workerd.main")
+
+
+def _die(code: ExitCode, reason: str) -> int:
+    print(f"ccsq-workerd: {reason}", file=sys.stderr, flush=True)
+    return int(code)
+
+
+async def _serve(worker: Worker, notifier: Notifier) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signame: str) -> None:
+        log.info("stop_requested", signal=signame)
+        notifier.stopping(f"draining (drain_timeout_s={worker.cfg.drain_timeout_s})")
+        notifier.extend_timeout(worker.cfg.drain_timeout_s + 10.0)
+        worker.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    watchdog = asyncio.create_task(watchdog_task(notifier, healthy=lambda: worker.gate.lost < worker.gate.slots))
+    try:
+        await worker.run(on_ready=lambda: notifier.ready(
+            f"handler {worker.handler.name} on {worker.handler.provider}, broker {worker.cfg.broker_endpoint}"))
+    finally:
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
+
+
+def run(argv: list[str] | None = None) -> tuple[int, bool]:
+    """Run the daemon; returns (exit code, whether inference threads are still stuck)."""
+    parser = argparse.ArgumentParser(prog="ccsq-workerd", description="ccsq worker daemon (one per GPU)")
+    parser.add_argument("--config", required=True, help="path of workerd-N.toml")
+    args = parser.parse_args(argv)
+    try:
+        cfg = cfgmod.load(WorkerConfig, args.config)
+        notifier = Notifier.from_env()
+    except ConfigError as exc:
+        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    logsetup.configure(cfg.log_format)
+    try:
+        codec = make_codec(cfg)  # keys and authorized_keys, before any slow model load
+    except ConfigError as exc:
+        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    try:
+        journal = Journal.open(cfg.journal_dir)
+    except JournalLocked as exc:
+        return _die(ExitCode.LEDGER_LOCKED, str(exc)), False
+    except OSError as exc:
+        return _die(ExitCode.CONFIG, f"journal_dir {cfg.journal_dir}: {exc}"), False
+    try:
+        handler = load_handler(cfg.handler, cfg)
+        handler.load()
+        store = open_store(cfg.claim_store, base_dir=Path(cfg.config_path).parent if cfg.config_path else None)
+    except GpuUnavailable as exc:
+        log.error("gpu_unavailable", provider=cfg.provider, reason=str(exc))
+        journal.close()
+        return _die(ExitCode.GPU_UNAVAILABLE, str(exc)), False
+    except ConfigError as exc:
+        journal.close()
+        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    if handler.cpu_fallback:
+        log.warning("gpu_fallback_to_cpu", requested=cfg.provider, provider=handler.provider, reason=handler.provider_reason)
+    log.info(
+        "handler_ready", handler=handler.name, version=handler.version, provider=handler.provider,
+        requested_provider=cfg.provider, cpu_fallback=handler.cpu_fallback, slots=cfg.slots, prefetch=cfg.prefetch,
+    )
+    worker = Worker(cfg, handler, store, journal, codec=codec)
+    try:
+        asyncio.run(_serve(worker, notifier))
+    except JournalCorrupt as exc:
+        return _die(ExitCode.CONFIG, str(exc)), False
+    finally:
+        journal.close()
+    if worker.fatal is not None:
+        return _die(ExitCode.FAILURE, f"stopped by an internal error: {worker.fatal!r}"), worker.stuck_threads > 0
+    return int(ExitCode.OK), worker.stuck_threads > 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    code, stuck = run(argv)
+    if stuck:
+        # an inference thread that cannot be interrupted would block interpreter exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
