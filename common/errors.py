@@ -94,6 +94,12 @@ class PayloadTooLarge(PermanentError):
     code = "PAYLOAD_TOO_LARGE"
 
 
+class InvalidRequest(PermanentError):
+    """An argument or request field is invalid (wrong type, out of range); the message names it."""
+
+    code = "INVALID_REQUEST"
+
+
 class DeadlineExceeded(PermanentError):
     """The item's deadline passed before it completed."""
 
@@ -133,6 +139,7 @@ ERRORS_BY_CODE: dict[str, type[CcsqError]] = {
         BrokerUnavailable,
         Unauthorized,
         PayloadTooLarge,
+        InvalidRequest,
         DeadlineExceeded,
         PayloadMissing,
         ConfigError,

@@ -1,0 +1,725 @@
+"""The producer library: submit documents to a ccsq broker with a durable confirm.
+
+Typical use (blocking)::
+
+    from ccsq.producer import Client
+
+    with Client.from_config_file("swarm/producer.toml") as client:
+        receipt = client.submit(Path("scan.png"), "ocr", params={"lang": "en"})
+        print(client.wait([receipt.item_id], timeout_s=600)[receipt.item_id].state)
+
+:class:`AsyncClient` is the same API for asyncio code; :class:`Client` runs one
+on a private event loop in a background thread.
+
+Guarantees
+- ``submit`` returns only after the broker's SUBMIT_ACK, which the broker sends
+  after its ledger commit (fsync). Payloads over ``inline_max_bytes`` go to the
+  claim store *before* the SUBMIT (claim check).
+- Without an explicit ``key``, the idempotency key is
+  ``sha256(payload sha256, kind, canonical params)``: submitting the same
+  document twice is a no-op that returns the original item id.
+- No reply in ``submit_timeout_s``, or a lost connection: the same SUBMIT is
+  sent again (same key, so the broker deduplicates) with capped, jittered
+  backoff, until the call's ``timeout_s``. QUEUE_FULL / DISK_FULL are retried
+  the same way and then raised as :class:`QueueFull` / :class:`DiskFull`.
+- With ``outbox_dir`` set, a submission the broker cannot confirm in time
+  (unreachable, or refusing with QUEUE_FULL / DISK_FULL) is committed to a
+  local durable spool instead and returns ``Receipt(spooled=True, item_id="")``;
+  a background flusher sends spooled items in order once the broker is back.
+  While the spool is not empty, new submissions join it (order is kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Union
+
+import msgpack
+import structlog
+
+from ccsq.common import protocol as p
+from ccsq.common.claimstore import ClaimStore, open_store
+from ccsq.common.config import ProducerConfig, load
+from ccsq.common.errors import (
+    BrokerUnavailable,
+    CcsqError,
+    InvalidRequest,
+    PayloadTooLarge,
+    PermanentError,
+    RetryableError,
+    Unauthorized,
+    error_from_code,
+)
+from ccsq.common.faults import crash_point
+from ccsq.common.peer import BrokerLink, backoff_delay_s
+from ccsq.producer.outbox import Outbox
+
+log = structlog.get_logger("ccsq.producer")
+
+Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
+
+#: Error codes in a SubmitResult that are worth retrying (the rest are permanent).
+RETRYABLE_CODES = frozenset({"QUEUE_FULL", "DISK_FULL"})
+#: Codes with which a broker refuses our HELLO for good.
+UNAUTHORIZED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
+                                p.REJECT_FORGED_ORIGIN})
+#: States after which an item will not change any more ("unknown": purged or never existed).
+DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
+
+DEFAULT_TIMEOUT_S = 60.0
+_ENVELOPE_OVERHEAD_BYTES = 512  # header, req id, array headers: generous
+_MAX_ITEMS_PER_FRAME = 1000
+_STATUS_IDS_PER_FRAME = 1000
+_RETRY_BASE_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Receipt:
+    """What a submit returns. ``item_id`` is "" when ``spooled`` (in the local
+    outbox, not yet confirmed by the broker); ``duplicate`` when the key was
+    already known to the broker (``item_id`` is then the original item's)."""
+
+    item_id: str
+    key: str
+    duplicate: bool = False
+    spooled: bool = False
+
+
+def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
+    """Deterministic bytes for a params map (sorted keys, msgpack)."""
+    return msgpack.packb(sorted(params.items()), use_bin_type=True)
+
+
+def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
+    """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
+    h = hashlib.sha256()
+    h.update(payload_sha256.encode("ascii"))
+    h.update(b"\0")
+    h.update(kind.encode("utf-8"))
+    h.update(b"\0")
+    h.update(canonical_params(params))
+    return h.hexdigest()
+
+
+def _read_payload(payload: Payload) -> bytes:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    if isinstance(payload, (str, Path)):
+        try:
+            return Path(payload).read_bytes()
+        except OSError as exc:
+            raise InvalidRequest(f"payload file {payload}: {exc.strerror or exc}") from None
+    if hasattr(payload, "read"):
+        data = payload.read()
+        if not isinstance(data, (bytes, bytearray)):
+            raise InvalidRequest("payload file object must be opened in binary mode ('rb')")
+        return bytes(data)
+    raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
+
+
+def _check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
+    params = dict(params or {})
+    if len(params) > p.MAX_MAP_LEN:
+        raise InvalidRequest(f"params has {len(params)} keys; at most {p.MAX_MAP_LEN}")
+    for k, v in params.items():
+        if not isinstance(k, str):
+            raise InvalidRequest(f"params key {k!r} must be a string")
+        if not isinstance(v, (str, int, float, bool, bytes, type(None))):
+            raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
+    return params
+
+
+def _item_size(item: p.SubmitItem) -> int:
+    return len(msgpack.packb(p.encode_body(item), use_bin_type=True))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A request waiting for its reply (re-sent on every new session until answered)."""
+
+    msg: p.Submit | p.Status
+    future: asyncio.Future
+
+
+class AsyncClient:
+    """Producer client for asyncio code. Use ``async with AsyncClient(cfg) as c:``.
+
+    ``base_dir`` resolves a relative ``file://`` claim store (default: the
+    config file's directory, else the working directory).
+    """
+
+    # --- configuration ---
+    config: ProducerConfig
+    # --- owned resources ---
+    _store: ClaimStore
+    _store_exec: concurrent.futures.ThreadPoolExecutor  # the claim store is used from one thread
+    _outbox: Outbox | None
+    _link: BrokerLink | None
+    _tasks: list[asyncio.Task]
+    # --- request state (event loop only) ---
+    _pending: dict[int, _Pending]
+    _reqs: itertools.count
+    _flush_wakeup: asyncio.Event | None
+
+    def __init__(self, config: ProducerConfig, *, base_dir: str | Path | None = None) -> None:
+        self.config = config
+        if base_dir is None:
+            base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
+        self._store = open_store(config.claim_store, base_dir=base_dir)
+        self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
+        self._outbox = Outbox(config.outbox_dir) if config.outbox_dir else None
+        self._link = None
+        self._tasks = []
+        self._pending = {}
+        self._reqs = itertools.count(1)
+        self._flush_wakeup = None
+        self._frame_budget = config.max_frame_bytes - _ENVELOPE_OVERHEAD_BYTES
+        self.log = log.bind(peer=config.peer_id)
+
+    @classmethod
+    def from_config_file(cls, path: str | Path) -> AsyncClient:
+        """Build from a ``producer.toml`` (ConfigError on problems)."""
+        return cls(load(ProducerConfig, path))
+
+    # --- lifecycle ---
+    async def __aenter__(self) -> AsyncClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start connecting to the broker (and the outbox flusher); returns at once."""
+        if self._link is not None:
+            return
+        self._link = BrokerLink(
+            self.config,
+            hello=lambda: p.Hello(role=p.Role.PRODUCER.value),
+            on_message=self._on_message,
+            on_connect=self._on_connect,
+        )
+        self._tasks.append(asyncio.create_task(self._link.run(), name="producer-link"))
+        if self._outbox is not None:
+            self._flush_wakeup = asyncio.Event()
+            flusher = asyncio.create_task(self._flusher(), name="producer-outbox-flusher")
+            flusher.add_done_callback(self._flusher_done)
+            self._tasks.append(flusher)
+
+    def _flusher_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.log.error("outbox_flusher_crashed", error=f"{type(exc).__name__}: {exc}")
+
+    async def close(self) -> None:
+        """Say BYE and stop. Unconfirmed direct submissions fail with BrokerUnavailable;
+        spooled items stay in the outbox for the next run."""
+        if self._link is not None:
+            await self._link.stop("producer closed")
+        for task in self._tasks:
+            if task.get_name() == "producer-link":
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        for pend in self._pending.values():
+            if not pend.future.done():
+                pend.future.set_exception(BrokerUnavailable("client closed before the broker answered"))
+        self._pending.clear()
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
+        self._store_exec.shutdown(wait=True)
+
+    @property
+    def connected(self) -> bool:
+        """True while a session with the broker is up."""
+        return self._link is not None and self._link.ready.is_set()
+
+    # --- link callbacks ---
+    def _on_message(self, env: Any) -> None:
+        msg = env.message
+        if isinstance(msg, (p.SubmitAck, p.StatusReply)):
+            pend = self._pending.get(msg.req)
+            if pend is not None and not pend.future.done():
+                pend.future.set_result(msg)
+        elif isinstance(msg, p.Error):
+            self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
+        else:
+            self.log.warning("unexpected_message", type=type(msg).__name__)
+
+    def _on_connect(self, welcome: p.Welcome) -> None:
+        assert self._link is not None
+        resent = 0
+        for pend in self._pending.values():
+            if not pend.future.done():
+                self._link.send(pend.msg)
+                resent += 1
+        if resent:
+            self.log.info("pending_requests_resent", count=resent)
+        if self._flush_wakeup is not None:
+            self._flush_wakeup.set()
+
+    # --- request/reply with retries ---
+    def _require_link(self) -> BrokerLink:
+        if self._link is None:
+            raise CcsqError("client not started: use `async with AsyncClient(cfg)` or call start()")
+        return self._link
+
+    async def _wait_ready(self, timeout_s: float) -> bool:
+        """True once a session is up; False after ``timeout_s``; Unauthorized as soon as
+        the broker refuses our HELLO for good."""
+        link = self._require_link()
+        deadline = time.monotonic() + timeout_s
+        while not link.ready.is_set():
+            refusal = link.last_refusal
+            if refusal is not None and refusal.code in UNAUTHORIZED_CODES:
+                raise Unauthorized(
+                    f"broker refused peer {self.config.peer_id!r}: {refusal.code}: {refusal.message}; "
+                    "add its public key with role producer to authorized_keys"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(link.ready.wait(), timeout=min(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
+        return True
+
+    async def _roundtrip(self, build: Any, deadline_mono: float) -> p.Message:
+        """Send ``build(req)`` and return the reply with the same ``req``.
+
+        Re-sends the same message after ``submit_timeout_s`` without a reply and
+        on every reconnect, with capped jittered backoff, until ``deadline_mono``
+        (then BrokerUnavailable)."""
+        link = self._require_link()
+        req = next(self._reqs)
+        msg = build(req)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[req] = _Pending(msg, fut)
+        attempt = 0
+        try:
+            link.send(msg)  # if not connected, on_connect sends it
+            while True:
+                left = deadline_mono - time.monotonic()
+                if left <= 0:
+                    raise BrokerUnavailable(
+                        f"no answer from the broker at {self.config.broker_endpoint} in time; "
+                        "check that ccsq-brokerd runs and the endpoint is right"
+                    )
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout=min(left, self.config.submit_timeout_s))
+                except asyncio.TimeoutError:
+                    pass
+                delay = backoff_delay_s(attempt, _RETRY_BASE_S, self.config.reconnect_backoff_max_s)
+                attempt += 1
+                self.log.info("request_retry", req=req, type=type(msg).__name__, attempt=attempt, in_s=round(delay, 3))
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, min(delay, deadline_mono - time.monotonic())))
+                except asyncio.TimeoutError:
+                    pass
+                link.send(msg)
+        finally:
+            self._pending.pop(req, None)
+            if not fut.done():
+                fut.cancel()
+
+    async def _submit_confirmed(
+        self, items: list[p.SubmitItem], deadline_mono: float
+    ) -> tuple[dict[str, p.SubmitResult], list[p.SubmitItem], CcsqError | None]:
+        """Send ``items`` (one frame) until each is confirmed or refused for good.
+
+        Returns ``(results by key, unconfirmed items, last retryable error)``;
+        results include permanent refusals (``error`` set)."""
+        done: dict[str, p.SubmitResult] = {}
+        remaining = items
+        attempt = 0
+        while True:
+            try:
+                ack = await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono)
+            except BrokerUnavailable as exc:
+                return done, remaining, exc
+            by_key = {r.key: r for r in ack.results}
+            retry: list[p.SubmitItem] = []
+            last: p.SubmitResult | None = None
+            for item in remaining:
+                res = by_key.get(item.key)
+                if res is None or res.error in RETRYABLE_CODES:
+                    retry.append(item)
+                    last = res or last
+                else:
+                    done[item.key] = res
+            if not retry:
+                return done, [], None
+            remaining = retry
+            err = error_from_code(last.error, last.message) if last is not None else BrokerUnavailable(
+                "broker answered without a result for some items")
+            delay = backoff_delay_s(attempt, _RETRY_BASE_S * 4, self.config.reconnect_backoff_max_s)
+            attempt += 1
+            if time.monotonic() + delay >= deadline_mono:
+                return done, remaining, err
+            self.log.info("submit_refused_retrying", code=err.code, items=len(remaining), in_s=round(delay, 3))
+            await asyncio.sleep(delay)
+
+    def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
+        """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept)."""
+        frames: list[list[p.SubmitItem]] = []
+        cur: list[p.SubmitItem] = []
+        size = 0
+        for item in items:
+            n = _item_size(item)
+            if n > self._frame_budget:
+                raise PayloadTooLarge(
+                    f"item {item.key[:16]}... is {n} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
+                    "lower inline_max_bytes or shrink params"
+                )
+            if cur and (size + n > self._frame_budget or len(cur) >= _MAX_ITEMS_PER_FRAME):
+                frames.append(cur)
+                cur, size = [], 0
+            cur.append(item)
+            size += n
+        if cur:
+            frames.append(cur)
+        return frames
+
+    # --- building items ---
+    async def _make_item(
+        self,
+        payload: Payload,
+        kind: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        priority: int = 0,
+        deadline_ts: float | None = None,
+        max_attempts: int | None = None,
+        max_runtime_s: float | None = None,
+    ) -> p.SubmitItem:
+        if not isinstance(kind, str) or not kind:
+            raise InvalidRequest("kind must be a non-empty string")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise InvalidRequest("key must be a non-empty string (or None to derive it)")
+        if max_attempts is not None and max_attempts < 1:
+            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+        if max_runtime_s is not None and max_runtime_s <= 0:
+            raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
+        params = _check_params(params)
+        data = _read_payload(payload)
+        loop = asyncio.get_running_loop()
+        blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
+        if blob.inline is None:
+            crash_point("producer.after_blob_put")
+        return p.SubmitItem(
+            key=key or derive_key(blob.sha256, kind, params),
+            kind=kind,
+            payload=blob,
+            params=params,
+            priority=int(priority),
+            deadline_ts=None if deadline_ts is None else float(deadline_ts),
+            max_attempts=int(max_attempts or 0),
+            max_runtime_s=float(max_runtime_s or 0.0),
+        )
+
+    # --- public API ---
+    async def submit(
+        self,
+        payload: Payload,
+        kind: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        priority: int = 0,
+        deadline_ts: float | None = None,
+        max_attempts: int | None = None,
+        max_runtime_s: float | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> Receipt:
+        """Submit one item and return once the broker has committed it (or it is spooled).
+
+        ``payload``: bytes, a path, or a binary file object. ``params``: str -> scalar.
+        ``deadline_ts``: wall-clock UNIX seconds after which the item expires.
+        ``timeout_s``: overall time for retries without an outbox.
+        Raises QueueFull, DiskFull, BrokerUnavailable (retryable), Unauthorized,
+        PayloadTooLarge, InvalidRequest or another PermanentError the broker names.
+        """
+        item = await self._make_item(
+            payload, kind, params=params, key=key, priority=priority, deadline_ts=deadline_ts,
+            max_attempts=max_attempts, max_runtime_s=max_runtime_s,
+        )
+        return (await self._submit_items([item], timeout_s))[0]
+
+    async def submit_many(self, items: Iterable[Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Receipt]:
+        """Submit many items in few SUBMIT frames; receipts in input order.
+
+        Each element is ``(payload, kind)``, ``(payload, kind, params)`` or a dict
+        of :meth:`submit`'s arguments (``payload``, ``kind``, ``params``, ``key``...).
+        Items confirmed before a permanent refusal stay submitted (resubmitting
+        is a no-op); the first permanent refusal is raised after all frames finish.
+        """
+        built: list[p.SubmitItem] = []
+        for spec in items:
+            if isinstance(spec, Mapping):
+                spec = dict(spec)
+                try:
+                    payload, kind = spec.pop("payload"), spec.pop("kind")
+                except KeyError as exc:
+                    raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
+                built.append(await self._make_item(payload, kind, **spec))
+            elif isinstance(spec, tuple) and len(spec) in (2, 3):
+                built.append(await self._make_item(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
+            else:
+                raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
+        return await self._submit_items(built, timeout_s)
+
+    async def _submit_items(self, items: list[p.SubmitItem], timeout_s: float) -> list[Receipt]:
+        if not items:
+            return []
+        requested = items
+        items = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
+        frames = self._frames(items)
+        spooled: list[p.SubmitItem] = []
+        results: dict[str, p.SubmitResult] = {}
+        errors: list[CcsqError] = []
+        if self._outbox is not None:
+            if await self._outbox.count() > 0 or not await self._wait_ready(self.config.submit_timeout_s):
+                await self._spool(items, reason="outbox_not_empty_or_broker_unreachable")
+                return [Receipt(item_id="", key=it.key, spooled=True) for it in requested]
+            deadline = time.monotonic() + self.config.submit_timeout_s
+        else:
+            deadline = time.monotonic() + timeout_s
+            if not await self._wait_ready(timeout_s):
+                raise BrokerUnavailable(
+                    f"no session with the broker at {self.config.broker_endpoint} within {timeout_s}s; "
+                    "check that ccsq-brokerd runs and the endpoint is right (or set outbox_dir to spool)"
+                )
+        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline) for f in frames))
+        for done, unconfirmed, err in outcomes:
+            results.update(done)
+            if unconfirmed:
+                if self._outbox is not None:
+                    spooled.extend(unconfirmed)
+                else:
+                    errors.append(err or BrokerUnavailable("broker did not confirm in time"))
+        if spooled:
+            await self._spool(spooled, reason="not_confirmed_in_time")
+        if errors:
+            raise errors[0]
+        receipts: list[Receipt] = []
+        spooled_keys = {it.key for it in spooled}
+        seen: set[str] = set()
+        for item in requested:
+            repeat = item.key in seen
+            seen.add(item.key)
+            if item.key in spooled_keys:
+                receipts.append(Receipt(item_id="", key=item.key, spooled=True))
+                continue
+            res = results[item.key]
+            if res.error:
+                err = error_from_code(res.error, res.message or f"broker refused item {item.key}")
+                if not isinstance(err, PermanentError) and not isinstance(err, RetryableError):
+                    err = PermanentError(f"broker refused item {item.key}: {res.error}: {res.message}", code=res.error)
+                raise err
+            receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat))
+        return receipts
+
+    async def _spool(self, items: list[p.SubmitItem], reason: str) -> list[Receipt]:
+        """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
+        assert self._outbox is not None and self._flush_wakeup is not None
+        new = await self._outbox.add(items)
+        self._flush_wakeup.set()
+        self.log.info("submit_spooled", items=len(items), new=new, reason=reason)
+        return [Receipt(item_id="", key=it.key, spooled=True) for it in items]
+
+    async def _flusher(self) -> None:
+        """Send spooled items in order whenever the broker is connected; remove each after its ACK."""
+        assert self._outbox is not None and self._flush_wakeup is not None and self._link is not None
+        attempt = 0
+        while True:
+            await self._link.ready.wait()
+            batch = await self._outbox.peek(_MAX_ITEMS_PER_FRAME)
+            if not batch:
+                self._flush_wakeup.clear()
+                if await self._outbox.count() == 0:
+                    await self._flush_wakeup.wait()
+                continue
+            items = self._frames([it for _, it in batch])[0]
+            deadline = time.monotonic() + self.config.submit_timeout_s
+            done, unconfirmed, err = await self._submit_confirmed(items, deadline)
+            accepted = [k for k, r in done.items() if not r.error]
+            if accepted:
+                await self._outbox.remove(accepted)
+            for item in items:
+                res = done.get(item.key)
+                if res is not None and res.error:
+                    await self._outbox.reject(item, res.error, res.message)
+                    self.log.error("outbox_item_rejected", key=item.key, code=res.error, message=res.message)
+            self.log.info("outbox_flushed", sent=len(items), confirmed=len(accepted), left_unconfirmed=len(unconfirmed))
+            if unconfirmed:
+                delay = backoff_delay_s(attempt, _RETRY_BASE_S * 4, self.config.reconnect_backoff_max_s)
+                attempt += 1
+                self.log.info("outbox_flush_retry", code=err.code if err else "", in_s=round(delay, 3))
+                await asyncio.sleep(delay)
+            else:
+                attempt = 0
+
+    async def flush(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Wait until the outbox is empty (every spooled item confirmed or rejected).
+        Raises BrokerUnavailable after ``timeout_s``. No-op without an outbox."""
+        if self._outbox is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while await self._outbox.count() > 0:
+            if time.monotonic() >= deadline:
+                raise BrokerUnavailable(f"outbox not empty after {timeout_s}s ({await self._outbox.count()} items left)")
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 0.25)
+
+    async def outbox_rejected(self) -> list[tuple[str, str, str]]:
+        """``(key, error code, message)`` of spooled items the broker refused for good."""
+        return [] if self._outbox is None else await self._outbox.rejected()
+
+    async def outbox_count(self) -> int:
+        """Items still in the local outbox (0 without one)."""
+        return 0 if self._outbox is None else await self._outbox.count()
+
+    async def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """Current state of each item: ``{item_id: ItemStatus}`` (state "unknown" if the
+        broker does not know it). Raises BrokerUnavailable after ``timeout_s``."""
+        ids = list(dict.fromkeys(item_ids))
+        out: dict[str, p.ItemStatus] = {}
+        if not ids:
+            return out
+        deadline = time.monotonic() + timeout_s
+        chunks = [ids[i:i + _STATUS_IDS_PER_FRAME] for i in range(0, len(ids), _STATUS_IDS_PER_FRAME)]
+        replies = await asyncio.gather(
+            *(self._roundtrip(lambda req, c=c: p.Status(req=req, item_ids=c), deadline) for c in chunks)
+        )
+        for reply in replies:
+            for st in reply.items:
+                out[st.item_id] = st
+        for i in ids:
+            out.setdefault(i, p.ItemStatus(item_id=i, state="unknown"))
+        return out
+
+    async def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """Poll STATUS (with backoff, 50 ms up to 1 s) until every item is done
+        (acknowledged, dead, expired, or unknown to the broker) or ``timeout_s`` passes.
+        Returns the last status of every item; check ``.state`` for the ones not done."""
+        ids = list(dict.fromkeys(item_ids))
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, p.ItemStatus] = {}
+        todo = ids
+        delay = 0.05
+        while todo:
+            left = deadline - time.monotonic()
+            try:
+                last.update(await self.status(todo, timeout_s=max(0.1, left)))
+            except BrokerUnavailable:
+                if time.monotonic() >= deadline:
+                    break
+            todo = [i for i in todo if i not in last or last[i].state not in DONE_STATES]
+            if not todo or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 1.0)
+        for i in ids:
+            last.setdefault(i, p.ItemStatus(item_id=i, state="unknown"))
+        return last
+
+
+class Client:
+    """Blocking producer client: an :class:`AsyncClient` on a private event loop in
+    a background thread. Same methods, same errors. Use as a context manager."""
+
+    def __init__(self, config: ProducerConfig, *, base_dir: str | Path | None = None) -> None:
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ccsq-producer-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._async = AsyncClient(config, base_dir=base_dir)
+            self._call(self._async.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def from_config_file(cls, path: str | Path) -> Client:
+        """Build from a ``producer.toml`` (ConfigError on problems)."""
+        return cls(load(ProducerConfig, path))
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, payload: Payload, kind: str, **kwargs: Any) -> Receipt:
+        """See :meth:`AsyncClient.submit`."""
+        return self._call(self._async.submit(payload, kind, **kwargs))
+
+    def submit_many(self, items: Iterable[Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Receipt]:
+        """See :meth:`AsyncClient.submit_many` (the iterable is consumed on this thread)."""
+        return self._call(self._async.submit_many(list(items), timeout_s=timeout_s))
+
+    def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """See :meth:`AsyncClient.status`."""
+        return self._call(self._async.status(list(item_ids), timeout_s=timeout_s))
+
+    def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """See :meth:`AsyncClient.wait`."""
+        return self._call(self._async.wait(list(item_ids), timeout_s=timeout_s))
+
+    def flush(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """See :meth:`AsyncClient.flush`."""
+        self._call(self._async.flush(timeout_s))
+
+    @property
+    def connected(self) -> bool:
+        """True while a session with the broker is up."""
+        return self._async.connected
+
+    def outbox_count(self) -> int:
+        """Items still in the local outbox (0 without one)."""
+        return self._call(self._async.outbox_count())
+
+    def outbox_rejected(self) -> list[tuple[str, str, str]]:
+        """``(key, error code, message)`` of spooled items the broker refused for good."""
+        return self._call(self._async.outbox_rejected())
+
+    def close(self) -> None:
+        """Stop the client (spooled items stay in the outbox)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._async.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()

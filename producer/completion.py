@@ -1,0 +1,339 @@
+"""The completion service: results from the broker into a database, then ACK.
+
+A peer with role ``completion``. The broker sends RESULT frames (at most the
+credit granted); for each batch (up to ``batch_max`` results, gathered for at
+most ``batch_wait_ms``) the service
+
+1. resolves each result (inline, or from the claim store, digest verified),
+2. writes the batch in ONE database transaction (idempotent upsert by item id),
+3. ``crash_point("completion.after_db_commit")``,
+4. sends ACK and waits for ACK_OK (re-sent on timeout and on reconnect),
+5. grants CREDIT for the batch.
+
+So an ACK always follows a commit; a crash between 2 and 4 makes the broker
+redeliver, and the upsert lands the result once (``deliveries`` counts it).
+When the database fails or a write takes longer than ``db_slow_s``, the
+service stops (no ACK, no credit), backs off exponentially (capped at
+``backoff_max_s``, jittered), reconnects and retries the same batch; results
+wait in the broker. SIGTERM/SIGINT: finish the current batch, BYE, exit 0.
+
+Run it with ``ccsq completion --config completion.toml`` (:func:`main`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+from ccsq.common import protocol as p
+from ccsq.common.claimstore import ClaimStore, open_store
+from ccsq.common.config import CompletionConfig, load
+from ccsq.common.envelope import Envelope
+from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing
+from ccsq.common.faults import crash_point
+from ccsq.common.log import configure
+from ccsq.common.peer import BrokerLink, backoff_delay_s
+from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.producer.resultsdb import ResultRow, ResultsDB, open_results_db, params_to_json, text_or_none
+
+log = structlog.get_logger("ccsq.completion")
+
+_DB_BACKOFF_BASE_S = 0.05
+_STOP_ACK_GRACE_S = 5.0  # on shutdown, how long to wait for the last ACK_OK
+
+
+class CompletionService:
+    """One completion peer. ``run()`` serves until :meth:`request_stop`.
+
+    ``db``/``store`` default to the ones named in ``config`` (relative paths
+    against the config file's directory).
+    """
+
+    # --- configuration and resources ---
+    config: CompletionConfig
+    db: ResultsDB
+    store: ClaimStore
+    link: BrokerLink
+    _db_exec: concurrent.futures.ThreadPoolExecutor  # the only thread that touches ``db``
+    _io_exec: concurrent.futures.ThreadPoolExecutor  # claim-store reads
+    # --- state (event loop only) ---
+    _incoming: asyncio.Queue[tuple[int, p.Delivery]]  # (session number, delivery)
+    _ack_ids: frozenset[str]  # ids of the ACK in flight (empty: none)
+    _ack_ok: asyncio.Event
+    _stop: asyncio.Event
+    healthy: bool  # last database write succeeded
+    landed: int  # results written so far (this process)
+    acked: int  # results acknowledged so far (this process)
+
+    def __init__(self, config: CompletionConfig, *, db: ResultsDB | None = None, store: ClaimStore | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or Notifier()  # sd_notify STATUS= lines (a no-op outside systemd)
+        base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
+        self.db = db or open_results_db(config.database, base_dir, timeout_s=2 * config.db_slow_s)
+        self.store = store or open_store(config.claim_store, base_dir=base_dir)
+        self._db_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-results-db")
+        self._io_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
+        self.healthy = True
+        self.landed = 0
+        self.acked = 0
+        self._ack_ids = frozenset()
+        self._incoming = asyncio.Queue()
+        self._ack_ok = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.log = log.bind(peer=config.peer_id)
+        self.link = BrokerLink(  # loads the keys: ConfigError here, before READY
+            config,
+            hello=lambda: p.Hello(role=p.Role.COMPLETION.value, credit=config.credit),
+            on_message=self._on_message,
+            on_connect=self._on_connect,
+        )
+
+    # --- lifecycle ---
+    def request_stop(self) -> None:
+        """Finish the current batch, say BYE and return from :meth:`run` (loop thread only)."""
+        if not self._stop.is_set():
+            self.log.info("completion_stopping")
+            self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
+        link_task = asyncio.create_task(self.link.run(), name="completion-link")
+        self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
+                      batch_max=self.config.batch_max)
+        try:
+            await self._pump()
+        finally:
+            await self.link.stop("completion stopping")
+            try:
+                await asyncio.wait_for(link_task, timeout=2.0)
+            except asyncio.TimeoutError:
+                link_task.cancel()
+            await asyncio.get_running_loop().run_in_executor(self._db_exec, self.db.close)
+            self._db_exec.shutdown(wait=True)
+            self._io_exec.shutdown(wait=True)
+            self.log.info("completion_stopped", landed=self.landed, acked=self.acked)
+
+    # --- link callbacks ---
+    def _on_message(self, env: Envelope) -> None:
+        msg = env.message
+        if isinstance(msg, p.Result):
+            session = self.link.sessions
+            for d in msg.deliveries:
+                self._incoming.put_nowait((session, d))
+        elif isinstance(msg, p.AckOk):
+            if self._ack_ids and self._ack_ids & (set(msg.item_ids) | set(msg.unknown)):
+                if msg.unknown:
+                    self.log.info("ack_unknown_items", count=len(msg.unknown))
+                self._ack_ok.set()
+        elif isinstance(msg, p.Error):
+            self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
+        else:
+            self.log.warning("unexpected_message", type=type(msg).__name__)
+
+    def _on_connect(self, welcome: p.Welcome) -> None:
+        if self._ack_ids and not self._ack_ok.is_set():
+            self.link.send(p.Ack(item_ids=sorted(self._ack_ids)))
+
+    # --- the pipeline ---
+    async def _pump(self) -> None:
+        while not self._stop.is_set():
+            batch = await self._gather()
+            if not batch:
+                continue
+            rows, missing = await self._resolve([d for _, d in batch])
+            if rows and not await self._land(rows):
+                return  # stopping while the database is down: nothing acknowledged, the broker keeps them
+            crash_point("completion.after_db_commit")
+            if rows:
+                await self._ack(sorted({r.item_id for r in rows}))
+            self._grant(batch, missing)
+
+    async def _gather(self) -> list[tuple[int, p.Delivery]]:
+        """Up to ``batch_max`` deliveries: wait for the first, then at most ``batch_wait_ms``."""
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        get = asyncio.ensure_future(self._incoming.get())
+        try:
+            await asyncio.wait({stop_wait, get}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+            if not get.done():
+                get.cancel()
+        if not get.done() or get.cancelled():
+            return []
+        batch = [get.result()]
+        deadline = time.monotonic() + self.config.batch_wait_ms / 1000.0
+        while len(batch) < self.config.batch_max:
+            try:
+                batch.append(self._incoming.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._incoming.get(), timeout=left))
+            except asyncio.TimeoutError:
+                break
+        return batch
+
+    async def _resolve(self, deliveries: list[p.Delivery]) -> tuple[list[ResultRow], list[p.Delivery]]:
+        """Result bytes for each delivery (claim store read off the loop); deliveries whose
+        result is missing or corrupt are returned separately (never acknowledged)."""
+        loop = asyncio.get_running_loop()
+        rows: list[ResultRow] = []
+        missing: list[p.Delivery] = []
+        for d in deliveries:
+            try:
+                if d.result.inline is not None:
+                    data = self.store.get_blob(d.result)  # no I/O; verifies the inline digest
+                else:
+                    data = await loop.run_in_executor(self._io_exec, self.store.get_blob, d.result)
+            except PayloadMissing as exc:
+                self.log.error("result_missing", item_id=d.item_id, sha256=d.result.sha256, error=str(exc))
+                missing.append(d)
+                continue
+            rows.append(ResultRow(
+                item_id=d.item_id, idem_key=d.key, kind=d.kind, params_json=params_to_json(d.params),
+                result=data, result_sha256=d.result.sha256, result_text=text_or_none(data), attempt=d.attempt,
+                handler=d.handler, handler_version=d.handler_version, completed_ts=d.completed_ts,
+                landed_ts=time.time(),
+            ))
+        return rows, missing
+
+    async def _land(self, rows: list[ResultRow]) -> bool:
+        """Write ``rows`` in one transaction, retrying with backoff until it commits.
+        Returns False only if asked to stop while the database is failing."""
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        down_since = 0.0
+        errors = self.db.driver_errors()
+        while True:
+            t0 = time.monotonic()
+            fut = loop.run_in_executor(self._db_exec, self.db.upsert, rows)
+            error: str | None = None
+            try:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout=self.config.db_slow_s)
+                except asyncio.TimeoutError:
+                    self.log.warning("db_slow", items=len(rows), over_s=self.config.db_slow_s)
+                    # abort the write (off the loop: a cancel may need a round trip); if it
+                    # committed meanwhile, it simply counts as landed
+                    await loop.run_in_executor(None, self.db.interrupt)
+                    await fut
+            except errors as exc:
+                error = f"{type(exc).__name__}: {exc}".strip()
+            if error is None:
+                self.landed += len(rows)
+                if not self.healthy:
+                    self.log.info("db_recovered", after_s=round(time.monotonic() - (down_since or t0), 3),
+                                  attempts=attempt + 1)
+                    self.notifier.status("serving: database recovered")
+                    self.healthy = True
+                self.log.debug("batch_landed", items=len(rows), write_s=round(time.monotonic() - t0, 4))
+                return True
+            if self.healthy:
+                self.notifier.status(f"database unhealthy, retrying: {error[:200]}")
+            self.healthy = False
+            down_since = down_since or t0
+            await loop.run_in_executor(self._db_exec, self.db.reset)
+            delay = backoff_delay_s(attempt, _DB_BACKOFF_BASE_S, self.config.backoff_max_s)
+            attempt += 1
+            self.log.warning("db_unhealthy", error=error[:500], items=len(rows), attempt=attempt,
+                             retry_in_s=round(delay, 3))
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                self.log.warning("batch_abandoned", items=len(rows), reason="stopping while the database is down")
+                return False
+            except asyncio.TimeoutError:
+                pass
+
+    async def _ack(self, item_ids: list[str]) -> None:
+        """Send ACK and wait for ACK_OK, re-sending after a silent liveness window
+        and on reconnect (the broker's ACK is idempotent)."""
+        self._ack_ids = frozenset(item_ids)
+        self._ack_ok.clear()
+        msg = p.Ack(item_ids=item_ids)
+        stop_deadline: float | None = None
+        try:
+            self.link.send(msg)  # if not connected, on_connect sends it
+            while not self._ack_ok.is_set():
+                if self._stop.is_set():
+                    stop_deadline = stop_deadline or time.monotonic() + _STOP_ACK_GRACE_S
+                    if time.monotonic() >= stop_deadline:
+                        self.log.warning("ack_abandoned", items=len(item_ids), reason="stopping; the broker will redeliver")
+                        return
+                wait_s = max(self.link.heartbeat_interval_s * self.link.liveness, 0.5)
+                try:
+                    await asyncio.wait_for(self._ack_ok.wait(), timeout=min(wait_s, 1.0) if self._stop.is_set() else wait_s)
+                except asyncio.TimeoutError:
+                    if self.link.send(msg):
+                        self.log.info("ack_resent", items=len(item_ids))
+            self.acked += len(item_ids)
+            self.log.info("results_acked", items=len(item_ids), total=self.acked)
+        finally:
+            self._ack_ids = frozenset()
+
+    def _grant(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
+        """Give back the credit these deliveries used, if they came in this session
+        (a new session's HELLO already reset the credit)."""
+        current = sum(1 for session, _ in batch if session == self.link.sessions)
+        if current and self.link.send(p.Credit(credit=current)):
+            self.log.debug("credit_granted", credit=current, missing=len(missing))
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password (for logs)."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+async def _serve(service: CompletionService) -> None:
+    notifier = service.notifier
+
+    def on_signal() -> None:
+        notifier.stopping("finishing the current batch")
+        service.request_stop()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    watchdog = asyncio.create_task(watchdog_task(notifier), name="completion-watchdog")
+    # ready = serving: neither the broker nor the database has to be up (both are retried)
+    notifier.ready(f"results to {_redact(service.db.url)}")
+    try:
+        await service.run()
+    finally:
+        watchdog.cancel()
+
+
+def main(config_path: str | Path) -> int:
+    """Entry point of ``ccsq completion --config completion.toml``; returns an :class:`ExitCode`."""
+    try:
+        notifier = Notifier.from_env()
+        config = load(CompletionConfig, config_path)
+        configure(config.log_format)
+        service = CompletionService(config, notifier=notifier)
+    except ConfigError as exc:
+        print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    try:
+        asyncio.run(_serve(service))
+    except CcsqError as exc:
+        log.error("completion_failed", code=exc.code, error=str(exc))
+        return ExitCode.FAILURE
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

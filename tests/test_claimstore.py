@@ -1,0 +1,171 @@
+"""Claim stores (file:// and s3:// against a real S3-compatible server) and reconcile."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from ccsq.common.claimstore import FileStore, open_store, sha256_hex
+from ccsq.common.errors import ConfigError, PayloadMissing
+from ccsq.common.protocol import Blob
+from ccsq.producer.reconcile import reconcile
+
+BUCKET = "ccsq-test"
+
+
+# --- file store ---------------------------------------------------------------------
+def test_file_store_roundtrip_is_content_addressed_and_idempotent(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "blobs")
+    data = b"page one" * 1000
+    digest = store.put(data)
+    assert digest == sha256_hex(data)
+    assert store.put(data) == digest
+    assert store.get(digest) == data and store.exists(digest)
+    assert [sha for sha, _ in store.list()] == [digest]
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "blobs").rglob("*"))
+    store.delete(digest)
+    store.delete(digest)  # absent: no error
+    assert not store.exists(digest)
+    with pytest.raises(PayloadMissing):
+        store.get(digest)
+
+
+def test_file_store_detects_corruption_and_ignores_torn_writes(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "blobs")
+    digest = store.put(b"original content")
+    path = tmp_path / "blobs" / digest[:2] / digest[2:4] / digest
+    path.write_bytes(b"tampered content")
+    with pytest.raises(PayloadMissing, match="corrupt"):
+        store.get(digest)
+    # a writer killed before its rename leaves only a temp file: never listed, never read
+    (path.parent / ".tmp-abc123").write_bytes(b"half a blo")
+    assert [sha for sha, _ in store.list()] == [digest]
+    with pytest.raises(PayloadMissing):
+        store.get("not-a-digest")
+
+
+def test_file_store_reput_refreshes_mtime(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "blobs")
+    digest = store.put(b"x" * 100)
+    path = tmp_path / "blobs" / digest[:2] / digest[2:4] / digest
+    os.utime(path, (1_000_000, 1_000_000))
+    store.put(b"x" * 100)
+    assert path.stat().st_mtime > time.time() - 60
+
+
+def test_put_blob_inline_below_threshold_and_get_blob_verifies(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "blobs")
+    small = store.put_blob(b"tiny", inline_max_bytes=16)
+    assert small.inline == b"tiny" and not store.exists(small.sha256)
+    big = store.put_blob(b"y" * 100, inline_max_bytes=16)
+    assert big.inline is None and store.get_blob(big) == b"y" * 100
+    with pytest.raises(PayloadMissing):
+        store.get_blob(Blob(sha256_hex(b"tinx"), 4, b"tiny"))
+    with pytest.raises(PayloadMissing):
+        store.get_blob(Blob(big.sha256, 99, None))
+
+
+def test_open_store_resolves_relative_paths_and_rejects_unknown_schemes(tmp_path: Path) -> None:
+    store = open_store("file://blobs", base_dir=tmp_path)
+    assert isinstance(store, FileStore) and store.root == tmp_path / "blobs"
+    with pytest.raises(ConfigError):
+        open_store("ftp://x", base_dir=tmp_path)
+
+
+# --- S3 against a real S3-compatible server (moto) ----------------------------------------
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("CCSQ_S3_ENDPOINT_URL", s3_endpoint)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    try:
+        client.create_bucket(Bucket=BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    prefix = f"t{time.monotonic_ns()}"
+    return open_store(f"s3://{BUCKET}/{prefix}", base_dir=tmp_path), client, prefix
+
+
+def test_s3_roundtrip_exists_delete_list(s3_store) -> None:
+    store, _, prefix = s3_store
+    assert store.uri == f"s3://{BUCKET}/{prefix}"
+    data = os.urandom(50_000)
+    digest = store.put(data)
+    assert digest == sha256_hex(data)
+    assert store.exists(digest) and store.get(digest) == data
+    listed = dict(store.list())
+    assert list(listed) == [digest] and abs(listed[digest] - time.time()) < 120
+    store.delete(digest)
+    assert not store.exists(digest) and dict(store.list()) == {}
+    with pytest.raises(PayloadMissing):
+        store.get(digest)
+
+
+def test_s3_conditional_put_never_overwrites(s3_store) -> None:
+    """The server honours If-None-Match: a second conditional put of the same key
+    is refused with 412, which the store treats as "already there"."""
+    store, client, prefix = s3_store
+    digest = store.put(b"first")
+    key = f"{prefix}/{digest[:2]}/{digest}"
+    with pytest.raises(client.exceptions.ClientError) as err:
+        client.put_object(Bucket=BUCKET, Key=key, Body=b"other", IfNoneMatch="*")
+    assert err.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert store.put(b"first") == digest  # 412 -> success, content unchanged
+    assert store.get(digest) == b"first"
+
+
+def test_s3_get_verifies_digest(s3_store) -> None:
+    store, client, prefix = s3_store
+    digest = sha256_hex(b"expected")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{digest[:2]}/{digest}", Body=b"tampered")
+    with pytest.raises(PayloadMissing, match="corrupt"):
+        store.get(digest)
+
+
+def test_reconcile_on_s3_deletes_old_orphans_only(s3_store) -> None:
+    store, _, _ = s3_store
+    kept = store.put(b"referenced")
+    orphan = store.put(b"orphan")
+    report = reconcile([("i1", "ready", kept)], store, grace_s=3600, dry_run=False)
+    assert (report.orphans, report.orphans_young, report.orphans_deleted) == (1, 1, 0)
+    report = reconcile([("i1", "ready", kept)], store, grace_s=3600, dry_run=False, now_s=time.time() + 7200)
+    assert report.orphans_deleted == 1 and not store.exists(orphan) and store.exists(kept)
+
+
+# --- reconcile ---------------------------------------------------------------------------
+def test_reconcile_reports_orphans_and_missing_payloads(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "blobs")
+    live = store.put(b"live payload")
+    done_result = store.put(b"a stored result")
+    orphan = store.put(b"left behind by a crashed producer")
+    gone = sha256_hex(b"never stored")
+    refs = [("i1", "ready", live), ("i2", "acknowledged", done_result), ("i3", "ready", gone),
+            ("i4", "completed", sha256_hex(b"collected result"))]
+    future = time.time() + 3600
+    dry = reconcile(refs, store, grace_s=60, dry_run=True, now_s=future)
+    assert (dry.referenced, dry.stored, dry.orphans, dry.orphans_deleted) == (4, 3, 1, 0)
+    assert [(m.item_id, m.sha256) for m in dry.missing] == [("i3", gone)]  # i4 no longer needs its payload
+    assert store.exists(orphan)
+    young = reconcile(refs, store, grace_s=60, dry_run=False)
+    assert (young.orphans_young, young.orphans_deleted) == (1, 0) and store.exists(orphan)
+    real = reconcile(refs, store, grace_s=60, dry_run=False, now_s=future)
+    assert real.orphans_deleted == 1 and not store.exists(orphan)
+    assert store.exists(live) and store.exists(done_result)
+    assert real.as_dict()["missing"] == [{"item_id": "i3", "state": "ready", "sha256": gone}]

@@ -1,0 +1,249 @@
+"""Completion service as a real subprocess against a scripted broker: commit before ACK,
+idempotent upsert across a crash, database outages (PostgreSQL stopped, SQLite locked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from ccsq.common.claimstore import FileStore, sha256_hex
+from ccsq.common.faults import env_for
+from ccsq.common.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.common.protocol import Blob, Delivery
+from tests.pg import pg_database, pg_server  # noqa: F401 (fixtures)
+from tests.scripted_broker import ScriptedBroker, make_pki, write_config
+
+
+def delivery(n: int, result: bytes | None = None, store: FileStore | None = None) -> Delivery:
+    data = result if result is not None else json.dumps({"n": n, "text": f"result {n}"}).encode()
+    blob = Blob(sha256_hex(data), len(data), None if store else data)
+    if store is not None:
+        store.put(data)
+    return Delivery(item_id=f"item-{n:05d}", key=f"key-{n}", kind="echo", result=blob, params={"n": n, "raw": b"\x01"},
+                    attempt=1, handler="echo", handler_version="1.0", completed_ts=time.time())
+
+
+class Env:
+    """Keys, a scripted broker and a completion service subprocess in ``root``."""
+
+    def __init__(self, root: Path, **completion: object) -> None:
+        self.root = root
+        make_pki(root, {"broker": "broker", "completion-1": "completion"})
+        self.endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.config = write_config(root, "completion", "completion-1", self.endpoint, claim_store="file://blobs",
+                                   **{"database": "sqlite:///results.db", "credit": 16, "batch_max": 8,
+                                      "batch_wait_ms": 5.0, "backoff_max_s": 0.3, **completion})
+        self.broker = ScriptedBroker(root, self.endpoint).start()
+        self.procs = ProcessGroup(root / "logs")
+        self.store = FileStore(root / "blobs")
+
+    def start(self, env: dict[str, str] | None = None):
+        return self.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(self.config)],
+                                env=env, ready_event="broker_link_ready")
+
+    def count(self, event: str) -> int:
+        return self.procs.procs["completion"].count(event)
+
+    def close(self) -> None:
+        self.procs.stop_all()
+        self.broker.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    envs: list[Env] = []
+
+    def make(**completion: object) -> Env:
+        e = Env(tmp_path, **completion)
+        envs.append(e)
+        return e
+
+    yield make
+    for e in envs:
+        e.close()
+
+
+def sqlite_rows(db: Path) -> dict[str, dict]:
+    if not db.exists():
+        return {}
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    con.row_factory = sqlite3.Row
+    try:
+        return {r["item_id"]: dict(r) for r in con.execute("SELECT * FROM results")}
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        con.close()
+
+
+def test_results_land_once_then_ack_within_credit(env) -> None:
+    e = env()
+    e.start()
+    big = os.urandom(3000)
+    e.broker.add_completed(delivery(0, result=big, store=e.store))  # result by claim-check reference
+    for n in range(1, 200):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 200, 30, "200 results acknowledged")
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 200 and {r["deliveries"] for r in rows.values()} == {1}
+    assert set(e.broker.ack_count.values()) == {1}
+    assert e.broker.max_in_flight <= 16  # never more than the credit granted
+    assert rows["item-00000"]["result"] == big and rows["item-00000"]["result_text"] is None
+    r7 = rows["item-00007"]
+    assert json.loads(r7["result_text"]) == {"n": 7, "text": "result 7"}
+    assert json.loads(r7["params"]) == {"n": 7, "raw": {"$b64": "AQ=="}}
+    assert (r7["idem_key"], r7["kind"], r7["attempt"], r7["handler"], r7["handler_version"]) == (
+        "key-7", "echo", 1, "echo", "1.0")
+    assert r7["landed_ts"] >= r7["completed_ts"] - 1
+
+
+def test_killed_between_commit_and_ack_lands_once_and_counts_the_redelivery(env) -> None:
+    """Crash between steps 5 and 6 (DESIGN "Item life", gap G3): the first batch is
+    committed but never acknowledged; after a restart the broker redelivers it and the
+    upsert keeps one row per item with deliveries=2."""
+    e = env(batch_max=4, batch_wait_ms=200.0)
+    proc = e.start(env=env_for("completion.after_db_commit"))
+    for n in range(4):
+        e.broker.add_completed(delivery(n))
+    assert e.procs.wait_exit("completion", timeout_s=20) == -signal.SIGKILL
+    first = sqlite_rows(e.root / "results.db")
+    assert len(first) == 4 and e.broker.ack_frames() == 0  # committed, never acknowledged
+    e.start()
+    for n in range(4, 10):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 10, 30, "10 results acknowledged")
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 10
+    assert {i: r["deliveries"] for i, r in rows.items() if r["deliveries"] != 1} == {i: 2 for i in first}
+    assert all(rows[i]["landed_ts"] == first[i]["landed_ts"] for i in first)  # the first write is kept
+    assert set(e.broker.ack_count.values()) == {1}
+    assert proc.starts == 2
+
+
+@pytest.mark.postgres
+def test_postgres_outage_stops_acks_and_every_result_lands_once(env, pg_server, pg_database) -> None:  # noqa: F811
+    e = env(database=pg_database, db_slow_s=2.0)
+    e.start()
+    for n in range(40):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 40, 30, "first 40 acknowledged")
+    pg_server.stop()
+    for n in range(40, 120):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: e.count("db_unhealthy") >= 1, 30, "db_unhealthy logged")
+    t_down = time.monotonic()
+    acks_at_down = e.broker.ack_frames()
+    wait_until(lambda: e.count("db_unhealthy") >= 4, 30, "the service to keep backing off")
+    t_up = time.monotonic()
+    assert e.broker.ack_frames() == acks_at_down
+    with e.broker.lock:
+        assert not any(t_down <= t <= t_up for t, _ in e.broker.acks)
+    pg_server.start()
+    wait_until(lambda: len(e.broker.acked_ids()) == 120, 60, "all 120 acknowledged after the restart")
+    assert e.count("db_recovered") >= 1
+    with psycopg.connect(pg_database) as con:
+        rows = con.execute("SELECT item_id, deliveries, result_text, params FROM results").fetchall()
+    assert len(rows) == 120 and {r[1] for r in rows} == {1}
+    assert set(e.broker.ack_count.values()) == {1}
+    assert json.loads(dict((r[0], r[2]) for r in rows)["item-00041"])["n"] == 41
+
+
+def test_slow_database_write_is_retried_without_ack(env) -> None:
+    """A write blocked longer than db_slow_s (another writer holds the SQLite lock) is
+    abandoned and retried with backoff; nothing is acknowledged until it commits."""
+    e = env(db_slow_s=0.3)
+    e.start()
+    e.broker.add_completed(delivery(0))
+    wait_until(lambda: len(e.broker.acked_ids()) == 1, 30, "first result acknowledged")
+    locker = sqlite3.connect(e.root / "results.db", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        for n in range(1, 30):
+            e.broker.add_completed(delivery(n))
+        wait_until(lambda: e.count("db_unhealthy") >= 2, 30, "db_unhealthy after slow writes")
+        assert e.count("db_slow") >= 1
+        assert e.broker.ack_frames() == 1
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    wait_until(lambda: len(e.broker.acked_ids()) == 30, 30, "all acknowledged once the lock is gone")
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 30 and {r["deliveries"] for r in rows.values()} == {1}
+    assert e.count("db_recovered") >= 1
+
+
+def test_missing_result_blob_is_never_acknowledged(env) -> None:
+    e = env()
+    e.start()
+    lost = b"stored nowhere" * 100
+    e.broker.add_completed(Delivery(item_id="item-lost", key="k", kind="echo", result=Blob(sha256_hex(lost), len(lost)),
+                                    params={}, attempt=1, handler="echo", handler_version="1", completed_ts=time.time()))
+    e.broker.add_completed(delivery(1))
+    wait_until(lambda: e.broker.acked_ids() == {"item-00001"}, 30, "the good result acknowledged")
+    wait_until(lambda: e.count("result_missing") == 1, 10, "result_missing logged")
+    assert "item-lost" not in sqlite_rows(e.root / "results.db")
+
+
+def test_sigterm_finishes_the_batch_says_bye_and_exits_0(env) -> None:
+    e = env(batch_max=50, batch_wait_ms=50.0, credit=200)
+    e.start()
+    for n in range(150):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: e.count("results_acked") >= 1, 30, "a first acknowledged batch")
+    e.procs.signal("completion", signal.SIGTERM)
+    assert e.procs.wait_exit("completion", timeout_s=20) == 0
+    rows = sqlite_rows(e.root / "results.db")
+    assert set(rows) == e.broker.acked_ids()  # every committed batch was acknowledged before exit
+    assert e.count("completion_stopped") == 1
+    wait_until(lambda: "completion-1" in e.broker.byes, 5, "BYE from the completion service")
+
+
+def test_bad_database_url_is_a_config_error(env) -> None:
+    e = env(database="mysql://nope")
+    proc = e.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(e.config)])
+    assert e.procs.wait_exit("completion", timeout_s=20) == 78
+    assert "mysql://nope" in e.procs.tail("completion") and proc.starts == 1
+
+
+def test_sd_notify_ready_watchdog_and_stopping(env, tmp_path: Path) -> None:
+    """Under systemd (Type=notify, WatchdogSec=): READY=1 once serving (broker and database
+    need not be up), WATCHDOG=1 pings from the event loop, STOPPING=1 on SIGTERM."""
+    import socket
+
+    e = env()
+    path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(0.1)
+    seen: list[str] = []
+
+    def drain() -> list[str]:
+        try:
+            while True:
+                seen.extend(listener.recv(4096).decode().splitlines())
+        except TimeoutError:
+            return seen
+
+    try:
+        e.start(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+        wait_until(lambda: "READY=1" in drain() and "WATCHDOG=1" in seen, 10, "READY=1 and WATCHDOG=1")
+        e.procs.signal("completion", signal.SIGTERM)
+        assert e.procs.wait_exit("completion", timeout_s=20) == 0
+        assert "STOPPING=1" in drain()
+    finally:
+        listener.close()
+
+
+def test_unreadable_key_is_a_config_error_before_ready(env) -> None:
+    e = env()
+    (e.root / "keys" / "completion-1.key").chmod(0o644)
+    e.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(e.config)])
+    assert e.procs.wait_exit("completion", timeout_s=20) == 78
+    assert "chmod 600" in e.procs.tail("completion")

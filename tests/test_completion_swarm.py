@@ -1,0 +1,63 @@
+"""Completion service with the real broker and echo worker: a crash between DB commit
+and ACK, and a PostgreSQL outage mid-stream."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from ccsq.common.faults import env_for
+from tests.pg import pg_database, pg_server  # noqa: F401 (fixtures)
+from tests.swarm import Swarm, wait_until
+
+
+def test_completion_killed_between_commit_and_ack_lands_once(tmp_path: Path) -> None:
+    """Gap G3: the result is committed, the service dies before ACK; after the restart the
+    broker redelivers it and the results table holds one row with deliveries=2."""
+    with Swarm(tmp_path / "s", completion={"batch_max": 1}) as swarm:
+        swarm.start_broker()
+        swarm.start_worker(1)
+        swarm.start_completion(env=env_for("completion.after_db_commit"))
+        with swarm.client() as client:
+            receipt = client.submit(b"crash me after the commit", "echo")
+        assert swarm.procs.wait_exit("completion", timeout_s=30) == -signal.SIGKILL
+        before = swarm.results()
+        assert [r["item_id"] for r in before] == [receipt.item_id]
+        assert swarm.report()["acknowledged"] == 0
+        swarm.start_completion()
+        report = swarm.wait_acknowledged(1, timeout_s=60)
+        rows = swarm.results()
+    assert len(rows) == 1 and rows[0]["deliveries"] == 2
+    assert rows[0]["landed_ts"] == before[0]["landed_ts"]  # the first write is kept
+    assert report["acknowledged"] == report["received"] == 1 and report["balanced"]
+    g3 = next(w for w in report["windows"] if w["id"] == "G3")
+    assert g3["count"] >= 1
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+def test_postgres_outage_no_acks_while_down_every_result_lands_once(tmp_path: Path, pg_server, pg_database) -> None:  # noqa: F811
+    with Swarm(tmp_path / "s", completion={"database": pg_database, "backoff_max_s": 0.3, "db_slow_s": 2.0},
+               worker={"slots": 4, "prefetch": 16}) as swarm:
+        swarm.start_all(workers=1)
+        completion = swarm.procs.procs["completion"]
+        with swarm.client() as client:
+            client.submit_many([(f"before {i}".encode(), "echo") for i in range(30)])
+            swarm.wait_acknowledged(30, timeout_s=60)
+            pg_server.stop()
+            client.submit_many([(f"during {i}".encode(), "echo") for i in range(60)])
+        wait_until(lambda: completion.count("db_unhealthy") >= 1, 30, "db_unhealthy")
+        acked_when_down = swarm.report()["acknowledged"]
+        wait_until(lambda: completion.count("db_unhealthy") >= 4, 30, "several failed retries")
+        assert swarm.report()["acknowledged"] == acked_when_down  # no ACK while the database is down
+        assert swarm.report()["completed"] >= 1  # results wait in the broker
+        pg_server.start()
+        report = swarm.wait_acknowledged(90, timeout_s=90)
+        assert completion.count("db_recovered") >= 1
+    with psycopg.connect(pg_database) as con:
+        rows = con.execute("SELECT item_id, deliveries FROM results").fetchall()
+    assert len(rows) == 90 and {d for _, d in rows} == {1}
+    assert report["received"] == report["acknowledged"] == 90 and report["balanced"]

@@ -1,0 +1,138 @@
+"""Producer library against the real parts: ccsq-brokerd, ccsq-workerd (echo) and the
+completion service as subprocesses (tests/swarm.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ccsq.common.claimstore import FileStore
+from ccsq.common.errors import QueueFull
+from ccsq.common.faults import env_for
+from ccsq.producer.reconcile import reconcile
+from tests.swarm import Swarm, wait_until
+
+
+@pytest.mark.timeout(180)
+def test_outbox_1000_items_with_broker_down_are_acknowledged_exactly_once(tmp_path: Path) -> None:
+    """1,000 submissions while no broker runs are spooled durably; once the broker,
+    an echo worker and the completion service start, every one is acknowledged once."""
+    with Swarm(tmp_path / "s", producer={"outbox_dir": "outbox", "submit_timeout_s": 0.5},
+               completion={"credit": 256, "batch_max": 256}, worker={"slots": 4, "prefetch": 64}) as swarm:
+        with swarm.client() as client:
+            receipts = client.submit_many([(f"document {i}".encode(), "echo", {"i": i}) for i in range(1000)])
+            assert all(r.spooled for r in receipts) and client.outbox_count() == 1000
+            swarm.start_all(workers=1)
+            client.flush(timeout_s=60)
+            assert client.outbox_rejected() == []
+        report = swarm.wait_acknowledged(1000, timeout_s=120)
+        rows = wait_until(lambda: (r := swarm.results()) and len(r) >= 1000 and r, 30, "1000 result rows")
+    assert report["received"] == report["acknowledged"] == 1000 and report["balanced"]
+    assert report["duplicate_submits"] == 0
+    assert len(rows) == 1000 and {r["deliveries"] for r in rows} == {1}
+    assert {r["idem_key"] for r in rows} == {r.key for r in receipts}
+
+
+def test_dedup_status_and_wait_against_the_broker(tmp_path: Path) -> None:
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_all(workers=1)
+        with swarm.client() as client:
+            first = client.submit(b"same document" * 2000, "echo", params={"lang": "en"})  # claim check
+            again = client.submit(b"same document" * 2000, "echo", params={"lang": "en"})
+            other = client.submit(b"small", "echo")
+            done = client.wait([first.item_id, other.item_id, "no-such-item"], timeout_s=60)
+    assert again.duplicate and again.item_id == first.item_id and not first.duplicate
+    assert done[first.item_id].state == done[other.item_id].state == "acknowledged"
+    assert done["no-such-item"].state == "unknown"
+    rows = {r["item_id"]: r for r in swarm.results()}
+    assert rows[first.item_id]["result"] == b"same document" * 2000
+    assert rows[first.item_id]["deliveries"] == 1 and len(rows) == 2
+
+
+def test_queue_full_backpressure_then_drain(tmp_path: Path) -> None:
+    """The broker refuses SUBMIT with QUEUE_FULL above max_ready_items: the producer
+    raises QueueFull after its timeout, and a retrying submit succeeds once workers drain."""
+    with Swarm(tmp_path / "s", broker={"max_ready_items": 3}) as swarm:
+        swarm.start_broker()
+        with swarm.client() as client:
+            for i in range(3):
+                client.submit(f"item {i}".encode(), "echo")
+            t0 = time.monotonic()
+            with pytest.raises(QueueFull):
+                client.submit(b"one too many", "echo", timeout_s=1.0)
+            assert time.monotonic() - t0 < 5
+            out: dict = {}
+            t = threading.Thread(target=lambda: out.update(r=client.submit(b"eventually", "echo", timeout_s=60)))
+            t.start()
+            swarm.start_worker(1)
+            swarm.start_completion()
+            t.join(timeout=60)
+        assert out["r"].item_id
+        report = swarm.wait_acknowledged(4, timeout_s=60)
+    assert report["received"] == 4 and report["balanced"]
+
+
+_CRASHING_PRODUCER = """
+import sys
+from ccsq.producer import Client
+with Client.from_config_file(sys.argv[1]) as client:
+    client.submit(b"z" * 100_000, "echo")
+print("unreachable: the crash point did not fire")
+"""
+
+
+def test_producer_killed_after_blob_put_reconcile_finds_the_orphan(tmp_path: Path) -> None:
+    """Crash between PUT and SUBMIT with the real broker: the ledger never heard of the
+    item, the blob is an orphan that reconcile reports and then collects."""
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        proc = subprocess.run([sys.executable, "-c", _CRASHING_PRODUCER, str(swarm.configs["producer"])],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **env_for("producer.after_blob_put")})
+        assert proc.returncode == -9, proc.stdout + proc.stderr
+        report = swarm.report()
+    assert report["received"] == 0
+    store = FileStore(swarm.root / "blobs")
+    found = reconcile([], store, grace_s=3600, dry_run=True, now_s=time.time() + 7200)
+    assert (found.stored, found.orphans, found.orphans_deleted) == (1, 1, 0)
+    done = reconcile([], store, grace_s=3600, dry_run=False, now_s=time.time() + 7200)
+    assert done.orphans_deleted == 1 and list(store.list()) == []
+
+
+def test_broker_killed_after_submit_commit_resubmit_returns_the_same_item(tmp_path: Path) -> None:
+    """The broker dies after committing a SUBMIT and before its SUBMIT_ACK: the producer
+    re-sends the same key to the restarted broker and gets the original item id back."""
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker(env=env_for("broker.after_submit_commit"))
+        with swarm.client() as client:
+            out: dict = {}
+            t = threading.Thread(target=lambda: out.update(r=client.submit(b"committed once", "echo", timeout_s=60)))
+            t.start()
+            assert swarm.procs.wait_exit("broker", timeout_s=30) == -9
+            swarm.start_broker()
+            t.join(timeout=60)
+            receipt = out["r"]
+            status = client.status([receipt.item_id])[receipt.item_id]
+        report = swarm.report()
+    assert receipt.duplicate and status.state == "ready"
+    assert report["received"] == 1 and report["duplicate_submits"] == 1 and report["balanced"]
+
+
+def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> None:
+    from ccsq.common.config import ProducerConfig, load
+    from ccsq.common.errors import Unauthorized
+    from ccsq.producer import Client
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        cfg = load(ProducerConfig, swarm.configs["producer"])
+        wrong = dataclasses.replace(cfg, peer_id="completion-1", private_key=str(swarm.root / "keys" / "completion-1.key"))
+        with Client(wrong) as client, pytest.raises(Unauthorized, match="ROLE"):
+            client.submit(b"x", "echo", timeout_s=1.5)
