@@ -152,6 +152,9 @@ class BrokerConfig:
     max_batch_items: int = opt(256, min=1, max=65536, doc="most items in one DISPATCH or RESULT frame")
     sndhwm: int = opt(1000, min=1, max=1 << 20, doc="ROUTER send high-water mark per peer")
     metrics_port: int = opt(0, min=0, max=65535, doc="Prometheus metrics port on 127.0.0.1 (0 = off)")
+    accounting_sample_interval_s: float = opt(
+        30.0, min=0.05, max=86400.0, doc="the ledger keeps an accounting sample this often while counters change (gap-report --html chart)"
+    )
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
     config_path: str = ""
 
@@ -171,6 +174,9 @@ class WorkerConfig(PeerSettings):
     handler_threads: int = opt(0, min=0, max=256, doc="intra-op threads for the model (0 = library default)")
     max_runtime_s: float = opt(0.0, min=0.0, max=86400.0, doc="default per-item runtime cap (0 = none)")
     drain_timeout_s: float = opt(30.0, min=0.0, max=86400.0, doc="on SIGTERM, running items get this long to finish before they are given back")
+    max_batch: int = opt(0, min=0, max=4096, doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
+    max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
+    model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,3 +200,55 @@ class CompletionConfig(PeerSettings):
     batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminConfig(PeerSettings):
+    """``admin.toml`` (the ``ccsq status/items/dlq/drain/reconcile`` commands)."""
+
+    data_dir: str = opt("broker-data", path=True, doc="the broker's data_dir, read directly when the broker is stopped (--offline)")
+    connect_timeout_s: float = opt(2.0, min=0.1, max=300.0, doc="no WELCOME within this: read the ledger offline (read-only commands)")
+
+
+CONFIG_FILES: dict[str, type] = {
+    "brokerd.toml": BrokerConfig,
+    "workerd-N.toml": WorkerConfig,
+    "producer.toml": ProducerConfig,
+    "completion.toml": CompletionConfig,
+}
+
+
+def markdown_reference() -> str:
+    """The config-key reference as Markdown (embedded in README.md; a test keeps them in sync)."""
+    out: list[str] = []
+    for fname, cls in CONFIG_FILES.items():
+        out.append(f"**`{fname}`**\n\n| key | type | default | meaning |\n|---|---|---|---|")
+        for key, typ, default, doc in describe(cls):
+            out.append(f"| `{key}` | {typ} | `{default!r}` | {doc} |")
+        out.append("")
+    out.append("`admin.toml` holds only the keys every peer shares (`peer_id` ... `log_format`, the first keys of the worker table).")
+    return "\n".join(out)
+
+
+README_BEGIN = "<!-- config-keys:begin (generated: python -m ccsq.common.config --write README.md) -->"
+README_END = "<!-- config-keys:end -->"
+
+
+def write_reference(readme: Path) -> bool:
+    """Replace the generated block in ``readme``; returns True if it changed."""
+    text = readme.read_text()
+    head, _, rest = text.partition(README_BEGIN)
+    _, _, tail = rest.partition(README_END)
+    new = f"{head}{README_BEGIN}\n{markdown_reference()}\n{README_END}{tail}"
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python -m ccsq.common.config [--write README.md]
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        write_reference(Path(sys.argv[2]))
+    else:
+        print(markdown_reference())
