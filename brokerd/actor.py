@@ -30,6 +30,7 @@ import structlog
 from ccsq.brokerd import transport as tp
 from ccsq.brokerd.admin import AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
+from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
 from ccsq.common import protocol as p
 from ccsq.common.config import BrokerConfig
@@ -107,7 +108,8 @@ class Broker:
         self.redeliver = set()
         self.deferred = []
         self.rejects = collections.Counter()
-        self.snapshot: dict = {}
+        self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
+        self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
         self._rejects_unsaved: collections.Counter = collections.Counter()
         self._reject_logged: dict[tuple[bytes, str], float] = {}
         self._stopping = False
@@ -322,6 +324,7 @@ class Broker:
         msg = env.message
         if isinstance(msg, p.Heartbeat):
             if sess.role is p.Role.WORKER:
+                self.stats.heartbeat(env.ts_ms)
                 for ref in msg.leases:
                     self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
                 if msg.healthy and not sess.healthy:
@@ -372,13 +375,16 @@ class Broker:
                 if background and mode != "minimal":
                     backlog = txn.expire_deadlines(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
                     backlog = txn.purge(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
+                    txn.append_sample(wall_ms(), self.cfg.accounting_sample_interval_s)
                 if mode != "minimal":
                     self._dispatch(txn, batch, now)
                     self._deliver(txn, batch)
                 for code, n in self._rejects_unsaved.items():
                     txn.count_reject(code, n)
                 if txn.changed:
+                    t0, records = time.perf_counter(), txn.records
                     txn.commit()
+                    self.stats.committed(records, time.perf_counter() - t0)
                 else:
                     txn.abort()
                 break
@@ -411,18 +417,7 @@ class Broker:
 
     def _refresh_snapshot(self) -> None:
         """Replace :attr:`snapshot` (read by the metrics thread; never the ledger itself)."""
-        with self.ledger.read() as view:
-            counters, states = view.counters(), view.states()
-        self.snapshot = {
-            "counters": counters,
-            "states": states,
-            "rejects": dict(self.rejects),
-            "map_size_bytes": self.ledger.map_size_bytes(),
-            "map_used_bytes": self.ledger.used_bytes(),
-            "max_map_size_bytes": self.ledger.max_map_size_bytes,
-            "peers": len(self.peers),
-            "leases": len(self.leases),
-        }
+        self.snapshot = build_snapshot(self)
 
     def _submit_refusal(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> str:
         """"" or the code every new item of this turn is refused with (DISK_FULL, QUEUE_FULL)."""
@@ -495,6 +490,7 @@ class Broker:
             elif op == "expire":
                 new = txn.expire_lease(item_id, token, now_ms, why)
                 if new:
+                    batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                     log.info("lease_expired", item=item_id, token=token, why=why, now=new)
             elif op == "dead":
                 if txn.dead_letter(item_id, token, why, "cannot be dispatched", now_ms):
@@ -508,6 +504,7 @@ class Broker:
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
             if new:
+                batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 log.info("lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
                 if new == p.ItemState.DEAD.value:
                     log.warning("item_dead", item=lease.item_id, reason="worker_lost")
@@ -517,7 +514,11 @@ class Broker:
 
     # --- dispatch (pull: only to workers with credit) ---
     def _workers_with_credit(self) -> list[Session]:
-        return [s for s in self.peers.sessions(p.Role.WORKER) if s.credit > 0 and s.healthy and not s.pending]
+        return [
+            s
+            for s in self.peers.sessions(p.Role.WORKER)
+            if s.credit > 0 and s.healthy and not s.pending and s.peer_id not in self.peers.draining
+        ]
 
     def _wake_dispatch(self) -> None:
         self._dispatch_at_mono = 0.0

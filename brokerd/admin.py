@@ -1,12 +1,30 @@
-"""ADMIN commands answered by the broker actor (inside the turn's transaction).
+"""ADMIN commands answered by the broker actor (inside the turn's transaction),
+and the ledger queries they share with the offline (read-only) path.
 
-Each command is a method ``cmd_<name>(txn, batch, args) -> dict`` returning a
-JSON-like document; the reply is ``AdminReply(req, ok, body=msgpack(doc))``.
+Each command is a method ``cmd_<name>(txn, batch, sess, args) -> dict`` returning
+a JSON-like document; the reply is ``AdminReply(req, ok, body=msgpack(doc))``.
 Unknown commands and bad arguments give ``ok=False`` with ``error``. To add a
-command, add a method; :attr:`AdminCommands.COMMANDS` lists them.
+command, add a method and list it in :attr:`AdminCommands.COMMANDS`.
 
-Commands: ``status``; ``items_show`` (``item_id``); ``dlq_list`` (``limit``);
-``dlq_replay`` (``item_id``, or ``all=true``).
+Commands (arguments are scalars, see :class:`ccsq.common.protocol.Admin`):
+
+- ``status``: peers (slots, credit, leases, draining), backlog per kind and state,
+  oldest ready item, counters, balance, gap counts, ledger use.
+- ``items_show`` (``item_id``): the item's ledger record.
+- ``dlq_list`` (``limit`` 1..1000, default 100): dead items, oldest id first.
+- ``dlq_replay`` / ``dlq_purge`` (``item_id``, or ``all=true``: up to 1000 per call,
+  ``more`` says whether to call again): replay makes dead items ready with a fresh
+  attempt budget (G10 event); purge deletes them (G11 event).
+- ``drain`` (``worker``, ``undo``): stop (or resume) dispatching to a worker; its
+  leases finish normally.
+- ``dead_letter`` (``item_id`` or ``item_ids`` comma-separated, ``reason``
+  ``payload_missing``/``operator``, ``message``): dead-letter *ready* items
+  (``ccsq reconcile --apply``), G7 events.
+
+``status``, ``items_show`` and ``dlq_list`` build their ledger part with the
+module functions :func:`ledger_status`, :func:`item_doc` and :func:`dlq_doc`,
+which ``ccsq ... --offline`` calls on a read-only snapshot: both paths give the
+same answer by construction (tests/test_admin_cli.py checks it).
 """
 
 from __future__ import annotations
@@ -21,10 +39,14 @@ from ccsq.common.errors import CcsqError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch, Broker
-    from ccsq.brokerd.ledger import LedgerTxn
+    from ccsq.brokerd.ledger import LedgerTxn, LedgerView
     from ccsq.brokerd.peers import Session
 
 LEASES_LISTED_PER_PEER = 100
+MAX_ITEMS_PER_COMMAND = 1000  # keeps one admin command within the actor's turn budget and one frame
+DEAD_LETTER_REASONS = ("payload_missing", "operator")
+#: Keys of ``status`` that come from the ledger alone (identical online and offline).
+LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms", "dead")
 
 
 class AdminError(CcsqError):
@@ -33,8 +55,49 @@ class AdminError(CcsqError):
     code = "ADMIN"
 
 
+# --- ledger queries (online inside the broker's transaction, offline on a read snapshot) ---
+def ledger_status(view: LedgerView) -> dict[str, Any]:
+    """The ledger part of ``status`` (keys :data:`LEDGER_STATUS_KEYS`, plus
+    ``oldest_ready_age_s`` which depends on the wall clock)."""
+    counters, states = view.counters(), view.states()
+    oldest = view.oldest_ready_created_ms()
+    return {
+        "ledger_id": view.ledger.ledger_id,
+        "epoch": view.epoch(),
+        "counters": counters,
+        "states": states,
+        "balanced": counters["received"] == sum(states.values()),
+        "backlog": view.kind_states(),
+        "gaps": view.gap_counts(),
+        "oldest_ready_created_ms": oldest,
+        "oldest_ready_age_s": None if oldest is None else round(max(0.0, time.time() - oldest / 1000.0), 3),
+        "dead": states["dead"],
+    }
+
+
+def item_doc(view: LedgerView, item_id: str) -> dict[str, Any]:
+    """``{"item": record}`` for ``items show``; AdminError if there is no such item
+    (never submitted, or purged)."""
+    rec = view.get(item_id)
+    if rec is None:
+        raise AdminError(f"no item {item_id!r} in the ledger (never submitted, or purged after retention)")
+    return {"item": rec}
+
+
+def dlq_doc(view: LedgerView, limit: int) -> dict[str, Any]:
+    """``{"items": [dead records], "total": dead items listed in the ledger's index}``."""
+    return {"items": view.dead_items(limit), "total": view.state_count("dead")}
+
+
+def limit_arg(args: dict, default: int = 100) -> int:
+    limit = args.get("limit", default)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_ITEMS_PER_COMMAND:
+        raise AdminError(f"limit must be an integer 1..{MAX_ITEMS_PER_COMMAND}")
+    return limit
+
+
 class AdminCommands:
-    COMMANDS = ("status", "items_show", "dlq_list", "dlq_replay")
+    COMMANDS = ("status", "items_show", "dlq_list", "dlq_replay", "dlq_purge", "drain", "dead_letter")
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -43,13 +106,16 @@ class AdminCommands:
         if msg.command not in self.COMMANDS:
             return p.AdminReply(msg.req, False, error=f"unknown command {msg.command!r}; known: {list(self.COMMANDS)}")
         try:
-            doc = getattr(self, f"cmd_{msg.command}")(txn, batch, msg.args)
+            doc = getattr(self, f"cmd_{msg.command}")(txn, batch, sess, msg.args)
         except AdminError as exc:
             return p.AdminReply(msg.req, False, error=str(exc))
-        return p.AdminReply(msg.req, True, body=msgpack.packb(doc, use_bin_type=True))
+        body = msgpack.packb(doc, use_bin_type=True)
+        if len(body) > self.broker._reply_budget():  # noqa: SLF001 - the actor's frame budget
+            return p.AdminReply(msg.req, False, error=f"reply of {len(body)} bytes is over the frame limit: ask for fewer (--limit)")
+        return p.AdminReply(msg.req, True, body=body)
 
-    # --- commands ---
-    def cmd_status(self, txn: LedgerTxn, batch: Batch, args: dict) -> dict[str, Any]:
+    # --- read-only commands ---
+    def cmd_status(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         b = self.broker
         now = time.monotonic()
         peers = []
@@ -63,6 +129,7 @@ class AdminCommands:
                     "credit": s.credit,
                     "kinds": list(s.kinds),
                     "healthy": s.healthy,
+                    "draining": s.peer_id in b.peers.draining,
                     "busy": s.busy,
                     "done": s.done,
                     "info": s.info,
@@ -77,24 +144,16 @@ class AdminCommands:
                     "last_seen_s": round(now - s.last_recv_mono, 3),
                 }
             )
-        oldest = txn.oldest_ready_created_ms()
-        states = txn.states()
-        counters = txn.counters()
         return {
+            "source": "broker",
+            **ledger_status(txn),
             "broker": {
                 "peer_id": b.cfg.peer_id,
-                "epoch": b.epoch,
-                "ledger_id": b.ledger.ledger_id,
                 "endpoint": b.transport.endpoint,
                 "uptime_s": round(now - b._started_mono, 3),  # noqa: SLF001 - the actor's own field
             },
             "peers": peers,
-            "backlog": txn.kind_states(),
-            "oldest_ready_age_s": None if oldest is None else round(time.time() - oldest / 1000.0, 3),
-            "counters": counters,
-            "states": states,
-            "balanced": counters["received"] == sum(states.values()),
-            "gaps": txn.gap_counts(),
+            "draining": sorted(b.peers.draining),
             "rejects": dict(b.rejects),
             "send": {"again": b.transport.sent_again, "unroutable": b.transport.sent_unroutable},
             "ledger": {
@@ -106,30 +165,67 @@ class AdminCommands:
             "in_flight_deliveries": len(b.delivered),
         }
 
-    def cmd_items_show(self, txn: LedgerTxn, batch: Batch, args: dict) -> dict[str, Any]:
+    def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         item_id = _str_arg(args, "item_id")
-        rec = txn.get(item_id)
-        if rec is None:
-            raise AdminError(f"no item {item_id!r}")
+        doc = item_doc(txn, item_id)
         lease = self.broker.leases.get(item_id)
-        return {"item": rec, "lease_in_memory": None if lease is None else {"token": lease.token, "worker": lease.worker}}
+        doc["lease_in_memory"] = None if lease is None else {"token": lease.token, "worker": lease.worker}
+        return doc
 
-    def cmd_dlq_list(self, txn: LedgerTxn, batch: Batch, args: dict) -> dict[str, Any]:
-        limit = args.get("limit", 100)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise AdminError("limit must be an integer 1..10000")
-        return {"items": txn.dead_items(limit)}
+    def cmd_dlq_list(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        return dlq_doc(txn, limit_arg(args))
 
-    def cmd_dlq_replay(self, txn: LedgerTxn, batch: Batch, args: dict) -> dict[str, Any]:
+    # --- commands that change state (this transaction; effects after commit) ---
+    def cmd_dlq_replay(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        ids, more = self._dead_ids(txn, args)
         now_ms = int(time.time() * 1000)
-        if args.get("all") is True:
-            ids = [rec["id"] for rec in txn.dead_items(10_000)]
+        done = [i for i in ids if txn.replay_dead(i, now_ms, who=sess.peer_id)]
+        if done:
+            batch.effects.append(self.broker._wake_dispatch)  # noqa: SLF001
+        return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more}
+
+    def cmd_dlq_purge(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        ids, more = self._dead_ids(txn, args)
+        now_ms = int(time.time() * 1000)
+        done = [i for i in ids if txn.purge_dead(i, now_ms, who=sess.peer_id)]
+        return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more}
+
+    def cmd_drain(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        worker = _str_arg(args, "worker")
+        undo = args.get("undo", False) is True
+        b = self.broker
+        if undo:
+            batch.effects.append(lambda: (b.peers.draining.discard(worker), b._wake_dispatch()))  # noqa: SLF001
+        else:
+            batch.effects.append(lambda: b.peers.draining.add(worker))
+        s = b.peers.get(worker)
+        return {
+            "worker": worker,
+            "draining": not undo,
+            "connected": s is not None and s.role is p.Role.WORKER,
+            "leases": len(b.leases.held_by(worker)),
+        }
+
+    def cmd_dead_letter(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        if isinstance(args.get("item_ids"), str):
+            ids = [i for i in args["item_ids"].split(",") if i]
         else:
             ids = [_str_arg(args, "item_id")]
-        replayed = [i for i in ids if txn.replay_dead(i, now_ms)]
-        if replayed:
-            batch.effects.append(self.broker._wake_dispatch)  # noqa: SLF001
-        return {"replayed": replayed, "not_dead": [i for i in ids if i not in replayed]}
+        if not ids or len(ids) > MAX_ITEMS_PER_COMMAND:
+            raise AdminError(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
+        reason = args.get("reason", "operator")
+        if reason not in DEAD_LETTER_REASONS:
+            raise AdminError(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
+        message = str(args.get("message", ""))[:300] or f"dead-lettered by {sess.peer_id}"
+        now_ms = int(time.time() * 1000)
+        done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
+        return {"dead": done, "not_ready": [i for i in ids if i not in done], "reason": reason}
+
+    def _dead_ids(self, txn: LedgerTxn, args: dict) -> tuple[list[str], bool]:
+        if args.get("all") is True:
+            recs = txn.dead_items(MAX_ITEMS_PER_COMMAND + 1)
+            return [r["id"] for r in recs[:MAX_ITEMS_PER_COMMAND]], len(recs) > MAX_ITEMS_PER_COMMAND
+        return [_str_arg(args, "item_id")], False
 
 
 def _str_arg(args: dict, name: str) -> str:

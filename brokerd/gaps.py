@@ -33,6 +33,8 @@ G6_DEADLINE_EXPIRED = "G6"
 G7_DEAD_LETTERED = "G7"
 G8_LATE_RESULT_ACCEPTED = "G8"
 G9_SUBMIT_RETRIED = "G9"
+G10_DEAD_LETTER_REPLAYED = "G10"
+G11_DEAD_LETTER_PURGED = "G11"
 
 WINDOWS: tuple[Window, ...] = (
     Window(
@@ -40,7 +42,8 @@ WINDOWS: tuple[Window, ...] = (
         "orphan blob",
         "producer: between the claim-store PUT and the committed SUBMIT",
         "the producer crashed or gave up after storing the payload, so no item refers to the blob",
-        "`ccsq reconcile` deletes unreferenced blobs older than its grace period (no broker event; reconcile reports it)",
+        "`ccsq reconcile --apply` deletes unreferenced blobs older than its grace period, which must exceed the longest"
+        " outbox spool time (no broker event; reconcile reports it)",
     ),
     Window(
         G2_LEASE_EXPIRED,
@@ -84,9 +87,10 @@ WINDOWS: tuple[Window, ...] = (
     Window(
         G7_DEAD_LETTERED,
         "dead-lettered",
-        "broker: attempts exhausted (worker_lost, handler_error, timeout) or a permanent failure",
+        "broker: attempts exhausted (worker_lost, handler_error, timeout), a permanent failure (fatal, payload_missing),"
+        " or `ccsq reconcile --apply` finding a ready item's payload missing",
         "the item is terminal in state dead and not done",
-        "operator: fix the cause, then replay the dead letter (admin dlq_replay) which makes it ready again",
+        "operator: fix the cause, then `ccsq dlq replay` (G10) makes it ready again with a fresh attempt budget",
         "dead",
     ),
     Window(
@@ -103,6 +107,22 @@ WINDOWS: tuple[Window, ...] = (
         "the ack was lost (crash, disconnect, timeout) or the producer resubmitted the same document",
         "the idempotency key returns the original item id with duplicate=true; no second item is made",
         "duplicate_submits",
+    ),
+    Window(
+        G10_DEAD_LETTER_REPLAYED,
+        "dead letter replayed",
+        "operator -> broker: `ccsq dlq replay` makes a dead item ready again with a fresh attempt budget",
+        "the item may already have run (partly or fully) in the attempts that dead-lettered it: it runs again",
+        "intended by the operator; the fencing token and the consumer upsert keep one result",
+        "replayed",
+    ),
+    Window(
+        G11_DEAD_LETTER_PURGED,
+        "dead letter purged",
+        "operator -> broker: `ccsq dlq purge` deletes a dead item (record, payload reference, idempotency key)",
+        "the item will never be done (at-most-zero) and is no longer listed; its blob becomes an orphan",
+        "intended by the operator; resubmit the document to run it again (its key is free); reconcile collects the blob",
+        "dead_purged",
     ),
 )
 

@@ -54,7 +54,14 @@ COUNTERS: tuple[str, ...] = (
     "late_results_accepted",
     "purged",
     "replayed",
+    "dead_purged",
 )
+
+#: Accounting samples kept in meta (``t:`` + >I slot), a ring: ``ccsq gap-report --html``
+#: charts them. At the default 30 s interval this is 24 h (~1 MiB at most).
+SAMPLES_KEPT = 2880
+#: Most kinds recorded per sample (their per-state counts, for per-queue drain rates).
+SAMPLE_MAX_KINDS = 64
 
 DB_NAMES = (
     "items",  # item_id -> msgpack record
@@ -335,6 +342,36 @@ class LedgerView:
                     out.setdefault(kind, {})[state] = n
         return out
 
+    def sample(self, n: int) -> dict | None:
+        """Accounting sample number ``n`` (1-based), if still in the ring."""
+        raw = self.txn.get(b"t:" + struct.pack(">I", n % SAMPLES_KEPT), db=self.db["meta"])
+        return _unpack(raw) if raw is not None else None
+
+    def samples(self) -> list[dict]:
+        """Every accounting sample in the ring, oldest first:
+        ``{ts_ms, counters: {name: n}, states: {state: n}, kinds: {kind: {state: n}}}``."""
+        out = []
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(b"t:"):
+            for k, v in cur:
+                if not k.startswith(b"t:"):
+                    break
+                out.append(_unpack(v))
+        out.sort(key=lambda d: d["ts_ms"])
+        return out
+
+    def nearest_deadlines(self, scan_limit: int = 10_000) -> dict[str, int]:
+        """{kind: earliest deadline_ms} among ready and leased items, from the deadline
+        index (at most ``scan_limit`` entries looked at, earliest first)."""
+        out: dict[str, int] = {}
+        for i, (k, _) in enumerate(self.txn.cursor(db=self.db["deadline"])):
+            if i >= scan_limit:
+                break
+            rec = self.get(k[8:].decode())
+            if rec is not None and rec["state"] in (S.READY.value, S.LEASED.value):
+                out.setdefault(rec["kind"], _Q.unpack(k[:8])[0])
+        return out
+
     def recent_events(self, window: str, limit: int) -> list[dict]:
         """The newest ``limit`` events of ``window``, newest first."""
         prefix = window.encode() + b"\0"
@@ -508,6 +545,7 @@ class LedgerTxn(LedgerView):
         self._nums: dict[bytes, int] = {}
         self._dirty: set[bytes] = set()
         self.changed = False
+        self.records = 0  # item records written (group-commit size, exported as a metric)
 
     def __exit__(self, *exc: object) -> None:
         if self.txn is not None:
@@ -547,6 +585,21 @@ class LedgerTxn(LedgerView):
     def bump(self, name: str, delta: int = 1) -> None:
         self._add(b"c:" + name.encode(), delta)
 
+    def kind_states(self) -> dict[str, dict[str, int]]:
+        """As :meth:`LedgerView.kind_states`, including this transaction's changes."""
+        out = super().kind_states()
+        for key in self._dirty:
+            if key.startswith(b"k:"):
+                kind, _, state = key[2:].decode().partition("\0")
+                per = out.setdefault(kind, {})
+                if self._nums[key]:
+                    per[state] = self._nums[key]
+                else:
+                    per.pop(state, None)
+                if not per:
+                    del out[kind]
+        return out
+
     def _next(self, name: bytes) -> int:
         v = self.num(b"m:" + name) + 1
         self._add(b"m:" + name, 1)
@@ -566,6 +619,7 @@ class LedgerTxn(LedgerView):
     def _put(self, rec: dict) -> None:
         self.txn.put(rec["id"].encode(), _pack(rec), db=self.db["items"])
         self.changed = True
+        self.records += 1
 
     def _index_remove(self, rec: dict) -> None:
         st, iid = rec["state"], rec["id"].encode()
@@ -855,13 +909,60 @@ class LedgerTxn(LedgerView):
         self._dead(rec, now_ms, reason, message)
         return True
 
-    def replay_dead(self, item_id: str, now_ms: int) -> bool:
-        """Make a dead item ready again with its attempt count reset. False if not dead."""
+    def replay_dead(self, item_id: str, now_ms: int, who: str = "operator") -> bool:
+        """Make a dead item ready again with its attempt count reset (a fresh attempt
+        budget) and a G10 event. False if not dead."""
         rec = self.get(item_id)
         if rec is None or rec["state"] != S.DEAD.value:
             return False
+        was = f"{rec.get('error', '')} after attempt {rec['attempt']}"
         self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="", worker="")
         self.bump("replayed")
+        self.event(gaps.G10_DEAD_LETTER_REPLAYED, item_id, now_ms, f"replayed by {who} (was dead: {was})")
+        return True
+
+    def dead_letter_ready(self, item_id: str, reason: str, message: str, now_ms: int) -> bool:
+        """Dead-letter a *ready* item (operator or reconcile: e.g. ``payload_missing``).
+        False if it is not ready (a leased item's worker reports the failure itself)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.READY.value:
+            return False
+        self._dead(rec, now_ms, reason, message)
+        return True
+
+    def purge_dead(self, item_id: str, now_ms: int, who: str = "operator") -> bool:
+        """Delete a dead item's record, payload and idempotency key (a resubmit then
+        makes a new item) with a G11 event. Like purged acknowledged items, it stays
+        counted in state ``dead`` so the balance holds. False if not dead."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.DEAD.value:
+            return False
+        iid = item_id.encode()
+        self.txn.delete(iid, db=self.db["dead"])
+        for name in ("items", "payloads", "results"):
+            self.txn.delete(iid, db=self.db[name])
+        kb = rec["key"].encode()
+        raw = self.txn.get(kb, db=self.db["keys"])
+        if raw is not None and _unpack(raw)[0] == item_id:
+            self.txn.delete(kb, db=self.db["keys"])
+        self.bump("dead_purged")
+        self.event(gaps.G11_DEAD_LETTER_PURGED, item_id, now_ms, f"purged by {who} (dead: {rec.get('error', '')})")
+        return True
+
+    # --- accounting samples (a bounded ring in meta) ---
+    def append_sample(self, now_ms: int, interval_s: float) -> bool:
+        """Append ``{ts, counters, states, kinds}`` to the sample ring when the last
+        sample is ``interval_s`` old and the counters changed since. True if written."""
+        n = self.num(b"m:sample_n")
+        counters = self.counters()
+        if n:
+            last = self.sample(n)
+            if last is not None and (now_ms - last["ts_ms"] < interval_s * 1000 or last["counters"] == counters):
+                return False
+        kinds = dict(list(self.kind_states().items())[:SAMPLE_MAX_KINDS])
+        n = self._next(b"sample_n")
+        doc = {"ts_ms": now_ms, "counters": counters, "states": self.states(), "kinds": kinds}
+        self.txn.put(b"t:" + struct.pack(">I", n % SAMPLES_KEPT), _pack(doc), db=self.db["meta"])
         return True
 
     # --- background slices ---

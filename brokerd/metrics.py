@@ -1,52 +1,187 @@
-"""Prometheus metrics on 127.0.0.1:``metrics_port`` (off when 0).
+"""Broker metrics: live instruments the actor updates, and a Prometheus exporter.
 
-The exporter thread never touches the ledger (a map resize must not race a
-reader): it renders :attr:`Broker.snapshot`, a plain dict the actor replaces
-once per background interval (counters, per-state counts, map usage, peers).
+Two sources, neither of which lets the exporter thread touch the ledger (a map
+resize must not race a reader):
+
+- :class:`BrokerStats`: histograms and counters the actor updates as things
+  happen (heartbeat handling lag, commit time and group-commit size, lease
+  expiries). prometheus_client instruments are thread-safe.
+- :attr:`Broker.snapshot`: a plain dict the actor replaces once per background
+  interval (about 1 s) with :func:`build_snapshot` (ledger counters, per-state
+  and per-kind counts, gap counts, map usage, peer table).
+
+Names (all prefixed ``ccsq_``; units in the name; see docs/grafana-dashboard.json):
+``items_total{counter}`` the ledger's flow counters (received, routed,
+completed, acknowledged, retried, dead, expired, duplicate_submits,
+fenced_completions, ...); ``items_in_state{state}``; ``backlog_items{kind,state}``;
+``gap_events_total{window}``; ``frames_rejected_total{reason}``;
+``lease_expiries_total{outcome}``; ``heartbeat_lag_seconds`` (histogram);
+``commit_seconds`` and ``commit_records`` (histograms: fsync time and item
+records per group commit); ``map_size_bytes``, ``map_used_bytes``,
+``max_map_size_bytes``, ``map_used_ratio``; ``peers{role}``; ``leases``;
+``oldest_ready_age_seconds``; per worker ``worker_slots``, ``worker_busy``,
+``worker_items_done``, ``worker_leases``, ``worker_draining`` (label ``worker``);
+``snapshot_age_seconds``.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ccsq.common import protocol as p
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Broker
 
+LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+COMMIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RECORD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
-class _Collector:
+
+class BrokerStats:
+    """Instruments updated by the broker actor, in their own registry.
+
+    ``heartbeat_lag_seconds``: broker wall clock at handling minus the HEARTBEAT
+    envelope's timestamp (sender clock; on one host the queueing delay, across
+    hosts it includes clock skew; clamped at 0). ``commit_seconds``: one ledger
+    commit including its fsync. ``commit_records``: item records written by that
+    commit (how many state changes share one fsync). ``lease_expiries_total``:
+    leases that ran out, by the state the item went to (ready, dead, expired).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.heartbeat_lag = Histogram(
+            "ccsq_heartbeat_lag_seconds", "HEARTBEAT handling lag (now - envelope timestamp)",
+            buckets=LAG_BUCKETS_S, registry=self.registry,
+        )
+        self.commit_seconds = Histogram(
+            "ccsq_commit_seconds", "ledger commit time including fsync", buckets=COMMIT_BUCKETS_S, registry=self.registry
+        )
+        self.commit_records = Histogram(
+            "ccsq_commit_records", "item records written per group commit", buckets=RECORD_BUCKETS, registry=self.registry
+        )
+        self.lease_expiries = Counter(
+            "ccsq_lease_expiries", "leases that ran out, by the item's next state", ["outcome"], registry=self.registry
+        )
+
+    def heartbeat(self, ts_ms: int) -> None:
+        self.heartbeat_lag.observe(max(0.0, time.time() - ts_ms / 1000.0))
+
+    def committed(self, records: int, seconds: float) -> None:
+        self.commit_seconds.observe(seconds)
+        self.commit_records.observe(records)
+
+    def lease_expired(self, outcome: str) -> None:
+        self.lease_expiries.labels(outcome).inc()
+
+
+def build_snapshot(broker: Broker) -> dict[str, Any]:
+    """What the exporter renders: one read snapshot of the ledger plus the peer
+    table, as plain data (called by the actor, between transactions)."""
+    b = broker
+    with b.ledger.read() as view:
+        counters, states = view.counters(), view.states()
+        kinds, gap_counts, oldest = view.kind_states(), view.gap_counts(), view.oldest_ready_created_ms()
+    workers = []
+    for s in b.peers.sessions(p.Role.WORKER):
+        workers.append(
+            {
+                "worker": s.peer_id,
+                "slots": s.slots,
+                "busy": s.busy,
+                "done": s.done,
+                "leases": len(b.leases.held_by(s.peer_id)),
+                "draining": s.peer_id in b.peers.draining,
+            }
+        )
+    roles: dict[str, int] = {}
+    for s in b.peers.sessions():
+        roles[s.role.value] = roles.get(s.role.value, 0) + 1
+    map_size, used = b.ledger.map_size_bytes(), b.ledger.used_bytes()
+    return {
+        "taken_mono": time.monotonic(),
+        "counters": counters,
+        "states": states,
+        "kinds": kinds,
+        "gaps": gap_counts,
+        "rejects": dict(b.rejects),
+        "map_size_bytes": map_size,
+        "map_used_bytes": used,
+        "max_map_size_bytes": b.ledger.max_map_size_bytes,
+        "map_used_ratio": used / b.ledger.max_map_size_bytes if b.ledger.max_map_size_bytes else 0.0,
+        "peers": len(b.peers),
+        "roles": roles,
+        "leases": len(b.leases),
+        "oldest_ready_age_s": 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000.0),
+        "workers": workers,
+    }
+
+
+class _SnapshotCollector:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
     def collect(self) -> Any:
         snap = self.broker.snapshot
-        c = CounterMetricFamily("ccsq_items", "item flow counters", labels=["counter"])
-        for name, v in snap.get("counters", {}).items():
-            c.add_metric([name], v)
-        yield c
-        g = GaugeMetricFamily("ccsq_items_in_state", "items per state", labels=["state"])
-        for name, v in snap.get("states", {}).items():
-            g.add_metric([name], v)
-        yield g
-        r = CounterMetricFamily("ccsq_frames_rejected", "rejected frames per reason", labels=["reason"])
-        for name, v in snap.get("rejects", {}).items():
-            r.add_metric([name], v)
-        yield r
+        yield _labelled(CounterMetricFamily, "ccsq_items", "item flow counters (ledger)", "counter", snap.get("counters", {}))
+        yield _labelled(GaugeMetricFamily, "ccsq_items_in_state", "items per state now", "state", snap.get("states", {}))
+        backlog = GaugeMetricFamily("ccsq_backlog_items", "items per queue (kind) and state", labels=["kind", "state"])
+        for kind, per_state in snap.get("kinds", {}).items():
+            for state, n in per_state.items():
+                backlog.add_metric([kind, state], n)
+        yield backlog
+        yield _labelled(CounterMetricFamily, "ccsq_gap_events", "gap-register windows hit", "window", snap.get("gaps", {}))
+        yield _labelled(
+            CounterMetricFamily, "ccsq_frames_rejected", "rejected frames per reason (since start)", "reason", snap.get("rejects", {})
+        )
+        yield _labelled(GaugeMetricFamily, "ccsq_peers", "connected peers per role", "role", snap.get("roles", {}))
         for key, help_ in (
             ("map_size_bytes", "LMDB map size"),
             ("map_used_bytes", "LMDB pages in use"),
-            ("max_map_size_bytes", "LMDB map size limit"),
-            ("peers", "connected peers"),
+            ("max_map_size_bytes", "LMDB map size limit (then SUBMIT gets QUEUE_FULL)"),
+            ("map_used_ratio", "map in use / max map size"),
             ("leases", "leases held in memory"),
         ):
             yield GaugeMetricFamily(f"ccsq_{key}", help_, value=snap.get(key, 0))
+        yield GaugeMetricFamily(
+            "ccsq_oldest_ready_age_seconds", "age of the oldest ready item (0: none)", value=snap.get("oldest_ready_age_s", 0.0)
+        )
+        taken = snap.get("taken_mono")
+        yield GaugeMetricFamily(
+            "ccsq_snapshot_age_seconds", "age of the snapshot these values come from",
+            value=0.0 if taken is None else time.monotonic() - taken,
+        )
+        for key, help_ in (
+            ("slots", "GPU slots the worker announced"),
+            ("busy", "inferences running (last heartbeat)"),
+            ("done", "items the worker finished since it started (last heartbeat)"),
+            ("leases", "leases the broker holds for the worker"),
+            ("draining", "1 when `ccsq drain` stopped dispatching to it"),
+        ):
+            name = "ccsq_worker_items_done" if key == "done" else f"ccsq_worker_{key}"
+            g = GaugeMetricFamily(name, help_, labels=["worker"])
+            for w in snap.get("workers", []):
+                g.add_metric([w["worker"]], float(w[key]))
+            yield g
+
+
+def _labelled(cls: type, name: str, help_: str, label: str, values: dict[str, Any]) -> Any:
+    fam = cls(name, help_, labels=[label])
+    for k, v in sorted(values.items()):
+        fam.add_metric([k], v)
+    return fam
 
 
 def start_metrics(broker: Broker, port: int) -> Any:
-    """Serve /metrics on 127.0.0.1:port; returns the server (call ``shutdown()``)."""
-    registry = CollectorRegistry()
-    registry.register(_Collector(broker))  # type: ignore[arg-type]
+    """Serve /metrics on 127.0.0.1:``port`` from the broker's stats registry plus
+    its snapshot; returns the server (call ``shutdown()``). Raises OSError if the
+    port is taken."""
+    registry = broker.stats.registry
+    registry.register(_SnapshotCollector(broker))  # type: ignore[arg-type]
     server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     return server

@@ -54,11 +54,13 @@ class Session:
 
 
 class PeerTable:
-    """peer id -> Session, and routing id -> peer id."""
+    """peer id -> Session, and routing id -> peer id; ``draining``: worker ids that get
+    no new DISPATCH (``ccsq drain``; kept across their reconnects, not across a broker restart)."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Session] = {}
         self.by_route: dict[bytes, str] = {}
+        self.draining: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.by_id)

@@ -6,7 +6,9 @@ whether or not a broker is running (it reads one consistent snapshot).
 
 from __future__ import annotations
 
+import html
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,9 @@ from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import COUNTERS, STATES, Ledger, data_paths
 
 RECENT_EVENTS = 10
+RATE_WINDOW_S = 300.0  # the completion rate of a queue is measured over this much recent history
+CHART_COUNTERS = ("received", "routed", "completed", "acknowledged")
+SERIES_COUNTERS = ("received", "routed", "completed", "acknowledged", "retried", "dead", "expired")
 
 
 def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[str, Any]:
@@ -27,13 +32,20 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ``balanced`` (bool: received == sum of per-state counts); ``epoch``;
     ``rejects`` ({reason: count}); ``backlog`` ({kind: {state: count}});
     ``ledger`` (map size and use, bytes); ``windows``: a list of
-    {id, name, where, why, repair, counter, count, recent: [events newest first]}.
+    {id, name, where, why, repair, counter, count, recent: [events newest first]};
+    ``queues``: per kind the backlog and drain forecast (see :func:`queue_forecast`);
+    ``series``: the accounting samples, oldest first ({ts_ms, received, routed,
+    completed, acknowledged, retried, dead, expired}); ``generated_ms``.
     Raises :class:`~ccsq.brokerd.ledger.LedgerError` if there is no ledger there.
     """
     ledger_dir, _lock = data_paths(Path(data_dir))
     ledger = Ledger(ledger_dir, readonly=True)
+    now_ms = int(time.time() * 1000)
     try:
         with ledger.read() as view:
+            samples = view.samples()
+            kinds = view.kind_states()
+            deadlines = view.nearest_deadlines()
             counters = view.counters()
             states = view.states()
             gap_counts = view.gap_counts()
@@ -60,13 +72,74 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "epoch": view.epoch(),
                 "ledger_id": ledger.ledger_id,
                 "rejects": view.rejects(),
-                "backlog": view.kind_states(),
+                "backlog": kinds,
                 "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": ledger.used_bytes()},
                 "windows": windows,
+                "queues": queue_forecast(kinds, samples, deadlines, now_ms),
+                "series": [{"ts_ms": d["ts_ms"], **{c: d["counters"].get(c, 0) for c in SERIES_COUNTERS}} for d in samples],
+                "generated_ms": now_ms,
             }
     finally:
         ledger.close()
     return report
+
+
+def _done(per_state: dict[str, int]) -> int:
+    return per_state.get("completed", 0) + per_state.get("acknowledged", 0)
+
+
+def queue_forecast(
+    kinds: dict[str, dict[str, int]], samples: list[dict], deadlines: dict[str, int], now_ms: int
+) -> list[dict[str, Any]]:
+    """Per queue (kind): backlog, completion rate and whether it drains before its
+    nearest deadline.
+
+    ``kinds``: {kind: {state: count}} now; ``samples``: the ledger's accounting
+    samples, oldest first; ``deadlines``: {kind: earliest deadline_ms of a ready or
+    leased item}. The rate is items/s that reached completed or acknowledged since
+    the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample).
+    Returns a list of {kind, ready, leased, backlog, completed_per_s (None: no
+    history), drain_eta_s (None: never at this rate), nearest_deadline_ms,
+    deadline_in_s, verdict: empty | on track | late | stalled | no deadline}.
+    """
+    ref = None
+    for d in samples:
+        if d["ts_ms"] <= now_ms - RATE_WINDOW_S * 1000 or ref is None:
+            ref = d
+    out = []
+    for kind in sorted(kinds):
+        st = kinds[kind]
+        ready, leased = st.get("ready", 0), st.get("leased", 0)
+        backlog = ready + leased
+        rate = None
+        if ref is not None and now_ms - ref["ts_ms"] >= 1000:
+            then = _done(ref.get("kinds", {}).get(kind, {}))
+            rate = max(0, _done(st) - then) / ((now_ms - ref["ts_ms"]) / 1000.0)
+        eta = None if not rate else backlog / rate
+        dl = deadlines.get(kind)
+        left = None if dl is None else (dl - now_ms) / 1000.0
+        if backlog == 0:
+            verdict = "empty"
+        elif not rate:
+            verdict = "stalled"
+        elif left is None:
+            verdict = "no deadline"
+        else:
+            verdict = "on track" if eta is not None and eta <= left else "late"
+        out.append(
+            {
+                "kind": kind,
+                "ready": ready,
+                "leased": leased,
+                "backlog": backlog,
+                "completed_per_s": None if rate is None else round(rate, 3),
+                "drain_eta_s": None if eta is None else round(eta, 1),
+                "nearest_deadline_ms": dl,
+                "deadline_in_s": None if left is None else round(left, 1),
+                "verdict": verdict,
+            }
+        )
+    return out
 
 
 def iter_blob_refs(data_dir: str | Path) -> Iterator[tuple[str, str, str]]:
@@ -118,4 +191,141 @@ def render_text(report: dict[str, Any], *, width: int = 120) -> str:
         recent = "\n".join(f"{e['item_id']}: {e['detail']}" for e in w["recent"][:3])
         wt.add_row(w["id"], w["name"], str(w["count"]), f"{w['where']}\nwhy: {w['why']}\nrepair: {w['repair']}", recent)
     console.print(wt)
+    if report.get("queues"):
+        qt = Table(title="queues: backlog and drain forecast")
+        for col in ("kind", "ready", "leased", "done/s", "drain in", "nearest deadline in", "verdict"):
+            qt.add_column(col, justify="left" if col in ("kind", "verdict") else "right")
+        for q in report["queues"]:
+            qt.add_row(
+                q["kind"], str(q["ready"]), str(q["leased"]), _fmt_rate(q["completed_per_s"]),
+                _fmt_s(q["drain_eta_s"]), _fmt_s(q["deadline_in_s"]), q["verdict"],
+            )
+        console.print(qt)
     return buf.getvalue()
+
+
+def _fmt_s(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 3600:
+        return f"{v / 3600:.1f} h"
+    if abs(v) >= 60:
+        return f"{v / 60:.1f} min"
+    return f"{v:.1f} s"
+
+
+def _fmt_rate(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+# --- HTML (self-contained: inline SVG and CSS, nothing fetched) ---------------------
+_CHART_COLOURS = {"received": "#1f77b4", "routed": "#ff7f0e", "completed": "#2ca02c", "acknowledged": "#9467bd"}
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}"
+    "td,th{border:1px solid #ccc;padding:.25em .6em;vertical-align:top}td.n{text-align:right;font-variant-numeric:tabular-nums}"
+    ".ok{color:#2ca02c}.bad{color:#d62728;font-weight:bold}small{color:#666}"
+)
+
+
+def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int], width: int = 760, height: int = 260) -> str:
+    """An inline SVG step chart of :data:`CHART_COUNTERS` over time. ``series`` are
+    the report's samples (oldest first); the current ``counters`` at ``now_ms``
+    close each line. Returns ``<svg ...>...</svg>`` (no external resources)."""
+    pts = [(d["ts_ms"], {c: d.get(c, 0) for c in CHART_COUNTERS}) for d in series]
+    pts.append((now_ms, {c: counters.get(c, 0) for c in CHART_COUNTERS}))
+    t0, t1 = pts[0][0], max(pts[-1][0], pts[0][0] + 1000)
+    vmax = max(1, max(max(v.values()) for _, v in pts))
+    left, right, top, bottom = 60, 130, 12, 30
+    pw, ph = width - left - right, height - top - bottom
+
+    def x(t: int) -> float:
+        return left + (t - t0) / (t1 - t0) * pw
+
+    def y(v: int) -> float:
+        return top + ph - v / vmax * ph
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="accounting over time">',
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#999"/>',
+    ]
+    for frac in (0.0, 0.5, 1.0):
+        v = int(round(vmax * frac))
+        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{v}</text>')
+    for t, anchor in ((t0, "start"), (t1, "end")):
+        label = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t / 1000))
+        parts.append(f'<text x="{x(t):.1f}" y="{height - 10}" font-size="11" text-anchor="{anchor}">{label}</text>')
+    for i, c in enumerate(CHART_COUNTERS):
+        coords: list[str] = []
+        prev = None
+        for t, v in pts:
+            if prev is not None:
+                coords.append(f"{x(t):.1f},{y(prev):.1f}")
+            coords.append(f"{x(t):.1f},{y(v[c]):.1f}")
+            prev = v[c]
+        colour = _CHART_COLOURS[c]
+        parts.append(
+            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(coords)}"/>'
+        )
+        ly = top + 14 + i * 18
+        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 28}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
+        parts.append(f'<text x="{left + pw + 32}" y="{ly}" font-size="12">{c} {pts[-1][1][c]}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_html(report: dict[str, Any]) -> str:
+    """A self-contained HTML page: the accounting side by side, the balance, a chart
+    of received/routed/completed/acknowledged over time (inline SVG), the queues
+    with their drain forecast, and each gap-register window with its recent events.
+    Works offline (no scripts, fonts or styles fetched)."""
+    e = html.escape
+    now_ms = report.get("generated_ms") or int(time.time() * 1000)
+    counters, states = report["counters"], report["states"]
+    balanced = report["balanced"]
+    out = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>ccsq gap report {e(str(report.get('ledger_id', '')))}</title><style>{_CSS}</style></head><body>",
+        f"<h1>ccsq gap report <small>ledger {e(str(report.get('ledger_id', '')))}, epoch {report.get('epoch', 0)}, "
+        f"{e(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now_ms / 1000)))}</small></h1>",
+        f"<p id='balance' class='{'ok' if balanced else 'bad'}'>received = ready + leased + completed + acknowledged + dead + expired: "
+        f"{counters['received']} = {' + '.join(str(states[s]) for s in STATES)} = {sum(states.values())}: "
+        f"{'BALANCED' if balanced else 'UNBALANCED'}</p>",
+        "<h2>Accounting</h2><table id='accounting'><tr><th>flow counter</th><th>count</th><th>state now</th><th>items</th></tr>",
+    ]
+    flows = list(COUNTERS)
+    state_rows = [(s, states[s]) for s in STATES] + [("sum", sum(states.values()))]
+    for i in range(max(len(flows), len(state_rows))):
+        f = (flows[i], counters[flows[i]]) if i < len(flows) else ("", "")
+        st = state_rows[i] if i < len(state_rows) else ("", "")
+        out.append(
+            f"<tr><td>{e(f[0])}</td><td class='n' data-counter='{e(f[0])}'>{f[1]}</td>"
+            f"<td>{e(st[0])}</td><td class='n' data-state='{e(st[0])}'>{st[1]}</td></tr>"
+        )
+    out.append("</table>")
+    out.append(f"<h2>Over time</h2><p><small>{len(report.get('series', []))} samples kept in the ledger</small></p>")
+    out.append(render_chart_svg(report.get("series", []), now_ms=now_ms, counters=counters))
+    out.append("<h2>Queues</h2><table id='queues'><tr><th>kind</th><th>ready</th><th>leased</th><th>done/s</th>"
+               "<th>drain in</th><th>nearest deadline in</th><th>verdict</th></tr>")
+    for q in report.get("queues", []):
+        out.append(
+            f"<tr><td>{e(q['kind'])}</td><td class='n'>{q['ready']}</td><td class='n'>{q['leased']}</td>"
+            f"<td class='n'>{_fmt_rate(q['completed_per_s'])}</td><td class='n'>{_fmt_s(q['drain_eta_s'])}</td>"
+            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'] in ('late', 'stalled') else 'ok'}'>"
+            f"{e(q['verdict'])}</td></tr>"
+        )
+    out.append("</table><h2>Gap register</h2><table id='windows'><tr><th>id</th><th>window</th><th>count</th>"
+               "<th>where / why / repair</th><th>recent events</th></tr>")
+    for w in report["windows"]:
+        recent = "<br>".join(
+            f"{e(time.strftime('%H:%M:%S', time.localtime(ev['ts'])))} {e(ev['item_id'])}: {e(ev['detail'])}" for ev in w["recent"][:5]
+        )
+        out.append(
+            f"<tr id='{e(w['id'])}'><td>{e(w['id'])}</td><td>{e(w['name'])}</td><td class='n'>{w['count']}</td>"
+            f"<td>{e(w['where'])}<br><b>why</b> {e(w['why'])}<br><b>repair</b> {e(w['repair'])}</td><td>{recent}</td></tr>"
+        )
+    out.append("</table>")
+    if report.get("rejects"):
+        out.append("<h2>Rejected frames</h2><p>" + ", ".join(f"{e(k)}={v}" for k, v in sorted(report["rejects"].items())) + "</p>")
+    out.append("</body></html>")
+    return "\n".join(out)

@@ -1,4 +1,5 @@
-"""``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report, ...).
+"""``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report,
+status, items, dlq, drain, reconcile).
 
 Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
 host without onnxruntime can still run the broker-side commands.
@@ -101,7 +102,10 @@ def init_swarm(
             **(completion or {}),
         },
     )
-    write("admin.toml", {"peer_id": "admin", "private_key": "keys/admin.key", **common})
+    write(
+        "admin.toml",
+        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data")},
+    )
     return written
 
 
@@ -154,11 +158,229 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
+    if args.html:
+        from ccsq.brokerd.report import render_html
+
+        Path(args.html).write_text(render_html(report))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
-    else:
+    elif not args.html:
         print(render_text(report))
+    else:
+        print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+# --- admin commands: status, items show, dlq, drain --------------------------------------
+def _admin_settings(args: argparse.Namespace):
+    from ccsq.common.config import AdminConfig, load
+
+    return load(AdminConfig, args.config)
+
+
+def _admin_mode(args: argparse.Namespace) -> str:
+    return "offline" if getattr(args, "offline", False) else "auto"
+
+
+def _note_source(doc: dict, settings) -> None:
+    if doc.get("source") != "broker":
+        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from ccsq.common.admin_client import run_command
+
+    settings = _admin_settings(args)
+    doc = run_command(settings, "status", mode=_admin_mode(args))
+    _note_source(doc, settings)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print(render_status(doc))
+    return ExitCode.OK
+
+
+def render_status(doc: dict, *, width: int = 120) -> str:
+    """The ``ccsq status`` screen: peers (slots, leases, draining), backlog per queue,
+    oldest ready item, balance."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    age = doc.get("oldest_ready_age_s")
+    console.print(
+        f"ledger {doc.get('ledger_id', '')} epoch {doc.get('epoch', 0)} ({doc.get('source', '')}): "
+        f"{'balanced' if doc.get('balanced') else 'UNBALANCED'}; oldest ready item: "
+        f"{'none' if age is None else f'{age:.1f} s old'}; dead letters: {doc.get('dead', 0)}"
+    )
+    if doc.get("source") == "broker":
+        pt = Table(title="peers")
+        for col in ("peer", "role", "slots", "busy", "credit", "leases", "done", "healthy", "draining", "last seen"):
+            pt.add_column(col)
+        for peer in doc.get("peers", []):
+            pt.add_row(
+                peer["peer_id"], peer["role"], str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
+                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO",
+                "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
+            )
+        console.print(pt)
+        if doc.get("draining"):
+            console.print("draining: " + ", ".join(doc["draining"]))
+    bt = Table(title="backlog per queue (kind)")
+    bt.add_column("kind")
+    states = list(doc.get("states", {}))
+    for st in states:
+        bt.add_column(st, justify="right")
+    for kind, per in sorted(doc.get("backlog", {}).items()):
+        bt.add_row(kind, *(str(per.get(st, 0)) for st in states))
+    console.print(bt)
+    return buf.getvalue()
+
+
+def _cmd_items_show(args: argparse.Namespace) -> int:
+    from ccsq.common.admin_client import run_command
+
+    settings = _admin_settings(args)
+    doc = run_command(settings, "items_show", {"item_id": args.item_id}, mode=_admin_mode(args))
+    _note_source(doc, settings)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        for k, v in doc["item"].items():
+            print(f"{k:>16}  {v}")
+        if doc.get("lease_in_memory"):
+            print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
+    return ExitCode.OK
+
+
+def _cmd_dlq_list(args: argparse.Namespace) -> int:
+    from ccsq.common.admin_client import run_command
+
+    settings = _admin_settings(args)
+    doc = run_command(settings, "dlq_list", {"limit": args.limit}, mode=_admin_mode(args))
+    _note_source(doc, settings)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        for rec in doc["items"]:
+            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')[:80]}")
+        print(f"{len(doc['items'])} listed, {doc['total']} dead")
+    return ExitCode.OK
+
+
+def _cmd_dlq_change(args: argparse.Namespace) -> int:
+    """dlq replay / dlq purge: item ids, or --all (in calls of up to 1000)."""
+    from ccsq.common.admin_client import with_broker
+
+    if bool(args.item_ids) == bool(args.all):
+        raise ConfigError(f"dlq {args.action}: give item ids or --all (not both)")
+    command, key = ("dlq_replay", "replayed") if args.action == "replay" else ("dlq_purge", "purged")
+
+    async def go(session) -> dict:
+        done: list[str] = []
+        not_dead: list[str] = []
+        if args.all:
+            while True:
+                doc = await session.call(command, {"all": True})
+                done += doc[key]
+                if not doc["more"] or not doc[key]:
+                    break
+        else:
+            for item_id in args.item_ids:
+                doc = await session.call(command, {"item_id": item_id})
+                done += doc[key]
+                not_dead += doc["not_dead"]
+        return {key: done, "not_dead": not_dead}
+
+    out = with_broker(_admin_settings(args), go)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else ""))
+    return ExitCode.OK if not out["not_dead"] else ExitCode.FAILURE
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    import time
+
+    from ccsq.common.admin_client import with_broker
+
+    async def go(session) -> dict:
+        import asyncio
+
+        doc = await session.call("drain", {"worker": args.worker, "undo": args.undo})
+        if args.wait and not args.undo:
+            deadline = time.monotonic() + args.timeout_s
+            while doc["leases"] > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                st = await session.call("status")
+                doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+        return doc
+
+    doc = with_broker(_admin_settings(args), go)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        state = "draining (no new items)" if doc["draining"] else "dispatching again"
+        print(f"{doc['worker']}: {state}; {'connected' if doc['connected'] else 'not connected'}; {doc['leases']} lease(s) held")
+    return ExitCode.INCOMPLETE if args.wait and not args.undo and doc["leases"] > 0 else ExitCode.OK
+
+
+# --- ccsq reconcile ---------------------------------------------------------------------
+def _cmd_reconcile(args: argparse.Namespace) -> int:
+    from ccsq.brokerd.report import iter_blob_refs
+    from ccsq.common.claimstore import open_store
+    from ccsq.common.config import AdminConfig, BrokerConfig, load
+    from ccsq.common.errors import BrokerUnavailable
+    from ccsq.producer.reconcile import ReconcileReport, reconcile
+
+    cfg = load(BrokerConfig, args.config)
+    store = open_store(args.store, Path(args.config).resolve().parent)
+    report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
+    out = report.as_dict()
+    ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
+    out["dead_lettered"] = []
+    out["not_dead_lettered"] = ready_missing if not args.apply else []
+    out["leased_missing"] = sorted({m.item_id for m in report.missing if m.state != "ready"})
+    status = ExitCode.OK
+    if args.apply and ready_missing:
+        from ccsq.common.admin_client import with_broker
+
+        admin_path = Path(args.admin_config) if args.admin_config else Path(args.config).resolve().parent / "admin.toml"
+        settings = load(AdminConfig, admin_path)
+
+        async def go(session) -> list[str]:
+            dead: list[str] = []
+            for i in range(0, len(ready_missing), 500):
+                chunk = ready_missing[i : i + 500]
+                doc = await session.call(
+                    "dead_letter",
+                    {"item_ids": ",".join(chunk), "reason": "payload_missing", "message": f"claim store {store.uri} lacks the payload"},
+                )
+                dead += doc["dead"]
+            return dead
+
+        try:
+            out["dead_lettered"] = with_broker(settings, go)
+        except BrokerUnavailable as exc:
+            print(f"ccsq reconcile: {exc}: start the broker and run again to dead-letter them", file=sys.stderr)
+            status = ExitCode.FAILURE
+        out["not_dead_lettered"] = [i for i in ready_missing if i not in out["dead_lettered"]]
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        mode = "applied" if args.apply else "dry run (add --apply to repair)"
+        print(
+            f"reconcile {store.uri} ({mode}): {out['referenced']} referenced, {out['stored']} stored, "
+            f"{out['orphans']} orphan(s) ({out['orphans_young']} younger than {args.grace_s:g} s kept, "
+            f"{out['orphans_deleted']} deleted), {len(out['missing'])} payload(s) missing: "
+            f"{len(out['dead_lettered'])} dead-lettered (payload_missing), {len(out['not_dead_lettered'])} not, "
+            f"{len(out['leased_missing'])} leased (their worker reports payload_missing)"
+        )
+    return status
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
@@ -200,13 +422,67 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gap-report", help="accounting, balance and gap-register windows (reads the ledger)")
     p.add_argument("--config", required=True, help="brokerd.toml")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a chart to FILE")
     p.set_defaults(func=_cmd_gap_report)
+
+    def admin_parser(name: str, help_: str, parent=sub, *, read_only: bool = False) -> argparse.ArgumentParser:
+        ap = parent.add_parser(name, help=help_)
+        ap.add_argument("--config", required=True, help="admin.toml")
+        ap.add_argument("--json", action="store_true", help="print JSON")
+        if read_only:
+            ap.add_argument("--offline", action="store_true", help="read the ledger directly (also automatic when the broker does not answer)")
+        return ap
+
+    p = admin_parser("status", "peers, slots, leases, backlog per queue, oldest ready item", read_only=True)
+    p.set_defaults(func=_cmd_status)
+
+    items = sub.add_parser("items", help="look at items").add_subparsers(dest="items_command", required=True)
+    p = admin_parser("show", "one item's ledger record", items, read_only=True)
+    p.add_argument("item_id")
+    p.set_defaults(func=_cmd_items_show)
+
+    dlq = sub.add_parser("dlq", help="dead letters: list, replay, purge").add_subparsers(dest="dlq_command", required=True)
+    p = admin_parser("list", "list dead items", dlq, read_only=True)
+    p.add_argument("--limit", type=int, default=100, help="at most this many, 1..1000 (default %(default)s)")
+    p.set_defaults(func=_cmd_dlq_list)
+    for action, help_ in (("replay", "make dead items ready again with a fresh attempt budget"),
+                          ("purge", "delete dead items (their idempotency keys are freed)")):
+        p = admin_parser(action, help_, dlq)
+        p.add_argument("item_ids", nargs="*")
+        p.add_argument("--all", action="store_true", help="every dead item")
+        p.set_defaults(func=_cmd_dlq_change, action=action)
+
+    p = admin_parser("drain", "stop dispatching to a worker; its leases finish")
+    p.add_argument("worker")
+    p.add_argument("--undo", action="store_true", help="dispatch to it again")
+    p.add_argument("--wait", action="store_true", help="wait until it holds no lease (exit 4 on timeout)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait (default %(default)s)")
+    p.set_defaults(func=_cmd_drain)
+
+    p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
+    p.add_argument("--config", required=True, help="brokerd.toml")
+    p.add_argument("--store", required=True, help="claim store URI (file://PATH or s3://bucket/prefix)")
+    p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
+    p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
+    p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_reconcile)
     return parser
+
+
+#: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
+QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile"})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in QUIET_LOG_COMMANDS:
+        import logging
+
+        from ccsq.common import log as logsetup
+
+        logsetup.configure("auto", level=logging.WARNING)
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -1,0 +1,171 @@
+"""The admin side of ``ccsq status / items / dlq / drain / reconcile``.
+
+Online: a :class:`~ccsq.common.peer.BrokerLink` with role ``admin`` sends
+``Admin(req, command, args)`` and waits for the ``AdminReply`` with the same
+``req``. Offline (``--offline``, or the broker gave no WELCOME within
+``connect_timeout_s``): the read-only commands (``status``, ``items_show``,
+``dlq_list``) read one snapshot of the ledger directly, with the same functions
+the broker uses (:mod:`ccsq.brokerd.admin`), so both paths answer the same.
+Commands that change state need the running broker (only its actor writes the
+ledger) and raise :class:`~ccsq.common.errors.BrokerUnavailable` offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+
+from ccsq.common import protocol as p
+from ccsq.common.config import AdminConfig
+from ccsq.common.envelope import Envelope
+from ccsq.common.errors import BrokerUnavailable, CcsqError
+
+T = TypeVar("T")
+READ_ONLY = ("status", "items_show", "dlq_list")
+OFFLINE = "ledger (offline)"
+REPLY_TIMEOUT_S = 30.0
+
+
+class AdminFailed(CcsqError):
+    """The broker refused an admin command; the message is the broker's reason."""
+
+    code = "ADMIN"
+
+
+class AdminSession:
+    """One admin session with the broker (made by :func:`with_broker`)."""
+
+    def __init__(self) -> None:
+        self.link: Any = None
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._req = 0
+
+    def on_message(self, env: Envelope) -> None:
+        msg = env.message
+        if isinstance(msg, p.AdminReply):
+            fut = self._waiting.pop(msg.req, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, p.Error):
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(AdminFailed(f"{msg.code}: {msg.message}"))
+            self._waiting.clear()
+
+    async def call(self, command: str, args: dict | None = None, timeout_s: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
+        """Run one command; returns the reply document. Raises AdminFailed (the broker
+        said no), BrokerUnavailable (session lost or no reply within ``timeout_s``)."""
+        self._req += 1
+        req = self._req
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting[req] = fut
+        if not self.link.send(p.Admin(req, command, dict(args or {}))):
+            self._waiting.pop(req, None)
+            raise BrokerUnavailable("the broker session ended before the command was sent; run it again")
+        try:
+            reply: p.AdminReply = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            self._waiting.pop(req, None)
+            raise BrokerUnavailable(f"no reply to {command!r} within {timeout_s:.0f}s; check `ccsq status`") from None
+        if not reply.ok:
+            raise AdminFailed(reply.error)
+        return msgpack.unpackb(reply.body, raw=False)
+
+
+async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Awaitable[T]], connect_timeout_s: float) -> T:
+    from ccsq.common.peer import BrokerLink
+
+    session = AdminSession()
+    link = BrokerLink(settings, hello=lambda: p.Hello(role=p.Role.ADMIN.value), on_message=session.on_message)
+    session.link = link
+    runner = asyncio.create_task(link.run(), name="admin-link")
+    try:
+        try:
+            await asyncio.wait_for(link.ready.wait(), connect_timeout_s)
+        except asyncio.TimeoutError:
+            why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
+            raise BrokerUnavailable(
+                f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g}s{why}"
+            ) from None
+        return await fn(session)
+    finally:
+        if link.ready.is_set():
+            await link.stop("admin command done")  # BYE, so the broker ends the session now
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(runner), 2.0)
+        runner.cancel()  # no session (or a slow close): nothing left to say
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await runner
+
+
+def with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Awaitable[T]], *, connect_timeout_s: float | None = None) -> T:
+    """Open an admin session, run ``await fn(session)``, close it. Raises
+    BrokerUnavailable when the broker gives no WELCOME within ``connect_timeout_s``
+    (default: the config's ``connect_timeout_s``)."""
+    timeout = settings.connect_timeout_s if connect_timeout_s is None else connect_timeout_s
+    return asyncio.run(_with_broker(settings, fn, timeout))
+
+
+@contextlib.contextmanager
+def offline_view(data_dir: str | Path) -> Iterator[Any]:
+    """A read-only snapshot (:class:`~ccsq.brokerd.ledger.LedgerView`) of the ledger
+    under a broker's ``data_dir``; safe whether or not the broker runs.
+    Raises LedgerError when there is no ledger there."""
+    from ccsq.brokerd.ledger import Ledger, data_paths
+
+    ledger_dir, _lock = data_paths(Path(data_dir))
+    ledger = Ledger(ledger_dir, readonly=True)
+    try:
+        with ledger.read() as view:
+            yield view
+    finally:
+        ledger.close()
+
+
+def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dict[str, Any]:
+    """Answer a read-only command from the ledger (no broker): ``status`` (ledger part;
+    no peers), ``items_show``, ``dlq_list``. Raises BrokerUnavailable for other
+    commands, AdminFailed for bad arguments or an unknown item."""
+    from ccsq.brokerd import admin
+
+    if command not in READ_ONLY:
+        raise BrokerUnavailable(f"{command!r} changes the ledger, so it needs the running broker (only the broker writes the ledger)")
+    args = args or {}
+    try:
+        with offline_view(data_dir) as view:
+            if command == "status":
+                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "draining": []}
+            if command == "items_show":
+                item_id = args.get("item_id")
+                if not isinstance(item_id, str) or not item_id:
+                    raise admin.AdminError("argument 'item_id' (a non-empty string) is required")
+                return {"source": OFFLINE, **admin.item_doc(view, item_id), "lease_in_memory": None}
+            return {"source": OFFLINE, **admin.dlq_doc(view, admin.limit_arg(args))}
+    except admin.AdminError as exc:
+        raise AdminFailed(str(exc)) from None
+
+
+def run_command(settings: AdminConfig, command: str, args: dict | None = None, *, mode: str = "auto") -> dict[str, Any]:
+    """One command, online or offline. ``mode``: ``online`` (broker required),
+    ``offline`` (ledger only; read-only commands) or ``auto`` (online, else offline
+    for read-only commands). The document gets ``"source"``: ``broker`` or
+    ``ledger (offline)``."""
+    if mode == "offline":
+        return offline(settings.data_dir, command, args)
+
+    async def one(session: AdminSession) -> dict[str, Any]:
+        return await session.call(command, args)
+
+    try:
+        doc = with_broker(settings, one)
+    except BrokerUnavailable:
+        if mode == "online" or command not in READ_ONLY:
+            raise
+        doc = offline(settings.data_dir, command, args)
+    doc.setdefault("source", "broker")
+    return doc

@@ -1,0 +1,133 @@
+"""Admin commands of the ``ccsq`` CLI against a real broker (tests/swarm.py).
+
+``ccsq status``, ``items show``, ``dlq list|replay|purge``, ``drain`` and
+``reconcile`` run in-process through :func:`ccsq.common.cli.main` (the same
+code path as the console script) and talk to a real ``ccsq-brokerd`` over the
+signed protocol; the offline path reads the same ledger read-only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ccsq.brokerd.admin import LEDGER_STATUS_KEYS
+from ccsq.brokerd.report import iter_blob_refs
+from ccsq.common import cli
+from ccsq.common.claimstore import open_store
+from ccsq.common.errors import ExitCode
+from tests.swarm import Swarm, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def ccsq(capsys, *argv: str) -> tuple[int, dict | str]:
+    """Run ``ccsq ARGV`` in-process; returns (exit code, parsed JSON or text)."""
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr().out
+    try:
+        return rc, json.loads(out)
+    except ValueError:
+        return rc, out
+
+
+def fast_admin(swarm: Swarm) -> Path:
+    """admin.toml with a short connect timeout (the offline fallback is then quick)."""
+    path = swarm.configs["admin"]
+    path.write_text(path.read_text() + "connect_timeout_s = 0.5\nhello_timeout_s = 0.5\n")
+    return path
+
+
+def ledger_part(doc: dict) -> dict:
+    return {k: doc[k] for k in LEDGER_STATUS_KEYS}
+
+
+def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalence(tmp_path: Path, capsys) -> None:
+    """reconcile (dry run, then --apply through the broker), dlq list/replay/purge with
+    their gap events, and the same answer for status/items/dlq list online and offline."""
+    with Swarm(tmp_path, workers=0, producer={"inline_max_bytes": 0}) as swarm:
+        admin = fast_admin(swarm)
+        brokerd = swarm.configs["brokerd"]
+        swarm.start_broker()
+        with swarm.client() as client:
+            ids = [client.submit(f"document {i}".encode(), "echo").item_id for i in range(3)]
+        store = open_store("file://blobs", tmp_path)
+        payloads = {i: sha for i, _state, sha in iter_blob_refs(tmp_path / "broker-data")}
+        for i in ids[:2]:
+            store.delete(payloads[i])
+
+        rc, dry = ccsq(capsys, "reconcile", "--config", brokerd, "--store", "file://blobs", "--json")
+        assert rc == 0 and dry["dry_run"] and sorted(dry["not_dead_lettered"]) == sorted(ids[:2]) and dry["dead_lettered"] == []
+        rc, applied = ccsq(capsys, "reconcile", "--config", brokerd, "--store", "file://blobs", "--apply", "--json")
+        assert rc == 0 and sorted(applied["dead_lettered"]) == sorted(ids[:2]) and applied["not_dead_lettered"] == []
+        rc, text = ccsq(capsys, "reconcile", "--config", brokerd, "--store", "file://blobs")
+        assert rc == 0 and "0 payload(s) missing" in text  # dead items no longer need their payload
+
+        rc, dlq = ccsq(capsys, "dlq", "list", "--config", admin, "--json")
+        assert rc == 0 and dlq["source"] == "broker" and dlq["total"] == 2
+        assert {r["id"]: r["error"] for r in dlq["items"]} == {i: "payload_missing" for i in ids[:2]}
+
+        # online and offline (read-only snapshot while the broker runs) agree
+        rc, online = ccsq(capsys, "status", "--config", admin, "--json")
+        rc2, offline = ccsq(capsys, "status", "--config", admin, "--json", "--offline")
+        assert rc == rc2 == 0 and online["source"] == "broker" and offline["source"] == "ledger (offline)"
+        assert ledger_part(online) == ledger_part(offline)
+        assert online["backlog"] == {"echo": {"dead": 2, "ready": 1}} and online["balanced"]
+        for args in (("items", "show", ids[0]), ("dlq", "list")):
+            _, on = ccsq(capsys, *args, "--config", admin, "--json")
+            _, off = ccsq(capsys, *args, "--config", admin, "--json", "--offline")
+            on.pop("source"), off.pop("source"), on.pop("lease_in_memory", None), off.pop("lease_in_memory", None)
+            assert on == off
+
+        rc, out = ccsq(capsys, "dlq", "replay", ids[0], "--config", admin, "--json")
+        assert rc == 0 and out["replayed"] == [ids[0]]
+        rc, out = ccsq(capsys, "dlq", "replay", ids[0], "--config", admin, "--json")
+        assert rc == ExitCode.FAILURE and out["not_dead"] == [ids[0]]  # no longer dead
+        _, shown = ccsq(capsys, "items", "show", ids[0], "--config", admin, "--json")
+        assert shown["item"]["state"] == "ready" and shown["item"]["attempt"] == 0
+        rc, out = ccsq(capsys, "dlq", "purge", "--all", "--config", admin, "--json")
+        assert rc == 0 and out["purged"] == [ids[1]]
+        assert ccsq(capsys, "items", "show", ids[1], "--config", admin, "--json")[0] == ExitCode.FAILURE
+
+        rep = swarm.report()
+        gaps = {w["id"]: w for w in rep["windows"]}
+        assert gaps["G7"]["count"] == 2 and "payload_missing" in gaps["G7"]["recent"][0]["detail"]
+        assert gaps["G10"]["count"] == 1 and gaps["G10"]["recent"][0]["item_id"] == ids[0]
+        assert gaps["G11"]["count"] == 1 and gaps["G11"]["recent"][0]["item_id"] == ids[1]
+        assert rep["balanced"] and rep["dead_purged"] == 1 and rep["replayed"] == 1
+        _, online = ccsq(capsys, "status", "--config", admin, "--json")
+        swarm.procs.stop("broker")
+
+        # broker stopped: read-only commands fall back to the ledger by themselves ...
+        rc, fallback = ccsq(capsys, "status", "--config", admin, "--json")
+        assert rc == 0 and fallback["source"] == "ledger (offline)" and ledger_part(fallback) == ledger_part(online)
+        # ... and commands that change state refuse (only the broker writes the ledger)
+        assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.FAILURE
+
+
+def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -> None:
+    """ccsq drain WORKER: no new DISPATCH to it (its credit stays unused); --undo resumes."""
+    with Swarm(tmp_path, workers=1) as swarm:
+        admin = fast_admin(swarm)
+        swarm.start_broker()
+        swarm.start_worker(1)
+        rc, out = ccsq(capsys, "drain", "worker-1", "--wait", "--timeout-s", "10", "--config", admin, "--json")
+        assert rc == 0 and out == {"worker": "worker-1", "draining": True, "connected": True, "leases": 0}
+        with swarm.client() as client:
+            (item_id,) = [client.submit(b"held back", "echo").item_id]
+        # the submit woke a dispatch pass; two more admin turns later it is still ready
+        for _ in range(2):
+            _, st = ccsq(capsys, "status", "--config", admin, "--json")
+        w1 = next(x for x in st["peers"] if x["peer_id"] == "worker-1")
+        assert w1["draining"] and w1["credit"] > 0 and w1["leases"] == 0 and st["draining"] == ["worker-1"]
+        assert st["backlog"]["echo"] == {"ready": 1}
+        assert "draining" in ccsq(capsys, "status", "--config", admin)[1]
+        rc, out = ccsq(capsys, "drain", "worker-1", "--undo", "--config", admin, "--json")
+        assert rc == 0 and not out["draining"]
+        wait_until(
+            lambda: ccsq(capsys, "items", "show", item_id, "--config", admin, "--json")[1]["item"]["attempt"] >= 1,
+            20, "the item is dispatched to the undrained worker",
+        )
