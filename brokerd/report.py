@@ -155,8 +155,9 @@ def iter_blob_refs(data_dir: str | Path) -> Iterator[tuple[str, str, str]]:
         ledger.close()
 
 
-def render_text(report: dict[str, Any], *, width: int = 120) -> str:
-    """A human table: flow counters beside per-state counts, the balance, then each window."""
+def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = False) -> str:
+    """A human table: flow counters beside per-state counts, the balance, then each
+    window (with where/why/repair when ``verbose``; docs/gap-register.md has them too)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -185,11 +186,13 @@ def render_text(report: dict[str, Any], *, width: int = 120) -> str:
     wt.add_column("id")
     wt.add_column("window")
     wt.add_column("count", justify="right")
-    wt.add_column("where / why / repair")
+    if verbose:
+        wt.add_column("where / why / repair")
     wt.add_column("recent events")
     for w in report["windows"]:
         recent = "\n".join(f"{e['item_id']}: {e['detail']}" for e in w["recent"][:3])
-        wt.add_row(w["id"], w["name"], str(w["count"]), f"{w['where']}\nwhy: {w['why']}\nrepair: {w['repair']}", recent)
+        detail = [f"{w['where']}\nwhy: {w['why']}\nrepair: {w['repair']}"] if verbose else []
+        wt.add_row(w["id"], w["name"], str(w["count"]), *detail, recent)
     console.print(wt)
     if report.get("queues"):
         qt = Table(title="queues: backlog and drain forecast")

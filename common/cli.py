@@ -165,7 +165,7 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif not args.html:
-        print(render_text(report))
+        print(render_text(report, verbose=args.verbose))
     else:
         print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
@@ -423,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="brokerd.toml")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a chart to FILE")
+    p.add_argument("--verbose", action="store_true", help="show where/why/repair of each window")
     p.set_defaults(func=_cmd_gap_report)
 
     def admin_parser(name: str, help_: str, parent=sub, *, read_only: bool = False) -> argparse.ArgumentParser:

@@ -109,7 +109,7 @@ def main() -> int:
     console.print(table)
     checked = sum(len(v) for k, v in truth.items() if any(json.loads(r["params"] or "{}").get("name") == k for r in rows))
     console.print(f"ground truth: {checked - len(misses)}/{checked} lines found" + ("" if not misses else f"; missing: {misses}"))
-    console.print(render_text(report))
+    print(render_text(report), flush=True)
     rate = report["acknowledged"] / elapsed if elapsed > 0 else 0.0
     console.print(f"execution provider(s): {', '.join(sorted(p for p in providers if p)) or 'unknown'}; "
                   f"{report['acknowledged']} pages acknowledged in {elapsed:.1f}s = {rate:.2f} pages/s")
