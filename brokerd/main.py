@@ -26,7 +26,7 @@ from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode
-from ccsq.common.keys import AuthorizedKeys, load_private_key
+from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
 from ccsq.common.systemd import Notifier, watchdog_task
 
 log = structlog.get_logger("ccsq.brokerd")
@@ -66,6 +66,7 @@ def run(config_path: str) -> int:
             raise ConfigError(f"{config_path}: max_map_size_bytes must be >= map_size_bytes")
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
+        curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")
@@ -81,12 +82,13 @@ def run(config_path: str) -> int:
     except LedgerLocked as exc:
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
     try:
-        return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier)
+        return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret)
     finally:
         os.close(lock_fd)
 
 
-def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path, data_dir: Path, notifier: Notifier) -> int:
+def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path, data_dir: Path, notifier: Notifier,
+           curve_secret: bytes | None = None) -> int:
     try:
         ledger = Ledger(
             ledger_dir,
@@ -105,7 +107,8 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         require_hello=True,
     )
     try:
-        transport = Transport(cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes)
+        transport = Transport(cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
+                              curve_secret_key=curve_secret)
     except EndpointInUse as exc:
         ledger.close()
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))

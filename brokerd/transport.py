@@ -16,6 +16,7 @@ import zmq
 from ccsq.common import protocol as p
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import CcsqError
+from ccsq.common.keys import curve_server_setup
 
 SENT = "sent"
 AGAIN = "again"
@@ -23,7 +24,10 @@ UNROUTABLE = "unroutable"
 
 #: Bytes allowed above max_frame_bytes at the ZeroMQ level, so a frame just over
 #: the limit reaches the codec and is rejected with a typed error and a counter.
+#: A frame larger still makes ZeroMQ drop that connection before reading it all.
 FRAME_SLACK_BYTES = 4096
+#: A connection that has not finished the ZeroMQ (or CURVE) handshake by then is dropped.
+HANDSHAKE_IVL_MS = 5000
 
 
 class EndpointInUse(CcsqError):
@@ -40,13 +44,28 @@ def normalize_endpoint(endpoint: str) -> str:
 
 
 class Transport:
-    """ROUTER socket bound to ``endpoint``; frames are ``[routing_id, payload, sig]``."""
+    """ROUTER socket bound to ``endpoint``; frames are ``[routing_id, payload, sig]``.
 
-    def __init__(self, endpoint: str, codec: EnvelopeCodec, *, sndhwm: int, max_frame_bytes: int) -> None:
+    ``curve_secret_key``: the broker's Z85 CURVE secret key; when given, the
+    ROUTER is a CURVE server and only CURVE clients can talk to it (encrypted)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        codec: EnvelopeCodec,
+        *,
+        sndhwm: int,
+        max_frame_bytes: int,
+        curve_secret_key: bytes | None = None,
+    ) -> None:
         self.codec = codec
+        self.curve = curve_secret_key is not None
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if curve_secret_key is not None:
+            curve_server_setup(self.sock, curve_secret_key)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDHWM, sndhwm)

@@ -117,6 +117,13 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
+    if args.curve:
+        from ccsq.common.keys import write_curve_keypair
+
+        secret, public = write_curve_keypair(Path(args.out), args.id)
+        print(f"CURVE secret key {secret} (mode 0600)\nCURVE public key {public}: {public.read_text().strip()}")
+        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, broker_curve_public_key = <public path>")
+        return ExitCode.OK
     priv, pub = write_keypair(Path(args.out), args.id)
     print(f"private key {priv} (mode 0600)\npublic key  {pub}: {pub.read_text().strip()}")
     print(f'add to authorized_keys.toml:\n[peers.{args.id}]\nrole = "{args.role}"\npublic_key = "{pub.read_text().strip()}"')
@@ -404,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for <id>.key and <id>.pub")
     p.add_argument("--id", required=True, help="peer id")
     p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin"])
+    p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
 
     p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait")

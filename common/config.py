@@ -122,6 +122,8 @@ class PeerSettings:
     reconnect_backoff_max_s: float = opt(5.0, min=0.05, max=300.0, doc="cap of the reconnect backoff")
     hello_timeout_s: float = opt(5.0, min=0.1, max=300.0, doc="how long to wait for WELCOME before reconnecting")
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
+    curve: bool = opt(False, doc="encrypt the link with ZeroMQ CURVE (the broker must have curve = true)")
+    broker_curve_public_key: str = opt("keys/broker.curve.pub", path=True, doc="the broker's CURVE public key (Z85), pinned; used when curve = true")
     config_path: str = ""
 
 
@@ -156,6 +158,8 @@ class BrokerConfig:
         30.0, min=0.05, max=86400.0, doc="the ledger keeps an accounting sample this often while counters change (gap-report --html chart)"
     )
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
+    curve: bool = opt(False, doc="encrypt every link with ZeroMQ CURVE (peers need curve = true and the public key)")
+    curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
     config_path: str = ""
 
 
@@ -215,6 +219,7 @@ CONFIG_FILES: dict[str, type] = {
     "workerd-N.toml": WorkerConfig,
     "producer.toml": ProducerConfig,
     "completion.toml": CompletionConfig,
+    "admin.toml": AdminConfig,
 }
 
 
@@ -226,8 +231,7 @@ def markdown_reference() -> str:
         for key, typ, default, doc in describe(cls):
             out.append(f"| `{key}` | {typ} | `{default!r}` | {doc} |")
         out.append("")
-    out.append("`admin.toml` holds only the keys every peer shares (`peer_id` ... `log_format`, the first keys of the worker table).")
-    return "\n".join(out)
+    return "\n".join(out).rstrip() + "\n"
 
 
 README_BEGIN = "<!-- config-keys:begin (generated: python -m ccsq.common.config --write README.md) -->"

@@ -6,9 +6,11 @@ Frames (after any ROUTER identity)::
     frame 1: Ed25519 signature (64 bytes) over exactly frame 0
 
 Decoding untrusted frames follows a fixed order so that no expensive work is
-done on unbounded input (case C09): frame count and size first, then msgpack
-with hard limits, version, sender lookup, signature, role, replay/staleness,
-and last the strict body schema. Every rejection is a
+done on unbounded or unauthenticated input (case C09): frame count and size
+first, then only the six header fields with hard msgpack limits, version,
+sender lookup, signature; after that (the sender is authenticated) type, role,
+staleness, replay, and last the body, parsed with the same limits and checked
+against the strict schema. Every rejection is a
 :class:`~ccsq.common.errors.DecodeError` whose ``code`` is a ``REJECT_*`` reason.
 """
 
@@ -40,35 +42,83 @@ class Envelope:
     message: p.Message
 
 
+def _limits(max_frame_bytes: int) -> dict:
+    return dict(
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        max_bin_len=max_frame_bytes,
+        max_str_len=max_frame_bytes,
+        max_array_len=min(p.MAX_ARRAY_LEN, max_frame_bytes),
+        max_map_len=min(p.MAX_MAP_LEN, max_frame_bytes),
+        max_ext_len=0,
+    )
+
+
 def unpack_limited(data: bytes, max_frame_bytes: int) -> object:
     """msgpack-decode ``data`` with explicit limits on every length (no huge allocations)."""
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_bin_len=max_frame_bytes,
-            max_str_len=max_frame_bytes,
-            max_array_len=min(p.MAX_ARRAY_LEN, max_frame_bytes),
-            max_map_len=min(p.MAX_MAP_LEN, max_frame_bytes),
-            max_ext_len=0,
-        )
+        return msgpack.unpackb(data, **_limits(max_frame_bytes))
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise DecodeError(f"invalid msgpack: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
 
 
+class _HeaderReader:
+    """Reads the envelope ``[version, type, sender, session, seq, ts_ms, body]``
+    in two steps: the six small header fields first (so an unknown sender or a
+    bad signature is refused before the body is parsed at all: a 1 MiB body of
+    empty arrays costs ~0.3 s to parse), then the body after verification."""
+
+    __slots__ = ("_u", "_size")
+
+    def __init__(self, payload: bytes, max_frame_bytes: int) -> None:
+        self._size = len(payload)
+        self._u = msgpack.Unpacker(max_buffer_size=max(1, len(payload)), **_limits(max_frame_bytes))
+        self._u.feed(payload)
+
+    def header(self) -> list:
+        try:
+            if self._u.read_array_header() != 7:
+                raise DecodeError("envelope must be a 7-element array", code=p.REJECT_MALFORMED)
+            return [self._u.unpack() for _ in range(6)]
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"invalid msgpack header: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
+
+    def body(self) -> object:
+        try:
+            body = self._u.unpack()
+        except Exception as exc:
+            raise DecodeError(f"invalid msgpack body: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
+        if self._u.tell() != self._size:
+            raise DecodeError(f"{self._size - self._u.tell()} trailing bytes after the envelope", code=p.REJECT_MALFORMED)
+        return body
+
+
 class ReplayGuard:
-    """Per sender: the current session and its last sequence number, plus a few
-    recently retired sessions that may not come back (replay of an old session)."""
+    """Per sender: the current session, its last sequence number and the
+    timestamp of its HELLO, plus the sessions retired within the staleness
+    window, which may not come back (replay of an old session's HELLO).
 
-    RETIRED_PER_SENDER = 16
+    Retired sessions older than ``window_ms`` need no memory: their HELLO is
+    refused as STALE anyway. If one sender retires more than
+    ``RETIRED_PER_SENDER`` sessions inside the window, the oldest are forgotten
+    and their newest HELLO timestamp becomes a floor: a new session must open
+    with a HELLO stamped later than that, so forgetting never opens a replay hole.
+    Memory is bounded by (authorized senders x RETIRED_PER_SENDER).
+    """
 
-    def __init__(self) -> None:
-        self._current: dict[str, tuple[int, int]] = {}
-        self._retired: dict[str, OrderedDict[int, None]] = {}
+    RETIRED_PER_SENDER = 1024
 
-    def check(self, sender: str, session: int, seq: int, is_hello: bool) -> None:
+    def __init__(self, window_ms: int = 120_000) -> None:
+        self.window_ms = window_ms
+        self._current: dict[str, tuple[int, int, int]] = {}  # sender -> (session, last seq, hello ts_ms)
+        self._retired: dict[str, OrderedDict[int, int]] = {}  # sender -> {session: hello ts_ms}, oldest first
+        self._floor_ms: dict[str, int] = {}
+
+    def check(self, sender: str, session: int, seq: int, is_hello: bool, ts_ms: int = 0) -> None:
+        """Raise AuthError (REPLAY / NO_SESSION) unless (session, seq) is new for ``sender``."""
         cur = self._current.get(sender)
         if cur is not None and cur[0] == session:
             if seq <= cur[1]:
@@ -79,15 +129,26 @@ class ReplayGuard:
             raise AuthError(f"message from retired session of {sender}", code=p.REJECT_REPLAY)
         if not is_hello:
             raise AuthError(f"{sender}: session must open with HELLO", code=p.REJECT_NO_SESSION)
+        if ts_ms <= self._floor_ms.get(sender, -1):
+            raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=p.REJECT_REPLAY)
 
-    def accept(self, sender: str, session: int, seq: int) -> None:
+    def accept(self, sender: str, session: int, seq: int, ts_ms: int = 0) -> None:
         cur = self._current.get(sender)
-        if cur is not None and cur[0] != session:
+        if cur is not None and cur[0] == session:
+            self._current[sender] = (session, seq, cur[2])
+            return
+        if cur is not None:
             retired = self._retired.setdefault(sender, OrderedDict())
-            retired[cur[0]] = None
-            while len(retired) > self.RETIRED_PER_SENDER:
-                retired.popitem(last=False)
-        self._current[sender] = (session, seq)
+            retired[cur[0]] = cur[2]
+            horizon = ts_ms - self.window_ms
+            while retired:
+                old_session, old_ts = next(iter(retired.items()))
+                if old_ts >= horizon and len(retired) <= self.RETIRED_PER_SENDER:
+                    break
+                del retired[old_session]
+                if old_ts >= horizon:
+                    self._floor_ms[sender] = max(self._floor_ms.get(sender, -1), old_ts)
+        self._current[sender] = (session, seq, ts_ms)
 
 
 class EnvelopeCodec:
@@ -118,7 +179,7 @@ class EnvelopeCodec:
         self.require_hello = require_hello
         self.session = 0
         self._seq = 0
-        self._replay = ReplayGuard()
+        self._replay = ReplayGuard(window_ms=int(2 * max_clock_skew_s * 1000))
         self.new_session()
 
     def new_session(self) -> int:
@@ -158,24 +219,23 @@ class EnvelopeCodec:
             )
         if len(signature) != p.SIGNATURE_BYTES:
             raise DecodeError(f"signature frame must be {p.SIGNATURE_BYTES} bytes", code=p.REJECT_FRAMING)
-        head = unpack_limited(payload, self.max_frame_bytes)
-        if not isinstance(head, list) or len(head) != 7:
-            raise DecodeError("envelope must be a 7-element array", code=p.REJECT_MALFORMED)
-        version, msg_type, sender, session, seq, ts_ms, body = head
+        reader = _HeaderReader(payload, self.max_frame_bytes)
+        version, msg_type, sender, session, seq, ts_ms = reader.header()
         if version != p.PROTOCOL_VERSION:
             raise DecodeError(f"unknown protocol version {version!r}", code=p.REJECT_VERSION)
-        if not (isinstance(msg_type, int) and isinstance(sender, str) and isinstance(session, int)
-                and isinstance(seq, int) and isinstance(ts_ms, int)) or isinstance(msg_type, bool):
+        if not (type(msg_type) is int and type(sender) is str and type(session) is int
+                and type(seq) is int and type(ts_ms) is int):
             raise DecodeError("envelope header has wrong types", code=p.REJECT_MALFORMED)
         peer = self.authorized.get(sender)
         if peer is None:
-            raise AuthError(f"unknown sender {sender!r}", code=p.REJECT_UNKNOWN_SENDER)
+            raise AuthError(f"unknown sender {sender[:64]!r}", code=p.REJECT_UNKNOWN_SENDER)
         if bound_sender is not None and sender != bound_sender:
             raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=p.REJECT_FORGED_ORIGIN)
         try:
             peer.public_key.verify(signature, payload)
         except InvalidSignature:
             raise AuthError(f"bad signature from {sender!r}", code=p.REJECT_BAD_SIGNATURE) from None
+        # --- authenticated from here on: the sender signed exactly these bytes ---
         try:
             mtype = p.MsgType(msg_type)
         except ValueError:
@@ -184,7 +244,8 @@ class EnvelopeCodec:
             raise AuthError(f"role {peer.role.value} may not send {mtype.name}", code=p.REJECT_ROLE)
         if abs(time.time() * 1000 - ts_ms) > self.max_clock_skew_s * 1000:
             raise AuthError(f"timestamp outside max_clock_skew_s={self.max_clock_skew_s}", code=p.REJECT_STALE)
-        self._replay.check(sender, session, seq, mtype == p.MsgType.HELLO or not self.require_hello)
-        message = p.decode_body(mtype, body)
-        self._replay.accept(sender, session, seq)
+        is_hello = mtype == p.MsgType.HELLO or not self.require_hello
+        self._replay.check(sender, session, seq, is_hello, ts_ms)
+        message = p.decode_body(mtype, reader.body())
+        self._replay.accept(sender, session, seq, ts_ms)
         return Envelope(sender, peer.role, session, seq, ts_ms, message)

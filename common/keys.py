@@ -141,3 +141,91 @@ def write_authorized_keys(path: Path, entries: dict[str, tuple[str, str]]) -> No
     """Write ``{peer_id: (role, public_key_b64)}`` as an authorized-keys TOML file."""
     doc = {"peers": {pid: {"role": role, "public_key": pub} for pid, (role, pub) in entries.items()}}
     path.write_text(tomli_w.dumps(doc))
+
+
+# --- ZeroMQ CURVE transport keys (optional encryption; see docs/security.md) ---------
+# Files: the Z85 text of the 32-byte key (40 chars), one line. The secret key is
+# written 0600 and refused when group/world readable, like the Ed25519 key.
+# Only the broker needs a long-lived CURVE key pair: peers use a fresh
+# ephemeral pair per connection (they are authenticated by their Ed25519
+# envelope signatures, not by their CURVE key) and pin the broker's public key.
+
+CURVE_KEY_CHARS = 40
+
+
+def write_curve_keypair(directory: Path, name: str) -> tuple[Path, Path]:
+    """Create ``DIR/<name>.curve.key`` (Z85 secret, 0600) and ``DIR/<name>.curve.pub``
+    (Z85 public) with ``zmq.curve_keypair()``; returns both paths.
+    Raises ConfigError if the secret exists or libzmq lacks CURVE."""
+    import zmq
+
+    if not zmq.has("curve"):
+        raise ConfigError("this libzmq has no CURVE support; install pyzmq wheels (bundled libsodium)")
+    directory.mkdir(parents=True, exist_ok=True)
+    sec_path = directory / f"{name}.curve.key"
+    pub_path = directory / f"{name}.curve.pub"
+    if sec_path.exists():
+        raise ConfigError(f"{sec_path} exists; refusing to overwrite a secret key (delete it first)")
+    public, secret = zmq.curve_keypair()
+    fd = os.open(sec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret.decode("ascii") + "\n")
+    pub_path.write_text(public.decode("ascii") + "\n")
+    return sec_path, pub_path
+
+
+def _read_z85(path: Path, what: str) -> bytes:
+    import zmq
+    from zmq.utils import z85
+
+    try:
+        text = path.read_text().strip().encode("ascii")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found (create it with `ccsq keygen --curve`)") from None
+    except (UnicodeError, OSError) as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
+    try:
+        if len(text) != CURVE_KEY_CHARS or len(z85.decode(text)) != 32:
+            raise ValueError
+    except (ValueError, KeyError, IndexError):
+        raise ConfigError(f"{what} {path}: expected a {CURVE_KEY_CHARS}-character Z85 CURVE key") from None
+    if not zmq.has("curve"):
+        raise ConfigError("curve = true but this libzmq has no CURVE support")
+    return text
+
+
+def load_curve_secret(path: Path) -> bytes:
+    """The broker's Z85 CURVE secret key; refuses a group/world-readable file (ConfigError)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"CURVE secret key {path} not found (create it with `ccsq keygen --curve`)") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"CURVE secret key {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}"
+        )
+    return _read_z85(path, "CURVE secret key")
+
+
+def load_curve_public(path: Path) -> bytes:
+    """The broker's Z85 CURVE public key, as pinned by peers (ConfigError if missing or invalid)."""
+    return _read_z85(path, "broker CURVE public key")
+
+
+def curve_server_setup(sock, secret_z85: bytes) -> None:
+    """Make ``sock`` (the broker's ROUTER) a CURVE server with this secret key."""
+    import zmq
+
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret_z85)
+
+
+def curve_client_setup(sock, server_public_z85: bytes) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key is pinned;
+    a fresh ephemeral client key pair per socket."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public_z85)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)

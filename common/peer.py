@@ -29,12 +29,13 @@ from pathlib import Path
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from ccsq.common import protocol as p
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, load_private_key
+from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key
 
 log = structlog.get_logger("ccsq.peer")
 
@@ -55,8 +56,17 @@ def backoff_delay_s(attempt: int, base_s: float, cap_s: float) -> float:
     return random.uniform(0.0, min(cap_s, base_s * (2 ** min(attempt, 30))))
 
 
+#: ZeroMQ handshake outcomes watched on a CURVE link (a wrong pinned key fails at once).
+CURVE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 def make_codec(settings: PeerSettings) -> EnvelopeCodec:
-    """Build this peer's codec from its settings (keys loaded; ConfigError on problems)."""
+    """Build this peer's codec from its settings (keys loaded, and the broker's
+    CURVE public key checked when ``curve`` is on; ConfigError on problems)."""
+    if settings.curve:
+        load_curve_public(Path(settings.broker_curve_public_key))
     return EnvelopeCodec(
         settings.peer_id,
         load_private_key(Path(settings.private_key)),
@@ -103,6 +113,7 @@ class BrokerLink:
     ) -> None:
         self.settings = settings
         self.codec = codec or make_codec(settings)
+        self._curve_server_key = load_curve_public(Path(settings.broker_curve_public_key)) if settings.curve else None
         self._hello = hello
         self._heartbeat = heartbeat or (lambda: p.Heartbeat())
         self._on_message = on_message
@@ -184,12 +195,16 @@ class BrokerLink:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
+        monitor = None
+        if self._curve_server_key is not None:
+            curve_client_setup(sock, self._curve_server_key)
+            monitor = sock.get_monitor_socket(CURVE_FAILED_EVENTS)
         sock.connect(self.settings.broker_endpoint)
         self.codec.new_session()
         self._outbox = asyncio.Queue()
         tasks: list[asyncio.Task] = []
         try:
-            await self._handshake(sock)
+            await self._handshake_watched(sock, monitor)
             self.sessions += 1
             self.state = LinkState.READY
             self.ready.set()
@@ -224,7 +239,38 @@ class BrokerLink:
                     await t
                 except (asyncio.CancelledError, Exception):
                     pass
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
+
+    async def _handshake_watched(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
+        """:meth:`_handshake`, ended at once with ``curve_handshake_failed`` when the
+        CURVE handshake fails (wrong pinned broker key, or a broker without CURVE)."""
+        if monitor is None:
+            return await self._handshake(sock)
+        hello = asyncio.ensure_future(self._handshake(sock))
+        failed = asyncio.ensure_future(monitor.recv_multipart())
+        try:
+            await asyncio.wait({hello, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if hello.done():
+                return hello.result()
+            event = parse_monitor_message(failed.result())
+            name = getattr(event["event"], "name", str(event["event"]))
+            self.log.error(
+                "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
+                broker_curve_public_key=self.settings.broker_curve_public_key,
+                hint="the pinned broker CURVE public key is wrong, or the broker does not run with curve = true",
+            )
+            raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): check broker_curve_public_key")
+        finally:
+            for fut in (hello, failed):
+                if not fut.done():
+                    fut.cancel()
+                    try:
+                        await fut
+                    except (asyncio.CancelledError, Exception):
+                        pass
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
         frames = self.codec.encode(self._hello())

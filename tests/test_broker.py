@@ -319,8 +319,8 @@ def test_hostile_msgpack_and_invalid_frames(h):
     bad = h.peer("prod", b.endpoint)
     bad.hello("producer")
     rss0 = _rss_kib(b.proc.pid)
-    # (a) msgpack array header, then a bin32 that claims 4 GiB in a handful of bytes
-    bad.send_raw([b"\x97\x01\x0a\xa4prod\x01\x01\x01\xc6\xff\xff\xff\xff" + b"xx", b"\0" * 64])
+    # (a) msgpack array header, then a bin32 header field that claims 4 GiB in a handful of bytes
+    bad.send_raw([b"\x97\x01\x0a\xc6\xff\xff\xff\xff" + b"xx", b"\0" * 64])  # the sender field claims 4 GiB
     err = bad.recv_type(p.Error)
     assert err.code == p.REJECT_MALFORMED
     bad.send(p.Status(1, []))  # the session is gone

@@ -191,7 +191,7 @@ def test_c09_hostile_msgpack_limits(pki) -> None:
     broker = pki("broker", max_frame_bytes=limit)
     worker = pki("worker-1", max_frame_bytes=limit * 2)
     # (a) bin32 header claiming 4 GiB inside a tiny frame: rejected by msgpack limits, no allocation
-    claim = b"\x97\x01\x01\xa8worker-1\x01\x01\x01\xc6\xff\xff\xff\xff" + b"x" * 10
+    claim = b"\x97\x01\x01\xc6\xff\xff\xff\xff" + b"x" * 10  # the sender field claims 4 GiB
     with pytest.raises(DecodeError) as exc:
         broker.decode([claim, b"s" * 64])
     assert exc.value.code == p.REJECT_MALFORMED
