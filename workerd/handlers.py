@@ -9,16 +9,30 @@ handler raises :class:`~ccsq.common.errors.PermanentHandlerError` for input
 that can never succeed (dead-lettered at once) and anything else for a
 retryable failure.
 
+Batching (:mod:`ccsq.workerd.batching`): a handler declares ``max_batch``
+(items per call, default 1) and ``max_wait_ms`` (how long a partial batch
+waits for more, default 0); the worker config's ``max_batch`` /
+``max_wait_ms`` override them. The worker groups ready items by
+``(kind, batch_key(params))`` and calls ``run_batch(items)`` with
+``items: list[(payload, params)]`` under ONE GPU slot; it returns one entry per
+item, in order: the result ``bytes``, or an exception instance for an item
+that failed alone (a :class:`PermanentHandlerError` instance dead-letters
+just that item). An exception raised by ``run_batch`` itself fails every item
+of the batch. The default ``run_batch`` calls ``run`` on each item in turn
+(per-item errors kept per item), so every handler works with any
+``max_batch``; a handler with a real batched path overrides it.
+
 Handlers are registered in the entry point group ``ccsq.handlers``
 (``echo``, ``sleep``, ``fail``, ``ocr``); :func:`load_handler` finds one by name.
 
 Built-in test handlers:
 
-- ``echo``: returns the payload.
+- ``echo``: returns the payload (batch path: one pass over the batch).
 - ``sleep``: waits ``params["seconds"]`` (float, default 0.1) and returns
   ``{"slept_s": ..., "burn": ...}`` as JSON; with ``params["burn"]`` true it
   burns CPU in pure Python instead (holding the GIL as much as Python lets a
-  thread; case C06).
+  thread; case C06). Batch path: like a GPU batch, one wait of the largest
+  ``seconds`` in the batch serves every item (``"batch": n`` in each result).
 - ``fail``: raises HandlerError, or PermanentHandlerError when
   ``params["permanent"]``; with ``params["kill_worker"]`` it SIGKILLs its own
   process (a poison job, case C07b).
@@ -31,6 +45,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 from ccsq.common.config import WorkerConfig
@@ -79,6 +94,20 @@ class Handler:
     def run(self, payload: bytes, params: dict[str, Any]) -> bytes:
         raise NotImplementedError
 
+    def run_batch(self, items: list[tuple[bytes, dict[str, Any]]]) -> list[bytes | BaseException]:
+        """Run a batch (see module doc); default: ``run`` on each item, errors kept per item."""
+        out: list[bytes | BaseException] = []
+        for payload, params in items:
+            try:
+                out.append(self.run(payload, params))
+            except Exception as exc:  # noqa: BLE001 - handed back per item, typed by the worker
+                out.append(exc)
+        return out
+
+    def batch_key(self, params: dict[str, Any]) -> Hashable:
+        """Items may share a batch only with equal keys (besides their kind); default: all may."""
+        return None
+
     def health(self) -> dict[str, Any]:
         """Extra facts for heartbeats (scalars only); default none."""
         return {}
@@ -92,6 +121,9 @@ class EchoHandler(Handler):
 
     def run(self, payload: bytes, params: dict[str, Any]) -> bytes:
         return payload
+
+    def run_batch(self, items: list[tuple[bytes, dict[str, Any]]]) -> list[bytes | BaseException]:
+        return [payload for payload, _ in items]
 
 
 def _float_param(params: dict[str, Any], key: str, default: float) -> float:
@@ -118,6 +150,26 @@ class SleepHandler(Handler):
         else:
             time.sleep(seconds)
         return json.dumps({"slept_s": seconds, "burn": burn, "payload_bytes": len(payload)}).encode()
+
+    def run_batch(self, items: list[tuple[bytes, dict[str, Any]]]) -> list[bytes | BaseException]:
+        """One sleep of the largest ``seconds`` for the whole batch (a GPU batch costs
+        about one item's time); an item with a bad ``seconds`` fails alone; ``burn``
+        items run one by one (CPU work does not batch)."""
+        if any(params.get("burn") for _, params in items):
+            return super().run_batch(items)
+        seconds: list[float | BaseException] = []
+        for _, params in items:
+            try:
+                seconds.append(_float_param(params, "seconds", 0.1))
+            except PermanentHandlerError as exc:
+                seconds.append(exc)
+        longest = max((s for s in seconds if isinstance(s, float)), default=0.0)
+        time.sleep(longest)
+        return [
+            s if isinstance(s, BaseException)
+            else json.dumps({"slept_s": s, "burn": False, "payload_bytes": len(payload), "batch": len(items)}).encode()
+            for s, (payload, _) in zip(seconds, items)
+        ]
 
 
 class FailHandler(Handler):

@@ -143,12 +143,13 @@ class Journal:
                 [(i, t, k, EntryState.HELD.value, now) for i, t, k in leases],
             )
 
-    def mark_started(self, key: Key) -> None:
-        """The handler is about to run this lease."""
+    def mark_started(self, *keys: Key) -> None:
+        """The handler is about to run these leases (one batch: one transaction)."""
+        now = time.time()
         with self._tx():
-            self._db.execute(
+            self._db.executemany(
                 "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
-                (EntryState.STARTED.value, time.time(), key[0], key[1], EntryState.HELD.value),
+                [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in keys],
             )
 
     def record(self, report: p.TaskResult | p.TaskFailure, kind: str = "") -> None:

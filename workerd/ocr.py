@@ -23,6 +23,10 @@ C10). ``handler_threads`` sets ONNX Runtime's intra-op threads.
 Concurrency: RapidOCR keeps per-call settings on the engine object, so one
 engine serves one thread at a time; ``load()`` builds one engine per slot.
 
+Batching: none of its own. RapidOCR 3.x takes one image per call (it batches
+the text lines of a page internally, ``rec_batch_num``), so with a configured
+``max_batch`` > 1 the default ``run_batch`` runs the pages one after another.
+
 ``doc_type`` is a keyword vote over the lower-cased text: each type scores
 its keywords' occurrences times its weight (licence 3, since licence pages
 also say "must" and "shall" a lot; the others 1); the highest score wins,

@@ -182,19 +182,38 @@ def _field(num: int, value: bytes | int) -> bytes:
     return _varint((num << 3) | 2) + _varint(len(value)) + value
 
 
+#: ONNX TensorProto element types used by the builders below.
+ELEM_FLOAT, ELEM_UINT8, ELEM_INT8, ELEM_INT32, ELEM_INT64, ELEM_BOOL, ELEM_DOUBLE = 1, 2, 3, 6, 7, 9, 11
+
+ValueSpec = tuple[str, int, Sequence[int | str]]  # (name, element type, dims: int = fixed, str = symbolic)
+
+
+def _value_info(spec: ValueSpec) -> bytes:
+    name, elem_type, dims = spec
+    dim_protos = b"".join(
+        _field(1, _field(2, d.encode()) if isinstance(d, str) else _field(1, d)) for d in dims
+    )  # TensorShapeProto.dim { dim_param | dim_value }
+    tensor_type = _field(1, elem_type) + _field(2, dim_protos)  # elem_type, shape
+    return _field(1, name.encode()) + _field(2, _field(1, tensor_type))  # ValueInfoProto{name, TypeProto{tensor_type}}
+
+
+def model_bytes(op: str, inputs: Sequence[ValueSpec], outputs: Sequence[ValueSpec], *,
+                node_inputs: Sequence[str] | None = None, opset: int = 13) -> bytes:
+    """A valid one-node ONNX ModelProto (IR 8), encoded by hand (no ``onnx`` package):
+    ``outputs = op(node_inputs or the input names)``. Dims: an int is fixed, a
+    str is a symbolic dim (``dim_param``). Used for the provider probe and tests."""
+    names = list(node_inputs) if node_inputs is not None else [spec[0] for spec in inputs]
+    node = b"".join(_field(1, n.encode()) for n in names) + b"".join(_field(2, o[0].encode()) for o in outputs)
+    node += _field(4, op.encode())
+    graph = _field(1, node) + _field(2, b"ccsq_model")
+    graph += b"".join(_field(11, _value_info(i)) for i in inputs) + b"".join(_field(12, _value_info(o)) for o in outputs)
+    opset_import = _field(1, b"") + _field(2, opset)
+    return _field(1, 8) + _field(2, b"ccsq") + _field(7, graph) + _field(8, opset_import)
+
+
 def tiny_model_bytes() -> bytes:
     """A valid ONNX ModelProto: y = Identity(x), x and y float[1]; IR 8, opset 13."""
-    dim = _field(1, _field(1, 1))  # TensorShapeProto.dim { dim_value: 1 }
-    tensor_type = _field(1, 1) + _field(2, dim)  # elem_type FLOAT, shape
-    type_proto = _field(1, tensor_type)  # TypeProto.tensor_type
-
-    def value_info(name: str) -> bytes:
-        return _field(1, name.encode()) + _field(2, type_proto)
-
-    node = _field(1, b"x") + _field(2, b"y") + _field(4, b"Identity")
-    graph = _field(1, node) + _field(2, b"ccsq_probe") + _field(11, value_info("x")) + _field(12, value_info("y"))
-    opset = _field(1, b"") + _field(2, 13)
-    return _field(1, 8) + _field(2, b"ccsq") + _field(7, graph) + _field(8, opset)
+    return model_bytes("Identity", [("x", ELEM_FLOAT, [1])], [("y", ELEM_FLOAT, [1])])
 
 
 # --- GPU health ---------------------------------------------------------------------------

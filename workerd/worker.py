@@ -10,11 +10,34 @@ heartbeat's info: the worst lag since the previous heartbeat).
 
 Life of a task (DESIGN.md, operations 3-5)::
 
-    DISPATCH -> journal "held" (fsync) -> fetch payload (prefetch: outside the slot)
-      -> take a slot -> journal "started" -> handler.run in a thread
+    DISPATCH -> journal "held" (fsync) -> fetch payload + verify its SHA-256
+      (prefetch: outside the slot, while the GPU runs earlier items)
+      -> batch queue -> a lane takes a batch and a slot -> deadline check
+      -> journal "started" -> handler.run / run_batch in a thread
       -> store result (inline <= 16 KiB, else claim store) -> journal "finished"
       -> crash point worker.after_result_stored -> COMPLETE -> grant 1 credit
       -> COMPLETE_ACK (any outcome) -> forget (journal row deleted)
+
+Batching (:mod:`ccsq.workerd.batching`): ``max_batch`` = the config's, else the
+handler's (default 1); ``max_wait_ms`` likewise. There are ``slots`` *lanes*;
+each takes the next batch (up to ``max_batch`` ready items of one
+``(kind, handler.batch_key(params))``), holds ONE slot of the semaphore for
+it, and calls ``handler.run`` (one item) or ``handler.run_batch`` (several) in
+an inference thread. Each item of a batch is then stored, journaled and
+reported on its own, exactly as a single item. A poison job in a batch kills
+its batch mates' attempts too (they were started with it).
+
+Deadline: an item whose ``deadline_ts`` has passed when its batch is about to
+start is not run: it is given back with ``FAIL(reason="released",
+retryable=True)`` (no attempt consumed, logged ``deadline_skipped``), and the
+broker, which owns the ``expired`` state, moves it to ``expired`` when it next
+tries to lease it (``deadline passed while ready``, a G6 event), exactly as
+for an item whose deadline passes while queued at the broker. The check uses
+the broker's clock as seen in the DISPATCH envelope's timestamp (transit time
+only makes that estimate earlier), so a worker whose clock runs ahead never
+gives back an item the broker still considers alive. Reporting ``cancelled``
+or ``timeout`` instead would count a failed attempt and could dead-letter
+the item rather than expire it.
 
 Crash points (:mod:`ccsq.common.faults`): ``worker.after_infer`` fires when the
 handler has returned, before anything is stored (a restart re-runs nothing
@@ -27,11 +50,21 @@ exception -> ``handler_error`` (retryable, message = repr); over
 ``max_runtime_s`` (the task's, else the config's; 0 = none) -> ``timeout``
 (retryable) at once, while the slot stays counted as *lost* until the thread
 returns (its result is discarded); a payload the claim store cannot produce
--> ``payload_missing`` (not retryable).
+(absent, or its SHA-256 does not match) -> ``payload_missing`` (not retryable);
+any other claim-store error while fetching (I/O error, backend down) ->
+``handler_error`` (retryable, with backoff: the attempt counts, so a store
+that stays broken dead-letters the item after ``max_attempts`` instead of
+looping); the worker itself keeps running.
+A batch runs under the strictest ``max_runtime_s`` of its items (times the
+batch size when the handler has no batched path and runs the items in turn);
+on overrun every item of the batch is reported ``timeout``.
 
-Credit: the HELLO grants ``slots + prefetch - held`` (minus lost slots); each
-DISPATCHed task consumes one; after a report is sent, the missing credit is
-granted back in one batched ``Credit(n)``, so outstanding = slots + prefetch.
+Credit rule: outstanding credit = ``slots x max_batch + prefetch`` (minus
+``max_batch`` per lost slot), so every lane can fill a whole batch and still
+have ``prefetch`` items fetched and verified for the next one. The HELLO
+grants that minus the leases held; each DISPATCHed task consumes one; after
+a report is sent the missing credit is granted back in one batched
+``Credit(n)``.
 
 Unconfirmed reports are re-sent on every new session (``on_connect``) and on a
 timer (every 2 x heartbeat interval); the broker treats replays idempotently.
@@ -86,10 +119,11 @@ from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore
 from ccsq.common.config import WorkerConfig
 from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import PayloadMissing, PermanentHandlerError
+from ccsq.common.errors import HandlerError, PayloadMissing, PermanentHandlerError
 from ccsq.common.faults import crash_point
 from ccsq.common.peer import BrokerLink, LinkState
 from ccsq.workerd import providers
+from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.journal import EntryState, Journal, Key
 from ccsq.workerd.slots import SlotGate
@@ -122,10 +156,29 @@ class Job:
     state: JobState = JobState.HOLDING
     released: bool = False  # the broker took it back: finish quietly, never report
     runner: asyncio.Task | None = None
+    clock_offset_s: float = 0.0  # broker wall clock - ours, as seen in the DISPATCH envelope
+    payload: bytes | None = None  # fetched and verified (prefetch); dropped once run
+    outcome: asyncio.Future | None = None  # resolved by the lane with a RunOutcome
+
+    def deadline_passed(self, now_wall_s: float) -> bool:
+        """Whether ``deadline_ts`` has passed by the broker's clock (estimated)."""
+        return self.task.deadline_ts is not None and now_wall_s + self.clock_offset_s >= self.task.deadline_ts
 
     @property
     def key(self) -> Key:
         return (self.task.item_id, self.task.token)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """What a lane tells a job about its run: exactly one of the fields is set
+    (``data`` may be b""): the result, the error, the overrun limit, or skipped."""
+
+    data: bytes | None = None
+    error: BaseException | None = None
+    runtime_s: float = 0.0  # wall seconds of the handler call (the whole batch)
+    timeout_s: float = 0.0  # > 0: the batch overran this max_runtime_s
+    skipped: str = ""  # not run: why (deadline passed)
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,10 +189,15 @@ class Pending:
     sent_mono: float | None = None  # last send (monotonic s); None = not sent this session
 
 
-def _timed_call(fn: Callable[[bytes, dict], Any], payload: bytes, params: dict) -> tuple[Any, float]:
-    """Run ``fn`` in an inference thread; returns (output, wall seconds)."""
+def _timed_batch(handler: Handler, items: list[tuple[bytes, dict]]) -> tuple[list[Any], float]:
+    """Run one item with ``handler.run`` or several with ``handler.run_batch`` in an
+    inference thread; returns (one output or exception per item, wall seconds).
+    An exception from ``run`` / ``run_batch`` itself applies to every item."""
     t0 = time.perf_counter()
-    out = fn(payload, params)
+    try:
+        out: list[Any] = [handler.run(*items[0])] if len(items) == 1 else list(handler.run_batch(items))
+    except Exception as exc:  # noqa: BLE001 - typed per item by Worker._finish
+        out = [exc] * len(items)
     return out, time.perf_counter() - t0
 
 
@@ -160,7 +218,9 @@ class Worker:
     kinds: list[str]
     # --- execution ---
     gate: SlotGate
-    capacity: int  # slots + prefetch: the credit outstanding when idle
+    max_batch: int  # items per handler call (config, else the handler's)
+    capacity: int  # slots x max_batch + prefetch: the credit outstanding when idle
+    batches: BatchQueue  # fetched, verified items waiting for a lane
     _jobs: dict[Key, Job]  # held leases, not reported yet
     _runners: set[asyncio.Task]
     _infer_futures: set[asyncio.Future]
@@ -176,6 +236,9 @@ class Worker:
     # --- health ---
     done: int  # results reported
     failed: int  # failures reported
+    batches_run: int  # handler calls made
+    batch_items: int  # items in those calls
+    batch_size_max: int  # the largest batch run
     loop_lag_max_ms: float  # worst loop lag since start
     _lag_window_ms: float  # worst loop lag since the previous heartbeat
     gpu_mem_free_bytes: int | None
@@ -198,7 +261,10 @@ class Worker:
             codec=codec,
         )
         self.gate = SlotGate(cfg.slots)
-        self.capacity = cfg.slots + cfg.prefetch
+        self.max_batch = max(1, cfg.max_batch or int(handler.max_batch))
+        max_wait_ms = cfg.max_wait_ms if cfg.max_wait_ms >= 0 else float(handler.max_wait_ms)
+        self.capacity = cfg.slots * self.max_batch + cfg.prefetch
+        self.batches = BatchQueue(self.max_batch, max_wait_ms / 1000.0, self._more_coming)
         self._jobs = {}
         self._runners = set()
         self._infer_futures = set()
@@ -212,6 +278,9 @@ class Worker:
         self.fatal = None
         self.done = 0
         self.failed = 0
+        self.batches_run = 0
+        self.batch_items = 0
+        self.batch_size_max = 0
         self.loop_lag_max_ms = 0.0
         self._lag_window_ms = 0.0
         self.gpu_mem_free_bytes = None
@@ -238,6 +307,8 @@ class Worker:
         await self.recover()
         if on_ready is not None:
             on_ready()
+        for n in range(self.cfg.slots):
+            self._spawn(self._lane(), f"lane-{n}")
         link_task = asyncio.create_task(self.link.run(), name="broker-link")
         aux = [
             asyncio.create_task(self._lag_probe(), name="loop-lag-probe"),
@@ -320,6 +391,7 @@ class Worker:
             "handler_version": self.handler.version,
             "host": self._host,
             "prefetch": self.cfg.prefetch,
+            "max_batch": self.max_batch,
         }
         if self.handler.cpu_fallback:
             info["fallback_reason"] = self.handler.provider_reason[:300]
@@ -332,6 +404,9 @@ class Worker:
             "lost_slots": self.gate.lost,
             "unconfirmed": len(self._pending),
             "draining": self._draining,
+            "batches": self.batches_run,
+            "batch_items": self.batch_items,
+            "batch_size_max": self.batch_size_max,
         }
         if self.gpu_mem_free_bytes is not None:
             info["gpu_mem_free_bytes"] = self.gpu_mem_free_bytes
@@ -364,7 +439,7 @@ class Worker:
     def _on_message(self, env: Envelope) -> None:
         msg = env.message
         if isinstance(msg, p.Dispatch):
-            self._on_dispatch(msg.tasks)
+            self._on_dispatch(msg.tasks, env.ts_ms / 1000.0 - time.time())
         elif isinstance(msg, p.CompleteAck):
             self._on_acks(msg.outcomes, p.TaskResult)
         elif isinstance(msg, p.FailAck):
@@ -377,7 +452,7 @@ class Worker:
             self.log.warning("unexpected_message", type=msg.TYPE.name)
 
     # --- dispatch and execution -----------------------------------------------------
-    def _on_dispatch(self, tasks: list[p.Task]) -> None:
+    def _on_dispatch(self, tasks: list[p.Task], clock_offset_s: float = 0.0) -> None:
         self._broker_credit -= len(tasks)
         if self._broker_credit < 0:
             self.log.warning("credit_overrun", extra_tasks=-self._broker_credit)
@@ -388,7 +463,7 @@ class Worker:
             if key in self._jobs or key in self._pending:
                 self.log.info("duplicate_dispatch", item_id=task.item_id, token=task.token)
                 continue
-            job = Job(task)
+            job = Job(task, clock_offset_s=clock_offset_s)
             self._jobs[key] = job
             new.append(job)
         if not new:
@@ -420,51 +495,147 @@ class Worker:
         await self._report(job, report)
 
     async def _run_job(self, job: Job, hold: asyncio.Future) -> None:
-        """One task: durable hold, fetch (prefetch), slot, run, report."""
+        """One task: durable hold, fetch + verify (prefetch), batch queue, outcome, report."""
         loop = asyncio.get_running_loop()
         task = job.task
         await self._await_hold(hold)
         job.state = JobState.FETCHING
         try:
-            payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
+            job.payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
         except PayloadMissing as exc:
             job.state = JobState.REPORTING
             await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, False, str(exc)))
             return
-        job.state = JobState.QUEUED
-        limit_s = task.max_runtime_s or self.cfg.max_runtime_s
-        async with self.gate.slot():
-            if job.released:
-                await self._forget_released(job)
-                return
-            job.state = JobState.RUNNING
-            await self._j(self.journal.mark_started, job.key)
-            self.log.info("job_started", item_id=task.item_id, token=task.token, attempt=task.attempt, kind=task.kind)
-            fut = loop.run_in_executor(self._infer_pool, _timed_call, self.handler.run, payload, dict(task.params))
-            self._infer_futures.add(fut)
-            fut.add_done_callback(self._infer_futures.discard)
-            done, _ = await asyncio.wait({fut}, timeout=limit_s if limit_s > 0 else None)
+        except Exception as exc:  # any other claim-store error (I/O, backend): this attempt failed, retry later
+            self.log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
             job.state = JobState.REPORTING
-            if not done:
-                await self._on_timeout(job, fut, limit_s)
-                return
-        await self._finish(job, fut)
-
-    async def _on_timeout(self, job: Job, fut: asyncio.Future, limit_s: float) -> None:
-        """Report ``timeout`` now; keep the slot (counted lost) until the thread returns."""
-        self.gate.lost += 1
-        self.log.warning("job_timed_out", item_id=job.task.item_id, token=job.task.token, max_runtime_s=limit_s)
+            await self._report(job, self._failure(
+                job, p.FailReason.HANDLER_ERROR, True, f"could not fetch payload: {exc!r}"[:1000]))
+            return
         try:
-            await self._report(job, self._failure(job, p.FailReason.TIMEOUT, True, f"exceeded max_runtime_s={limit_s}"))
+            key = (task.kind, self.handler.batch_key(dict(task.params)))
+        except PermanentHandlerError as exc:
+            job.state = JobState.REPORTING
+            await self._report(job, self._failure(job, p.FailReason.FATAL, False, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
+            job.state = JobState.REPORTING
+            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, f"batch_key: {exc!r}"[:1000]))
+            return
+        job.state = JobState.QUEUED
+        job.outcome = loop.create_future()
+        self.batches.put(key, job)
+        try:
+            outcome = await job.outcome
+        except asyncio.CancelledError:
+            self.batches.discard(key, job)
+            raise
+        await self._finish(job, outcome)
+
+    # --- lanes: one per slot, one batch at a time under one permit ------------------
+    def _more_coming(self) -> bool:
+        """Can another item reach the batch queue soon (credit at the broker, or a fetch)?"""
+        return self._broker_credit > 0 or any(
+            j.state in (JobState.HOLDING, JobState.FETCHING) for j in self._jobs.values())
+
+    async def _lane(self) -> None:
+        while True:
+            _, taken = await self.batches.take()
+            jobs = [j for j in taken if not j.released and j.outcome is not None and not j.outcome.done()]
+            if not jobs:
+                continue
+            for job in jobs:
+                job.state = JobState.RUNNING
+            async with self.gate.slot():
+                await self._run_batch(jobs)
+
+    @staticmethod
+    def _resolve(job: Job, outcome: RunOutcome) -> None:
+        if job.outcome is not None and not job.outcome.done():
+            job.outcome.set_result(outcome)
+        job.payload = None
+
+    async def _run_batch(self, jobs: list[Job]) -> None:
+        """Run one batch in an inference thread (the caller holds the slot)."""
+        now_wall_s = time.time()
+        run: list[Job] = []
+        for job in jobs:
+            if job.deadline_passed(now_wall_s):
+                self.log.info("deadline_skipped", item_id=job.task.item_id, token=job.task.token,
+                              deadline_ts=job.task.deadline_ts)
+                job.state = JobState.REPORTING
+                self._resolve(job, RunOutcome(skipped=f"deadline_ts {job.task.deadline_ts} passed before the job started"))
+            else:
+                run.append(job)
+        if not run:
+            return
+        await self._j(self.journal.mark_started, *[j.key for j in run])
+        for job in run:
+            t = job.task
+            self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
+        self.batches_run += 1
+        self.batch_items += len(run)
+        self.batch_size_max = max(self.batch_size_max, len(run))
+        if self.max_batch > 1:
+            self.log.info("batch_started", size=len(run), kind=run[0].task.kind, max_batch=self.max_batch)
+        limit_s = self._batch_limit_s(run)
+        items = [(j.payload or b"", dict(j.task.params)) for j in run]
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._infer_pool, _timed_batch, self.handler, items)
+        self._infer_futures.add(fut)
+        fut.add_done_callback(self._infer_futures.discard)
+        done, _ = await asyncio.wait({fut}, timeout=limit_s if limit_s > 0 else None)
+        if not done:
+            await self._on_timeout(run, fut, limit_s)
+            return
+        if fut.exception() is not None:  # a BaseException from the handler (SystemExit...): every item
+            outputs, runtime_s = [fut.exception()] * len(run), 0.0
+        else:
+            outputs, runtime_s = fut.result()
+        if len(outputs) != len(run):
+            err = HandlerError(f"run_batch returned {len(outputs)} outputs for {len(run)} items")
+            outputs = [err] * len(run)
+        for job, out in zip(run, outputs):
+            job.state = JobState.REPORTING
+            if isinstance(out, BaseException):
+                self._resolve(job, RunOutcome(error=out, runtime_s=runtime_s))
+            else:
+                self._resolve(job, RunOutcome(data=out, runtime_s=runtime_s))
+
+    def _batch_limit_s(self, run: list[Job]) -> float:
+        """The strictest max_runtime_s of the batch (0 = none), times the batch size
+        when the handler runs batch items one after another (no batched path)."""
+        limits = [lim for j in run if (lim := j.task.max_runtime_s or self.cfg.max_runtime_s) > 0]
+        if not limits:
+            return 0.0
+        looped = len(run) > 1 and type(self.handler).run_batch is Handler.run_batch
+        return min(limits) * (len(run) if looped else 1)
+
+    async def _on_timeout(self, run: list[Job], fut: asyncio.Future, limit_s: float) -> None:
+        """Report ``timeout`` for the batch now; keep the slot (counted lost) until the thread returns."""
+        self.gate.lost += 1
+        try:
+            for job in run:
+                job.state = JobState.REPORTING
+                self.log.warning("job_timed_out", item_id=job.task.item_id, token=job.task.token, max_runtime_s=limit_s)
+                self._resolve(job, RunOutcome(timeout_s=limit_s))
             await asyncio.wait({fut})
             outcome = "error" if fut.exception() is not None else "result"
-            self.log.info("timed_out_job_returned", item_id=job.task.item_id, token=job.task.token, discarded=outcome)
+            for job in run:
+                self.log.info("timed_out_job_returned", item_id=job.task.item_id, token=job.task.token, discarded=outcome)
         finally:
             self.gate.lost -= 1
             self._credit_changed()
 
-    async def _finish(self, job: Job, fut: asyncio.Future) -> None:
-        exc = fut.exception()
+    async def _finish(self, job: Job, outcome: RunOutcome) -> None:
+        if outcome.skipped:
+            await self._report(job, self._failure(job, p.FailReason.RELEASED, True, outcome.skipped))
+            return
+        if outcome.timeout_s > 0:
+            await self._report(job, self._failure(
+                job, p.FailReason.TIMEOUT, True, f"exceeded max_runtime_s={outcome.timeout_s}"))
+            return
+        exc = outcome.error
         if isinstance(exc, PermanentHandlerError):
             await self._report(job, self._failure(job, p.FailReason.FATAL, False, str(exc)))
             return
@@ -472,7 +643,7 @@ class Worker:
             self.log.info("handler_error", item_id=job.task.item_id, token=job.task.token, error=repr(exc))
             await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, repr(exc)[:1000]))
             return
-        data, runtime_s = fut.result()
+        data, runtime_s = outcome.data, outcome.runtime_s
         if not isinstance(data, bytes):
             await self._report(job, self._failure(
                 job, p.FailReason.HANDLER_ERROR, True, f"handler returned {type(data).__name__}, expected bytes"))
@@ -521,6 +692,7 @@ class Worker:
                           retryable=report.retryable, message=report.message[:200])
         self._send_reports([key])
         self._credit_changed()
+        self.batches.poke()
 
     def _release(self, job: Job) -> None:
         """The broker says this lease is not ours any more."""
@@ -619,7 +791,7 @@ class Worker:
 
     # --- credit --------------------------------------------------------------------
     def _capacity(self) -> int:
-        return max(0, self.capacity - self.gate.lost)
+        return max(0, self.capacity - self.gate.lost * self.max_batch)
 
     def _credit_changed(self) -> None:
         if not self._credit_flush_scheduled and self._loop is not None:
