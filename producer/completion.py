@@ -191,13 +191,30 @@ class CompletionService:
         rows: list[ResultRow] = []
         missing: list[p.Delivery] = []
         for d in deliveries:
-            try:
-                if d.result.inline is not None:
-                    data = self.store.get_blob(d.result)  # no I/O; verifies the inline digest
-                else:
-                    data = await loop.run_in_executor(self._io_exec, self.store.get_blob, d.result)
-            except PayloadMissing as exc:
-                self.log.error("result_missing", item_id=d.item_id, sha256=d.result.sha256, error=str(exc))
+            attempt = 0
+            while True:
+                try:
+                    if d.result.inline is not None:
+                        data = self.store.get_blob(d.result)  # no I/O; verifies the inline digest
+                    else:
+                        data = await loop.run_in_executor(self._io_exec, self.store.get_blob, d.result)
+                    break
+                except PayloadMissing as exc:
+                    self.log.error("result_missing", item_id=d.item_id, sha256=d.result.sha256, error=str(exc))
+                    data = None
+                    break
+                except OSError as exc:
+                    # the claim store is unreachable or failing (not "absent"): the result waits
+                    # safely in the broker; back off and read again, never ACK without it
+                    delay_s = backoff_delay_s(attempt, 0.05, self.config.backoff_max_s)
+                    attempt += 1
+                    self.log.warning("result_read_failed", item_id=d.item_id, error=str(exc), retry_in_s=round(delay_s, 3))
+                    try:
+                        await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
+                        return rows, missing + [d]  # stopping: nothing of it is acknowledged
+                    except asyncio.TimeoutError:
+                        continue
+            if data is None:
                 missing.append(d)
                 continue
             rows.append(ResultRow(

@@ -61,3 +61,33 @@ def test_postgres_outage_no_acks_while_down_every_result_lands_once(tmp_path: Pa
         rows = con.execute("SELECT item_id, deliveries FROM results").fetchall()
     assert len(rows) == 90 and {d for _, d in rows} == {1}
     assert report["received"] == report["acknowledged"] == 90 and report["balanced"]
+
+
+def test_claim_store_read_failure_waits_then_lands_once(tmp_path) -> None:
+    """A result blob that cannot be read (I/O error, not absence) is never ACKed:
+    the completion service backs off and lands it once the store reads again."""
+    import os
+    import shutil
+
+    from ccsq.common.claimstore import sha256_hex
+    from tests.swarm import Swarm, wait_until
+
+    payload = os.urandom(40_000)  # over inline_max_bytes: the echo result goes to the claim store
+    digest = sha256_hex(payload)
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        swarm.start_worker(1)
+        with swarm.client() as client:
+            client.submit(payload, "echo")
+        wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
+        blob = tmp_path / "s" / "blobs" / digest[:2] / digest[2:4] / digest
+        saved = blob.read_bytes()
+        blob.unlink()
+        blob.mkdir()  # reading it now raises IsADirectoryError (an OSError), not PayloadMissing
+        comp = swarm.start_completion()
+        wait_until(lambda: comp.count("result_read_failed") >= 2, 30, "read failures logged")
+        assert swarm.report()["acknowledged"] == 0 and comp.running
+        shutil.rmtree(blob)
+        blob.write_bytes(saved)
+        rep = swarm.wait_acknowledged(1, timeout_s=30)
+        assert rep["balanced"] and len(swarm.results()) == 1
