@@ -27,6 +27,17 @@ demo: $(VENV)/.installed-cpu
 test: $(VENV)/.installed-test
 	$(VENV)/bin/pytest -q -m "not soak" $(PYTEST_ARGS)
 
+## make chaos: the long fault-injection run (tests/chaos); replay or resize with CHAOS_ARGS="--seed N --duration-s S"
+CHAOS_ARGS ?= --duration-s 1800
+chaos: $(VENV)/.installed-test
+	$(PY) -m tests.chaos $(CHAOS_ARGS)
+
+## make bench: ccsq vs Redis vs RabbitMQ side by side (installs the peers as root); BENCH_ARGS="--n 100000 --only pipeline"
+BENCH_ARGS ?=
+bench: $(VENV)/.installed-test
+	$(PIP) install -q -e '.[cpu,test,bench]'
+	$(PY) -m bench.run $(BENCH_ARGS)
+
 ## make soak: long runs excluded from CI
 soak: $(VENV)/.installed-test
 	$(VENV)/bin/pytest -q -m soak $(PYTEST_ARGS)
