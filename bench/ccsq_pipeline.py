@@ -1,0 +1,159 @@
+"""Benchmark 1, ccsq side: producer -> ccsq-brokerd -> 2 x ccsq-workerd (echo) -> ccsq completion (SQLite).
+
+Real daemons, as ``make demo`` runs them (``ccsq init`` layout, separate
+processes). The producer is the real :class:`~ccsq.producer.client.AsyncClient`
+in this process: each batch is one ``submit_many`` call, which returns after the
+broker's SUBMIT_ACK (sent after its fsynced commit). Each job carries a 1 KiB
+claim reference inline and its submit wall time in ``params["t"]``.
+
+Done means acknowledged: the run ends when the ledger counts ``n`` acknowledged
+items. Latency of a job = its ``acked_ms`` in the ledger - ``params["t"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import claim_ref, disk_bytes, dist, rss_bytes
+from bench.driver import produce
+from ccsq.brokerd.ledger import Ledger, data_paths
+from ccsq.common.cli import init_swarm
+from ccsq.common.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+
+#: Worker/completion tuning used by the benchmark (stated in docs/benchmarks.md).
+WORKER_SLOTS = 4
+WORKER_PREFETCH = 64
+COMPLETION_CREDIT = 512
+
+
+def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: dict | None = None,
+                worker: dict | None = None, completion: dict | None = None,
+                start_completion: bool = True, start_workers: int | None = None) -> tuple[ProcessGroup, dict[str, Path]]:
+    """A fresh swarm under ``root`` (deleted first) with broker, ``workers`` workers
+    (configured; the first ``start_workers`` started, default all) and the completion
+    service started and ready; returns (process group, config paths)."""
+    shutil.rmtree(root, ignore_errors=True)
+    configs = init_swarm(
+        root,
+        endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
+        workers=workers,
+        handler=handler,
+        broker={"min_free_disk_bytes": 0, **(broker or {})},
+        worker={"slots": WORKER_SLOTS, "prefetch": WORKER_PREFETCH, **(worker or {})},
+        completion={"credit": COMPLETION_CREDIT, **(completion or {})},
+    )
+    procs = ProcessGroup(root / "logs")
+    try:
+        procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])], ready_event="broker_started")
+        for n in range(1, (workers if start_workers is None else start_workers) + 1):
+            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n}"])],
+                        ready_event="broker_link_ready", ready_timeout_s=120)
+        if start_completion:
+            procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],
+                        ready_event="broker_link_ready")
+    except BaseException:
+        procs.stop_all()
+        raise
+    return procs, configs
+
+
+def check_alive(procs: ProcessGroup) -> None:
+    """Raise RuntimeError (with the log tail) if a started daemon has exited."""
+    for name, proc in procs.procs.items():
+        if proc.popen is not None and not proc.running:
+            raise RuntimeError(f"{name} exited {proc.popen.returncode}; log tail:\n{procs.tail(name, 10)}")
+
+
+def acknowledged(root: Path) -> int:
+    """The ledger's acknowledged counter (a fresh read-only open: safe while the broker writes)."""
+    ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
+    try:
+        with ledger.read() as view:
+            return view.counter("acknowledged")
+    finally:
+        ledger.close()
+
+
+def latencies_ms(root: Path) -> list[float]:
+    """submit -> acknowledged of every acknowledged item that carries ``params["t"]`` (ms)."""
+    ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
+    import msgpack
+
+    out: list[float] = []
+    try:
+        with ledger.read() as view:
+            for _k, raw in view.txn.cursor(db=view.db["items"]):
+                rec = msgpack.unpackb(raw, raw=False)
+                t = rec.get("params", {}).get("t")
+                if rec.get("acked_ms") and isinstance(t, float):
+                    out.append(rec["acked_ms"] - t * 1000.0)
+    finally:
+        ledger.close()
+    return out
+
+
+async def _produce(producer_toml: Path, n: int, batch: int, window: int, rate_per_s: float | None) -> dict[str, float]:
+    from ccsq.producer.client import AsyncClient
+
+    async with AsyncClient.from_config_file(producer_toml) as client:
+        async def submit_batch(start: int, count: int) -> None:
+            t = time.time()
+            await client.submit_many([(claim_ref(i), "echo", {"t": t}) for i in range(start, start + count)],
+                                     timeout_s=120)
+
+        return await produce(submit_batch, n, batch=batch, window=window, rate_per_s=rate_per_s)
+
+
+def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: float | None = None,
+        timeout_s: float = 900.0, profile_out: Path | None = None, fsync_trace: Path | None = None) -> dict[str, Any]:
+    """One pipeline run of ``n`` jobs; returns throughput, latency and broker facts.
+
+    ``profile_out``: record the broker with py-spy (raw collapsed stacks) while it runs.
+    ``fsync_trace``: also run ``strace -T`` on the broker's fdatasync/fsync calls."""
+    procs, configs = start_swarm(root)
+    spy = strace = None
+    try:
+        broker_pid = procs.procs["broker"].popen.pid
+        if profile_out is not None:
+            spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(broker_pid), "-r", "200", "--format", "raw",
+                                    "-o", str(profile_out), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if fsync_trace is not None and shutil.which("strace"):
+            strace = subprocess.Popen(["strace", "-f", "-T", "-ttt", "-e", "trace=fdatasync,fsync,msync",
+                                       "-o", str(fsync_trace), "-p", str(broker_pid)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)  # strace attaches asynchronously; nothing to poll for
+        rss_before = rss_bytes(broker_pid)
+        t0 = time.monotonic()
+        prod = asyncio.run(_produce(configs["producer"], n, batch, window, rate_per_s))
+        wait_until(lambda: check_alive(procs) or acknowledged(root) >= n, timeout_s, f"{n} acknowledged", interval_s=0.05)
+        elapsed_s = time.monotonic() - t0
+        rss_after = rss_bytes(broker_pid)
+    finally:
+        for tool in (spy, strace):
+            if tool is not None and tool.poll() is None:
+                tool.send_signal(2)  # SIGINT: both tools write their output and exit
+                try:
+                    tool.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    tool.kill()
+        procs.stop_all()
+    lat = latencies_ms(root)
+    return {
+        "system": "ccsq",
+        "n": n,
+        "batch": batch,
+        "window": window,
+        "rate_per_s": rate_per_s,
+        "elapsed_s": round(elapsed_s, 3),
+        "jobs_per_s": round(n / elapsed_s, 1),
+        "producer": prod,
+        "latency_ms": dist(lat, 1),
+        "broker_rss_bytes": {"before": rss_before, "after": rss_after},
+        "ledger_disk_bytes": disk_bytes(root / "broker-data"),
+    }

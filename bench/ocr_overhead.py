@@ -1,0 +1,79 @@
+"""Benchmark 5: worker overhead on real inference.
+
+Pages/s of :class:`ccsq.workerd.ocr.OcrHandler` on the same pages
+(``examples/documents/*.png``, the first ``pages`` + one warm-up page):
+
+- bare: one process, ``handler.run(page)`` in a loop;
+- ccsq: producer -> broker -> 1 ccsq-workerd (ocr, 1 slot) -> completion service
+  (SQLite), from the first submit until the last page is acknowledged.
+
+Both load the model first and run one warm-up page untimed; both use the same
+``handler_threads``. Ratio = ccsq pages/s / bare pages/s (target >= 0.95).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.ccsq_pipeline import acknowledged, check_alive, start_swarm
+from bench.common import ROOT
+from ccsq.common.procs import wait_until
+
+DOCS = ROOT / "examples" / "documents"
+
+
+def pages(n: int) -> list[Path]:
+    found = sorted(DOCS.glob("*.png"))
+    if len(found) < n + 1:
+        raise FileNotFoundError(f"need {n + 1} pages in {DOCS}, found {len(found)}")
+    return found[: n + 1]
+
+
+def bare(files: list[Path], handler_threads: int) -> dict[str, Any]:
+    from ccsq.common.config import WorkerConfig
+    from ccsq.workerd.ocr import OcrHandler
+
+    handler = OcrHandler(WorkerConfig(handler="ocr", handler_threads=handler_threads))
+    handler.load()
+    handler.run(files[0].read_bytes(), {"name": files[0].name})  # warm-up
+    datas = [(f.read_bytes(), f.name) for f in files[1:]]
+    t0 = time.monotonic()
+    for data, name in datas:
+        handler.run(data, {"name": name})
+    elapsed_s = time.monotonic() - t0
+    return {"pages": len(datas), "elapsed_s": round(elapsed_s, 3), "pages_per_s": round(len(datas) / elapsed_s, 3),
+            "provider": handler.provider}
+
+
+def through_ccsq(root: Path, files: list[Path], handler_threads: int) -> dict[str, Any]:
+    from ccsq.producer.client import Client
+
+    procs, configs = start_swarm(root, workers=1, handler="ocr",
+                                 worker={"slots": 1, "prefetch": 1, "kinds": ["ocr"], "handler_threads": handler_threads})
+    try:
+        with Client.from_config_file(configs["producer"]) as client:
+            client.submit(files[0], "ocr", params={"name": files[0].name})  # warm-up
+            wait_until(lambda: check_alive(procs) or acknowledged(root) >= 1, 300, "warm-up page acknowledged", interval_s=0.02)
+            t0 = time.monotonic()
+            client.submit_many([(f, "ocr", {"name": f.name}) for f in files[1:]])
+            wait_until(lambda: check_alive(procs) or acknowledged(root) >= len(files), 900, "every page acknowledged", interval_s=0.02)
+            elapsed_s = time.monotonic() - t0
+    finally:
+        procs.stop_all()
+    n = len(files) - 1
+    return {"pages": n, "elapsed_s": round(elapsed_s, 3), "pages_per_s": round(n / elapsed_s, 3)}
+
+
+def run(root: Path, n_pages: int = 6, handler_threads: int = 0) -> dict[str, Any]:
+    files = pages(n_pages)
+    b1 = bare(files, handler_threads)  # bare before and after ccsq: cancels slow drift of a shared machine
+    c = through_ccsq(root, files, handler_threads)
+    b2 = bare(files, handler_threads)
+    b = {"pages": b1["pages"], "elapsed_s": round((b1["elapsed_s"] + b2["elapsed_s"]) / 2, 3),
+         "provider": b1["provider"], "runs_pages_per_s": [b1["pages_per_s"], b2["pages_per_s"]]}
+    b["pages_per_s"] = round(b["pages"] / b["elapsed_s"], 3)
+    ratio = c["pages_per_s"] / b["pages_per_s"] if b["pages_per_s"] else 0.0
+    return {"pages": n_pages, "handler_threads": handler_threads, "bare": b, "ccsq": c, "ratio": round(ratio, 3),
+            "target": 0.95, "met": ratio >= 0.95}

@@ -1,0 +1,42 @@
+"""Smoke test of the benchmark harness (``make bench``) so it cannot rot.
+
+Runs the ccsq side of benchmark 1 with a tiny N through the real daemons
+(broker, 2 echo workers, completion service on SQLite) and checks the shape of
+what the harness reports. The peers (Redis, RabbitMQ) run only under ``make bench``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# bench/ is a top-level directory of the repository, not part of the installed package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import ccsq_pipeline  # noqa: E402
+from bench.common import dist, percentile  # noqa: E402
+from bench.profile import top  # noqa: E402
+
+
+@pytest.mark.timeout(60)
+def test_ccsq_pipeline_smoke(tmp_path: Path) -> None:
+    n = 150
+    res = ccsq_pipeline.run(tmp_path / "swarm", n, batch=50, window=2)
+    assert res["n"] == n and res["jobs_per_s"] > 0
+    assert res["latency_ms"]["n"] == n  # every job acknowledged and carries its submit time
+    assert 0 <= res["latency_ms"]["p50"] <= res["latency_ms"]["p99"] <= res["latency_ms"]["max"]
+    assert res["ledger_disk_bytes"] > 0 and res["broker_rss_bytes"]["after"] > 0
+
+
+def test_percentiles_and_profile_summary(tmp_path: Path) -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile(list(range(1, 101)), 50) == 50 and percentile(list(range(1, 101)), 99) == 99
+    assert dist([1.0, 2.0, 3.0])["max"] == 3.0
+    raw = tmp_path / "prof.txt"
+    raw.write_text("process 1;run (a/b.py:1);commit (c/ledger.py:10) 30\n"
+                   "process 1;run (a/b.py:1);decode (c/envelope.py:5) 10\n")
+    summary = top(raw)
+    assert summary["self"][0] == ("commit (c/ledger.py)", 75.0)
+    assert ("run (a/b.py)", 100.0) in summary["inclusive"]
