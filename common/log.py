@@ -12,6 +12,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """A file-like that writes to whatever ``sys.stderr`` is *now* (not at configure
+    time), so a logger configured once never writes to a closed or swapped stream."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(log_format: str = "auto", level: int = logging.INFO) -> None:
     """Configure structlog for this process. ``log_format``: auto | json | console."""
     use_console = log_format == "console" or (log_format == "auto" and sys.stderr.isatty())
@@ -25,6 +36,6 @@ def configure(log_format: str = "auto", level: int = logging.INFO) -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
