@@ -43,6 +43,7 @@ log = structlog.get_logger("ccsq.brokerd")
 MAX_FRAMES_PER_TURN = 256  # ~60 us of signature check each: keeps a turn near 15 ms
 MAX_PENDING_PER_PEER = 10_000
 PENDING_RETRY_S = 0.01
+COMMIT_DELAY_S = 0.001  # after a turn that committed peer frames, gather this long before the next turn
 BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
@@ -106,6 +107,10 @@ class Broker:
         self.leases = LeaseTimers()
         self.delivered = {}
         self.redeliver = set()
+        # every completed-index entry below this completion seq is in self.delivered
+        # (the scan for deliveries starts here); reset to 0 when one leaves it unacked
+        self._delivered_below_cseq = 0
+        self._delivery_floor_resets = 0  # bumped on each reset: a scan older than it must not advance it
         self.deferred = []
         self.rejects = collections.Counter()
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
@@ -121,6 +126,7 @@ class Broker:
         self._next_background_mono = now
         self._dispatch_at_mono = now  # when a dispatch pass may find work (inf: nothing until an event)
         self._deliver_possible = True
+        self._committed_ops = 0  # peer ledger messages the last turn committed (commit delay)
         self._disk_checked_mono = 0.0
         self._disk_full = False
         self._rr = 0  # round-robin start among workers
@@ -161,8 +167,16 @@ class Broker:
                 await self.transport.wait_readable(timeout)
             if self._stopping:
                 break
-            self.turn(self.transport.drain(MAX_FRAMES_PER_TURN))
-            await asyncio.sleep(0)
+            frames = self.transport.drain(MAX_FRAMES_PER_TURN)
+            self._committed_ops = 0
+            self.turn(frames)
+            if self._committed_ops and len(frames) < MAX_FRAMES_PER_TURN:
+                # Under load more frames follow a committed turn: gather them a moment so
+                # the next commit (one fsync) carries more (PostgreSQL's commit_delay).
+                # The replies of this turn are already sent: nothing waits for durability.
+                await asyncio.sleep(COMMIT_DELAY_S)
+            else:
+                await asyncio.sleep(0)
         self._shutdown()
 
     def _shutdown(self) -> None:
@@ -265,6 +279,8 @@ class Broker:
             if self.delivered.get(item_id) == sess.peer_id:
                 del self.delivered[item_id]
                 self.redeliver.add(item_id)
+                self._delivered_below_cseq = 0
+                self._delivery_floor_resets += 1
         if sess.in_flight:
             self._deliver_possible = True
         sess.in_flight.clear()
@@ -385,6 +401,7 @@ class Broker:
                     t0, records = time.perf_counter(), txn.records
                     txn.commit()
                     self.stats.committed(records, time.perf_counter() - t0)
+                    self._committed_ops = len(ops)
                 else:
                     txn.abort()
                 break
@@ -474,7 +491,11 @@ class Broker:
                         batch.effects.append(lambda i=item_id: self._forget_delivery(i))
                 batch.crash("broker.after_ack_commit")
                 batch.replies.append((rid, p.AckOk(done, unknown)))
-            elif isinstance(msg, p.Status):
+            elif isinstance(msg, (p.Status, p.Cancel)):
+                if isinstance(msg, p.Cancel):  # only READY items: a running one is the worker's to finish
+                    for i in msg.item_ids:
+                        if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
+                            log.info("item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]
                 for chunk in _chunks(statuses, _status_size, self._reply_budget(), 1 << 16):
                     batch.replies.append((rid, p.StatusReply(msg.req, chunk)))
@@ -587,9 +608,10 @@ class Broker:
         now_ms = wall_ms()
         planned: set[str] = set()
         more = False
+        floor = self._delivered_below_cseq
         for sess in sessions:
             limit = min(sess.credit, self.cfg.max_batch_items)
-            ids = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit)
+            ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit, floor)
             if len(ids) == limit:
                 more = True
             if not ids:
@@ -609,8 +631,24 @@ class Broker:
             for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Result(chunk)))
         batch.effects.append(lambda: setattr(self, "_deliver_possible", more))
+        batch.effects.append(lambda f=floor, g=self._delivery_floor_resets: self._advance_delivery_floor(f, g))
+
+    def _advance_delivery_floor(self, cseq: int, resets: int) -> None:
+        """After commit: entries below ``cseq`` are all delivered (in flight), unless
+        a session ended since the scan and made some deliverable again."""
+        if resets == self._delivery_floor_resets:
+            self._delivered_below_cseq = max(self._delivered_below_cseq, cseq)
 
     def _delivered(self, sess: Session, deliveries: list[p.Delivery]) -> None:
+        if sess.status is PeerStatus.GONE:
+            # the session ended between the scan and this commit: nothing was
+            # delivered to it; the next delivery of these items is a redelivery
+            for d in deliveries:
+                self.redeliver.add(d.item_id)
+            self._delivered_below_cseq = 0
+            self._delivery_floor_resets += 1
+            self._deliver_possible = True
+            return
         for d in deliveries:
             self.delivered[d.item_id] = sess.peer_id
             self.redeliver.discard(d.item_id)

@@ -469,17 +469,28 @@ class LedgerView:
                 ok = cur.set_range(kind + b"\0" + struct.pack(">I", pk + 1))
         return best
 
-    def completed_ids(self, skip: Callable[[str], bool], limit: int) -> list[str]:
-        """Up to ``limit`` completed item ids, oldest completion first, except ``skip``ped ones."""
-        out = []
-        for _k, v in self.txn.cursor(db=self.db["completed"]):
+    def completed_ids(self, skip: Callable[[str], bool], limit: int, start_cseq: int = 0) -> tuple[list[str], int]:
+        """Up to ``limit`` completed item ids, oldest completion first, except ``skip``ped
+        ones, scanning the completed index from completion seq ``start_cseq`` on.
+
+        Returns ``(ids, next_cseq)``: every entry in ``[start_cseq, next_cseq)`` was
+        either skipped or returned, so a caller that delivers the returned ids (and
+        still skips the skipped ones) may start its next scan at ``next_cseq``
+        instead of rescanning in-flight deliveries from the start."""
+        out: list[str] = []
+        next_cseq = start_cseq
+        cur = self.txn.cursor(db=self.db["completed"])
+        if not cur.set_range(_Q.pack(start_cseq)):
+            return out, next_cseq
+        for k, v in cur:
+            next_cseq = _Q.unpack(k)[0] + 1
             item_id = v.decode()
             if skip(item_id):
                 continue
             out.append(item_id)
             if len(out) >= limit:
                 break
-        return out
+        return out, next_cseq
 
     def delivery(self, item_id: str, redelivery: bool) -> p.Delivery:
         rec = self.get(item_id)

@@ -82,6 +82,7 @@ class MsgType(enum.IntEnum):
     SUBMIT_ACK = 11
     STATUS = 12
     STATUS_REPLY = 13
+    CANCEL = 14
     # worker <-> broker
     CREDIT = 20
     DISPATCH = 21
@@ -147,14 +148,16 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
             MsgType.ADMIN_REPLY,
         }
     ),
-    Role.PRODUCER: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.SUBMIT, MsgType.STATUS}),
+    Role.PRODUCER: frozenset(
+        {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.SUBMIT, MsgType.STATUS, MsgType.CANCEL}
+    ),
     Role.WORKER: frozenset(
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL}
     ),
     Role.COMPLETION: frozenset(
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.ACK, MsgType.STATUS}
     ),
-    Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS}),
+    Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS, MsgType.CANCEL}),
 }
 
 _HEX_RE = re.compile(r"[0-9a-f]{64}")
@@ -392,6 +395,18 @@ class Status(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Cancel items that have not started: a READY item becomes DEAD with reason
+    ``cancelled`` (gap event G7); a leased, completed or terminal item is left as
+    it is. The broker answers with a STATUS_REPLY (same ``req``) giving each
+    item's state after the cancel, so the caller sees what happened."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+    req: int
+    item_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StatusReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
     req: int
@@ -500,6 +515,7 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         SubmitAck,
         Status,
         StatusReply,
+        Cancel,
         Credit,
         Dispatch,
         Complete,

@@ -602,6 +602,17 @@ class AsyncClient:
     async def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
         """Current state of each item: ``{item_id: ItemStatus}`` (state "unknown" if the
         broker does not know it). Raises BrokerUnavailable after ``timeout_s``."""
+        return await self._per_item(p.Status, item_ids, timeout_s)
+
+    async def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """Cancel items that have not started: a READY item becomes DEAD with error
+        ``cancelled`` (gap event G7); leased, completed and terminal items are left
+        alone. Returns every item's state after the cancel (idempotent, safe to
+        retry). Raises BrokerUnavailable after ``timeout_s``."""
+        return await self._per_item(p.Cancel, item_ids, timeout_s)
+
+    async def _per_item(self, msg_cls: Any, item_ids: Iterable[str], timeout_s: float) -> dict[str, p.ItemStatus]:
+        """Send ``msg_cls(req, item_ids)`` in chunks; merge the STATUS_REPLYs."""
         ids = list(dict.fromkeys(item_ids))
         out: dict[str, p.ItemStatus] = {}
         if not ids:
@@ -609,7 +620,7 @@ class AsyncClient:
         deadline = time.monotonic() + timeout_s
         chunks = [ids[i:i + _STATUS_IDS_PER_FRAME] for i in range(0, len(ids), _STATUS_IDS_PER_FRAME)]
         replies = await asyncio.gather(
-            *(self._roundtrip(lambda req, c=c: p.Status(req=req, item_ids=c), deadline) for c in chunks)
+            *(self._roundtrip(lambda req, c=c: msg_cls(req=req, item_ids=c), deadline) for c in chunks)
         )
         for reply in replies:
             for st in reply.items:
@@ -686,6 +697,10 @@ class Client:
     def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
         """See :meth:`AsyncClient.status`."""
         return self._call(self._async.status(list(item_ids), timeout_s=timeout_s))
+
+    def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+        """See :meth:`AsyncClient.cancel`."""
+        return self._call(self._async.cancel(list(item_ids), timeout_s=timeout_s))
 
     def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
         """See :meth:`AsyncClient.wait`."""

@@ -136,3 +136,26 @@ def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> Non
         wrong = dataclasses.replace(cfg, peer_id="completion-1", private_key=str(swarm.root / "keys" / "completion-1.key"))
         with Client(wrong) as client, pytest.raises(Unauthorized, match="ROLE"):
             client.submit(b"x", "echo", timeout_s=1.5)
+
+
+def test_cancel_dead_letters_ready_items_only(tmp_path) -> None:
+    """cancel(): a READY item becomes DEAD (cancelled, G7 event); an acknowledged one is untouched."""
+    from tests.swarm import Swarm
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        with swarm.client() as client:
+            ready = client.submit(b"not yet run", "echo")
+            out = client.cancel([ready.item_id, "no-such-item"])
+            assert out[ready.item_id].state == "dead" and out[ready.item_id].error == "cancelled"
+            assert out["no-such-item"].state == "unknown"
+            assert client.cancel([ready.item_id])[ready.item_id].state == "dead"  # idempotent
+            swarm.start_worker(1)
+            swarm.start_completion()
+            done = client.submit(b"runs to the end", "echo")
+            assert client.wait([done.item_id], timeout_s=30)[done.item_id].state == "acknowledged"
+            assert client.cancel([done.item_id])[done.item_id].state == "acknowledged"
+        rep = swarm.report()
+        assert rep["dead"] == 1 and rep["acknowledged"] == 1 and rep["balanced"]
+        g7 = next(w for w in rep["windows"] if w["id"] == "G7")
+        assert g7["count"] == 1 and "cancelled" in g7["recent"][0]["detail"]

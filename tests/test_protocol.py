@@ -67,6 +67,7 @@ def test_every_message_class_round_trips_with_defaults() -> None:
         p.Error("QUEUE_FULL", "full", 3),
         p.Bye("bye"),
         p.Status(3, ["i1"]),
+        p.Cancel(5, ["i1"]),
         p.Admin(4, "status", {}),
         p.AdminReply(4, True, b"\x80"),
     ]

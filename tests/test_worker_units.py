@@ -87,6 +87,39 @@ def test_journal_round_trip_and_single_writer(tmp_path: Path) -> None:
     j.close()
 
 
+def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
+    """Writes queued together share one transaction, applied in the order queued;
+    an error fails every waiter of that commit and writes nothing of it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ccsq.workerd.journal import GroupCommit
+
+    j = Journal.open(tmp_path / "j")
+    pool = ThreadPoolExecutor(1)
+
+    async def main() -> GroupCommit:
+        gc = GroupCommit(j, pool, window_s=0.001)
+        await asyncio.gather(
+            gc.write("hold", [("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
+            gc.write("started", [("a", 1), ("b", 2)]),
+            gc.write("record", [(_result("a", 1), "echo")]),
+            gc.write("record", [(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
+            gc.write("forget", [("a", 1)]),
+        )
+        assert (gc.commits, gc.ops) == (1, 5)
+        results = await asyncio.gather(gc.write("forget", [("b", 2)]), gc.write("bogus", []), return_exceptions=True)
+        assert isinstance(results[0], ValueError) and isinstance(results[1], ValueError)
+        await gc.drain()
+        return gc
+
+    gc = asyncio.run(main())
+    assert gc.commits == 1
+    by_key = {(e.item_id, e.token): e.state for e in j.entries()}
+    assert by_key == {("b", 2): EntryState.FAILED, ("c", 3): EntryState.HELD}  # b's forget rolled back
+    pool.shutdown()
+    j.close()
+
+
 # --- providers (C10) -----------------------------------------------------------------------
 def test_provider_choice_matrix() -> None:
     """Case C10 as a pure decision: what was asked, what ORT offers, what the session uses."""

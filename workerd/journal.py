@@ -17,17 +17,21 @@ confirms the report (any outcome) or tells us the lease is no longer ours.
 The journal is single-writer: :meth:`Journal.open` takes an exclusive
 ``flock`` on ``<journal_dir>/LOCK`` and raises :class:`JournalLocked` when
 another worker process holds it. A journal object is used from one thread at
-a time (the worker runs every call on one dedicated thread).
+a time (the worker runs every call on one dedicated thread), and the worker
+writes through :class:`GroupCommit`: every write that falls in one short
+window (or arrives while the previous commit runs) shares ONE transaction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import fcntl
 import os
 import sqlite3
 import time
+from concurrent.futures import Executor
 from pathlib import Path
 
 import msgpack
@@ -36,6 +40,7 @@ from ccsq.common import protocol as p
 from ccsq.common.errors import DecodeError, RetryableError
 
 Key = tuple[str, int]
+Op = tuple[str, list]  # (name, rows): see Journal.apply
 
 
 class JournalLocked(RetryableError):
@@ -133,42 +138,55 @@ class Journal:
         self._db.close()
         os.close(self._lock_fd)
 
-    # --- writes (each one transaction, fsynced) ---
+    # --- writes (each call one transaction, fsynced) ---
     def hold(self, leases: list[tuple[str, int, str]]) -> None:
         """Record newly dispatched leases ``(item_id, token, kind)`` in state held."""
-        now = time.time()
-        with self._tx():
-            self._db.executemany(
-                "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, NULL, ?)",
-                [(i, t, k, EntryState.HELD.value, now) for i, t, k in leases],
-            )
+        self.apply([("hold", leases)])
 
     def mark_started(self, *keys: Key) -> None:
         """The handler is about to run these leases (one batch: one transaction)."""
-        now = time.time()
-        with self._tx():
-            self._db.executemany(
-                "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
-                [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in keys],
-            )
+        self.apply([("started", list(keys))])
 
     def record(self, report: p.TaskResult | p.TaskFailure, kind: str = "") -> None:
         """Store a finished result or a decided failure (upsert), before it is sent."""
-        state = EntryState.FINISHED if isinstance(report, p.TaskResult) else EntryState.FAILED
-        with self._tx():
-            self._db.execute(
-                "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (item_id, token) DO UPDATE SET state = excluded.state, "
-                "report = excluded.report, updated_ts = excluded.updated_ts",
-                (report.item_id, report.token, kind, state.value, encode_report(report), time.time()),
-            )
+        self.apply([("record", [(report, kind)])])
 
     def forget(self, keys: list[Key]) -> None:
         """Delete rows (confirmed by the broker, or released by it)."""
-        if not keys:
-            return
+        if keys:
+            self.apply([("forget", list(keys))])
+
+    def apply(self, ops: list[Op]) -> None:
+        """Apply several writes, in order, in ONE transaction (one fsync): the
+        group commit of :class:`GroupCommit`. Each op is ``("hold", [(item_id,
+        token, kind)])``, ``("started", [key])``, ``("record", [(report, kind)])``
+        or ``("forget", [key])``. All or nothing: on an error nothing is written."""
+        now = time.time()
         with self._tx():
-            self._db.executemany("DELETE FROM entries WHERE item_id = ? AND token = ?", keys)
+            for op, args in ops:
+                if op == "hold":
+                    self._db.executemany(
+                        "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, NULL, ?)",
+                        [(i, t, k, EntryState.HELD.value, now) for i, t, k in args],
+                    )
+                elif op == "started":
+                    self._db.executemany(
+                        "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
+                        [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in args],
+                    )
+                elif op == "record":
+                    self._db.executemany(
+                        "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?) "
+                        "ON CONFLICT (item_id, token) DO UPDATE SET state = excluded.state, "
+                        "report = excluded.report, updated_ts = excluded.updated_ts",
+                        [(r.item_id, r.token, kind,
+                          (EntryState.FINISHED if isinstance(r, p.TaskResult) else EntryState.FAILED).value,
+                          encode_report(r), now) for r, kind in args],
+                    )
+                elif op == "forget":
+                    self._db.executemany("DELETE FROM entries WHERE item_id = ? AND token = ?", list(args))
+                else:
+                    raise ValueError(f"unknown journal op {op!r}")
 
     # --- reads ---
     def entries(self) -> list[JournalEntry]:
@@ -201,3 +219,67 @@ class _Tx:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+class GroupCommit:
+    """Group commit of one worker's journal writes (used from one event loop).
+
+    :meth:`write` queues an op (see :meth:`Journal.apply`) and returns once it
+    is durable. Ops queued while a commit is running, or within ``window_s``
+    seconds (monotonic) of the first one, go into the NEXT commit together:
+    one SQLite transaction, one fsync, ops applied in the order queued. An
+    error fails every op of that commit (nothing of it was written).
+
+    ``executor`` must be the single thread that every other journal call uses,
+    so commits and reads stay in order. An op is applied even if its waiter is
+    cancelled after queueing it (as a write handed to a thread always was).
+    """
+
+    journal: Journal
+    window_s: float
+    commits: int  # transactions committed
+    ops: int  # ops in them
+
+    def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.001) -> None:
+        self.journal = journal
+        self.window_s = window_s
+        self.commits = 0
+        self.ops = 0
+        self._executor = executor
+        self._queue: list[tuple[Op, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def write(self, name: str, rows: list) -> None:
+        """Queue ``(name, rows)`` and wait until it is committed (raises the commit's error)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.append(((name, rows), fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush(), name="journal-group-commit")
+        await fut
+
+    async def drain(self) -> None:
+        """Wait until every queued op is committed (or failed): call before closing."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.wait({self._flusher})
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.window_s > 0:
+            await asyncio.sleep(self.window_s)
+        else:
+            await asyncio.sleep(0)  # one loop tick: the writes of this tick go together
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                await loop.run_in_executor(self._executor, self.journal.apply, [op for op, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - handed to every waiter of this commit
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            self.commits += 1
+            self.ops += len(batch)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)

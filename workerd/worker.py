@@ -18,6 +18,15 @@ Life of a task (DESIGN.md, operations 3-5)::
       -> crash point worker.after_result_stored -> COMPLETE -> grant 1 credit
       -> COMPLETE_ACK (any outcome) -> forget (journal row deleted)
 
+Group commit (throughput): every journal write goes through one
+:class:`~ccsq.workerd.journal.GroupCommit`, so the holds, starts, finished
+reports and forgets that fall within ``JOURNAL_WINDOW_S`` (or arrive while
+the previous commit's fsync runs) share ONE SQLite transaction. The reports
+of one commit are sent at the end of that loop tick, together: one COMPLETE
+(and one FAIL) frame for all of them, then one CREDIT. Order per item is
+unchanged: result in the claim store -> journal committed -> COMPLETE sent ->
+COMPLETE_ACK -> forget.
+
 Batching (:mod:`ccsq.workerd.batching`): ``max_batch`` = the config's, else the
 handler's (default 1); ``max_wait_ms`` likewise. There are ``slots`` *lanes*;
 each takes the next batch (up to ``max_batch`` ready items of one
@@ -125,7 +134,7 @@ from ccsq.common.peer import BrokerLink, LinkState
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import Handler
-from ccsq.workerd.journal import EntryState, Journal, Key
+from ccsq.workerd.journal import EntryState, GroupCommit, Journal, Key
 from ccsq.workerd.slots import SlotGate
 
 log = structlog.get_logger("ccsq.workerd")
@@ -138,6 +147,7 @@ LAG_WARN_MS = 250.0  # log loop_lag when one wake-up is later than this
 ACK_WAIT_ON_STOP_S = 2.0  # at shutdown, wait this long for outstanding confirmations
 GPU_MEM_POLL_S = 10.0  # how often GPU free memory is sampled (GPU providers only)
 REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
+JOURNAL_WINDOW_S = 0.001  # journal group commit: writes within this window share one fsync
 
 
 class JobState(enum.Enum):
@@ -287,6 +297,11 @@ class Worker:
         self._infer_pool = ThreadPoolExecutor(cfg.slots, thread_name_prefix="ccsq-infer")
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="ccsq-io")
         self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix="ccsq-journal")
+        self._jw = GroupCommit(journal, self._journal_pool, JOURNAL_WINDOW_S)
+        self._unsent: list[Key] = []  # reports to send at the end of this loop tick
+        # the store's inline path does no I/O (the base class's): small inline blobs skip the I/O pool
+        st = type(store)
+        self._inline_ok = st.get_blob is ClaimStore.get_blob and st.put_blob is ClaimStore.put_blob
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host = socket.gethostname()
         self.log = log.bind(worker=cfg.peer_id)
@@ -330,12 +345,14 @@ class Worker:
             for t in aux + list(self._runners):
                 t.cancel()
             await asyncio.gather(*aux, *self._runners, return_exceptions=True)
+            await self._jw.drain()  # queued journal writes (forgets of confirmed reports) still land
             self._infer_pool.shutdown(wait=False, cancel_futures=True)
             self._io_pool.shutdown(wait=False, cancel_futures=True)  # a hung store must not block exit
             self._journal_pool.shutdown(wait=True)
             self.log.info(
                 "worker_stopped", done=self.done, failed=self.failed, unconfirmed=len(self._pending),
-                loop_lag_max_ms=round(self.loop_lag_max_ms, 2),
+                loop_lag_max_ms=round(self.loop_lag_max_ms, 2), journal_commits=self._jw.commits,
+                journal_writes=self._jw.ops,
             )
 
     async def _stop_link(self, link_task: asyncio.Task) -> None:
@@ -363,9 +380,10 @@ class Worker:
             if report is None:  # held, never started: give it back without costing an attempt
                 report = p.TaskFailure(e.item_id, e.token, p.FailReason.RELEASED.value, True,
                                        "worker restarted before starting the job")
-                await self._j(self.journal.record, report, e.kind)
+                await self._jw.write("record", [(report, e.kind)])
             self._pending[(e.item_id, e.token)] = Pending(report)
-        await self._j(self.journal.forget, lost)
+        if lost:
+            await self._jw.write("forget", lost)
         self._pending_changed()
         if entries:
             self.log.info("journal_recovered", **counts)
@@ -468,7 +486,7 @@ class Worker:
             new.append(job)
         if not new:
             return
-        hold = asyncio.ensure_future(self._j(self.journal.hold, [(j.task.item_id, j.task.token, j.task.kind) for j in new]))
+        hold = asyncio.ensure_future(self._jw.write("hold", [(j.task.item_id, j.task.token, j.task.kind) for j in new]))
         for job in new:
             if self._draining:
                 coro = self._report_after(hold, job, self._failure(job, p.FailReason.RELEASED, True, "worker is shutting down"))
@@ -501,7 +519,10 @@ class Worker:
         await self._await_hold(hold)
         job.state = JobState.FETCHING
         try:
-            job.payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
+            if self._inline_ok and task.payload.inline is not None and len(task.payload.inline) <= INLINE_RESULT_MAX_BYTES:
+                job.payload = self.store.get_blob(task.payload)  # inline: a hash check, no I/O, no thread hop
+            else:
+                job.payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
         except PayloadMissing as exc:
             job.state = JobState.REPORTING
             await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, False, str(exc)))
@@ -569,7 +590,7 @@ class Worker:
                 run.append(job)
         if not run:
             return
-        await self._j(self.journal.mark_started, *[j.key for j in run])
+        await self._jw.write("started", [j.key for j in run])
         for job in run:
             t = job.task
             self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
@@ -654,7 +675,10 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         try:
-            blob = await loop.run_in_executor(self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
+            if self._inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:
+                blob = self.store.put_blob(data, INLINE_RESULT_MAX_BYTES)  # inline: a hash, no I/O, no thread hop
+            else:
+                blob = await loop.run_in_executor(self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
         except Exception as exc:  # any claim-store backend error: the attempt failed, retry elsewhere
             self.log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, f"could not store result: {exc!r}"))
@@ -672,7 +696,7 @@ class Worker:
         if job.released:
             await self._forget_released(job)
             return
-        await self._j(self.journal.record, report, job.task.kind)
+        await self._jw.write("record", [(report, job.task.kind)])
         if isinstance(report, p.TaskResult):
             crash_point("worker.after_result_stored")
         if job.released:  # released while the record was written
@@ -690,7 +714,7 @@ class Worker:
             self.failed += 1
             self.log.info("job_failed", item_id=key[0], token=key[1], reason=report.reason,
                           retryable=report.retryable, message=report.message[:200])
-        self._send_reports([key])
+        self._queue_send(key)
         self._credit_changed()
         self.batches.poke()
 
@@ -705,7 +729,7 @@ class Worker:
     async def _forget_released(self, job: Job) -> None:
         self.log.info("job_dropped", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
         self._jobs.pop(job.key, None)
-        await self._j(self.journal.forget, [job.key])
+        await self._jw.write("forget", [job.key])
         self._credit_changed()
 
     def _give_back(self, job: Job, why: str) -> None:
@@ -716,6 +740,20 @@ class Worker:
         job.runner = self._spawn(self._report(job, self._failure(job, p.FailReason.RELEASED, True, why)), "give-back")
 
     # --- reports and confirmations -------------------------------------------------
+    def _queue_send(self, key: Key) -> None:
+        """Send this report at the end of the loop tick, with every other report
+        journaled in the same group commit: one COMPLETE and one FAIL frame."""
+        if self._loop is None:  # not serving (unit use): send at once
+            self._send_reports([key])
+            return
+        if not self._unsent:
+            self._loop.call_soon(self._flush_unsent)
+        self._unsent.append(key)
+
+    def _flush_unsent(self) -> None:
+        keys, self._unsent = self._unsent, []
+        self._send_reports(keys)
+
     def _send_reports(self, keys: list[Key]) -> None:
         if self.link.state is not LinkState.READY:
             return
@@ -768,7 +806,7 @@ class Worker:
             elif o.outcome not in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                 self.log.info("report_confirmed", item_id=o.item_id, token=o.token, outcome=o.outcome)
         if forget:
-            self._spawn(self._j(self.journal.forget, forget), "journal-forget")
+            self._spawn(self._jw.write("forget", forget), "journal-forget")
             self._pending_changed()
 
     def _pending_changed(self) -> None:
