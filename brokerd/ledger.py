@@ -79,10 +79,10 @@ DB_NAMES = (
     "meta",  # counters, per-state counts, ids (see docs/ledger.md)
 )
 
-PRIO_MAX = (1 << 31) - 1
-PRIO_MIN = -(1 << 31)
-MAX_KIND_LEN = 128
-MAX_KEY_BYTES = 400
+PRIO_MAX = p.PRIO_MAX
+PRIO_MIN = p.PRIO_MIN
+MAX_KIND_LEN = p.MAX_KIND_LEN
+MAX_KEY_BYTES = p.MAX_KEY_BYTES
 _Q = struct.Struct(">Q")
 _q = struct.Struct(">q")
 _READY = struct.Struct(">IQQ")
@@ -145,18 +145,9 @@ def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
 
 
 def validate_submit_item(item: p.SubmitItem) -> str:
-    """Return "" when ``item`` is acceptable, else a human reason (answered as MALFORMED)."""
-    if not item.kind or len(item.kind) > MAX_KIND_LEN or "\0" in item.kind:
-        return f"kind must be 1..{MAX_KIND_LEN} chars without NUL"
-    if not item.key or len(item.key.encode()) > MAX_KEY_BYTES:
-        return f"key must be 1..{MAX_KEY_BYTES} bytes"
-    if not PRIO_MIN <= item.priority <= PRIO_MAX:
-        return "priority out of the 32-bit signed range"
-    if not 0 <= item.max_attempts <= 1000:
-        return "max_attempts must be 0..1000"
-    if item.max_runtime_s < 0:
-        return "max_runtime_s must be >= 0"
-    return ""
+    """Return "" when ``item`` is acceptable, else a human reason (answered as MALFORMED).
+    The rule lives in :func:`ccsq.common.protocol.submit_item_problem` (shared with the producer)."""
+    return p.submit_item_problem(item)
 
 
 class Ledger:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 import types
 import typing
@@ -213,6 +214,48 @@ class SubmitItem:
     deadline_ts: float | None = None
     max_attempts: int = 0
     max_runtime_s: float = 0.0
+
+
+PRIO_MAX = (1 << 31) - 1
+PRIO_MIN = -(1 << 31)
+MAX_KIND_LEN = 128
+MAX_KEY_BYTES = 400
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+
+
+def submit_item_problem(item: SubmitItem) -> str:
+    """Return "" when ``item`` is acceptable, else a human reason.
+
+    One rule for the producer (raises InvalidRequest before sending) and the
+    broker (answers MALFORMED for that item). Besides ranges it refuses what a
+    results database can never store, so one bad item cannot wedge the
+    completion service later: control characters (NUL...) in ``key``/``kind``,
+    NUL in param keys or strings, and non-finite floats (NaN, +-Infinity are
+    not JSON) in ``params``, ``deadline_ts`` or ``max_runtime_s``.
+    """
+    if not item.kind or len(item.kind) > MAX_KIND_LEN or _has_control(item.kind):
+        return f"kind must be 1..{MAX_KIND_LEN} chars without control characters"
+    if not item.key or len(item.key.encode()) > MAX_KEY_BYTES or _has_control(item.key):
+        return f"key must be 1..{MAX_KEY_BYTES} bytes without control characters"
+    if not PRIO_MIN <= item.priority <= PRIO_MAX:
+        return "priority out of the 32-bit signed range"
+    if not 0 <= item.max_attempts <= 1000:
+        return "max_attempts must be 0..1000"
+    if not (math.isfinite(item.max_runtime_s) and item.max_runtime_s >= 0):
+        return "max_runtime_s must be a finite number >= 0"
+    if item.deadline_ts is not None and not math.isfinite(item.deadline_ts):
+        return "deadline_ts must be a finite UNIX time"
+    for k, v in item.params.items():
+        if "\0" in k:
+            return f"params key {k!r} contains NUL"
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"params[{k!r}] = {v!r} is not a finite number (NaN/Infinity are not JSON)"
+        if isinstance(v, str) and "\0" in v:
+            return f"params[{k!r}] contains NUL"
+    return ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

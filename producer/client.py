@@ -420,12 +420,18 @@ class AsyncClient:
         if max_runtime_s is not None and max_runtime_s <= 0:
             raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
         params = _check_params(params)
+        probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
+                             priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
+                             max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
+        problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
+        if problem:
+            raise InvalidRequest(problem)
         data = _read_payload(payload)
         loop = asyncio.get_running_loop()
         blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
         if blob.inline is None:
             crash_point("producer.after_blob_put")
-        return p.SubmitItem(
+        item = p.SubmitItem(
             key=key or derive_key(blob.sha256, kind, params),
             kind=kind,
             payload=blob,
@@ -435,6 +441,7 @@ class AsyncClient:
             max_attempts=int(max_attempts or 0),
             max_runtime_s=float(max_runtime_s or 0.0),
         )
+        return item
 
     # --- public API ---
     async def submit(

@@ -159,3 +159,32 @@ def test_cancel_dead_letters_ready_items_only(tmp_path) -> None:
         assert rep["dead"] == 1 and rep["acknowledged"] == 1 and rep["balanced"]
         g7 = next(w for w in rep["windows"] if w["id"] == "G7")
         assert g7["count"] == 1 and "cancelled" in g7["recent"][0]["detail"]
+
+
+def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
+    """A NUL in the key or NaN/Infinity in params would make the results database
+    refuse the row forever (and wedge the completion service): the client raises
+    InvalidRequest before writing anything, and the broker answers MALFORMED for
+    a producer that skips the check."""
+    import math
+
+    import pytest
+
+    from ccsq.common import protocol as p
+    from ccsq.common.errors import InvalidRequest
+    from ccsq.brokerd.ledger import validate_submit_item
+    from tests.swarm import Swarm
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        with swarm.client() as client:
+            for kwargs in ({"key": "k\x00r2"}, {"params": {"x": float("nan")}}, {"params": {"x": math.inf}},
+                           {"params": {"s": "a\x00b"}}, {"deadline_ts": float("nan")}):
+                with pytest.raises(InvalidRequest):
+                    client.submit(b"x" * 20_000, "echo", **kwargs)
+            assert client.submit(b"fine", "echo", params={"x": 1.5}).item_id
+        assert swarm.report()["received"] == 1
+        assert not list((tmp_path / "s" / "blobs").glob("??/??/*"))  # nothing written for refused input
+    blob = p.Blob("0" * 64, 0, b"")
+    assert "finite" in validate_submit_item(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
+    assert "control" in validate_submit_item(p.SubmitItem("k\x00", "echo", blob))
