@@ -143,6 +143,14 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled} for f, r in zip(items, receipts)]
         status_code = ExitCode.OK
         if args.wait:
+            if any(r.spooled for r in receipts):
+                # spooled while the broker was away: let the outbox drain, then the same
+                # submit (same idempotency key) answers the original item id
+                client.flush(timeout_s=args.timeout_s)
+                receipts = [client.submit(f, args.kind, params={"name": f.name}) if r.spooled else r
+                            for f, r in zip(items, receipts)]
+                for row, r in zip(out, receipts):
+                    row["item_id"] = r.item_id
             ids = [r.item_id for r in receipts if r.item_id]
             states = client.wait(ids, timeout_s=args.timeout_s)
             for row in out:
@@ -480,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
-QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile"})
+QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -221,7 +221,15 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Say BYE and stop. Unconfirmed direct submissions fail with BrokerUnavailable;
-        spooled items stay in the outbox for the next run."""
+        spooled items stay in the outbox for the next run. While the broker is
+        connected, the outbox gets a bounded chance (``submit_timeout_s``, at most
+        5 s) to drain first, so confirmed items are removed rather than re-sent
+        by the next run."""
+        if self._outbox is not None and self._link is not None and self._link.ready.is_set():
+            try:
+                await self.flush(timeout_s=min(self.config.submit_timeout_s, 5.0))
+            except BrokerUnavailable:
+                pass  # left for the next run; dedup makes the re-send harmless
         if self._link is not None:
             await self._link.stop("producer closed")
         for task in self._tasks:

@@ -188,3 +188,50 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
     blob = p.Blob("0" * 64, 0, b"")
     assert "finite" in validate_submit_item(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
     assert "control" in validate_submit_item(p.SubmitItem("k\x00", "echo", blob))
+
+
+def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_empty(tmp_path) -> None:
+    """`ccsq submit --wait` with an outbox: items spooled while the broker is down are
+    followed to acknowledged once it is up, and the outbox is empty afterwards
+    (confirmed items are removed, not re-sent by the next run)."""
+    import json
+    import sqlite3
+    import subprocess
+
+    from ccsq.common.procs import bin_path
+    from tests.swarm import Swarm, wait_until
+
+    with Swarm(tmp_path / "s", producer={"outbox_dir": "outbox", "submit_timeout_s": 1.0}) as swarm:
+        files = []
+        for i in range(3):
+            f = tmp_path / f"doc{i}.txt"
+            f.write_text(f"document {i}")
+            files.append(str(f))
+        outbox = tmp_path / "s" / "outbox" / "outbox.sqlite3"
+
+        def spooled() -> int:
+            if not outbox.exists():
+                return 0
+            con = sqlite3.connect(f"file:{outbox}?mode=ro", uri=True, timeout=5)
+            try:
+                return con.execute("SELECT count(*) FROM outbox").fetchone()[0]
+            except sqlite3.OperationalError:
+                return 0
+            finally:
+                con.close()
+
+        cli = subprocess.Popen([bin_path("ccsq"), "submit", "--config", str(swarm.configs["producer"]), "--kind", "echo",
+                                "--wait", "--timeout-s", "60", "--json", *files], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            wait_until(lambda: spooled() >= 3, 30, "three spooled items")
+            swarm.start_all(workers=1)
+            out, err = cli.communicate(timeout=90)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+        assert cli.returncode == 0, err.decode()[-2000:]
+        rows = json.loads(out)
+        assert [r["state"] for r in rows] == ["acknowledged"] * 3 and all(r["item_id"] for r in rows)
+        assert spooled() == 0
+        rep = swarm.report()
+        assert rep["received"] == rep["acknowledged"] == 3 and rep["balanced"]
