@@ -85,6 +85,9 @@ class CompletionService:
         self.acked = 0
         self._ack_ids = frozenset()
         self._incoming = asyncio.Queue()
+        # deliveries whose result blob was missing: item_id -> (session, delivery, retry_at_mono, attempt);
+        # re-read with backoff so a restored blob lands without a restart
+        self._parked: dict[str, tuple[int, p.Delivery, float, int]] = {}
         self._ack_ok = asyncio.Event()
         self._stop = asyncio.Event()
         self.log = log.bind(peer=config.peer_id)
@@ -144,23 +147,52 @@ class CompletionService:
     # --- the pipeline ---
     async def _pump(self) -> None:
         while not self._stop.is_set():
-            batch = await self._gather()
+            fresh = await self._gather()
+            batch = fresh + self._due_parked()  # parked retries already gave their credit back
             if not batch:
                 continue
             rows, missing = await self._resolve([d for _, d in batch])
+            self._park(batch, missing)
             if rows and not await self._land(rows):
                 return  # stopping while the database is down: nothing acknowledged, the broker keeps them
             crash_point("completion.after_db_commit")
             if rows:
                 await self._ack(sorted({r.item_id for r in rows}))
-            self._grant(batch, missing)
+            self._grant(fresh, missing)
+
+    def _park(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
+        """Remember deliveries whose result blob is missing (never ACKed); forget landed ones."""
+        sessions = {d.item_id: sess for sess, d in batch}
+        missing_ids = {d.item_id for d in missing}
+        for _, d in batch:
+            if d.item_id not in missing_ids:
+                self._parked.pop(d.item_id, None)
+        for d in missing:
+            attempt = self._parked.get(d.item_id, (0, d, 0.0, 0))[3]
+            retry_at = time.monotonic() + min(self.config.backoff_max_s, 0.5 * 2 ** min(attempt, 10))
+            self._parked[d.item_id] = (sessions[d.item_id], d, retry_at, attempt + 1)
+
+    def _due_parked(self) -> list[tuple[int, p.Delivery]]:
+        """Parked deliveries due for another read. Ones from an ended session are
+        dropped: the broker redelivers them to the new session itself (G3)."""
+        now = time.monotonic()
+        due = []
+        for item_id, (sess, d, retry_at, _) in list(self._parked.items()):
+            if sess != self.link.sessions:
+                del self._parked[item_id]
+            elif retry_at <= now:
+                due.append((sess, d))
+        return due
 
     async def _gather(self) -> list[tuple[int, p.Delivery]]:
-        """Up to ``batch_max`` deliveries: wait for the first, then at most ``batch_wait_ms``."""
+        """Up to ``batch_max`` deliveries: wait for the first, then at most
+        ``batch_wait_ms``; returns early (possibly empty) when a parked delivery is due."""
         stop_wait = asyncio.ensure_future(self._stop.wait())
         get = asyncio.ensure_future(self._incoming.get())
+        wake_s = min((r for _, _, r, _ in self._parked.values()), default=None)
         try:
-            await asyncio.wait({stop_wait, get}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({stop_wait, get}, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=None if wake_s is None else max(0.0, wake_s - time.monotonic()))
         finally:
             stop_wait.cancel()
             if not get.done():

@@ -91,3 +91,30 @@ def test_claim_store_read_failure_waits_then_lands_once(tmp_path) -> None:
         blob.write_bytes(saved)
         rep = swarm.wait_acknowledged(1, timeout_s=30)
         assert rep["balanced"] and len(swarm.results()) == 1
+
+
+def test_missing_result_blob_lands_once_restored_without_restart(tmp_path) -> None:
+    """A result blob that is missing when delivered is never ACKed; once an operator
+    restores it, the running completion service lands it (no restart needed)."""
+    import os
+
+    from ccsq.common.claimstore import sha256_hex
+    from tests.swarm import Swarm, wait_until
+
+    payload = os.urandom(40_000)  # echo result over inline_max_bytes: stored in the claim store
+    digest = sha256_hex(payload)
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        swarm.start_worker(1)
+        with swarm.client() as client:
+            client.submit(payload, "echo")
+        wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
+        blob = tmp_path / "s" / "blobs" / digest[:2] / digest[2:4] / digest
+        saved = blob.read_bytes()
+        blob.unlink()
+        comp = swarm.start_completion()
+        wait_until(lambda: comp.count("result_missing") >= 2, 30, "the missing result re-read")
+        assert swarm.report()["acknowledged"] == 0
+        blob.write_bytes(saved)
+        rep = swarm.wait_acknowledged(1, timeout_s=30)
+        assert rep["balanced"] and len(swarm.results()) == 1 and comp.running
