@@ -510,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.FAILURE
     except KeyboardInterrupt:
         return ExitCode.FAILURE
+    except BrokenPipeError:  # `ccsq status | head -1`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.OK
 
 
 if __name__ == "__main__":

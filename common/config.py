@@ -63,7 +63,7 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - set(fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known keys: {sorted(fields)}")
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known keys: {sorted(set(fields) - {'config_path'})}")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
