@@ -16,6 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
+import lmdb
 import structlog
 import uvloop
 
@@ -120,7 +121,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             from ccsq.brokerd.metrics import start_metrics
 
             metrics = start_metrics(broker, cfg.metrics_port)
-        uvloop.run(_main(broker, notifier, transport.endpoint))
+        try:
+            uvloop.run(_main(broker, notifier, transport.endpoint))
+        except lmdb.Error as exc:
+            # disk full or an I/O error at commit: the transaction did not commit, so
+            # nothing in it was confirmed to anyone; exit and let systemd restart us
+            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}")
+            return _fail(ExitCode.LEDGER_IO, f"ledger write failed ({exc}); free disk space, then restart")
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded

@@ -20,6 +20,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 78  # EX_CONFIG: invalid config / keys / permissions; do not restart
     GPU_UNAVAILABLE = 79  # a GPU was required but the provider cannot load (case C10)
     LEDGER_LOCKED = 75  # EX_TEMPFAIL: ledger or port busy; transient, restart later
+    LEDGER_IO = 74  # EX_IOERR: a ledger write failed (disk full, I/O error); nothing unconfirmed was acknowledged
     UNBALANCED = 3  # gap-report: accounting does not balance
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
 
