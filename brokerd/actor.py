@@ -294,6 +294,10 @@ class Broker:
             return
         old = self.peers.get(env.sender)
         if old is not None:
+            if old.routing_id != rid:
+                # a reconnecting peer closed its old socket, so this reaches nobody; a second
+                # live process with the same peer id gets it and stops instead of fighting
+                self._send_raw(old.routing_id, p.Error(p.ERROR_REPLACED, f"a newer session of {env.sender} replaced this one"))
             self._end_session(old, "replaced by a new session")
         sess = Session(
             peer_id=env.sender,

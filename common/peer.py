@@ -97,6 +97,7 @@ class BrokerLink:
     sessions: int  # sessions opened so far
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
+    replaced: bool  # another live process took our peer id: the link stopped for good
     _outbox: asyncio.Queue[p.Message]
 
     def __init__(
@@ -128,6 +129,7 @@ class BrokerLink:
         self.sessions = 0
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
+        self.replaced = False  # set when the broker says a newer session took our peer id
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -322,6 +324,12 @@ class BrokerLink:
             env = self._decode(raw)
             if isinstance(env.message, (p.Heartbeat, p.Welcome)):
                 continue
+            if isinstance(env.message, p.Error) and env.message.code == p.ERROR_REPLACED:
+                # another live process uses our peer id: reconnecting would only fight it
+                self.replaced = True
+                self._stopping = True
+                self.log.error("peer_id_in_use", message=env.message.message)
+                raise LinkLost(f"replaced: another process uses peer id {self.settings.peer_id}")
             if isinstance(env.message, p.Error) and env.message.code == p.REJECT_NO_SESSION:
                 # the broker ended this session (one disconnect rule): start a new one now
                 raise LinkLost(f"broker has no session for us: {env.message.message}")

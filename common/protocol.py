@@ -38,6 +38,9 @@ REJECT_ROLE = "ROLE"  # role may not send this type
 REJECT_REPLAY = "REPLAY"  # (session, seq) already seen
 REJECT_STALE = "STALE"  # timestamp outside max_clock_skew_s
 REJECT_NO_SESSION = "NO_SESSION"  # first message of a session is not HELLO
+#: Sent to a session that a newer HELLO with the same peer id replaced while it was
+#: still connected: two live processes share one identity (a configuration error).
+ERROR_REPLACED = "REPLACED"
 
 ALL_REJECT_REASONS = (
     REJECT_OVERSIZE,

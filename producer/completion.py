@@ -108,6 +108,7 @@ class CompletionService:
     async def run(self) -> None:
         """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
         link_task = asyncio.create_task(self.link.run(), name="completion-link")
+        link_task.add_done_callback(lambda _t: self.link.replaced and self.request_stop())
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
@@ -381,6 +382,10 @@ def main(config_path: str | Path) -> int:
     except CcsqError as exc:
         log.error("completion_failed", code=exc.code, error=str(exc))
         return ExitCode.FAILURE
+    if service.link.replaced:
+        print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
+              file=sys.stderr)
+        return ExitCode.CONFIG
     return ExitCode.OK
 
 

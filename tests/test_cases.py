@@ -326,3 +326,37 @@ def test_c07b_poison_job_dead_lettered_others_complete_attempts_survive_restart(
         rep = swarm.report()
     assert rep["balanced"] and rep["dead"] == 1 and rep["acknowledged"] == 20 and rep["epoch"] == 2
     assert window(rep, "G2") == 2 and window(rep, "G7") == 1
+
+
+def test_two_live_workers_with_one_peer_id_the_replaced_one_stops(tmp_path: Path) -> None:
+    """Two live processes sharing a peer id must not fight over the session: the
+    replaced one gets ERROR REPLACED and exits 78 (configuration error); work
+    still completes exactly once."""
+    import shutil
+
+    import tomli_w
+    import tomllib
+
+    from ccsq.common.procs import bin_path
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        first = swarm.start_worker(1)
+        twin_cfg = tmp_path / "s" / "workerd-1-twin.toml"
+        doc = tomllib.loads(swarm.configs["workerd-1"].read_text())
+        doc["journal_dir"] = "worker-1-twin-journal"
+        twin_cfg.write_text(tomli_w.dumps(doc))
+        twin = swarm.procs.start("worker-1-twin", [bin_path("ccsq-workerd"), "--config", str(twin_cfg)],
+                                 ready_event="broker_link_ready", ready_timeout_s=60)
+        assert swarm.procs.wait_exit("worker-1", timeout_s=30) == 78
+        assert first.count("peer_id_in_use") == 1
+        assert twin.running
+        swarm.start_completion()
+        with swarm.client() as client:
+            ids = [client.submit(f"doc {i}".encode(), "echo").item_id for i in range(5)]
+            states = client.wait(ids, timeout_s=60)
+        assert {s.state for s in states.values()} == {"acknowledged"}
+        rep = swarm.report()
+        assert rep["received"] == rep["acknowledged"] == 5 and rep["balanced"]
+        assert len(swarm.results()) == 5
+        shutil.rmtree(tmp_path / "s" / "worker-1-twin-journal", ignore_errors=True)

@@ -107,6 +107,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return _die(ExitCode.CONFIG, str(exc)), False
     finally:
         journal.close()
+    if isinstance(worker.fatal, ConfigError):
+        return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0
     if worker.fatal is not None:
         return _die(ExitCode.FAILURE, f"stopped by an internal error: {worker.fatal!r}"), worker.stuck_threads > 0
     return int(ExitCode.OK), worker.stuck_threads > 0

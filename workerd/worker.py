@@ -128,7 +128,7 @@ from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore
 from ccsq.common.config import WorkerConfig
 from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import HandlerError, PayloadMissing, PermanentHandlerError
+from ccsq.common.errors import ConfigError, HandlerError, PayloadMissing, PermanentHandlerError
 from ccsq.common.faults import crash_point
 from ccsq.common.peer import BrokerLink, LinkState
 from ccsq.workerd import providers
@@ -337,6 +337,10 @@ class Worker:
             if link_task in done and link_task.exception() is not None:
                 self.fatal = link_task.exception()
                 self.log.error("broker_link_crashed", exc_info=self.fatal)
+            elif link_task in done and self.link.replaced:
+                self.fatal = ConfigError(
+                    f"another live worker uses peer id {self.cfg.peer_id!r}; give each worker its own id and key"
+                )
             elif self.fatal is None:
                 await self._drain()
         finally:
