@@ -63,25 +63,34 @@ def test_postgres_outage_no_acks_while_down_every_result_lands_once(tmp_path: Pa
     assert report["received"] == report["acknowledged"] == 90 and report["balanced"]
 
 
+def _completed_with_result_blob(swarm, root):
+    """Run one echo item whose result is stored by reference (over inline_max_bytes)
+    up to state completed, with no completion service yet; returns (blob path, bytes)."""
+    import os
+
+    from ccsq.common.claimstore import sha256_hex
+    from tests.swarm import wait_until
+
+    payload = os.urandom(40_000)
+    digest = sha256_hex(payload)
+    swarm.start_broker()
+    swarm.start_worker(1)
+    with swarm.client() as client:
+        client.submit(payload, "echo")
+    wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
+    blob = root / "blobs" / digest[:2] / digest[2:4] / digest
+    return blob, blob.read_bytes()
+
+
 def test_claim_store_read_failure_waits_then_lands_once(tmp_path) -> None:
     """A result blob that cannot be read (I/O error, not absence) is never ACKed:
     the completion service backs off and lands it once the store reads again."""
-    import os
     import shutil
 
-    from ccsq.common.claimstore import sha256_hex
     from tests.swarm import Swarm, wait_until
 
-    payload = os.urandom(40_000)  # over inline_max_bytes: the echo result goes to the claim store
-    digest = sha256_hex(payload)
     with Swarm(tmp_path / "s") as swarm:
-        swarm.start_broker()
-        swarm.start_worker(1)
-        with swarm.client() as client:
-            client.submit(payload, "echo")
-        wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
-        blob = tmp_path / "s" / "blobs" / digest[:2] / digest[2:4] / digest
-        saved = blob.read_bytes()
+        blob, saved = _completed_with_result_blob(swarm, tmp_path / "s")
         blob.unlink()
         blob.mkdir()  # reading it now raises IsADirectoryError (an OSError), not PayloadMissing
         comp = swarm.start_completion()
@@ -96,21 +105,10 @@ def test_claim_store_read_failure_waits_then_lands_once(tmp_path) -> None:
 def test_missing_result_blob_lands_once_restored_without_restart(tmp_path) -> None:
     """A result blob that is missing when delivered is never ACKed; once an operator
     restores it, the running completion service lands it (no restart needed)."""
-    import os
-
-    from ccsq.common.claimstore import sha256_hex
     from tests.swarm import Swarm, wait_until
 
-    payload = os.urandom(40_000)  # echo result over inline_max_bytes: stored in the claim store
-    digest = sha256_hex(payload)
     with Swarm(tmp_path / "s") as swarm:
-        swarm.start_broker()
-        swarm.start_worker(1)
-        with swarm.client() as client:
-            client.submit(payload, "echo")
-        wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
-        blob = tmp_path / "s" / "blobs" / digest[:2] / digest[2:4] / digest
-        saved = blob.read_bytes()
+        blob, saved = _completed_with_result_blob(swarm, tmp_path / "s")
         blob.unlink()
         comp = swarm.start_completion()
         wait_until(lambda: comp.count("result_missing") >= 2, 30, "the missing result re-read")
