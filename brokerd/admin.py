@@ -46,7 +46,7 @@ LEASES_LISTED_PER_PEER = 100
 MAX_ITEMS_PER_COMMAND = 1000  # keeps one admin command within the actor's turn budget and one frame
 DEAD_LETTER_REASONS = ("payload_missing", "operator")
 #: Keys of ``status`` that come from the ledger alone (identical online and offline).
-LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms", "dead")
+LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms", "dead", "dead_listed")
 
 
 class AdminError(CcsqError):
@@ -72,6 +72,7 @@ def ledger_status(view: LedgerView) -> dict[str, Any]:
         "oldest_ready_created_ms": oldest,
         "oldest_ready_age_s": None if oldest is None else round(max(0.0, time.time() - oldest / 1000.0), 3),
         "dead": states["dead"],
+        "dead_listed": view.dead_listed(),
     }
 
 
@@ -85,8 +86,9 @@ def item_doc(view: LedgerView, item_id: str) -> dict[str, Any]:
 
 
 def dlq_doc(view: LedgerView, limit: int) -> dict[str, Any]:
-    """``{"items": [dead records], "total": dead items listed in the ledger's index}``."""
-    return {"items": view.dead_items(limit), "total": view.state_count("dead")}
+    """``{"items": [dead records], "total": dead items still listed, "purged": dead items purged}``."""
+    listed = view.dead_listed()
+    return {"items": view.dead_items(limit), "total": listed, "purged": view.state_count("dead") - listed}
 
 
 def limit_arg(args: dict, default: int = 100) -> int:

@@ -421,6 +421,11 @@ class LedgerView:
             token, worker = _unpack(v)
             yield k.decode(), token, worker
 
+    def dead_listed(self) -> int:
+        """Dead items still listed (not purged); O(1) from the index's entry count.
+        State ``dead`` also counts purged ones, so the balance holds."""
+        return self.txn.stat(self.db["dead"])["entries"]
+
     def dead_items(self, limit: int) -> list[dict]:
         out = []
         for k, _ in self.txn.cursor(db=self.db["dead"]):

@@ -226,10 +226,13 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     age = doc.get("oldest_ready_age_s")
+    listed = doc.get("dead_listed", doc.get("dead", 0))
+    purged = doc.get("dead", 0) - listed
+    dead_note = f"{listed}" + (f" (+{purged} purged)" if purged else "")
     console.print(
         f"ledger {doc.get('ledger_id', '')} epoch {doc.get('epoch', 0)} ({doc.get('source', '')}): "
         f"{'balanced' if doc.get('balanced') else 'UNBALANCED'}; oldest ready item: "
-        f"{'none' if age is None else f'{age:.1f} s old'}; dead letters: {doc.get('dead', 0)}"
+        f"{'none' if age is None else f'{age:.1f} s old'}; dead letters: {dead_note}"
     )
     if doc.get("source") == "broker":
         pt = Table(title="peers")

@@ -91,6 +91,8 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         rc, out = ccsq(capsys, "dlq", "purge", "--all", "--config", admin, "--json")
         assert rc == 0 and out["purged"] == [ids[1]]
         assert ccsq(capsys, "items", "show", ids[1], "--config", admin, "--json")[0] == ExitCode.FAILURE
+        _, dlq = ccsq(capsys, "dlq", "list", "--config", admin, "--json")
+        assert dlq["items"] == [] and dlq["total"] == 0 and dlq["purged"] == 1  # purged ones are not listed
 
         rep = swarm.report()
         gaps = {w["id"]: w for w in rep["windows"]}
