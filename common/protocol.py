@@ -225,8 +225,11 @@ MAX_KIND_LEN = 128
 MAX_KEY_BYTES = 400
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _has_control(text: str) -> bool:
-    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
+    return _CONTROL_RE.search(text) is not None
 
 
 def submit_item_problem(item: SubmitItem) -> str:
