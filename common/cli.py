@@ -197,17 +197,21 @@ def _admin_mode(args: argparse.Namespace) -> str:
     return "offline" if getattr(args, "offline", False) else "auto"
 
 
-def _note_source(doc: dict, settings) -> None:
-    if doc.get("source") != "broker":
-        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
+def _read_query(args: argparse.Namespace, command: str, params: dict | None = None) -> dict:
+    """Run a read-only admin ``command`` (status, items_show, dlq_list) against the
+    broker, or against the ledger when it does not answer or with --offline."""
     from ccsq.common.admin_client import run_command
 
     settings = _admin_settings(args)
-    doc = run_command(settings, "status", mode=_admin_mode(args))
-    _note_source(doc, settings)
+    mode = _admin_mode(args)
+    doc = run_command(settings, command, params, mode=mode)
+    if doc.get("source") != "broker" and mode != "offline":
+        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
+    return doc
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    doc = _read_query(args, "status")
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -259,11 +263,7 @@ def render_status(doc: dict, *, width: int = 120) -> str:
 
 
 def _cmd_items_show(args: argparse.Namespace) -> int:
-    from ccsq.common.admin_client import run_command
-
-    settings = _admin_settings(args)
-    doc = run_command(settings, "items_show", {"item_id": args.item_id}, mode=_admin_mode(args))
-    _note_source(doc, settings)
+    doc = _read_query(args, "items_show", {"item_id": args.item_id})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -275,17 +275,14 @@ def _cmd_items_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_dlq_list(args: argparse.Namespace) -> int:
-    from ccsq.common.admin_client import run_command
-
-    settings = _admin_settings(args)
-    doc = run_command(settings, "dlq_list", {"limit": args.limit}, mode=_admin_mode(args))
-    _note_source(doc, settings)
+    doc = _read_query(args, "dlq_list", {"limit": args.limit})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
         for rec in doc["items"]:
             print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')[:80]}")
-        print(f"{len(doc['items'])} listed, {doc['total']} dead")
+        purged = doc.get("purged", 0)
+        print(f"{len(doc['items'])} shown of {doc['total']} dead letters" + (f" (+{purged} purged)" if purged else ""))
     return ExitCode.OK
 
 
