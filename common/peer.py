@@ -132,6 +132,7 @@ class BrokerLink:
         self.replaced = False  # set when the broker says a newer session took our peer id
         self._outbox = asyncio.Queue()
         self._stopping = False
+        self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx = zmq.asyncio.Context.instance()
         self.log = log.bind(peer=settings.peer_id)
@@ -157,18 +158,13 @@ class BrokerLink:
             deadline = time.monotonic() + 1.0
             while not self._outbox.empty() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-        self._stop_event().set()
-
-    def _stop_event(self) -> asyncio.Event:
-        if not hasattr(self, "_stopped_ev"):
-            self._stopped_ev = asyncio.Event()
-        return self._stopped_ev
+        self._stopped_ev.set()
 
     async def run(self) -> None:
         """Connect, serve sessions and reconnect until :meth:`stop`."""
         self._loop = asyncio.get_running_loop()
         attempt = 0
-        stop_ev = self._stop_event()
+        stop_ev = self._stopped_ev
         while not self._stopping:
             reason = await self._one_session()
             was_ready = self.state is LinkState.READY
@@ -215,7 +211,7 @@ class BrokerLink:
                 asyncio.create_task(self._reader(sock), name="link-reader"),
                 asyncio.create_task(self._writer(sock), name="link-writer"),
                 asyncio.create_task(self._ticker(), name="link-heartbeat"),
-                asyncio.create_task(self._stop_event().wait(), name="link-stop"),
+                asyncio.create_task(self._stopped_ev.wait(), name="link-stop"),
             ]
             if self._on_connect:
                 res = self._on_connect(self._welcome)
