@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import claim_ref, disk_bytes, dist, rss_bytes
+from bench.common import claim_ref, disk_bytes, pipeline_record, rss_bytes
 from bench.driver import produce
 from ccsq.brokerd.ledger import Ledger, data_paths
 from ccsq.common.cli import init_swarm
@@ -145,15 +145,8 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         procs.stop_all()
     lat = latencies_ms(root)
     return {
-        "system": "ccsq",
-        "n": n,
-        "batch": batch,
-        "window": window,
-        "rate_per_s": rate_per_s,
-        "elapsed_s": round(elapsed_s, 3),
-        "jobs_per_s": round(n / elapsed_s, 1),
-        "producer": prod,
-        "latency_ms": dist(lat, 1),
+        **pipeline_record("ccsq", n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
+                          producer=prod, latencies_ms=lat),
         "broker_rss_bytes": {"before": rss_before, "after": rss_after},
         "ledger_disk_bytes": disk_bytes(root / "broker-data"),
     }

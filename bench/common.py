@@ -56,6 +56,22 @@ def dist(values: Sequence[float], digits: int = 2) -> dict[str, float]:
     }
 
 
+def pipeline_record(system: str, *, n: int, batch: int, window: int, rate_per_s: float | None,
+                    elapsed_s: float, producer: dict, latencies_ms: Sequence[float]) -> dict[str, Any]:
+    """The common fields of one benchmark-1 run (same shape for ccsq and every peer)."""
+    return {
+        "system": system,
+        "n": n,
+        "batch": batch,
+        "window": window,
+        "rate_per_s": rate_per_s,
+        "elapsed_s": round(elapsed_s, 3),
+        "jobs_per_s": round(n / elapsed_s, 1),
+        "producer": producer,
+        "latency_ms": dist(latencies_ms, 1),
+    }
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` in bytes (0 if it is gone)."""
     try:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, claim_ref, dist
+from bench.common import ROOT, claim_ref, pipeline_record
 from bench.driver import produce
 from ccsq.common.procs import wait_until
 
@@ -276,17 +276,8 @@ def run(system: str, url: str, workdir: Path, n: int, *, batch: int = 100, windo
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return {
-        "system": system,
-        "n": n,
-        "batch": batch,
-        "window": window,
-        "rate_per_s": rate_per_s,
-        "elapsed_s": round(elapsed_s, 3),
-        "jobs_per_s": round(n / elapsed_s, 1),
-        "producer": prod,
-        "latency_ms": dist(res["latencies_ms"], 1),
-    }
+    return pipeline_record(system, n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
+                           producer=prod, latencies_ms=res["latencies_ms"])
 
 
 def main(argv: list[str] | None = None) -> int:
