@@ -52,6 +52,14 @@ class ClaimStore(abc.ABC):
     def list(self) -> Iterator[tuple[str, float]]:
         """Yield ``(sha256, mtime_unix_s)`` of every blob (for reconcile)."""
 
+    def inline_without_io(self, size_bytes: int, inline_max_bytes: int) -> bool:
+        """True when a blob of ``size_bytes`` travels inline and this store's
+        :meth:`put_blob` / :meth:`get_blob` are the base class's, which then do no
+        I/O (one SHA-256 over at most ``inline_max_bytes``): callers may run them on
+        their event loop instead of hopping to an I/O thread."""
+        cls = type(self)
+        return size_bytes <= inline_max_bytes and cls.put_blob is ClaimStore.put_blob and cls.get_blob is ClaimStore.get_blob
+
     def put_blob(self, data: bytes, inline_max_bytes: int) -> Blob:
         """Make a Blob: inline when ``len(data) <= inline_max_bytes``, else stored here."""
         digest = sha256_hex(data)

@@ -435,8 +435,11 @@ class AsyncClient:
         if problem:
             raise InvalidRequest(problem)
         data = _read_payload(payload)
-        loop = asyncio.get_running_loop()
-        blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
+        if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
+            blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
+        else:
+            loop = asyncio.get_running_loop()
+            blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
         if blob.inline is None:
             crash_point("producer.after_blob_put")
         item = p.SubmitItem(

@@ -299,9 +299,6 @@ class Worker:
         self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix="ccsq-journal")
         self._jw = GroupCommit(journal, self._journal_pool, JOURNAL_WINDOW_S)
         self._unsent: list[Key] = []  # reports to send at the end of this loop tick
-        # the store's inline path does no I/O (the base class's): small inline blobs skip the I/O pool
-        st = type(store)
-        self._inline_ok = st.get_blob is ClaimStore.get_blob and st.put_blob is ClaimStore.put_blob
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host = socket.gethostname()
         self.log = log.bind(worker=cfg.peer_id)
@@ -523,7 +520,8 @@ class Worker:
         await self._await_hold(hold)
         job.state = JobState.FETCHING
         try:
-            if self._inline_ok and task.payload.inline is not None and len(task.payload.inline) <= INLINE_RESULT_MAX_BYTES:
+            inline = task.payload.inline
+            if inline is not None and self.store.inline_without_io(len(inline), INLINE_RESULT_MAX_BYTES):
                 job.payload = self.store.get_blob(task.payload)  # inline: a hash check, no I/O, no thread hop
             else:
                 job.payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
@@ -679,7 +677,7 @@ class Worker:
             return
         loop = asyncio.get_running_loop()
         try:
-            if self._inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:
+            if self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES):
                 blob = self.store.put_blob(data, INLINE_RESULT_MAX_BYTES)  # inline: a hash, no I/O, no thread hop
             else:
                 blob = await loop.run_in_executor(self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
