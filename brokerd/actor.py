@@ -40,7 +40,18 @@ from ccsq.common.faults import crash_point
 
 log = structlog.get_logger("ccsq.brokerd")
 
-MAX_FRAMES_PER_TURN = 256  # ~60 us of signature check each: keeps a turn near 15 ms
+# A turn's work is bounded so that a frame arriving during it (a heartbeat) never
+# waits long, however much is queued: measured on 2 shared cores, a turn of the
+# budgets below takes ~10-20 ms (docs/benchmarks.md, benchmark 2).
+MAX_FRAMES_PER_TURN = 256  # ~60 us of signature check each
+MAX_BYTES_PER_TURN = 512 * 1024  # decoding (signature over the body, msgpack) costs per byte too
+#: Item operations (submitted items, results, failures, acks) one turn's transaction
+#: applies (~25 us each). A frame is never split; frames beyond the budget are
+#: carried, in order, to the next turn.
+TURN_ITEM_BUDGET = 256
+DELIVER_PER_TURN = 128  # results sent to completion services in one turn
+CARRY_MAX_ITEMS = 4 * TURN_ITEM_BUDGET  # stop reading frames while this many wait (ZeroMQ queues the rest)
+LEASE_BUDGET_CHECK_EVERY = 32  # leases between two looks at the dispatch slice's clock
 MAX_PENDING_PER_PEER = 10_000
 PENDING_RETRY_S = 0.01
 COMMIT_DELAY_S = 0.001  # after a turn that committed peer frames, gather this long before the next turn
@@ -112,6 +123,8 @@ class Broker:
         self._delivered_below_cseq = 0
         self._delivery_floor_resets = 0  # bumped on each reset: a scan older than it must not advance it
         self.deferred = []
+        self._carry: list[tuple[bytes, Session, Envelope]] = []  # ledger ops beyond the last turn's budget
+        self._carry_items = 0
         self.rejects = collections.Counter()
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
         self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
@@ -143,7 +156,9 @@ class Broker:
             for item_id, token, worker in view.leased_items():
                 self.leases.add(item_id, token, worker, expires)
             states, counters = view.states(), view.counters()
-        log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"])
+            self.peers.draining = set(view.draining())
+        log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"],
+                 draining=sorted(self.peers.draining))
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish the current turn, say BYE and return."""
@@ -167,10 +182,12 @@ class Broker:
                 await self.transport.wait_readable(timeout)
             if self._stopping:
                 break
-            frames = self.transport.drain(MAX_FRAMES_PER_TURN)
+            frames = self.transport.drain(MAX_FRAMES_PER_TURN, MAX_BYTES_PER_TURN) if self._carry_items < CARRY_MAX_ITEMS else []
             self._committed_ops = 0
+            t0 = time.perf_counter()
             self.turn(frames)
-            if self._committed_ops and len(frames) < MAX_FRAMES_PER_TURN:
+            self.stats.turned(time.perf_counter() - t0)
+            if self._committed_ops and self.transport.drained_all and not self._carry:
                 # Under load more frames follow a committed turn: gather them a moment so
                 # the next commit (one fsync) carries more (PostgreSQL's commit_delay).
                 # The replies of this turn are already sent: nothing waits for durability.
@@ -188,7 +205,7 @@ class Broker:
         log.info("broker_stopped", peers=len(self.peers))
 
     def _idle_timeout_s(self, now: float) -> float:
-        if self.deferred or self._rejects_unsaved:
+        if self.deferred or self._rejects_unsaved or self._carry:
             return 0.0
         wake = min(self._next_hb_mono, self._next_liveness_mono, self._next_background_mono)
         if self._workers_with_credit():
@@ -224,8 +241,23 @@ class Broker:
                 self._on_session_message(sess, env, now)
             else:
                 ledger_ops.append((rid, sess, env))
-        self._transact(ledger_ops, self._compensate_stall(time.monotonic()))
+        self._transact(self._take_budget(ledger_ops), self._compensate_stall(time.monotonic()))
         self._timers(self._compensate_stall(time.monotonic()))
+
+    def _take_budget(self, new_ops: list[tuple[bytes, Session, Envelope]]) -> list[tuple[bytes, Session, Envelope]]:
+        """This turn's ledger ops: carried ones first, then new ones, in arrival order,
+        whole frames up to :data:`TURN_ITEM_BUDGET` items (at least one frame); the
+        rest is carried to the next turn."""
+        queue = self._carry + new_ops if self._carry else new_ops
+        taken = items = 0
+        for _, _, env in queue:
+            if taken and items >= TURN_ITEM_BUDGET:
+                break
+            items += _op_items(env.message)
+            taken += 1
+        self._carry = queue[taken:]
+        self._carry_items = sum(_op_items(env.message) for _, _, env in self._carry)
+        return queue[:taken]
 
     def _compensate_stall(self, now: float) -> float:
         """If this loop did not run for a long time (SIGSTOP, VM pause, swap), the
@@ -376,7 +408,7 @@ class Broker:
         return self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION))
 
     def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
-        if not ops and not self._background_due(now):
+        if not ops and not self._carry and not self._background_due(now):
             return
         deferred, self.deferred = self.deferred, []
         due = self.leases.pop_due(now, SLICE_ENTRIES)
@@ -573,7 +605,14 @@ class Broker:
             ids, hint = txn.scan_ready(list(sess.kinds) or None, limit, now_ms)
             if hint is not None:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
-            tasks = [t for t in (txn.lease(i, sess.peer_id, now_ms, ttl_ms) for i in ids) if t is not None]
+            tasks = []
+            for n, item_id in enumerate(ids):
+                if n % LEASE_BUDGET_CHECK_EVERY == LEASE_BUDGET_CHECK_EVERY - 1 and time.monotonic() > budget_end:
+                    exhausted = True  # the slice's time is up: the next turn goes on
+                    break
+                task = txn.lease(item_id, sess.peer_id, now_ms, ttl_ms)
+                if task is not None:
+                    tasks.append(task)
             if len(ids) == limit and sess.credit > len(tasks):
                 exhausted = True  # some were expired or more may be waiting
             if not tasks:
@@ -613,13 +652,18 @@ class Broker:
         planned: set[str] = set()
         more = False
         floor = self._delivered_below_cseq
+        budget = DELIVER_PER_TURN
         for sess in sessions:
-            limit = min(sess.credit, self.cfg.max_batch_items)
+            limit = min(sess.credit, self.cfg.max_batch_items, budget)
+            if limit <= 0:
+                more = True
+                break
             ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit, floor)
             if len(ids) == limit:
                 more = True
             if not ids:
                 continue
+            budget -= len(ids)
             deliveries = []
             for item_id in ids:
                 planned.add(item_id)
@@ -732,6 +776,15 @@ class Broker:
             for sess in list(self.peers.by_id.values()):
                 if not sess.pending:
                     self._try_send(sess, p.Heartbeat(), queue_on_again=False)
+
+
+def _op_items(msg: p.Message) -> int:
+    """How many item operations a ledger message asks for (its share of a turn's budget)."""
+    for attr in ("items", "results", "failures", "item_ids"):
+        v = getattr(msg, attr, None)
+        if v is not None:
+            return max(1, len(v))
+    return 1
 
 
 def _chunks(items: list, size_of: Callable[[object], int], budget_bytes: int, max_items: int) -> list[list]:

@@ -17,7 +17,8 @@ fenced_completions, ...); ``items_in_state{state}``; ``backlog_items{kind,state}
 ``gap_events_total{window}``; ``frames_rejected_total{reason}``;
 ``lease_expiries_total{outcome}``; ``heartbeat_lag_seconds`` (histogram);
 ``commit_seconds`` and ``commit_records`` (histograms: fsync time and item
-records per group commit); ``map_size_bytes``, ``map_used_bytes``,
+records per group commit); ``turn_seconds`` (histogram: one actor turn, the
+longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``map_used_bytes``,
 ``max_map_size_bytes``, ``map_used_ratio``; ``peers{role}``; ``leases``;
 ``oldest_ready_age_seconds``; per worker ``worker_slots``, ``worker_busy``,
 ``worker_items_done``, ``worker_leases``, ``worker_draining`` (label ``worker``);
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 COMMIT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TURN_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
 RECORD_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -49,7 +51,9 @@ class BrokerStats:
     envelope's timestamp (sender clock; on one host the queueing delay, across
     hosts it includes clock skew; clamped at 0). ``commit_seconds``: one ledger
     commit including its fsync. ``commit_records``: item records written by that
-    commit (how many state changes share one fsync). ``lease_expiries_total``:
+    commit (how many state changes share one fsync). ``turn_seconds``: one turn
+    of the actor (decode, transaction and fsync, replies, timers): a frame that
+    arrives during a turn waits at most that long. ``lease_expiries_total``:
     leases that ran out, by the state the item went to (ready, dead, expired).
     """
 
@@ -65,6 +69,10 @@ class BrokerStats:
         self.commit_records = Histogram(
             "ccsq_commit_records", "item records written per group commit", buckets=RECORD_BUCKETS, registry=self.registry
         )
+        self.turn_seconds = Histogram(
+            "ccsq_turn_seconds", "one actor turn (decode, commit with fsync, replies, timers)", buckets=TURN_BUCKETS_S,
+            registry=self.registry,
+        )
         self.lease_expiries = Counter(
             "ccsq_lease_expiries", "leases that ran out, by the item's next state", ["outcome"], registry=self.registry
         )
@@ -75,6 +83,9 @@ class BrokerStats:
     def committed(self, records: int, seconds: float) -> None:
         self.commit_seconds.observe(seconds)
         self.commit_records.observe(records)
+
+    def turned(self, seconds: float) -> None:
+        self.turn_seconds.observe(seconds)
 
     def lease_expired(self, outcome: str) -> None:
         self.lease_expiries.labels(outcome).inc()

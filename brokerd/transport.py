@@ -83,6 +83,7 @@ class Transport:
         self._waiter: asyncio.Future | None = None
         self.sent_again = 0  # sends refused with EAGAIN (peer pipe full)
         self.sent_unroutable = 0
+        self.drained_all = True  # the last drain() emptied the queue
 
     async def wait_readable(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for input. ZMQ_FD is edge-triggered, so EVENTS is
@@ -113,14 +114,21 @@ class Transport:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def drain(self, max_messages: int) -> list[list[bytes]]:
-        """Receive up to ``max_messages`` queued multipart messages without blocking."""
+    def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
+        """Receive up to ``max_messages`` queued multipart messages without blocking,
+        stopping early once they hold ``max_bytes`` (at least one message is taken).
+        Sets :attr:`drained_all`: False when a limit, not an empty queue, ended it."""
         out: list[list[bytes]] = []
-        while len(out) < max_messages:
+        size = 0
+        self.drained_all = False
+        while len(out) < max_messages and size < max_bytes:
             try:
-                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                msg = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self.drained_all = True
                 break
+            out.append(msg)
+            size += sum(len(part) for part in msg)
         return out
 
     def send(self, routing_id: bytes, msg: p.Message) -> str:
