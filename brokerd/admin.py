@@ -16,7 +16,8 @@ Commands (arguments are scalars, see :class:`ccsq.common.protocol.Admin`):
   ``more`` says whether to call again): replay makes dead items ready with a fresh
   attempt budget (G10 event); purge deletes them (G11 event).
 - ``drain`` (``worker``, ``undo``): stop (or resume) dispatching to a worker; its
-  leases finish normally.
+  leases finish normally. The worker must be in the authorized keys; the drain
+  is written to the ledger (meta ``d:<worker>``) and survives a broker restart.
 - ``dead_letter`` (``item_id`` or ``item_ids`` comma-separated, ``reason``
   ``payload_missing``/``operator``, ``message``): dead-letter *ready* items
   (``ccsq reconcile --apply``), G7 events.
@@ -46,7 +47,8 @@ LEASES_LISTED_PER_PEER = 100
 MAX_ITEMS_PER_COMMAND = 1000  # keeps one admin command within the actor's turn budget and one frame
 DEAD_LETTER_REASONS = ("payload_missing", "operator")
 #: Keys of ``status`` that come from the ledger alone (identical online and offline).
-LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms", "dead", "dead_listed")
+LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms", "dead",
+                      "dead_listed", "draining")
 
 
 class AdminError(CcsqError):
@@ -73,6 +75,7 @@ def ledger_status(view: LedgerView) -> dict[str, Any]:
         "oldest_ready_age_s": None if oldest is None else round(max(0.0, time.time() - oldest / 1000.0), 3),
         "dead": states["dead"],
         "dead_listed": view.dead_listed(),
+        "draining": view.draining(),
     }
 
 
@@ -155,7 +158,6 @@ class AdminCommands:
                 "uptime_s": round(now - b._started_mono, 3),  # noqa: SLF001 - the actor's own field
             },
             "peers": peers,
-            "draining": sorted(b.peers.draining),
             "rejects": dict(b.rejects),
             "send": {"again": b.transport.sent_again, "unroutable": b.transport.sent_unroutable},
             "ledger": {
@@ -196,6 +198,11 @@ class AdminCommands:
         worker = _str_arg(args, "worker")
         undo = args.get("undo", False) is True
         b = self.broker
+        key = b.codec.authorized.get(worker)
+        if (key is None or key.role is not p.Role.WORKER) and not (undo and worker in b.peers.draining):
+            raise AdminError(f"unknown worker {worker!r}: no worker of that id in the authorized keys "
+                             f"(known workers: {', '.join(self._worker_ids()) or 'none'})")
+        txn.set_draining(worker, not undo)  # durable: a restarted broker keeps the drain
         if undo:
             batch.effects.append(lambda: (b.peers.draining.discard(worker), b._wake_dispatch()))  # noqa: SLF001
         else:
@@ -222,6 +229,10 @@ class AdminCommands:
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
         return {"dead": done, "not_ready": [i for i in ids if i not in done], "reason": reason}
+
+    def _worker_ids(self) -> list[str]:
+        authorized = self.broker.codec.authorized
+        return sorted(i for i in authorized.ids() if authorized.get(i).role is p.Role.WORKER)[:20]
 
     def _dead_ids(self, txn: LedgerTxn, args: dict) -> tuple[list[str], bool]:
         if args.get("all") is True:

@@ -291,6 +291,18 @@ class LedgerView:
     def counter(self, name: str) -> int:
         return self.num(b"c:" + name.encode())
 
+    def draining(self) -> list[str]:
+        """Worker ids an operator drained (``ccsq drain``; meta ``d:<worker>``), sorted.
+        Kept in the ledger so a drain survives a broker restart."""
+        out: list[str] = []
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(b"d:"):
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(b"d:"):
+                    break
+                out.append(k[2:].decode())
+        return out
+
     def state_count(self, state: str) -> int:
         return self.num(b"s:" + state.encode())
 
@@ -611,6 +623,15 @@ class LedgerTxn(LedgerView):
         v = self.num(b"m:" + name) + 1
         self._add(b"m:" + name, 1)
         return v
+
+    def set_draining(self, worker: str, on: bool) -> None:
+        """Record (``on``) or clear a drain of ``worker`` (see :meth:`LedgerView.draining`)."""
+        key = b"d:" + worker.encode()
+        if on:
+            self.txn.put(key, b"", db=self.db["meta"])
+        else:
+            self.txn.delete(key, db=self.db["meta"])
+        self.changed = True
 
     def count_reject(self, code: str, n: int = 1) -> None:
         self._add(b"r:" + code.encode(), n)

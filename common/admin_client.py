@@ -139,7 +139,7 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
     try:
         with offline_view(data_dir) as view:
             if command == "status":
-                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "draining": []}
+                return {"source": OFFLINE, **admin.ledger_status(view), "peers": []}
             if command == "items_show":
                 item_id = args.get("item_id")
                 if not isinstance(item_id, str) or not item_id:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import CcsqError, ConfigError, ExitCode
+from ccsq.common.errors import BrokerUnavailable, CcsqError, ConfigError, ExitCode
 from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_keypair
 
 
@@ -349,7 +349,6 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
     from ccsq.common.claimstore import open_store
     from ccsq.common.config import AdminConfig, BrokerConfig, load
-    from ccsq.common.errors import BrokerUnavailable
     from ccsq.producer.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
@@ -382,7 +381,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
             out["dead_lettered"] = with_broker(settings, go)
         except BrokerUnavailable as exc:
             print(f"ccsq reconcile: {exc}: start the broker and run again to dead-letter them", file=sys.stderr)
-            status = ExitCode.FAILURE
+            status = ExitCode.UNAVAILABLE
         out["not_dead_lettered"] = [i for i in ready_missing if i not in out["dead_lettered"]]
     if args.json:
         print(json.dumps(out, indent=2))
@@ -505,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ccsq {args.command}: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except BrokerUnavailable as exc:
+        print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
+        return ExitCode.UNAVAILABLE
     except CcsqError as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
         return ExitCode.FAILURE

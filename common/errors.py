@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     LEDGER_IO = 74  # EX_IOERR: a ledger write failed (disk full, I/O error); nothing unconfirmed was acknowledged
     UNBALANCED = 3  # gap-report: accounting does not balance
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
+    UNAVAILABLE = 69  # EX_UNAVAILABLE: a CLI command needs the running broker and got no answer
 
 
 class CcsqError(Exception):

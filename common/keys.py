@@ -109,6 +109,10 @@ class AuthorizedKeys:
     def __contains__(self, peer_id: str) -> bool:
         return peer_id in self._peers
 
+    def ids(self) -> list[str]:
+        """Every authorized peer id."""
+        return list(self._peers)
+
     def __len__(self) -> int:
         return len(self._peers)
 

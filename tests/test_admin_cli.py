@@ -107,7 +107,8 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         rc, fallback = ccsq(capsys, "status", "--config", admin, "--json")
         assert rc == 0 and fallback["source"] == "ledger (offline)" and ledger_part(fallback) == ledger_part(online)
         # ... and commands that change state refuse (only the broker writes the ledger)
-        assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.FAILURE
+        assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.UNAVAILABLE
+        assert ccsq(capsys, "drain", "worker-1", "--config", admin)[0] == ExitCode.UNAVAILABLE
 
 
 def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -> None:
@@ -127,6 +128,19 @@ def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -
         assert w1["draining"] and w1["credit"] > 0 and w1["leases"] == 0 and st["draining"] == ["worker-1"]
         assert st["backlog"]["echo"] == {"ready": 1}
         assert "draining" in ccsq(capsys, "status", "--config", admin)[1]
+        # a typo is refused with the known workers named, and drains nothing
+        capsys.readouterr()
+        rc = cli.main(["drain", "worker-9", "--config", str(admin), "--json"])
+        assert rc == ExitCode.FAILURE and "unknown worker 'worker-9'" in capsys.readouterr().err
+        # the drain is in the ledger: a restarted broker keeps it (offline status shows it too)
+        swarm.procs.stop("broker")
+        assert ccsq(capsys, "status", "--config", admin, "--json", "--offline")[1]["draining"] == ["worker-1"]
+        swarm.start_broker()
+        wait_until(lambda: any(x["peer_id"] == "worker-1" for x in ccsq(capsys, "status", "--config", admin, "--json")[1]["peers"]),
+                   20, "worker-1 reconnected to the restarted broker")
+        for _ in range(2):
+            _, st = ccsq(capsys, "status", "--config", admin, "--json")
+        assert st["draining"] == ["worker-1"] and st["backlog"]["echo"] == {"ready": 1}
         rc, out = ccsq(capsys, "drain", "worker-1", "--undo", "--config", admin, "--json")
         assert rc == 0 and not out["draining"]
         wait_until(
