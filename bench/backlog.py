@@ -29,10 +29,10 @@ from typing import Any
 import zmq
 
 from bench.ccsq_pipeline import acknowledged, check_alive, start_swarm
-from bench.common import claim_ref, disk_bytes, dist, rss_bytes, rss_split_bytes
+from bench.common import claim_ref, disk_bytes, dist, hist_delta, hist_summary, rss_bytes, rss_split_bytes, scrape_histograms
 from ccsq.brokerd.testing import ScriptedPeer
 from ccsq.common import protocol as p
-from ccsq.common.procs import bin_path, wait_until
+from ccsq.common.procs import bin_path, free_tcp_port, wait_until
 
 FRAME_ITEMS = 500  # 500 x ~1.1 KiB stays under max_frame_bytes (1 MiB)
 WINDOW = 4
@@ -88,8 +88,10 @@ def _fresh_peer(root: Path, peer_id: str, endpoint: str) -> ScriptedPeer:
 
 def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
     """Fill to each of ``sizes`` (ascending), then measure lag and restart at the last size."""
+    metrics_port = free_tcp_port()
     procs, configs = start_swarm(root, workers=4, start_workers=0, start_completion=False,
-                                 broker={"log_format": "json"})
+                                 broker={"log_format": "json", "metrics_port": metrics_port})
+    hists = ("ccsq_turn_seconds", "ccsq_heartbeat_lag_seconds")
     endpoint = (root / "broker-data" / "endpoint").read_text().strip()
     out: dict[str, Any] = {"sizes": sizes}
     try:
@@ -124,12 +126,19 @@ def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
         procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],
                     ready_event="broker_link_ready")
         acked0, t0 = acknowledged(root), time.monotonic()
+        before = scrape_histograms(metrics_port, hists)
         busy = probe_lag(probe, lag_s)
+        during = {name: hist_delta(h, before[name]) for name, h in scrape_histograms(metrics_port, hists).items()}
         check_alive(procs)
         drained = acknowledged(root) - acked0
         out["heartbeat_lag_ms"] = {"idle_backlog": dist(idle, 2), "draining": dist(busy, 2),
                                    "drain_jobs_per_s": round(drained / (time.monotonic() - t0), 1),
                                    "broker_rss_bytes_draining": rss_bytes(broker_pid)}
+        # the broker's own view of the same seconds: how long its turns took (a frame
+        # arriving during a turn waits at most that long) and the workers' heartbeats'
+        # sent -> handled delay
+        out["broker_side_ms"] = {"turn": hist_summary(during["ccsq_turn_seconds"], 1000.0),
+                                 "worker_heartbeat_lag": hist_summary(during["ccsq_heartbeat_lag_seconds"], 1000.0)}
         probe.close()
         for name in ("worker-1", "worker-2", "completion"):
             procs.stop(name)

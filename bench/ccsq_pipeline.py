@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import claim_ref, disk_bytes, pipeline_record, rss_bytes
+import lmdb
+
+from bench.common import claim_ref, cpu_s, disk_bytes, hist_summary, pipeline_record, rss_bytes, scrape_histograms
 from bench.driver import produce
 from ccsq.brokerd.ledger import Ledger, data_paths
 from ccsq.common.cli import init_swarm
@@ -28,6 +30,10 @@ from ccsq.common.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 #: Worker/completion tuning used by the benchmark (stated in docs/benchmarks.md).
 WORKER_SLOTS = 4
 WORKER_PREFETCH = 64
+#: Jobs per handler call: the peers' workers take up to 64 jobs per read
+#: (``peer_pipeline.WORKER_BATCH``); ccsq's dynamic batching does the same.
+WORKER_MAX_BATCH = 64
+WORKER_MAX_WAIT_MS = 1.0
 COMPLETION_CREDIT = 512
 
 
@@ -44,7 +50,8 @@ def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: 
         workers=workers,
         handler=handler,
         broker={"min_free_disk_bytes": 0, **(broker or {})},
-        worker={"slots": WORKER_SLOTS, "prefetch": WORKER_PREFETCH, **(worker or {})},
+        worker={"slots": WORKER_SLOTS, "prefetch": WORKER_PREFETCH, "max_batch": WORKER_MAX_BATCH,
+                "max_wait_ms": WORKER_MAX_WAIT_MS, **(worker or {})},
         completion={"credit": COMPLETION_CREDIT, **(completion or {})},
     )
     procs = ProcessGroup(root / "logs")
@@ -69,14 +76,38 @@ def check_alive(procs: ProcessGroup) -> None:
             raise RuntimeError(f"{name} exited {proc.popen.returncode}; log tail:\n{procs.tail(name, 10)}")
 
 
+class AckCounter:
+    """The ledger's acknowledged counter, read while the broker writes: one read-only
+    LMDB environment kept open (each :meth:`__call__` is one cheap read transaction),
+    so polling it does not steal the CPU the measured pipeline runs on."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = data_paths(root / "broker-data")[0]
+        self.ledger = Ledger(self.path, readonly=True)
+
+    def __call__(self) -> int:
+        try:
+            with self.ledger.read() as view:
+                return view.counter("acknowledged")
+        except lmdb.MapResizedError:  # the broker grew the map: open it again at the new size
+            self.ledger.close()
+            self.ledger = Ledger(self.path, readonly=True)
+            return self()
+
+    def close(self) -> None:
+        self.ledger.close()
+
+    def __enter__(self) -> AckCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def acknowledged(root: Path) -> int:
     """The ledger's acknowledged counter (a fresh read-only open: safe while the broker writes)."""
-    ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
-    try:
-        with ledger.read() as view:
-            return view.counter("acknowledged")
-    finally:
-        ledger.close()
+    with AckCounter(root) as count:
+        return count()
 
 
 def latencies_ms(root: Path) -> list[float]:
@@ -97,6 +128,19 @@ def latencies_ms(root: Path) -> list[float]:
     return out
 
 
+def commit_histograms(metrics_port: int) -> dict[str, Any]:
+    """Benchmark 6 from the broker's own Prometheus histograms (``/metrics``):
+    item records per group commit and commit time including the fsync.
+
+    Returns ``{"commits", "records_per_commit": {...}, "commit_ms": {...}}`` (see
+    :func:`bench.common.hist_summary`), or ``{"commits": 0}``."""
+    hist = scrape_histograms(metrics_port, ("ccsq_commit_records", "ccsq_commit_seconds"))
+    rec, sec = hist.get("ccsq_commit_records"), hist.get("ccsq_commit_seconds")
+    if not rec or not sec or not rec["count"]:
+        return {"commits": 0}
+    return {"commits": int(rec["count"]), "records_per_commit": hist_summary(rec), "commit_ms": hist_summary(sec, 1000.0)}
+
+
 async def _produce(producer_toml: Path, n: int, batch: int, window: int, rate_per_s: float | None) -> dict[str, float]:
     from ccsq.producer.client import AsyncClient
 
@@ -115,7 +159,8 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
 
     ``profile_out``: record the broker with py-spy (raw collapsed stacks) while it runs.
     ``fsync_trace``: also run ``strace -T`` on the broker's fdatasync/fsync calls."""
-    procs, configs = start_swarm(root)
+    metrics_port = free_tcp_port()
+    procs, configs = start_swarm(root, broker={"metrics_port": metrics_port})
     spy = strace = None
     try:
         broker_pid = procs.procs["broker"].popen.pid
@@ -129,11 +174,16 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)  # strace attaches asynchronously; nothing to poll for
         rss_before = rss_bytes(broker_pid)
-        t0 = time.monotonic()
+        cpu_before = {name: cpu_s(proc.popen.pid) for name, proc in procs.procs.items()}
+        t0, cpu0 = time.monotonic(), time.process_time()
         prod = asyncio.run(_produce(configs["producer"], n, batch, window, rate_per_s))
-        wait_until(lambda: check_alive(procs) or acknowledged(root) >= n, timeout_s, f"{n} acknowledged", interval_s=0.05)
+        with AckCounter(root) as acked:
+            wait_until(lambda: check_alive(procs) or acked() >= n, timeout_s, f"{n} acknowledged", interval_s=0.02)
         elapsed_s = time.monotonic() - t0
         rss_after = rss_bytes(broker_pid)
+        cpu = {name: round(cpu_s(proc.popen.pid) - cpu_before[name], 2) for name, proc in procs.procs.items()}
+        cpu["producer (this process, incl. polling)"] = round(time.process_time() - cpu0, 2)
+        group_commit = commit_histograms(metrics_port)
     finally:
         for tool in (spy, strace):
             if tool is not None and tool.poll() is None:
@@ -148,5 +198,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         **pipeline_record("ccsq", n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
                           producer=prod, latencies_ms=lat),
         "broker_rss_bytes": {"before": rss_before, "after": rss_after},
+        "cpu_s": cpu,
+        "group_commit": group_commit,
         "ledger_disk_bytes": disk_bytes(root / "broker-data"),
     }

@@ -72,6 +72,54 @@ def pipeline_record(system: str, *, n: int, batch: int, window: int, rate_per_s:
     }
 
 
+def scrape_histograms(metrics_port: int, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Histograms ``names`` from a broker's Prometheus endpoint on 127.0.0.1:
+    ``{name: {"buckets": [(le, cumulative count)...], "sum", "count"}}`` (absent: not exported)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[str, Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in names:
+            continue
+        h: dict[str, Any] = {"buckets": [], "sum": 0.0, "count": 0.0}
+        for sample in fam.samples:
+            if sample.name.endswith("_bucket"):
+                h["buckets"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                h["sum"] = sample.value
+            elif sample.name.endswith("_count"):
+                h["count"] = sample.value
+        out[fam.name] = h
+    return out
+
+
+def hist_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What a histogram observed between two scrapes (same buckets)."""
+    return {"buckets": [(le, c - cb) for (le, c), (_, cb) in zip(after["buckets"], before["buckets"])],
+            "sum": after["sum"] - before["sum"], "count": after["count"] - before["count"]}
+
+
+def hist_summary(h: dict[str, Any], scale: float = 1.0) -> dict[str, Any]:
+    """``{"n", "mean", "p50_le", "p99_le", "max_le", "buckets"}`` of a scraped histogram,
+    values times ``scale`` (1000: seconds -> ms). ``*_le`` are the upper bounds of the
+    buckets holding that quantile (Prometheus' resolution); ``buckets`` cumulative."""
+    n = h["count"]
+
+    def q_le(q: float) -> float:
+        for le, c in h["buckets"]:
+            if n and c >= q * n:
+                return round(le * scale, 3)
+        return float("nan")
+
+    return {"n": int(n), "mean": round(scale * h["sum"] / n, 3) if n else 0.0,
+            "p50_le": q_le(0.5), "p99_le": q_le(0.99), "max_le": q_le(1.0),
+            "buckets": [[round(le * scale, 3), int(c)] for le, c in h["buckets"]]}
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of process ``pid`` in bytes (0 if it is gone)."""
     try:
@@ -81,6 +129,15 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far (0.0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def rss_split_bytes(pid: int) -> dict[str, int]:

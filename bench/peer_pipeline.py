@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, claim_ref, pipeline_record
+from bench.common import ROOT, claim_ref, cpu_s, pipeline_record
 from bench.driver import produce
 from ccsq.common.procs import wait_until
 
@@ -112,7 +112,7 @@ async def redis_completion(url: str, n: int, db_path: Path, ready: Path) -> dict
         lat_ms.extend((now - float(f[b"t"])) * 1000 for _e, f in entries)
     await r.aclose()
     db.close()
-    return {"latencies_ms": lat_ms, "t_done": time.time()}
+    return {"latencies_ms": lat_ms, "t_done": time.time(), "cpu_s": time.process_time()}
 
 
 # --- RabbitMQ quorum queues --------------------------------------------------------
@@ -203,7 +203,7 @@ async def rabbit_completion(url: str, n: int, db_path: Path, ready: Path) -> dic
         lat_ms.extend((now - float(m.headers["t"])) * 1000 for m in msgs)
     await conn.close()
     db.close()
-    return {"latencies_ms": lat_ms, "t_done": time.time()}
+    return {"latencies_ms": lat_ms, "t_done": time.time(), "cpu_s": time.process_time()}
 
 
 # --- shared --------------------------------------------------------------------------
@@ -241,8 +241,9 @@ def _spawn(system: str, role: str, url: str, log: Path, *extra: str) -> subproce
 
 
 def run(system: str, url: str, workdir: Path, n: int, *, batch: int = 100, window: int = 8,
-        rate_per_s: float | None = None, timeout_s: float = 900.0) -> dict[str, Any]:
-    """One pipeline run of ``n`` jobs on ``system`` ("redis" or "rabbit") at ``url`` (a fresh server)."""
+        rate_per_s: float | None = None, timeout_s: float = 900.0, server_pid: int = 0) -> dict[str, Any]:
+    """One pipeline run of ``n`` jobs on ``system`` ("redis" or "rabbit") at ``url`` (a fresh server
+    whose process is ``server_pid``, for its CPU seconds; 0 = not counted)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{system}-completion.json"
     db = workdir / f"{system}-results.db"
@@ -259,14 +260,23 @@ def run(system: str, url: str, workdir: Path, n: int, *, batch: int = 100, windo
     dead = [p.args[4:6] for p in (*workers, completion) if p.poll() is not None]
     if dead:
         raise RuntimeError(f"{system} roles exited early: {dead}; see the logs in {workdir}")
+    cpu: dict[str, float] = {}
     try:
-        t0_wall = time.time()
+        server_cpu0 = cpu_s(server_pid) if server_pid else 0.0
+        workers_cpu0 = [cpu_s(w.pid) for w in workers]
+        t0_wall, cpu0 = time.time(), time.process_time()
         prod = asyncio.run(PRODUCE[system](url, n, batch, window, rate_per_s))
+        cpu["producer (this process)"] = round(time.process_time() - cpu0, 2)
         completion.wait(timeout=timeout_s)
+        if server_pid:
+            cpu["server"] = round(cpu_s(server_pid) - server_cpu0, 2)
+        for k, (w, c0) in enumerate(zip(workers, workers_cpu0), 1):
+            cpu[f"worker-{k}"] = round(cpu_s(w.pid) - c0, 2)
         if completion.returncode != 0:
             raise RuntimeError(f"{system} completion exited {completion.returncode}")
         res = json.loads(out.read_text())
         elapsed_s = res["t_done"] - t0_wall
+        cpu["completion"] = round(res["cpu_s"], 2)
     finally:
         for p in (*workers, completion):
             if p.poll() is None:
@@ -276,8 +286,9 @@ def run(system: str, url: str, workdir: Path, n: int, *, batch: int = 100, windo
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return pipeline_record(system, n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
-                           producer=prod, latencies_ms=res["latencies_ms"])
+    return {**pipeline_record(system, n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
+                              producer=prod, latencies_ms=res["latencies_ms"]),
+            "cpu_s": cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
