@@ -520,8 +520,9 @@ class Broker:
                 batch.replies.append((rid, p.FailAck(outcomes)))
             elif isinstance(msg, p.Ack):
                 done, unknown = [], []
+                quarantined = {q.item_id: q.error or "quarantined" for q in msg.quarantined}
                 for item_id in msg.item_ids:
-                    r = txn.ack(item_id, now_ms)
+                    r = txn.ack(item_id, now_ms, quarantined.get(item_id, ""))
                     (unknown if r is None else done).append(item_id)
                     if r is not None:
                         batch.effects.append(lambda i=item_id: self._forget_delivery(i))

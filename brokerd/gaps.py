@@ -35,6 +35,7 @@ G8_LATE_RESULT_ACCEPTED = "G8"
 G9_SUBMIT_RETRIED = "G9"
 G10_DEAD_LETTER_REPLAYED = "G10"
 G11_DEAD_LETTER_PURGED = "G11"
+G12_RESULT_QUARANTINED = "G12"
 
 WINDOWS: tuple[Window, ...] = (
     Window(
@@ -123,6 +124,16 @@ WINDOWS: tuple[Window, ...] = (
         "the item will never be done (at-most-zero) and is no longer listed; its blob becomes an orphan",
         "intended by the operator; resubmit the document to run it again (its key is free); reconcile collects the blob",
         "dead_purged",
+    ),
+    Window(
+        G12_RESULT_QUARANTINED,
+        "result quarantined",
+        "completion service: its results table refused one row for a data reason (a constraint, a trigger, a value the"
+        " column cannot hold), not an outage",
+        "the result is acknowledged but stored in the table `results_quarantine` (with the database's error), not in"
+        " `results`: a query of `results` alone misses it",
+        "operator: fix the constraint or the data, then move the row (docs/results-schema.md, 'Quarantine')",
+        "quarantined",
     ),
 )
 

@@ -55,6 +55,7 @@ COUNTERS: tuple[str, ...] = (
     "purged",
     "replayed",
     "dead_purged",
+    "quarantined",
 )
 
 #: Accounting samples kept in meta (``t:`` + >I slot), a ring: ``ccsq gap-report --html``
@@ -910,9 +911,12 @@ class LedgerTxn(LedgerView):
         return p.Outcome.ACCEPTED.value
 
     # --- ACK ---
-    def ack(self, item_id: str, now_ms: int) -> bool | None:
+    def ack(self, item_id: str, now_ms: int, quarantine_error: str = "") -> bool | None:
         """Mark a completed item acknowledged. True: done now; False: it was already
-        acknowledged (idempotent); None: unknown / not completed."""
+        acknowledged (idempotent); None: unknown / not completed.
+
+        ``quarantine_error``: the completion service stored the result in its
+        quarantine table, not its results table (counter ``quarantined``, gap G12)."""
         rec = self.get(item_id)
         if rec is None:
             return None
@@ -920,7 +924,12 @@ class LedgerTxn(LedgerView):
             return False
         if rec["state"] != S.COMPLETED.value:
             return None
-        self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms)
+        if quarantine_error:
+            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms, quarantined=quarantine_error[:500])
+            self.bump("quarantined")
+            self.event(gaps.G12_RESULT_QUARANTINED, item_id, now_ms, quarantine_error[:200])
+        else:
+            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms)
         self.bump("acknowledged")
         return True
 

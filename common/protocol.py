@@ -323,6 +323,16 @@ class ItemOutcome:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Quarantined:
+    """One acknowledged result the completion service could not store in its results
+    table for a data reason (the database refused that row, not an outage): it is
+    stored in the quarantine table instead, with ``error`` (gap G12)."""
+
+    item_id: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Delivery:
     """One completed result in a RESULT to the completion service.
     ``redelivery`` is true when this result was sent before without an ACK (gap G3)."""
@@ -514,10 +524,12 @@ class Result(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ack(Message):
-    """The completion service committed these results to its database."""
+    """The completion service committed these results to its database.
+    ``quarantined`` names those of ``item_ids`` that went to its quarantine table."""
 
     TYPE: ClassVar[MsgType] = MsgType.ACK
     item_ids: list[str]
+    quarantined: list[Quarantined] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

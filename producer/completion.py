@@ -5,7 +5,9 @@ credit granted); for each batch (up to ``batch_max`` results, gathered for at
 most ``batch_wait_ms``) the service
 
 1. resolves each result (inline, or from the claim store, digest verified),
-2. writes the batch in ONE database transaction (idempotent upsert by item id),
+2. writes the batch in ONE database transaction (idempotent upsert by item id);
+   a row the database refuses for a data reason (a constraint, a trigger, a value
+   the column cannot hold) goes to ``results_quarantine`` instead (gap G12),
 3. ``crash_point("completion.after_db_commit")``,
 4. sends ACK and waits for ACK_OK (re-sent on timeout and on reconnect),
 5. grants CREDIT for the batch.
@@ -65,11 +67,13 @@ class CompletionService:
     # --- state (event loop only) ---
     _incoming: asyncio.Queue[tuple[int, p.Delivery]]  # (session number, delivery)
     _ack_ids: frozenset[str]  # ids of the ACK in flight (empty: none)
+    _ack_msg: p.Ack | None  # the ACK in flight (re-sent on reconnect)
     _ack_ok: asyncio.Event
     _stop: asyncio.Event
     healthy: bool  # last database write succeeded
     landed: int  # results written so far (this process)
     acked: int  # results acknowledged so far (this process)
+    quarantined: int  # results written to results_quarantine so far (this process)
 
     def __init__(self, config: CompletionConfig, *, db: ResultsDB | None = None, store: ClaimStore | None = None,
                  notifier: Notifier | None = None) -> None:
@@ -83,7 +87,9 @@ class CompletionService:
         self.healthy = True
         self.landed = 0
         self.acked = 0
+        self.quarantined = 0
         self._ack_ids = frozenset()
+        self._ack_msg = None
         self._incoming = asyncio.Queue()
         # deliveries whose result blob was missing: item_id -> (session, delivery, retry_at_mono, attempt);
         # re-read with backoff so a restored blob lands without a restart
@@ -122,7 +128,7 @@ class CompletionService:
             await asyncio.get_running_loop().run_in_executor(self._db_exec, self.db.close)
             self._db_exec.shutdown(wait=True)
             self._io_exec.shutdown(wait=True)
-            self.log.info("completion_stopped", landed=self.landed, acked=self.acked)
+            self.log.info("completion_stopped", landed=self.landed, acked=self.acked, quarantined=self.quarantined)
 
     # --- link callbacks ---
     def _on_message(self, env: Envelope) -> None:
@@ -142,8 +148,8 @@ class CompletionService:
             self.log.warning("unexpected_message", type=type(msg).__name__)
 
     def _on_connect(self, welcome: p.Welcome) -> None:
-        if self._ack_ids and not self._ack_ok.is_set():
-            self.link.send(p.Ack(item_ids=sorted(self._ack_ids)))
+        if self._ack_msg is not None and not self._ack_ok.is_set():
+            self.link.send(self._ack_msg)
 
     # --- the pipeline ---
     async def _pump(self) -> None:
@@ -154,11 +160,16 @@ class CompletionService:
                 continue
             rows, missing = await self._resolve([d for _, d in batch])
             self._park(batch, missing)
-            if rows and not await self._land(rows):
-                return  # stopping while the database is down: nothing acknowledged, the broker keeps them
+            quarantined: list[tuple[ResultRow, str]] = []
+            if rows:
+                landed = await self._land(rows)
+                if landed is None:
+                    return  # stopping while the database is down: nothing acknowledged, the broker keeps them
+                quarantined = landed
             crash_point("completion.after_db_commit")
             if rows:
-                await self._ack(sorted({r.item_id for r in rows}))
+                await self._ack(sorted({r.item_id for r in rows}),
+                                [p.Quarantined(r.item_id, error[:300]) for r, error in quarantined])
             self._grant(fresh, missing)
 
     def _park(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
@@ -258,17 +269,19 @@ class CompletionService:
             ))
         return rows, missing
 
-    async def _land(self, rows: list[ResultRow]) -> bool:
-        """Write ``rows`` in one transaction, retrying with backoff until it commits.
-        Returns False only if asked to stop while the database is failing."""
+    async def _land(self, rows: list[ResultRow]) -> list[tuple[ResultRow, str]] | None:
+        """Write ``rows`` (:meth:`ResultsDB.land`), retrying with backoff until it commits.
+        Returns the rows quarantined with their errors, or None only if asked to stop
+        while the database is failing."""
         loop = asyncio.get_running_loop()
         attempt = 0
         down_since = 0.0
         errors = self.db.driver_errors()
         while True:
             t0 = time.monotonic()
-            fut = loop.run_in_executor(self._db_exec, self.db.upsert, rows)
+            fut = loop.run_in_executor(self._db_exec, self.db.land, rows)
             error: str | None = None
+            quarantined: list[tuple[ResultRow, str]] = []
             try:
                 try:
                     await asyncio.wait_for(asyncio.shield(fut), timeout=self.config.db_slow_s)
@@ -278,6 +291,7 @@ class CompletionService:
                     # committed meanwhile, it simply counts as landed
                     await loop.run_in_executor(None, self.db.interrupt)
                     await fut
+                quarantined = fut.result()
             except errors as exc:
                 error = f"{type(exc).__name__}: {exc}".strip()
             if error is None:
@@ -287,8 +301,12 @@ class CompletionService:
                                   attempts=attempt + 1)
                     self.notifier.status("serving: database recovered")
                     self.healthy = True
+                for row, why in quarantined:
+                    self.log.warning("result_quarantined", item_id=row.item_id, key=row.idem_key, kind=row.kind,
+                                     error=why[:500])
+                self.quarantined += len(quarantined)
                 self.log.debug("batch_landed", items=len(rows), write_s=round(time.monotonic() - t0, 4))
-                return True
+                return quarantined
             if self.healthy:
                 self.notifier.status(f"database unhealthy, retrying: {error[:200]}")
             self.healthy = False
@@ -301,16 +319,16 @@ class CompletionService:
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=delay)
                 self.log.warning("batch_abandoned", items=len(rows), reason="stopping while the database is down")
-                return False
+                return None
             except asyncio.TimeoutError:
                 pass
 
-    async def _ack(self, item_ids: list[str]) -> None:
+    async def _ack(self, item_ids: list[str], quarantined: list[p.Quarantined]) -> None:
         """Send ACK and wait for ACK_OK, re-sending after a silent liveness window
         and on reconnect (the broker's ACK is idempotent)."""
         self._ack_ids = frozenset(item_ids)
         self._ack_ok.clear()
-        msg = p.Ack(item_ids=item_ids)
+        msg = self._ack_msg = p.Ack(item_ids=item_ids, quarantined=quarantined)
         stop_deadline: float | None = None
         try:
             self.link.send(msg)  # if not connected, on_connect sends it
@@ -330,6 +348,7 @@ class CompletionService:
             self.log.info("results_acked", items=len(item_ids), total=self.acked)
         finally:
             self._ack_ids = frozenset()
+            self._ack_msg = None
 
     def _grant(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
         """Give back the credit these deliveries used, if they came in this session

@@ -106,6 +106,47 @@ class ResultsDB(abc.ABC):
     def driver_errors() -> tuple[type[BaseException], ...]:
         """Exception types that mean "the database failed" (retry after backoff)."""
 
+    @staticmethod
+    @abc.abstractmethod
+    def data_errors() -> tuple[type[BaseException], ...]:
+        """Exception types (a subset of :meth:`driver_errors`) that mean "the database
+        refused this data" (a constraint, a trigger, a value the column cannot hold):
+        retrying the same row cannot help, unlike an outage."""
+
+    @abc.abstractmethod
+    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
+        """Write ``(row, error)`` pairs to ``results_quarantine`` in one transaction
+        (idempotent upsert by item id, like :meth:`upsert`)."""
+
+    def land(self, rows: Sequence[ResultRow]) -> list[tuple[ResultRow, str]]:
+        """Write ``rows``, in one transaction when the database takes them all.
+
+        When it refuses the batch for a data reason (:meth:`data_errors`), the batch
+        is halved until each refused row stands alone; every other row is written
+        (each half in one transaction) and each refused row goes to
+        ``results_quarantine`` with the database's error (gap G12). Returns those
+        ``(row, error)`` pairs. Any other error (an outage) propagates, and the caller
+        retries the whole batch: a row already written is absorbed by the upsert."""
+        try:
+            self.upsert(rows)
+            return []
+        except self.data_errors() as exc:
+            refused = self._isolate(list(rows), exc)
+        self.quarantine(refused)
+        return refused
+
+    def _isolate(self, rows: list[ResultRow], exc: BaseException) -> list[tuple[ResultRow, str]]:
+        if len(rows) == 1:
+            return [(rows[0], f"{type(exc).__name__}: {exc}".strip()[:1000])]
+        refused: list[tuple[ResultRow, str]] = []
+        mid = len(rows) // 2
+        for half in (rows[:mid], rows[mid:]):
+            try:
+                self.upsert(half)
+            except self.data_errors() as sub:
+                refused += self._isolate(half, sub)
+        return refused
+
 
 _SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
@@ -124,7 +165,33 @@ CREATE TABLE IF NOT EXISTS results (
     deliveries INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS results_idem_key_idx ON results(idem_key);
+CREATE TABLE IF NOT EXISTS results_quarantine (
+    item_id TEXT PRIMARY KEY,
+    idem_key TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    params TEXT NOT NULL,
+    result BLOB NOT NULL,
+    result_sha256 TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    handler TEXT NOT NULL,
+    handler_version TEXT NOT NULL,
+    completed_ts REAL NOT NULL,
+    landed_ts REAL NOT NULL,
+    error TEXT NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 1
+);
 """
+_Q_COLUMNS = (
+    "item_id, idem_key, kind, params, result, result_sha256, attempt, handler, handler_version, completed_ts, "
+    "landed_ts, error"
+)
+
+
+def _q_values(row: ResultRow, error: str) -> tuple:
+    return (
+        row.item_id, row.idem_key, row.kind, row.params_json, row.result, row.result_sha256, row.attempt,
+        row.handler, row.handler_version, row.completed_ts, row.landed_ts, error,
+    )
 
 
 class SqliteResults(ResultsDB):
@@ -140,6 +207,10 @@ class SqliteResults(ResultsDB):
     @staticmethod
     def driver_errors() -> tuple[type[BaseException], ...]:
         return (sqlite3.Error, OSError)
+
+    @staticmethod
+    def data_errors() -> tuple[type[BaseException], ...]:
+        return (sqlite3.IntegrityError, sqlite3.DataError)
 
     def connect(self) -> None:
         if self._con is not None:
@@ -157,16 +228,27 @@ class SqliteResults(ResultsDB):
             self._con = con
 
     def upsert(self, rows: Sequence[ResultRow]) -> None:
+        self._write(
+            f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
+            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results.deliveries + 1",
+            [_values(r) for r in rows],
+        )
+
+    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
+        self._write(
+            f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
+            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, error = excluded.error",
+            [_q_values(r, e) for r, e in refused],
+        )
+
+    def _write(self, sql: str, params: list[tuple]) -> None:
+        """One statement over ``params`` in one IMMEDIATE transaction (rolled back on error)."""
         self.connect()
         con = self._con
         assert con is not None
         con.execute("BEGIN IMMEDIATE")
         try:
-            con.executemany(
-                f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
-                "ON CONFLICT(item_id) DO UPDATE SET deliveries = results.deliveries + 1",
-                [_values(r) for r in rows],
-            )
+            con.executemany(sql, params)
             con.execute("COMMIT")
         except BaseException:
             if con.in_transaction:
@@ -202,6 +284,21 @@ CREATE TABLE IF NOT EXISTS results (
     deliveries INTEGER NOT NULL DEFAULT 1
 );
 CREATE INDEX IF NOT EXISTS results_idem_key_idx ON results(idem_key);
+CREATE TABLE IF NOT EXISTS results_quarantine (
+    item_id TEXT PRIMARY KEY,
+    idem_key TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    params TEXT NOT NULL,
+    result BYTEA NOT NULL,
+    result_sha256 TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    handler TEXT NOT NULL,
+    handler_version TEXT NOT NULL,
+    completed_ts DOUBLE PRECISION NOT NULL,
+    landed_ts DOUBLE PRECISION NOT NULL,
+    error TEXT NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 1
+);
 """
 _PG_SCHEMA_LOCK = 0x63637371  # "ccsq": serializes concurrent first starts
 
@@ -225,6 +322,15 @@ class PostgresResults(ResultsDB):
         import psycopg
 
         return (psycopg.Error, OSError)
+
+    @staticmethod
+    def data_errors() -> tuple[type[BaseException], ...]:
+        # SQLSTATE classes 22 (data exception) and 23 (integrity constraint violation),
+        # 54 (program limit exceeded: a value too large for an index or a row) and P0001
+        # (a trigger's RAISE EXCEPTION): about this row, not the server
+        from psycopg import errors
+
+        return (errors.DataError, errors.IntegrityError, errors.ProgramLimitExceeded, errors.RaiseException)
 
     def connect(self) -> None:
         if self._con is not None and not self._con.closed:
@@ -251,6 +357,19 @@ class PostgresResults(ResultsDB):
                     "VALUES (%s,%s,%s,%s::jsonb,%s,%s,%s,%s,%s,%s,%s,%s,1) "
                     "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1",
                     [_pg_values(r) for r in rows],
+                )
+
+    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
+        self.connect()
+        con = self._con
+        with con.transaction():
+            with con.cursor() as cur:
+                cur.executemany(
+                    f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) "
+                    "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,1) "
+                    "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
+                    "error = excluded.error",
+                    [_q_values(r, e.replace("\0", "")) for r, e in refused],
                 )
 
     def interrupt(self) -> None:

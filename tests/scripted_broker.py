@@ -75,6 +75,7 @@ class ScriptedBroker:
         self.hellos: list[tuple[str, str]] = []  # (peer_id, role)
         self.acks: list[tuple[float, list[str]]] = []  # (monotonic time, item ids) per ACK frame
         self.ack_count: dict[str, int] = {}
+        self.quarantined: dict[str, str] = {}  # item id -> error, from ACK.quarantined
         self.deliveries: list[p.Delivery] = []  # every delivery sent (redeliveries included)
         self.max_in_flight = 0  # most unacknowledged deliveries a completion peer held at once
         self.errors: list[str] = []
@@ -261,6 +262,7 @@ class ScriptedBroker:
         known, unknown = [], []
         with self.lock:
             self.acks.append((time.monotonic(), list(msg.item_ids)))
+            self.quarantined.update({q.item_id: q.error for q in msg.quarantined})
             for i in msg.item_ids:
                 self.ack_count[i] = self.ack_count.get(i, 0) + 1
                 if self.state.get(i) == p.ItemState.COMPLETED.value:

@@ -247,3 +247,77 @@ def test_unreadable_key_is_a_config_error_before_ready(env) -> None:
     e.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(e.config)])
     assert e.procs.wait_exit("completion", timeout_s=20) == 78
     assert "chmod 600" in e.procs.tail("completion")
+
+
+def refused(n: int) -> bool:
+    """Which test results the database's own rule refuses (items 3, 10, 17, ...)."""
+    return n % 7 == 3
+
+
+def test_rows_the_database_refuses_are_quarantined_acknowledged_once_even_across_a_crash(env) -> None:
+    """Gap G12: a trigger (an operator's rule) refuses some rows for a data reason. The
+    batch is split until the refused rows stand alone; every other row lands in
+    ``results``, each refused one in ``results_quarantine`` with the database's error,
+    and the ACK names them. A crash after the commit (before the ACK) redelivers the
+    batch: both tables absorb it (deliveries=2), nothing is acknowledged twice."""
+    from ccsq.producer.resultsdb import SqliteResults
+
+    e = env(batch_max=8, batch_wait_ms=200.0)
+    db = e.root / "results.db"
+    SqliteResults(db).connect()  # the schema, then the operator's rule
+    con = sqlite3.connect(db)
+    con.execute("CREATE TRIGGER refuse_some BEFORE INSERT ON results WHEN json_extract(NEW.params, '$.n') % 7 = 3 "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the operator''s rule'); END")
+    con.commit()
+    con.close()
+    e.start(env=env_for("completion.after_db_commit"))
+    for n in range(8):
+        e.broker.add_completed(delivery(n))
+    assert e.procs.wait_exit("completion", timeout_s=20) == -signal.SIGKILL
+    assert e.broker.ack_frames() == 0  # committed (both tables), never acknowledged
+    e.start()
+    for n in range(8, 40):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 40, 30, "40 results acknowledged")
+    rows = sqlite_rows(db)
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    quarantine = {r["item_id"]: dict(r) for r in con.execute("SELECT * FROM results_quarantine")}
+    con.close()
+    bad = {f"item-{n:05d}" for n in range(40) if refused(n)}
+    assert set(quarantine) == bad and set(rows) == {f"item-{n:05d}" for n in range(40)} - bad
+    assert all("refused by the operator's rule" in q["error"] for q in quarantine.values())
+    assert quarantine["item-00003"]["deliveries"] == 2 and rows["item-00000"]["deliveries"] == 2  # the redelivered batch
+    assert quarantine["item-00010"]["result"] == json.dumps({"n": 10, "text": "result 10"}).encode()
+    assert set(e.broker.quarantined) == bad and set(e.broker.ack_count.values()) == {1}
+    assert e.count("result_quarantined") == len(bad) + 1  # item 3 twice: before and after the crash
+
+
+@pytest.mark.postgres
+def test_postgres_check_violation_is_quarantined_and_an_outage_is_not(env, pg_server, pg_database) -> None:  # noqa: F811
+    """On PostgreSQL a CHECK constraint refusing a row is a data error (quarantine), while
+    the server being down is an outage (no ACK, retried): the two are told apart."""
+    from ccsq.producer.resultsdb import PostgresResults
+
+    PostgresResults(pg_database).connect()
+    with psycopg.connect(pg_database) as con:
+        con.execute("ALTER TABLE results ADD CONSTRAINT operator_rule CHECK ((params->>'n')::int % 7 <> 3)")
+    e = env(database=pg_database, db_slow_s=2.0)
+    e.start()
+    for n in range(20):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 20, 30, "first 20 acknowledged")
+    pg_server.stop()
+    for n in range(20, 40):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: e.count("db_unhealthy") >= 2, 30, "the outage retried, not quarantined")
+    assert len(e.broker.acked_ids()) == 20
+    pg_server.start()
+    wait_until(lambda: len(e.broker.acked_ids()) == 40, 60, "all 40 acknowledged after the restart")
+    with psycopg.connect(pg_database) as con:
+        landed = {r[0] for r in con.execute("SELECT item_id FROM results")}
+        quarantine = dict(con.execute("SELECT item_id, error FROM results_quarantine").fetchall())
+    bad = {f"item-{n:05d}" for n in range(40) if refused(n)}
+    assert set(quarantine) == bad and landed == {f"item-{n:05d}" for n in range(40)} - bad
+    assert all("CheckViolation" in err and "operator_rule" in err for err in quarantine.values())
+    assert set(e.broker.quarantined) == bad and set(e.broker.ack_count.values()) == {1}

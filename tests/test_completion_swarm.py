@@ -116,3 +116,42 @@ def test_missing_result_blob_lands_once_restored_without_restart(tmp_path) -> No
         blob.write_bytes(saved)
         rep = swarm.wait_acknowledged(1, timeout_s=30)
         assert rep["balanced"] and len(swarm.results()) == 1 and comp.running
+
+
+def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(tmp_path: Path) -> None:
+    """With the real broker: a result refused by the results table's own rule is
+    acknowledged (the books balance), counted as ``quarantined`` with a G12 event, and
+    its ledger record carries the database's error (what `ccsq items show` prints)."""
+    import sqlite3
+
+    from ccsq.producer.resultsdb import SqliteResults
+
+    root = tmp_path / "s"
+    with Swarm(root) as swarm:
+        SqliteResults(root / "results.db").connect()
+        con = sqlite3.connect(root / "results.db")
+        con.execute("CREATE TRIGGER no_poison BEFORE INSERT ON results WHEN NEW.result_text LIKE '%poison%' "
+                    "BEGIN SELECT RAISE(ABORT, 'poisoned result refused'); END")
+        con.commit()
+        con.close()
+        swarm.start_all(workers=1)
+        with swarm.client() as client:
+            good = [client.submit(f"page {i}".encode(), "echo").item_id for i in range(5)]
+            bad = client.submit(b"a poison page", "echo").item_id
+        report = swarm.wait_acknowledged(6, timeout_s=60)
+        with swarm.client() as client:
+            statuses = {i: s.state for i, s in client.status([*good, bad]).items()}
+    assert report["balanced"] and report["acknowledged"] == report["received"] == 6
+    assert set(statuses.values()) == {"acknowledged"}
+    assert [r["item_id"] for r in swarm.results()] == sorted(good)
+    g12 = next(w for w in report["windows"] if w["id"] == "G12")
+    assert g12["count"] == 1 and g12["recent"][0]["item_id"] == bad and "poisoned result refused" in g12["recent"][0]["detail"]
+    assert report["counters"]["quarantined"] == 1
+    from ccsq.brokerd.ledger import Ledger, data_paths
+
+    ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
+    try:
+        with ledger.read() as view:
+            assert "poisoned result refused" in view.get(bad)["quarantined"]
+    finally:
+        ledger.close()

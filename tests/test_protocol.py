@@ -46,6 +46,7 @@ def sample_messages() -> list[p.Message]:
         p.Complete(results=[p.TaskResult("i1", 7, BLOB, "ocr", "1.0", 0.5)]),
         p.Fail(failures=[p.TaskFailure("i1", 7, p.FailReason.HANDLER_ERROR.value, True, "boom")]),
         p.Ack(item_ids=["i1", "i2"]),
+        p.Ack(item_ids=["i1", "i2"], quarantined=[p.Quarantined("i2", "CheckViolation: operator_rule")]),
     ]
 
 
