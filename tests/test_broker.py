@@ -6,9 +6,12 @@ Each test names the failure case it covers (shared/cases/CASES.md).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import tomllib
@@ -261,6 +264,69 @@ def test_full_producer_channel_delays_never_drops(h, ipc_dir):
     assert all(r.item_id and not r.error for a in acks.values() for r in a.results)
     st = adm.admin_status()
     assert "prod" in {x["peer_id"] for x in st["peers"]} and st["states"]["ready"] == 10_000
+
+
+#: A producer process for C01: sends 50 SUBMITs of 200 items over a DEALER with RCVHWM 2,
+#: SIGSTOPs itself before reading any reply, and once continued reads the 50 SUBMIT_ACKs
+#: and writes {req: items accepted} to argv[3].
+STOPPED_PRODUCER = r"""
+import hashlib, json, os, signal, sys
+from pathlib import Path
+from ccsq.brokerd.testing import ScriptedPeer
+from ccsq.common import protocol as p
+
+root, endpoint, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+peer = ScriptedPeer(root, "prod", endpoint, rcvhwm=2)
+peer.hello("producer")
+for req in range(1, 51):
+    keys = [f"r{req}-{i}-" + "k" * 100 for i in range(200)]
+    peer.send(p.Submit(req, [p.SubmitItem(k, "echo", p.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
+                             for k in keys]))
+os.kill(os.getpid(), signal.SIGSTOP)
+acks = {}
+while len(acks) < 50:
+    ack = peer.recv_type(p.SubmitAck, 30)
+    acks[ack.req] = sum(1 for r in ack.results if r.item_id and not r.error)
+out.write_text(json.dumps(acks))
+"""
+
+
+def _process_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_sigstopped_producer_process_gets_every_reply_after_sigcont(h, ipc_dir, tmp_path):
+    """C01 with a real SIGSTOPped process: the producer stops (SIGSTOP) with 50 replies
+    due and RCVHWM 2, the broker's SNDHWM is 2. The broker parks the replies (EAGAIN
+    counted, session kept, other peers served); after SIGCONT the process receives all
+    50 SUBMIT_ACKs, every item accepted once."""
+    b = h.start(sndhwm=2, endpoint=f"ipc://{ipc_dir}/b.sock", heartbeat_interval_s=0.5, liveness=40)
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    out = tmp_path / "acks.json"
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_PRODUCER, str(h.root), b.endpoint, str(out)])
+    try:
+        wait_for(lambda: _process_state(proc.pid) == "T", 30, interval_s=0.05, what="the producer stopped itself")
+
+        def parked():
+            st = adm.admin_status()
+            pend = {x["peer_id"]: x["pending_sends"] for x in st["peers"]}
+            return st["counters"]["received"] == 10_000 and pend.get("prod", 0) > 0 and st
+
+        st = wait_for(parked, 30, interval_s=0.05, what="replies parked for the stopped producer")
+        assert st["send"]["again"] > 0
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    acks = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    assert sorted(acks) == list(range(1, 51)) and set(acks.values()) == {200}
+    st = adm.admin_status()
+    assert st["counters"]["received"] == 10_000 and st["states"]["ready"] == 10_000
+    assert st["counters"]["duplicate_submits"] == 0  # nothing was re-sent: every reply was delivered
 
 
 def test_dispatch_to_departed_worker_goes_back_to_ready(h, ipc_dir):
