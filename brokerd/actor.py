@@ -28,7 +28,7 @@ import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
-from ccsq.brokerd.admin import AdminCommands
+from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
@@ -50,7 +50,8 @@ MAX_BYTES_PER_TURN = 512 * 1024  # decoding (signature over the body, msgpack) c
 #: carried, in order, to the next turn.
 TURN_ITEM_BUDGET = 256
 DELIVER_PER_TURN = 128  # results sent to completion services in one turn
-CARRY_MAX_ITEMS = 4 * TURN_ITEM_BUDGET  # stop reading frames while this many wait (ZeroMQ queues the rest)
+CARRY_MAX_ITEMS = 4 * TURN_ITEM_BUDGET  # above this many carried, read only a trickle (ZeroMQ queues the rest)
+TRICKLE_FRAMES, TRICKLE_BYTES = 16, 16 * 1024  # ... enough for heartbeats and HELLOs, less than a turn applies
 LEASE_BUDGET_CHECK_EVERY = 32  # leases between two looks at the dispatch slice's clock
 MAX_PENDING_PER_PEER = 10_000
 PENDING_RETRY_S = 0.01
@@ -123,7 +124,7 @@ class Broker:
         self._delivered_below_cseq = 0
         self._delivery_floor_resets = 0  # bumped on each reset: a scan older than it must not advance it
         self.deferred = []
-        self._carry: list[tuple[bytes, Session, Envelope]] = []  # ledger ops beyond the last turn's budget
+        self._carry: list[tuple[int, bytes, Session, Envelope]] = []  # (items, op): beyond the last turn's budget
         self._carry_items = 0
         self.rejects = collections.Counter()
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
@@ -182,7 +183,10 @@ class Broker:
                 await self.transport.wait_readable(timeout)
             if self._stopping:
                 break
-            frames = self.transport.drain(MAX_FRAMES_PER_TURN, MAX_BYTES_PER_TURN) if self._carry_items < CARRY_MAX_ITEMS else []
+            if self._carry_items < CARRY_MAX_ITEMS:
+                frames = self.transport.drain(MAX_FRAMES_PER_TURN, MAX_BYTES_PER_TURN)
+            else:
+                frames = self.transport.drain(TRICKLE_FRAMES, TRICKLE_BYTES)
             self._committed_ops = 0
             t0 = time.perf_counter()
             self.turn(frames)
@@ -248,16 +252,17 @@ class Broker:
         """This turn's ledger ops: carried ones first, then new ones, in arrival order,
         whole frames up to :data:`TURN_ITEM_BUDGET` items (at least one frame); the
         rest is carried to the next turn."""
-        queue = self._carry + new_ops if self._carry else new_ops
+        new = [(_op_items(env.message), rid, sess, env) for rid, sess, env in new_ops]
+        queue = self._carry + new if self._carry else new
+        total = self._carry_items + sum(n for n, *_ in new)
         taken = items = 0
-        for _, _, env in queue:
+        for n, *_ in queue:
             if taken and items >= TURN_ITEM_BUDGET:
                 break
-            items += _op_items(env.message)
+            items += n
             taken += 1
-        self._carry = queue[taken:]
-        self._carry_items = sum(_op_items(env.message) for _, _, env in self._carry)
-        return queue[:taken]
+        self._carry, self._carry_items = queue[taken:], total - items
+        return [(rid, sess, env) for _, rid, sess, env in queue[:taken]]
 
     def _compensate_stall(self, now: float) -> float:
         """If this loop did not run for a long time (SIGSTOP, VM pause, swap), the
@@ -781,6 +786,11 @@ class Broker:
 
 def _op_items(msg: p.Message) -> int:
     """How many item operations a ledger message asks for (its share of a turn's budget)."""
+    if isinstance(msg, p.Admin):
+        if msg.args.get("all") is True:
+            return MAX_ITEMS_PER_COMMAND
+        ids = msg.args.get("item_ids")
+        return max(1, ids.count(",") + 1) if isinstance(ids, str) else 1
     for attr in ("items", "results", "failures", "item_ids"):
         v = getattr(msg, attr, None)
         if v is not None:

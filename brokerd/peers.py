@@ -55,7 +55,8 @@ class Session:
 
 class PeerTable:
     """peer id -> Session, and routing id -> peer id; ``draining``: worker ids that get
-    no new DISPATCH (``ccsq drain``; kept across their reconnects, not across a broker restart)."""
+    no new DISPATCH (``ccsq drain``; kept across their reconnects, and in the ledger across a
+    broker restart: loaded by ``Broker._recover``)."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, Session] = {}
