@@ -19,6 +19,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar, Union
 
 from ccsq.common.errors import DecodeError
@@ -61,6 +62,15 @@ ALL_REJECT_REASONS = (
 DEFAULT_MAX_FRAME_BYTES = 1 << 20  # 1 MiB
 MAX_ARRAY_LEN = 65_536
 MAX_MAP_LEN = 256
+_OMIT_EMPTY = "ccsq_omit_empty"
+
+
+def extension(default_factory: Callable[[], Any]) -> Any:
+    """A field added after version-1 peers shipped: it is encoded only when non-empty,
+    so a peer that does not know it (decoders reject unknown fields) keeps working
+    as long as the feature is unused (docs/security.md, "compatibility")."""
+    return dataclasses.field(default_factory=default_factory, metadata={_OMIT_EMPTY: True})
+
 MAX_DEPTH = 8
 SIGNATURE_BYTES = 64  # Ed25519
 SHA256_HEX_LEN = 64
@@ -529,7 +539,7 @@ class Ack(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.ACK
     item_ids: list[str]
-    quarantined: list[Quarantined] = dataclasses.field(default_factory=list)
+    quarantined: list[Quarantined] = extension(list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -635,13 +645,16 @@ def _record_encoder(cls: type):
 
     def encode(obj: Any) -> dict:
         out = {}
-        for name, conv in plan:
+        for name, conv, omit_empty in plan:
             v = getattr(obj, name)
+            if omit_empty and not v:
+                continue
             out[name] = v if conv is None else conv(v)
         return out
 
     _ENCODERS[cls] = encode
-    plan.extend((f.name, _compile_encoder(hints[f.name])) for f in dataclasses.fields(cls))
+    plan.extend((f.name, _compile_encoder(hints[f.name]), bool(f.metadata.get(_OMIT_EMPTY)))
+                for f in dataclasses.fields(cls))
     return encode
 
 

@@ -264,3 +264,12 @@ def test_private_key_permissions_enforced(tmp_path: Path) -> None:
     priv.chmod(0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         load_private_key(priv)
+
+
+def test_extension_fields_are_omitted_when_empty_so_older_peers_still_decode() -> None:
+    """ACK.quarantined (gap G12) came after version-1 brokers shipped, whose decoders
+    reject unknown fields: an ACK without quarantined rows must encode exactly as before."""
+    assert p.encode_body(p.Ack(item_ids=["i1"])) == {"item_ids": ["i1"]}
+    body = p.encode_body(p.Ack(item_ids=["i1"], quarantined=[p.Quarantined("i1", "CheckViolation")]))
+    assert body == {"item_ids": ["i1"], "quarantined": [{"item_id": "i1", "error": "CheckViolation"}]}
+    assert p.encode_body(p.AckOk(item_ids=["i1"])) == {"item_ids": ["i1"], "unknown": []}  # plain defaults stay
