@@ -42,12 +42,21 @@ from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.peer import BrokerLink, backoff_delay_s
 from ccsq.common.systemd import Notifier, watchdog_task
-from ccsq.producer.resultsdb import ResultRow, ResultsDB, open_results_db, params_to_json, text_or_none
+from ccsq.producer.resultsdb import (
+    ResultRow,
+    ResultsDB,
+    describe_error,
+    open_results_db,
+    params_to_json,
+    text_or_none,
+)
 
 log = structlog.get_logger("ccsq.completion")
 
 _DB_BACKOFF_BASE_S = 0.05
 _STOP_ACK_GRACE_S = 5.0  # on shutdown, how long to wait for the last ACK_OK
+#: Database error text per quarantined row in an ACK (batch_max <= 2048 keeps the ACK far below 1 MiB).
+ACK_ERROR_MAX_CHARS = 200
 
 
 class CompletionService:
@@ -66,8 +75,8 @@ class CompletionService:
     _io_exec: concurrent.futures.ThreadPoolExecutor  # claim-store reads
     # --- state (event loop only) ---
     _incoming: asyncio.Queue[tuple[int, p.Delivery]]  # (session number, delivery)
-    _ack_ids: frozenset[str]  # ids of the ACK in flight (empty: none)
-    _ack_msg: p.Ack | None  # the ACK in flight (re-sent on reconnect)
+    _ack_msg: p.Ack | None  # the ACK in flight (re-sent on reconnect); None: none
+    _ack_ids: frozenset[str]  # its item ids (empty: none)
     _ack_ok: asyncio.Event
     _stop: asyncio.Event
     healthy: bool  # last database write succeeded
@@ -169,7 +178,7 @@ class CompletionService:
             crash_point("completion.after_db_commit")
             if rows:
                 await self._ack(sorted({r.item_id for r in rows}),
-                                [p.Quarantined(r.item_id, error[:300]) for r, error in quarantined])
+                                [p.Quarantined(r.item_id, error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
             self._grant(fresh, missing)
 
     def _park(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
@@ -293,7 +302,7 @@ class CompletionService:
                     await fut
                 quarantined = fut.result()
             except errors as exc:
-                error = f"{type(exc).__name__}: {exc}".strip()
+                error = describe_error(exc)
             if error is None:
                 self.landed += len(rows)
                 if not self.healthy:

@@ -1,10 +1,12 @@
 """The completion service's results database: SQLite (default) or PostgreSQL.
 
-One table, ``results`` (documented in ``docs/results-schema.md``), created on
-first connect. :meth:`ResultsDB.upsert` writes a whole batch in ONE
-transaction with an idempotent upsert keyed by ``item_id``: a row that is
-already there keeps its first result and only ``deliveries`` goes up, so a
-redelivered result lands once and the redelivery is still counted.
+Two tables, ``results`` and ``results_quarantine`` (documented in
+``docs/results-schema.md``), created on first connect. :meth:`ResultsDB.land`
+writes a whole batch in ONE transaction with an idempotent upsert keyed by
+``item_id``: a row that is already there keeps its first result and only
+``deliveries`` goes up, so a redelivered result lands once and the redelivery
+is still counted. Rows the database refuses for a data reason go to
+``results_quarantine`` in the same transaction (gap G12).
 
 A ``ResultsDB`` is used from one thread (the completion service's DB thread);
 only :meth:`ResultsDB.interrupt` may be called from another one.
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import abc
 import base64
+import contextlib
 import dataclasses
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,46 +109,106 @@ class ResultsDB(abc.ABC):
     def driver_errors() -> tuple[type[BaseException], ...]:
         """Exception types that mean "the database failed" (retry after backoff)."""
 
-    @staticmethod
+    def is_data_error(self, exc: BaseException) -> bool:
+        """True when ``exc`` (one of :meth:`driver_errors`) means "the database refused
+        this row's data" (a constraint, a trigger, a value the column cannot hold),
+        which retrying cannot fix, unlike an outage. The base class never says so
+        (a database without a quarantine retries every error)."""
+        return False
+
+    # --- one transaction, savepoints, the two inserts (per driver) ---
     @abc.abstractmethod
-    def data_errors() -> tuple[type[BaseException], ...]:
-        """Exception types (a subset of :meth:`driver_errors`) that mean "the database
-        refused this data" (a constraint, a trigger, a value the column cannot hold):
-        retrying the same row cannot help, unlike an outage."""
+    def _transaction(self) -> contextlib.AbstractContextManager[None]:
+        """Connect if needed; commit on success, roll back and re-raise on error."""
 
     @abc.abstractmethod
-    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
-        """Write ``(row, error)`` pairs to ``results_quarantine`` in one transaction
-        (idempotent upsert by item id, like :meth:`upsert`)."""
+    def _savepoint(self) -> contextlib.AbstractContextManager[None]:
+        """Inside :meth:`_transaction`: on error roll back to here and re-raise."""
+
+    @abc.abstractmethod
+    def _insert_results(self, rows: Sequence[ResultRow]) -> None:
+        """Upsert ``rows`` into ``results`` (inside a transaction)."""
+
+    @abc.abstractmethod
+    def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
+        """Upsert ``(row, error)`` pairs into ``results_quarantine`` (inside a transaction);
+        ``ascii_only``: text columns escaped to ASCII (the last resort, see :meth:`land`)."""
+
+    def upsert(self, rows: Sequence[ResultRow]) -> None:
+        """Write ``rows`` in one transaction; any error propagates (nothing written)."""
+        with self._transaction():
+            self._insert_results(rows)
 
     def land(self, rows: Sequence[ResultRow]) -> list[tuple[ResultRow, str]]:
-        """Write ``rows``, in one transaction when the database takes them all.
+        """Write ``rows`` in ONE transaction and return the ``(row, error)`` pairs quarantined.
 
-        When it refuses the batch for a data reason (:meth:`data_errors`), the batch
-        is halved until each refused row stands alone; every other row is written
-        (each half in one transaction) and each refused row goes to
-        ``results_quarantine`` with the database's error (gap G12). Returns those
-        ``(row, error)`` pairs. Any other error (an outage) propagates, and the caller
-        retries the whole batch: a row already written is absorbed by the upsert."""
-        try:
-            self.upsert(rows)
-            return []
-        except self.data_errors() as exc:
-            refused = self._isolate(list(rows), exc)
-        self.quarantine(refused)
+        When the database refuses the batch for a data reason (:meth:`is_data_error`),
+        savepoints halve it until each refused row stands alone; every other row is
+        written and each refused row goes to ``results_quarantine`` with the
+        database's error, all in the same transaction (one commit, nothing counted
+        twice). If the quarantine insert is refused too, it is retried with its text
+        columns escaped to ASCII. Any other error (an outage) rolls everything back
+        and propagates: the caller retries the batch."""
+        refused: list[tuple[ResultRow, str]] = []
+        with self._transaction():
+            try:
+                with self._savepoint():
+                    self._insert_results(rows)
+            except self.driver_errors() as exc:
+                if not self.is_data_error(exc):
+                    raise
+                refused = self._isolate(list(rows), exc)
+            if refused:
+                try:
+                    with self._savepoint():
+                        self._insert_quarantine(refused, ascii_only=False)
+                except self.driver_errors() as exc:
+                    if not self.is_data_error(exc):
+                        raise
+                    self._insert_quarantine(refused, ascii_only=True)
         return refused
 
     def _isolate(self, rows: list[ResultRow], exc: BaseException) -> list[tuple[ResultRow, str]]:
+        """Insert what the database takes of ``rows`` (refused as a whole with ``exc``);
+        return the rows it refuses alone, with their errors."""
         if len(rows) == 1:
-            return [(rows[0], f"{type(exc).__name__}: {exc}".strip()[:1000])]
+            return [(rows[0], describe_error(exc)[:ERROR_MAX_CHARS])]
         refused: list[tuple[ResultRow, str]] = []
         mid = len(rows) // 2
         for half in (rows[:mid], rows[mid:]):
             try:
-                self.upsert(half)
-            except self.data_errors() as sub:
+                with self._savepoint():
+                    self._insert_results(half)
+            except self.driver_errors() as sub:
+                if not self.is_data_error(sub):
+                    raise
                 refused += self._isolate(half, sub)
         return refused
+
+
+class RowsIgnored(Exception):
+    """The database skipped rows of an insert without an error (a trigger that returns
+    NULL, SQLite's ``RAISE(IGNORE)``): they did not land, so they are refused rows."""
+
+
+def _check_all_written(rowcount: int, expected: int) -> None:
+    if rowcount != expected:
+        raise RowsIgnored(f"the database skipped {expected - rowcount} of {expected} row(s) without an error "
+                          "(a trigger returning NULL or RAISE(IGNORE))")
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"TypeName: message"`` of a database error (for logs, ACKs and the quarantine)."""
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+#: The longest database error kept with a quarantined row (the ACK carries 200 chars of it).
+ERROR_MAX_CHARS = 1000
+
+
+def _ascii(text: str) -> str:
+    """``text`` with every non-ASCII and control character backslash-escaped."""
+    return text.encode("unicode_escape").decode("ascii")
 
 
 _SQLITE_SCHEMA = """
@@ -187,10 +250,12 @@ _Q_COLUMNS = (
 )
 
 
-def _q_values(row: ResultRow, error: str) -> tuple:
+def _q_values(row: ResultRow, error: str, ascii_only: bool) -> tuple:
+    text = _ascii if ascii_only else (lambda t: t)
     return (
-        row.item_id, row.idem_key, row.kind, row.params_json, row.result, row.result_sha256, row.attempt,
-        row.handler, row.handler_version, row.completed_ts, row.landed_ts, error,
+        row.item_id, text(row.idem_key), text(row.kind), text(row.params_json), row.result, row.result_sha256,
+        row.attempt, text(row.handler), text(row.handler_version), row.completed_ts, row.landed_ts,
+        _ascii(error) if ascii_only else error.replace("\0", ""),
     )
 
 
@@ -206,11 +271,11 @@ class SqliteResults(ResultsDB):
 
     @staticmethod
     def driver_errors() -> tuple[type[BaseException], ...]:
-        return (sqlite3.Error, OSError)
+        return (sqlite3.Error, OSError, RowsIgnored)
 
-    @staticmethod
-    def data_errors() -> tuple[type[BaseException], ...]:
-        return (sqlite3.IntegrityError, sqlite3.DataError)
+    def is_data_error(self, exc: BaseException) -> bool:
+        # constraint / trigger RAISE(ABORT|FAIL|IGNORE) refusals, and values SQLite cannot hold
+        return isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError, RowsIgnored))
 
     def connect(self) -> None:
         if self._con is not None:
@@ -227,33 +292,49 @@ class SqliteResults(ResultsDB):
         with self._lock:
             self._con = con
 
-    def upsert(self, rows: Sequence[ResultRow]) -> None:
-        self._write(
-            f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
-            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results.deliveries + 1",
-            [_values(r) for r in rows],
-        )
-
-    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
-        self._write(
-            f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
-            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, error = excluded.error",
-            [_q_values(r, e) for r, e in refused],
-        )
-
-    def _write(self, sql: str, params: list[tuple]) -> None:
-        """One statement over ``params`` in one IMMEDIATE transaction (rolled back on error)."""
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
         self.connect()
         con = self._con
         assert con is not None
         con.execute("BEGIN IMMEDIATE")
         try:
-            con.executemany(sql, params)
+            yield
             con.execute("COMMIT")
         except BaseException:
             if con.in_transaction:
                 con.execute("ROLLBACK")
             raise
+
+    @contextlib.contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        con = self._con
+        assert con is not None
+        con.execute("SAVEPOINT ccsq_land")
+        try:
+            yield
+        except BaseException:
+            if con.in_transaction:  # a trigger's RAISE(ROLLBACK) already ended it: nothing to undo here
+                con.execute("ROLLBACK TO ccsq_land")
+                con.execute("RELEASE ccsq_land")
+            raise
+        con.execute("RELEASE ccsq_land")
+
+    def _insert_results(self, rows: Sequence[ResultRow]) -> None:
+        cur = self._con.executemany(
+            f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
+            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results.deliveries + 1",
+            [_values(r) for r in rows],
+        )
+        _check_all_written(cur.rowcount, len(rows))
+
+    def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
+        cur = self._con.executemany(
+            f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,1) "
+            "ON CONFLICT(item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, error = excluded.error",
+            [_q_values(r, e, ascii_only) for r, e in refused],
+        )
+        _check_all_written(cur.rowcount, len(refused))
 
     def interrupt(self) -> None:
         with self._lock:
@@ -301,6 +382,11 @@ CREATE TABLE IF NOT EXISTS results_quarantine (
 );
 """
 _PG_SCHEMA_LOCK = 0x63637371  # "ccsq": serializes concurrent first starts
+#: SQLSTATEs (prefixes) that mean "this row's data was refused" (quarantine, gap G12):
+#: class 22 data exception, class 23 integrity constraint violation, 54000 program
+#: limit exceeded (a value too large for an index or row), P0001 / P0004 a trigger's
+#: RAISE EXCEPTION / ASSERT. Everything else is an outage (retried).
+PG_DATA_SQLSTATES = ("22", "23", "54000", "P0001", "P0004")
 
 
 class PostgresResults(ResultsDB):
@@ -321,21 +407,18 @@ class PostgresResults(ResultsDB):
     def driver_errors() -> tuple[type[BaseException], ...]:
         import psycopg
 
-        return (psycopg.Error, OSError)
+        return (psycopg.Error, OSError, RowsIgnored)
 
-    @staticmethod
-    def data_errors() -> tuple[type[BaseException], ...]:
-        # SQLSTATE classes 22 (data exception) and 23 (integrity constraint violation),
-        # 54 (program limit exceeded: a value too large for an index or a row) and P0001
-        # (a trigger's RAISE EXCEPTION): about this row, not the server
-        from psycopg import errors
-
-        return (errors.DataError, errors.IntegrityError, errors.ProgramLimitExceeded, errors.RaiseException)
+    def is_data_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, RowsIgnored) or (getattr(exc, "sqlstate", None) or "").startswith(PG_DATA_SQLSTATES)
 
     def connect(self) -> None:
         if self._con is not None and not self._con.closed:
             return
-        con = self._psycopg.connect(self.url, autocommit=False, connect_timeout=max(1, int(self.connect_timeout_s)))
+        # client_encoding UTF8: the server converts to the database encoding and refuses what it
+        # cannot hold with SQLSTATE 22P05 (a data error), instead of the driver raising UnicodeEncodeError
+        con = self._psycopg.connect(self.url, autocommit=False, connect_timeout=max(1, int(self.connect_timeout_s)),
+                                    client_encoding="utf8")
         try:
             with con.transaction():
                 con.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
@@ -347,30 +430,35 @@ class PostgresResults(ResultsDB):
         with self._lock:
             self._con = con
 
-    def upsert(self, rows: Sequence[ResultRow]) -> None:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
         self.connect()
-        con = self._con
-        with con.transaction():
-            with con.cursor() as cur:
-                cur.executemany(
-                    f"INSERT INTO results ({_COLUMNS}, deliveries) "
-                    "VALUES (%s,%s,%s,%s::jsonb,%s,%s,%s,%s,%s,%s,%s,%s,1) "
-                    "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1",
-                    [_pg_values(r) for r in rows],
-                )
+        with self._con.transaction():
+            yield
 
-    def quarantine(self, refused: Sequence[tuple[ResultRow, str]]) -> None:
-        self.connect()
-        con = self._con
-        with con.transaction():
-            with con.cursor() as cur:
-                cur.executemany(
-                    f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) "
-                    "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,1) "
-                    "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
-                    "error = excluded.error",
-                    [_q_values(r, e.replace("\0", "")) for r, e in refused],
-                )
+    def _savepoint(self) -> contextlib.AbstractContextManager[None]:
+        return self._con.transaction()  # nested: a SAVEPOINT, rolled back to on error
+
+    def _insert_results(self, rows: Sequence[ResultRow]) -> None:
+        with self._con.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO results ({_COLUMNS}, deliveries) "
+                "VALUES (%s,%s,%s,%s::jsonb,%s,%s,%s,%s,%s,%s,%s,%s,1) "
+                "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1",
+                [_pg_values(r) for r in rows],
+            )
+            _check_all_written(cur.rowcount, len(rows))
+
+    def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
+        with self._con.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO results_quarantine ({_Q_COLUMNS}, deliveries) "
+                "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,1) "
+                "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
+                "error = excluded.error",
+                [_q_values(r, e, ascii_only) for r, e in refused],
+            )
+            _check_all_written(cur.rowcount, len(refused))
 
     def interrupt(self) -> None:
         with self._lock:

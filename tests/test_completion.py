@@ -321,3 +321,79 @@ def test_postgres_check_violation_is_quarantined_and_an_outage_is_not(env, pg_se
     assert set(quarantine) == bad and landed == {f"item-{n:05d}" for n in range(40)} - bad
     assert all("CheckViolation" in err and "operator_rule" in err for err in quarantine.values())
     assert set(e.broker.quarantined) == bad and set(e.broker.ack_count.values()) == {1}
+
+
+def _row(n: int, key: str, handler: str = "echo") -> "ResultRow":
+    from ccsq.producer.resultsdb import ResultRow
+
+    data = f"result {n}".encode()
+    return ResultRow(item_id=f"item-{n:05d}", idem_key=key, kind="echo", params_json=json.dumps({"n": n}),
+                     result=data, result_sha256=sha256_hex(data), result_text=data.decode(), attempt=1,
+                     handler=handler, handler_version="1.0", completed_ts=time.time(), landed_ts=time.time())
+
+
+@pytest.mark.postgres
+def test_postgres_latin1_database_quarantines_text_it_cannot_hold_ascii_escaped(pg_server) -> None:  # noqa: F811
+    """A LATIN1 database cannot store a CJK idempotency key (SQLSTATE 22P05) in either
+    table: the row still lands in ``results_quarantine``, its text escaped to ASCII,
+    in the same single transaction as the rest of the batch (one commit, deliveries 1)."""
+    from ccsq.producer.resultsdb import PostgresResults
+
+    name = f"latin1_{os.getpid()}"
+    with psycopg.connect(pg_server.dsn, autocommit=True) as con:
+        con.execute(f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    db = PostgresResults(pg_server.dsn_for(name))
+    try:
+        refused = db.land([_row(0, "plain-key"), _row(1, "文書-key"), _row(2, "other-key")])
+        assert [(r.item_id, "UntranslatableCharacter" in e) for r, e in refused] == [("item-00001", True)]
+        refused_again = db.land([_row(1, "文書-key")])  # a redelivery: absorbed by the quarantine upsert
+        assert [r.item_id for r, _ in refused_again] == ["item-00001"]
+    finally:
+        db.close()
+    with psycopg.connect(pg_server.dsn_for(name)) as con:
+        landed = con.execute("SELECT item_id, deliveries FROM results ORDER BY item_id").fetchall()
+        quarantined = con.execute("SELECT item_id, idem_key, deliveries FROM results_quarantine").fetchall()
+    assert landed == [("item-00000", 1), ("item-00002", 1)]
+    assert quarantined == [("item-00001", "\\u6587\\u66f8-key", 2)]
+
+
+def test_sqlite_rows_a_trigger_silently_skips_are_quarantined_not_lost(tmp_path: Path) -> None:
+    """A trigger that drops a row without an error (``RAISE(IGNORE)``) must not turn into a
+    result acknowledged but stored nowhere: the skipped row is refused like a data error
+    and lands in the quarantine, the rest in ``results``, in one transaction."""
+    from ccsq.producer.resultsdb import SqliteResults
+
+    db = SqliteResults(tmp_path / "r.db")
+    db.connect()
+    db._con.execute("CREATE TRIGGER skip_it BEFORE INSERT ON results WHEN NEW.idem_key = 'skip-me' "
+                    "BEGIN SELECT RAISE(IGNORE); END")
+    refused = db.land([_row(0, "a"), _row(1, "skip-me"), _row(2, "b")])
+    assert [(r.item_id, "RowsIgnored" in e) for r, e in refused] == [("item-00001", True)]
+    rows = sqlite_rows(tmp_path / "r.db")
+    con = sqlite3.connect(tmp_path / "r.db")
+    quarantined = [r[0] for r in con.execute("SELECT item_id FROM results_quarantine")]
+    con.close()
+    db.close()
+    assert sorted(rows) == ["item-00000", "item-00002"] and quarantined == ["item-00001"]
+
+
+@pytest.mark.postgres
+def test_postgres_trigger_returning_null_is_quarantined_not_lost(pg_database) -> None:  # noqa: F811
+    """PostgreSQL's silent skip: a BEFORE INSERT trigger that returns NULL."""
+    from ccsq.producer.resultsdb import PostgresResults
+
+    db = PostgresResults(pg_database)
+    db.connect()
+    with psycopg.connect(pg_database) as con:
+        con.execute("CREATE FUNCTION skip_it() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN IF NEW.idem_key = 'skip-me' THEN RETURN NULL; END IF; RETURN NEW; END $$")
+        con.execute("CREATE TRIGGER skip_it BEFORE INSERT ON results FOR EACH ROW EXECUTE FUNCTION skip_it()")
+    try:
+        refused = db.land([_row(0, "a"), _row(1, "skip-me"), _row(2, "b")])
+        assert [(r.item_id, "RowsIgnored" in e) for r, e in refused] == [("item-00001", True)]
+        assert db.land([_row(3, "c")]) == []
+    finally:
+        db.close()
+    with psycopg.connect(pg_database) as con:
+        assert [r[0] for r in con.execute("SELECT item_id FROM results ORDER BY 1")] == ["item-00000", "item-00002", "item-00003"]
+        assert [r[0] for r in con.execute("SELECT item_id FROM results_quarantine")] == ["item-00001"]
