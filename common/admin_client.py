@@ -23,18 +23,12 @@ import msgpack
 from ccsq.common import protocol as p
 from ccsq.common.config import AdminConfig
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import BrokerUnavailable, CcsqError
+from ccsq.common.errors import AdminFailed, BrokerUnavailable  # noqa: F401 (AdminFailed: re-exported)
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
 OFFLINE = "ledger (offline)"
 REPLY_TIMEOUT_S = 30.0
-
-
-class AdminFailed(CcsqError):
-    """The broker refused an admin command; the message is the broker's reason."""
-
-    code = "ADMIN"
 
 
 class AdminSession:

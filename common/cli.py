@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import BrokerUnavailable, CcsqError, ConfigError, ExitCode
+from ccsq.common.errors import AdminFailed, BrokerUnavailable, CcsqError, ConfigError, ExitCode
 from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_keypair
 
 
@@ -249,8 +249,8 @@ def render_status(doc: dict, *, width: int = 120) -> str:
                 "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
             )
         console.print(pt)
-        if doc.get("draining"):
-            console.print("draining: " + ", ".join(doc["draining"]))
+    if doc.get("draining"):  # kept in the ledger: shown offline too
+        console.print("draining: " + ", ".join(doc["draining"]))
     bt = Table(title="backlog per queue (kind)")
     bt.add_column("kind")
     states = list(doc.get("states", {}))
@@ -315,7 +315,7 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else ""))
-    return ExitCode.OK if not out["not_dead"] else ExitCode.FAILURE
+    return ExitCode.OK if not out["not_dead"] else ExitCode.REFUSED
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
@@ -507,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
         return ExitCode.UNAVAILABLE
+    except AdminFailed as exc:
+        print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
+        return ExitCode.REFUSED
     except CcsqError as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
         return ExitCode.FAILURE

@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     LEDGER_IO = 74  # EX_IOERR: a ledger write failed (disk full, I/O error); nothing unconfirmed was acknowledged
     UNBALANCED = 3  # gap-report: accounting does not balance
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
+    REFUSED = 65  # EX_DATAERR: the broker refused a CLI request (unknown item or worker, item not dead...)
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a CLI command needs the running broker and got no answer
 
 
@@ -76,6 +77,13 @@ class DiskFull(RetryableError):
     """The broker's disk is nearly full: retry with backoff or spool to an outbox; an operator must free space."""
 
     code = "DISK_FULL"
+
+
+class AdminFailed(PermanentError):
+    """The broker refused an admin command (unknown item or worker, bad argument);
+    the message is the broker's reason. The CLI exits with ExitCode.REFUSED."""
+
+    code = "ADMIN"
 
 
 class BrokerUnavailable(RetryableError):

@@ -85,12 +85,12 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         rc, out = ccsq(capsys, "dlq", "replay", ids[0], "--config", admin, "--json")
         assert rc == 0 and out["replayed"] == [ids[0]]
         rc, out = ccsq(capsys, "dlq", "replay", ids[0], "--config", admin, "--json")
-        assert rc == ExitCode.FAILURE and out["not_dead"] == [ids[0]]  # no longer dead
+        assert rc == ExitCode.REFUSED and out["not_dead"] == [ids[0]]  # no longer dead
         _, shown = ccsq(capsys, "items", "show", ids[0], "--config", admin, "--json")
         assert shown["item"]["state"] == "ready" and shown["item"]["attempt"] == 0
         rc, out = ccsq(capsys, "dlq", "purge", "--all", "--config", admin, "--json")
         assert rc == 0 and out["purged"] == [ids[1]]
-        assert ccsq(capsys, "items", "show", ids[1], "--config", admin, "--json")[0] == ExitCode.FAILURE
+        assert ccsq(capsys, "items", "show", ids[1], "--config", admin, "--json")[0] == ExitCode.REFUSED
         _, dlq = ccsq(capsys, "dlq", "list", "--config", admin, "--json")
         assert dlq["items"] == [] and dlq["total"] == 0 and dlq["purged"] == 1  # purged ones are not listed
 
@@ -131,10 +131,11 @@ def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -
         # a typo is refused with the known workers named, and drains nothing
         capsys.readouterr()
         rc = cli.main(["drain", "worker-9", "--config", str(admin), "--json"])
-        assert rc == ExitCode.FAILURE and "unknown worker 'worker-9'" in capsys.readouterr().err
+        assert rc == ExitCode.REFUSED and "unknown worker 'worker-9'" in capsys.readouterr().err
         # the drain is in the ledger: a restarted broker keeps it (offline status shows it too)
         swarm.procs.stop("broker")
         assert ccsq(capsys, "status", "--config", admin, "--json", "--offline")[1]["draining"] == ["worker-1"]
+        assert "draining: worker-1" in ccsq(capsys, "status", "--config", admin, "--offline")[1]
         swarm.start_broker()
         wait_until(lambda: any(x["peer_id"] == "worker-1" for x in ccsq(capsys, "status", "--config", admin, "--json")[1]["peers"]),
                    20, "worker-1 reconnected to the restarted broker")
