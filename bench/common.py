@@ -112,12 +112,12 @@ def hist_summary(h: dict[str, Any], scale: float = 1.0) -> dict[str, Any]:
     def q_le(q: float) -> float:
         for le, c in h["buckets"]:
             if n and c >= q * n:
-                return round(le * scale, 3)
-        return float("nan")
+                return round(le * scale, 3) if le != float("inf") else "+Inf"
+        return "n/a"
 
     return {"n": int(n), "mean": round(scale * h["sum"] / n, 3) if n else 0.0,
             "p50_le": q_le(0.5), "p99_le": q_le(0.99), "max_le": q_le(1.0),
-            "buckets": [[round(le * scale, 3), int(c)] for le, c in h["buckets"]]}
+            "buckets": [[round(le * scale, 3) if le != float("inf") else "+Inf", int(c)] for le, c in h["buckets"]]}
 
 
 def rss_bytes(pid: int) -> int:

@@ -110,7 +110,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         cpu_rows.append([system, round(1e6 * broker / n), round(1e6 * clients / n), round(1e6 * (broker + clients) / n)])
     print_table("CPU per job during the unpaced runs (µs; clients = producer + 2 workers + completion)",
                 ["system", "broker / server", "clients", "total"], cpu_rows)
-    gc = mx.get("group_commit", {})
+    gc = results["runs"]["ccsq"]["max"].get("group_commit", {})
     if gc.get("commits"):
         rpc, cms = gc["records_per_commit"], gc["commit_ms"]
         print_table("6. broker group commits during the unpaced run (its /metrics histograms)",
