@@ -267,10 +267,10 @@ def test_full_producer_channel_delays_never_drops(h, ipc_dir):
 
 
 #: A producer process for C01: sends 50 SUBMITs of 200 items over a DEALER with RCVHWM 2,
-#: SIGSTOPs itself before reading any reply, and once continued reads the 50 SUBMIT_ACKs
-#: and writes {req: items accepted} to argv[3].
+#: says "sent" and reads no reply until a line arrives on stdin (the test SIGSTOPs it
+#: meanwhile), then reads the 50 SUBMIT_ACKs and writes {req: items accepted} to argv[3].
 STOPPED_PRODUCER = r"""
-import hashlib, json, os, signal, sys
+import hashlib, json, sys
 from pathlib import Path
 from ccsq.brokerd.testing import ScriptedPeer
 from ccsq.common import protocol as p
@@ -282,7 +282,8 @@ for req in range(1, 51):
     keys = [f"r{req}-{i}-" + "k" * 100 for i in range(200)]
     peer.send(p.Submit(req, [p.SubmitItem(k, "echo", p.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
                              for k in keys]))
-os.kill(os.getpid(), signal.SIGSTOP)
+print("sent", flush=True)
+sys.stdin.readline()
 acks = {}
 while len(acks) < 50:
     ack = peer.recv_type(p.SubmitAck, 30)
@@ -305,18 +306,25 @@ def test_sigstopped_producer_process_gets_every_reply_after_sigcont(h, ipc_dir, 
     adm = h.peer("adm", b.endpoint)
     adm.hello("admin")
     out = tmp_path / "acks.json"
-    proc = subprocess.Popen([sys.executable, "-c", STOPPED_PRODUCER, str(h.root), b.endpoint, str(out)])
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_PRODUCER, str(h.root), b.endpoint, str(out)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: _process_state(proc.pid) == "T", 30, interval_s=0.05, what="the producer stopped itself")
+        assert proc.stdout.readline().strip() == "sent"
+        # every SUBMIT has left the process (ZeroMQ's I/O thread stops with it): then stop it
+        wait_for(lambda: adm.admin_status()["counters"]["received"] == 10_000, 30, interval_s=0.05,
+                 what="all 50 SUBMITs at the broker")
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_for(lambda: _process_state(proc.pid) == "T", 10, interval_s=0.02, what="the producer stopped")
 
         def parked():
             st = adm.admin_status()
-            pend = {x["peer_id"]: x["pending_sends"] for x in st["peers"]}
-            return st["counters"]["received"] == 10_000 and pend.get("prod", 0) > 0 and st
+            return {x["peer_id"]: x["pending_sends"] for x in st["peers"]}.get("prod", 0) > 0 and st
 
         st = wait_for(parked, 30, interval_s=0.05, what="replies parked for the stopped producer")
         assert st["send"]["again"] > 0
         os.kill(proc.pid, signal.SIGCONT)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
