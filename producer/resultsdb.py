@@ -21,7 +21,7 @@ import dataclasses
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,23 +149,11 @@ class ResultsDB(abc.ABC):
         twice). If the quarantine insert is refused too, it is retried with its text
         columns escaped to ASCII. Any other error (an outage) rolls everything back
         and propagates: the caller retries the batch."""
-        refused: list[tuple[ResultRow, str]] = []
         with self._transaction():
-            try:
-                with self._savepoint():
-                    self._insert_results(rows)
-            except self.driver_errors() as exc:
-                if not self.is_data_error(exc):
-                    raise
-                refused = self._isolate(list(rows), exc)
-            if refused:
-                try:
-                    with self._savepoint():
-                        self._insert_quarantine(refused, ascii_only=False)
-                except self.driver_errors() as exc:
-                    if not self.is_data_error(exc):
-                        raise
-                    self._insert_quarantine(refused, ascii_only=True)
+            refused_as_a_whole = self._try(lambda: self._insert_results(rows))
+            refused = self._isolate(list(rows), refused_as_a_whole) if refused_as_a_whole else []
+            if refused and self._try(lambda: self._insert_quarantine(refused, ascii_only=False)):
+                self._insert_quarantine(refused, ascii_only=True)
         return refused
 
     def _isolate(self, rows: list[ResultRow], exc: BaseException) -> list[tuple[ResultRow, str]]:
@@ -176,14 +164,22 @@ class ResultsDB(abc.ABC):
         refused: list[tuple[ResultRow, str]] = []
         mid = len(rows) // 2
         for half in (rows[:mid], rows[mid:]):
-            try:
-                with self._savepoint():
-                    self._insert_results(half)
-            except self.driver_errors() as sub:
-                if not self.is_data_error(sub):
-                    raise
+            sub = self._try(lambda h=half: self._insert_results(h))
+            if sub is not None:
                 refused += self._isolate(half, sub)
         return refused
+
+    def _try(self, insert: Callable[[], None]) -> BaseException | None:
+        """Run ``insert`` under a savepoint: None if it went in, the data error that
+        refused it (rolled back to the savepoint) otherwise. An outage propagates."""
+        try:
+            with self._savepoint():
+                insert()
+        except self.driver_errors() as exc:
+            if not self.is_data_error(exc):
+                raise
+            return exc
+        return None
 
 
 class RowsIgnored(Exception):

@@ -363,6 +363,41 @@ def test_dispatch_to_departed_worker_goes_back_to_ready(h, ipc_dir):
     assert "wA" not in {x["peer_id"] for x in st["peers"]}
 
 
+# --- bounded turns --------------------------------------------------------------------
+def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
+    """40 SUBMIT frames of 200 items arrive at once (8,000 item operations, 31x the
+    per-turn budget): the broker spreads them over many turns, carrying the rest in
+    arrival order, so the 40 SUBMIT_ACKs come back in request order, every item
+    accepted once, and a worker's COMPLETE queued behind them is still accepted;
+    ``ccsq_turn_seconds`` counts the many turns."""
+    import urllib.request
+
+    from ccsq.brokerd.actor import TURN_ITEM_BUDGET
+    from ccsq.common.procs import free_tcp_port
+
+    port = free_tcp_port()
+    b = h.start(metrics_port=port)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    work = h.peer("wA", b.endpoint)
+    work.hello("worker", slots=1, credit=1)
+    (lease,) = prod.submit([item("first")])
+    (task,) = recv_tasks(work, 1)
+    frames = 40
+    for req in range(100, 100 + frames):
+        prod.send(p.Submit(req, [item(f"burst-{req}-{i}") for i in range(200)]))
+    work.send(p.Complete([result_of(task)]))  # queued behind 8,000 item operations
+    acks = [prod.recv_type(p.SubmitAck, 30) for _ in range(frames)]
+    assert [a.req for a in acks] == list(range(100, 100 + frames))
+    assert all(r.item_id and not r.error and not r.duplicate for a in acks for r in a.results)
+    assert work.recv_type(p.CompleteAck, 10).outcomes[0].outcome == "accepted"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    turns = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("ccsq_turn_seconds_count")))
+    assert turns >= frames * 200 / TURN_ITEM_BUDGET / 2  # spread over many turns, not one
+    assert h.report()["received"] == 1 + frames * 200 and lease.item_id
+
+
 # --- C09 + invalid frames ---------------------------------------------------------------
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
