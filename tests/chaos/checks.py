@@ -11,7 +11,10 @@ Invariants (``/work/shared/cases/CASES.md``, common invariant):
   state (acknowledged, dead or expired); none is lost;
 * the ledger balances, and its per-state counters equal a count of the records;
 * the results table holds each acknowledged item exactly once (one row per item
-  and per idempotency key; ``deliveries`` may be > 1), with the right bytes;
+  and per idempotency key; ``deliveries`` may be > 1), with the right bytes —
+  except the items the table's own rule refuses (keys ending in
+  :data:`REFUSED_KEY_SUFFIX`), which are exactly once in ``results_quarantine``
+  instead, marked ``quarantined`` in the ledger with a G12 event, never in both;
 * every duplicate execution is matched by a gap-register event for that item
   (G2 lease expired and requeued), every redelivery by a G3 event;
 * an item is dead only for a reason the run provoked (its payload blob deleted).
@@ -33,6 +36,7 @@ from ccsq.brokerd.report import load_report
 from ccsq.common.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}
+REFUSED_KEY_SUFFIX = "37"  # the chaos run's results-table rule refuses these keys (gap G12)
 _Q = struct.Struct(">Q")
 
 
@@ -93,13 +97,13 @@ def ledger_items(data_dir: Path) -> list[dict]:
         ledger.close()
 
 
-def results_rows(db: Path) -> list[dict]:
+def results_rows(db: Path, table: str = "results") -> list[dict]:
     if not db.exists():
         return []
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     con.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in con.execute("SELECT item_id, idem_key, result, deliveries FROM results")]
+        return [dict(r) for r in con.execute(f"SELECT item_id, idem_key, result, deliveries FROM {table}")]
     finally:
         con.close()
 
@@ -174,19 +178,30 @@ def check(*, data_dir: Path, results_db: Path, workers: list[Proc], accepted: di
 
     # --- results: each acknowledged item exactly once, with its bytes ---
     rows = results_rows(results_db)
+    qrows = results_rows(results_db, "results_quarantine")
     row_by_id = {r["item_id"]: r for r in rows}
-    rows_per_key = collections.Counter(r["idem_key"] for r in rows)
+    q_by_id = {r["item_id"]: r for r in qrows}
+    rows_per_key = collections.Counter(r["idem_key"] for r in rows + qrows)
     acked = {r["id"]: r for r in items if r["state"] == "acknowledged"}
+    g12 = events.per_item("G12")
     for item_id, rec in acked.items():
-        row = row_by_id.get(item_id)
+        refused = rec["key"].endswith(REFUSED_KEY_SUFFIX)
+        row = (q_by_id if refused else row_by_id).get(item_id)
         if row is None:
             lost += 1
-            bad(f"LOST: item {item_id} ({rec['key']}) acknowledged but not in the results table")
+            bad(f"LOST: item {item_id} ({rec['key']}) acknowledged but not in the "
+                f"{'quarantine' if refused else 'results'} table")
         elif rec["key"] in expected_payload and row["result"] != expected_payload[rec["key"]]:
             bad(f"item {item_id} ({rec['key']}): result bytes differ from the payload it echoes")
-    for row in rows:
+        if refused and (not rec.get("quarantined") or not g12[item_id]):
+            bad(f"item {item_id} ({rec['key']}) refused by the table's rule but not marked quarantined with a G12 event")
+        if not refused and rec.get("quarantined"):
+            bad(f"item {item_id} ({rec['key']}) quarantined though the rule accepts it: {rec['quarantined'][:200]}")
+    for row in rows + qrows:
         if row["item_id"] not in acked:
             bad(f"results row {row['item_id']} is not acknowledged in the ledger")
+    for item_id in row_by_id.keys() & q_by_id.keys():
+        bad(f"item {item_id} is in both results and results_quarantine")
     for key, n in rows_per_key.items():
         if n > 1:
             bad(f"key {key} has {n} result rows")
@@ -206,7 +221,7 @@ def check(*, data_dir: Path, results_db: Path, workers: list[Proc], accepted: di
             if not missed.get("G2"):
                 bad(f"item {item_id}: {n} executions ({failures[item_id]} failed and retried) but {g2[item_id]} G2 events")
     redeliveries = unmatched_redeliveries = 0
-    for row in rows:
+    for row in rows + qrows:
         extra = row["deliveries"] - 1
         redeliveries += extra
         if extra > g3[row["item_id"]]:
@@ -220,6 +235,7 @@ def check(*, data_dir: Path, results_db: Path, workers: list[Proc], accepted: di
         "items": len(accepted),
         "ledger_items": len(items),
         "acknowledged": len(acked),
+        "quarantined": len(qrows),
         "dead": state_counts.get("dead", 0),
         "dead_payload_deleted": state_counts.get("dead", 0) - len(dead_unexplained),
         "lost": lost,

@@ -40,7 +40,7 @@ from ccsq.brokerd.ledger import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.faults import env_for
 from ccsq.common.procs import Proc
-from tests.chaos.checks import EventLog, Verdict, check
+from tests.chaos.checks import REFUSED_KEY_SUFFIX, EventLog, Verdict, check
 from tests.chaos.hostile import HostilePeer
 from tests.chaos.producer import key_for, payload_for, read_progress
 from tests.chaos.proxy import FaultProxy
@@ -177,6 +177,19 @@ class ChaosRun:
             cfg = tomllib.loads(path.read_text())
             cfg["broker_endpoint"] = f"tcp://127.0.0.1:{self.proxy.port(peer)}"
             path.write_text(tomli_w.dumps(cfg))
+
+    def _results_table_rule(self) -> None:
+        """An operator's rule on the results table that refuses some rows (keys ending in
+        :data:`REFUSED_KEY_SUFFIX`, ~1 %): those results must end in the quarantine
+        (gap G12), under every fault, never lost and never twice."""
+        from ccsq.producer.resultsdb import SqliteResults
+
+        db = SqliteResults(self.swarm.root / "results.db")
+        db.connect()
+        db._con.execute(f"CREATE TRIGGER IF NOT EXISTS chaos_rule BEFORE INSERT ON results "
+                        f"WHEN NEW.idem_key GLOB '*{REFUSED_KEY_SUFFIX}' "
+                        "BEGIN SELECT RAISE(ABORT, 'chaos: refused by the results table rule'); END")
+        db.close()
 
     def _start(self, name: str, *, wait: bool = False) -> None:
         env = self.env.get(name, {})
@@ -404,6 +417,7 @@ class ChaosRun:
         self.say(f"seed={self.opts.seed} duration_s={self.opts.duration_s} rate={self.opts.rate} items={self.count} "
                  f"handler={self.opts.handler} "
                  f"dir={self.root}")
+        self._results_table_rule()
         try:
             self.swarm.start_broker()
             for name in self.names[1:]:
