@@ -86,7 +86,13 @@ class FileStore(ClaimStore):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.uri = f"file://{root}"
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            # unreachable right now (a network mount down, a path replaced): every operation
+            # fails with OSError and is retried by its caller, as during a later outage;
+            # a daemon must not crash-loop at start over it
+            pass
 
     def _path(self, sha256: str) -> Path:
         if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):

@@ -169,3 +169,18 @@ def test_reconcile_reports_orphans_and_missing_payloads(tmp_path: Path) -> None:
     assert real.orphans_deleted == 1 and not store.exists(orphan)
     assert store.exists(live) and store.exists(done_result)
     assert real.as_dict()["missing"] == [{"item_id": "i3", "state": "ready", "sha256": gone}]
+
+
+def test_file_store_down_at_start_fails_per_operation_not_at_construction(tmp_path: Path) -> None:
+    """A daemon that starts while its file:// store is unreachable (here: the path is
+    under a regular file) must not crash-loop: the store is made, and each operation
+    raises OSError, which the worker and the completion service retry (chaos found the
+    crash loop)."""
+    blocker = tmp_path / "mount"
+    blocker.write_bytes(b"not a directory")
+    store = FileStore(blocker / "blobs")
+    with pytest.raises(OSError):
+        store.put(b"payload")
+    blocker.unlink()  # the store comes back
+    digest = store.put(b"payload")
+    assert store.get(digest) == b"payload"

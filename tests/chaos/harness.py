@@ -58,11 +58,7 @@ CRASH_POINTS = {
 
 #: Crashes already reported to their owners, tolerated (and printed as KNOWN) until fixed:
 #: reason -> regex on the crash's last log lines. Remove an entry once its fix lands.
-KNOWN_CRASHES = {
-    "claim store outage at start: FileStore() raises FileExistsError/NotADirectoryError and the daemon exits 1 "
-    "(systemd restarts it; acceptable, but a named exit code would be clearer)":
-        r"FileStore\(path\)[\s\S]*(FileExistsError|NotADirectoryError)",
-}
+KNOWN_CRASHES: dict[str, str] = {}
 
 #: fault name -> weight
 FAULTS = {
