@@ -130,6 +130,10 @@ class ResultsDB(abc.ABC):
         """Upsert ``rows`` into ``results`` (inside a transaction)."""
 
     @abc.abstractmethod
+    def _in_results(self, item_id: str) -> bool:
+        """Is ``item_id`` already in ``results`` (inside a transaction)?"""
+
+    @abc.abstractmethod
     def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
         """Upsert ``(row, error)`` pairs into ``results_quarantine`` (inside a transaction);
         ``ascii_only``: text columns escaped to ASCII (the last resort, see :meth:`land`)."""
@@ -160,6 +164,10 @@ class ResultsDB(abc.ABC):
         """Insert what the database takes of ``rows`` (refused as a whole with ``exc``);
         return the rows it refuses alone, with their errors."""
         if len(rows) == 1:
+            if self._in_results(rows[0].item_id):
+                # a redelivery of a result that landed before: only its deliveries count was
+                # refused (e.g. an append-only rule on results); it is stored, not refused
+                return []
             return [(rows[0], describe_error(exc)[:ERROR_MAX_CHARS])]
         refused: list[tuple[ResultRow, str]] = []
         mid = len(rows) // 2
@@ -309,10 +317,14 @@ class SqliteResults(ResultsDB):
         con.execute("SAVEPOINT ccsq_land")
         try:
             yield
-        except BaseException:
-            if con.in_transaction:  # a trigger's RAISE(ROLLBACK) already ended it: nothing to undo here
-                con.execute("ROLLBACK TO ccsq_land")
-                con.execute("RELEASE ccsq_land")
+        except BaseException as exc:
+            if not con.in_transaction:
+                # a trigger's RAISE(ROLLBACK) ended the whole transaction: nothing may run
+                # after it (each statement would commit on its own), so this is no longer
+                # one refused row but a failed batch: an outage, retried from scratch
+                raise sqlite3.OperationalError(f"the database rolled the whole transaction back: {exc}") from exc
+            con.execute("ROLLBACK TO ccsq_land")
+            con.execute("RELEASE ccsq_land")
             raise
         con.execute("RELEASE ccsq_land")
 
@@ -323,6 +335,9 @@ class SqliteResults(ResultsDB):
             [_values(r) for r in rows],
         )
         _check_all_written(cur.rowcount, len(rows))
+
+    def _in_results(self, item_id: str) -> bool:
+        return self._con.execute("SELECT 1 FROM results WHERE item_id = ?", (item_id,)).fetchone() is not None
 
     def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
         cur = self._con.executemany(
@@ -444,6 +459,9 @@ class PostgresResults(ResultsDB):
                 [_pg_values(r) for r in rows],
             )
             _check_all_written(cur.rowcount, len(rows))
+
+    def _in_results(self, item_id: str) -> bool:
+        return self._con.execute("SELECT 1 FROM results WHERE item_id = %s", (item_id,)).fetchone() is not None
 
     def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
         with self._con.cursor() as cur:

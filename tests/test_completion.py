@@ -397,3 +397,41 @@ def test_postgres_trigger_returning_null_is_quarantined_not_lost(pg_database) ->
     with psycopg.connect(pg_database) as con:
         assert [r[0] for r in con.execute("SELECT item_id FROM results ORDER BY 1")] == ["item-00000", "item-00002", "item-00003"]
         assert [r[0] for r in con.execute("SELECT item_id FROM results_quarantine")] == ["item-00001"]
+
+
+def test_sqlite_rollback_trigger_is_an_outage_and_writes_nothing(tmp_path: Path) -> None:
+    """``RAISE(ROLLBACK)`` ends the whole transaction: nothing of the batch may be
+    written (each later statement would commit on its own); the batch fails as an
+    outage (retried), never half-landed."""
+    from ccsq.producer.resultsdb import SqliteResults
+
+    db = SqliteResults(tmp_path / "r.db")
+    db.connect()
+    db._con.execute("CREATE TRIGGER rb BEFORE INSERT ON results WHEN NEW.idem_key = 'rb' "
+                    "BEGIN SELECT RAISE(ROLLBACK, 'rolled back'); END")
+    with pytest.raises(sqlite3.OperationalError, match="rolled the whole transaction back"):
+        db.land([_row(0, "a"), _row(1, "rb"), _row(2, "b")])
+    db.close()
+    con = sqlite3.connect(tmp_path / "r.db")
+    assert con.execute("SELECT count(*) FROM results").fetchone() == (0,)
+    assert con.execute("SELECT count(*) FROM results_quarantine").fetchone() == (0,)
+    con.close()
+
+
+def test_a_redelivery_refused_only_as_an_update_is_not_quarantined(tmp_path: Path) -> None:
+    """An append-only rule on ``results`` (no UPDATE) refuses the redelivery's
+    ``deliveries + 1``; the result is already stored, so it must not also go to the
+    quarantine (found by a fresh-clone tester: 30 results in both tables)."""
+    from ccsq.producer.resultsdb import SqliteResults
+
+    db = SqliteResults(tmp_path / "r.db")
+    db.connect()
+    assert db.land([_row(0, "a"), _row(1, "b")]) == []
+    db._con.execute("CREATE TRIGGER append_only BEFORE UPDATE ON results BEGIN SELECT RAISE(ABORT, 'append-only'); END")
+    assert db.land([_row(0, "a"), _row(1, "b"), _row(2, "c")]) == []  # a redelivery plus a new one
+    db.close()
+    con = sqlite3.connect(tmp_path / "r.db")
+    assert con.execute("SELECT item_id, deliveries FROM results ORDER BY 1").fetchall() == [
+        ("item-00000", 1), ("item-00001", 1), ("item-00002", 1)]
+    assert con.execute("SELECT count(*) FROM results_quarantine").fetchone() == (0,)
+    con.close()
