@@ -58,6 +58,9 @@ COUNTERS: tuple[str, ...] = (
     "quarantined",
 )
 
+#: Shortest wait before an item whose worker could not reach the claim store is ready again.
+STORE_RETRY_MIN_MS = 1000
+
 #: Accounting samples kept in meta (``t:`` + >I slot), a ring: ``ccsq gap-report --html``
 #: charts them. At the default 30 s interval this is 24 h (~1 MiB at most).
 SAMPLES_KEPT = 2880
@@ -896,6 +899,8 @@ class LedgerTxn(LedgerView):
             )
             self.bump("released")
             return p.Outcome.ACCEPTED.value
+        if f.reason == p.FailReason.STORE_UNAVAILABLE.value:
+            return self._store_unavailable(rec, now_ms, f.message)
         self.bump("failed")
         reason = f.reason or p.FailReason.HANDLER_ERROR.value
         if not f.retryable:
@@ -908,6 +913,22 @@ class LedgerTxn(LedgerView):
             rec["error"] = reason
             self._requeue(rec, now_ms)
             self.bump("retried")
+        return p.Outcome.ACCEPTED.value
+
+    def _store_unavailable(self, rec: dict, now_ms: int, message: str) -> str:
+        """The worker could not reach the claim store: not the item's fault, so the
+        attempt is not counted (no dead letter however long the outage lasts); the
+        item is ready again after a backoff of at least :data:`STORE_RETRY_MIN_MS`, or
+        expires if its deadline passed."""
+        self.bump("failed")
+        rec["attempt"] = max(rec["attempt"] - 1, 0)
+        if self._deadline_passed(rec, now_ms):
+            self._expire(rec, now_ms, f"claim store unavailable after the deadline: {message[:200]}")
+            return p.Outcome.ACCEPTED.value
+        rec["error"] = p.FailReason.STORE_UNAVAILABLE.value
+        nb = now_ms + max(STORE_RETRY_MIN_MS, backoff_ms(rec["attempt"] + 1, self.ledger.policy, self.ledger.rng))
+        self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
+        self.bump("retried")
         return p.Outcome.ACCEPTED.value
 
     # --- ACK ---

@@ -142,6 +142,10 @@ class FailReason(str, enum.Enum):
     WORKER_LOST = "worker_lost"  # lease expired (set by the broker, never sent)
     FATAL = "fatal"  # permanent handler error: dead-letter at once
     CANCELLED = "cancelled"
+    #: the claim store could not be read or written (an outage, not a missing blob):
+    #: requeued after a backoff without counting the attempt, so an outage never
+    #: dead-letters items (an older broker counts it as a retryable handler_error)
+    STORE_UNAVAILABLE = "store_unavailable"
 
 
 #: Which message types each role may send; anything else is REJECT_ROLE.

@@ -155,3 +155,31 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
             assert "poisoned result refused" in view.get(bad)["quarantined"]
     finally:
         ledger.close()
+
+
+def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
+    """A worker that cannot read payloads from the claim store (an outage: the store's
+    directory replaced by a file) reports store_unavailable: the attempt is not
+    counted, so with max_attempts 2 and many failed fetches nothing is dead-lettered;
+    once the store is back every item completes once (a fresh-clone tester saw all
+    items of a 25 s outage dead-lettered before this)."""
+    import shutil
+
+    root = tmp_path / "s"
+    with Swarm(root, broker={"max_attempts": 2}, producer={"inline_max_bytes": 0}) as swarm:
+        swarm.start_broker()
+        swarm.start_completion()
+        with swarm.client() as client:
+            ids = [client.submit(f"stored page {i}".encode() * 50, "echo").item_id for i in range(5)]
+        blobs = root / "blobs"
+        shutil.move(blobs, root / "blobs-away")
+        blobs.write_bytes(b"the store is down")
+        worker = swarm.start_worker(1)
+        wait_until(lambda: worker.count("payload_fetch_failed") >= 10, 60, "fetches failing during the outage")
+        rep = swarm.report()
+        assert rep["dead"] == 0 and rep["acknowledged"] == 0 and worker.running
+        blobs.unlink()
+        shutil.move(root / "blobs-away", blobs)
+        rep = swarm.wait_acknowledged(5, timeout_s=60)
+    assert rep["balanced"] and rep["dead"] == 0 and rep["acknowledged"] == rep["received"] == 5
+    assert sorted(r["item_id"] for r in swarm.results()) == sorted(ids)

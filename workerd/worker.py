@@ -533,7 +533,7 @@ class Worker:
             self.log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
             job.state = JobState.REPORTING
             await self._report(job, self._failure(
-                job, p.FailReason.HANDLER_ERROR, True, f"could not fetch payload: {exc!r}"[:1000]))
+                job, p.FailReason.STORE_UNAVAILABLE, True, f"could not fetch payload: {exc!r}"[:1000]))
             return
         try:
             key = (task.kind, self.handler.batch_key(dict(task.params)))
@@ -683,7 +683,8 @@ class Worker:
                 blob = await loop.run_in_executor(self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
         except Exception as exc:  # any claim-store backend error: the attempt failed, retry elsewhere
             self.log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
-            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, f"could not store result: {exc!r}"))
+            await self._report(job, self._failure(job, p.FailReason.STORE_UNAVAILABLE, True,
+                                                  f"could not store result: {exc!r}"[:1000]))
             return
         result = p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, str(self.handler.version),
                               round(runtime_s, 6))
