@@ -200,8 +200,9 @@ class AdminCommands:
         b = self.broker
         key = b.codec.authorized.get(worker)
         if (key is None or key.role is not p.Role.WORKER) and not (undo and worker in b.peers.draining):
-            what = "no peer of that id" if key is None else f"it is authorized as {key.role.value}, not worker"
-            raise AdminError(f"unknown worker {worker!r}: {what} in the authorized keys "
+            what = ("no peer of that id in the authorized keys" if key is None
+                    else f"the authorized keys list it as a {key.role.value}, not a worker")
+            raise AdminError(f"unknown worker {worker!r}: {what} "
                              f"(known workers: {', '.join(self._worker_ids()) or 'none'})")
         txn.set_draining(worker, not undo)  # durable: a restarted broker keeps the drain
         if undo:
