@@ -307,7 +307,8 @@ def test_deadline_passed_at_the_worker_ends_expired_at_the_broker(tmp_path: Path
 def test_claim_store_read_error_fails_the_item_not_the_worker(broker: WorkerBroker, workers: Workers,
                                                               tmp_path: Path) -> None:
     """A claim-store error other than a missing/corrupt blob (here an I/O error: the
-    blob's path is a directory) fails that attempt as retryable handler_error; the
+    blob's path is a directory) fails that attempt as store_unavailable (retried, the
+    attempt not counted); the
     worker keeps serving (the next item completes)."""
     store = FileStore(tmp_path / "blobs")
     digest = sha256_hex(b"unreadable")
@@ -318,7 +319,7 @@ def test_claim_store_read_error_fails_the_item_not_the_worker(broker: WorkerBrok
     broker.dispatch(p.Task("io", 1, "echo", p.Blob(digest, 10, None), {}, 1))
     (fail,) = broker.wait_for(p.Fail)
     (f,) = fail.msg.failures
-    assert (f.item_id, f.reason, f.retryable) == ("io", "handler_error", True) and "IsADirectoryError" in f.message
+    assert (f.item_id, f.reason, f.retryable) == ("io", "store_unavailable", True) and "IsADirectoryError" in f.message
     broker.dispatch(task("next", "echo", b"still alive", token=2))
     (done,) = broker.wait_for(p.Complete)
     assert done.msg.results[0].result.inline == b"still alive"
