@@ -40,6 +40,10 @@ from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_publ
 log = structlog.get_logger("ccsq.peer")
 
 
+#: How long ending a session waits for its reader/writer/heartbeat tasks to finish
+#: before closing the socket under them.
+SESSION_TEARDOWN_S = 1.0
+
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
@@ -232,15 +236,20 @@ class BrokerLink:
         finally:
             for t in tasks:
                 t.cancel()
-            for t in tasks:
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):
-                    pass
+            # Bounded: a task whose ZeroMQ send is still pending may take the socket's
+            # close to finish; the session must end (and a new one start) regardless.
+            if tasks:
+                await asyncio.wait(tasks, timeout=SESSION_TEARDOWN_S)
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close(linger=0)
             sock.close(linger=0)
+            stuck = [t for t in tasks if not t.done()]
+            if stuck:
+                await asyncio.wait(stuck, timeout=SESSION_TEARDOWN_S)
+            for t in tasks:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: the reason is already returned or logged
 
     async def _handshake_watched(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
         """:meth:`_handshake`, ended at once with ``curve_handshake_failed`` when the
