@@ -413,7 +413,7 @@ class Broker:
         return self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION))
 
     def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
-        if not ops and not self._carry and not self._background_due(now):
+        if not ops and not self._background_due(now):  # a carry implies ops: _take_budget takes >= 1
             return
         deferred, self.deferred = self.deferred, []
         due = self.leases.pop_due(now, SLICE_ENTRIES)

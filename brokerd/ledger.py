@@ -710,8 +710,11 @@ class LedgerTxn(LedgerView):
         self.bump("dead")
         self.event(gaps.G7_DEAD_LETTERED, rec["id"], now_ms, f"{reason} after attempt {rec['attempt']}: {message[:200]}")
 
-    def _requeue(self, rec: dict, now_ms: int) -> None:
-        nb = now_ms + backoff_ms(rec["attempt"], self.ledger.policy, self.ledger.rng)
+    def _requeue(self, rec: dict, now_ms: int, *, min_delay_ms: int = 0, backoff_attempt: int | None = None) -> None:
+        """Ready again after the backoff of ``backoff_attempt`` (default: the item's
+        attempt), at least ``min_delay_ms`` from now."""
+        attempt = rec["attempt"] if backoff_attempt is None else backoff_attempt
+        nb = now_ms + max(min_delay_ms, backoff_ms(attempt, self.ledger.policy, self.ledger.rng))
         self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
 
     # --- SUBMIT ---
@@ -926,8 +929,7 @@ class LedgerTxn(LedgerView):
             self._expire(rec, now_ms, f"claim store unavailable after the deadline: {message[:200]}")
             return p.Outcome.ACCEPTED.value
         rec["error"] = p.FailReason.STORE_UNAVAILABLE.value
-        nb = now_ms + max(STORE_RETRY_MIN_MS, backoff_ms(rec["attempt"] + 1, self.ledger.policy, self.ledger.rng))
-        self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
+        self._requeue(rec, now_ms, min_delay_ms=STORE_RETRY_MIN_MS, backoff_attempt=rec["attempt"] + 1)
         self.bump("retried")
         return p.Outcome.ACCEPTED.value
 
