@@ -101,6 +101,12 @@ if [ -n "$venv" ]; then
     for bin in ccsq ccsq-brokerd ccsq-workerd; do
         run ln -sfn "$venv/bin/$bin" "/usr/local/bin/$bin"
     done
+    # the units run as ccsq: every directory above the venv must let that user through
+    if [ "$dry_run" -eq 0 ] && command -v runuser >/dev/null 2>&1 \
+        && ! (cd / && runuser -u ccsq -- "$venv/bin/python3" -c 'import ccsq.common') >/dev/null 2>&1; then
+        echo "install.sh: user ccsq cannot run $venv/bin/python3 -c 'import ccsq.common' (a directory on the way is not readable by others? e.g. chmod 0755 $(dirname "$venv")); the units would fail with status 203/EXEC" >&2
+        exit 2
+    fi
 fi
 if [ -d /run/systemd/system ]; then
     run systemctl daemon-reload

@@ -239,7 +239,8 @@ TOTAL=0
 C=$(mark a); T=$(now)
 out=$(B timeout 150 systemctl start $UNITS 2>&1); rc=$?
 bad=0; for u in $UNITS; do [ "$(prop "$u" ActiveState)" = active ] || bad=1; done
-envok=1; B sh -c "tr '\\0' '\\n' < /proc/$(prop $BR MainPID)/environ" | grep -q '^CCSQ_BOX_ENV=1$' && envok=0
+envok=1; bpid=$(prop $BR MainPID)
+[ "${bpid:-0}" -gt 1 ] && B sh -c "tr '\\0' '\\n' < /proc/$bpid/environ" | grep -q '^CCSQ_BOX_ENV=1$' && envok=0
 check a "$([ $rc -eq 0 ] && [ $bad -eq 0 ] && [ $envok -eq 0 ] && echo 0 || echo 1)" "systemctl start rc=$rc in $(since "$T") s; $(status_line $UNITS) broker environment has ccsq.env's CCSQ_BOX_ENV: $([ $envok -eq 0 ] && echo yes || echo no)${out:+; systemctl said: $(echo "$out" | head -1)}"
 if [ $bad -ne 0 ]; then
     for u in $UNITS; do
