@@ -174,3 +174,38 @@ def test_metrics_listen_is_validated(tmp_path):
                  [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert out.returncode == 78 and "metrics_listen" in out.stderr, (argv, out.stderr)
+
+
+def test_worker_store_errors_and_build_info_are_counted(tmp_path):
+    """The worker's claim-store wrapper counts a missing payload and an I/O
+    error by op (a real file store), and passes everything else through; the
+    exporter adds ccsq_build_info with this process's labels."""
+    import hashlib
+
+    from prometheus_client import generate_latest
+
+    from ccsq.common import protocol as p
+    from ccsq.common.claimstore import open_store
+    from ccsq.common.errors import PayloadMissing
+    from ccsq.common.metrics import BuildInfo
+    from ccsq.workerd.metrics import CountingStore, WorkerStats
+
+    stats = WorkerStats("worker-1")
+    store = CountingStore(open_store(f"file://{tmp_path / 'blobs'}"), stats)
+    ref = store.put_blob(b"x" * 100_000, 16)
+    assert store.get_blob(ref) == b"x" * 100_000 and store.inline_without_io(10, 16)
+    digest = hashlib.sha256(b"gone").hexdigest()
+    with pytest.raises(PayloadMissing):
+        store.get_blob(p.Blob(sha256=digest, size=4, inline=None))
+    (tmp_path / "blobs").chmod(0o500)
+    try:
+        if os.geteuid() != 0:  # root ignores the mode: only the missing case is checked then
+            with pytest.raises(Exception):
+                store.put_blob(b"y" * 100_000, 16)
+    finally:
+        (tmp_path / "blobs").chmod(0o700)
+    stats.registry.register(BuildInfo("workerd"))  # type: ignore[arg-type]
+    text = generate_latest(stats.registry).decode()
+    assert 'ccsq_worker_store_errors_total{error="missing",op="get",worker="worker-1"} 1.0' in text
+    assert 'ccsq_worker_store_errors_total{error="error",op="get",worker="worker-1"} 0.0' in text
+    assert re.search(r'ccsq_build_info\{.*process="workerd".*\} 1\.0', text)
