@@ -130,13 +130,13 @@ class Transport:
         curve_secret_key: bytes | None = None,
         curve_allow: Callable[[bytes], bool] | None = None,
     ) -> None:
+        if curve_secret_key is not None and curve_allow is None:
+            raise ValueError("a CURVE broker needs curve_allow (the ZAP allow-list)")
         self.codec = codec
         self.curve = curve_secret_key is not None
         self.ctx = zmq.Context()
         self.auth = None
         if curve_secret_key is not None:
-            if curve_allow is None:
-                raise ValueError("a CURVE broker needs curve_allow (the ZAP allow-list)")
             self.auth = _start_zap(self.ctx, curve_allow)
         self.rcvhwm = rcvhwm_for(max_frame_bytes)
         self.sock = self.ctx.socket(zmq.ROUTER)

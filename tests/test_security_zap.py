@@ -228,3 +228,24 @@ def test_loopback_and_hwm_rules():
     # one connection queues at most ~16 MiB of full-size frames; never more than a turn's 256 frames
     assert rcvhwm_for(1 << 20) == (16 << 20) // ((1 << 20) + FRAME_SLACK_BYTES + 64) == 15
     assert rcvhwm_for(4096) == 256 and rcvhwm_for(1 << 30) == 4
+
+
+def test_transport_socket_bounds_and_keygen_line(tmp_path):
+    """The ROUTER gets the derived RCVHWM and MAXMSGSIZE; CURVE without an
+    allow-list is a programming error; `ccsq keygen --curve` prints the
+    curve_public_key line for authorized_keys.toml."""
+    from ccsq.brokerd.transport import Transport
+
+    t = Transport("tcp://127.0.0.1:0", None, sndhwm=10, max_frame_bytes=1 << 20)  # type: ignore[arg-type]
+    try:
+        assert t.sock.getsockopt(zmq.RCVHWM) == 15
+        assert t.sock.getsockopt(zmq.MAXMSGSIZE) == (1 << 20) + FRAME_SLACK_BYTES
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="curve_allow"):
+        Transport("tcp://127.0.0.1:0", None, sndhwm=10, max_frame_bytes=1 << 20,  # type: ignore[arg-type]
+                  curve_secret_key=zmq.curve_keypair()[1])
+    out = subprocess.run([bin_path("ccsq"), "keygen", "--curve", "--out", str(tmp_path), "--id", "worker-9"],
+                         capture_output=True, text=True, timeout=60)
+    pub = (tmp_path / "worker-9.curve.pub").read_text().strip()
+    assert out.returncode == 0 and f'curve_public_key = "{pub}"' in out.stdout
