@@ -56,6 +56,11 @@ KNOWN_STATUS_KEYS = frozenset({
     "leases_in_memory", "in_flight_deliveries", "federation", "federation_links", "links",
 })
 
+#: An item record's wall-clock fields (ms) as the item page's history names them.
+TIME_LABELS = {"created_ms": "submitted", "nb_ms": "ready not before", "lease_expires_ms": "lease expires",
+               "completed_ms": "completed", "acked_ms": "acknowledged", "ended_ms": "ended (dead/expired)",
+               "deadline_ms": "deadline"}
+
 ACTIONS: dict[str, dict[str, str]] = {
     "dlq_replay": {"verb": "Replay", "back": "/dlq",
                    "what": "The dead item becomes ready again with a fresh attempt budget (gap event G10)."},
@@ -217,7 +222,8 @@ class Console:
             return self._login_redirect(request)
         status, why = await self._status()
         report, report_err = await self.source.report()
-        ctx: dict[str, Any] = {"title": "overview", "status": status, "status_error": why, "report_error": report_err}
+        ctx: dict[str, Any] = {"title": "overview", "status": status, "status_error": why or self.source.broker_error,
+                               "report_error": report_err}
         if status is None and report is not None:  # no broker and no admin path: the report still has the ledger's numbers
             status = {"source": "ledger (offline)", "counters": report["counters"], "states": report["states"],
                       "balanced": report["balanced"], "backlog": report["backlog"], "gaps": {w["id"]: w["count"] for w in report["windows"]},
@@ -229,7 +235,7 @@ class Console:
             now_ms = report["generated_ms"]
             pts = charts.rate_points(report["series"], report["counters"], now_ms)
             ctx["chart"] = Markup(charts.rate_chart_svg(pts, now_ms))
-            ctx["rates"] = charts.hour_rates(report["series"], report["counters"], now_ms)
+            ctx["rates"], ctx["rates_since_ms"] = charts.hour_rates(report["series"], report["counters"], now_ms)
             ctx["samples"] = len(pts)
             ctx["queues"] = report["queues"]
         else:
@@ -249,7 +255,7 @@ class Console:
         peers = sorted(status.get("peers", []), key=lambda s: (s.get("role") != "worker", s.get("peer_id", "")))
         store_key = next((k for k in STORE_HEALTH_KEYS if any(k in s for s in peers)), None)
         connected = {s.get("peer_id") for s in peers}
-        ctx = {"title": "workers", "status": status, "peers": peers, "store_key": store_key,
+        ctx = {"title": "workers", "status": status, "peers": peers, "store_key": store_key, "me": self.source.settings.peer_id,
                "drained_away": [w for w in status.get("draining", []) if w not in connected]}
         return self._page(request, "workers.html", ctx, viewer, new_sid, refresh=True)
 
@@ -287,7 +293,8 @@ class Console:
             return self._error(request, viewer, new_sid, str(exc), 503)
         extras = await self.source.item_extras(item_id)
         rec = doc["item"]
-        times = {k: v for k, v in rec.items() if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
+        times = {TIME_LABELS.get(k, k.removesuffix("_ms")): v for k, v in rec.items()
+                 if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
         ctx = {"title": f"item {item_id}", "status": {"source": doc.get("source")}, "rec": rec, "times": times,
                "lease": doc.get("lease_in_memory"), "extras": extras,
                "fields": {k: v for k, v in rec.items() if k not in times and k not in ("params",)}}
@@ -320,7 +327,7 @@ class Console:
             windows = [{"id": w.id, "name": w.name, "where": w.where, "why": w.why, "repair": w.repair,
                         "count": counts.get(w.id, 0), "recent": []} for w in gaps.WINDOWS]
         ctx = {"title": "gap register", "windows": windows, "report_error": report_err,
-               "status": status or {"source": "ledger (read-only)"}, "rejects": (report or {}).get("rejects", {})}
+               "status": status or {"source": "ledger snapshot"}, "rejects": (report or {}).get("rejects", {})}
         return self._page(request, "gaps.html", ctx, viewer, new_sid, refresh=True)
 
     async def federation(self, request: Request) -> Response:
