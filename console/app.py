@@ -293,11 +293,11 @@ class Console:
             return self._error(request, viewer, new_sid, str(exc), 503)
         extras = await self.source.item_extras(item_id)
         rec = doc["item"]
-        times = {TIME_LABELS.get(k, k.removesuffix("_ms")): v for k, v in rec.items()
-                 if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
+        time_keys = {k for k, v in rec.items() if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
+        times = {TIME_LABELS.get(k, k.removesuffix("_ms")): rec[k] for k in time_keys}
         ctx = {"title": f"item {item_id}", "status": {"source": doc.get("source")}, "rec": rec, "times": times,
                "lease": doc.get("lease_in_memory"), "extras": extras,
-               "fields": {k: v for k, v in rec.items() if k not in times and k not in ("params",)}}
+               "fields": {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}}
         return self._page(request, "item.html", ctx, viewer, new_sid)
 
     async def dlq(self, request: Request) -> Response:

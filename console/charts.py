@@ -47,51 +47,54 @@ def hour_rates(series: list[dict], counters: dict[str, int], now_ms: int,
 
 
 def rate_chart_svg(points: list[tuple[int, int, dict[str, float]]], now_ms: int, *, window_s: float = WINDOW_S,
-                   width: int = 760, height: int = 240) -> str:
-    """A line chart of the rates (:func:`rate_points`) over the last ``window_s``
-    with the legend below the plot (it is never clipped). Returns ``<svg>...</svg>``."""
-    left, right, top, legend_h, axis_h = 56, 14, 10, 26, 22
-    pw, ph = width - left - right, height - top - axis_h - legend_h
+                   width: int = 760, panel_h: int = 130) -> str:
+    """The rates (:func:`rate_points`) over the last ``window_s`` (or since the oldest
+    sample, if younger) as four small step charts in a 2 x 2 grid, one per counter,
+    on one shared scale so they compare at a glance. Returns ``<svg>...</svg>``."""
+    cols, gap_x, gap_y, left, title_h, axis_h = 2, 24, 14, 52, 18, 18
+    cell_w = (width - gap_x * (cols - 1)) // cols
+    pw = cell_w - left - 6
+    ph = panel_h - title_h - axis_h
+    rows = (len(CHART_COUNTERS) + cols - 1) // cols
+    height = rows * panel_h + (rows - 1) * gap_y
     t0, t1 = now_ms - window_s * 1000, now_ms
-    if points:  # a younger history fills the width (at least a minute)
-        t0 = max(t0, min(points[0][0], now_ms - 60_000))
+    if points:  # a younger history fills the width (at least 10 s)
+        t0 = max(t0, min(points[0][0], now_ms - 10_000))
     vmax = max([v for _, _, r in points for v in r.values()] + [0.0])
     vmax = vmax * 1.1 if vmax > 0 else 1.0
-
-    def x(t: float) -> float:
-        return left + (t - t0) / (t1 - t0) * pw
-
-    def y(v: float) -> float:
-        return top + ph - v / vmax * ph
-
+    fmt = "%H:%M" if t1 - t0 >= 600_000 else "%H:%M:%S"
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-        f'role="img" aria-label="received, routed, completed and acknowledged per second, last hour" class="chart">',
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#bbb"/>',
+        f'role="img" aria-label="received, routed, completed and acknowledged per second, last hour" class="chart">'
     ]
-    for frac in (0.0, 0.5, 1.0):
-        v = vmax * frac
-        parts.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e4e4e4"/>')
-        parts.append(f'<text x="{left - 5}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{_num(v)}/s</text>')
-    fmt = "%H:%M" if t1 - t0 >= 600_000 else "%H:%M:%S"
-    for frac, anchor in ((0.0, "start"), (0.5, "middle"), (1.0, "end")):
-        t = t0 + frac * (t1 - t0)
-        label = time.strftime(fmt, time.localtime(t / 1000))
-        parts.append(f'<text x="{x(t):.1f}" y="{top + ph + 15}" font-size="11" text-anchor="{anchor}">{label}</text>')
-    if not points:
-        parts.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" font-size="13" text-anchor="middle" fill="#777">'
-                     "no accounting samples in the last hour</text>")
-    for c in CHART_COUNTERS:
+    for i, c in enumerate(CHART_COUNTERS):
+        ox = (i % cols) * (cell_w + gap_x) + left
+        oy = (i // cols) * (panel_h + gap_y) + title_h
+
+        def x(t: float, ox: int = ox) -> float:
+            return ox + (t - t0) / (t1 - t0) * pw
+
+        def y(v: float, oy: int = oy) -> float:
+            return oy + ph - v / vmax * ph
+
+        parts.append(f'<text x="{ox}" y="{oy - 5}" font-size="12" font-weight="600" fill="{COLOURS[c]}">{html.escape(c)} per second</text>')
+        parts.append(f'<rect x="{ox}" y="{oy}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#ccc"/>')
+        for frac in (0.0, 0.5, 1.0):
+            v = vmax * frac
+            parts.append(f'<line x1="{ox}" x2="{ox + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e6e6e6"/>')
+            parts.append(f'<text x="{ox - 4}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">{_num(v)}</text>')
+        for frac, anchor in ((0.0, "start"), (1.0, "end")):
+            label = time.strftime(fmt, time.localtime((t0 + frac * (t1 - t0)) / 1000))
+            parts.append(f'<text x="{x(t0 + frac * (t1 - t0)):.1f}" y="{oy + ph + 13}" font-size="10" text-anchor="{anchor}">{label}</text>')
+        if not points:
+            parts.append(f'<text x="{ox + pw / 2}" y="{oy + ph / 2 + 4}" font-size="11" text-anchor="middle" fill="#777">'
+                         "no samples in the last hour</text>")
+            continue
         # a step per interval: the rate was that average over the whole interval
         coords = " ".join(f"{x(max(a, t0)):.1f},{y(r[c]):.1f} {x(b):.1f},{y(r[c]):.1f}" for a, b, r in points)
-        if coords:
-            parts.append(f'<polyline data-counter="{c}" fill="none" stroke="{COLOURS[c]}" stroke-width="2" points="{coords}"/>')
-    lx = left
-    ly = height - 8
-    for c in CHART_COUNTERS:
-        parts.append(f'<rect x="{lx}" y="{ly - 9}" width="14" height="4" fill="{COLOURS[c]}"/>')
-        parts.append(f'<text x="{lx + 18}" y="{ly - 3}" font-size="12">{html.escape(c)}</text>')
-        lx += 18 + 8 * len(c) + 24
+        area = f"{x(max(points[0][0], t0)):.1f},{y(0):.1f} {coords} {x(points[-1][1]):.1f},{y(0):.1f}"
+        parts.append(f'<polygon points="{area}" fill="{COLOURS[c]}" fill-opacity="0.12" stroke="none"/>')
+        parts.append(f'<polyline data-counter="{c}" fill="none" stroke="{COLOURS[c]}" stroke-width="2" points="{coords}"/>')
     parts.append("</svg>")
     return "".join(parts)
 

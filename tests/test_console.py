@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -81,8 +82,16 @@ def shot(driver, name: str) -> None:
     height = driver.execute_script("return document.documentElement.scrollHeight")
     driver.set_window_size(1280, min(max(height + 20, 400), 2400))
     Path(SHOTS).mkdir(parents=True, exist_ok=True)
-    driver.save_screenshot(str(Path(SHOTS) / f"{name}.png"))
+    path = Path(SHOTS) / f"{name}.png"
+    driver.save_screenshot(str(path))
     driver.set_window_size(1280, 900)
+    try:  # docs/console/*.png stay small: a 256-colour palette is plenty for these pages
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE).save(path, optimize=True)
+    except ImportError:
+        pass
 
 
 def gap_report(swarm: Swarm) -> dict:
@@ -138,6 +147,8 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         with swarm.client() as client:
             ids = [client.submit(f"page {i}".encode(), "echo", key=f"scan-{i:04d}").item_id for i in range(6)]
             client.cancel([ids[0]])  # ready, no worker yet: dead (cancelled), gap event G7
+            for i in range(3):  # a queue no worker serves, due in an hour: a backlog that does not drain
+                client.submit(f"form {i}".encode(), "classify", deadline_ts=time.time() + 3600)
         swarm.start_worker(1)
         swarm.wait_acknowledged(5)
         url = start_console(swarm, "--refresh-s", "60")
@@ -153,6 +164,8 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         assert {k: v for k, v in texts(browser, "a[data-gap]").items()} == {"G7": "G7 1"}
         queue = browser.find_element(By.CSS_SELECTOR, "#queues tr[data-kind=echo]").text
         assert queue.startswith("echo 0 0") and "empty" in queue
+        queue = browser.find_element(By.CSS_SELECTOR, "#queues tr[data-kind=classify]").text
+        assert queue.startswith("classify 3 0") and "min" in queue and queue.endswith("stalled"), queue
         rates = texts(browser, "td[data-rate]")
         assert float(rates["acknowledged"]) > 0, rates
         shot(browser, "overview")
@@ -207,6 +220,7 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         # gap register: each window's count is gap-report's
         swarm.wait_acknowledged(6)
         rep = gap_report(swarm)
+        assert rep["balanced"] and rep["states"]["ready"] == 3
         browser.get(url + "/gaps")
         assert texts(browser, "td[data-count]") == {w["id"]: str(w["count"]) for w in rep["windows"]}
         assert "`" not in browser.find_element(By.ID, "windows").text  # Markdown code is rendered, not shown
@@ -341,6 +355,52 @@ def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert any(e["event"] == "console_action_refused" and e["who"] == "bob" for e in events)
         assert any(e["event"] == "console_csrf_refused" and e["who"] == "bob" for e in events)
         assert any(e["event"] == "console_login_refused" for e in events)
+
+
+def test_pages_render_fields_other_parts_add(tmp_path: Path) -> None:
+    """Fields the status reply may grow (a worker's claim-store health, federation links)
+    render when present, and their absence says so."""
+    from ccsq.console.app import Auth, Console, Viewer
+    from ccsq.console.data import Source
+
+    (tmp_path / "admin.toml").write_text('peer_id = "admin"\nprivate_key = "k"\n')
+    console = Console(Source(load(AdminConfig, tmp_path / "admin.toml")), Auth([]))
+    viewer = Viewer("local", "admin", csrf="c")
+    peer = {"peer_id": "worker-1", "role": "worker", "kinds": ["ocr"], "slots": 1, "busy": 0, "credit": 2, "leases": 0,
+            "lease_list": [], "in_flight": 0, "done": 0, "last_seen_s": 0.1, "connected_s": 9.0, "healthy": True, "draining": False}
+
+    def render(name: str, **ctx) -> str:
+        return console.env.get_template(name).render(viewer=viewer, flash=[], path="/", refresh_s=0, now="", **ctx)
+
+    plain = render("workers.html", status={"source": "broker", "peers": [peer]}, peers=[peer], store_key=None, me="admin", drained_away=[])
+    assert "unhealthy store" not in plain
+    sick = dict(peer, store_unhealthy="file:///srv/blobs: no such directory")
+    page = render("workers.html", status={"source": "broker", "peers": [sick]}, peers=[sick], store_key="store_unhealthy", me="admin",
+                  drained_away=[])
+    assert "unhealthy store" in page and "file:///srv/blobs: no such directory" in page
+    none = render("federation.html", status={"source": "broker"}, status_error="", links=[], columns=[])
+    assert "no federation links configured" in none
+    link = {"link": "a->b", "in_flight": 3}
+    page = render("federation.html", status={"source": "broker"}, status_error="", links=[link], columns=list(link))
+    assert "a-&gt;b" in page and "no federation links" not in page
+    console.source.close()
+
+
+def test_static_report_legend_fits_and_renders_code() -> None:
+    """gap-report --html: the legend carries whole numbers and wraps rather than running
+    off the chart; Markdown `code` in the gap-register texts becomes <code>."""
+    from ccsq.brokerd.report import _LEGEND_CHAR_PX, inline_code_html, render_chart_svg
+
+    for n in (79, 123_456_789_012):
+        counters = {"received": n, "routed": n, "completed": n, "acknowledged": n}
+        svg = render_chart_svg([{"ts_ms": 0, **dict.fromkeys(counters, 0)}], now_ms=60_000, counters=counters)
+        width = int(re.search(r'viewBox="0 0 (\d+) ', svg).group(1))  # type: ignore[union-attr]
+        for c in counters:
+            m = re.search(rf'<text x="([\d.]+)" y="[\d.]+" font-size="12" data-legend="{c}">([^<]+)</text>', svg)
+            assert m is not None and m.group(2) == f"{c} {n}"
+            assert float(m.group(1)) + _LEGEND_CHAR_PX * len(m.group(2)) <= width
+    assert inline_code_html("run `ccsq dlq replay` <now>") == "run <code>ccsq dlq replay</code> &lt;now&gt;"
+    assert inline_code_html("a ` alone") == "a ` alone"
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
