@@ -30,6 +30,7 @@ import structlog
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -123,6 +124,26 @@ class Auth:
         return sid, viewer
 
 
+class LocalHostOnly:
+    """ASGI middleware for a console without tokens: answer only requests whose Host
+    names the loopback address (a DNS-rebinding page on another name gets 403)."""
+
+    def __init__(self, app: Any, hosts: frozenset[str]) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "")
+            name = host if host.endswith("]") else host.rsplit(":", 1)[0]
+            if name.strip("[]").lower() not in self.hosts:
+                resp = PlainTextResponse(f"this console answers only to {', '.join(sorted(self.hosts))} "
+                                         "(it has no token: a guard against DNS rebinding)\n", status_code=403)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _remote(request: Request) -> str:
     return f"{request.client.host}:{request.client.port}" if request.client else "?"
 
@@ -138,10 +159,11 @@ def _fmt_value(v: Any) -> str:
 class Console:
     """The application: ``Console(source, auth, refresh_s).app`` is the ASGI app."""
 
-    def __init__(self, source: Source, auth: Auth, *, refresh_s: float = 5.0) -> None:
+    def __init__(self, source: Source, auth: Auth, *, refresh_s: float = 5.0, local_hosts: frozenset[str] = frozenset()) -> None:
         self.source = source
         self.auth = auth
         self.refresh_s = refresh_s
+        self.local_hosts = local_hosts
         self.env = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"),
                                autoescape=select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
         self.env.filters.update(ms=charts.fmt_ms, dur=charts.fmt_s, val=_fmt_value, md=lambda t: Markup(inline_code_html(t)))
@@ -153,6 +175,8 @@ class Console:
             Route("/apply", self.apply, methods=["POST"]), Route("/healthz", self.healthz),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        if local_hosts and not auth.required:
+            self.app.add_middleware(LocalHostOnly, hosts=local_hosts)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -350,7 +374,7 @@ class Console:
     # --- sign in ---
     async def login(self, request: Request) -> Response:
         nxt = request.query_params.get("next", "/")
-        if not nxt.startswith("/") or nxt.startswith("//"):
+        if not nxt.startswith("/") or nxt.startswith("//") or "\\" in nxt:
             nxt = "/"
         anon = Viewer("", "")
         if request.method == "GET":

@@ -109,7 +109,8 @@ def build(settings: AdminConfig, *, listen: str, token: str | None, refresh_s: f
             f"ccsq console would listen on {host}, which is not a loopback address, without a token: give --token, "
             f"set {TOKEN_ENV}, or console_tokens in {settings.config_path or 'admin.toml'} (or listen on 127.0.0.1)"
         )
-    return Console(Source(settings), Auth(tokens), refresh_s=refresh_s), host, port
+    local = frozenset({host.lower(), "localhost", "127.0.0.1", "::1"})
+    return Console(Source(settings), Auth(tokens), refresh_s=refresh_s, local_hosts=local), host, port
 
 
 def run(settings: AdminConfig, *, listen: str | None = None, token: str | None = None, refresh_s: float = 5.0) -> int:

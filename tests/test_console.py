@@ -152,6 +152,10 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         swarm.start_worker(1)
         swarm.wait_acknowledged(5)
         url = start_console(swarm, "--refresh-s", "60")
+        rebound = urllib.request.Request(url + "/", headers={"Host": "attacker.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no token: only loopback names are answered
+            urllib.request.urlopen(rebound, timeout=30)
+        assert refused.value.code == 403
 
         # overview: the accounting equation and every counter as gap-report says; a rate chart
         rep = gap_report(swarm)
