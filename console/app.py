@@ -250,7 +250,8 @@ class Console:
                                "report_error": report_err}
         if status is None and report is not None:  # no broker and no admin path: the report still has the ledger's numbers
             status = {"source": "ledger (offline)", "counters": report["counters"], "states": report["states"],
-                      "balanced": report["balanced"], "backlog": report["backlog"], "gaps": {w["id"]: w["count"] for w in report["windows"]},
+                      "balanced": report["balanced"], "backlog": report["backlog"],
+                      "gaps": {w["id"]: w["count"] for w in report["windows"]},
                       "peers": [], "draining": []}
             ctx["status"] = status
         if status is None:

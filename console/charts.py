@@ -84,8 +84,9 @@ def rate_chart_svg(points: list[tuple[int, int, dict[str, float]]], now_ms: int,
             parts.append(f'<line x1="{ox}" x2="{ox + pw}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#e6e6e6"/>')
             parts.append(f'<text x="{ox - 4}" y="{y(v) + 4:.1f}" font-size="10" text-anchor="end">{_num(v)}</text>')
         for frac, anchor in ((0.0, "start"), (1.0, "end")):
-            label = time.strftime(fmt, time.localtime((t0 + frac * (t1 - t0)) / 1000))
-            parts.append(f'<text x="{x(t0 + frac * (t1 - t0)):.1f}" y="{oy + ph + 13}" font-size="10" text-anchor="{anchor}">{label}</text>')
+            t = t0 + frac * (t1 - t0)
+            label = time.strftime(fmt, time.localtime(t / 1000))
+            parts.append(f'<text x="{x(t):.1f}" y="{oy + ph + 13}" font-size="10" text-anchor="{anchor}">{label}</text>')
         if not points:
             parts.append(f'<text x="{ox + pw / 2}" y="{oy + ph / 2 + 4}" font-size="11" text-anchor="middle" fill="#777">'
                          "no samples in the last hour</text>")

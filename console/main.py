@@ -57,7 +57,7 @@ def is_loopback(host: str) -> bool:
 def load_tokens(path: str | Path) -> list:
     """Tokens from a TOML file ``[tokens.NAME] token = "...", role = "admin"|"viewer"``.
     ConfigError naming the file and key on any problem, or when group/others can read it."""
-    from ccsq.console.app import ROLES, Token
+    from ccsq.console.app import ROLES
 
     path = Path(path)
     try:
@@ -87,7 +87,8 @@ def _token(name: str, secret: str, role: str, where: str):
     from ccsq.console.app import Token
 
     if len(secret) < MIN_TOKEN_CHARS:
-        raise ConfigError(f"{where} is shorter than {MIN_TOKEN_CHARS} characters; make one with `python3 -c 'import secrets; print(secrets.token_urlsafe(24))'`")
+        raise ConfigError(f"{where} is shorter than {MIN_TOKEN_CHARS} characters; make one with "
+                          "`python3 -c 'import secrets; print(secrets.token_urlsafe(24))'`")
     return Token(name, secret, role)
 
 
