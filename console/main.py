@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import stat
 import tomllib
@@ -115,7 +116,15 @@ def build(settings: AdminConfig, *, listen: str, token: str | None, refresh_s: f
 
 
 def run(settings: AdminConfig, *, listen: str | None = None, token: str | None = None, refresh_s: float = 5.0) -> int:
-    """Serve until SIGINT/SIGTERM. Returns an ExitCode."""
+    """Serve until SIGINT/SIGTERM. Returns an ExitCode. ConfigError (exit 78) when the
+    configuration is unsafe or the ``console`` extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(m) is None]
+    if importlib.util.find_spec("python_multipart") is None and importlib.util.find_spec("multipart") is None:
+        missing.append("python-multipart")
+    if missing:
+        raise ConfigError(f"ccsq console needs {', '.join(missing)}: pip install 'ccsq[console]'")
     import uvicorn
 
     from ccsq.common import log as logsetup
@@ -139,6 +148,24 @@ def run(settings: AdminConfig, *, listen: str | None = None, token: str | None =
     log.info("console_started", listen=f"{host}:{port}", url=f"http://{host}:{port}/", tokens=len(console.auth.tokens),
              broker=settings.broker_endpoint, data_dir=settings.data_dir, peer=settings.peer_id)
     config = uvicorn.Config(console.app, log_level="warning", access_log=False, lifespan="on", server_header=False)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the
+    # handler that was there before it: make that one note it, so the console exits 0
+    signals: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: signals.append(signum))
     uvicorn.Server(config).run(sockets=[sock])
-    log.info("console_stopped")
+    log.info("console_stopped", signal=signal.Signals(signals[0]).name if signals else None)
     return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ccsq-console ARGS`` = ``ccsq console ARGS`` (a console script for service managers)."""
+    import sys
+
+    from ccsq.common.cli import main as ccsq_main
+
+    return ccsq_main(["console", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

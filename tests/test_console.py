@@ -165,7 +165,8 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         assert browser.find_element(By.CSS_SELECTOR, "meta[http-equiv=refresh]").get_attribute("content") == "60"
         lines = browser.find_elements(By.CSS_SELECTOR, "#chart svg polyline")
         assert {ln.get_attribute("data-counter") for ln in lines} == {"received", "routed", "completed", "acknowledged"}
-        assert {k: v for k, v in texts(browser, "a[data-gap]").items()} == {"G7": "G7 1"}
+        assert texts(browser, "a[data-gap]") == {w["id"]: f"{w['id']} {w['count']}" for w in rep["windows"] if w["count"]}
+        assert texts(browser, "a[data-gap]")["G7"] == "G7 1"
         queue = browser.find_element(By.CSS_SELECTOR, "#queues tr[data-kind=echo]").text
         assert queue.startswith("echo 0 0") and "empty" in queue
         queue = browser.find_element(By.CSS_SELECTOR, "#queues tr[data-kind=classify]").text
@@ -264,6 +265,8 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
         assert not browser.find_elements(By.XPATH, "//td[contains(., '`')]")
         assert browser.find_elements(By.CSS_SELECTOR, "#windows code")
         shot(browser, "gap-report-html")
+        assert swarm.procs.stop("console") == 0  # SIGTERM: a clean stop
+        assert '"console_stopped"' in swarm.procs.tail("console")
 
 
 def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
