@@ -282,7 +282,7 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
     for t, anchor in ((t0, "start"), (t1, "end")):
         label = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t / 1000))
         parts.append(f'<text x="{x(t):.1f}" y="{top + ph + 16}" font-size="11" text-anchor="{anchor}">{label}</text>')
-    for c in CHART_COUNTERS:
+    for c, stroke in zip(CHART_COUNTERS, (9.0, 6.5, 4.0, 1.5)):  # widest first: equal lines still show every colour
         coords: list[str] = []
         prev = None
         for t, v in pts:
@@ -292,7 +292,7 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
             prev = v[c]
         colour = _CHART_COLOURS[c]
         parts.append(
-            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(coords)}"/>'
+            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="{stroke}" points="{" ".join(coords)}"/>'
         )
     for r, row in enumerate(rows):
         ly = top + ph + 36 + 18 * r
