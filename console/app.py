@@ -340,11 +340,9 @@ class Console:
         viewer, new_sid = self._who(request)
         if viewer is None:
             return self._login_redirect(request)
-        report, report_err = await self.source.report()
+        windows, rejects, report_err = await self.source.gap_windows()
         status = None
-        if report is not None:
-            windows = report["windows"]
-        else:
+        if windows is None:
             status, why = await self._status()
             if status is None:
                 return self._error(request, viewer, new_sid, f"{why}; {report_err}", 503)
@@ -352,7 +350,7 @@ class Console:
             windows = [{"id": w.id, "name": w.name, "where": w.where, "why": w.why, "repair": w.repair,
                         "count": counts.get(w.id, 0), "recent": []} for w in gaps.WINDOWS]
         ctx = {"title": "gap register", "windows": windows, "report_error": report_err,
-               "status": status or {"source": "ledger snapshot"}, "rejects": (report or {}).get("rejects", {})}
+               "status": status or {"source": "ledger snapshot"}, "rejects": rejects}
         return self._page(request, "gaps.html", ctx, viewer, new_sid, refresh=True)
 
     async def federation(self, request: Request) -> Response:

@@ -104,6 +104,15 @@ class Source:
         except Exception as exc:  # noqa: BLE001 - an LMDB error on a host without the ledger: say it on the page
             return None, f"{type(exc).__name__}: {exc}"
 
+    async def gap_windows(self) -> tuple[list[dict[str, Any]] | None, dict[str, int], str]:
+        """(windows as in ``gap-report --json``, rejected-frame counts, "") from one short
+        ledger read (counts and recent events only: no forecast scan), or (None, {}, why)."""
+        try:
+            windows, rejects = await self.ledger(_gap_windows, self.settings.data_dir)
+            return windows, rejects, ""
+        except Exception as exc:  # noqa: BLE001 - no ledger here: the page uses the broker's counts
+            return None, {}, f"{exc}"
+
     async def item_extras(self, item_id: str) -> dict[str, Any]:
         """{events: the item's gap events (newest first), payload, result: blob
         summaries or None}; {} when the ledger is not readable here."""
@@ -143,6 +152,17 @@ def _item_extras(data_dir: str | Path, item_id: str) -> dict[str, Any]:
             result = _blob(view.result(item_id))
     events.sort(key=lambda ev: ev["ts"], reverse=True)
     return {"events": events, "payload": payload, "result": result}
+
+
+def _gap_windows(data_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    from ccsq.brokerd import gaps
+    from ccsq.brokerd.report import RECENT_EVENTS
+
+    with admin_client.offline_view(data_dir) as view:
+        counts = view.gap_counts()
+        windows = [{"id": w.id, "name": w.name, "where": w.where, "why": w.why, "repair": w.repair, "counter": w.counter,
+                    "count": counts[w.id], "recent": view.recent_events(w.id, RECENT_EVENTS)} for w in gaps.WINDOWS]
+        return windows, view.rejects()
 
 
 def _find_key(data_dir: str | Path, key: str) -> str | None:
