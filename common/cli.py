@@ -421,6 +421,12 @@ def _cmd_completion(args: argparse.Namespace) -> int:
     return completion_main(args.config)
 
 
+def _cmd_console(args: argparse.Namespace) -> int:
+    from ccsq.console.main import run
+
+    return run(_admin_settings(args), listen=args.listen, token=args.token, refresh_s=args.refresh_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -501,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
+
+    p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
+    p.add_argument("--config", required=True, help="admin.toml")
+    p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
+                   "a non-loopback address needs a token")
+    p.add_argument("--token", help="access token (admin role); also CCSQ_CONSOLE_TOKEN or console_tokens in admin.toml")
+    p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
+    p.set_defaults(func=_cmd_console)
     return parser
 
 
