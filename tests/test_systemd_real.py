@@ -21,6 +21,7 @@ package fails it: ``.ci/run`` installs them).
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import shutil
@@ -102,7 +103,19 @@ def wheel_venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _setup_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return cfg
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
 def test_wheel_ships_modules_scripts_units_and_docs(dist: dict[str, Path]) -> None:
+    cfg = _setup_cfg()
+    package_dir = dict(line.replace(" ", "").split("=", 1) for line in _lines(cfg["options"]["package_dir"]))
     with zipfile.ZipFile(dist["wheel"]) as whl:
         names = set(whl.namelist())
         data = next(n.split("/")[0] for n in names if ".data/" in n)
@@ -111,13 +124,19 @@ def test_wheel_ships_modules_scripts_units_and_docs(dist: dict[str, Path]) -> No
             assert shipped == (REPO / "systemd" / unit).read_bytes(), f"{unit} in the wheel differs from systemd/{unit}"
         for doc in ("README.md", "operations.md", "security.md", "gap-register.md", "grafana-dashboard.json"):
             assert f"{data}/data/share/doc/ccsq/{doc}" in names
-        for folder in ("brokerd", "workerd", "producer", "common"):
-            for module in (REPO / folder).glob("*.py"):
-                assert f"ccsq/{folder}/{module.name}" in names, f"{folder}/{module.name} missing from the wheel"
+        for package, folder in package_dir.items():
+            inside = package.replace(".", "/")
+            # every file of the folder (modules, subpackages, templates...), not only what setup.cfg declares
+            files = [p for p in (REPO / folder).rglob("*")
+                     if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")]
+            assert files, f"{folder}/ is empty"
+            for path in files:
+                rel = path.relative_to(REPO / folder).as_posix()
+                assert f"{inside}/{rel}" in names, f"{folder}/{rel} is missing from the wheel ({package})"
         entry_points = whl.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    for script in ("ccsq = ccsq.common.cli:main", "ccsq-brokerd = ccsq.brokerd.main:main",
-                   "ccsq-workerd = ccsq.workerd.main:main", "echo = ccsq.workerd.handlers:EchoHandler"):
-        assert script in entry_points
+    for script in _lines(cfg["options.entry_points"]["console_scripts"]):
+        assert script.replace(" ", "") in entry_points.replace(" ", ""), f"console script {script} missing from the wheel"
+    assert "echo = ccsq.workerd.handlers:EchoHandler" in entry_points
     import tarfile
 
     with tarfile.open(dist["sdist"]) as sdist:
