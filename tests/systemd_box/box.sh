@@ -12,6 +12,7 @@
 # outside /home, /root, /tmp and /var/tmp: the box sees the host's files through the overlay,
 # so nothing is installed inside it and its network is loopback only from the start.
 #   CCSQ_BOX_LOGS=DIR   keep the box's journal and console log in DIR
+# The swarm runs with CURVE on (libsodium under the units' seccomp and W^X rules).
 # The real units, with two drop-ins that only shorten waits so the run fits in the suite:
 # broker WatchdogSec=6 (20 in the unit) and ccsq-recover@.timer OnActiveSec=3s (5min).
 # Checks, one line each (PASS|FAIL name: evidence): boot, install, (a) all active, (b) a worker
@@ -76,7 +77,7 @@ if [ "${1:-}" = __stage1 ]; then
 fi
 
 # ---------------------------------------------------------------- host side -----------
-usage() { sed -n '2,27p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,28p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2; }
 [ $# -eq 2 ] || usage
 [ "$(id -u)" -eq 0 ] || { echo "box.sh: needs root" >&2; exit 2; }
 CHECKOUT=$(readlink -f "$1") VENV=$2
@@ -220,6 +221,9 @@ sed -i "s|^data_dir = .*|data_dir = \"/var/lib/ccsq/broker\"|" brokerd.toml admi
 for g in 0 1; do sed -i "s|^journal_dir = .*|journal_dir = \"/var/lib/ccsq/worker-$g\"|" workerd-$g.toml; done
 sed -i "s|^claim_store = .*|claim_store = \"file:///var/lib/ccsq/blobs\"|" workerd-*.toml completion.toml producer.toml
 sed -i "s|^database = .*|database = \"sqlite:////var/lib/ccsq/completion/results.db\"|" completion.toml
+# CURVE with the allow-list, as `ccsq init` sets it for an endpoint beyond loopback (the box has only lo)
+sed -i "s|^curve = false|curve = true|" *.toml
+grep -q "^curve = true" brokerd.toml
 install -d -m 0750 -o root -g ccsq /etc/ccsq/keys
 install -m 0600 -o ccsq -g ccsq keys/*.key /etc/ccsq/keys/
 install -m 0640 -o root -g ccsq keys/*.pub /etc/ccsq/keys/
