@@ -151,6 +151,13 @@ class ReplayGuard:
         self._current[sender] = (session, seq, ts_ms)
 
 
+def _refused(message: str, code: str, sender: str) -> AuthError:
+    """An AuthError that names the claimed sender (at most 64 chars) for refusals and rate limits."""
+    err = AuthError(message, code=code)
+    err.sender = sender[:64]
+    return err
+
+
 class EnvelopeCodec:
     """Encodes this peer's messages and verifies everyone else's.
 
@@ -228,13 +235,13 @@ class EnvelopeCodec:
             raise DecodeError("envelope header has wrong types", code=p.REJECT_MALFORMED)
         peer = self.authorized.get(sender)
         if peer is None:
-            raise AuthError(f"unknown sender {sender[:64]!r}", code=p.REJECT_UNKNOWN_SENDER)
+            raise _refused(f"unknown sender {sender[:64]!r}", p.REJECT_UNKNOWN_SENDER, sender)
         if bound_sender is not None and sender != bound_sender:
             raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=p.REJECT_FORGED_ORIGIN)
         try:
             peer.public_key.verify(signature, payload)
         except InvalidSignature:
-            raise AuthError(f"bad signature from {sender!r}", code=p.REJECT_BAD_SIGNATURE) from None
+            raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender) from None
         # --- authenticated from here on: the sender signed exactly these bytes ---
         try:
             mtype = p.MsgType(msg_type)

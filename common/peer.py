@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -36,8 +35,32 @@ from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import DecodeError
 from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key
+from ccsq.common.log import get_logger
 
-log = structlog.get_logger("ccsq.peer")
+log = get_logger("ccsq.peer")
+
+#: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
+#: until an operator changes authorized_keys (and restarts this peer).
+REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
+                           p.REJECT_FORGED_ORIGIN})
+
+
+def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
+    """One sentence: why the broker refused this peer and what to change (for logs,
+    :class:`~ccsq.common.errors.Unauthorized` and the CLI)."""
+    peer = settings.peer_id
+    if refusal.code == p.REJECT_UNKNOWN_SENDER:
+        fix = (f"add [peers.{peer}] with role = \"{role}\" and its public key to the broker's authorized_keys "
+               f"(`ccsq keygen --out keys --id {peer} --role {role}` prints the entry), then reload the broker (SIGHUP)")
+    elif refusal.code == p.REJECT_BAD_SIGNATURE:
+        fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
+               "put this key's .pub into the broker's authorized_keys (then SIGHUP it) or use the matching private key")
+    elif refusal.code == p.REJECT_ROLE:
+        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: use a {role} id and key, "
+               f"or change its role in the broker's authorized_keys")
+    else:
+        fix = "check this peer's id and key against the broker's authorized_keys"
+    return f"the broker refused peer {peer!r} ({refusal.code}: {refusal.message}); {fix}"
 
 
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish
@@ -102,6 +125,7 @@ class BrokerLink:
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
     replaced: bool  # another live process took our peer id: the link stopped for good
+    refused: p.Error | None  # the broker refused this peer for good (REFUSED_CODES): the link stopped
     _outbox: asyncio.Queue[p.Message]
 
     def __init__(
@@ -134,6 +158,9 @@ class BrokerLink:
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
         self.replaced = False  # set when the broker says a newer session took our peer id
+        self.refused = None
+        self._hello_role = ""
+        self.stopped = asyncio.Event()  # set when run() returns (stop(), replaced or refused)
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
@@ -188,6 +215,7 @@ class BrokerLink:
             except asyncio.TimeoutError:
                 pass
         self.state = LinkState.STOPPED
+        self.stopped.set()
 
     # --- one session ---
     async def _one_session(self) -> str:
@@ -280,7 +308,9 @@ class BrokerLink:
                         pass
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
-        frames = self.codec.encode(self._hello())
+        hello = self._hello()
+        self._hello_role = hello.role
+        frames = self.codec.encode(hello)
         try:
             await asyncio.wait_for(sock.send_multipart(frames), timeout=self.settings.hello_timeout_s)
         except asyncio.TimeoutError:
@@ -306,7 +336,14 @@ class BrokerLink:
                 return
             if isinstance(msg, p.Error):
                 self.last_refusal = msg
-                self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
+                if msg.code in REFUSED_CODES:
+                    # for good: reconnecting cannot help until authorized_keys changes
+                    self.refused = msg
+                    self._stopping = True
+                    self.log.error("broker_refused_peer", code=msg.code, message=msg.message,
+                                   fix=refusal_fix(self.settings, self._hello_role, msg))
+                else:
+                    self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
 
     def _decode(self, raw: list[bytes]) -> Envelope:

@@ -458,6 +458,9 @@ class SubmitAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT_ACK
     req: int
     results: list[SubmitResult]
+    #: kinds of these items that no worker seen since the broker started serves; sent only
+    #: to producers whose HELLO info has ``features = "unserved_kinds"``
+    unserved: list[str] = extension(list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_store
 from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, Unauthorized
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.workerd.handlers import load_handler
@@ -107,6 +107,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return _die(ExitCode.CONFIG, str(exc)), False
     finally:
         journal.close()
+    if isinstance(worker.fatal, Unauthorized):
+        return _die(ExitCode.UNAUTHORIZED, str(worker.fatal)), worker.stuck_threads > 0
     if isinstance(worker.fatal, ConfigError):
         return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0
     if worker.fatal is not None:
