@@ -299,7 +299,7 @@ class Broker:
             self._count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
             if sess is not None or exc.code in POST_VERIFY_CODES:
                 self._send_raw(rid, p.Error(exc.code, str(exc)[:300]))
-            elif exc.code in STRANGER_ANSWERS and exc.sender and self._may_answer_stranger(exc.sender, now):
+            elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
                 # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)
                 self._send_raw(rid, p.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
             if sess is not None:

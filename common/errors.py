@@ -70,6 +70,8 @@ class DecodeError(PermanentError):
     code = "MALFORMED"
     #: the sender id the frame claims, when it was read (for refusals and rate limits)
     sender: str | None = None
+    #: an unauthenticated frame that looks like a real peer's HELLO (the broker may answer it)
+    answerable: bool = False
 
 
 class AuthError(DecodeError):
