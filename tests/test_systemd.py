@@ -2,7 +2,7 @@
 
 - ``systemd-analyze verify`` passes with no output at all (warnings fail too);
 - ``systemd-analyze security --offline=yes`` rates every service below 5.0;
-- ``RestartPreventExitStatus`` is exactly ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
+- ``RestartPreventExitStatus`` is exactly ``ExitCode.UNAUTHORIZED``, ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
 - the recovery unit restarts a unit only after its start limit was hit (case C11);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
   (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
@@ -148,7 +148,7 @@ def test_unit_exposure_is_below_five(systemd_analyze: str, unit_copies: Path, na
 def test_restart_prevent_exit_status_is_the_permanent_exit_codes(name: str) -> None:
     u = unit(name)
     codes = {int(c) for v in values(u, "Service", "RestartPreventExitStatus") for c in v.split()}
-    assert codes == {ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
+    assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
     assert ExitCode.LEDGER_LOCKED not in codes  # transient: must restart
     assert value(u, "Service", "Restart") == "on-failure"
     assert value(u, "Service", "RestartSec") == "2"
