@@ -272,6 +272,7 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
+    _name_unserved_queues(report, Path(args.config).resolve().parent / "admin.toml")
     if args.html:
         from ccsq.brokerd.report import render_html
 
@@ -283,6 +284,30 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+def _name_unserved_queues(report: dict, admin_path: Path) -> None:
+    """A stalled queue whose kind no connected worker serves says so ("stalled: no worker
+    serves kind 'X'"), when the broker answers an admin status (``admin.toml`` next to
+    ``brokerd.toml``) within 1 s; otherwise the verdict stays "stalled"."""
+    stalled = [q for q in report.get("queues", []) if q.get("verdict") == "stalled"]
+    if not stalled or not admin_path.is_file():
+        return
+    from ccsq.common.admin_client import with_broker
+    from ccsq.common.config import AdminConfig, load
+
+    async def status(session) -> dict:
+        return await session.call("status", timeout_s=2.0)
+
+    try:
+        settings = load(AdminConfig, admin_path)
+        doc = with_broker(settings, status, connect_timeout_s=min(settings.connect_timeout_s, 1.0))
+    except CcsqError:
+        return
+    workers = [x for x in doc.get("peers", []) if x.get("role") == "worker"]
+    for q in stalled:
+        if not any(not w.get("kinds") or q["kind"] in w["kinds"] for w in workers):
+            q["verdict"] = f"stalled: no worker serves kind {q['kind']!r}"
 
 
 # --- admin commands: status, items show, dlq, drain --------------------------------------

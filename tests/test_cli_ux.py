@@ -169,6 +169,9 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
 
         rc, out, _ = run_ccsq(capsys, "status")
         assert rc == 0 and "fail" in out and "no connected worker serves kind 'classify'" in out
+        rc, out, _ = run_ccsq(capsys, "gap-report", "--json")
+        assert rc == 0 and {q["kind"]: q["verdict"] for q in json.loads(out)["queues"]}["classify"] == (
+            "stalled: no worker serves kind 'classify'")
 
         rc, out, err = run_ccsq(capsys, "submit", "--kind", "fail", "--wait", "--timeout-s", "60", doc)
         assert rc == ExitCode.DEAD and " dead" in out and "dlq list" in err
