@@ -734,6 +734,10 @@ QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain",
                                 "completion-script"})
 
 
+def _not_refusal(record) -> bool:
+    return (getattr(record, "ccsq_event", None) or {}).get("event") != "broker_refused_peer"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -749,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         from ccsq.common import log as logsetup
 
         logsetup.configure("auto", level=logging.WARNING)
+        logging.getLogger("ccsq.peer").addFilter(_not_refusal)  # the command prints the refusal as a sentence
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -34,7 +34,7 @@ from ccsq.common import protocol as p
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key
+from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key, public_key_b64
 from ccsq.common.log import get_logger
 
 log = get_logger("ccsq.peer")
@@ -49,14 +49,17 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
     """One sentence: why the broker refused this peer and what to change (for logs,
     :class:`~ccsq.common.errors.Unauthorized` and the CLI)."""
     peer = settings.peer_id
+    try:
+        entry = f'[peers.{peer}] role = "{role}" public_key = "{public_key_b64(load_private_key(Path(settings.private_key)))}"'
+    except Exception:  # noqa: BLE001 - the key loaded at start; this is only a hint
+        entry = f'[peers.{peer}] role = "{role}" public_key = "<this peer\'s public key>"'
     if refusal.code == p.REJECT_UNKNOWN_SENDER:
-        fix = (f"add [peers.{peer}] with role = \"{role}\" and its public key to the broker's authorized_keys "
-               f"(`ccsq keygen --out keys --id {peer} --role {role}` prints the entry), then reload the broker (SIGHUP)")
+        fix = f"add to the broker's authorized_keys: {entry}; then reload the broker (SIGHUP) and start this peer again"
     elif refusal.code == p.REJECT_BAD_SIGNATURE:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
-               "put this key's .pub into the broker's authorized_keys (then SIGHUP it) or use the matching private key")
+               f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
     elif refusal.code == p.REJECT_ROLE:
-        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: use a {role} id and key, "
+        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: use the id and key of a {role} peer, "
                f"or change its role in the broker's authorized_keys")
     else:
         fix = "check this peer's id and key against the broker's authorized_keys"

@@ -82,7 +82,7 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
         t0 = time.monotonic()
         rc, _out, errtext = run_ccsq(capsys, "submit", "--config", wrong_role_producer, "--kind", "echo", doc)
         assert rc == ExitCode.UNAUTHORIZED and time.monotonic() - t0 < REFUSAL_S
-        assert "ROLE" in errtext and "use a producer id and key" in errtext
+        assert "ROLE" in errtext and "use the id and key of a producer peer" in errtext
 
         for name, proc in workers.items():
             try:
@@ -90,7 +90,7 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
             finally:
                 proc.kill()
             assert proc.returncode == ExitCode.UNAUTHORIZED, (name, stderr[-2000:])
-            assert "authorized_keys" in stderr or "use a worker id" in stderr, stderr[-2000:]
+            assert "authorized_keys" in stderr or "of a worker peer" in stderr, stderr[-2000:]
 
         # the broker counted and logged each kind of refusal
         rc, out, _ = run_ccsq(capsys, "status", "--config", swarm.configs["admin"], "--json")
