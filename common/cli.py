@@ -597,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-s", type=float, default=5.0,
                    help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
     p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
@@ -687,6 +687,9 @@ examples:
   ccsq submit --kind ocr --deadline-s 3600 --wait --timeout-s 3600 --json batch/*.png
 """
 
+#: shtab.FILE (file-name completion), without importing shtab for every command.
+FILE_COMPLETION = {"bash": "_shtab_compgen_files", "zsh": "_files", "tcsh": "f"}
+
 #: The config file each command reads when --config is not given.
 CONFIG_ENV = "CCSQ_CONFIG"
 CONFIG_DIR = Path("/etc/ccsq")
@@ -705,7 +708,8 @@ def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
     """``--config`` of a command that reads ``<name>.toml`` (default: see :func:`default_config`)."""
     parser.add_argument("--config", default=None,
                         help=f"{name}.toml (default: ${CONFIG_ENV}/{name}.toml when ${CONFIG_ENV} is a directory, "
-                             f"${CONFIG_ENV} when it is a file, else {CONFIG_DIR}/{name}.toml)")
+                             f"${CONFIG_ENV} when it is a file, else {CONFIG_DIR}/{name}.toml)",
+                        ).complete = FILE_COMPLETION  # type: ignore[attr-defined]
     parser.set_defaults(config_name=name)
 
 

@@ -536,6 +536,7 @@ class AsyncClient:
         requested = items
         items = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
         frames = self._frames(items)
+        self._check_refused(self._require_link())  # refused for good: spooling would only hide it
         spooled: list[p.SubmitItem] = []
         results: dict[str, p.SubmitResult] = {}
         errors: list[CcsqError] = []

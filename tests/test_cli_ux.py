@@ -154,7 +154,10 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
             cli.main(["--version"])
         assert capsys.readouterr().out.startswith("ccsq ")
         rc, out, _ = run_ccsq(capsys, "completion-script", "bash")
-        assert rc == 0 and "submit" in out and "--deadline-s" in out
+        assert rc == 0 and "submit" in out and "--deadline-s" in out and "_shtab_compgen_files" in out
+        import shtab
+
+        assert all(shtab.FILE[k] == v for k, v in cli.FILE_COMPLETION.items())
 
         rc, _, err = run_ccsq(capsys, "submit", "--kind", "fail", tmp_path / "missing.png")
         assert rc == ExitCode.NOINPUT and "missing.png" in err
