@@ -59,8 +59,8 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
                f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
     elif refusal.code == p.REJECT_ROLE:
-        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: use the id and key of a {role} peer, "
-               f"or change its role in the broker's authorized_keys")
+        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: "
+               f"use the id and key of a peer with role {role!r}, or change its role in the broker's authorized_keys")
     else:
         fix = "check this peer's id and key against the broker's authorized_keys"
     return f"the broker refused peer {peer!r} ({refusal.code}: {refusal.message}); {fix}"

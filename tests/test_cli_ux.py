@@ -59,10 +59,14 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
         wrong_key = peer_config(swarm, "workerd-1", "w-badkey", private_key="keys/impostor.key", journal_dir="j-badkey")
         wrong_role = peer_config(swarm, "workerd-1", "w-role", peer_id="producer-1", private_key="keys/producer-1.key",
                                  journal_dir="j-role")
+        stranger_completion = peer_config(swarm, "completion", "c-unknown", peer_id="stranger-c",
+                                          private_key="keys/stranger.key", database="sqlite:///stranger.db")
         workers = {}
         for name, path in (("unknown", unknown_worker), ("badkey", wrong_key), ("role", wrong_role)):
             workers[name] = subprocess.Popen([bin_path("ccsq-workerd"), "--config", str(path)], stdout=subprocess.DEVNULL,
                                              stderr=subprocess.PIPE, text=True)
+        workers["completion"] = subprocess.Popen([bin_path("ccsq"), "completion", "--config", str(stranger_completion)],
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
         # the library: Unauthorized (not BrokerUnavailable after 60 s), within 5 s
         from ccsq.producer.client import Client
@@ -82,7 +86,11 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
         t0 = time.monotonic()
         rc, _out, errtext = run_ccsq(capsys, "submit", "--config", wrong_role_producer, "--kind", "echo", doc)
         assert rc == ExitCode.UNAUTHORIZED and time.monotonic() - t0 < REFUSAL_S
-        assert "ROLE" in errtext and "use the id and key of a producer peer" in errtext
+        assert "ROLE" in errtext and "use the id and key of a peer with role 'producer'" in errtext
+        admin_as_worker = peer_config(swarm, "admin", "a-role", peer_id="worker-1", private_key="keys/worker-1.key")
+        rc, _out, errtext = run_ccsq(capsys, "status", "--config", admin_as_worker)
+        assert rc == ExitCode.UNAUTHORIZED and "peer with role 'admin'" in errtext
+        assert "authorized for another role than 'admin'" in errtext  # not a silent offline fallback
 
         for name, proc in workers.items():
             try:
@@ -90,7 +98,7 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
             finally:
                 proc.kill()
             assert proc.returncode == ExitCode.UNAUTHORIZED, (name, stderr[-2000:])
-            assert "authorized_keys" in stderr or "of a worker peer" in stderr, stderr[-2000:]
+            assert "authorized_keys" in stderr or "peer with role 'worker'" in stderr, stderr[-2000:]
 
         # the broker counted and logged each kind of refusal
         rc, out, _ = run_ccsq(capsys, "status", "--config", swarm.configs["admin"], "--json")
