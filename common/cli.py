@@ -174,9 +174,8 @@ def _progress(enabled: bool):
                     console=Console(stderr=True), transient=True)
 
 
-def _submit_state(r, state: str | None) -> str:
-    if state is not None:
-        return state
+def _submit_state(r) -> str:
+    """The state column of a submit without --wait."""
     return "spooled" if r.spooled else ("duplicate" if r.duplicate else "submitted")
 
 
@@ -216,7 +215,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                   "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
                   "handler's name; `ccsq status` lists them)", file=sys.stderr)
         out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
-                "state": _submit_state(r, None)} for f, r in zip(items, receipts)]
+                "state": _submit_state(r)} for f, r in zip(items, receipts)]
         status_code = ExitCode.OK
         if args.wait:
             deadline = time.monotonic() + args.timeout_s

@@ -43,7 +43,8 @@ def _to_stdlib(logger: logging.Logger, method_name: str, event_dict: dict[str, A
     exc_info = event_dict.pop("exc_info", None)
     fields = " ".join(f"{k}={v}" for k, v in event_dict.items() if k not in ("event", "level"))
     text = f"{event_dict.get('event', '')} {fields}".rstrip()
-    return (text,), {"extra": {"ccsq_event": event_dict}, "exc_info": exc_info}
+    # stacklevel 4: the record names the line that logged (past BoundLogger.info and _proxy_to_logger)
+    return (text,), {"extra": {"ccsq_event": event_dict}, "exc_info": exc_info, "stacklevel": 4}
 
 
 def get_logger(name: str) -> Any:

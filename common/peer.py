@@ -163,7 +163,6 @@ class BrokerLink:
         self.replaced = False  # set when the broker says a newer session took our peer id
         self.refused = None
         self._hello_role = ""
-        self.stopped = asyncio.Event()  # set when run() returns (stop(), replaced or refused)
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
@@ -218,7 +217,6 @@ class BrokerLink:
             except asyncio.TimeoutError:
                 pass
         self.state = LinkState.STOPPED
-        self.stopped.set()
 
     # --- one session ---
     async def _one_session(self) -> str:
