@@ -139,10 +139,6 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 # --- ccsq submit ----------------------------------------------------------------------
-#: States after which `submit --wait` stops waiting for an item.
-_FINAL_STATES = ("acknowledged", "dead", "expired", "unknown")
-
-
 def _param(text: str) -> tuple[str, object]:
     """``K=V`` for ``--param``: V as int, float, true/false, else the string."""
     key, sep, raw = text.partition("=")
@@ -182,7 +178,7 @@ def _submit_state(r) -> str:
 def _cmd_submit(args: argparse.Namespace) -> int:
     import time
 
-    from ccsq.producer.client import Client
+    from ccsq.producer.client import DONE_STATES, Client
 
     items = [Path(f) for f in args.files]
     missing = [str(f) for f in items if not f.is_file()]
@@ -234,7 +230,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                 while todo:
                     left = deadline - time.monotonic()
                     states.update(client.wait(todo, timeout_s=max(0.1, min(left, 1.0))))
-                    todo = [i for i in todo if states[i].state not in _FINAL_STATES]
+                    todo = [i for i in todo if states[i].state not in DONE_STATES]
                     if bar:
                         bar.update(task, completed=sum(1 for i in ids if states[i].state == "acknowledged"))
                     if time.monotonic() >= deadline:
