@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import msgpack
@@ -99,6 +100,12 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
                 proc.kill()
             assert proc.returncode == ExitCode.UNAUTHORIZED, (name, stderr[-2000:])
             assert "authorized_keys" in stderr or "peer with role 'worker'" in stderr, stderr[-2000:]
+            if name != "completion":  # from ready to connect to stopped, by the worker's own log
+                events = {e["event"]: e["timestamp"] for e in (json.loads(ln) for ln in stderr.splitlines() if ln.startswith("{"))
+                          if isinstance(e, dict) and "event" in e}
+                took = (datetime.fromisoformat(events["worker_stopped"].replace("Z", "+00:00"))
+                        - datetime.fromisoformat(events["handler_ready"].replace("Z", "+00:00"))).total_seconds()
+                assert took < REFUSAL_S, (name, took)
 
         # the broker counted and logged each kind of refusal
         rc, out, _ = run_ccsq(capsys, "status", "--config", swarm.configs["admin"], "--json")
