@@ -60,6 +60,7 @@ BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
 REJECT_LOG_INTERVAL_S = 10.0
+REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all peers together
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
@@ -138,6 +139,7 @@ class Broker:
         self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
         self._rejects_unsaved: collections.Counter = collections.Counter()
         self._reject_logged: dict[tuple[bytes | str, str], float] = {}
+        self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
         self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
         self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
         self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
@@ -313,6 +315,15 @@ class Broker:
         self._rejects_unsaved[code] += 1
         key = (peer or rid, code)
         if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
+            if now - self._reject_window_mono >= REJECT_LOG_INTERVAL_S:  # a new window for all peers together
+                if self._reject_lines_dropped:
+                    log.warning("frame_rejected_suppressed", lines=self._reject_lines_dropped,
+                                interval_s=REJECT_LOG_INTERVAL_S, limit=REJECT_LOG_LINES_PER_INTERVAL)
+                self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = now, 0, 0
+            if self._reject_window_lines >= REJECT_LOG_LINES_PER_INTERVAL:  # many ids: a flood, not a peer
+                self._reject_lines_dropped += 1
+                return
+            self._reject_window_lines += 1
             if len(self._reject_logged) > 10_000:
                 self._reject_logged.clear()
             self._reject_logged[key] = now

@@ -142,6 +142,19 @@ def test_broker_answers_strangers_rate_limited_and_never_unsigned_junk(tmp_path:
             assert len(answers) == 1, answers
             assert isinstance(answers[0], p.Error) and answers[0].code == p.REJECT_UNKNOWN_SENDER
             assert "'flooder'" in answers[0].message and "public" not in answers[0].message
+
+            # made-up ids: at most the token bucket's burst is answered, the log stays bounded
+            key = load_private_key(priv)
+            for i in range(300):
+                sock.send_multipart(EnvelopeCodec(f"made-up-{i}", key, codec.authorized).encode(p.Hello(role="worker")))
+            answers = []
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                if sock.poll(100):
+                    answers.append(codec.decode(sock.recv_multipart(), bound_sender="broker").message)
+            assert 10 <= len(answers) <= 25, len(answers)  # a burst of 20, then 20/s
+            log = (tmp_path / "logs" / "broker.log").read_text()
+            assert log.count('"frame_rejected"') <= 100
         finally:
             sock.close()
 
