@@ -589,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an item parameter for the handler (repeatable; numbers and true/false are typed)")
     p.add_argument("--priority", type=int, default=0, help="higher is dispatched first (default %(default)s)")
     p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
-    p.add_argument("--connect-timeout-s", type=float, default=5.0,
+    p.add_argument("--connect-timeout-s", type=float, default=3.0,
                    help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
