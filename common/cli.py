@@ -1,7 +1,8 @@
 """``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report,
-status, items, dlq, drain, reconcile).
+status, items, dlq, drain, reconcile, completion-script).
 
-Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
+``--config`` defaults to ``$CCSQ_CONFIG/<name>.toml`` (or ``/etc/ccsq/<name>.toml``):
+:func:`default_config`. Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
 host without onnxruntime can still run the broker-side commands.
 Exit codes are :class:`ccsq.common.errors.ExitCode` values.
 """

@@ -152,7 +152,7 @@ def test_broker_answers_strangers_rate_limited_and_never_unsigned_junk(tmp_path:
             while time.monotonic() < deadline:
                 if sock.poll(100):
                     answers.append(codec.decode(sock.recv_multipart(), bound_sender="broker").message)
-            assert 10 <= len(answers) <= 25, len(answers)  # a burst of 20, then 20/s
+            assert 15 <= len(answers) <= 60, len(answers)  # a burst of 20, then 20/s: far fewer than 300
             log = (tmp_path / "logs" / "broker.log").read_text()
             assert log.count('"frame_rejected"') <= 100
         finally:
