@@ -194,8 +194,13 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
         doc.write_text("hello")
         # the broker says "unserved" only after 2 liveness windows (2 s here): workers reconnect first
         wait_until(lambda: json.loads(run_ccsq(capsys, "status", "--json")[1])["broker"]["uptime_s"] > 2.5, 30, "uptime")
-        rc, out, err = run_ccsq(capsys, "submit", "--kind", "classify", "--param", "top_k=5", doc)
+        rc, out, err = run_ccsq(capsys, "submit", "--kind", "classify", "--param", "top_k=5", "--priority", "7",
+                                "--deadline-s", "3600", doc)
         assert rc == 0 and "submitted" in out
+        rc, shown, _ = run_ccsq(capsys, "items", "show", out.split()[0], "--json")
+        rec = json.loads(shown)["item"]
+        assert rec["params"] == {"name": "doc.txt", "top_k": 5} and rec["priority"] == 7
+        assert 3500_000 < rec["deadline_ms"] - time.time() * 1000 <= 3600_000
         assert "no worker seen by the broker since it started serves kind 'classify'" in err
 
         rc, out, _ = run_ccsq(capsys, "status")
