@@ -48,8 +48,9 @@ log = get_logger("ccsq.peer")
 
 #: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
 #: until an operator changes authorized_keys (and restarts this peer).
+CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed with status 400
 REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                           p.REJECT_FORGED_ORIGIN})
+                           p.REJECT_FORGED_ORIGIN, CURVE_REFUSED})
 
 
 def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
@@ -65,6 +66,15 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
     elif refusal.code == p.REJECT_BAD_SIGNATURE:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
                f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
+    elif refusal.code == CURVE_REFUSED:
+        try:
+            import zmq as _zmq
+
+            curve_pub = _zmq.curve_public(peer_curve_secret(settings)).decode()
+        except Exception:  # noqa: BLE001 - only a hint
+            curve_pub = "<this peer's CURVE public key>"
+        fix = (f'add curve_public_key = "{curve_pub}" to [peers.{peer}] in the broker\'s authorized_keys.toml, then '
+               "reload the broker (SIGHUP) and start this peer again")
     elif refusal.code == p.REJECT_ROLE:
         fix = (f"peer id {peer!r} is authorized for another role than {role!r}: "
                f"use the id and key of a peer with role {role!r}, or change its role in the broker's authorized_keys")
@@ -313,6 +323,14 @@ class BrokerLink:
                 return hello.result()
             event = parse_monitor_message(failed.result())
             name = getattr(event["event"], "name", str(event["event"]))
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
+                # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
+                self.refused = self.last_refusal = p.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "
+                                                                          "this peer's CURVE public key")
+                self._stopping = True
+                self.log.error("broker_refused_peer", code=CURVE_REFUSED, message=self.refused.message,
+                               fix=refusal_fix(self.settings, self._hello_role, self.refused))
+                raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} refused (ZAP): {CURVE_REFUSED}")
             self.log.error(
                 "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
                 broker_curve_public_key=self.settings.broker_curve_public_key,

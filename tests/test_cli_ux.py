@@ -246,3 +246,29 @@ def test_library_logs_through_standard_logging(tmp_path: Path) -> None:
                                 capture_output=True, text=True, timeout=60, env=env)
         assert chatty.returncode == 0
         assert "APP ccsq.peer broker_link_ready" in chatty.stderr  # through the application's own handler
+
+
+def test_curve_peer_outside_the_allow_list_is_refused_with_the_line_to_add(tmp_path: Path, capsys) -> None:
+    """With CURVE, a peer whose CURVE key the broker's allow-list lacks (ZAP 400) stops
+    at once too: Unauthorized / exit 77 with the curve_public_key line to add."""
+    from ccsq.common.keys import write_curve_keypair
+    from ccsq.producer.client import Client
+
+    curve = {"curve": True}
+    with Swarm(tmp_path, workers=0, broker=curve, producer=curve, completion=curve, worker=curve) as swarm:
+        swarm.start_broker()
+        secret, public = write_curve_keypair(tmp_path / "keys", "stray")
+        stray = peer_config(swarm, "producer", "p-stray", curve_secret_key=str(secret))
+        with Client.from_config_file(stray) as client:
+            t0 = time.monotonic()
+            with pytest.raises(Unauthorized) as err:
+                client.submit(b"x", "echo")
+            assert time.monotonic() - t0 < REFUSAL_S
+        assert err.value.code == "CURVE_REFUSED"
+        assert f'curve_public_key = "{public.read_text().strip()}"' in str(err.value)
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        rc, _out, errtext = run_ccsq(capsys, "submit", "--config", stray, "--kind", "echo", doc)
+        assert rc == ExitCode.UNAUTHORIZED and "CURVE" in errtext
+        with swarm.client() as client:  # the listed producer still gets in
+            assert client.submit(b"y", "echo").item_id
