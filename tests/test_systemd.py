@@ -409,7 +409,7 @@ def _sandbox_options(u: dict, tmp_path: Path, proc_name: str) -> list[str]:
 
 
 def _daemons_missing() -> list[str]:
-    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.producer.completion")
+    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.completiond.completion")
             if importlib.util.find_spec(m) is None]
 
 
