@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
     _config_arg(p, "completion")
     p.set_defaults(func=_cmd_completion)
 

@@ -205,9 +205,15 @@ def test_sigterm_finishes_the_batch_says_bye_and_exits_0(env) -> None:
     wait_until(lambda: "completion-1" in e.broker.byes, 5, "BYE from the completion service")
 
 
-def test_bad_database_url_is_a_config_error(env) -> None:
+@pytest.mark.parametrize("how", ["ccsq completion", "ccsq-completiond", "ccsq-completiond, $CCSQ_CONFIG"])
+def test_bad_database_url_is_a_config_error(env, how: str) -> None:
+    """The unit's ``ccsq-completiond`` and the ``ccsq completion`` alias are one command:
+    same config (``--config`` or the default from ``$CCSQ_CONFIG``), same refusal, same exit."""
     e = env(database="mysql://nope")
-    proc = e.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(e.config)])
+    argv = {"ccsq completion": [bin_path("ccsq"), "completion", "--config", str(e.config)],
+            "ccsq-completiond": [bin_path("ccsq-completiond"), "--config", str(e.config)],
+            "ccsq-completiond, $CCSQ_CONFIG": [bin_path("ccsq-completiond")]}[how]
+    proc = e.procs.start("completion", argv, env={"CCSQ_CONFIG": str(e.config)})
     assert e.procs.wait_exit("completion", timeout_s=20) == 78
     assert "mysql://nope" in e.procs.tail("completion") and proc.starts == 1
 
