@@ -26,7 +26,7 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 (every process, :mod:`ccsq.common.metrics`); ``zap_refused_total`` (CURVE
 handshakes the ZAP allow-list refused; with ``curve = true``).
 Workers and the completion service export their own (``workerd/metrics.py``,
-``producer/completion.py``).
+``completiond/completion_metrics.py``).
 """
 
 from __future__ import annotations

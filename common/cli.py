@@ -528,7 +528,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
     from ccsq.common.claimstore import open_store
     from ccsq.common.config import AdminConfig, BrokerConfig, load
-    from ccsq.producer.reconcile import ReconcileReport, reconcile
+    from ccsq.common.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
     store = open_store(args.store, Path(args.config).resolve().parent)
@@ -577,7 +577,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
-    from ccsq.producer.completion import main as completion_main
+    from ccsq.completiond.completion import main as completion_main
 
     return completion_main(args.config)
 
@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
     _config_arg(p, "completion")
     p.set_defaults(func=_cmd_completion)
 

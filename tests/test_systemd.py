@@ -18,6 +18,7 @@ where they fail: CI must install the ``systemd`` Debian package.
 
 from __future__ import annotations
 
+import configparser
 import functools
 import importlib.util
 import os
@@ -198,6 +199,18 @@ def test_workers_get_their_gpu_and_the_others_get_no_devices() -> None:
         assert value(u, "Service", "PrivateDevices") == "yes" and value(u, "Service", "MemoryDenyWriteExecute") == "yes"
 
 
+def test_each_daemon_unit_runs_its_own_console_script() -> None:
+    # `ccsq completion` stays an alias for people; the unit runs the daemon's own script
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    scripts = {line.split("=")[0].strip() for line in cfg["options.entry_points"]["console_scripts"].splitlines() if line}
+    for name, script in (("ccsq-brokerd.service", "ccsq-brokerd"), ("ccsq-workerd@.service", "ccsq-workerd"),
+                         ("ccsq-completion.service", "ccsq-completiond")):
+        argv = shlex.split(value(unit(name), "Service", "ExecStart"))
+        assert argv[:2] == [f"/usr/local/bin/{script}", "--config"], f"{name}: ExecStart {argv}"
+        assert script in scripts, f"{script} is not a console script in setup.cfg"
+
+
 # --- C11: the recovery unit -------------------------------------------------------------
 def _recover_argv(target: str) -> list[str]:
     """ccsq-recover@TARGET's ExecStart as systemd runs it (``$$`` -> ``$``, ``%i`` -> TARGET)."""
@@ -267,7 +280,8 @@ def test_install_dry_run_changes_nothing() -> None:
     for name in ALL_UNITS:
         assert f"install -m 0644 {UNIT_DIR / name} /etc/systemd/system/{name}" in out
     assert "useradd --system" in out or "# user ccsq exists" in out
-    assert f"ln -sfn {venv}/bin/ccsq-brokerd /usr/local/bin/ccsq-brokerd" in out
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
+        assert f"ln -sfn {venv}/bin/{name} /usr/local/bin/{name}" in out
 
 
 def test_install_into_a_staging_root(tmp_path: Path) -> None:
@@ -294,7 +308,7 @@ def test_install_refuses_a_venv_the_units_cannot_see(venv: str, why: str) -> Non
 def _fake_venv(root: Path, base_home: str) -> Path:
     venv = root / "venv"
     (venv / "bin").mkdir(parents=True)
-    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd"):
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
         (venv / "bin" / name).write_text("#!/bin/sh\n")
         (venv / "bin" / name).chmod(0o755)
     (venv / "bin" / "python3").symlink_to(f"{base_home}/python3")
@@ -409,7 +423,7 @@ def _sandbox_options(u: dict, tmp_path: Path, proc_name: str) -> list[str]:
 
 
 def _daemons_missing() -> list[str]:
-    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.producer.completion")
+    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.completiond.main")
             if importlib.util.find_spec(m) is None]
 
 
