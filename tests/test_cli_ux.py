@@ -55,10 +55,10 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
         keys = tmp_path / "keys"
         write_keypair(keys, "stranger")  # a key pair the broker's authorized_keys does not list
         write_keypair(keys, "impostor")
-        unknown_worker = peer_config(swarm, "workerd-1", "w-unknown", peer_id="stranger", private_key="keys/stranger.key",
+        unknown_worker = peer_config(swarm, "workerd-0", "w-unknown", peer_id="stranger", private_key="keys/stranger.key",
                                      journal_dir="j-unknown")
-        wrong_key = peer_config(swarm, "workerd-1", "w-badkey", private_key="keys/impostor.key", journal_dir="j-badkey")
-        wrong_role = peer_config(swarm, "workerd-1", "w-role", peer_id="producer-1", private_key="keys/producer-1.key",
+        wrong_key = peer_config(swarm, "workerd-0", "w-badkey", private_key="keys/impostor.key", journal_dir="j-badkey")
+        wrong_role = peer_config(swarm, "workerd-0", "w-role", peer_id="producer-1", private_key="keys/producer-1.key",
                                  journal_dir="j-role")
         stranger_completion = peer_config(swarm, "completion", "c-unknown", peer_id="stranger-c",
                                           private_key="keys/stranger.key", database="sqlite:///stranger.db")
