@@ -26,7 +26,7 @@ from ccsq.brokerd.transport import EndpointInUse, Transport
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.errors import ConfigError, ExitCode, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
 from ccsq.common.systemd import Notifier, watchdog_task
 
@@ -96,9 +96,10 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             map_size_bytes=cfg.map_size_bytes,
             max_map_size_bytes=cfg.max_map_size_bytes,
             policy=Policy.from_config(cfg),
+            max_readers=cfg.max_readers,
         )
     except LedgerError as exc:
-        return _fail(ExitCode.FAILURE, str(exc))
+        return _fail(exc.exit_code, str(exc))
     codec = EnvelopeCodec(
         cfg.peer_id,
         key,
@@ -115,7 +116,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
     try:
         (data_dir / "endpoint").write_text(transport.endpoint + "\n")
-        broker = Broker(cfg, ledger, transport)
+        try:
+            broker = Broker(cfg, ledger, transport)
+        except LedgerError as exc:
+            return _fail(exc.exit_code, str(exc))
+        except lmdb.Error as exc:
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
+            return _fail(code, why)
         metrics = None
         if cfg.metrics_port:
             from ccsq.brokerd.metrics import start_metrics
@@ -126,8 +133,12 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         except lmdb.Error as exc:
             # disk full or an I/O error at commit: the transaction did not commit, so
             # nothing in it was confirmed to anyone; exit and let systemd restart us
-            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}")
-            return _fail(ExitCode.LEDGER_IO, f"ledger write failed ({exc}); free disk space, then restart")
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "a ledger write")
+            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}", exit_code=int(code), advice=why)
+            return _fail(code, why)
+        except LedgerError as exc:  # e.g. ReadersFull at a read that must succeed
+            log.error("ledger_failed", error=str(exc), exit_code=int(exc.exit_code))
+            return _fail(exc.exit_code, str(exc))
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded

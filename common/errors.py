@@ -25,6 +25,7 @@ class ExitCode(enum.IntEnum):
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
     REFUSED = 65  # EX_DATAERR: the broker refused a CLI request (unknown item or worker, item not dead...)
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a CLI command needs the running broker and got no answer
+    LEDGER_CORRUPT = 80  # the ledger file is corrupt, not LMDB, or of another LMDB version: restore a backup; do not restart
 
 
 class CcsqError(Exception):
@@ -138,6 +139,50 @@ class PermanentHandlerError(PermanentError):
     """A handler says this item can never succeed (bad input): dead-letter it at once."""
 
     code = "HANDLER_FATAL"
+
+
+def ledger_failure(exc: BaseException, path: object, doing: str = "ledger") -> tuple[ExitCode, str]:
+    """The exit code and one sentence (cause and fix) for an LMDB error ``exc`` that
+    stopped ``doing`` on the ledger at ``path``. Classifies by the py-lmdb exception
+    class name (no lmdb import here) and, for plain ``lmdb.Error``/``OSError``, by the
+    errno text: ReadersFullError -> LEDGER_LOCKED (75, transient), MapFullError ->
+    CONFIG (78: raise max_map_size_bytes), ENOSPC -> LEDGER_IO (74: free space), EIO ->
+    LEDGER_IO (74: check the disk), Corrupted/Invalid/VersionMismatch/BadChecksum/
+    PageNotFound/Panic/Incompatible -> LEDGER_CORRUPT (80: restore a backup),
+    LockError -> LEDGER_LOCKED (75); anything else -> LEDGER_IO (74)."""
+    name = type(exc).__name__
+    text = str(exc)
+    where = f"{doing} on {path}"
+    if name == "ReadersFullError":
+        return ExitCode.LEDGER_LOCKED, (
+            f"{where}: the LMDB reader table is full (MDB_READERS_FULL): live processes hold every reader slot "
+            "(stale slots of dead processes were cleared); stop the stray readers listed by `ccsq status` "
+            "(readers) or raise max_readers, then retry. This is not a disk problem")
+    if name == "MapFullError":
+        return ExitCode.CONFIG, (
+            f"{where}: the ledger reached its map size limit (MDB_MAP_FULL): raise max_map_size_bytes in brokerd.toml, "
+            "or take back space held by history with `ccsq backup` and the swap in docs/ledger.md")
+    if name == "DiskError" or "No space left" in text or getattr(exc, "errno", None) == 28:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk holding the ledger is full (ENOSPC); nothing unconfirmed was acknowledged: "
+            "free disk space there, then restart")
+    if "Input/output error" in text or getattr(exc, "errno", None) == 5:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk or filesystem returned an I/O error (EIO); nothing unconfirmed was acknowledged: "
+            "check the device (dmesg, smartctl), restart once it is healthy, or restore the latest backup on a healthy disk")
+    if name in ("CorruptedError", "PageNotFoundError", "BadChecksumError", "PanicError"):
+        return ExitCode.LEDGER_CORRUPT, (
+            f"{where}: the ledger file is corrupt ({name}); do not restart: stop the broker, keep the file for analysis, "
+            "restore the latest `ccsq backup` (docs/ledger.md, Backups), then start")
+    if name in ("InvalidError", "VersionMismatchError", "IncompatibleError"):
+        return ExitCode.LEDGER_CORRUPT, (
+            f"{where}: data.mdb is not a ledger this LMDB can read ({name}: not an LMDB file, or written by another "
+            "LMDB version); do not restart: point data_dir at the right directory, use the LMDB version that wrote it, "
+            "or restore a `ccsq backup`")
+    if name == "LockError":
+        return ExitCode.LEDGER_LOCKED, (
+            f"{where}: the ledger's lock file is locked by another process (EAGAIN): transient, retry later")
+    return ExitCode.LEDGER_IO, f"{where}: ledger error ({name}: {text}); nothing unconfirmed was acknowledged: restart"
 
 
 #: Map from wire error code to exception type, used by clients to re-raise.
