@@ -22,6 +22,7 @@ import os
 import random
 import secrets
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,10 @@ SAMPLE_MAX_KINDS = 64
 HISTORY_PREFIX = b"h:"
 HISTORY_INTERVAL_MS = 1000
 HISTORY_KEEP_MS = 3600 * 1000
+#: The broker runs LMDB's reader check this often (stale slots of dead readers freed);
+#: a process that finds the reader table full while opening waits a bit longer.
+READER_CHECK_INTERVAL_S = 1.0
+READERS_FULL_WAIT_S = 3.0
 
 DB_NAMES = (
     "items",  # item_id -> msgpack record
@@ -206,30 +211,41 @@ class Ledger:
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size_bytes,
-                max_dbs=len(DB_NAMES) + 2,
-                subdir=True,
-                readonly=readonly,
-                lock=True,
-                sync=True,
-                metasync=True,
-                writemap=False,
-                max_readers=max_readers,
-                create=not readonly,
-            )
-        except lmdb.Error as exc:
-            code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
-            raise LedgerError(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+        deadline = time.monotonic() + READERS_FULL_WAIT_S
+        while True:
+            try:
+                self.env = self._open_env(map_size_bytes, readonly, max_readers)
+                break
+            except lmdb.ReadersFullError as exc:
+                # py-lmdb begins a read transaction while opening, so a process that
+                # does not have the env open yet cannot run the reader check itself:
+                # wait for the broker's (READER_CHECK_INTERVAL_S), then give up
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+            except lmdb.Error as exc:
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise LedgerError(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
         if not readonly:
             self.clear_stale_readers()
         try:
-            self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+            try:
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+            except lmdb.ReadersFullError:  # open_db reads too: clear dead readers' slots, try again
+                self.clear_stale_readers()
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+        except lmdb.ReadersFullError as exc:
+            self.env.close()
+            code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+            raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
         except lmdb.Error as exc:
             self.env.close()
             raise LedgerError(f"ledger {self.path} lacks its sub-databases: {exc}") from None
+        except LedgerError:
+            self.env.close()
+            raise
         self.ledger_id = ""
         if not readonly:
             with self.env.begin(write=True) as txn:
@@ -239,7 +255,11 @@ class Ledger:
                     txn.put(b"m:ledger_id", lid, db=self.db["meta"])
                 self.ledger_id = lid.decode()
         else:
-            txn = self._begin()
+            try:
+                txn = self._begin()
+            except LedgerError:
+                self.env.close()
+                raise
             try:
                 lid = txn.get(b"m:ledger_id", db=self.db["meta"])
             finally:
@@ -247,6 +267,21 @@ class Ledger:
             self.ledger_id = lid.decode() if lid else ""
 
     # --- environment ---
+    def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.path),
+            map_size=map_size_bytes,
+            max_dbs=len(DB_NAMES) + 2,
+            subdir=True,
+            readonly=readonly,
+            lock=True,
+            sync=True,
+            metasync=True,
+            writemap=False,
+            max_readers=max_readers,
+            create=not readonly,
+        )
+
     def close(self) -> None:
         self.env.close()
 
