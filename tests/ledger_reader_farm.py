@@ -27,10 +27,12 @@ import time
 def _reader(path: str, wait_s: float, w: int) -> None:
     import lmdb
 
-    env = lmdb.open(path, readonly=True, lock=True, subdir=True, max_dbs=16)
     deadline = time.monotonic() + wait_s
+    env = None
     while True:
         try:
+            if env is None:  # py-lmdb's open begins a read transaction too
+                env = lmdb.open(path, readonly=True, lock=True, subdir=True, max_dbs=16)
             txn = env.begin()
             os.write(w, b"ok %d\n" % txn.id())
             break
@@ -73,6 +75,8 @@ def main() -> None:
                     os.close(r)
                     try:
                         _reader(path, wait_s, w)
+                    except BaseException as exc:  # noqa: BLE001 - said on stderr, then this reader is gone
+                        print(f"reader {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                     finally:
                         os._exit(0)
                 os.close(w)

@@ -274,7 +274,7 @@ def test_300_readers_sigkilled_mid_transaction_while_submits_flow(tmp_path, farm
             n = min(wave, 300 - killed)
             before = len(acked)
             ok, full, _ = farm.open(n, wait_s=20.0)  # a wave after the first needs the broker to clear the last
-            assert (ok, full) == (n, 0), "the broker did not free the slots of the SIGKILLed readers"
+            assert (ok, full) == (n, 0), f"the broker did not free the slots of the SIGKILLed readers: {sw.status()['readers']}"
             assert farm.kill() == n
             killed += n
             wait_for(lambda b=before: len(acked) > b or errors, 30, 0.01, "submits committed during the wave")
@@ -296,6 +296,10 @@ def test_300_readers_sigkilled_mid_transaction_while_submits_flow(tmp_path, farm
 
 # --- one reader SIGKILLed holding a snapshot while 10,000 items cycle -----------------------
 def test_a_dead_readers_snapshot_stops_pinning_once_the_broker_clears_it(tmp_path, farms) -> None:
+    """A reader SIGKILLed holding a snapshot pins every page freed after it until its
+    slot is cleared: the broker's reader check clears it within about a second, so
+    over 10,000 cycled items data.mdb stays a small multiple of the live data (a
+    pinned snapshot would add ~4 KiB per item cycled: ~40 MiB here, see the next test)."""
     sw = Swarm(tmp_path, retention_s=0.0, dedup_window_s=0.0)
     try:
         sw.cycle(500)
@@ -305,16 +309,19 @@ def test_a_dead_readers_snapshot_stops_pinning_once_the_broker_clears_it(tmp_pat
         assert ok == 1
         farm.kill()  # dies holding its snapshot: the slot stays listed until someone checks
         t0 = time.monotonic()
-        sw.cycle(10_000)
+        peak_live, sizes = 0, []
+        for _ in range(10):
+            sw.cycle(1000)
+            r = sw.status()["readers"]
+            peak_live = max(peak_live, r["live_bytes"])
+            sizes.append(sw.file_bytes())
         cycle_s = time.monotonic() - t0
-        st = sw.status()
-        r = st["readers"]
-        live = r["live_bytes"]
-        size = sw.file_bytes()
-        print(f"\n10,000 items cycled in {cycle_s:.1f} s: data.mdb {size / MIB:.2f} MiB, live {live / MIB:.2f} MiB, "
-              f"free {r['free_bytes'] / MIB:.2f} MiB, cleared {r['stale_cleared']}, last txn {r['last_txnid']} (reader at {txnid})")
-        assert r["stale_cleared"] >= 1 and r["oldest"] is None or r["oldest"]["txnid"] > txnid
-        assert size <= max(4 * live, live + 4 * MIB), f"data.mdb {size} bytes for {live} live bytes"
+        assert r["stale_cleared"] >= 1 and (r["oldest"] is None or r["oldest"]["txnid"] > txnid)
+        print(f"\n10,000 items cycled in {cycle_s:.1f} s past a dead reader at txn {txnid}: data.mdb "
+              f"{' '.join(f'{x / MIB:.2f}' for x in sizes)} MiB; live peak {peak_live / MIB:.2f} MiB, now "
+              f"{r['live_bytes'] / MIB:.2f} MiB; last txn {r['last_txnid']}")
+        assert sizes[-1] <= 3 * peak_live + MIB, f"data.mdb {sizes[-1]} bytes for a live peak of {peak_live} bytes"
+        assert sizes[-1] - sizes[4] <= MIB // 2, "the file kept growing after the slot was cleared"
         assert _gap_report(sw.config).returncode == 0
     finally:
         sw.close()
@@ -322,6 +329,10 @@ def test_a_dead_readers_snapshot_stops_pinning_once_the_broker_clears_it(tmp_pat
 
 # --- a live reader held for a long cycle ------------------------------------------------------
 def test_a_live_long_reader_is_warned_about_and_grows_the_file_as_documented(tmp_path, farms) -> None:
+    """A live reader cannot be cleared: it is named (status, the ledger_reader_old
+    warning past reader_warn_age_s, the pinned-bytes estimate) and the file grows by
+    what the commits since its snapshot wrote, ~4 KiB per item cycled in batches of
+    250 (docs/ledger.md); once it ends, the pages are reused and the file stops growing."""
     sw = Swarm(tmp_path, retention_s=0.0, dedup_window_s=0.0, reader_warn_age_s=1.0)
     try:
         sw.cycle(500)
@@ -332,31 +343,29 @@ def test_a_live_long_reader_is_warned_about_and_grows_the_file_as_documented(tmp
         base = sw.file_bytes()
         base_txn = sw.status()["readers"]["last_txnid"]
         t0 = time.monotonic()
-        sw.cycle(3000)
+        items = len(sw.cycle(2000))
         while time.monotonic() - t0 < 2.5:  # a long cycle: past reader_warn_age_s
-            sw.cycle(250)
+            items += len(sw.cycle(250))
         warned = wait_for(lambda: [e for e in sw.broker.events("ledger_reader_old") if e["pid"] == pid], 10, 0.1,
                           "the ledger_reader_old warning")
-        st = sw.status()
-        r = st["readers"]
+        r = sw.status()["readers"]
         old = r["oldest"]
         grown = sw.file_bytes() - base
         commits = r["last_txnid"] - base_txn
-        print(f"\nheld reader: {commits} commits, file +{grown / MIB:.2f} MiB = {grown / max(commits, 1) / 4096:.1f} pages/commit; "
-              f"pinned estimate {old['pinned_bytes'] / MIB:.2f} MiB, age {old['age_s']} s, lag {old['lag_txns']}; "
-              f"warned {warned[0]}")
-        assert old["pid"] == pid and old["txnid"] == txnid and old["lag_txns"] > 0 and old["age_s"] >= 1.0
-        assert warned[0]["age_s"] >= 1.0 and warned[0]["pinned_bytes"] > 0
-        assert grown > 0
-        # the documented growth (docs/ledger.md): at most ~16 pages per commit in this test's shape
-        assert grown <= commits * 16 * 4096
+        print(f"\nheld reader: {items} items, {commits} commits: file +{grown / MIB:.2f} MiB = {grown / items / 1024:.1f} KiB/item, "
+              f"{grown / commits / 4096:.1f} pages/commit; pinned estimate {old['pinned_bytes'] / MIB:.2f} MiB, "
+              f"age {old['age_s']} s, lag {old['lag_txns']}")
+        assert old["pid"] == pid and old["txnid"] == txnid and old["lag_txns"] >= commits and old["age_s"] >= 1.0
+        assert warned[0]["age_s"] >= 1.0 and warned[0]["pinned_bytes"] > 0 and warned[0]["txnid"] == txnid
+        # the documented growth (docs/ledger.md): ~4 KiB per item cycled in this shape
+        assert 1024 * items <= grown <= 12 * 1024 * items
         # the estimate of what it pins follows the real growth
-        assert 0.5 * grown <= old["pinned_bytes"] <= 2 * grown + MIB
+        assert 0.5 * grown <= old["pinned_bytes"] <= 1.5 * grown + MIB
         # released: the pages become reusable, the file stops growing
         farm.kill()
         wait_for(lambda: sw.status()["readers"]["oldest"] is None, 20, 0.2, "the stale slot cleared")
         size = sw.file_bytes()
         sw.cycle(3000)
-        assert sw.file_bytes() <= size + MIB
+        assert sw.file_bytes() <= size + MIB // 2
     finally:
         sw.close()
