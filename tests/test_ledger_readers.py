@@ -369,3 +369,77 @@ def test_a_live_long_reader_is_warned_about_and_grows_the_file_as_documented(tmp
         assert sw.file_bytes() <= size + MIB // 2
     finally:
         sw.close()
+
+
+# --- backup while the broker runs, and a restore ------------------------------------------------
+def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_acknowledged(tmp_path) -> None:
+    """``ccsq backup`` copies the ledger while the broker commits (one snapshot,
+    compacted); the documented swap (stop, move the copy into place, start) gives a
+    broker whose books balance and which never dispatches or delivers an item that
+    was acknowledged before the backup."""
+    sw = Swarm(tmp_path)
+    try:
+        acked = set(sw.cycle(600))
+        stop = threading.Event()
+        submitted: list[str] = []
+
+        def submits() -> None:  # the broker keeps committing during the copy
+            n = 0
+            while not stop.is_set():
+                res = sw.prod.submit([p.SubmitItem(f"b{n + j}", "echo", blob(b"b%d" % (n + j))) for j in range(10)], 30)
+                submitted.extend(r.item_id for r in res)
+                n += 10
+
+        t = threading.Thread(target=submits, daemon=True)
+        t.start()
+        wait_for(lambda: len(submitted) >= 50, 30, 0.01, "submits before the backup")
+        dest = tmp_path / "backup-1"
+        done = subprocess.run([sys.executable, "-m", "ccsq.common.cli", "backup", "--config", str(sw.config), str(dest), "--json"],
+                              capture_output=True, text=True, timeout=120)
+        wait_for(lambda: len(submitted) >= 100, 30, 0.01, "submits after the backup")
+        stop.set()
+        t.join(30)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert out["balanced"] and out["received"] >= 650 and (dest / "data.mdb").is_file() and not (dest / "lock.mdb").exists()
+        assert out["bytes"] <= out["source_bytes"]
+        # a second backup into a non-empty directory is refused (usage), nothing overwritten
+        again = subprocess.run([sys.executable, "-m", "ccsq.common.cli", "backup", "--config", str(sw.config), str(dest)],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode == ExitCode.USAGE and "not empty" in again.stderr
+        # the swap (docs/ledger.md, Backups): stop, move the copy into place, start
+        for sp in sw.peers:
+            sp.close()
+        assert sw.broker.stop() == 0
+        shutil.move(str(sw.ledger_dir), str(sw.ledger_dir.with_name("ledger.before-restore")))
+        sw.ledger_dir.mkdir()
+        shutil.copy2(dest / "data.mdb", sw.ledger_dir / "data.mdb")
+        sw.broker = BrokerProcess(sw.config).start()
+        rep = _gap_report(sw.config)
+        assert rep.returncode == 0, rep.stderr
+        restored = json.loads(rep.stdout)
+        assert restored["received"] == out["received"] and restored["acknowledged"] == 600 and restored["balanced"]
+        ready = restored["states"]["ready"]
+        assert ready == out["received"] - 600
+        # workers and completion services with plenty of credit: only the ready items come
+        sw.connect()
+        sw.w.send(p.Credit(5000))
+        sw.comp.send(p.Credit(5000))
+        tasks: list[p.Task] = []
+        while len(tasks) < ready:
+            tasks += sw.w.recv_type(p.Dispatch, 30).tasks
+        assert not acked & {t.item_id for t in tasks}
+        sw.w.send(p.Complete([p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.0) for t in tasks]))
+        got: list[p.Delivery] = []
+        while len(got) < ready:
+            got += sw.comp.recv_type(p.Result, 30).deliveries
+        assert not acked & {d.item_id for d in got} and not any(d.redelivery for d in got)
+        sw.comp.send(p.Ack([d.item_id for d in got]))
+        sw.comp.recv_type(p.AckOk, 30)
+        with pytest.raises(TimeoutError):  # nothing else: no redispatch, no redelivery
+            sw.comp.recv_type(p.Result, 1.0)
+        final = json.loads(_gap_report(sw.config).stdout)
+        assert final["balanced"] and final["acknowledged"] == 600 + ready and final["redelivered"] == 0
+        assert final["routed"] == out["received"]  # each item leased once: none of the 600 again
+    finally:
+        sw.close()
