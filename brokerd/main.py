@@ -3,7 +3,10 @@
 Exit codes (:class:`~ccsq.common.errors.ExitCode`): 0 after SIGTERM/SIGINT;
 ``CONFIG`` (78) for a bad config, a missing or too-open key file (one line on
 stderr; systemd must not restart); ``LEDGER_LOCKED`` (75) when another broker
-holds the ledger lock or the endpoint is taken (transient: restart later).
+holds the ledger lock or the endpoint is taken (transient: restart later); an
+LMDB error exits with the code and sentence of
+:func:`~ccsq.common.errors.ledger_failure` (74 disk full / I/O error, 75 reader
+table full at start, 78 map full, 80 corrupt or unreadable file).
 """
 
 from __future__ import annotations
