@@ -17,19 +17,22 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import lmdb
 import pytest
+import tomli_w
 
 from ccsq.brokerd.ledger import Ledger, ReadersFull, data_paths, parse_readers
 from ccsq.brokerd.report import iter_blob_refs, load_report
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common import protocol as p
 from ccsq.common.errors import ExitCode, ledger_failure
+from ccsq.common.procs import free_tcp_port
 
 FARM = Path(__file__).resolve().parent / "ledger_reader_farm.py"
-PEERS = {"prod": "producer", "w": "worker", "comp": "completion", "adm": "admin"}
+PEERS = {"prod": "producer", "w": "worker", "comp": "completion", "adm": "admin", "cli": "admin"}
 MIB = 1 << 20
 
 
@@ -140,6 +143,28 @@ def farms():
     yield made
     for f in made:
         f.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ccsq.common.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def _admin_toml(sw: Swarm) -> Path:
+    path = sw.root / "admin.toml"
+    path.write_text(tomli_w.dumps({"peer_id": "cli", "private_key": "keys/cli.key", "authorized_keys": "authorized_keys.toml",
+                                   "broker_endpoint": sw.broker.endpoint, "broker_id": "broker", "data_dir": "broker-data"}))
+    return path
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 def _gap_report(config: Path) -> subprocess.CompletedProcess:
@@ -333,7 +358,8 @@ def test_a_live_long_reader_is_warned_about_and_grows_the_file_as_documented(tmp
     warning past reader_warn_age_s, the pinned-bytes estimate) and the file grows by
     what the commits since its snapshot wrote, ~4 KiB per item cycled in batches of
     250 (docs/ledger.md); once it ends, the pages are reused and the file stops growing."""
-    sw = Swarm(tmp_path, retention_s=0.0, dedup_window_s=0.0, reader_warn_age_s=1.0)
+    port = free_tcp_port()
+    sw = Swarm(tmp_path, retention_s=0.0, dedup_window_s=0.0, reader_warn_age_s=1.0, metrics_port=port)
     try:
         sw.cycle(500)
         farm = Farm(sw.ledger_dir)
@@ -361,6 +387,18 @@ def test_a_live_long_reader_is_warned_about_and_grows_the_file_as_documented(tmp
         assert 1024 * items <= grown <= 12 * 1024 * items
         # the estimate of what it pins follows the real growth
         assert 0.5 * grown <= old["pinned_bytes"] <= 1.5 * grown + MIB
+        # visible where an operator looks: ccsq status (online, offline) and the metrics
+        admin = _admin_toml(sw)
+        online = _cli("status", "--config", str(admin))
+        assert online.returncode == 0, online.stderr
+        assert f"WARNING oldest reader: pid {pid}, snapshot {txnid}" in online.stdout, online.stdout
+        offline = _cli("status", "--config", str(admin), "--offline", "--json")
+        assert offline.returncode == 0, offline.stderr
+        doc = json.loads(offline.stdout)["readers"]
+        assert doc["oldest"]["pid"] == pid and doc["oldest"]["age_s"] >= 1.0 and doc["oldest"]["pinned_bytes"] > 0
+        assert wait_for(lambda: _scrape(port).get("ccsq_ledger_oldest_reader_age_seconds", 0) >= 1.0, 10, 0.2, "age gauge")
+        m = _scrape(port)
+        assert m["ccsq_ledger_pinned_bytes"] > 0 and m["ccsq_ledger_reader_snapshots"] >= 1 and m["ccsq_ledger_max_readers"] == 126
         # released: the pages become reusable, the file stops growing
         farm.kill()
         wait_for(lambda: sw.status()["readers"]["oldest"] is None, 20, 0.2, "the stale slot cleared")
@@ -443,3 +481,36 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         assert final["routed"] == out["received"]  # each item leased once: none of the 600 again
     finally:
         sw.close()
+
+
+# --- the tools page through with fresh transactions -------------------------------------------
+_READERS_OF = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=16)
+print(env.readers())
+"""
+
+
+def test_reconcile_pages_with_fresh_transactions_and_holds_no_snapshot_between_pages(tmp_path) -> None:
+    """``iter_blob_refs`` (ccsq reconcile) reads 1000 references per short transaction:
+    while its consumer works (lists the claim store) this process holds no snapshot,
+    and every reference is still seen exactly once."""
+    data_dir = tmp_path / "broker-data"
+    ledger_dir = data_paths(data_dir)[0]
+    led = Ledger(ledger_dir, map_size_bytes=1 << 26)
+    txn = led.begin()
+    for i in range(2500):
+        body = b"payload %d" % i
+        txn.submit(p.SubmitItem(f"k{i}", "ocr", p.Blob(hashlib.sha256(body).hexdigest(), len(body))), 1_000_000 + i)
+    txn.commit()
+    led.close()
+    seen, mid = [], None
+    for ref in iter_blob_refs(data_dir):
+        seen.append(ref)
+        if len(seen) == 1500:  # between pages: what does the reader table say about us?
+            done = subprocess.run([sys.executable, "-c", _READERS_OF, str(ledger_dir)], capture_output=True, text=True, timeout=60)
+            mid = parse_readers(done.stdout)
+    assert len(seen) == 2500 and len({r[0] for r in seen}) == 2500 and all(r[1] == "ready" for r in seen)
+    assert mid is not None and not [r for r in mid if r.pid == os.getpid() and r.txnid is not None], mid
+    rep = load_report(data_dir)
+    assert rep["balanced"] and rep["received"] == 2500
