@@ -390,7 +390,11 @@ class Ledger:
             finally:
                 os.close(dfd)
         except (lmdb.Error, OSError) as exc:
-            code, why = ledger_failure(exc, dest, "the backup")
+            try:
+                free = disk_free_bytes(dest)
+            except OSError:
+                free = None
+            code, why = ledger_failure(exc, dest, "the backup", free_bytes=free)
             raise LedgerError(why, exit_code=code) from None
         return {"path": str(out), "bytes": out.stat().st_size, "source_bytes": (self.path / "data.mdb").stat().st_size,
                 "last_txnid": last_txnid}

@@ -24,7 +24,7 @@ import structlog
 import uvloop
 
 from ccsq.brokerd.actor import Broker
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths
+from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
 from ccsq.brokerd.transport import EndpointInUse, Transport
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
@@ -136,7 +136,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         except lmdb.Error as exc:
             # disk full or an I/O error at commit: the transaction did not commit, so
             # nothing in it was confirmed to anyone; exit and let systemd restart us
-            code, why = ledger_failure(exc, ledger.path / "data.mdb", "a ledger write")
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "a ledger write", free_bytes=_free_bytes(ledger.path))
             log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}", exit_code=int(code), advice=why)
             return _fail(code, why)
         except LedgerError as exc:  # e.g. ReadersFull at a read that must succeed
@@ -150,6 +150,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             transport.close()
         ledger.close()
     return int(ExitCode.OK)
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return disk_free_bytes(path)
+    except OSError:
+        return None
 
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:

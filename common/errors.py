@@ -141,7 +141,13 @@ class PermanentHandlerError(PermanentError):
     code = "HANDLER_FATAL"
 
 
-def ledger_failure(exc: BaseException, path: object, doing: str = "ledger") -> tuple[ExitCode, str]:
+#: An I/O error on a filesystem with less free space than this is a full disk: LMDB reports a
+#: short write (what a full disk gives) as EIO.
+FULL_DISK_MARGIN_BYTES = 8 << 20
+
+
+def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
+                   free_bytes: int | None = None) -> tuple[ExitCode, str]:
     """The exit code and one sentence (cause and fix) for an LMDB error ``exc`` that
     stopped ``doing`` on the ledger at ``path``. Classifies by the py-lmdb exception
     class name (no lmdb import here) and, for plain ``lmdb.Error``/``OSError``, by the
@@ -149,7 +155,10 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger") -> t
     CONFIG (78: raise max_map_size_bytes), ENOSPC -> LEDGER_IO (74: free space), EIO ->
     LEDGER_IO (74: check the disk), Corrupted/Invalid/VersionMismatch/BadChecksum/
     PageNotFound/Panic/Incompatible -> LEDGER_CORRUPT (80: restore a backup),
-    LockError -> LEDGER_LOCKED (75); anything else -> LEDGER_IO (74)."""
+    LockError -> LEDGER_LOCKED (75); anything else -> LEDGER_IO (74). ``free_bytes``: free
+    space on the ledger's filesystem when known; an EIO there with less than
+    :data:`FULL_DISK_MARGIN_BYTES` free is a full disk (LMDB turns the short write of a
+    full disk into EIO)."""
     name = type(exc).__name__
     text = str(exc)
     where = f"{doing} on {path}"
@@ -162,11 +171,16 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger") -> t
         return ExitCode.CONFIG, (
             f"{where}: the ledger reached its map size limit (MDB_MAP_FULL): raise max_map_size_bytes in brokerd.toml, "
             "or take back space held by history with `ccsq backup` and the swap in docs/ledger.md")
+    eio = "Input/output error" in text or getattr(exc, "errno", None) == 5
+    if eio and free_bytes is not None and free_bytes < FULL_DISK_MARGIN_BYTES:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk holding the ledger is full (ENOSPC: {free_bytes} bytes free; LMDB reports the short "
+            "write as EIO); nothing unconfirmed was acknowledged: free disk space there, then restart")
     if name == "DiskError" or "No space left" in text or getattr(exc, "errno", None) == 28:
         return ExitCode.LEDGER_IO, (
             f"{where}: the disk holding the ledger is full (ENOSPC); nothing unconfirmed was acknowledged: "
             "free disk space there, then restart")
-    if "Input/output error" in text or getattr(exc, "errno", None) == 5:
+    if eio:
         return ExitCode.LEDGER_IO, (
             f"{where}: the disk or filesystem returned an I/O error (EIO); nothing unconfirmed was acknowledged: "
             "check the device (dmesg, smartctl), restart once it is healthy, or restore the latest backup on a healthy disk")

@@ -34,6 +34,7 @@ from ccsq.common.procs import free_tcp_port
 FARM = Path(__file__).resolve().parent / "ledger_reader_farm.py"
 PEERS = {"prod": "producer", "w": "worker", "comp": "completion", "adm": "admin", "cli": "admin"}
 MIB = 1 << 20
+pytestmark = pytest.mark.timeout(180)
 
 
 def blob(data: bytes) -> p.Blob:
@@ -200,6 +201,12 @@ def test_every_lmdb_error_has_its_own_sentence() -> None:
         if not isinstance(exc, (lmdb.DiskError, OSError)):
             assert "free disk space" not in sentence
     assert len(sentences) == len(cases) - 1  # lmdb.DiskError and OSError(ENOSPC) are one condition, one sentence
+    # a full disk shows up as EIO at commit (LMDB's short write): the free space says which it is
+    eio = lmdb.Error("mdb_txn_commit: Input/output error")
+    code, sentence = ledger_failure(eio, "/x/data.mdb", "a ledger write", free_bytes=4096)
+    assert code == ExitCode.LEDGER_IO and "disk holding the ledger is full" in sentence and "4096 bytes free" in sentence
+    code, sentence = ledger_failure(eio, "/x/data.mdb", "a ledger write", free_bytes=50 << 30)
+    assert code == ExitCode.LEDGER_IO and "I/O error (EIO)" in sentence
 
 
 _TOOL = """
@@ -514,3 +521,70 @@ def test_reconcile_pages_with_fresh_transactions_and_holds_no_snapshot_between_p
     assert mid is not None and not [r for r in mid if r.pid == os.getpid() and r.txnid is not None], mid
     rep = load_report(data_dir)
     assert rep["balanced"] and rep["received"] == 2500
+
+
+# --- real errors from a real disk -----------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MiB tmpfs (root only; skipped elsewhere), unmounted after the test."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_exits_74_with_its_own_sentence_and_loses_nothing_confirmed(tmp_path, small_tmpfs) -> None:
+    """ENOSPC at commit: the broker exits 74 saying the disk is full (not the reader
+    table, not the map); once space is back every confirmed item is there and the
+    books balance."""
+    cfg = make_swarm(tmp_path, PEERS, data_dir=str(small_tmpfs / "broker-data"), map_size_bytes=1 << 20,
+                     max_map_size_bytes=64 << 20)
+    b = BrokerProcess(cfg).start()
+    prod = ScriptedPeer(tmp_path, "prod", b.endpoint)
+    try:
+        prod.hello("producer")
+        confirmed: list[str] = []
+        for n in range(400):  # 400 x 8 x 4 KiB = 12.8 MiB: far past the 3 MiB disk
+            try:
+                res = prod.submit([p.SubmitItem(f"f{n}-{j}", "echo", blob(os.urandom(4096))) for j in range(8)], timeout_s=5)
+            except TimeoutError:
+                break
+            confirmed += [r.item_id for r in res if r.item_id]
+            if b.proc.poll() is not None:
+                break
+        assert b.wait(20) == ExitCode.LEDGER_IO
+        err = "".join(b.lines)
+        # LMDB reports the short write of a full disk as EIO: the sentence still says what it is
+        assert "disk holding the ledger is full (ENOSPC" in err and "I/O error" not in err.split("advice")[-1], err[-1500:]
+        assert "reader table" not in err
+        assert confirmed
+    finally:
+        prod.close()
+        b.kill()
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    b = BrokerProcess(cfg).start()
+    try:
+        adm = ScriptedPeer(tmp_path, "prod", b.endpoint)
+        adm.hello("producer")
+        states = adm.status(confirmed[-50:])
+        assert all(s.state == "ready" for s in states), states[:3]
+        adm.close()
+        rep = json.loads(_gap_report(cfg).stdout)
+        assert rep["balanced"] and rep["received"] >= len(confirmed)
+    finally:
+        b.kill()
+
+
+def test_a_file_that_is_not_a_ledger_exits_80_with_its_own_sentence(tmp_path) -> None:
+    cfg = make_swarm(tmp_path, PEERS)
+    ledger_dir = data_paths(tmp_path / "broker-data")[0]
+    ledger_dir.mkdir(parents=True)
+    (ledger_dir / "data.mdb").write_bytes(os.urandom(64 << 10))
+    b = BrokerProcess(cfg).start(wait=False)
+    assert b.wait(30) == ExitCode.LEDGER_CORRUPT
+    assert "not a ledger this LMDB can read" in "".join(b.lines) and "free disk" not in "".join(b.lines)
+    done = _gap_report(cfg)
+    assert done.returncode == ExitCode.LEDGER_CORRUPT and "not a ledger this LMDB can read" in done.stderr
