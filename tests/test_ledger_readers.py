@@ -278,7 +278,15 @@ def test_300_readers_sigkilled_mid_transaction_while_submits_flow(tmp_path, farm
     """The broker clears the slots dead readers leave (its reader check, on a schedule
     and when a transaction finds the table full), keeps committing and never exits;
     after 300 SIGKILLed readers the table is back to (near) zero."""
-    max_readers = 64
+    _readers_sigkilled_while_submits_flow(tmp_path, farms, readers=300, max_readers=64)
+
+
+@pytest.mark.soak
+def test_soak_3000_readers_sigkilled_with_the_default_table(tmp_path, farms) -> None:
+    _readers_sigkilled_while_submits_flow(tmp_path, farms, readers=3000, max_readers=126)
+
+
+def _readers_sigkilled_while_submits_flow(tmp_path: Path, farms: list, *, readers: int, max_readers: int) -> None:
     sw = Swarm(tmp_path, max_readers=max_readers)
     try:
         farm = Farm(sw.ledger_dir)
@@ -302,8 +310,8 @@ def test_300_readers_sigkilled_mid_transaction_while_submits_flow(tmp_path, farm
         t.start()
         killed = 0
         wave = max_readers - 4  # the table is nearly full at every wave
-        while killed < 300:
-            n = min(wave, 300 - killed)
+        while killed < readers:
+            n = min(wave, readers - killed)
             before = len(acked)
             ok, full, _ = farm.open(n, wait_s=20.0)  # a wave after the first needs the broker to clear the last
             assert (ok, full) == (n, 0), f"the broker did not free the slots of the SIGKILLed readers: {sw.status()['readers']}"
@@ -315,10 +323,10 @@ def test_300_readers_sigkilled_mid_transaction_while_submits_flow(tmp_path, farm
         t.join(30)
         assert not errors, errors
         st = wait_for(lambda: (s := sw.status())["readers"]["slots"] <= 2 and s, 20, 0.2, "slots back to near zero")
-        assert st["readers"]["stale_cleared"] >= 300
+        assert st["readers"]["stale_cleared"] >= readers
         assert sw.broker.proc.poll() is None and acked
         cleared = sum(e["cleared"] for e in sw.broker.events("ledger_stale_readers_cleared"))
-        assert cleared >= 300
+        assert cleared >= readers
         assert not sw.broker.events("ledger_write_failed")
         done = _gap_report(sw.config)
         assert done.returncode == 0, done.stderr
@@ -331,7 +339,16 @@ def test_a_dead_readers_snapshot_stops_pinning_once_the_broker_clears_it(tmp_pat
     """A reader SIGKILLed holding a snapshot pins every page freed after it until its
     slot is cleared: the broker's reader check clears it within about a second, so
     over 10,000 cycled items data.mdb stays a small multiple of the live data (a
-    pinned snapshot would add ~4 KiB per item cycled: ~40 MiB here, see the next test)."""
+    pinned snapshot would add ~3 KiB per item cycled: ~33 MiB here, see the next test)."""
+    _dead_reader_while_items_cycle(tmp_path, farms, items=10_000)
+
+
+@pytest.mark.soak
+def test_soak_a_dead_reader_while_100000_items_cycle(tmp_path, farms) -> None:
+    _dead_reader_while_items_cycle(tmp_path, farms, items=100_000)
+
+
+def _dead_reader_while_items_cycle(tmp_path: Path, farms: list, *, items: int) -> None:
     sw = Swarm(tmp_path, retention_s=0.0, dedup_window_s=0.0)
     try:
         sw.cycle(500)
@@ -343,13 +360,13 @@ def test_a_dead_readers_snapshot_stops_pinning_once_the_broker_clears_it(tmp_pat
         t0 = time.monotonic()
         peak_live, sizes = 0, []
         for _ in range(10):
-            sw.cycle(1000)
+            sw.cycle(items // 10)
             r = sw.status()["readers"]
             peak_live = max(peak_live, r["live_bytes"])
             sizes.append(sw.file_bytes())
         cycle_s = time.monotonic() - t0
         assert r["stale_cleared"] >= 1 and (r["oldest"] is None or r["oldest"]["txnid"] > txnid)
-        print(f"\n10,000 items cycled in {cycle_s:.1f} s past a dead reader at txn {txnid}: data.mdb "
+        print(f"\n{items} items cycled in {cycle_s:.1f} s past a dead reader at txn {txnid}: data.mdb "
               f"{' '.join(f'{x / MIB:.2f}' for x in sizes)} MiB; live peak {peak_live / MIB:.2f} MiB, now "
               f"{r['live_bytes'] / MIB:.2f} MiB; last txn {r['last_txnid']}")
         assert sizes[-1] <= 3 * peak_live + MIB, f"data.mdb {sizes[-1]} bytes for a live peak of {peak_live} bytes"
