@@ -1337,7 +1337,8 @@ def reader_report(ledger: Ledger, view: LedgerView, now_ms: int, *, warn_age_s: 
     (0 when it lags by none: a snapshot of the newest commit pins nothing) -- from the
     history entry (one per second at most) of the first commit after its snapshot, so
     a lower bound within a second; ``age_at_least`` when that commit is older than the
-    history (then the age of the oldest entry); ``pinned_bytes`` non-live pages added
+    history (then the age of the oldest entry) or newer than its newest entry (then 0:
+    less than a second, or a ledger no broker wrote history to); ``pinned_bytes`` non-live pages added
     since its snapshot (pages freed after it, which LMDB cannot reuse while it reads),
     or all non-live pages (``pinned_upper_bound``) when the history does not reach
     back. ``readers``: up to 20 slots, oldest snapshot first."""
@@ -1360,6 +1361,8 @@ def reader_report(ledger: Ledger, view: LedgerView, now_ms: int, *, warn_age_s: 
             if after is not None:
                 age_s = max(0.0, (now_ms - after[1][0]) / 1000.0)
                 at_least = before is None
+            else:  # its first unseen commit is newer than the newest entry (or there is no history)
+                at_least = True
             if before is not None:
                 _ts, then_pgno, then_live = before[1]
                 pinned = max(0, free_pages - max(0, then_pgno + 1 - then_live))
