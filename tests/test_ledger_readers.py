@@ -127,6 +127,8 @@ class Swarm:
         return ids
 
     def status(self) -> dict:
+        self.adm.connect()  # a fresh session: the last one may have been silent past the liveness window
+        self.adm.hello("admin")
         return self.adm.admin_status(timeout_s=30)
 
     def file_bytes(self) -> int:
@@ -370,7 +372,8 @@ def _dead_reader_while_items_cycle(tmp_path: Path, farms: list, *, items: int) -
               f"{' '.join(f'{x / MIB:.2f}' for x in sizes)} MiB; live peak {peak_live / MIB:.2f} MiB, now "
               f"{r['live_bytes'] / MIB:.2f} MiB; last txn {r['last_txnid']}")
         assert sizes[-1] <= 3 * peak_live + MIB, f"data.mdb {sizes[-1]} bytes for a live peak of {peak_live} bytes"
-        assert sizes[-1] - sizes[4] <= MIB // 2, "the file kept growing after the slot was cleared"
+        # a pinned snapshot would add ~3.3 KiB per item over the second half: ~16 MiB for 10,000
+        assert sizes[-1] - sizes[4] <= 2 * MIB, "the file kept growing after the slot was cleared"
         assert _gap_report(sw.config).returncode == 0
     finally:
         sw.close()
