@@ -25,7 +25,7 @@ import uvloop
 
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
-from ccsq.brokerd.transport import EndpointInUse, Transport
+from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.envelope import EnvelopeCodec
@@ -71,6 +71,7 @@ def run(config_path: str) -> int:
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
+        check_exposure(cfg, authorized, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")
@@ -113,7 +114,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
     )
     try:
         transport = Transport(cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
-                              curve_secret_key=curve_secret)
+                              curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
@@ -127,10 +128,14 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
             return _fail(code, why)
         metrics = None
-        if cfg.metrics_port:
-            from ccsq.brokerd.metrics import start_metrics
+        if cfg.metrics_port or cfg.metrics_listen:
+            from ccsq.brokerd.metrics import broker_listen, start_metrics
 
-            metrics = start_metrics(broker, cfg.metrics_port)
+            try:
+                metrics = start_metrics(broker, broker_listen(cfg.metrics_listen, cfg.metrics_port),
+                                        where=f"{cfg.config_path}: metrics_listen")
+            except ConfigError as exc:
+                return _fail(ExitCode.CONFIG, f"config error: {exc}")
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:
