@@ -608,3 +608,31 @@ def test_a_file_that_is_not_a_ledger_exits_80_with_its_own_sentence(tmp_path) ->
     assert "not a ledger this LMDB can read" in "".join(b.lines) and "free disk" not in "".join(b.lines)
     done = _gap_report(cfg)
     assert done.returncode == ExitCode.LEDGER_CORRUPT and "not a ledger this LMDB can read" in done.stderr
+
+
+def test_console_overview_shows_the_oldest_reader(tmp_path) -> None:
+    """The console's overview renders the reader report of the status reply."""
+    from ccsq.common.config import AdminConfig, load
+    from ccsq.console.app import Auth, Console, Viewer
+    from ccsq.console.data import Source
+
+    (tmp_path / "admin.toml").write_text('peer_id = "admin"\nprivate_key = "k"\n')
+    console = Console(Source(load(AdminConfig, tmp_path / "admin.toml")), Auth([]))
+    readers = {"slots": 3, "max_readers": 126, "snapshots": 1, "file_bytes": 40 * MIB, "live_bytes": 2 * MIB, "free_bytes": 38 * MIB,
+               "stale_cleared": 4, "last_txnid": 900, "warn_age_s": 300.0, "readers": [],
+               "oldest": {"pid": 4242, "thread": "7f", "txnid": 100, "lag_txns": 800, "age_s": 612.0, "age_at_least": False,
+                          "pinned_bytes": 37 * MIB, "pinned_upper_bound": False, "self": False}}
+    from ccsq.common.admin_client import offline
+
+    Ledger(data_paths(tmp_path / "broker-data")[0], map_size_bytes=1 << 22).close()
+    status = offline(tmp_path / "broker-data", "status")  # a real reply, with a real (quiet) reader report
+    assert status["readers"]["oldest"]["self"] and status["readers"]["oldest"]["lag_txns"] == 0
+    status["readers"] = readers  # ... and one with an old reader
+    try:
+        page = console.env.get_template("overview.html").render(
+            viewer=Viewer("local", "admin", csrf="c"), flash=[], path="/", refresh_s=0, now="", status=status, status_error="",
+            report_error="", more={}, queues=[], samples=0)
+    finally:
+        console.source.close()
+    assert 'id="readers"' in page and "pid 4242, 800 commits behind" in page and "pins ~37.0 MiB" in page
+    assert 'id="reader-old"' in page
