@@ -155,7 +155,7 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
     CONFIG (78: raise max_map_size_bytes), ENOSPC -> LEDGER_IO (74: free space), EIO ->
     LEDGER_IO (74: check the disk), Corrupted/Invalid/VersionMismatch/BadChecksum/
     PageNotFound/Panic/Incompatible -> LEDGER_CORRUPT (80: restore a backup),
-    LockError -> LEDGER_LOCKED (75); anything else -> LEDGER_IO (74). ``free_bytes``: free
+    LockError -> LEDGER_LOCKED (75); EACCES -> CONFIG (78); anything else -> LEDGER_IO (74). ``free_bytes``: free
     space on the ledger's filesystem when known; an EIO there with less than
     :data:`FULL_DISK_MARGIN_BYTES` free is a full disk (LMDB turns the short write of a
     full disk into EIO)."""
@@ -193,6 +193,10 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
             f"{where}: data.mdb is not a ledger this LMDB can read ({name}: not an LMDB file, or written by another "
             "LMDB version); do not restart: point data_dir at the right directory, use the LMDB version that wrote it, "
             "or restore a `ccsq backup`")
+    if "Permission denied" in text or getattr(exc, "errno", None) == 13:
+        return ExitCode.CONFIG, (
+            f"{where}: permission denied (EACCES): this user cannot open the ledger files; fix their owner and mode "
+            "(the broker's user owns data_dir), or run as that user")
     if name == "LockError":
         return ExitCode.LEDGER_LOCKED, (
             f"{where}: the ledger's lock file is locked by another process (EAGAIN): transient, retry later")

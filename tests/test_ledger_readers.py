@@ -194,6 +194,7 @@ def test_every_lmdb_error_has_its_own_sentence() -> None:
         lmdb.InvalidError("mdb_env_open"): (ExitCode.LEDGER_CORRUPT, "not a ledger this LMDB can read"),
         lmdb.VersionMismatchError("mdb_env_open"): (ExitCode.LEDGER_CORRUPT, "another LMDB version"),
         lmdb.LockError("mdb_env_open"): (ExitCode.LEDGER_LOCKED, "locked by another process"),
+        lmdb.Error("mdb_env_open: Permission denied"): (ExitCode.CONFIG, "permission denied"),
     }
     sentences = set()
     for exc, (code, phrase) in cases.items():
