@@ -72,8 +72,9 @@ SAMPLE_MAX_KINDS = 64
 HISTORY_PREFIX = b"h:"
 HISTORY_INTERVAL_MS = 1000
 HISTORY_KEEP_MS = 3600 * 1000
-#: The broker runs LMDB's reader check this often (stale slots of dead readers freed);
-#: a process that finds the reader table full while opening waits a bit longer.
+#: The broker runs LMDB's reader check at least this often (stale slots of dead readers
+#: freed; in practice every 0.1 s while it commits); a process that finds the reader
+#: table full while opening waits longer than this.
 READER_CHECK_INTERVAL_S = 1.0
 READERS_FULL_WAIT_S = 3.0
 

@@ -372,7 +372,7 @@ def _dead_reader_while_items_cycle(tmp_path: Path, farms: list, *, items: int) -
         print(f"\n{items} items cycled in {cycle_s:.1f} s past a dead reader at txn {txnid}: data.mdb "
               f"{' '.join(f'{x / MIB:.2f}' for x in sizes)} MiB; live peak {peak_live / MIB:.2f} MiB, now "
               f"{r['live_bytes'] / MIB:.2f} MiB; last txn {r['last_txnid']}")
-        assert sizes[-1] <= 3 * peak_live + MIB, f"data.mdb {sizes[-1]} bytes for a live peak of {peak_live} bytes"
+        assert sizes[-1] <= 3 * peak_live + 2 * MIB, f"data.mdb {sizes[-1]} bytes for a live peak of {peak_live} bytes"
         # a pinned snapshot would add ~3.3 KiB per item over the second half: ~16 MiB for 10,000
         assert sizes[-1] - sizes[4] <= 2 * MIB, "the file kept growing after the slot was cleared"
         assert _gap_report(sw.config).returncode == 0
