@@ -42,8 +42,9 @@ def _reader(path: str, wait_s: float, w: int) -> None:
                 break
             time.sleep(0.02)
     os.close(w)
-    while True:
-        signal.pause()
+    parent = os.getppid()
+    while os.getppid() == parent:  # holds its snapshot until killed, or until the farm is gone
+        time.sleep(0.2)
 
 
 def main() -> None:
@@ -97,8 +98,8 @@ def main() -> None:
         elif cmd[0] == "pids":
             print("pids " + (",".join(map(str, children)) or "-"), flush=True)
         elif cmd[0] == "quit":
-            kill()
-            return
+            break
+    kill()  # quit, or stdin closed (the test is gone)
 
 
 if __name__ == "__main__":
