@@ -3,7 +3,7 @@
 - ``systemd-analyze verify`` passes with no output at all (warnings fail too);
 - ``systemd-analyze security --offline=yes`` rates every service below 5.0;
 - ``RestartPreventExitStatus`` is exactly ``ExitCode.UNAUTHORIZED``, ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
-- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79 (case C11);
+- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79/80 (case C11);
 - ``install.sh --venv`` refuses a venv the sandbox hides (or whose base Python it hides);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
   (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
@@ -229,6 +229,7 @@ def _recover_argv(target: str) -> list[str]:
         ("failed", "1", "77", False),  # UNAUTHORIZED: the key must be added first
         ("failed", "1", "78", False),  # CONFIG: a restart cannot fix it
         ("failed", "1", "79", False),  # GPU_UNAVAILABLE
+        ("failed", "1", "80", False),  # LEDGER_CORRUPT: restore from a backup first
         ("active", "1", "1", False),  # already running again
         ("inactive", "1", "1", False),  # the operator ran reset-failed: keep it down
     ],
@@ -257,7 +258,7 @@ def test_recover_restarts_a_failed_unit_unless_it_exited_78_or_79(
     assert all(line.startswith("show ") for line in lines[:4]) and lines[0] == f"show --property=ActiveState --value {target}"
     expected = [f"reset-failed {target}", f"start --no-block {target}"] if restarted else []
     assert lines[4:] == expected, done.stdout
-    if status in ("77", "78", "79") and state == "failed":
+    if status in ("77", "78", "79", "80") and state == "failed":
         assert f"exited {status}" in done.stdout and "not restarted" in done.stdout
 
 
