@@ -37,7 +37,7 @@ import tomli_w
 from ccsq.brokerd.ledger import Ledger, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.procs import ProcessGroup, bin_path, wait_until
-from tests.netns import Network, NetnsUnavailable, remove_stale, require_netns
+from tests.netns import Network, netns_module, remove_stale, require_netns  # noqa: F401 (netns_module: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 5555  # every host has its own network stack: fixed ports cannot collide with anything
@@ -217,26 +217,17 @@ def metric(text: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    remove_stale()
-    require_netns()
-    root = tmp_path_factory.mktemp("multihost") / "swarm"
+def cluster(netns_module, tmp_path_factory):
+    """The swarm on its six hosts; stopped before ``netns_module`` removes the namespaces."""
+    net = netns_module(HOSTS)
+    c = Cluster(net, tmp_path_factory.mktemp("multihost") / "swarm")
     try:
-        net = Network(HOSTS).create()
-    except NetnsUnavailable as exc:
-        require_netns()  # same rules: fail under CI
-        pytest.skip(str(exc))
-    c = None
-    try:
-        c = Cluster(net, root)
         c.start_all()
         yield c
     finally:
-        if c is not None:
-            for h in net.hosts.values():
-                h.restore()
-            c.procs.stop_all(timeout_s=10)
-        net.destroy()
+        for h in net.hosts.values():
+            h.restore()
+        c.procs.stop_all(timeout_s=10)
 
 
 # --- the fixture itself ----------------------------------------------------------------
@@ -352,6 +343,8 @@ def test_stranger_without_an_authorized_curve_key_is_dropped_at_the_handshake(cl
                        15, "the ZAP refusals to be counted")
     assert after >= before + 2
     assert cluster.report()["received"] == received_before  # the stranger never submitted anything
+    print(f"stranger flood: {flooded}, broker RSS {rss_before:.1f} -> peak {peak[0]:.1f} MiB, "
+          f"ccsq_zap_refused_total {before:.0f} -> {after:.0f}")
     assert cluster.procs.procs["broker"].running
     cluster.assert_balanced()
 
@@ -386,6 +379,7 @@ def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
         assert cluster.procs.procs["worker-2"].running
     finally:
         gpu2.restore()
+        t_restore = time.monotonic()
     # the cut worker comes back (a new session) ...
     wait_until(lambda: cluster.procs.procs["worker-2"].count("broker_link_ready") > ready_before, 30, "worker-2 to reconnect")
     # ... reports what it finished during the cut: the lease moved on, so the ledger fences it
@@ -403,6 +397,9 @@ def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
     assert all(got.count(i) == 1 for i in first + second["ids"]), "an item landed twice or not at all"
     report = cluster.assert_balanced()
     assert report["fenced_completions"] + report["late_results_accepted"] >= 1
+    print(f"cut: gpu-2 held {len(held)} leases, cut {t_restore - t_cut:.1f} s; G2 on worker-2 {len(g2) - g2_before}, "
+          f"fenced {report['fenced_completions']}, late accepted {report['late_results_accepted']}, "
+          f"after the cut gpu-2 did {sum(r['worker_done'] == 'worker-2' for r in recs.values())}/10")
 
 
 def test_broker_metrics_on_its_host_address_are_scraped_from_another_host(cluster):
