@@ -297,3 +297,44 @@ def _factory() -> Iterator:
 #: a test module (``from tests.netns import netns``); ``netns_module`` is the same, one per module.
 netns = pytest.fixture(_factory, name="netns")
 netns_module = pytest.fixture(_factory, name="netns_module", scope="module")
+
+
+# --- the federation tests' first fixture, on this one -------------------------------------
+
+
+def netns_available() -> bool:
+    """True when namespaces can be made here (see :func:`unavailable_reason` for why not)."""
+    return unavailable_reason() is None
+
+
+class NetNs:
+    """Two swarm hosts ``a`` and ``b`` and a relay host ``r`` (the interface of the first
+    federation fixture, ``tests/test_federation_netns.py``, kept on :class:`Network`).
+
+    ``with NetNs() as net:`` ``net.wrap(h)`` is the argv prefix that runs a command on
+    host ``h``; ``net.HOSTS`` maps ``a``/``b`` to their addresses; ``net.cut(h)`` pulls
+    ``h``'s cable (it reaches neither the relay nor the other swarm) until
+    ``net.restore(h)``."""
+
+    def __init__(self, subnet: str = "10.77.0.0/24") -> None:
+        self.net = Network(["r", "a", "b"], subnet=subnet)
+        self.HOSTS = {h: self.net[h].addr for h in ("a", "b")}
+
+    def ns(self, host: str) -> str:
+        return self.net[host].ns
+
+    def wrap(self, host: str) -> list[str]:
+        return self.net[host].argv([])
+
+    def __enter__(self) -> "NetNs":
+        self.net.create()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.net.destroy()
+
+    def cut(self, host: str) -> None:
+        self.net[host].cut("link")
+
+    def restore(self, host: str) -> None:
+        self.net[host].restore()
