@@ -35,10 +35,15 @@ def init_swarm(
 
     Layout (all state lives under ``directory``)::
 
-        brokerd.toml  workerd-1.toml ... workerd-N.toml  producer.toml  completion.toml
+        brokerd.toml  workerd-0.toml ... workerd-<N-1>.toml  producer.toml  completion.toml
         authorized_keys.toml  keys/<peer>.key (0600) keys/<peer>.pub
         keys/<peer>.curve.key (0600) keys/<peer>.curve.pub (CURVE; curve = true when the endpoint is not loopback)
         blobs/ (file claim store)  broker-data/ (ledger)  worker-N-journal/  results.db
+
+    Worker numbering: ``workerd-G.toml`` is named after the GPU index G (0-based, ``nvidia-smi``
+    order) that ``ccsq-workerd@G.service`` drives and reads as ``/etc/ccsq/workerd-G.toml``; the
+    peer inside is ``worker-<G+1>`` (worker-1..N, unique in the swarm: on another GPU host the
+    file for its GPU 0 holds another peer id). Keys ``workerd-0`` ... in the returned dict.
 
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
@@ -85,9 +90,9 @@ def init_swarm(
             **(broker or {}),
         },
     )
-    for i in range(1, workers + 1):
+    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
         write(
-            f"workerd-{i}.toml",
+            f"workerd-{i - 1}.toml",
             {
                 "peer_id": f"worker-{i}",
                 "private_key": f"keys/worker-{i}.key",
@@ -421,6 +426,12 @@ def _cmd_completion(args: argparse.Namespace) -> int:
     return completion_main(args.config)
 
 
+def _cmd_console(args: argparse.Namespace) -> int:
+    from ccsq.console.main import run
+
+    return run(_admin_settings(args), listen=args.listen, token=args.token, refresh_s=args.refresh_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -501,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
+
+    p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
+    p.add_argument("--config", required=True, help="admin.toml")
+    p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
+                   "a non-loopback address needs a token")
+    p.add_argument("--token", help="access token (admin role); also CCSQ_CONSOLE_TOKEN or console_tokens in admin.toml")
+    p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
+    p.set_defaults(func=_cmd_console)
     return parser
 
 

@@ -217,6 +217,8 @@ class AdminConfig(PeerSettings):
 
     data_dir: str = opt("broker-data", path=True, doc="the broker's data_dir, read directly when the broker is stopped (--offline)")
     connect_timeout_s: float = opt(2.0, min=0.1, max=300.0, doc="no WELCOME within this: read the ledger offline (read-only commands)")
+    console_listen: str = opt("127.0.0.1:8750", doc="`ccsq console` listens here (HOST:PORT; beyond loopback it needs a token)")
+    console_tokens: str = opt("", path=True, doc="`ccsq console` tokens: TOML file of [tokens.NAME] token, role = admin|viewer (mode 0600; '' = none)")
 
 
 CONFIG_FILES: dict[str, type] = {
