@@ -103,14 +103,18 @@ def _init_swarm(broker_host, root: Path) -> dict[str, Path]:
         argv += ["--bind", bind]
     res = broker_host.run(argv, timeout_s=60)
     assert res.returncode == 0, res.stdout + res.stderr
-    configs = {name: root / f"{name}.toml" for name in ("brokerd", "workerd-1", "workerd-2", "producer", "completion", "admin")}
+    configs = {name: root / f"{name}.toml" for name in ("brokerd", "producer", "completion", "admin")}
+    # worker configs are named after the GPU index (workerd-0.toml...) or the peer (workerd-1.toml...): key them by peer id
+    for path in root.glob("workerd-*.toml"):
+        configs[tomllib.loads(path.read_text())["peer_id"]] = path
+    assert {"worker-1", "worker-2"} <= set(configs), sorted(configs)
     fast_peer = {"reconnect_backoff_max_s": 0.5, "hello_timeout_s": 2.0}
     overrides = {
         "brokerd": {"heartbeat_interval_s": 0.2, "liveness": 5, "lease_ttl_s": LEASE_TTL_S, "retry_backoff_base_s": 0.05,
                     "retry_backoff_max_s": 0.3, "min_free_disk_bytes": 0, "metrics_listen": f"{broker_host.addr}:{METRICS_PORT}",
                     **({} if has_bind_flag else {"endpoint": bind})},
-        "workerd-1": {**fast_peer, "slots": 1, "prefetch": 1},
-        "workerd-2": {**fast_peer, "slots": 1, "prefetch": 1},
+        "worker-1": {**fast_peer, "slots": 1, "prefetch": 1},
+        "worker-2": {**fast_peer, "slots": 1, "prefetch": 1},
         "producer": {**fast_peer, "submit_timeout_s": 3.0},
         "completion": fast_peer,
         "admin": {},
@@ -118,7 +122,7 @@ def _init_swarm(broker_host, root: Path) -> dict[str, Path]:
     for name, extra in overrides.items():
         doc = tomllib.loads(configs[name].read_text())
         # CURVE is on by default beyond loopback: ccsq init must have written it, not this test
-        assert doc.get("curve") is True, f"{name}.toml: ccsq init did not turn CURVE on for a non-loopback endpoint"
+        assert doc.get("curve") is True, f"{configs[name]}: ccsq init did not turn CURVE on for a non-loopback endpoint"
         doc.update(extra)
         configs[name].write_text(tomli_w.dumps(doc))
     return configs
@@ -137,8 +141,8 @@ class Cluster:
 
     def start_all(self) -> None:
         self.start("broker", "broker-host", [bin_path("ccsq-brokerd"), "--config", str(self.configs["brokerd"])], "broker_started")
-        self.start("worker-1", "gpu-1", [bin_path("ccsq-workerd"), "--config", str(self.configs["workerd-1"])], "broker_link_ready")
-        self.start("worker-2", "gpu-2", [bin_path("ccsq-workerd"), "--config", str(self.configs["workerd-2"])], "broker_link_ready")
+        self.start("worker-1", "gpu-1", [bin_path("ccsq-workerd"), "--config", str(self.configs["worker-1"])], "broker_link_ready")
+        self.start("worker-2", "gpu-2", [bin_path("ccsq-workerd"), "--config", str(self.configs["worker-2"])], "broker_link_ready")
         self.start("completion", "completion-host", [bin_path("ccsq"), "completion", "--config", str(self.configs["completion"])],
                    "broker_link_ready")
 
