@@ -389,6 +389,10 @@ def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
     # ... reports what it finished during the cut: the lease moved on, so the ledger fences it
     wait_until(lambda: any(e["item_id"] in held for e in cluster.events("G4") + cluster.events("G8")), 30,
                "worker-2's late result to be fenced or accepted")
+    # the broker confirmed each fenced report to worker-2 (so it forgets the result): its log says so
+    fenced = {e["item_id"] for e in cluster.events("G4")} & set(held)
+    w2 = cluster.procs.procs["worker-2"]
+    wait_until(lambda: all(w2.count("report_fenced", item_id=i) for i in fenced), 20, "worker-2 to be told its results were fenced")
     g2 = [e for e in cluster.events("G2") if "worker-2" in e.get("detail", "")]
     assert {e["item_id"] for e in g2} >= set(held) and len(g2) - g2_before >= len(held)
     # ... and takes new work
