@@ -23,6 +23,7 @@ Budget: the whole file within 75 s on 2 shared cores.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 PORT = 5555  # every host has its own network stack: fixed ports cannot collide with anything
 METRICS_PORT = 9464
 HOSTS = ["broker-host", "gpu-1", "gpu-2", "completion-host", "producer-host", "stranger"]
-LEASE_TTL_S = 3.0
+LEASE_TTL_S = 2.0
 PY = sys.executable
 
 # What a producer host runs: submit N sleep items (optionally wait); prints the ids as JSON.
@@ -408,6 +409,52 @@ def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
     print(f"cut: gpu-2 held {len(held)} leases, cut {t_restore - t_cut:.1f} s; G2 on worker-2 {len(g2) - g2_before}, "
           f"fenced {report['fenced_completions']}, late accepted {report['late_results_accepted']}, "
           f"after the cut gpu-2 did {sum(r['worker_done'] == 'worker-2' for r in recs.values())}/10")
+
+
+def test_late_result_for_an_expired_lease_nobody_took_is_accepted(cluster):
+    """The other rule for late results (G8): gpu-2 finishes its items while cut off, its leases
+    expire, and nobody leases the items meanwhile (both workers drained by an operator on
+    another host): once the cable is back its results are accepted, not run again."""
+    admin = cluster.net["completion-host"]
+
+    def drain(worker: str, undo: bool = False) -> None:
+        r = admin.run([bin_path("ccsq"), "drain", worker, *(["--undo"] if undo else []), "--config", str(cluster.configs["admin"])])
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    drain("worker-1")
+    try:
+        broker = cluster.procs.procs["broker"]
+        gone_before = broker.count("peer_disconnected", peer="worker-2")
+        ready_before = cluster.procs.procs["worker-2"].count("broker_link_ready")
+        g8_before = cluster.report()["late_results_accepted"]
+        ids = cluster.produce(2, 0.5, "late")["ids"]  # gpu-2 runs them one after the other
+        wait_until(lambda: set(cluster.leased_to("worker-2")) == set(ids), 30, "gpu-2 to hold both items")
+        gpu2 = cluster.net["gpu-2"]
+        gpu2.cut("iptables" if shutil.which("iptables") else "link")
+        try:
+            drain("worker-2")  # while it is away: it will get no new lease when it is back
+            wait_until(lambda: broker.count("peer_disconnected", peer="worker-2") > gone_before, 20, "the broker to see gpu-2 gone")
+            wait_until(lambda: all(r["state"] == "ready" for r in cluster.items(ids).values()), 20, "gpu-2's leases to expire")
+            # both results are in gpu-2's journal before it is back (a job still running when the broker
+            # answers the new HELLO that its lease is gone would be finished and discarded, by design)
+            w2 = cluster.procs.procs["worker-2"]
+            wait_until(lambda: all(w2.count("job_completed", item_id=i) for i in ids), 20, "gpu-2 to finish both items while cut off")
+        finally:
+            gpu2.restore()
+        wait_until(lambda: cluster.procs.procs["worker-2"].count("broker_link_ready") > ready_before, 30, "worker-2 to reconnect")
+        recs = wait_until(lambda: (r := cluster.items(ids)) and all(x["state"] in ("completed", "acknowledged") for x in r.values()) and r,
+                          30, "gpu-2's late results to be accepted")
+        assert {r["worker_done"] for r in recs.values()} == {"worker-2"}
+        assert {e["item_id"] for e in cluster.events("G8")} >= set(ids)
+        assert cluster.report()["late_results_accepted"] - g8_before == 2
+        assert not {e["item_id"] for e in cluster.events("G4")} & set(ids), "nothing ran twice"
+    finally:
+        drain("worker-1", undo=True)
+        drain("worker-2", undo=True)
+    wait_until(lambda: all(r["state"] == "acknowledged" for r in cluster.items(ids).values()), 30, "the late items acknowledged")
+    got = cluster.results()
+    assert all(got.count(i) == 1 for i in ids)
+    cluster.assert_balanced()
 
 
 def test_broker_metrics_on_its_host_address_are_scraped_from_another_host(cluster):
