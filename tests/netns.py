@@ -182,6 +182,12 @@ class Host:
                 subprocess.run(["ip", "netns", "exec", self.ns, "iptables", "-D", *rule], check=True, capture_output=True, timeout=15)
         self.cut_how = None
 
+    def iptables_usable(self) -> bool:
+        """True when ``iptables`` is installed and works inside this host (nf_tables in the kernel)."""
+        if shutil.which("iptables") is None:
+            return False
+        return subprocess.run(self.argv(["iptables", "-S", "INPUT"]), capture_output=True, timeout=15).returncode == 0
+
     @staticmethod
     def _drop_rules() -> list[list[str]]:
         return [["INPUT", "!", "-i", "lo", "-j", "DROP"], ["OUTPUT", "!", "-o", "lo", "-j", "DROP"]]

@@ -23,7 +23,6 @@ Budget: the whole file within 75 s on 2 shared cores.
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -255,7 +254,7 @@ def test_netns_fixture_isolates_resolves_cuts_and_cleans_up():
             assert "10.213.0.11\tb" in net["a"].run(["cat", "/etc/hosts"]).stdout
             # the root namespace has no route to the test range
             assert subprocess.run([PY, "-c", probe, net["b"].addr], capture_output=True, text=True).stdout.strip() == "unreachable"
-            hows = ["link"] + (["iptables"] if subprocess.run(["which", "iptables"], capture_output=True).returncode == 0 else [])
+            hows = ["link"] + (["iptables"] if net["b"].iptables_usable() else [])
             for how in hows:
                 net["b"].cut(how)
                 assert net["a"].run([PY, "-c", probe, "b"]).stdout.strip() == "unreachable", how
@@ -430,7 +429,7 @@ def test_late_result_for_an_expired_lease_nobody_took_is_accepted(cluster):
         ids = cluster.produce(2, 0.5, "late")["ids"]  # gpu-2 runs them one after the other
         wait_until(lambda: set(cluster.leased_to("worker-2")) == set(ids), 30, "gpu-2 to hold both items")
         gpu2 = cluster.net["gpu-2"]
-        gpu2.cut("iptables" if shutil.which("iptables") else "link")
+        gpu2.cut("iptables" if gpu2.iptables_usable() else "link")
         try:
             drain("worker-2")  # while it is away: it will get no new lease when it is back
             wait_until(lambda: broker.count("peer_disconnected", peer="worker-2") > gone_before, 20, "the broker to see gpu-2 gone")
