@@ -607,7 +607,7 @@ class Broker:
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = txn.complete(r, now_ms)
+                    outcome = txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
                     if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                         batch.effects.append(lambda i=r.item_id, t=r.token: self.leases.discard(i, t))
@@ -617,7 +617,7 @@ class Broker:
             elif isinstance(msg, p.Fail):
                 outcomes = []
                 for f in msg.failures:
-                    outcome = txn.fail(f, now_ms)
+                    outcome = txn.fail(f, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
                     if outcome == p.Outcome.ACCEPTED.value:
                         batch.effects.append(lambda i=f.item_id, t=f.token: self.leases.discard(i, t))

@@ -961,7 +961,8 @@ class LedgerTxn(LedgerView):
             return None
         token = self._next(b"next_token")
         self._transition(
-            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms
+            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
+            token_worker=worker,  # kept after the lease ends: only its holder may report under this token
         )
         self.bump("routed")
         return p.Task(
@@ -1005,13 +1006,15 @@ class LedgerTxn(LedgerView):
         return S.READY.value
 
     # --- COMPLETE / FAIL ---
-    def complete(self, res: p.TaskResult, now_ms: int) -> str:
+    def complete(self, res: p.TaskResult, now_ms: int, sender: str = "") -> str:
         """Record a result. Returns an :class:`Outcome` value.
 
         Rule for late results: accepted if the item is leased with this token,
         or if its lease with this token expired and nobody leased it since
         (state ready, same token: the same work, G8 event). A replay of an
-        accepted result is ``duplicate``; any other token is ``fenced`` (G4)."""
+        accepted result is ``duplicate``; any other token is ``fenced`` (G4).
+        ``sender``: the reporting peer; a token is honoured only from the worker
+        it was leased to (another peer quoting it is ``fenced``, G4)."""
         rec = self.get(res.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
@@ -1019,7 +1022,7 @@ class LedgerTxn(LedgerView):
         if st in (S.COMPLETED.value, S.ACKNOWLEDGED.value) and rec.get("completed_token") == res.token:
             return p.Outcome.DUPLICATE.value
         late = st == S.READY.value and rec["token"] == res.token and res.token != 0
-        if (st == S.LEASED.value and rec["token"] == res.token) or late:
+        if ((st == S.LEASED.value and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
             self.txn.put(res.item_id.encode(), _pack(_blob_to_wire(res.result)), db=self.db["results"])
             cseq = self._next(b"next_cseq")
             self._transition(
@@ -1032,7 +1035,7 @@ class LedgerTxn(LedgerView):
                 handler=res.handler,
                 handler_version=res.handler_version,
                 runtime_s=res.runtime_s,
-                worker_done=rec["worker"],
+                worker_done=rec["worker"] or rec.get("token_worker") or sender,
                 lease_expires_ms=0,
             )
             self.bump("completed")
@@ -1045,11 +1048,18 @@ class LedgerTxn(LedgerView):
             gaps.G4_FENCED_COMPLETION,
             res.item_id,
             now_ms,
-            f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
+            f"token {res.token} was leased to {rec.get('token_worker')}, reported by {sender}; result discarded"
+            if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
         )
         return p.Outcome.FENCED.value
 
-    def fail(self, f: p.TaskFailure, now_ms: int) -> str:
+    @staticmethod
+    def _not_holder(rec: dict, sender: str) -> bool:
+        """True when ``sender`` is known and is not the worker the item's current token was leased to."""
+        holder = rec.get("token_worker") or rec.get("worker")
+        return bool(sender and holder and sender != holder)
+
+    def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
         """Record a failure report. Returns an :class:`Outcome` value.
 
         ``released``: back to ready now, attempt not counted. ``retryable``: ready
@@ -1058,8 +1068,8 @@ class LedgerTxn(LedgerView):
         rec = self.get(f.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
-        if rec["state"] != S.LEASED.value or rec["token"] != f.token:
-            if rec.get("fail_token") == f.token:
+        if rec["state"] != S.LEASED.value or rec["token"] != f.token or self._not_holder(rec, sender):
+            if rec.get("fail_token") == f.token and not self._not_holder(rec, sender):
                 return p.Outcome.DUPLICATE.value
             self.bump("fenced_failures")
             return p.Outcome.FENCED.value
