@@ -32,6 +32,7 @@ import msgpack
 
 from ccsq.brokerd import gaps
 from ccsq.common import protocol as p
+from ccsq.common.backoff import backoff_delay_s
 from ccsq.common.errors import CcsqError, ExitCode, ledger_failure
 
 S = p.ItemState
@@ -169,9 +170,9 @@ def ready_key(kind: str, priority: int, not_before_ms: int, seq: int) -> bytes:
 
 
 def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
-    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based)."""
-    cap_s = min(policy.retry_backoff_max_s, policy.retry_backoff_base_s * (2 ** min(max(attempt - 1, 0), 30)))
-    return int(rng.uniform(0.0, cap_s) * 1000)
+    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based), in ms:
+    :func:`ccsq.common.backoff.backoff_delay_s` (the one backoff) with the ledger's seeded rng."""
+    return int(backoff_delay_s(attempt - 1, policy.retry_backoff_base_s, policy.retry_backoff_max_s, rng) * 1000)
 
 
 def validate_submit_item(item: p.SubmitItem) -> str:

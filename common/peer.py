@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ccsq.common import protocol as p
+from ccsq.common.backoff import backoff_delay_s
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import ConfigError, DecodeError
@@ -95,12 +95,6 @@ class LinkState(enum.Enum):
 
 class LinkLost(Exception):
     """Internal: the current session ended (reason in args[0])."""
-
-
-def backoff_delay_s(attempt: int, base_s: float, cap_s: float) -> float:
-    """Capped exponential backoff with full jitter (AWS architecture blog, 2015):
-    uniform(0, min(cap, base * 2**attempt)). ``attempt`` counts from 0."""
-    return random.uniform(0.0, min(cap_s, base_s * (2 ** min(attempt, 30))))
 
 
 #: ZeroMQ handshake outcomes watched on a CURVE link (a wrong pinned key fails at once).

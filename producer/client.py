@@ -59,7 +59,8 @@ from ccsq.common.errors import (
 )
 from ccsq.common.faults import crash_point
 from ccsq.common.log import get_logger
-from ccsq.common.peer import REFUSED_CODES, BrokerLink, backoff_delay_s, refusal_fix
+from ccsq.common.backoff import backoff_delay_s
+from ccsq.common.peer import REFUSED_CODES, BrokerLink, refusal_fix
 from ccsq.producer.outbox import Outbox
 
 log = get_logger("ccsq.producer")
