@@ -43,14 +43,14 @@ from ccsq.common.keys import (
     public_key_b64,
 )
 from ccsq.common.log import get_logger
+from ccsq.common.policy import CURVE_REFUSED, PEER_REFUSED_CODES
 
 log = get_logger("ccsq.peer")
 
 #: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
 #: until an operator changes authorized_keys (and restarts this peer).
-CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed with status 400
-REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                           p.REJECT_FORGED_ORIGIN, CURVE_REFUSED})
+#: (The table lives in the one failure policy, :mod:`ccsq.common.policy`.)
+REFUSED_CODES = PEER_REFUSED_CODES
 
 
 def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
