@@ -97,9 +97,6 @@ DB_NAMES = (
 )
 
 PRIO_MAX = p.PRIO_MAX
-PRIO_MIN = p.PRIO_MIN
-MAX_KIND_LEN = p.MAX_KIND_LEN
-MAX_KEY_BYTES = p.MAX_KEY_BYTES
 _Q = struct.Struct(">Q")
 _q = struct.Struct(">q")
 _READY = struct.Struct(">IQQ")

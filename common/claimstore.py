@@ -15,7 +15,6 @@ import abc
 import hashlib
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,6 +173,3 @@ def open_store(uri: str, base_dir: str | Path | None = None) -> ClaimStore:
         return S3Store.from_uri(uri)
     raise ConfigError(f"claim store {uri!r}: scheme must be file:// or s3://")
 
-
-def now_s() -> float:
-    return time.time()

@@ -3,8 +3,8 @@ the one disconnect rule, and reconnection with capped, jittered backoff.
 
 Used by the worker, the producer's AsyncClient, the completion service and the
 admin CLI. The link owns its socket: only the coroutines of one session (one
-event loop, one thread) touch it. Other threads hand messages in with
-:meth:`BrokerLink.send_threadsafe`.
+event loop, one thread) touch it; other threads hand work to that loop
+(``loop.call_soon_threadsafe``) rather than calling the link.
 
 Delivery contract: :meth:`BrokerLink.send` queues a message for the *current*
 session only. When a session ends, unsent messages are discarded and the owner
@@ -12,7 +12,7 @@ re-sends whatever it still needs from ``on_connect`` (owners keep their own
 pending state: unconfirmed SUBMITs, unconfirmed COMPLETEs, held leases). This is
 the at-least-once pattern; the broker deduplicates.
 
-The one disconnect rule (DESIGN.md, "Liveness"): the broker is gone when nothing
+The one disconnect rule (docs/architecture.md, layer 2): the broker is gone when nothing
 arrived for ``heartbeat_interval_s x liveness``, on any socket error, or on an
 invalid envelope from it. Then the DEALER is closed (LINGER 0) and rebuilt.
 """
@@ -190,7 +190,6 @@ class BrokerLink:
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx = zmq.asyncio.Context.instance()
         self.log = log.bind(peer=settings.peer_id)
 
@@ -201,11 +200,6 @@ class BrokerLink:
             return False
         self._outbox.put_nowait(msg)
         return True
-
-    def send_threadsafe(self, msg: p.Message) -> None:
-        """Queue ``msg`` from another thread (e.g. an inference thread)."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.send, msg)
 
     async def stop(self, reason: str = "shutdown") -> None:
         """Say BYE (best effort, bounded) and end :meth:`run`."""
@@ -219,7 +213,6 @@ class BrokerLink:
 
     async def run(self) -> None:
         """Connect, serve sessions and reconnect until :meth:`stop`."""
-        self._loop = asyncio.get_running_loop()
         attempt = 0
         stop_ev = self._stopped_ev
         while not self._stopping:

@@ -579,13 +579,12 @@ class AsyncClient:
                                     unserved=item.kind in unserved))
         return receipts
 
-    async def _spool(self, items: list[p.SubmitItem], reason: str) -> list[Receipt]:
+    async def _spool(self, items: list[p.SubmitItem], reason: str) -> None:
         """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
         assert self._outbox is not None and self._flush_wakeup is not None
         new = await self._outbox.add(items)
         self._flush_wakeup.set()
         self.log.info("submit_spooled", items=len(items), new=new, reason=reason)
-        return [Receipt(item_id="", key=it.key, spooled=True) for it in items]
 
     async def _flusher(self) -> None:
         """Send spooled items in order whenever the broker is connected; remove each after its ACK."""

@@ -8,7 +8,7 @@ calls all run on one dedicated thread). Inference runs on a thread pool of
 runs (case C06); a loop-lag probe proves it (``loop_lag_max_ms`` in every
 heartbeat's info: the worst lag since the previous heartbeat).
 
-Life of a task (DESIGN.md, operations 3-5)::
+Life of a task (docs/architecture.md, "The path of one item", hops 4-6)::
 
     DISPATCH -> journal "held" (fsync) -> fetch payload + verify its SHA-256
       (prefetch: outside the slot, while the GPU runs earlier items)
@@ -60,10 +60,11 @@ exception -> ``handler_error`` (retryable, message = repr); over
 (retryable) at once, while the slot stays counted as *lost* until the thread
 returns (its result is discarded); a payload the claim store cannot produce
 (absent, or its SHA-256 does not match) -> ``payload_missing`` (not retryable);
-any other claim-store error while fetching (I/O error, backend down) ->
-``handler_error`` (retryable, with backoff: the attempt counts, so a store
-that stays broken dead-letters the item after ``max_attempts`` instead of
-looping); the worker itself keeps running.
+any other claim-store error while fetching or storing (I/O error, backend
+down) -> ``store_unavailable`` (retryable; the broker requeues it after a
+backoff WITHOUT counting the attempt, so an outage never dead-letters items;
+the item expires if its deadline passes); the worker itself keeps running.
+Which reason is retryable is the one table ``ccsq.common.policy.FAIL_POLICY``.
 A batch runs under the strictest ``max_runtime_s`` of its items (times the
 batch size when the handler has no batched path and runs the items in turn);
 on overrun every item of the batch is reported ``timeout``.
