@@ -34,6 +34,9 @@ WORKER_PREFETCH = 64
 #: (``peer_pipeline.WORKER_BATCH``); ccsq's dynamic batching does the same.
 WORKER_MAX_BATCH = 64
 WORKER_MAX_WAIT_MS = 1.0
+#: One log line per batch and per report frame, not two per job (the peers log nothing per job;
+#: ``log_each_job`` in docs/benchmarks.md). The default config logs each job.
+WORKER_LOG_EACH_JOB = False
 COMPLETION_CREDIT = 512
 
 
@@ -51,7 +54,7 @@ def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: 
         handler=handler,
         broker={"min_free_disk_bytes": 0, **(broker or {})},
         worker={"slots": WORKER_SLOTS, "prefetch": WORKER_PREFETCH, "max_batch": WORKER_MAX_BATCH,
-                "max_wait_ms": WORKER_MAX_WAIT_MS, **(worker or {})},
+                "max_wait_ms": WORKER_MAX_WAIT_MS, "log_each_job": WORKER_LOG_EACH_JOB, **(worker or {})},
         completion={"credit": COMPLETION_CREDIT, **(completion or {})},
     )
     procs = ProcessGroup(root / "logs")
