@@ -191,7 +191,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
             profile_all.mkdir(parents=True, exist_ok=True)
             for name, proc in procs.procs.items():
                 spies.append(subprocess.Popen([bin_path("py-spy"), "record", "-p", str(proc.popen.pid), "-r", "100",
-                                               "--format", "raw", "-o", str(profile_all / f"{name}.txt"), "--nonblocking"],
+                                               "--format", "raw", "-o", str(profile_all / f"{name}.txt"), "--nonblocking", "--gil"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if kill_at:
             import threading
