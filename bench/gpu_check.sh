@@ -32,7 +32,7 @@ VENV="${GPU_CHECK_VENV:-.venv-gpu}"
 if [ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q -e '.[gpu]' 'onnx>=1.15'
+  "$VENV/bin/pip" install -q -e '.[gpu]' 'onnx>=1.15'   # onnx: as in the bench extra (the classifier is built locally)
 fi
 # the provider check: a real session on CUDA, or refuse (never measure a CPU fallback as "GPU")
 if ! "$VENV/bin/python" - <<'PY'

@@ -70,3 +70,15 @@ def test_cpu_per_job_table_names_every_process() -> None:
                        "producer (this process, incl. polling)": 0.1}, 20_000)
     assert per == {"broker": 50, "worker-1": 25, "worker-2": 12, "completion": 10, "producer": 5, "total": 102}
     assert set(CPU_TARGET_US) == {"broker", "worker", "completion", "producer"}
+
+
+@pytest.mark.timeout(150)
+def test_ccsq_kill_run_smoke(tmp_path: Path) -> None:
+    """The kill run of benchmark 1 on the ccsq side: worker-1 SIGKILLed once 30 % are
+    acknowledged, restarted; nothing is lost and no result is delivered twice."""
+    n = 300
+    res = ccsq_pipeline.run(tmp_path / "swarm", n, batch=50, window=2, kill_at=0.3, settle_s=90)
+    kill = res["kill"]
+    assert kill["worker_killed"] == "worker-1" and kill["killed_at_landed"] == 90
+    assert kill["lost"] == 0 and kill["doubled"] == 0, kill
+    assert "worker-1" not in res["cpu_s"]  # a killed process's CPU is not comparable
