@@ -194,6 +194,7 @@ class WorkerConfig(PeerSettings):
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
     model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
+    log_each_job: bool = opt(True, doc="log job_started/job_completed per item (false: one batch_started line naming the batch's items and one results_reported per report frame; ~40 µs CPU less per item)")
 
 
 @dataclasses.dataclass(frozen=True)

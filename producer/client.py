@@ -453,12 +453,17 @@ class AsyncClient:
         if max_runtime_s is not None and max_runtime_s <= 0:
             raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
         params = _check_params(params)
-        probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
-                             priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                             max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-        problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
-        if problem:
-            raise InvalidRequest(problem)
+        # bytes that travel inline are never written anywhere: check the final item instead of a
+        # probe (one SubmitItem and Blob per item less; same rule, same error)
+        inline_bytes = isinstance(payload, (bytes, bytearray)) and self._store.inline_without_io(
+            len(payload), self.config.inline_max_bytes)
+        if not inline_bytes:
+            probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
+                                 priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
+                                 max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
+            problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
+            if problem:
+                raise InvalidRequest(problem)
         data = _read_payload(payload)
         if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
             blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
@@ -477,6 +482,10 @@ class AsyncClient:
             max_attempts=int(max_attempts or 0),
             max_runtime_s=float(max_runtime_s or 0.0),
         )
+        if inline_bytes:
+            problem = p.submit_item_problem(item)
+            if problem:
+                raise InvalidRequest(problem)
         return item
 
     # --- public API ---

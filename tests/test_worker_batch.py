@@ -323,3 +323,32 @@ def test_claim_store_read_error_fails_the_item_not_the_worker(broker: WorkerBrok
     broker.dispatch(task("next", "echo", b"still alive", token=2))
     (done,) = broker.wait_for(p.Complete)
     assert done.msg.results[0].result.inline == b"still alive"
+
+
+@pytest.mark.timeout(60)
+def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: WorkerBroker, workers: Workers) -> None:
+    """``log_each_job = false``: no job_started/job_completed per item; one batch_started line
+    naming every (item_id, token, attempt) of the batch, one results_reported per report frame;
+    every item still journaled and reported."""
+    workers.start(handler="sleep", max_batch=4, max_wait_ms=300, prefetch=4, log_each_job=False)
+    broker.wait_for(p.Hello)
+    broker.dispatch(*[task(f"q{n}", "sleep", token=n + 1, params={"seconds": 0.05}) for n in range(8)])
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 8, 30, "8 results")
+    events = workers.log_events(1)
+    assert not [e for e in events if e["event"] in ("job_started", "job_completed")]
+    started = [e for e in events if e["event"] == "batch_started"]
+    assert sorted(i[0] for e in started for i in e["items"]) == [f"q{n}" for n in range(8)]
+    assert all(e["size"] == len(e["items"]) for e in started)
+    wait_until(lambda: sum(e["items"] for e in workers.log_events(1) if e["event"] == "results_reported") == 8, 10,
+               "results_reported lines for the 8 results")
+
+
+def test_group_commit_merges_adjacent_ops_of_one_name() -> None:
+    """The group commit applies adjacent same-name ops as one op (one executemany), rows in
+    order, without touching the callers' lists; different names keep their order."""
+    from ccsq.workerd.journal import _merge_adjacent
+
+    a, b = [("x", 1)], [("y", 2)]
+    merged = _merge_adjacent([("record", a), ("record", b), ("forget", [("x", 1)]), ("record", [("z", 3)])])
+    assert merged == [("record", [("x", 1), ("y", 2)]), ("forget", [("x", 1)]), ("record", [("z", 3)])]
+    assert a == [("x", 1)] and b == [("y", 2)]

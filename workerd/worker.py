@@ -599,13 +599,17 @@ class Worker:
         if not run:
             return
         await self._jw.write("started", [j.key for j in run])
-        for job in run:
-            t = job.task
-            self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
+        if self.cfg.log_each_job:
+            for job in run:
+                t = job.task
+                self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
         self.batches_run += 1
         self.batch_items += len(run)
         self.batch_size_max = max(self.batch_size_max, len(run))
-        if self.max_batch > 1:
+        if not self.cfg.log_each_job:  # one line for the batch: [item_id, token, attempt] each
+            self.log.info("batch_started", size=len(run), kind=run[0].task.kind, max_batch=self.max_batch,
+                          items=[(j.task.item_id, j.task.token, j.task.attempt) for j in run])
+        elif self.max_batch > 1:
             self.log.info("batch_started", size=len(run), kind=run[0].task.kind, max_batch=self.max_batch)
         limit_s = self._batch_limit_s(run)
         items = [(j.payload or b"", dict(j.task.params)) for j in run]
@@ -719,8 +723,9 @@ class Worker:
         self._pending_changed()
         if isinstance(report, p.TaskResult):
             self.done += 1
-            self.log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
-                          result_bytes=report.result.size)
+            if self.cfg.log_each_job:
+                self.log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
+                              result_bytes=report.result.size)
         else:
             self.failed += 1
             self.log.info("job_failed", item_id=key[0], token=key[1], reason=report.reason,
@@ -775,6 +780,8 @@ class Worker:
             if pend is not None:
                 (results if isinstance(pend.report, p.TaskResult) else failures).append(pend)
         now = time.monotonic()
+        if results and not self.cfg.log_each_job:  # per report frame instead of job_completed per item
+            self.log.info("results_reported", items=len(results), done=self.done)
         for chunk in self._chunks(results):
             if self.link.send(p.Complete(results=[pd.report for pd in chunk])):  # type: ignore[misc]
                 for pd in chunk:
