@@ -30,8 +30,12 @@ def init_swarm(
     worker: dict | None = None,
     producer: dict | None = None,
     completion: dict | None = None,
+    bind: str = "",
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
+
+    ``endpoint`` is what peers connect to; ``bind`` (optional) what the broker binds
+    when that differs (``tcp://0.0.0.0:5555`` behind ``tcp://gpu-broker.internal:5555``).
 
     Layout (all state lives under ``directory``)::
 
@@ -43,6 +47,11 @@ def init_swarm(
     Raises ConfigError if the directory already holds a swarm.
     """
     directory = directory.resolve()
+    from ccsq.common.endpoints import check_endpoint
+
+    check_endpoint(endpoint, bind=not bind, where="--endpoint")
+    if bind:
+        check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
@@ -70,6 +79,7 @@ def init_swarm(
             "private_key": "keys/broker.key",
             "authorized_keys": "authorized_keys.toml",
             "endpoint": endpoint,
+            **({"bind": bind} if bind else {}),
             "data_dir": "broker-data",
             **(broker or {}),
         },
@@ -110,9 +120,18 @@ def init_swarm(
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler)
+    from ccsq.common.endpoints import default_bind
+
+    bind = args.bind if args.bind is not None else default_bind(args.endpoint)
+    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
     for name, path in written.items():
         print(f"{name:14} {path}")
+    if bind:
+        print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    if args.hosts:
+        from ccsq.common.hosts import render_layout, write_host_layout
+
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
     return ExitCode.OK
 
 
@@ -409,7 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init", help="write a ready-to-run swarm directory (configs, keys, authorized keys)")
     p.add_argument("dir")
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint (default %(default)s)")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint peers connect to (default %(default)s)")
+    p.add_argument("--bind", default=None, help="endpoint the broker binds, e.g. tcp://0.0.0.0:5555 (default: the endpoint "
+                   "itself when its host is a loopback/local address or *, else tcp://0.0.0.0:PORT)")
+    p.add_argument("--hosts", action="store_true", help="also write hosts/<host>/: each host's configs, its own private "
+                   "key(s) and the public keys it needs (docs/deployment.md)")
+    p.add_argument("--gpu-hosts", type=int, default=0, help="with --hosts: spread the workers over this many GPU hosts "
+                   "(default: one host per worker)")
     p.add_argument("--workers", type=int, default=2, help="number of worker configs (default %(default)s)")
     p.add_argument("--handler", default="echo", help="worker handler: ocr, echo, sleep, fail (default %(default)s)")
     p.set_defaults(func=_cmd_init)

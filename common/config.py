@@ -20,9 +20,12 @@ from ccsq.common.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "") -> Any:
-    """A config field: default, inclusive range, whether it is a filesystem path, allowed values."""
-    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc})
+def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "",
+        endpoint: str = "") -> Any:
+    """A config field: default, inclusive range, whether it is a filesystem path, allowed values;
+    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.endpoints`)."""
+    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc,
+                                                        "endpoint": endpoint})
 
 
 def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
@@ -55,6 +58,10 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         raise ConfigError(f"{key} = {value!r} is above the maximum {md['max']}")
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
+    if md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
+        from ccsq.common.endpoints import check_endpoint
+
+        check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
     return value
 
 
@@ -115,7 +122,7 @@ class PeerSettings:
     peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
     private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
-    broker_endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint of ccsq-brokerd")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH)")
     broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
@@ -134,7 +141,8 @@ class BrokerConfig:
     peer_id: str = opt("broker", doc="the broker's peer id")
     private_key: str = opt("keys/broker.key", path=True, doc="broker's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key; reloaded on SIGHUP")
-    endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint the ROUTER binds")
+    endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="bind", doc="endpoint peers connect to (their broker_endpoint); the ROUTER binds it too unless bind is set")
+    bind: str = opt("", endpoint="bind", doc="endpoint the ROUTER binds when it differs from endpoint, e.g. tcp://0.0.0.0:5555 ('' = endpoint)")
     data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
     heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
     liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
