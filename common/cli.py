@@ -259,15 +259,19 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     )
     if doc.get("source") == "broker":
         pt = Table(title="peers")
-        for col in ("peer", "role", "slots", "busy", "credit", "leases", "done", "healthy", "draining", "last seen"):
+        for col in ("peer", "role", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
             pt.add_column(col)
         for peer in doc.get("peers", []):
             pt.add_row(
                 peer["peer_id"], peer["role"], str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
-                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO",
+                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO", _store_cell(peer),
                 "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
             )
         console.print(pt)
+        for peer in doc.get("peers", []):
+            if peer.get("store_ok") is False:
+                console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
+                              "(no new items until it reports healthy; docs/deployment.md)")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
     bt = Table(title="backlog per queue (kind)")
@@ -279,6 +283,14 @@ def render_status(doc: dict, *, width: int = 120) -> str:
         bt.add_row(kind, *(str(per.get(st, 0)) for st in states))
     console.print(bt)
     return buf.getvalue()
+
+
+def _store_cell(peer: dict) -> str:
+    """The ``store`` column: a worker's claim-store health and its store_unavailable count."""
+    if "store_ok" not in peer:
+        return ""
+    n = peer.get("store_failures", 0)
+    return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
 
 
 def _cmd_items_show(args: argparse.Namespace) -> int:

@@ -189,6 +189,9 @@ class WorkerConfig(PeerSettings):
     max_batch: int = opt(0, min=0, max=4096, doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
     model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +202,9 @@ class ProducerConfig(PeerSettings):
     inline_max_bytes: int = opt(16384, min=0, max=1 << 20, doc="payloads up to this size travel inline")
     outbox_dir: str = opt("", path=True, doc="local spool for submissions while the broker is down ('' = off)")
     submit_timeout_s: float = opt(10.0, min=0.1, max=3600.0, doc="wait this long for SUBMIT_ACK before retrying")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +218,9 @@ class CompletionConfig(PeerSettings):
     batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
