@@ -121,8 +121,9 @@ class FileStore(ClaimStore):
             raise StoreUnavailable(f"{prefix}: {self.root} cannot be read right now ({exc.strerror}); retry later") from None
         import stat as stat_mod
 
-        if not stat_mod.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{prefix}: {self.root} is not a directory; point claim_store at the blobs directory")
+        if not stat_mod.S_ISDIR(st.st_mode):  # there but unusable, as during an outage of a mount: transient
+            raise StoreUnavailable(f"{prefix}: {self.root} exists but is not a directory; retry later, or point "
+                                   "claim_store at the blobs directory")
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise ConfigError(f"{prefix}: {self.root} is not readable and writable by this user (uid {os.getuid()}); "
                               "fix its owner or mode")

@@ -423,7 +423,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
             f"{out['orphans']} orphan(s) ({out['orphans_young']} younger than {args.grace_s:g} s kept, "
             f"{out['orphans_deleted']} deleted), {len(out['missing'])} payload(s) missing: "
             f"{len(out['dead_lettered'])} dead-lettered (payload_missing), {len(out['not_dead_lettered'])} not, "
-            f"{len(out['leased_missing'])} leased (their worker reports payload_missing)"
+            f"{len(out['leased_missing'])} leased (their worker gives them back as store_unavailable: run again)"
         )
     return status
 
