@@ -422,7 +422,12 @@ class ChaosRun:
         res = subprocess.run([bin_path("ccsq"), "reconcile", "--config", str(self.swarm.configs["brokerd"]),
                               "--store", "file://blobs", "--grace-s", "86400", "--apply", "--json"],
                              capture_output=True, text=True, timeout=60)
-        self.say(f"reconcile --apply: exit {res.returncode} {res.stdout.strip()[-300:] or res.stderr.strip()[-300:]}")
+        try:
+            doc = json.loads(res.stdout)
+            what = f"dead-lettered {doc['dead_lettered']}, not yet {doc['not_dead_lettered'] + doc['leased_missing']}"
+        except (ValueError, KeyError):
+            what = res.stderr.strip()[-300:]
+        self.say(f"reconcile --apply: exit {res.returncode}: {what}")
 
     # --- the run ---
     def run(self) -> ChaosResult:
