@@ -383,7 +383,8 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.producer.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
-    store = open_store(args.store, Path(args.config).resolve().parent)
+    s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
+    store = open_store(args.store, Path(args.config).resolve().parent, s3=s3, where="--store")
     report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
     out = report.as_dict()
     ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
@@ -518,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
+    p.add_argument("--s3-endpoint-url", default="", help="for s3://: the S3-compatible server (as s3_endpoint_url in the configs)")
+    p.add_argument("--s3-region", default="", help="for s3://: the region")
+    p.add_argument("--s3-profile", default="", help="for s3://: a profile of the AWS credential chain")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
     return parser

@@ -123,8 +123,11 @@ def check_bind_local(value: str, *, where: str = "") -> None:
            "the name peers connect to in endpoint (ccsq init --bind ... --endpoint ...)")
     local = _is_wildcard_or_ip_local(host)
     if local is None:
-        if host in {name for _, name in socket.if_nameindex()}:
-            return  # ZeroMQ binds an interface by name
+        try:
+            if host in {name for _, name in socket.if_nameindex()}:
+                return  # ZeroMQ binds an interface by name
+        except OSError:  # no AF_NETLINK (a sandboxed unit): ZeroMQ's bind will tell
+            return
         try:
             infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
         except socket.gaierror as exc:

@@ -4,8 +4,9 @@
 config file(s) with state paths under ``/var/lib/ccsq`` (the units' state
 directories), its own private key(s) (mode 0600) and an ``authorized_keys.toml``
 with only the public keys it needs (a peer: the broker's; the broker: everyone's).
-Key files that a config names by a path key (``private_key``,
-``broker_curve_public_key``, ``curve_secret_key``, ...) are copied when they exist.
+Files that a config names by a relative path (``private_key``,
+``broker_curve_public_key``, ``curve_secret_key``, a model file ...) are copied
+with their mode.
 
 Hosts: ``broker`` (brokerd.toml + admin.toml), ``gpu-1..H`` (workers, as
 ``workerd-0..K-1.toml`` for ``ccsq-workerd@0..K-1`` on that host, so the unit's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tomllib
 from pathlib import Path
 
@@ -25,9 +27,6 @@ from ccsq.common.errors import ConfigError
 
 ETC = "/etc/ccsq"
 STATE = "/var/lib/ccsq"
-#: config keys that name a key file (relative to the config file) to ship with it
-KEY_FILE_KEYS = ("private_key", "broker_curve_public_key", "curve_secret_key", "curve_public_key")
-SECRET_SUFFIXES = (".key",)
 
 
 def _store_uri(uri: str) -> str:
@@ -38,22 +37,23 @@ def _store_uri(uri: str) -> str:
 
 
 def _ship(src_dir: Path, dst_dir: Path, name: str, doc: dict, changes: dict) -> list[Path]:
-    """Write ``doc`` (with ``changes``) as ``dst_dir/name`` and copy the key files it names."""
+    """Write ``doc`` (with ``changes``) as ``dst_dir/name`` and copy every file it names
+    by a relative path (keys, CURVE keys, a model file; not ``authorized_keys``, which
+    is written per host), keeping each file's mode (private keys stay 0600)."""
     out = dict(doc)
     out.update(changes)
     dst_dir.mkdir(parents=True, exist_ok=True)
     written = [dst_dir / name]
-    for key in KEY_FILE_KEYS:
-        rel = out.get(key)
-        if not rel or Path(rel).is_absolute():
+    for key, rel in out.items():
+        if key == "authorized_keys" or not isinstance(rel, str) or not rel or "://" in rel or Path(rel).is_absolute():
             continue
         src = src_dir / rel
-        if not src.exists():
+        if not src.is_file():
             continue
         dst = dst_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
-        os.chmod(dst, 0o600 if dst.suffix in SECRET_SUFFIXES else 0o644)
+        os.chmod(dst, stat.S_IMODE(src.stat().st_mode))
         written.append(dst)
     (dst_dir / name).write_text(tomli_w.dumps(out))
     return written

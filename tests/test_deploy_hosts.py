@@ -67,6 +67,18 @@ def test_endpoint_rules_for_bind_and_locality() -> None:
     err = bind_error("tcp://eth9:5555", errno.ENODEV, "No such device", where="b.toml: endpoint")
     assert isinstance(err, ConfigError) and "b.toml: endpoint" in str(err) and "bind" in str(err)
     assert bind_error("tcp://127.0.0.1:5555", errno.EADDRINUSE, "Address in use") is None
+    # and the errno ZeroMQ really gives for a name that is not this host's is one of them
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(zmq.ZMQError) as raw:
+            sock.bind("tcp://gpu-broker.invalid:5555")
+        assert isinstance(bind_error("tcp://gpu-broker.invalid:5555", raw.value.errno, raw.value.strerror), ConfigError)
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 def test_broker_with_a_remote_name_as_endpoint_exits_78_then_starts_with_bind(tmp_path: Path) -> None:
@@ -118,6 +130,22 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     assert (w.peer_id, w.broker_endpoint, w.journal_dir, w.claim_store) == (
         "worker-3", "tcp://gpu-broker.internal:5555", "/var/lib/ccsq/worker-0", "file:///var/lib/ccsq/blobs")
     assert cfgmod.load(cfgmod.BrokerConfig, hosts / "broker" / "brokerd.toml").data_dir == "/var/lib/ccsq/broker"
+    # files a config names (CURVE keys here) travel with it, with their mode
+    import shutil
+
+    from ccsq.common.hosts import write_host_layout
+
+    shutil.rmtree(hosts)
+    (root / "keys" / "broker.curve.key").write_text("secret\n")
+    (root / "keys" / "broker.curve.key").chmod(0o600)
+    (root / "keys" / "broker.curve.pub").write_text("public\n")
+    _edit(root / "brokerd.toml", curve=True, curve_secret_key="keys/broker.curve.key")
+    _edit(root / "workerd-1.toml", curve=True, broker_curve_public_key="keys/broker.curve.pub")
+    layout = write_host_layout(root, gpu_hosts=1)
+    assert hosts / "broker" / "keys" / "broker.curve.key" in layout["broker"]
+    assert stat.S_IMODE((hosts / "broker" / "keys" / "broker.curve.key").stat().st_mode) == 0o600
+    assert (hosts / "gpu-1" / "keys" / "broker.curve.pub").read_text() == "public\n"
+    assert not (hosts / "gpu-1" / "keys" / "broker.curve.key").exists()
 
 
 # --- a misconfigured store never dead-letters work -----------------------------------------
