@@ -24,7 +24,7 @@ import zmq
 
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths
-from ccsq.brokerd.transport import EndpointInUse, Transport
+from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.endpoints import bind_error, check_bind_local
@@ -77,6 +77,7 @@ def run(config_path: str) -> int:
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
+        check_exposure(cfg, authorized, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")
@@ -118,7 +119,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
     )
     try:
         transport = Transport(cfg.bind or cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
-                              curve_secret_key=curve_secret)
+                              curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
@@ -132,10 +133,14 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         (data_dir / "endpoint").write_text(transport.endpoint + "\n")
         broker = Broker(cfg, ledger, transport)
         metrics = None
-        if cfg.metrics_port:
-            from ccsq.brokerd.metrics import start_metrics
+        if cfg.metrics_port or cfg.metrics_listen:
+            from ccsq.brokerd.metrics import broker_listen, start_metrics
 
-            metrics = start_metrics(broker, cfg.metrics_port)
+            try:
+                metrics = start_metrics(broker, broker_listen(cfg.metrics_listen, cfg.metrics_port),
+                                        where=f"{cfg.config_path}: metrics_listen")
+            except ConfigError as exc:
+                return _fail(ExitCode.CONFIG, f"config error: {exc}")
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:

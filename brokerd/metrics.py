@@ -22,7 +22,11 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``max_map_size_bytes``, ``map_used_ratio``; ``peers{role}``; ``leases``;
 ``oldest_ready_age_seconds``; per worker ``worker_slots``, ``worker_busy``,
 ``worker_items_done``, ``worker_leases``, ``worker_draining`` (label ``worker``);
-``snapshot_age_seconds``.
+``snapshot_age_seconds``; ``build_info{version,process,python,libzmq}``
+(every process, :mod:`ccsq.common.metrics`); ``zap_refused_total`` (CURVE
+handshakes the ZAP allow-list refused; with ``curve = true``).
+Workers and the completion service export their own (``workerd/metrics.py``,
+``producer/completion.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ccsq.common import protocol as p
@@ -166,6 +170,11 @@ class _SnapshotCollector:
         yield GaugeMetricFamily(
             "ccsq_oldest_ready_age_seconds", "age of the oldest ready item (0: none)", value=snap.get("oldest_ready_age_s", 0.0)
         )
+        auth = getattr(self.broker.transport, "auth", None)
+        yield CounterMetricFamily(
+            "ccsq_zap_refused", "CURVE handshakes refused by the ZAP allow-list (keys not in authorized_keys.toml)",
+            value=auth.allow_list.refused if auth is not None else 0,
+        )
         taken = snap.get("taken_mono")
         yield GaugeMetricFamily(
             "ccsq_snapshot_age_seconds", "age of the snapshot these values come from",
@@ -203,11 +212,19 @@ def _labelled(cls: type, name: str, help_: str, label: str, values: dict[str, An
     return fam
 
 
-def start_metrics(broker: Broker, port: int) -> Any:
-    """Serve /metrics on 127.0.0.1:``port`` from the broker's stats registry plus
-    its snapshot; returns the server (call ``shutdown()``). Raises OSError if the
-    port is taken."""
+def broker_listen(metrics_listen: str, metrics_port: int) -> str:
+    """The broker's ``metrics_listen``, or ``127.0.0.1:metrics_port`` (the older key) when it is empty."""
+    return metrics_listen or (f"127.0.0.1:{metrics_port}" if metrics_port else "")
+
+
+def start_metrics(broker: Broker, listen: str | int, *, where: str = "brokerd.toml: metrics_listen") -> Any:
+    """Serve /metrics at ``listen`` (``metrics_listen`` syntax, see
+    :mod:`ccsq.common.metrics`; an int is a port on 127.0.0.1) from the broker's
+    stats registry plus its snapshot and ``ccsq_build_info``; returns the server
+    (call ``shutdown()``). Raises ConfigError if the address cannot be bound."""
+    from ccsq.common.metrics import start_exporter
+
     registry = broker.stats.registry
     registry.register(_SnapshotCollector(broker))  # type: ignore[arg-type]
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
-    return server
+    listen = f"127.0.0.1:{listen}" if isinstance(listen, int) else listen
+    return start_exporter(registry, listen, process="brokerd", where=where)

@@ -222,12 +222,23 @@ def _fmt_rate(v: float | None) -> str:
 
 
 # --- HTML (self-contained: inline SVG and CSS, nothing fetched) ---------------------
+_LEGEND_CHAR_PX = 7.5  # a generous width per character of a 12 px sans-serif font
 _CHART_COLOURS = {"received": "#1f77b4", "routed": "#ff7f0e", "completed": "#2ca02c", "acknowledged": "#9467bd"}
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:.25em .6em;vertical-align:top}td.n{text-align:right;font-variant-numeric:tabular-nums}"
     ".ok{color:#2ca02c}.bad{color:#d62728;font-weight:bold}small{color:#666}"
+    "code{font-family:ui-monospace,monospace;font-size:.9em;background:#f3f3f3;padding:0 .2em;border-radius:3px}"
 )
+
+
+def inline_code_html(text: str) -> str:
+    """``text`` HTML-escaped, with Markdown inline code (`like this`) as ``<code>``
+    (the gap-register texts are shared with docs/gap-register.md)."""
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:  # an unmatched backtick: leave it literal
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return "".join(f"<code>{html.escape(x)}</code>" if i % 2 else html.escape(x) for i, x in enumerate(parts))
 
 
 def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int], width: int = 760, height: int = 260) -> str:
@@ -238,7 +249,20 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
     pts.append((now_ms, {c: counters.get(c, 0) for c in CHART_COUNTERS}))
     t0, t1 = pts[0][0], max(pts[-1][0], pts[0][0] + 1000)
     vmax = max(1, max(max(v.values()) for _, v in pts))
-    left, right, top, bottom = 60, 130, 12, 30
+    # the legend sits under the time axis, in as many rows as its labels need (never clipped)
+    labels = [f"{c} {pts[-1][1][c]}" for c in CHART_COUNTERS]
+    left, right, top = 60, 14, 12
+    rows: list[list[tuple[str, str, float]]] = [[]]
+    lx = float(left)
+    for c, label in zip(CHART_COUNTERS, labels):
+        w = 22 + _LEGEND_CHAR_PX * len(label) + 22
+        if rows[-1] and lx + w > width - right:
+            rows.append([])
+            lx = float(left)
+        rows[-1].append((c, label, lx))
+        lx += w
+    bottom = 30 + 18 * len(rows)
+    height += 18 * (len(rows) - 1)
     pw, ph = width - left - right, height - top - bottom
 
     def x(t: int) -> float:
@@ -257,8 +281,8 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
         parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{v}</text>')
     for t, anchor in ((t0, "start"), (t1, "end")):
         label = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t / 1000))
-        parts.append(f'<text x="{x(t):.1f}" y="{height - 10}" font-size="11" text-anchor="{anchor}">{label}</text>')
-    for i, c in enumerate(CHART_COUNTERS):
+        parts.append(f'<text x="{x(t):.1f}" y="{top + ph + 16}" font-size="11" text-anchor="{anchor}">{label}</text>')
+    for c, stroke in zip(CHART_COUNTERS, (9.0, 6.5, 4.0, 1.5)):  # widest first: equal lines still show every colour
         coords: list[str] = []
         prev = None
         for t, v in pts:
@@ -268,11 +292,14 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
             prev = v[c]
         colour = _CHART_COLOURS[c]
         parts.append(
-            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(coords)}"/>'
+            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="{stroke}" points="{" ".join(coords)}"/>'
         )
-        ly = top + 14 + i * 18
-        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 28}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
-        parts.append(f'<text x="{left + pw + 32}" y="{ly}" font-size="12">{c} {pts[-1][1][c]}</text>')
+    for r, row in enumerate(rows):
+        ly = top + ph + 36 + 18 * r
+        for c, label, lx in row:
+            colour = _CHART_COLOURS[c]
+            parts.append(f'<line x1="{lx:.1f}" y1="{ly - 4}" x2="{lx + 18:.1f}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
+            parts.append(f'<text x="{lx + 22:.1f}" y="{ly}" font-size="12" data-legend="{c}">{label}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -325,7 +352,8 @@ def render_html(report: dict[str, Any]) -> str:
         )
         out.append(
             f"<tr id='{e(w['id'])}'><td>{e(w['id'])}</td><td>{e(w['name'])}</td><td class='n'>{w['count']}</td>"
-            f"<td>{e(w['where'])}<br><b>why</b> {e(w['why'])}<br><b>repair</b> {e(w['repair'])}</td><td>{recent}</td></tr>"
+            f"<td>{inline_code_html(w['where'])}<br><b>why</b> {inline_code_html(w['why'])}<br><b>repair</b> "
+            f"{inline_code_html(w['repair'])}</td><td>{recent}</td></tr>"
         )
     out.append("</table>")
     if report.get("rejects"):

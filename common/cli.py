@@ -16,7 +16,7 @@ from pathlib import Path
 import tomli_w
 
 from ccsq.common.errors import AdminFailed, BrokerUnavailable, CcsqError, ConfigError, ExitCode
-from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_keypair
+from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
 
 
 # --- ccsq init ------------------------------------------------------------------------
@@ -41,11 +41,14 @@ def init_swarm(
 
         brokerd.toml  workerd-1.toml ... workerd-N.toml  producer.toml  completion.toml
         authorized_keys.toml  keys/<peer>.key (0600) keys/<peer>.pub
+        keys/<peer>.curve.key (0600) keys/<peer>.curve.pub (CURVE; curve = true when the endpoint is not loopback)
         blobs/ (file claim store)  broker-data/ (ledger)  worker-N-journal/  results.db
 
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
     """
+    from ccsq.brokerd.transport import is_loopback_endpoint
+
     directory = directory.resolve()
     from ccsq.common.endpoints import check_endpoint
 
@@ -58,13 +61,19 @@ def init_swarm(
     keys_dir = directory / "keys"
     peers = {"broker": "broker", "producer-1": "producer", "completion-1": "completion", "admin": "admin"}
     peers.update({f"worker-{i}": "worker" for i in range(1, workers + 1)})
-    authorized: dict[str, tuple[str, str]] = {}
+    authorized: dict[str, tuple[str, ...]] = {}
     for peer_id, role in peers.items():
         priv, _ = write_keypair(keys_dir, peer_id)
-        authorized[peer_id] = (role, public_key_b64(load_private_key(priv)))
+        _, curve_pub = write_curve_keypair(keys_dir, peer_id)  # CURVE: the broker's ZAP allow-list (docs/security.md)
+        authorized[peer_id] = (role, public_key_b64(load_private_key(priv)), curve_pub.read_text().strip())
     write_authorized_keys(directory / "authorized_keys.toml", authorized)
     (directory / "blobs").mkdir(exist_ok=True)
     common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
+    # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
+    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
+
+    def curve_lines(peer_id: str) -> dict:
+        return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
     written: dict[str, Path] = {}
 
     def write(name: str, doc: dict) -> None:
@@ -81,6 +90,8 @@ def init_swarm(
             "endpoint": endpoint,
             **({"bind": bind} if bind else {}),
             "data_dir": "broker-data",
+            "curve": curve_on,
+            "curve_secret_key": "keys/broker.curve.key",
             **(broker or {}),
         },
     )
@@ -94,12 +105,14 @@ def init_swarm(
                 "handler": handler,
                 "claim_store": "file://blobs",
                 "journal_dir": f"worker-{i}-journal",
+                **curve_lines(f"worker-{i}"),
                 **(worker or {}),
             },
         )
     write(
         "producer.toml",
-        {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs", **(producer or {})},
+        {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
+         **curve_lines("producer-1"), **(producer or {})},
     )
     write(
         "completion.toml",
@@ -109,12 +122,14 @@ def init_swarm(
             **common,
             "claim_store": "file://blobs",
             "database": "sqlite:///results.db",
+            **curve_lines("completion-1"),
             **(completion or {}),
         },
     )
     write(
         "admin.toml",
-        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data")},
+        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data"),
+         **curve_lines("admin")},
     )
     return written
 
@@ -141,7 +156,10 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
         secret, public = write_curve_keypair(Path(args.out), args.id)
         print(f"CURVE secret key {secret} (mode 0600)\nCURVE public key {public}: {public.read_text().strip()}")
-        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, broker_curve_public_key = <public path>")
+        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, "
+              "curve_secret_key = <their secret path>, broker_curve_public_key = <the broker's public path>")
+        print(f'add to the [peers.{args.id}] entry of authorized_keys.toml (the broker admits only listed keys; '
+              f'SIGHUP reloads):\ncurve_public_key = "{public.read_text().strip()}"')
         return ExitCode.OK
     priv, pub = write_keypair(Path(args.out), args.id)
     print(f"private key {priv} (mode 0600)\npublic key  {pub}: {pub.read_text().strip()}")
@@ -435,6 +453,12 @@ def _cmd_completion(args: argparse.Namespace) -> int:
     return completion_main(args.config)
 
 
+def _cmd_console(args: argparse.Namespace) -> int:
+    from ccsq.console.main import run
+
+    return run(_admin_settings(args), listen=args.listen, token=args.token, refresh_s=args.refresh_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -524,6 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-profile", default="", help="for s3://: a profile of the AWS credential chain")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
+
+    p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
+    p.add_argument("--config", required=True, help="admin.toml")
+    p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
+                   "a non-loopback address needs a token")
+    p.add_argument("--token", help="access token (admin role); also CCSQ_CONSOLE_TOKEN or console_tokens in admin.toml")
+    p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
+    p.set_defaults(func=_cmd_console)
     return parser
 
 

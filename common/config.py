@@ -131,6 +131,7 @@ class PeerSettings:
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
     curve: bool = opt(False, doc="encrypt the link with ZeroMQ CURVE (the broker must have curve = true)")
     broker_curve_public_key: str = opt("keys/broker.curve.pub", path=True, doc="the broker's CURVE public key (Z85), pinned; used when curve = true")
+    curve_secret_key: str = opt("", path=True, doc="this peer's CURVE secret key (Z85, mode 0600; needed when curve = true): the broker admits only the curve_public_key values in authorized_keys.toml")
     config_path: str = ""
 
 
@@ -168,6 +169,8 @@ class BrokerConfig:
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
     curve: bool = opt(False, doc="encrypt every link with ZeroMQ CURVE (peers need curve = true and the public key)")
     curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
+    allow_insecure_bind: bool = opt(False, doc="true: allow an endpoint beyond loopback without curve (anyone reaching the port can connect and make the broker queue frames; docs/security.md)")
+    metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
     config_path: str = ""
 
 
@@ -189,6 +192,7 @@ class WorkerConfig(PeerSettings):
     max_batch: int = opt(0, min=0, max=4096, doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
     model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
+    metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
     s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
     s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
@@ -218,6 +222,7 @@ class CompletionConfig(PeerSettings):
     batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
+    metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
     s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
     s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
@@ -229,6 +234,8 @@ class AdminConfig(PeerSettings):
 
     data_dir: str = opt("broker-data", path=True, doc="the broker's data_dir, read directly when the broker is stopped (--offline)")
     connect_timeout_s: float = opt(2.0, min=0.1, max=300.0, doc="no WELCOME within this: read the ledger offline (read-only commands)")
+    console_listen: str = opt("127.0.0.1:8750", doc="`ccsq console` listens here (HOST:PORT; beyond loopback it needs a token)")
+    console_tokens: str = opt("", path=True, doc="`ccsq console` tokens: TOML file of [tokens.NAME] token, role = admin|viewer (mode 0600; '' = none)")
 
 
 CONFIG_FILES: dict[str, type] = {

@@ -34,8 +34,8 @@ from zmq.utils.monitor import parse_monitor_message
 from ccsq.common import protocol as p
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key
+from ccsq.common.errors import ConfigError, DecodeError
+from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_curve_secret, load_private_key
 
 log = structlog.get_logger("ccsq.peer")
 
@@ -66,11 +66,23 @@ CURVE_FAILED_EVENTS = (
 )
 
 
+def peer_curve_secret(settings: PeerSettings) -> bytes:
+    """This peer's own CURVE secret key (``curve_secret_key``, needed with curve = true:
+    the broker's ZAP allow-list admits only listed keys); ConfigError naming the fix."""
+    if not settings.curve_secret_key:
+        raise ConfigError(
+            f"{settings.config_path or 'config'}: curve = true needs curve_secret_key (this peer's CURVE key; "
+            f"`ccsq keygen --curve --out keys --id {settings.peer_id or 'PEER'}` writes it and prints the "
+            "curve_public_key line for authorized_keys.toml)")
+    return load_curve_secret(Path(settings.curve_secret_key))
+
+
 def make_codec(settings: PeerSettings) -> EnvelopeCodec:
     """Build this peer's codec from its settings (keys loaded, and the broker's
     CURVE public key checked when ``curve`` is on; ConfigError on problems)."""
     if settings.curve:
         load_curve_public(Path(settings.broker_curve_public_key))
+        peer_curve_secret(settings)
     return EnvelopeCodec(
         settings.peer_id,
         load_private_key(Path(settings.private_key)),
@@ -119,6 +131,7 @@ class BrokerLink:
         self.settings = settings
         self.codec = codec or make_codec(settings)
         self._curve_server_key = load_curve_public(Path(settings.broker_curve_public_key)) if settings.curve else None
+        self._curve_secret = peer_curve_secret(settings) if settings.curve else None
         self._hello = hello
         self._heartbeat = heartbeat or (lambda: p.Heartbeat())
         self._on_message = on_message
@@ -199,7 +212,7 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
         monitor = None
         if self._curve_server_key is not None:
-            curve_client_setup(sock, self._curve_server_key)
+            curve_client_setup(sock, self._curve_server_key, self._curve_secret)
             monitor = sock.get_monitor_socket(CURVE_FAILED_EVENTS)
         sock.connect(self.settings.broker_endpoint)
         self.codec.new_session()
@@ -267,7 +280,8 @@ class BrokerLink:
             self.log.error(
                 "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
                 broker_curve_public_key=self.settings.broker_curve_public_key,
-                hint="the pinned broker CURVE public key is wrong, or the broker does not run with curve = true",
+                hint="the pinned broker CURVE public key is wrong, the broker does not run with curve = true, or "
+                     "this peer's curve_public_key is not in the broker's authorized_keys.toml (ZAP refused it)",
             )
             raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): check broker_curve_public_key")
         finally:

@@ -29,6 +29,7 @@ import concurrent.futures
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -83,6 +84,9 @@ class CompletionService:
     landed: int  # results written so far (this process)
     acked: int  # results acknowledged so far (this process)
     quarantined: int  # results written to results_quarantine so far (this process)
+    db_retry_in_s: float = 0.0  # current database backoff delay (0 = healthy)
+    db_failures: int = 0  # failed database writes (this process)
+    observe_db_write: Callable[[int, float], None] | None = None  # metrics hook: (rows, seconds) per landed batch
 
     def __init__(self, config: CompletionConfig, *, db: ResultsDB | None = None, store: ClaimStore | None = None,
                  notifier: Notifier | None = None) -> None:
@@ -305,6 +309,9 @@ class CompletionService:
                 error = describe_error(exc)
             if error is None:
                 self.landed += len(rows)
+                self.db_retry_in_s = 0.0
+                if self.observe_db_write is not None:
+                    self.observe_db_write(len(rows), time.monotonic() - t0)
                 if not self.healthy:
                     self.log.info("db_recovered", after_s=round(time.monotonic() - (down_since or t0), 3),
                                   attempts=attempt + 1)
@@ -323,6 +330,8 @@ class CompletionService:
             await loop.run_in_executor(self._db_exec, self.db.reset)
             delay = backoff_delay_s(attempt, _DB_BACKOFF_BASE_S, self.config.backoff_max_s)
             attempt += 1
+            self.db_failures += 1
+            self.db_retry_in_s = delay
             self.log.warning("db_unhealthy", error=error[:500], items=len(rows), attempt=attempt,
                              retry_in_s=round(delay, 3))
             try:
@@ -402,6 +411,9 @@ def main(config_path: str | Path) -> int:
         config = load(CompletionConfig, config_path)
         configure(config.log_format)
         service = CompletionService(config, notifier=notifier)
+        from ccsq.producer.completion_metrics import start_completion_metrics
+
+        metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:
         print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
@@ -413,6 +425,9 @@ def main(config_path: str | Path) -> int:
     except CcsqError as exc:
         log.error("completion_failed", code=exc.code, error=str(exc))
         return ExitCode.FAILURE
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
     if service.link.replaced:
         print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
               file=sys.stderr)

@@ -115,10 +115,15 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     assert (broker["endpoint"], broker["bind"]) == ("tcp://gpu-broker.internal:5555", "tcp://0.0.0.0:5555")
     hosts = root / "hosts"
     files = {h.name: sorted(str(f.relative_to(h)) for f in h.rglob("*") if f.is_file()) for h in hosts.iterdir()}
-    assert files["broker"] == ["admin.toml", "authorized_keys.toml", "brokerd.toml", "keys/admin.key", "keys/broker.key"]
-    assert files["gpu-1"] == ["authorized_keys.toml", "keys/worker-1.key", "keys/worker-2.key", "workerd-0.toml", "workerd-1.toml"]
-    assert files["gpu-2"] == ["authorized_keys.toml", "keys/worker-3.key", "workerd-0.toml"]
-    assert files["completion"] == ["authorized_keys.toml", "completion.toml", "keys/completion-1.key"]
+    # beyond loopback CURVE is on: each host also gets its own CURVE secret key and the broker's CURVE public key
+    assert files["broker"] == ["admin.toml", "authorized_keys.toml", "brokerd.toml", "keys/admin.curve.key",
+                               "keys/admin.key", "keys/broker.curve.key", "keys/broker.curve.pub", "keys/broker.key"]
+    assert files["gpu-1"] == ["authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-1.curve.key", "keys/worker-1.key",
+                              "keys/worker-2.curve.key", "keys/worker-2.key", "workerd-0.toml", "workerd-1.toml"]
+    assert files["gpu-2"] == ["authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-3.curve.key", "keys/worker-3.key",
+                              "workerd-0.toml"]
+    assert files["completion"] == ["authorized_keys.toml", "completion.toml", "keys/broker.curve.pub",
+                                   "keys/completion-1.curve.key", "keys/completion-1.key"]
     for host, names in files.items():
         for name in names:
             if name.endswith(".key"):
@@ -130,22 +135,19 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     assert (w.peer_id, w.broker_endpoint, w.journal_dir, w.claim_store) == (
         "worker-3", "tcp://gpu-broker.internal:5555", "/var/lib/ccsq/worker-0", "file:///var/lib/ccsq/blobs")
     assert cfgmod.load(cfgmod.BrokerConfig, hosts / "broker" / "brokerd.toml").data_dir == "/var/lib/ccsq/broker"
-    # files a config names (CURVE keys here) travel with it, with their mode
+    # any file a config names travels with it (a model file here), with its mode
     import shutil
 
     from ccsq.common.hosts import write_host_layout
 
     shutil.rmtree(hosts)
-    (root / "keys" / "broker.curve.key").write_text("secret\n")
-    (root / "keys" / "broker.curve.key").chmod(0o600)
-    (root / "keys" / "broker.curve.pub").write_text("public\n")
-    _edit(root / "brokerd.toml", curve=True, curve_secret_key="keys/broker.curve.key")
-    _edit(root / "workerd-1.toml", curve=True, broker_curve_public_key="keys/broker.curve.pub")
+    (root / "models").mkdir()
+    (root / "models" / "ocr.onnx").write_bytes(b"model")
+    _edit(root / "workerd-3.toml", model_path="models/ocr.onnx")
     layout = write_host_layout(root, gpu_hosts=1)
-    assert hosts / "broker" / "keys" / "broker.curve.key" in layout["broker"]
-    assert stat.S_IMODE((hosts / "broker" / "keys" / "broker.curve.key").stat().st_mode) == 0o600
-    assert (hosts / "gpu-1" / "keys" / "broker.curve.pub").read_text() == "public\n"
-    assert not (hosts / "gpu-1" / "keys" / "broker.curve.key").exists()
+    assert (hosts / "gpu-1" / "models" / "ocr.onnx").read_bytes() == b"model"
+    assert hosts / "gpu-1" / "models" / "ocr.onnx" in layout["gpu-1"]
+    assert not (hosts / "gpu-1" / "keys" / "broker.curve.key").exists()  # never another host's secret
 
 
 # --- a misconfigured store never dead-letters work -----------------------------------------
@@ -194,9 +196,13 @@ def test_blob_missing_at_one_worker_is_requeued_uncounted_and_done_by_another(tm
         assert row["healthy"] is False and row["store_failures"] >= 1 and "not in" in row["store_error"]
         text = _run([bin_path("ccsq"), "status", "--config", str(swarm.configs["admin"])]).stdout
         assert "FAILING" in text and "worker-2: claim store failing" in text
-        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert 'ccsq_worker_store_failures_total{worker="worker-2"}' in body
-        assert 'ccsq_worker_store_ok{worker="worker-2"} 0.0' in body or 'ccsq_worker_healthy{worker="worker-2"} 0.0' in body
+
+        def scrape() -> str:
+            return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+
+        # the exporter renders a snapshot the actor refreshes between turns: wait for one taken after the failure
+        wait_until(lambda: 'ccsq_worker_store_failures_total{worker="worker-2"}' in (body := scrape())
+                   and 'ccsq_worker_healthy{worker="worker-2"} 0.0' in body, 30, "metrics show it")
         swarm.start_worker(1)
         rep = swarm.wait_acknowledged(1, timeout_s=60)
         shown = _run([bin_path("ccsq"), "items", "show", item, "--json", "--config", str(swarm.configs["admin"])])
@@ -269,7 +275,7 @@ def test_s3_keys_and_start_up_check(tmp_path: Path, moto_endpoint: str) -> None:
     store_keys = {"claim_store": "s3://pages/ocr", **keys, "s3_profile": "gpu"}
     for name in ("workerd-1.toml", "producer.toml", "completion.toml"):
         _edit(root / name, **store_keys, **({"inline_max_bytes": 0} if name == "producer.toml" else {}))
-    assert "secret" not in (root / "workerd-1.toml").read_text()
+    assert "aws_secret" not in (root / "workerd-1.toml").read_text().lower()  # credentials stay in the chain
     procs = []
     try:
         for argv in ([bin_path("ccsq-brokerd"), "--config", str(root / "brokerd.toml")], worker,

@@ -31,6 +31,7 @@ import fcntl
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -239,6 +240,7 @@ class GroupCommit:
     window_s: float
     commits: int  # transactions committed
     ops: int  # ops in them
+    observe_commit: Callable[[int, float], None] | None = None  # metrics hook: (ops, seconds) once per commit
 
     def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.001) -> None:
         self.journal = journal
@@ -271,6 +273,7 @@ class GroupCommit:
             await asyncio.sleep(0)  # one loop tick: the writes of this tick go together
         while self._queue:
             batch, self._queue = self._queue, []
+            t0 = time.perf_counter()
             try:
                 await loop.run_in_executor(self._executor, self.journal.apply, [op for op, _ in batch])
             except Exception as exc:  # noqa: BLE001 - handed to every waiter of this commit
@@ -280,6 +283,8 @@ class GroupCommit:
                 continue
             self.commits += 1
             self.ops += len(batch)
+            if self.observe_commit is not None:
+                self.observe_commit(len(batch), time.perf_counter() - t0)
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)

@@ -29,6 +29,7 @@ from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
 from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable
+from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.workerd.handlers import load_handler
@@ -76,6 +77,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     logsetup.configure(cfg.log_format)
     try:
         codec = make_codec(cfg)  # keys and authorized_keys, before any slow model load
+        parse_listen(cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
     try:
@@ -106,10 +108,19 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     )
     worker = Worker(cfg, handler, store, journal, codec=codec)
     try:
+        from ccsq.workerd.metrics import start_worker_metrics
+
+        metrics = start_worker_metrics(worker, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
+    except ConfigError as exc:
+        journal.close()
+        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    try:
         asyncio.run(_serve(worker, notifier))
     except JournalCorrupt as exc:
         return _die(ExitCode.CONFIG, str(exc)), False
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         journal.close()
     if isinstance(worker.fatal, ConfigError):
         return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0

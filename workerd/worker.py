@@ -254,6 +254,7 @@ class Worker:
     loop_lag_max_ms: float  # worst loop lag since start
     _lag_window_ms: float  # worst loop lag since the previous heartbeat
     gpu_mem_free_bytes: int | None
+    observe_batch: Callable[[int, float], None] | None = None  # metrics hook (workerd/metrics.py): once per handler call
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, store: ClaimStore, journal: Journal, *,
                  codec: EnvelopeCodec | None = None) -> None:
@@ -652,6 +653,8 @@ class Worker:
             outputs, runtime_s = [fut.exception()] * len(run), 0.0
         else:
             outputs, runtime_s = fut.result()
+        if self.observe_batch is not None:
+            self.observe_batch(len(run), runtime_s)
         if len(outputs) != len(run):
             err = HandlerError(f"run_batch returned {len(outputs)} outputs for {len(run)} items")
             outputs = [err] * len(run)
