@@ -96,6 +96,7 @@ class FileStore(ClaimStore):
         an empty store that reports every payload missing."""
         self.root = root
         self.uri = f"file://{root}"
+        self._create = create
         if not create:
             return
         try:
@@ -143,7 +144,11 @@ class FileStore(ClaimStore):
                 return digest
             except FileNotFoundError:
                 pass  # collected meanwhile: write it again
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:  # the root itself is never created here (a vanished mount must not become an empty local store)
+            path.parent.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as fh:

@@ -166,6 +166,13 @@ def test_wrong_store_root_is_refused_at_start_by_worker_completion_and_producer(
         assert res.returncode == ExitCode.CONFIG, (argv, res.stderr)
         assert "claim_store" in res.stderr and "does not exist" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not gone.exists() and not gone.parent.exists()  # nobody created it
+    # nor later: a root that vanishes while a daemon runs is an I/O error, not a new empty store
+    from ccsq.common.claimstore import open_store
+
+    store = open_store(f"file://{gone}", create=False)
+    with pytest.raises(FileNotFoundError):
+        store.put(b"x" * 100)
+    assert not gone.exists()
 
 
 def test_blob_missing_at_one_worker_is_requeued_uncounted_and_done_by_another(tmp_path: Path) -> None:
