@@ -116,7 +116,8 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
                 "store_ok": b.peers.store_health(s)["store_ok"],
             }
         )
-    store_failures = dict(b.peers.store_failures)
+    # every connected worker from 0 (rate()/increase() need the first sample), plus those seen since start
+    store_failures = {w["worker"]: 0 for w in workers} | dict(b.peers.store_failures)
     roles: dict[str, int] = {}
     for s in b.peers.sessions():
         roles[s.role.value] = roles.get(s.role.value, 0) + 1
