@@ -58,7 +58,7 @@ def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: 
     try:
         procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])], ready_event="broker_started")
         for n in range(1, (workers if start_workers is None else start_workers) + 1):
-            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n}"])],
+            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n - 1}"])],
                         ready_event="broker_link_ready", ready_timeout_s=120)
         if start_completion:
             procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],

@@ -39,10 +39,15 @@ def init_swarm(
 
     Layout (all state lives under ``directory``)::
 
-        brokerd.toml  workerd-1.toml ... workerd-N.toml  producer.toml  completion.toml
+        brokerd.toml  workerd-0.toml ... workerd-<N-1>.toml  producer.toml  completion.toml
         authorized_keys.toml  keys/<peer>.key (0600) keys/<peer>.pub
         keys/<peer>.curve.key (0600) keys/<peer>.curve.pub (CURVE; curve = true when the endpoint is not loopback)
         blobs/ (file claim store)  broker-data/ (ledger)  worker-N-journal/  results.db
+
+    Worker numbering: ``workerd-G.toml`` is named after the GPU index G (0-based, ``nvidia-smi``
+    order) that ``ccsq-workerd@G.service`` drives and reads as ``/etc/ccsq/workerd-G.toml``; the
+    peer inside is ``worker-<G+1>`` (worker-1..N, unique in the swarm: on another GPU host the
+    file for its GPU 0 holds another peer id). Keys ``workerd-0`` ... in the returned dict.
 
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
@@ -95,9 +100,9 @@ def init_swarm(
             **(broker or {}),
         },
     )
-    for i in range(1, workers + 1):
+    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
         write(
-            f"workerd-{i}.toml",
+            f"workerd-{i - 1}.toml",
             {
                 "peer_id": f"worker-{i}",
                 "private_key": f"keys/worker-{i}.key",

@@ -170,7 +170,7 @@ def test_metrics_listen_is_validated(tmp_path):
                   completion={"metrics_listen": "nowhere:"})
     from ccsq.common.procs import bin_path
 
-    for argv in ([bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-1"])],
+    for argv in ([bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
                  [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert out.returncode == 78 and "metrics_listen" in out.stderr, (argv, out.stderr)

@@ -280,7 +280,7 @@ def test_daemon_refuses_group_readable_key(tmp_path, daemon):
     key = tmp_path / "swarm" / "keys" / ("worker-1.key" if daemon == "workerd" else "completion-1.key")
     assert (key.stat().st_mode & 0o777) == 0o600
     key.chmod(0o640)
-    cmd = ([bin_path("ccsq-workerd"), "--config", str(configs["workerd-1"])] if daemon == "workerd"
+    cmd = ([bin_path("ccsq-workerd"), "--config", str(configs["workerd-0"])] if daemon == "workerd"
            else [bin_path("ccsq"), "completion", "--config", str(configs["completion"])])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == ExitCode.CONFIG

@@ -134,7 +134,7 @@ class ChaosRun:
             completion={"log_format": "json"},
         )
         self.names = ["broker", *[f"worker-{n}" for n in range(1, opts.workers + 1)], "completion", "producer"]
-        self.peer_configs = {f"worker-{n}": f"workerd-{n}" for n in range(1, opts.workers + 1)}
+        self.peer_configs = {f"worker-{n}": f"workerd-{n - 1}" for n in range(1, opts.workers + 1)}
         self.peer_configs.update({"completion": "completion", "producer": "producer"})
         self.proxy = FaultProxy(self.swarm.port, list(self.peer_configs))
         self.hostile: HostilePeer | None = None
