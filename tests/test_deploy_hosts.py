@@ -143,7 +143,7 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     shutil.rmtree(hosts)
     (root / "models").mkdir()
     (root / "models" / "ocr.onnx").write_bytes(b"model")
-    _edit(root / "workerd-3.toml", model_path="models/ocr.onnx")
+    _edit(root / "workerd-2.toml", model_path="models/ocr.onnx")
     layout = write_host_layout(root, gpu_hosts=1)
     assert (hosts / "gpu-1" / "models" / "ocr.onnx").read_bytes() == b"model"
     assert hosts / "gpu-1" / "models" / "ocr.onnx" in layout["gpu-1"]
@@ -155,11 +155,11 @@ def test_wrong_store_root_is_refused_at_start_by_worker_completion_and_producer(
     root = tmp_path / "s"
     assert ccsq_main(["init", str(root), "--workers", "1", "--endpoint", f"tcp://127.0.0.1:{free_tcp_port()}"]) == 0
     gone = tmp_path / "nonexistent" / "blobs"
-    for name in ("workerd-1.toml", "completion.toml", "producer.toml"):
+    for name in ("workerd-0.toml", "completion.toml", "producer.toml"):
         _edit(root / name, claim_store=f"file://{gone}")
     doc = tmp_path / "page.bin"
     doc.write_bytes(os.urandom(100))
-    for argv in ([bin_path("ccsq-workerd"), "--config", str(root / "workerd-1.toml")],
+    for argv in ([bin_path("ccsq-workerd"), "--config", str(root / "workerd-0.toml")],
                  [bin_path("ccsq"), "completion", "--config", str(root / "completion.toml")],
                  [bin_path("ccsq"), "submit", "--config", str(root / "producer.toml"), str(doc)]):
         res = _run(argv)
@@ -184,7 +184,7 @@ def test_blob_missing_at_one_worker_is_requeued_uncounted_and_done_by_another(tm
     (root / "empty-mount").mkdir(parents=True)
     with Swarm(root, workers=2, broker={"max_attempts": 1, "metrics_port": metrics_port},
                producer={"inline_max_bytes": 0}) as swarm:
-        _edit(swarm.configs["workerd-2"], claim_store="file://empty-mount")
+        _edit(swarm.configs["workerd-1"], claim_store="file://empty-mount")
         swarm.start_broker()
         swarm.start_completion()
         w2 = swarm.start_worker(2)
@@ -259,7 +259,7 @@ def test_s3_keys_and_start_up_check(tmp_path: Path, moto_endpoint: str) -> None:
                  aws_secret_access_key="test").create_bucket(Bucket="pages")
     root = tmp_path / "s"
     assert ccsq_main(["init", str(root), "--workers", "1", "--endpoint", f"tcp://127.0.0.1:{free_tcp_port()}"]) == 0
-    conf = root / "workerd-1.toml"
+    conf = root / "workerd-0.toml"
     worker = [bin_path("ccsq-workerd"), "--config", str(conf)]
     keys = {"s3_endpoint_url": moto_endpoint, "s3_region": "us-east-1"}
     cases = [
@@ -280,9 +280,9 @@ def test_s3_keys_and_start_up_check(tmp_path: Path, moto_endpoint: str) -> None:
     (aws / "credentials").write_text("[gpu]\naws_access_key_id = test\naws_secret_access_key = test\n")
     env = _aws_env(AWS_SHARED_CREDENTIALS_FILE=str(aws / "credentials"))
     store_keys = {"claim_store": "s3://pages/ocr", **keys, "s3_profile": "gpu"}
-    for name in ("workerd-1.toml", "producer.toml", "completion.toml"):
+    for name in ("workerd-0.toml", "producer.toml", "completion.toml"):
         _edit(root / name, **store_keys, **({"inline_max_bytes": 0} if name == "producer.toml" else {}))
-    assert "aws_secret" not in (root / "workerd-1.toml").read_text().lower()  # credentials stay in the chain
+    assert "aws_secret" not in (root / "workerd-0.toml").read_text().lower()  # credentials stay in the chain
     procs = []
     try:
         for argv in ([bin_path("ccsq-brokerd"), "--config", str(root / "brokerd.toml")], worker,

@@ -71,7 +71,7 @@ def test_radosgw_as_the_claim_store_of_a_swarm(tmp_path: Path, rgw: str, monkeyp
 
     root = tmp_path / "s"
     assert ccsq_main(["init", str(root), "--workers", "1", "--endpoint", f"tcp://127.0.0.1:{free_tcp_port()}"]) == 0
-    for name in ("workerd-1.toml", "producer.toml", "completion.toml"):
+    for name in ("workerd-0.toml", "producer.toml", "completion.toml"):
         doc = tomllib.loads((root / name).read_text())
         doc.update(claim_store="s3://pages/swarm", s3_endpoint_url=rgw, s3_region="us-east-1")
         if name == "producer.toml":
@@ -79,7 +79,7 @@ def test_radosgw_as_the_claim_store_of_a_swarm(tmp_path: Path, rgw: str, monkeyp
         (root / name).write_text(tomli_w.dumps(doc))
     procs = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for argv in (
         [bin_path("ccsq-brokerd"), "--config", str(root / "brokerd.toml")],
-        [bin_path("ccsq-workerd"), "--config", str(root / "workerd-1.toml")],
+        [bin_path("ccsq-workerd"), "--config", str(root / "workerd-0.toml")],
         [bin_path("ccsq"), "completion", "--config", str(root / "completion.toml")],
     )]
     try:
