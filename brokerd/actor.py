@@ -60,6 +60,7 @@ BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
 REJECT_LOG_INTERVAL_S = 10.0
+REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all peers together
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
@@ -68,6 +69,13 @@ POST_VERIFY_CODES = frozenset(
     {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
 )
 SESSION_TYPES = (p.Hello, p.Heartbeat, p.Credit, p.Bye)
+#: Refusals an unauthenticated sender may get (rate-limited; nothing but the id it claimed).
+STRANGER_ANSWERS = {
+    p.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
+    p.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
+}
+STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
+STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
 
 @dataclasses.dataclass
@@ -130,7 +138,11 @@ class Broker:
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
         self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
         self._rejects_unsaved: collections.Counter = collections.Counter()
-        self._reject_logged: dict[tuple[bytes, str], float] = {}
+        self._reject_logged: dict[tuple[bytes | str, str], float] = {}
+        self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
+        self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
+        self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
+        self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
         self._stopping = False
         self._started_mono = time.monotonic()
         self._last_turn_mono = self._started_mono
@@ -286,19 +298,66 @@ class Broker:
         try:
             return rid, self.codec.decode(raw[1:], bound_sender=sess.peer_id if sess else None)
         except DecodeError as exc:
-            self.rejects[exc.code] += 1
-            self._rejects_unsaved[exc.code] += 1
-            key = (rid, exc.code)
-            if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
-                if len(self._reject_logged) > 10_000:
-                    self._reject_logged.clear()
-                self._reject_logged[key] = now
-                log.warning("frame_rejected", code=exc.code, reason=str(exc)[:300], peer=sess.peer_id if sess else None)
+            self._count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
             if sess is not None or exc.code in POST_VERIFY_CODES:
                 self._send_raw(rid, p.Error(exc.code, str(exc)[:300]))
+            elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
+                # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)
+                self._send_raw(rid, p.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
             if sess is not None:
                 self._end_session(sess, f"invalid envelope: {exc.code}")
             return None
+
+    def _count_reject(self, code: str, reason: str, peer: str | None, rid: bytes, now: float) -> None:
+        """Count a refused frame (metric ccsq_frames_rejected, persisted) and log it at most
+        once per REJECT_LOG_INTERVAL_S per claimed peer id (per connection when none)."""
+        self.rejects[code] += 1
+        self._rejects_unsaved[code] += 1
+        key = (peer or rid, code)
+        if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
+            if now - self._reject_window_mono >= REJECT_LOG_INTERVAL_S:  # a new window for all peers together
+                if self._reject_lines_dropped:
+                    log.warning("frame_rejected_suppressed", lines=self._reject_lines_dropped,
+                                interval_s=REJECT_LOG_INTERVAL_S, limit=REJECT_LOG_LINES_PER_INTERVAL)
+                self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = now, 0, 0
+            if self._reject_window_lines >= REJECT_LOG_LINES_PER_INTERVAL:  # many ids: a flood, not a peer
+                self._reject_lines_dropped += 1
+                return
+            self._reject_window_lines += 1
+            if len(self._reject_logged) > 10_000:
+                self._reject_logged.clear()
+            self._reject_logged[key] = now
+            log.warning("frame_rejected", code=code, reason=reason, peer=peer)
+
+    def _may_answer_stranger(self, sender: str, now: float) -> bool:
+        """Whether an unauthenticated sender may get its refusal now: at most once per
+        STRANGER_ANSWER_INTERVAL_S per claimed id, and STRANGER_ANSWERS_PER_S for all
+        strangers together (token bucket), so a flood costs the broker no more than its frames."""
+        last = self._stranger_answered.get(sender)
+        if last is not None and now - last < STRANGER_ANSWER_INTERVAL_S:
+            return False
+        elapsed = now - self._stranger_tokens_mono
+        self._stranger_tokens = min(STRANGER_ANSWERS_PER_S, self._stranger_tokens + elapsed * STRANGER_ANSWERS_PER_S)
+        self._stranger_tokens_mono = now
+        if self._stranger_tokens < 1.0:
+            return False
+        self._stranger_tokens -= 1.0
+        if len(self._stranger_answered) > 10_000:
+            self._stranger_answered.clear()
+        self._stranger_answered[sender] = now
+        return True
+
+    def _unserved(self, sess: Session, items: list[p.SubmitItem]) -> list[str]:
+        """Kinds of ``items`` that no worker connected since the broker started serves, for a
+        producer that asked (HELLO info ``features``); [] in the first liveness windows after
+        start (workers are still reconnecting)."""
+        if "unserved_kinds" not in str(sess.info_hello.get("features", "")):
+            return []
+        if time.monotonic() - self._started_mono < 2 * self.silence_s:
+            return []
+        if "" in self._kinds_seen:  # a worker that takes every kind
+            return []
+        return sorted({it.kind for it in items} - self._kinds_seen.keys())
 
     def _end_session(self, sess: Session, reason: str) -> None:
         """Remove a session (the one disconnect rule, BYE, or replacement). Its
@@ -327,6 +386,7 @@ class Broker:
     def _on_hello(self, rid: bytes, env: Envelope, now: float) -> None:
         hello: p.Hello = env.message  # type: ignore[assignment]
         if hello.role != env.role.value:
+            self._count_reject(p.REJECT_ROLE, f"authorized as {env.role.value}, HELLO says {hello.role}", env.sender, rid, now)
             self._send_raw(rid, p.Error(p.REJECT_ROLE, f"authorized as {env.role.value}, HELLO says {hello.role}", env.seq))
             return
         old = self.peers.get(env.sender)
@@ -351,6 +411,7 @@ class Broker:
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []
         if env.role is p.Role.WORKER:
+            self._kinds_seen.update(dict.fromkeys(sess.kinds or ("",), True))
             listed = set()
             for ref in hello.leases:
                 listed.add(ref.item_id)
@@ -500,7 +561,7 @@ class Broker:
             msg = env.message
             if isinstance(msg, p.Submit):
                 results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
-                batch.replies.append((rid, p.SubmitAck(msg.req, results)))
+                batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
                     batch.effects.append(self._wake_dispatch)

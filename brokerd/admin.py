@@ -187,13 +187,15 @@ class AdminCommands:
         done = [i for i in ids if txn.replay_dead(i, now_ms, who=sess.peer_id)]
         if done:
             batch.effects.append(self.broker._wake_dispatch)  # noqa: SLF001
-        return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more}
+        return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more,
+                "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
 
     def cmd_dlq_purge(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         ids, more = self._dead_ids(txn, args)
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.purge_dead(i, now_ms, who=sess.peer_id)]
-        return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more}
+        return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more,
+                "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
 
     def cmd_drain(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         worker = _str_arg(args, "worker")

@@ -100,7 +100,9 @@ def queue_forecast(
     the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample).
     Returns a list of {kind, ready, leased, backlog, completed_per_s (None: no
     history), drain_eta_s (None: never at this rate), nearest_deadline_ms,
-    deadline_in_s, verdict: empty | on track | late | stalled | no deadline}.
+    deadline_in_s, verdict: empty | on track | late | stalled | no deadline}
+    (``ccsq gap-report`` turns "stalled" into "stalled: no worker serves kind 'X'" when
+    the running broker has no worker for it).
     """
     ref = None
     for d in samples:
@@ -341,7 +343,7 @@ def render_html(report: dict[str, Any]) -> str:
         out.append(
             f"<tr><td>{e(q['kind'])}</td><td class='n'>{q['ready']}</td><td class='n'>{q['leased']}</td>"
             f"<td class='n'>{_fmt_rate(q['completed_per_s'])}</td><td class='n'>{_fmt_s(q['drain_eta_s'])}</td>"
-            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'] in ('late', 'stalled') else 'ok'}'>"
+            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'].startswith(('late', 'stalled')) else 'ok'}'>"
             f"{e(q['verdict'])}</td></tr>"
         )
     out.append("</table><h2>Gap register</h2><table id='windows'><tr><th>id</th><th>window</th><th>count</th>"

@@ -23,7 +23,7 @@ import msgpack
 from ccsq.common import protocol as p
 from ccsq.common.config import AdminConfig
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import AdminFailed, BrokerUnavailable  # noqa: F401 (AdminFailed: re-exported)
+from ccsq.common.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -79,9 +79,16 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     session.link = link
     runner = asyncio.create_task(link.run(), name="admin-link")
     try:
+        ready = asyncio.ensure_future(link.ready.wait())
         try:
-            await asyncio.wait_for(link.ready.wait(), connect_timeout_s)
-        except asyncio.TimeoutError:
+            await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if link.refused is not None:
+            from ccsq.common.peer import refusal_fix
+
+            raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
+        if not link.ready.is_set():
             why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
             raise BrokerUnavailable(
                 f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g}s{why}"

@@ -1,7 +1,8 @@
 """``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report,
-status, items, dlq, drain, reconcile).
+status, items, dlq, drain, reconcile, completion-script).
 
-Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
+``--config`` defaults to ``$CCSQ_CONFIG/<name>.toml`` (or ``/etc/ccsq/<name>.toml``):
+:func:`default_config`. Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
 host without onnxruntime can still run the broker-side commands.
 Exit codes are :class:`ccsq.common.errors.ExitCode` values.
 """
@@ -15,7 +16,15 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import AdminFailed, BrokerUnavailable, CcsqError, ConfigError, ExitCode
+from ccsq.common.errors import (
+    AdminFailed,
+    BrokerUnavailable,
+    CcsqError,
+    ConfigError,
+    ExitCode,
+    NoInput,
+    Unauthorized,
+)
 from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
 
 
@@ -173,38 +182,124 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 # --- ccsq submit ----------------------------------------------------------------------
+def _param(text: str) -> tuple[str, object]:
+    """``K=V`` for ``--param``: V as int, float, true/false, else the string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--param {text!r}: expected KEY=VALUE")
+    value: object = raw
+    if raw in ("true", "false"):
+        value = raw == "true"
+    else:
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                pass
+    return key, value
+
+
+def _progress(enabled: bool):
+    """A rich progress bar on stderr when it is a terminal (and ``enabled``), else a no-op."""
+    import contextlib
+
+    if not (enabled and sys.stderr.isatty()):
+        return contextlib.nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+def _submit_state(r) -> str:
+    """The state column of a submit without --wait."""
+    return "spooled" if r.spooled else ("duplicate" if r.duplicate else "submitted")
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from ccsq.producer.client import Client
+    import time
+
+    from ccsq.producer.client import DONE_STATES, Client
 
     items = [Path(f) for f in args.files]
-    for f in items:
-        if not f.is_file():
-            raise ConfigError(f"{f}: no such file")
+    missing = [str(f) for f in items if not f.is_file()]
+    if missing:
+        raise NoInput(f"no such file: {', '.join(missing)}")
+    params = dict(args.param or [])
+    deadline_ts = None if args.deadline_s is None else time.time() + args.deadline_s
+
+    def submit_one(client, f: Path):
+        return client.submit(f, args.kind, params={"name": f.name, **params}, priority=args.priority,
+                             deadline_ts=deadline_ts)
+
     with Client.from_config_file(args.config) as client:
-        receipts = [client.submit(f, args.kind, params={"name": f.name}) for f in items]
-        out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled} for f, r in zip(items, receipts)]
+        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
+            raise BrokerUnavailable(
+                f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: "
+                f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
+                "(or set outbox_dir there to spool while it is down)"
+            )
+        with _progress(len(items) > 1 and not args.json) as bar:
+            task = bar.add_task("submitting", total=len(items)) if bar else None
+            receipts = []
+            for f in items:
+                receipts.append(submit_one(client, f))
+                if bar:
+                    bar.advance(task)
+        unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
+        for kind in unserved:
+            print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
+                  "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
+                  "handler's name; `ccsq status` lists them)", file=sys.stderr)
+        out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
+                "state": _submit_state(r)} for f, r in zip(items, receipts)]
         status_code = ExitCode.OK
         if args.wait:
+            deadline = time.monotonic() + args.timeout_s
             if any(r.spooled for r in receipts):
                 # spooled while the broker was away: let the outbox drain, then the same
                 # submit (same idempotency key) answers the original item id
                 client.flush(timeout_s=args.timeout_s)
-                receipts = [client.submit(f, args.kind, params={"name": f.name}) if r.spooled else r
-                            for f, r in zip(items, receipts)]
+                receipts = [submit_one(client, f) if r.spooled else r for f, r in zip(items, receipts)]
                 for row, r in zip(out, receipts):
                     row["item_id"] = r.item_id
             ids = [r.item_id for r in receipts if r.item_id]
-            states = client.wait(ids, timeout_s=args.timeout_s)
+            states: dict = {}
+            with _progress(not args.json) as bar:
+                task = bar.add_task("acknowledged", total=len(ids)) if bar else None
+                todo = list(ids)
+                while todo:
+                    left = deadline - time.monotonic()
+                    states.update(client.wait(todo, timeout_s=max(0.1, min(left, 1.0))))
+                    todo = [i for i in todo if states[i].state not in DONE_STATES]
+                    if bar:
+                        bar.update(task, completed=sum(1 for i in ids if states[i].state == "acknowledged"))
+                    if time.monotonic() >= deadline:
+                        break
             for row in out:
                 st = states.get(row["item_id"])
                 row["state"] = st.state if st else "unknown"
-            if any(row.get("state") != "acknowledged" for row in out):
+                if st is not None and st.error:
+                    row["error"] = st.error
+            final = [row["state"] for row in out]
+            if any(st in ("dead", "expired") for st in final):
+                status_code = ExitCode.DEAD
+            elif any(st != "acknowledged" for st in final):
                 status_code = ExitCode.INCOMPLETE
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for row in out:
-            print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row.get('state', '')}  {row['file']}")
+            err = f" ({row['error']})" if row.get("error") else ""
+            print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row['state']}{err}  {row['file']}")
+    if status_code == ExitCode.DEAD:
+        print("ccsq submit: some items ended dead or expired: `ccsq dlq list` says why, `ccsq dlq replay ID` retries",
+              file=sys.stderr)
+    elif status_code == ExitCode.INCOMPLETE:
+        print(f"ccsq submit: not every item was acknowledged within {args.timeout_s:g} s (`ccsq status` shows the backlog"
+              " and the workers)", file=sys.stderr)
     return status_code
 
 
@@ -215,6 +310,7 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
+    _name_unserved_queues(report, Path(args.config).resolve().parent / "admin.toml")
     if args.html:
         from ccsq.brokerd.report import render_html
 
@@ -226,6 +322,30 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+def _name_unserved_queues(report: dict, admin_path: Path) -> None:
+    """A stalled queue whose kind no connected worker serves says so ("stalled: no worker
+    serves kind 'X'"), when the broker answers an admin status (``admin.toml`` next to
+    ``brokerd.toml``) within 1 s; otherwise the verdict stays "stalled"."""
+    stalled = [q for q in report.get("queues", []) if q.get("verdict") == "stalled"]
+    if not stalled or not admin_path.is_file():
+        return
+    from ccsq.common.admin_client import with_broker
+    from ccsq.common.config import AdminConfig, load
+
+    async def status(session) -> dict:
+        return await session.call("status", timeout_s=2.0)
+
+    try:
+        settings = load(AdminConfig, admin_path)
+        doc = with_broker(settings, status, connect_timeout_s=min(settings.connect_timeout_s, 1.0))
+    except CcsqError:
+        return
+    workers = [x for x in doc.get("peers", []) if x.get("role") == "worker"]
+    for q in stalled:
+        if not any(not w.get("kinds") or q["kind"] in w["kinds"] for w in workers):
+            q["verdict"] = f"stalled: no worker serves kind {q['kind']!r}"
 
 
 # --- admin commands: status, items show, dlq, drain --------------------------------------
@@ -282,11 +402,12 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     )
     if doc.get("source") == "broker":
         pt = Table(title="peers")
-        for col in ("peer", "role", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
+        for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
             pt.add_column(col)
         for peer in doc.get("peers", []):
+            kinds = ", ".join(peer.get("kinds") or []) or ("any" if peer["role"] == "worker" else "")
             pt.add_row(
-                peer["peer_id"], peer["role"], str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
+                peer["peer_id"], peer["role"], kinds, str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
                 str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO", _store_cell(peer),
                 "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
             )
@@ -305,6 +426,11 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     for kind, per in sorted(doc.get("backlog", {}).items()):
         bt.add_row(kind, *(str(per.get(st, 0)) for st in states))
     console.print(bt)
+    if doc.get("source") == "broker":
+        workers = [x for x in doc.get("peers", []) if x["role"] == "worker"]
+        for kind, per in sorted(doc.get("backlog", {}).items()):
+            if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
+                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
     return buf.getvalue()
 
 
@@ -316,13 +442,29 @@ def _store_cell(peer: dict) -> str:
     return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
 
 
+def _when(key: str, value: object) -> object:
+    """Epoch-millisecond (``*_ms``) and epoch-second (``*_ts``) times as ISO 8601 UTC dates."""
+    import datetime
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return value
+    if key.endswith("_ms") and value > 1e11:
+        seconds = value / 1000.0
+    elif key.endswith("_ts") and value > 1e8:
+        seconds = float(value)
+    else:
+        return value
+    when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def _cmd_items_show(args: argparse.Namespace) -> int:
     doc = _read_query(args, "items_show", {"item_id": args.item_id})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
         for k, v in doc["item"].items():
-            print(f"{k:>16}  {v}")
+            print(f"{k:>16}  {_when(k, v)}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
     return ExitCode.OK
@@ -334,7 +476,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, default=str))
     else:
         for rec in doc["items"]:
-            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')[:80]}")
+            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')}")
         purged = doc.get("purged", 0)
         print(f"{len(doc['items'])} shown of {doc['total']} dead letters" + (f" (+{purged} purged)" if purged else ""))
     return ExitCode.OK
@@ -351,25 +493,34 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
     async def go(session) -> dict:
         done: list[str] = []
         not_dead: list[str] = []
-        if args.all:
-            while True:
-                doc = await session.call(command, {"all": True})
-                done += doc[key]
-                if not doc["more"] or not doc[key]:
-                    break
-        else:
-            for item_id in args.item_ids:
-                doc = await session.call(command, {"item_id": item_id})
-                done += doc[key]
-                not_dead += doc["not_dead"]
-        return {key: done, "not_dead": not_dead}
+        unknown: list[str] = []
+        with _progress(not args.json) as bar:
+            task = bar.add_task(f"dlq {args.action}", total=None if args.all else len(args.item_ids)) if bar else None
+            if args.all:
+                while True:
+                    doc = await session.call(command, {"all": True})
+                    done += doc[key]
+                    if bar:
+                        bar.update(task, completed=len(done))
+                    if not doc["more"] or not doc[key]:
+                        break
+            else:
+                for item_id in args.item_ids:
+                    doc = await session.call(command, {"item_id": item_id})
+                    done += doc[key]
+                    unknown += doc.get("unknown", [])  # brokers before this field: unknown ids count as not dead
+                    not_dead += [i for i in doc["not_dead"] if i not in doc.get("unknown", [])]
+                    if bar:
+                        bar.advance(task)
+        return {key: done, "not_dead": not_dead, "unknown": unknown}
 
     out = with_broker(_admin_settings(args), go)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else ""))
-    return ExitCode.OK if not out["not_dead"] else ExitCode.REFUSED
+        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else "")
+              + (f"; unknown (no such item in the ledger): {', '.join(out['unknown'])}" if out["unknown"] else ""))
+    return ExitCode.OK if not out["not_dead"] and not out["unknown"] else ExitCode.REFUSED
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
@@ -383,10 +534,15 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         doc = await session.call("drain", {"worker": args.worker, "undo": args.undo})
         if args.wait and not args.undo:
             deadline = time.monotonic() + args.timeout_s
-            while doc["leases"] > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                st = await session.call("status")
-                doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+            with _progress(not args.json and doc["leases"] > 0) as bar:
+                task = bar.add_task(f"{args.worker}: leases finished", total=doc["leases"]) if bar else None
+                start = doc["leases"]
+                while doc["leases"] > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    st = await session.call("status")
+                    doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+                    if bar:
+                        bar.update(task, completed=max(0, start - doc["leases"]))
         return doc
 
     doc = with_broker(_admin_settings(args), go)
@@ -465,7 +621,9 @@ def _cmd_console(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference")
+    parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ccsq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("init", help="write a ready-to-run swarm directory (configs, keys, authorized keys)")
@@ -488,21 +646,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
 
-    p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait")
-    p.add_argument("--config", required=True, help="producer.toml")
+    p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait",
+                       epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _config_arg(p, "producer")
     p.add_argument("--kind", default="ocr", help="item kind (default %(default)s)")
-    p.add_argument("--wait", action="store_true", help="wait until every item is acknowledged")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until every item is acknowledged (exit 4 on timeout, 5 if one ends dead or expired)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait: give up after this (default %(default)s)")
+    p.add_argument("--param", type=_param, action="append", metavar="K=V",
+                   help="an item parameter for the handler (repeatable; numbers and true/false are typed)")
+    p.add_argument("--priority", type=int, default=0, help="higher is dispatched first (default %(default)s)")
+    p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
+    p.add_argument("--connect-timeout-s", type=float, default=3.0,
+                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
     p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
-    p.add_argument("--config", required=True, help="completion.toml")
+    _config_arg(p, "completion")
     p.set_defaults(func=_cmd_completion)
 
     p = sub.add_parser("gap-report", help="accounting, balance and gap-register windows (reads the ledger)")
-    p.add_argument("--config", required=True, help="brokerd.toml")
+    _config_arg(p, "brokerd")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a chart to FILE")
     p.add_argument("--verbose", action="store_true", help="show where/why/repair of each window")
@@ -510,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def admin_parser(name: str, help_: str, parent=sub, *, read_only: bool = False) -> argparse.ArgumentParser:
         ap = parent.add_parser(name, help=help_)
-        ap.add_argument("--config", required=True, help="admin.toml")
+        _config_arg(ap, "admin")
         ap.add_argument("--json", action="store_true", help="print JSON")
         if read_only:
             ap.add_argument("--offline", action="store_true", help="read the ledger directly (also automatic when the broker does not answer)")
@@ -543,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_drain)
 
     p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
-    p.add_argument("--config", required=True, help="brokerd.toml")
+    _config_arg(p, "brokerd")
     p.add_argument("--store", required=True, help="claim store URI (file://PATH or s3://bucket/prefix)")
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
@@ -555,33 +721,128 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_reconcile)
 
     p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
-    p.add_argument("--config", required=True, help="admin.toml")
+    _config_arg(p, "admin")
     p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
                    "a non-loopback address needs a token")
     p.add_argument("--token", help="access token (admin role); also CCSQ_CONSOLE_TOKEN or console_tokens in admin.toml")
     p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
     p.set_defaults(func=_cmd_console)
+
+    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh or tcsh)",
+                       epilog="examples:\n  ccsq completion-script bash > /etc/bash_completion.d/ccsq\n"
+                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.set_defaults(func=_cmd_completion_script)
     return parser
 
 
+EXAMPLES = """\
+examples:
+  ccsq init swarm && cd swarm                   # a ready-to-run swarm directory
+  export CCSQ_CONFIG=$PWD                       # then --config can be left out (default: /etc/ccsq/<name>.toml)
+  ccsq submit --kind ocr --wait scans/*.png     # submit files and wait until acknowledged
+  ccsq status                                   # peers, their kinds, backlog per kind
+  ccsq dlq list && ccsq dlq replay --all        # dead letters: why, and retry
+  ccsq gap-report --html report.html            # accounting and every at-least-once window
+  source <(ccsq completion-script bash)         # tab completion
+
+exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not acknowledged in time,
+5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
+69 the broker did not answer, 74 ledger write failed, 75 ledger locked / port busy,
+77 the broker refused this peer (unknown id, wrong key, wrong role), 78 configuration error,
+79 GPU required but unusable
+"""
+
+SUBMIT_EXAMPLES = """\
+examples:
+  ccsq submit --kind ocr scan-1.png scan-2.png
+  ccsq submit --kind classify --param model=resnet50.onnx --param top_k=5 --priority 10 --wait photo.jpg
+  ccsq submit --kind ocr --deadline-s 3600 --wait --timeout-s 3600 --json batch/*.png
+"""
+
+#: shtab.FILE (file-name completion), without importing shtab for every command.
+FILE_COMPLETION = {"bash": "_shtab_compgen_files", "zsh": "_files", "tcsh": "f"}
+
+#: The config file each command reads when --config is not given.
+CONFIG_ENV = "CCSQ_CONFIG"
+CONFIG_DIR = Path("/etc/ccsq")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ccsq")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--config`` of a command that reads ``<name>.toml`` (default: see :func:`default_config`)."""
+    parser.add_argument("--config", default=None,
+                        help=f"{name}.toml (default: ${CONFIG_ENV}/{name}.toml when ${CONFIG_ENV} is a directory, "
+                             f"${CONFIG_ENV} when it is a file, else {CONFIG_DIR}/{name}.toml)",
+                        ).complete = FILE_COMPLETION  # type: ignore[attr-defined]
+    parser.set_defaults(config_name=name)
+
+
+def default_config(name: str) -> str:
+    """The config file for a command that reads ``<name>.toml`` when --config is left out:
+    ``$CCSQ_CONFIG/<name>.toml`` (a directory, e.g. the one ``ccsq init`` wrote),
+    ``$CCSQ_CONFIG`` (a file), else ``/etc/ccsq/<name>.toml``."""
+    import os
+
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        path = Path(env)
+        return str(path / f"{name}.toml") if path.is_dir() else str(path)
+    return str(CONFIG_DIR / f"{name}.toml")
+
+
+def _cmd_completion_script(args: argparse.Namespace) -> int:
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return ExitCode.OK
+
+
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
-QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen"})
+QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
+                                "completion-script"})
+
+
+def _not_refusal(record) -> bool:
+    return (getattr(record, "ccsq_event", None) or {}).get("event") != "broker_refused_peer"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config_name", None) and args.config is None:
+        args.config = default_config(args.config_name)
+        if not Path(args.config).exists():
+            print(f"ccsq {args.command}: no --config given and {args.config} does not exist: pass --config "
+                  f"FILE, or set {CONFIG_ENV} to the directory `ccsq init` wrote", file=sys.stderr)
+            return ExitCode.CONFIG
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 
         from ccsq.common import log as logsetup
 
         logsetup.configure("auto", level=logging.WARNING)
+        logging.getLogger("ccsq.peer").addFilter(_not_refusal)  # the command prints the refusal as a sentence
     try:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"ccsq {args.command}: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except NoInput as exc:
+        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
+        return ExitCode.NOINPUT
+    except Unauthorized as exc:
+        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
+        return ExitCode.UNAUTHORIZED
     except BrokerUnavailable as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
         return ExitCode.UNAVAILABLE

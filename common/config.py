@@ -70,7 +70,14 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - set(fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known keys: {sorted(set(fields) - {'config_path'})}")
+        import difflib
+
+        known = sorted(set(fields) - {"config_path"})
+        hints = []
+        for key in sorted(unknown):
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; the keys are listed in the README (Configuration)")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():

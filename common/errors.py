@@ -25,6 +25,9 @@ class ExitCode(enum.IntEnum):
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
     REFUSED = 65  # EX_DATAERR: the broker refused a CLI request (unknown item or worker, item not dead...)
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a CLI command needs the running broker and got no answer
+    UNAUTHORIZED = 77  # EX_NOPERM: the broker refused this peer (unknown id, wrong key, wrong role); do not restart
+    NOINPUT = 66  # EX_NOINPUT: an input file named on the command line does not exist or cannot be read
+    DEAD = 5  # submit --wait: some item ended dead or expired (it will not complete without `ccsq dlq replay`)
 
 
 class CcsqError(Exception):
@@ -52,6 +55,12 @@ class ConfigError(PermanentError):
     code = "CONFIG"
 
 
+class NoInput(PermanentError):
+    """An input file named on the command line does not exist or cannot be read (exit 66)."""
+
+    code = "NOINPUT"
+
+
 class DecodeError(PermanentError):
     """Bytes from the wire could not be turned into a valid message.
 
@@ -59,6 +68,10 @@ class DecodeError(PermanentError):
     """
 
     code = "MALFORMED"
+    #: the sender id the frame claims, when it was read (for refusals and rate limits)
+    sender: str | None = None
+    #: an unauthenticated frame that looks like a real peer's HELLO (the broker may answer it)
+    answerable: bool = False
 
 
 class AuthError(DecodeError):

@@ -26,13 +26,13 @@ from collections.abc import Iterator
 
 import boto3
 import botocore.exceptions
-import structlog
 from botocore.config import Config as BotoConfig
 
 from ccsq.common.claimstore import ClaimStore, sha256_hex
 from ccsq.common.errors import ConfigError, PayloadMissing, StoreUnavailable
+from ccsq.common.log import get_logger
 
-log = structlog.get_logger("ccsq.s3store")
+log = get_logger("ccsq.s3store")
 
 _HEX = frozenset("0123456789abcdef")
 _PRECONDITION_FAILED = {"PreconditionFailed", "412"}

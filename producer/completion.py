@@ -127,7 +127,7 @@ class CompletionService:
     async def run(self) -> None:
         """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
         link_task = asyncio.create_task(self.link.run(), name="completion-link")
-        link_task.add_done_callback(lambda _t: self.link.replaced and self.request_stop())
+        link_task.add_done_callback(lambda _t: (self.link.replaced or self.link.refused) and self.request_stop())
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
@@ -428,6 +428,11 @@ def main(config_path: str | Path) -> int:
     finally:
         if metrics is not None:
             metrics.shutdown()
+    if service.link.refused is not None:
+        from ccsq.common.peer import refusal_fix
+
+        print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
+        return ExitCode.UNAUTHORIZED
     if service.link.replaced:
         print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
               file=sys.stderr)

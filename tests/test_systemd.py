@@ -2,8 +2,8 @@
 
 - ``systemd-analyze verify`` passes with no output at all (warnings fail too);
 - ``systemd-analyze security --offline=yes`` rates every service below 5.0;
-- ``RestartPreventExitStatus`` is exactly ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
-- the recovery unit restarts a unit that is still failed, unless its main process exited 78/79 (case C11);
+- ``RestartPreventExitStatus`` is exactly ``ExitCode.UNAUTHORIZED``, ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
+- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79 (case C11);
 - ``install.sh --venv`` refuses a venv the sandbox hides (or whose base Python it hides);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
   (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
@@ -153,7 +153,7 @@ def test_unit_exposure_is_below_five(systemd_analyze: str, unit_copies: Path, na
 def test_restart_prevent_exit_status_is_the_permanent_exit_codes(name: str) -> None:
     u = unit(name)
     codes = {int(c) for v in values(u, "Service", "RestartPreventExitStatus") for c in v.split()}
-    assert codes == {ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
+    assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
     assert ExitCode.LEDGER_LOCKED not in codes  # transient: must restart
     assert value(u, "Service", "Restart") == "on-failure"
     assert value(u, "Service", "RestartSec") == "2"
@@ -212,6 +212,7 @@ def _recover_argv(target: str) -> list[str]:
         ("failed", "1", "1", True),  # crash loop of exit 1: Result=exit-code
         ("failed", "1", "75", True),  # ledger locked / port busy: transient
         ("failed", "1", "0", True),  # start-limit-hit after manual restarts of a healthy unit
+        ("failed", "1", "77", False),  # UNAUTHORIZED: the key must be added first
         ("failed", "1", "78", False),  # CONFIG: a restart cannot fix it
         ("failed", "1", "79", False),  # GPU_UNAVAILABLE
         ("active", "1", "1", False),  # already running again
@@ -242,7 +243,7 @@ def test_recover_restarts_a_failed_unit_unless_it_exited_78_or_79(
     assert all(line.startswith("show ") for line in lines[:4]) and lines[0] == f"show --property=ActiveState --value {target}"
     expected = [f"reset-failed {target}", f"start --no-block {target}"] if restarted else []
     assert lines[4:] == expected, done.stdout
-    if status in ("78", "79") and state == "failed":
+    if status in ("77", "78", "79") and state == "failed":
         assert f"exited {status}" in done.stdout and "not restarted" in done.stdout
 
 

@@ -28,7 +28,7 @@ from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
@@ -122,6 +122,8 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         if metrics is not None:
             metrics.shutdown()
         journal.close()
+    if isinstance(worker.fatal, Unauthorized):
+        return _die(ExitCode.UNAUTHORIZED, str(worker.fatal)), worker.stuck_threads > 0
     if isinstance(worker.fatal, ConfigError):
         return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0
     if worker.fatal is not None:

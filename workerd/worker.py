@@ -341,6 +341,11 @@ class Worker:
             if link_task in done and link_task.exception() is not None:
                 self.fatal = link_task.exception()
                 self.log.error("broker_link_crashed", exc_info=self.fatal)
+            elif link_task in done and self.link.refused is not None:
+                from ccsq.common.errors import Unauthorized
+                from ccsq.common.peer import refusal_fix
+
+                self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
                 self.fatal = ConfigError(
                     f"another live worker uses peer id {self.cfg.peer_id!r}; give each worker its own id and key"
