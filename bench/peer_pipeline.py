@@ -12,7 +12,7 @@ Same shape and durability as ccsq (DESIGN.md's six operations, minus the claim s
   RabbitMQ: publish to the ``results`` quorum queue and wait for the confirms,
   *then* ack the jobs).
 - 1 completion process: receive results, upsert them into SQLite with ccsq's own
-  :class:`~ccsq.producer.resultsdb.SqliteResults` (one transaction per batch),
+  :class:`~ccsq.completiond.resultsdb.SqliteResults` (one transaction per batch),
   *then* acknowledge them (Redis XACK, fsynced; RabbitMQ basic.ack), and record
   submit -> acknowledged per job. It exits after ``n`` jobs and writes a JSON file.
 
@@ -210,7 +210,7 @@ async def rabbit_completion(url: str, n: int, db_path: Path, ready: Path) -> dic
 
 # --- shared --------------------------------------------------------------------------
 def _open_db(path: Path):
-    from ccsq.producer.resultsdb import open_results_db
+    from ccsq.completiond.resultsdb import open_results_db
 
     return open_results_db(f"sqlite:///{path.name}", path.parent)
 
@@ -218,7 +218,7 @@ def _open_db(path: Path):
 def _row(item_id: str, result: bytes, t: float):
     import hashlib
 
-    from ccsq.producer.resultsdb import ResultRow
+    from ccsq.completiond.resultsdb import ResultRow
 
     now = time.time()
     return ResultRow(item_id=item_id, idem_key=item_id, kind="echo", params_json=json.dumps({"t": t}), result=result,

@@ -29,7 +29,7 @@ import structlog
 
 from ccsq.brokerd import transport as tp
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
-from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
+from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
 from ccsq.common import protocol as p
@@ -64,6 +64,10 @@ REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all pe
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
+#: The pages in use (for QUEUE_FULL and map growth) are measured in a turn's own
+#: transaction at most this often; the hot path opens no read transaction of its own.
+LEDGER_STATS_INTERVAL_S = 0.1
+READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged again at most this often
 #: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR.
 POST_VERIFY_CODES = frozenset(
     {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
@@ -157,6 +161,10 @@ class Broker:
         self._disk_full = False
         self._rr = 0  # round-robin start among workers
         self.admin = AdminCommands(self)
+        self._used_bytes = ledger.used_bytes()  # pages in use, refreshed by _ledger_stats in a turn's txn
+        self._ledger_stats_due_mono = 0.0
+        self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
+        self._reader_warn_next_mono = 0.0
         self.epoch = ledger.bump_epoch()
         self._recover()
 
@@ -499,6 +507,8 @@ class Broker:
                     self._deliver(txn, batch)
                 for code, n in self._rejects_unsaved.items():
                     txn.count_reject(code, n)
+                if background or now >= self._ledger_stats_due_mono:
+                    self._ledger_stats(txn, now, background)
                 if txn.changed:
                     t0, records = time.perf_counter(), txn.records
                     txn.commit()
@@ -536,7 +546,36 @@ class Broker:
 
     def _refresh_snapshot(self) -> None:
         """Replace :attr:`snapshot` (read by the metrics thread; never the ledger itself)."""
-        self.snapshot = build_snapshot(self)
+        try:
+            self.snapshot = build_snapshot(self)
+        except ReadersFull as exc:  # live readers hold every slot: keep the old snapshot, go on
+            log.error("ledger_readers_full", error=str(exc))
+
+    def _ledger_stats(self, txn: LedgerTxn, now: float, background: bool) -> None:
+        """In the turn's transaction, at most every :data:`LEDGER_STATS_INTERVAL_S`: pages in
+        use (for :meth:`_submit_refusal`), the commit history entry (reader ages), LMDB's
+        reader check (stale slots of dead readers freed); on background turns also the
+        reader report, with a warning when the oldest snapshot is older than
+        ``reader_warn_age_s``."""
+        self._ledger_stats_due_mono = now + LEDGER_STATS_INTERVAL_S
+        used = self.ledger.used_bytes(txn.txn)
+        self._used_bytes = used
+        if txn.changed:
+            txn.note_history(wall_ms(), used // self.ledger.env.stat()["psize"])
+        cleared = self.ledger.clear_stale_readers()  # ~1 us: a dead reader pins history for at most ~0.1 s
+        if cleared:
+            log.warning("ledger_stale_readers_cleared", cleared=cleared, total=self.ledger.stale_readers_cleared)
+        if not background:
+            return
+        doc = reader_report(self.ledger, txn, wall_ms(), warn_age_s=self.cfg.reader_warn_age_s)
+        self.readers_doc = doc
+        old = doc["oldest"]
+        if old is not None and not old["self"] and old["age_s"] >= self.cfg.reader_warn_age_s and now >= self._reader_warn_next_mono:
+            self._reader_warn_next_mono = now + max(self.cfg.reader_warn_age_s, READER_WARN_REPEAT_MIN_S)
+            log.warning("ledger_reader_old", pid=old["pid"], txnid=old["txnid"], lag_txns=old["lag_txns"], age_s=old["age_s"],
+                        pinned_bytes=old["pinned_bytes"], file_bytes=doc["file_bytes"], live_bytes=doc["live_bytes"],
+                        advice="this process holds an old LMDB snapshot: pages freed since cannot be reused and data.mdb "
+                               "grows; end its transaction (or the process) - see docs/ledger.md")
 
     def _submit_refusal(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> str:
         """"" or the code every new item of this turn is refused with (DISK_FULL, QUEUE_FULL)."""
@@ -547,7 +586,7 @@ class Broker:
             self._disk_full = disk_free_bytes(self.ledger.path) < self.cfg.min_free_disk_bytes
         if self._disk_full:
             return "DISK_FULL"
-        used, size = self.ledger.used_bytes(), self.ledger.map_size_bytes()
+        used, size = self._used_bytes, self.ledger.map_size_bytes()  # measured in a turn's txn (no read txn here)
         if used > GROW_AT_FRACTION * size and self.ledger.grow_map():
             log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
             size = self.ledger.map_size_bytes()
@@ -568,7 +607,7 @@ class Broker:
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = txn.complete(r, now_ms)
+                    outcome = txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
                     if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                         batch.effects.append(lambda i=r.item_id, t=r.token: self.leases.discard(i, t))
@@ -578,7 +617,7 @@ class Broker:
             elif isinstance(msg, p.Fail):
                 outcomes = []
                 for f in msg.failures:
-                    outcome = txn.fail(f, now_ms)
+                    outcome = txn.fail(f, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
                     if f.reason == p.FailReason.STORE_UNAVAILABLE.value and outcome == p.Outcome.ACCEPTED.value:
                         batch.effects.append(lambda w=sess.peer_id: self.peers.note_store_failure(w))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ccsq.brokerd.ledger import reader_report
 from ccsq.common import protocol as p
 from ccsq.common.errors import CcsqError
 
@@ -168,6 +169,7 @@ class AdminCommands:
             },
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": len(b.delivered),
+            "readers": reader_report(b.ledger, txn, int(time.time() * 1000), warn_age_s=b.cfg.reader_warn_age_s),
         }
 
     def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:

@@ -4,7 +4,10 @@ Exit codes (:class:`~ccsq.common.errors.ExitCode`): 0 after SIGTERM/SIGINT;
 ``CONFIG`` (78) for a bad config, a missing or too-open key file, a bind endpoint
 that is not an address of this host (one line on
 stderr; systemd must not restart); ``LEDGER_LOCKED`` (75) when another broker
-holds the ledger lock or the endpoint is taken (transient: restart later).
+holds the ledger lock or the endpoint is taken (transient: restart later); an
+LMDB error exits with the code and sentence of
+:func:`~ccsq.common.errors.ledger_failure` (74 disk full / I/O error, 75 reader
+table full at start, 78 map full, 80 corrupt or unreadable file).
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ import uvloop
 import zmq
 
 from ccsq.brokerd.actor import Broker
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths
+from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.errors import ConfigError, ExitCode, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
 from ccsq.common.systemd import Notifier, watchdog_task
 
@@ -106,9 +109,10 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             map_size_bytes=cfg.map_size_bytes,
             max_map_size_bytes=cfg.max_map_size_bytes,
             policy=Policy.from_config(cfg),
+            max_readers=cfg.max_readers,
         )
     except LedgerError as exc:
-        return _fail(ExitCode.FAILURE, str(exc))
+        return _fail(exc.exit_code, str(exc))
     codec = EnvelopeCodec(
         cfg.peer_id,
         key,
@@ -131,7 +135,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         return _fail(ExitCode.CONFIG, f"config error: {err}")
     try:
         (data_dir / "endpoint").write_text(transport.endpoint + "\n")
-        broker = Broker(cfg, ledger, transport)
+        try:
+            broker = Broker(cfg, ledger, transport)
+        except LedgerError as exc:
+            return _fail(exc.exit_code, str(exc))
+        except lmdb.Error as exc:
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
+            return _fail(code, why)
         metrics = None
         if cfg.metrics_port or cfg.metrics_listen:
             from ccsq.brokerd.metrics import broker_listen, start_metrics
@@ -146,8 +156,12 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         except lmdb.Error as exc:
             # disk full or an I/O error at commit: the transaction did not commit, so
             # nothing in it was confirmed to anyone; exit and let systemd restart us
-            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}")
-            return _fail(ExitCode.LEDGER_IO, f"ledger write failed ({exc}); free disk space, then restart")
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "a ledger write", free_bytes=_free_bytes(ledger.path))
+            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}", exit_code=int(code), advice=why)
+            return _fail(code, why)
+        except LedgerError as exc:  # e.g. ReadersFull at a read that must succeed
+            log.error("ledger_failed", error=str(exc), exit_code=int(exc.exit_code))
+            return _fail(exc.exit_code, str(exc))
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded
@@ -156,6 +170,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             transport.close()
         ledger.close()
     return int(ExitCode.OK)
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return disk_free_bytes(path)
+    except OSError:
+        return None
 
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:

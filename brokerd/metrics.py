@@ -22,11 +22,16 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``max_map_size_bytes``, ``map_used_ratio``; ``peers{role}``; ``leases``;
 ``oldest_ready_age_seconds``; per worker ``worker_slots``, ``worker_busy``,
 ``worker_items_done``, ``worker_leases``, ``worker_draining`` (label ``worker``);
-``snapshot_age_seconds``; ``build_info{version,process,python,libzmq}``
+``snapshot_age_seconds``; the ledger's readers (docs/ledger.md, "Readers and disk use"):
+``ledger_reader_slots`` (owned), ``ledger_max_readers``, ``ledger_reader_snapshots``,
+``ledger_oldest_reader_age_seconds``, ``ledger_oldest_reader_lag_txns``,
+``ledger_pinned_bytes``, ``ledger_file_bytes``, ``ledger_live_bytes``, ``ledger_free_bytes``,
+``ledger_stale_readers_cleared_total``;
+``build_info{version,process,python,libzmq}``
 (every process, :mod:`ccsq.common.metrics`); ``zap_refused_total`` (CURVE
 handshakes the ZAP allow-list refused; with ``curve = true``).
 Workers and the completion service export their own (``workerd/metrics.py``,
-``producer/completion.py``).
+``completiond/completion_metrics.py``).
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
     roles: dict[str, int] = {}
     for s in b.peers.sessions():
         roles[s.role.value] = roles.get(s.role.value, 0) + 1
-    map_size, used = b.ledger.map_size_bytes(), b.ledger.used_bytes()
+    map_size, used = b.ledger.map_size_bytes(), b._used_bytes  # noqa: SLF001 - measured in a turn's txn
     return {
         "taken_mono": time.monotonic(),
         "counters": counters,
@@ -139,6 +144,7 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
         "oldest_ready_age_s": 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000.0),
         "workers": workers,
         "store_failures": store_failures,
+        "readers": dict(b.readers_doc),
     }
 
 
@@ -171,6 +177,7 @@ class _SnapshotCollector:
         yield GaugeMetricFamily(
             "ccsq_oldest_ready_age_seconds", "age of the oldest ready item (0: none)", value=snap.get("oldest_ready_age_s", 0.0)
         )
+        yield from _reader_metrics(snap.get("readers") or {})
         auth = getattr(self.broker.transport, "auth", None)
         yield CounterMetricFamily(
             "ccsq_zap_refused", "CURVE handshakes refused by the ZAP allow-list (keys not in authorized_keys.toml)",
@@ -204,6 +211,25 @@ def _store_failures(snap: dict[str, Any]) -> Any:
     for worker, n in sorted(snap.get("store_failures", {}).items()):
         fam.add_metric([worker], n)
     return fam
+
+
+def _reader_metrics(doc: dict[str, Any]) -> Any:
+    """Gauges of the ledger's reader table and disk use (from ``reader_report``)."""
+    old = doc.get("oldest") or {}
+    for name, help_, value in (
+        ("ledger_reader_slots", "LMDB reader slots owned by processes", doc.get("slots", 0)),
+        ("ledger_max_readers", "LMDB reader table size", doc.get("max_readers", 0)),
+        ("ledger_reader_snapshots", "reader slots holding a snapshot now", doc.get("snapshots", 0)),
+        ("ledger_oldest_reader_age_seconds", "since the first commit the oldest snapshot does not see (0: none)", old.get("age_s", 0.0)),
+        ("ledger_oldest_reader_lag_txns", "commits made since the oldest snapshot", old.get("lag_txns", 0)),
+        ("ledger_pinned_bytes", "pages freed since the oldest snapshot, not reusable while it reads (estimate)", old.get("pinned_bytes", 0)),
+        ("ledger_file_bytes", "data.mdb up to its highest page", doc.get("file_bytes", 0)),
+        ("ledger_live_bytes", "pages of all trees (live data)", doc.get("live_bytes", 0)),
+        ("ledger_free_bytes", "pages in the file that are not live (reusable, or pinned by a reader)", doc.get("free_bytes", 0)),
+    ):
+        yield GaugeMetricFamily(f"ccsq_{name}", help_, value=value)
+    yield CounterMetricFamily("ccsq_ledger_stale_readers_cleared", "reader slots of dead processes cleared by the broker",
+                              value=doc.get("stale_cleared", 0))
 
 
 def _labelled(cls: type, name: str, help_: str, label: str, values: dict[str, Any]) -> Any:

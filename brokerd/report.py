@@ -1,7 +1,11 @@
 """Read-only accounting and gap report from a broker's data directory (``ccsq gap-report``).
 
 Opens the ledger with ``readonly=True`` and LMDB's lock table, so it works
-whether or not a broker is running (it reads one consistent snapshot).
+whether or not a broker is running. It never holds a snapshot for long (a reader
+pins every page freed after its snapshot: docs/ledger.md): the accounting is read
+in one short transaction (so the balance is of one commit), the history, deadlines
+and events each in their own, and :func:`iter_blob_refs` pages through the
+claim-check references with a fresh transaction per :data:`PAGE_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import COUNTERS, STATES, Ledger, data_paths
 
 RECENT_EVENTS = 10
+PAGE_ENTRIES = 1000  # entries read per (fresh, short) read transaction when paging
 RATE_WINDOW_S = 300.0  # the completion rate of a queue is measured over this much recent history
 CHART_COUNTERS = ("received", "routed", "completed", "acknowledged")
 SERIES_COUNTERS = ("received", "routed", "completed", "acknowledged", "retried", "dead", "expired")
@@ -42,13 +47,18 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ledger = Ledger(ledger_dir, readonly=True)
     now_ms = int(time.time() * 1000)
     try:
-        with ledger.read() as view:
-            samples = view.samples()
+        with ledger.read() as view:  # the accounting: one commit's numbers, read at once
             kinds = view.kind_states()
-            deadlines = view.nearest_deadlines()
             counters = view.counters()
             states = view.states()
             gap_counts = view.gap_counts()
+            epoch, rejects = view.epoch(), view.rejects()
+            used = ledger.used_bytes(view.txn)
+        with ledger.read() as view:
+            samples = view.samples()
+        with ledger.read() as view:
+            deadlines = view.nearest_deadlines()
+        with ledger.read() as view:
             windows = [
                 {
                     "id": w.id,
@@ -69,11 +79,11 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "counters": counters,
                 "states": states,
                 "balanced": counters["received"] == sum(states.values()),
-                "epoch": view.epoch(),
+                "epoch": epoch,
                 "ledger_id": ledger.ledger_id,
-                "rejects": view.rejects(),
+                "rejects": rejects,
                 "backlog": kinds,
-                "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": ledger.used_bytes()},
+                "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": used},
                 "windows": windows,
                 "queues": queue_forecast(kinds, samples, deadlines, now_ms),
                 "series": [{"ts_ms": d["ts_ms"], **{c: d["counters"].get(c, 0) for c in SERIES_COUNTERS}} for d in samples],
@@ -147,12 +157,23 @@ def queue_forecast(
 def iter_blob_refs(data_dir: str | Path) -> Iterator[tuple[str, str, str]]:
     """``(item_id, state, sha256)`` for every claim-store reference in the ledger
     (payloads and results stored by reference; inline ones are skipped), for
-    ``ccsq reconcile``. One read snapshot; safe while the broker runs."""
+    ``ccsq reconcile``. Safe while the broker runs: it pages through the tables with a
+    fresh read transaction per :data:`PAGE_ENTRIES` entries and yields only between
+    them, so a slow consumer (a claim-store listing) never holds a snapshot. A
+    reference added during the scan behind the page being read is not seen, as with
+    one snapshot taken at the start; reconcile's grace period covers both."""
     ledger_dir, _lock = data_paths(Path(data_dir))
     ledger = Ledger(ledger_dir, readonly=True)
     try:
-        with ledger.read() as view:
-            yield from view.blob_refs()
+        for name in ("payloads", "results"):
+            after = b""
+            while True:
+                with ledger.read() as view:
+                    refs, last = view.blob_refs_page(name, after, PAGE_ENTRIES)
+                yield from refs
+                if last is None:
+                    break
+                after = last
     finally:
         ledger.close()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,7 +141,12 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
     try:
         with offline_view(data_dir) as view:
             if command == "status":
-                return {"source": OFFLINE, **admin.ledger_status(view), "peers": []}
+                from ccsq.brokerd.ledger import reader_report
+
+                from ccsq.common.config import BrokerConfig
+
+                readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
+                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
             if command == "items_show":
                 item_id = args.get("item_id")
                 if not isinstance(item_id, str) or not item_id:

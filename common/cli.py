@@ -418,6 +418,8 @@ def render_status(doc: dict, *, width: int = 120) -> str:
                               "(no new items until it reports healthy; docs/deployment.md)")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
+    if doc.get("readers"):
+        console.print(render_readers(doc["readers"]))
     bt = Table(title="backlog per queue (kind)")
     bt.add_column("kind")
     states = list(doc.get("states", {}))
@@ -440,6 +442,25 @@ def _store_cell(peer: dict) -> str:
         return ""
     n = peer.get("store_failures", 0)
     return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
+
+
+def render_readers(r: dict) -> str:
+    """One or two lines on the ledger's readers: slots, the oldest snapshot (pid,
+    commits behind, age, pages it pins) and disk use; WARNING past warn_age_s."""
+    mib = 1 << 20
+    line = (f"ledger readers: {r['slots']} of {r['max_readers']} slots, {r['snapshots']} snapshot(s); "
+            f"data.mdb {r['file_bytes'] / mib:.1f} MiB: live {r['live_bytes'] / mib:.1f} MiB, "
+            f"free or pinned {r['free_bytes'] / mib:.1f} MiB; stale slots cleared {r['stale_cleared']}")
+    old = r.get("oldest")
+    if old and old["lag_txns"]:
+        age = f"{'>= ' if old['age_at_least'] else ''}{old['age_s']:.1f} s"
+        pinned = f"{'<= ' if old['pinned_upper_bound'] else '~'}{old['pinned_bytes'] / mib:.1f} MiB"
+        warn = r.get("warn_age_s")
+        flag = "WARNING " if warn is not None and old["age_s"] >= warn and not old.get("self") else ""
+        line += (f"\n{flag}oldest reader: pid {old['pid']}{' (this command)' if old.get('self') else ''}, "
+                 f"snapshot {old['txnid']}, {old['lag_txns']} commits behind, {age} old, pins {pinned} "
+                 "(pages freed since cannot be reused while it reads; docs/ledger.md)")
+    return line
 
 
 def _when(key: str, value: object) -> object:
@@ -559,7 +580,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
     from ccsq.common.claimstore import open_store
     from ccsq.common.config import AdminConfig, BrokerConfig, load
-    from ccsq.producer.reconcile import ReconcileReport, reconcile
+    from ccsq.common.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
     s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
@@ -609,9 +630,45 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
-    from ccsq.producer.completion import main as completion_main
+    from ccsq.completiond.completion import main as completion_main
 
     return completion_main(args.config)
+
+
+# --- ccsq backup ------------------------------------------------------------------------
+def _cmd_backup(args: argparse.Namespace) -> int:
+    """A consistent, compacting hot copy of the ledger into DEST (docs/ledger.md, Backups),
+    then the copy's accounting read back from it."""
+    import time
+
+    from ccsq.brokerd.ledger import Ledger, data_paths
+    from ccsq.common.config import BrokerConfig, load
+
+    cfg = load(BrokerConfig, args.config)
+    ledger_dir, _lock = data_paths(Path(cfg.data_dir))
+    dest = Path(args.dest)
+    t0 = time.monotonic()
+    ledger = Ledger(ledger_dir, readonly=True)
+    try:
+        out = ledger.backup(dest)
+    finally:
+        ledger.close()
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    copy = Ledger(dest, readonly=True)  # check it opens and balances (its lock.mdb is removed after)
+    try:
+        with copy.read() as view:
+            out.update(ledger_id=copy.ledger_id, received=view.counter("received"), balanced=view.balanced(), epoch=view.epoch())
+    finally:
+        copy.close()
+        (dest / "lock.mdb").unlink(missing_ok=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        mib = 1 << 20
+        print(f"backup {out['path']}: {out['bytes'] / mib:.1f} MiB (ledger file {out['source_bytes'] / mib:.1f} MiB), "
+              f"snapshot txn {out['last_txnid']}, ledger {out['ledger_id']} epoch {out['epoch']}, {out['received']} received, "
+              f"{'balanced' if out['balanced'] else 'UNBALANCED'}, {out['seconds']} s")
+    return ExitCode.OK if out["balanced"] else ExitCode.UNBALANCED
 
 
 def _cmd_console(args: argparse.Namespace) -> int:
@@ -663,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
     _config_arg(p, "completion")
     p.set_defaults(func=_cmd_completion)
 
@@ -720,6 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
 
+    p = sub.add_parser("backup", help="consistent compacting hot copy of the ledger (safe while the broker runs)")
+    _config_arg(p, "brokerd")
+    p.add_argument("dest", help="new or empty directory for the copy's data.mdb")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_backup)
+
     p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
     _config_arg(p, "admin")
     p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
@@ -751,7 +814,7 @@ exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not 
 5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
 69 the broker did not answer, 74 ledger write failed, 75 ledger locked / port busy,
 77 the broker refused this peer (unknown id, wrong key, wrong role), 78 configuration error,
-79 GPU required but unusable
+79 GPU required but unusable, 80 ledger file corrupt or unreadable (restore a `ccsq backup`)
 """
 
 SUBMIT_EXAMPLES = """\
@@ -809,7 +872,7 @@ def _cmd_completion_script(args: argparse.Namespace) -> int:
 
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
 QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
-                                "completion-script"})
+                                "completion-script", "backup"})
 
 
 def _not_refusal(record) -> bool:
@@ -851,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.REFUSED
     except CcsqError as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
-        return ExitCode.FAILURE
+        return getattr(exc, "exit_code", ExitCode.FAILURE)  # a LedgerError says which (ledger_failure)
     except KeyboardInterrupt:
         return ExitCode.FAILURE
     except BrokenPipeError:  # `ccsq status | head -1`: the reader left; not an error of ours

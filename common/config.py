@@ -162,6 +162,8 @@ class BrokerConfig:
     retention_s: float = opt(3600.0, min=0.0, max=365 * 86400.0, doc="acknowledged items are purged after this")
     map_size_bytes: int = opt(1 << 30, min=1 << 20, max=1 << 44, doc="initial LMDB map size")
     max_map_size_bytes: int = opt(64 << 30, min=1 << 20, max=1 << 46, doc="the map grows up to this, then SUBMIT gets QUEUE_FULL")
+    max_readers: int = opt(126, min=8, max=65536, doc="LMDB reader slots (processes reading the ledger at once); set when the broker creates lock.mdb")
+    reader_warn_age_s: float = opt(300.0, min=0.1, max=86400.0, doc="warn (log, status) when a ledger reader's snapshot is this old: it pins pages freed since")
     min_free_disk_bytes: int = opt(256 << 20, min=0, max=1 << 46, doc="below this free disk, SUBMIT gets DISK_FULL")
     max_ready_items: int = opt(0, min=0, max=1 << 40, doc="0 = unlimited; above it SUBMIT gets QUEUE_FULL")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest accepted frame")

@@ -55,6 +55,7 @@ KNOWN_STATUS_KEYS = frozenset({
     "source", "ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms",
     "oldest_ready_age_s", "dead", "dead_listed", "draining", "broker", "peers", "rejects", "send", "ledger",
     "leases_in_memory", "in_flight_deliveries", "federation", "federation_links", "links",
+    "readers",
 })
 
 #: An item record's wall-clock fields (ms) as the item page's history names them.

@@ -4,7 +4,8 @@
 #   systemd/install.sh [--dry-run] [--venv DIR] [--root DIR]
 #
 #   --dry-run   print every step, change nothing
-#   --venv DIR  link /usr/local/bin/{ccsq,ccsq-brokerd,ccsq-workerd} to DIR/bin/...
+#   --venv DIR  link /usr/local/bin/{ccsq,ccsq-brokerd,ccsq-workerd,ccsq-completiond,ccsq-console}
+#               to DIR/bin/...
 #               (a virtual environment outside /home, /root, /tmp and /var/tmp whose base Python
 #               is outside them too: the units run with ProtectHome=yes and PrivateTmp=yes)
 #   --root DIR  install the unit files under DIR (a package or image staging tree) and stop
@@ -25,12 +26,13 @@ while [ $# -gt 0 ]; do
         --dry-run) dry_run=1 ;;
         --venv) [ $# -ge 2 ] || { echo "install.sh: --venv needs a directory" >&2; exit 2; }; venv=$2; shift ;;
         --root) [ $# -ge 2 ] || { echo "install.sh: --root needs a directory" >&2; exit 2; }; root=$2; shift ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "install.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
 
+bins="ccsq ccsq-brokerd ccsq-workerd ccsq-completiond ccsq-console"
 units="ccsq-brokerd.service ccsq-workerd@.service ccsq-completion.service ccsq-recover@.service ccsq-recover@.timer"
 unit_dir="${root%/}/etc/systemd/system"
 
@@ -64,7 +66,7 @@ if [ -n "$venv" ]; then
     real=$(readlink -f "$venv" 2>/dev/null || echo "$venv")
     why=$(hidden "$real")
     [ -z "$why" ] || refuse_venv "it resolves to $real" "$why"
-    for bin in ccsq ccsq-brokerd ccsq-workerd; do
+    for bin in $bins; do
         [ -x "$venv/bin/$bin" ] || { echo "install.sh: $venv/bin/$bin not found (pip install ccsq into that venv first)" >&2; exit 2; }
     done
     # the venv's interpreter is a link to its base Python (pyvenv.cfg `home =`): a pyenv or
@@ -98,7 +100,7 @@ if [ -n "$root" ]; then
 fi
 
 if [ -n "$venv" ]; then
-    for bin in ccsq ccsq-brokerd ccsq-workerd; do
+    for bin in $bins; do
         run ln -sfn "$venv/bin/$bin" "/usr/local/bin/$bin"
     done
     # the units run as ccsq: every directory above the venv must let that user through

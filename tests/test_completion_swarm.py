@@ -124,7 +124,7 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
     its ledger record carries the database's error (what `ccsq items show` prints)."""
     import sqlite3
 
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     root = tmp_path / "s"
     with Swarm(root) as swarm:

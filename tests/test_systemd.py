@@ -3,7 +3,7 @@
 - ``systemd-analyze verify`` passes with no output at all (warnings fail too);
 - ``systemd-analyze security --offline=yes`` rates every service below 5.0;
 - ``RestartPreventExitStatus`` is exactly ``ExitCode.UNAUTHORIZED``, ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
-- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79 (case C11);
+- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79/80 (case C11);
 - ``install.sh --venv`` refuses a venv the sandbox hides (or whose base Python it hides);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
   (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
@@ -18,6 +18,7 @@ where they fail: CI must install the ``systemd`` Debian package.
 
 from __future__ import annotations
 
+import configparser
 import functools
 import importlib.util
 import os
@@ -153,7 +154,8 @@ def test_unit_exposure_is_below_five(systemd_analyze: str, unit_copies: Path, na
 def test_restart_prevent_exit_status_is_the_permanent_exit_codes(name: str) -> None:
     u = unit(name)
     codes = {int(c) for v in values(u, "Service", "RestartPreventExitStatus") for c in v.split()}
-    assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
+    ledger = {ExitCode.LEDGER_CORRUPT} if name == "ccsq-brokerd.service" else set()  # only the broker has the ledger
+    assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE} | ledger
     assert ExitCode.LEDGER_LOCKED not in codes  # transient: must restart
     assert value(u, "Service", "Restart") == "on-failure"
     assert value(u, "Service", "RestartSec") == "2"
@@ -198,6 +200,18 @@ def test_workers_get_their_gpu_and_the_others_get_no_devices() -> None:
         assert value(u, "Service", "PrivateDevices") == "yes" and value(u, "Service", "MemoryDenyWriteExecute") == "yes"
 
 
+def test_each_daemon_unit_runs_its_own_console_script() -> None:
+    # `ccsq completion` stays an alias for people; the unit runs the daemon's own script
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    scripts = {line.split("=")[0].strip() for line in cfg["options.entry_points"]["console_scripts"].splitlines() if line}
+    for name, script in (("ccsq-brokerd.service", "ccsq-brokerd"), ("ccsq-workerd@.service", "ccsq-workerd"),
+                         ("ccsq-completion.service", "ccsq-completiond")):
+        argv = shlex.split(value(unit(name), "Service", "ExecStart"))
+        assert argv[:2] == [f"/usr/local/bin/{script}", "--config"], f"{name}: ExecStart {argv}"
+        assert script in scripts, f"{script} is not a console script in setup.cfg"
+
+
 # --- C11: the recovery unit -------------------------------------------------------------
 def _recover_argv(target: str) -> list[str]:
     """ccsq-recover@TARGET's ExecStart as systemd runs it (``$$`` -> ``$``, ``%i`` -> TARGET)."""
@@ -215,6 +229,7 @@ def _recover_argv(target: str) -> list[str]:
         ("failed", "1", "77", False),  # UNAUTHORIZED: the key must be added first
         ("failed", "1", "78", False),  # CONFIG: a restart cannot fix it
         ("failed", "1", "79", False),  # GPU_UNAVAILABLE
+        ("failed", "1", "80", False),  # LEDGER_CORRUPT: restore from a backup first
         ("active", "1", "1", False),  # already running again
         ("inactive", "1", "1", False),  # the operator ran reset-failed: keep it down
     ],
@@ -243,7 +258,7 @@ def test_recover_restarts_a_failed_unit_unless_it_exited_78_or_79(
     assert all(line.startswith("show ") for line in lines[:4]) and lines[0] == f"show --property=ActiveState --value {target}"
     expected = [f"reset-failed {target}", f"start --no-block {target}"] if restarted else []
     assert lines[4:] == expected, done.stdout
-    if status in ("77", "78", "79") and state == "failed":
+    if status in ("77", "78", "79", "80") and state == "failed":
         assert f"exited {status}" in done.stdout and "not restarted" in done.stdout
 
 
@@ -267,7 +282,8 @@ def test_install_dry_run_changes_nothing() -> None:
     for name in ALL_UNITS:
         assert f"install -m 0644 {UNIT_DIR / name} /etc/systemd/system/{name}" in out
     assert "useradd --system" in out or "# user ccsq exists" in out
-    assert f"ln -sfn {venv}/bin/ccsq-brokerd /usr/local/bin/ccsq-brokerd" in out
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
+        assert f"ln -sfn {venv}/bin/{name} /usr/local/bin/{name}" in out
 
 
 def test_install_into_a_staging_root(tmp_path: Path) -> None:
@@ -294,7 +310,7 @@ def test_install_refuses_a_venv_the_units_cannot_see(venv: str, why: str) -> Non
 def _fake_venv(root: Path, base_home: str) -> Path:
     venv = root / "venv"
     (venv / "bin").mkdir(parents=True)
-    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd"):
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
         (venv / "bin" / name).write_text("#!/bin/sh\n")
         (venv / "bin" / name).chmod(0o755)
     (venv / "bin" / "python3").symlink_to(f"{base_home}/python3")
@@ -409,7 +425,7 @@ def _sandbox_options(u: dict, tmp_path: Path, proc_name: str) -> list[str]:
 
 
 def _daemons_missing() -> list[str]:
-    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.producer.completion")
+    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.completiond.main")
             if importlib.util.find_spec(m) is None]
 
 

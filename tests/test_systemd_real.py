@@ -177,7 +177,8 @@ def test_the_wheel_runs_a_swarm(wheel_venv: Path, tmp_path: Path) -> None:
         for gpu in (0, 1):
             group.start(f"worker-{gpu + 1}", [str(bin_dir / "ccsq-workerd"), "--config", str(swarm / f"workerd-{gpu}.toml")],
                         env=env, ready_event="broker_link_ready", ready_timeout_s=60)
-        group.start("completion", [str(bin_dir / "ccsq"), "completion", "--config", str(swarm / "completion.toml")], env=env,
+        # the wheel's ccsq-completiond, as ccsq-completion.service runs it (`ccsq completion` is the same command)
+        group.start("completion", [str(bin_dir / "ccsq-completiond"), "--config", str(swarm / "completion.toml")], env=env,
                     ready_event="broker_link_ready", ready_timeout_s=60)
         done = run("ccsq", "submit", "--config", str(swarm / "producer.toml"), "--kind", "echo", "--wait",
                    "--timeout-s", "90", *sorted(str(p) for p in items.iterdir()), timeout_s=150)

@@ -178,7 +178,7 @@ class ChaosRun:
         """An operator's rule on the results table that refuses some rows (keys ending in
         :data:`REFUSED_KEY_SUFFIX`, ~1 %): those results must end in the quarantine
         (gap G12), under every fault, never lost and never twice."""
-        from ccsq.producer.resultsdb import SqliteResults
+        from ccsq.completiond.resultsdb import SqliteResults
 
         db = SqliteResults(self.swarm.root / "results.db")
         db.connect()

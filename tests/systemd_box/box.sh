@@ -374,7 +374,7 @@ for u in $UNITS; do
     [ "$st" = inactive ] && [ "$res" = success ] && [ "$cg" -eq 0 ] || bad=1
     detail="$detail${u%.service}=$st/$res exit=$code procs-left=$cg; "
 done
-rest=$(B ps -e -o pid=,user=,args= | awk '$2 == "ccsq" || /ccsq-(brokerd|workerd)|ccsq completion/' | grep -v awk)
+rest=$(B ps -e -o pid=,user=,args= | awk '$2 == "ccsq" || /ccsq-(brokerd|workerd|completiond)|ccsq completion/' | grep -v awk)
 [ -z "$rest" ] || bad=1
 sigkill=$(jgrep "$C" 'ccsq-.*(State .stop-sigterm. timed out|Killing process .* with signal SIGKILL|remains running)')
 [ -z "$sigkill" ] || bad=1

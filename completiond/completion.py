@@ -43,7 +43,7 @@ from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.peer import BrokerLink, backoff_delay_s
 from ccsq.common.systemd import Notifier, watchdog_task
-from ccsq.producer.resultsdb import (
+from ccsq.completiond.resultsdb import (
     ResultRow,
     ResultsDB,
     describe_error,
@@ -411,7 +411,7 @@ def main(config_path: str | Path) -> int:
         config = load(CompletionConfig, config_path)
         configure(config.log_format)
         service = CompletionService(config, notifier=notifier)
-        from ccsq.producer.completion_metrics import start_completion_metrics
+        from ccsq.completiond.completion_metrics import start_completion_metrics
 
         metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:

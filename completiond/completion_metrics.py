@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ccsq.common.metrics import start_exporter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ccsq.producer.completion import CompletionService
+    from ccsq.completiond.completion import CompletionService
 
 WRITE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
