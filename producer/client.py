@@ -54,6 +54,7 @@ from ccsq.common.errors import (
     PayloadTooLarge,
     PermanentError,
     RetryableError,
+    StoreUnavailable,
     Unauthorized,
     error_from_code,
 )
@@ -175,7 +176,13 @@ class AsyncClient:
         self.config = config
         if base_dir is None:
             base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
-        self._store = open_store(config.claim_store, base_dir=base_dir)
+        s3 = {k: getattr(config, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
+        where = f"{config.config_path}: claim_store" if config.config_path else "claim_store"
+        self._store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
+        try:
+            self._store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
+        except StoreUnavailable as exc:  # unreachable right now: submit retries / spools; say so once
+            log.warning("claim_store_unavailable", error=str(exc))
         self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
         self._outbox = Outbox(config.outbox_dir) if config.outbox_dir else None
         self._link = None

@@ -222,7 +222,7 @@ def test_next_payload_is_fetched_and_verified_while_the_slot_runs(broker: Worker
                                                                  tmp_path: Path) -> None:
     """Prefetch: while item N runs (slots 1), the payload of item N+1 is already fetched
     from the claim store and its SHA-256 checked: a tampered blob is reported
-    payload_missing before N finishes, while the heartbeat still shows the slot busy."""
+    store_unavailable before N finishes, while the heartbeat still shows the slot busy."""
     store = FileStore(tmp_path / "blobs")
     good = b"the real payload" * 100
     digest = store.put(good)
@@ -235,7 +235,8 @@ def test_next_payload_is_fetched_and_verified_while_the_slot_runs(broker: Worker
     broker.wait_for(p.Heartbeat, lambda m: m.busy == 1)  # N runs
     broker.dispatch(p.Task("n+1", 2, "sleep", p.Blob(digest, len(good), None), {"seconds": 0.0}, 1))
     (fail,) = broker.wait_for(p.Fail)
-    assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("n+1", "payload_missing", False)]
+    # corrupt in this worker's view of the store: its problem (store_unavailable, attempt not counted), not the item's
+    assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("n+1", "store_unavailable", True)]
     assert "corrupt" in fail.msg.failures[0].message
     assert not broker.of(p.Complete)  # N still runs
     (done,) = broker.wait_for(p.Complete)
