@@ -619,6 +619,8 @@ class Broker:
                 for f in msg.failures:
                     outcome = txn.fail(f, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
+                    if f.reason == p.FailReason.STORE_UNAVAILABLE.value and outcome == p.Outcome.ACCEPTED.value:
+                        batch.effects.append(lambda w=sess.peer_id: self.peers.note_store_failure(w))
                     if outcome == p.Outcome.ACCEPTED.value:
                         batch.effects.append(lambda i=f.item_id, t=f.token: self.leases.discard(i, t))
                 batch.effects.append(self._wake_dispatch)

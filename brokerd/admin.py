@@ -135,6 +135,7 @@ class AdminCommands:
                     "credit": s.credit,
                     "kinds": list(s.kinds),
                     "healthy": s.healthy,
+                    **(b.peers.store_health(s) if s.role is p.Role.WORKER else {}),
                     "draining": s.peer_id in b.peers.draining,
                     "busy": s.busy,
                     "done": s.done,

@@ -1,7 +1,8 @@
 """``ccsq-brokerd --config DIR/brokerd.toml``: the broker daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.errors.ExitCode`): 0 after SIGTERM/SIGINT;
-``CONFIG`` (78) for a bad config, a missing or too-open key file (one line on
+``CONFIG`` (78) for a bad config, a missing or too-open key file, a bind endpoint
+that is not an address of this host (one line on
 stderr; systemd must not restart); ``LEDGER_LOCKED`` (75) when another broker
 holds the ledger lock or the endpoint is taken (transient: restart later); an
 LMDB error exits with the code and sentence of
@@ -22,12 +23,14 @@ from pathlib import Path
 import lmdb
 import structlog
 import uvloop
+import zmq
 
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
+from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
@@ -57,6 +60,11 @@ def acquire_lock(path: Path) -> int:
     return fd
 
 
+def _bind_key(cfg: BrokerConfig) -> str:
+    """``FILE: bind`` or ``FILE: endpoint``: the key whose endpoint the ROUTER binds."""
+    return f"{cfg.config_path}: {'bind' if cfg.bind else 'endpoint'}"
+
+
 def _fail(code: ExitCode, message: str) -> int:
     print(f"ccsq-brokerd: {message}", file=sys.stderr, flush=True)
     return int(code)
@@ -71,6 +79,7 @@ def run(config_path: str) -> int:
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
+        check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
         check_exposure(cfg, authorized, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
@@ -113,11 +122,17 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         require_hello=True,
     )
     try:
-        transport = Transport(cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
+        transport = Transport(cfg.bind or cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
                               curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
+    except zmq.ZMQError as exc:  # e.g. "No such device": a host name that is not this host's (exit 78, not a restart loop)
+        ledger.close()
+        err = bind_error(cfg.bind or cfg.endpoint, exc.errno, exc.strerror, where=_bind_key(cfg))
+        if err is None:
+            raise
+        return _fail(ExitCode.CONFIG, f"config error: {err}")
     try:
         (data_dir / "endpoint").write_text(transport.endpoint + "\n")
         try:

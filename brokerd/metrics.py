@@ -117,8 +117,12 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
                 "done": s.done,
                 "leases": len(b.leases.held_by(s.peer_id)),
                 "draining": s.peer_id in b.peers.draining,
+                "healthy": s.healthy,
+                "store_ok": b.peers.store_health(s)["store_ok"],
             }
         )
+    # every connected worker from 0 (rate()/increase() need the first sample), plus those seen since start
+    store_failures = {w["worker"]: 0 for w in workers} | dict(b.peers.store_failures)
     roles: dict[str, int] = {}
     for s in b.peers.sessions():
         roles[s.role.value] = roles.get(s.role.value, 0) + 1
@@ -139,6 +143,7 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
         "leases": len(b.leases),
         "oldest_ready_age_s": 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000.0),
         "workers": workers,
+        "store_failures": store_failures,
         "readers": dict(b.readers_doc),
     }
 
@@ -189,12 +194,23 @@ class _SnapshotCollector:
             ("done", "items the worker finished since it started (last heartbeat)"),
             ("leases", "leases the broker holds for the worker"),
             ("draining", "1 when `ccsq drain` stopped dispatching to it"),
+            ("healthy", "1 when its last heartbeat said healthy (0: no DISPATCH to it)"),
+            ("store_ok", "0 while the worker reports its claim store failing (a blob missing there, I/O, backend)"),
         ):
             name = "ccsq_worker_items_done" if key == "done" else f"ccsq_worker_{key}"
             g = GaugeMetricFamily(name, help_, labels=["worker"])
             for w in snap.get("workers", []):
                 g.add_metric([w["worker"]], float(w[key]))
             yield g
+        yield _store_failures(snap)
+
+
+def _store_failures(snap: dict[str, Any]) -> Any:
+    fam = CounterMetricFamily("ccsq_worker_store_failures", "store_unavailable FAILs per worker since the broker started",
+                              labels=["worker"])
+    for worker, n in sorted(snap.get("store_failures", {}).items()):
+        fam.add_metric([worker], n)
+    return fam
 
 
 def _reader_metrics(doc: dict[str, Any]) -> Any:

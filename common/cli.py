@@ -39,8 +39,12 @@ def init_swarm(
     worker: dict | None = None,
     producer: dict | None = None,
     completion: dict | None = None,
+    bind: str = "",
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
+
+    ``endpoint`` is what peers connect to; ``bind`` (optional) what the broker binds
+    when that differs (``tcp://0.0.0.0:5555`` behind ``tcp://gpu-broker.internal:5555``).
 
     Layout (all state lives under ``directory``)::
 
@@ -60,6 +64,11 @@ def init_swarm(
     from ccsq.brokerd.transport import is_loopback_endpoint
 
     directory = directory.resolve()
+    from ccsq.common.endpoints import check_endpoint
+
+    check_endpoint(endpoint, bind=not bind, where="--endpoint")
+    if bind:
+        check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
@@ -75,7 +84,7 @@ def init_swarm(
     (directory / "blobs").mkdir(exist_ok=True)
     common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
     # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
-    curve_on = not is_loopback_endpoint(endpoint)
+    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
 
     def curve_lines(peer_id: str) -> dict:
         return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
@@ -93,6 +102,7 @@ def init_swarm(
             "private_key": "keys/broker.key",
             "authorized_keys": "authorized_keys.toml",
             "endpoint": endpoint,
+            **({"bind": bind} if bind else {}),
             "data_dir": "broker-data",
             "curve": curve_on,
             "curve_secret_key": "keys/broker.curve.key",
@@ -139,9 +149,18 @@ def init_swarm(
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler)
+    from ccsq.common.endpoints import default_bind
+
+    bind = args.bind if args.bind is not None else default_bind(args.endpoint)
+    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
     for name, path in written.items():
         print(f"{name:14} {path}")
+    if bind:
+        print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    if args.hosts:
+        from ccsq.common.hosts import render_layout, write_host_layout
+
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
     return ExitCode.OK
 
 
@@ -383,16 +402,20 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     )
     if doc.get("source") == "broker":
         pt = Table(title="peers")
-        for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "draining", "last seen"):
+        for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
             pt.add_column(col)
         for peer in doc.get("peers", []):
             kinds = ", ".join(peer.get("kinds") or []) or ("any" if peer["role"] == "worker" else "")
             pt.add_row(
                 peer["peer_id"], peer["role"], kinds, str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
-                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO",
+                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO", _store_cell(peer),
                 "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
             )
         console.print(pt)
+        for peer in doc.get("peers", []):
+            if peer.get("store_ok") is False:
+                console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
+                              "(no new items until it reports healthy; docs/deployment.md)")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
     if doc.get("readers"):
@@ -411,6 +434,14 @@ def render_status(doc: dict, *, width: int = 120) -> str:
             if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
                 console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
     return buf.getvalue()
+
+
+def _store_cell(peer: dict) -> str:
+    """The ``store`` column: a worker's claim-store health and its store_unavailable count."""
+    if "store_ok" not in peer:
+        return ""
+    n = peer.get("store_failures", 0)
+    return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
 
 
 def render_readers(r: dict) -> str:
@@ -552,7 +583,8 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.common.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
-    store = open_store(args.store, Path(args.config).resolve().parent)
+    s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
+    store = open_store(args.store, Path(args.config).resolve().parent, s3=s3, where="--store")
     report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
     out = report.as_dict()
     ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
@@ -592,7 +624,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
             f"{out['orphans']} orphan(s) ({out['orphans_young']} younger than {args.grace_s:g} s kept, "
             f"{out['orphans_deleted']} deleted), {len(out['missing'])} payload(s) missing: "
             f"{len(out['dead_lettered'])} dead-lettered (payload_missing), {len(out['not_dead_lettered'])} not, "
-            f"{len(out['leased_missing'])} leased (their worker reports payload_missing)"
+            f"{len(out['leased_missing'])} leased (their worker gives them back as store_unavailable: run again)"
         )
     return status
 
@@ -653,7 +685,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init", help="write a ready-to-run swarm directory (configs, keys, authorized keys)")
     p.add_argument("dir")
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint (default %(default)s)")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint peers connect to (default %(default)s)")
+    p.add_argument("--bind", default=None, help="endpoint the broker binds, e.g. tcp://0.0.0.0:5555 (default: the endpoint "
+                   "itself when its host is a loopback/local address or *, else tcp://0.0.0.0:PORT)")
+    p.add_argument("--hosts", action="store_true", help="also write hosts/<host>/: each host's configs, its own private "
+                   "key(s) and the public keys it needs (docs/deployment.md)")
+    p.add_argument("--gpu-hosts", type=int, default=0, help="with --hosts: spread the workers over this many GPU hosts "
+                   "(default: one host per worker)")
     p.add_argument("--workers", type=int, default=2, help="number of worker configs (default %(default)s)")
     p.add_argument("--handler", default="echo", help="worker handler: ocr, echo, sleep, fail (default %(default)s)")
     p.set_defaults(func=_cmd_init)
@@ -733,6 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
+    p.add_argument("--s3-endpoint-url", default="", help="for s3://: the S3-compatible server (as s3_endpoint_url in the configs)")
+    p.add_argument("--s3-region", default="", help="for s3://: the region")
+    p.add_argument("--s3-profile", default="", help="for s3://: a profile of the AWS credential chain")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
 

@@ -20,9 +20,12 @@ from ccsq.common.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "") -> Any:
-    """A config field: default, inclusive range, whether it is a filesystem path, allowed values."""
-    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc})
+def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "",
+        endpoint: str = "") -> Any:
+    """A config field: default, inclusive range, whether it is a filesystem path, allowed values;
+    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.endpoints`)."""
+    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc,
+                                                        "endpoint": endpoint})
 
 
 def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
@@ -55,6 +58,10 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         raise ConfigError(f"{key} = {value!r} is above the maximum {md['max']}")
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
+    if md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
+        from ccsq.common.endpoints import check_endpoint
+
+        check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
     return value
 
 
@@ -122,7 +129,7 @@ class PeerSettings:
     peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
     private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
-    broker_endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint of ccsq-brokerd")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH)")
     broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
@@ -142,7 +149,8 @@ class BrokerConfig:
     peer_id: str = opt("broker", doc="the broker's peer id")
     private_key: str = opt("keys/broker.key", path=True, doc="broker's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key; reloaded on SIGHUP")
-    endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint the ROUTER binds")
+    endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="bind", doc="endpoint peers connect to (their broker_endpoint); the ROUTER binds it too unless bind is set")
+    bind: str = opt("", endpoint="bind", doc="endpoint the ROUTER binds when it differs from endpoint, e.g. tcp://0.0.0.0:5555 ('' = endpoint)")
     data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
     heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
     liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
@@ -194,6 +202,10 @@ class WorkerConfig(PeerSettings):
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
     model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
+    log_each_job: bool = opt(True, doc="log job_started/job_completed per item (false: one batch_started line naming the batch's items and one results_reported per report frame; ~40 µs CPU less per item)")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +216,9 @@ class ProducerConfig(PeerSettings):
     inline_max_bytes: int = opt(16384, min=0, max=1 << 20, doc="payloads up to this size travel inline")
     outbox_dir: str = opt("", path=True, doc="local spool for submissions while the broker is down ('' = off)")
     submit_timeout_s: float = opt(10.0, min=0.1, max=3600.0, doc="wait this long for SUBMIT_ACK before retrying")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +233,9 @@ class CompletionConfig(PeerSettings):
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -238,3 +238,10 @@ def error_from_code(code: str, message: str) -> CcsqError:
     """Build the typed exception for a wire error ``code`` (unknown codes give :class:`CcsqError`)."""
     cls = ERRORS_BY_CODE.get(code, CcsqError)
     return cls(message, code=code)
+
+
+class StoreUnavailable(RetryableError):
+    """The claim store cannot be reached right now (S3 endpoint down, I/O error on a
+    mount): transient, a daemon exits 75 at start-up and is restarted."""
+
+    code = "STORE_UNAVAILABLE"

@@ -35,10 +35,10 @@ from pathlib import Path
 import structlog
 
 from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore, open_store
+from ccsq.common.claimstore import ClaimStore, open_configured_store
 from ccsq.common.config import CompletionConfig, load
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing
+from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, StoreUnavailable
 from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.backoff import backoff_delay_s
@@ -97,7 +97,7 @@ class CompletionService:
         self.notifier = notifier or Notifier()  # sd_notify STATUS= lines (a no-op outside systemd)
         base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
         self.db = db or open_results_db(config.database, base_dir, timeout_s=2 * config.db_slow_s)
-        self.store = store or open_store(config.claim_store, base_dir=base_dir)
+        self.store = store or open_configured_store(config)  # a wrong root/bucket: ConfigError before READY
         self._db_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-results-db")
         self._io_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
         self.healthy = True
@@ -420,6 +420,9 @@ def main(config_path: str | Path) -> int:
     except ConfigError as exc:
         print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except StoreUnavailable as exc:
+        print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
+        return ExitCode.LEDGER_LOCKED
     try:
         asyncio.run(_serve(service))
     except CcsqError as exc:

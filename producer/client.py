@@ -52,6 +52,7 @@ from ccsq.common.errors import (
     CcsqError,
     InvalidRequest,
     PayloadTooLarge,
+    StoreUnavailable,
     Unauthorized,
 )
 from ccsq.common.faults import crash_point
@@ -170,7 +171,13 @@ class AsyncClient:
         self.config = config
         if base_dir is None:
             base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
-        self._store = open_store(config.claim_store, base_dir=base_dir)
+        s3 = {k: getattr(config, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
+        where = f"{config.config_path}: claim_store" if config.config_path else "claim_store"
+        self._store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
+        try:
+            self._store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
+        except StoreUnavailable as exc:  # unreachable right now: submit retries / spools; say so once
+            log.warning("claim_store_unavailable", error=str(exc))
         self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
         self._outbox = Outbox(config.outbox_dir) if config.outbox_dir else None
         self._link = None
@@ -448,12 +455,17 @@ class AsyncClient:
         if max_runtime_s is not None and max_runtime_s <= 0:
             raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
         params = _check_params(params)
-        probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
-                             priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                             max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-        problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
-        if problem:
-            raise InvalidRequest(problem)
+        # bytes that travel inline are never written anywhere: check the final item instead of a
+        # probe (one SubmitItem and Blob per item less; same rule, same error)
+        inline_bytes = isinstance(payload, (bytes, bytearray)) and self._store.inline_without_io(
+            len(payload), self.config.inline_max_bytes)
+        if not inline_bytes:
+            probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
+                                 priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
+                                 max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
+            problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
+            if problem:
+                raise InvalidRequest(problem)
         data = _read_payload(payload)
         if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
             blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
@@ -472,6 +484,10 @@ class AsyncClient:
             max_attempts=int(max_attempts or 0),
             max_runtime_s=float(max_runtime_s or 0.0),
         )
+        if inline_bytes:
+            problem = p.submit_item_problem(item)
+            if problem:
+                raise InvalidRequest(problem)
         return item
 
     # --- public API ---

@@ -5,7 +5,9 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
 (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
 
     0   stopped by SIGTERM/SIGINT after draining
-    78  CONFIG: invalid config, keys, handler name or missing model files
+    78  CONFIG: invalid config, keys, handler name or missing model files; a claim
+        store root that does not exist, a missing bucket, credentials or access
+    75  the claim store does not answer at start (transient: restarted)
     79  GPU_UNAVAILABLE: provider cuda/tensorrt required and not usable (case C10);
         set allow_cpu_fallback = true to run on CPU and say so in HELLO
     75  LEDGER_LOCKED: another ccsq-workerd holds this journal_dir (transient)
@@ -19,15 +21,14 @@ import asyncio
 import os
 import signal
 import sys
-from pathlib import Path
 
 import structlog
 
 from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
-from ccsq.common.claimstore import open_store
+from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, Unauthorized
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
@@ -86,9 +87,12 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     except OSError as exc:
         return _die(ExitCode.CONFIG, f"journal_dir {cfg.journal_dir}: {exc}"), False
     try:
+        store = open_configured_store(cfg)  # a wrong root/bucket/credential: 78 before any slow model load
         handler = load_handler(cfg.handler, cfg)
         handler.load()
-        store = open_store(cfg.claim_store, base_dir=Path(cfg.config_path).parent if cfg.config_path else None)
+    except StoreUnavailable as exc:
+        journal.close()
+        return _die(ExitCode.LEDGER_LOCKED, f"claim store unavailable (transient, restart later): {exc}"), False
     except GpuUnavailable as exc:
         log.error("gpu_unavailable", provider=cfg.provider, reason=str(exc))
         journal.close()
