@@ -1,7 +1,7 @@
 """Benchmark 1, peer side: the same pipeline on Redis Streams, on a RabbitMQ quorum queue,
 on Celery (Redis broker) and on dramatiq (RabbitMQ broker).
 
-Same shape and durability as ccsq (DESIGN.md's six operations, minus the claim store):
+Same shape and durability as ccsq (the path of one item in docs/architecture.md, minus the claim store):
 
 - producer (this process): each batch of jobs (a 1 KiB claim reference + submit
   wall time) returns only after the server's durable confirm: Redis replies

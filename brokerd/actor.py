@@ -374,7 +374,7 @@ class Broker:
         if self.peers.get(sess.peer_id) is sess:
             self.peers.remove(sess.peer_id)
         sess.status = PeerStatus.GONE
-        for msg, _ in sess.pending:
+        for msg in sess.pending:
             if isinstance(msg, p.Dispatch):
                 for t in msg.tasks:
                     self.deferred.append(("release", t.item_id, t.token, "dispatch never sent"))
@@ -834,7 +834,7 @@ class Broker:
                 self._end_session(sess, "send queue overflow")
                 self._unsendable(msg, "send queue overflow")
                 return
-            sess.pending.append((msg, time.monotonic()))
+            sess.pending.append(msg)
             return
         self._try_send(sess, msg, queue_on_again=True)
 
@@ -849,7 +849,7 @@ class Broker:
             return True
         if r == tp.AGAIN:
             if queue_on_again:
-                sess.pending.append((msg, time.monotonic()))
+                sess.pending.append(msg)
             return False
         self._end_session(sess, "unroutable (socket gone)")
         self._unsendable(msg, "unroutable")
@@ -866,7 +866,7 @@ class Broker:
     def _timers(self, now: float) -> None:
         for sess in [s for s in self.peers.by_id.values() if s.pending]:
             while sess.pending and sess.status is PeerStatus.CONNECTED:
-                msg, _ = sess.pending[0]
+                msg = sess.pending[0]
                 if not self._try_send(sess, msg, queue_on_again=False):
                     break
                 if sess.pending:

@@ -32,7 +32,9 @@ import msgpack
 
 from ccsq.brokerd import gaps
 from ccsq.common import protocol as p
+from ccsq.common.backoff import backoff_delay_s
 from ccsq.common.errors import CcsqError, ExitCode, ledger_failure
+from ccsq.common.policy import FAIL_POLICY, fail_rule
 
 S = p.ItemState
 STATES: tuple[str, ...] = tuple(s.value for s in S)
@@ -95,9 +97,6 @@ DB_NAMES = (
 )
 
 PRIO_MAX = p.PRIO_MAX
-PRIO_MIN = p.PRIO_MIN
-MAX_KIND_LEN = p.MAX_KIND_LEN
-MAX_KEY_BYTES = p.MAX_KEY_BYTES
 _Q = struct.Struct(">Q")
 _q = struct.Struct(">q")
 _READY = struct.Struct(">IQQ")
@@ -169,9 +168,9 @@ def ready_key(kind: str, priority: int, not_before_ms: int, seq: int) -> bytes:
 
 
 def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
-    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based)."""
-    cap_s = min(policy.retry_backoff_max_s, policy.retry_backoff_base_s * (2 ** min(max(attempt - 1, 0), 30)))
-    return int(rng.uniform(0.0, cap_s) * 1000)
+    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based), in ms:
+    :func:`ccsq.common.backoff.backoff_delay_s` (the one backoff) with the ledger's seeded rng."""
+    return int(backoff_delay_s(attempt - 1, policy.retry_backoff_base_s, policy.retry_backoff_max_s, rng) * 1000)
 
 
 def validate_submit_item(item: p.SubmitItem) -> str:
@@ -994,7 +993,7 @@ class LedgerTxn(LedgerView):
         if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
             return ""
         worker = rec["worker"]
-        if rec["attempt"] >= self._max_attempts(rec):
+        if FAIL_POLICY[p.FailReason.WORKER_LOST].dead_letters_at_once or rec["attempt"] >= self._max_attempts(rec):
             self._dead(rec, now_ms, p.FailReason.WORKER_LOST.value, f"{why} on {worker}")
             return S.DEAD.value
         if self._deadline_passed(rec, now_ms):
@@ -1062,9 +1061,12 @@ class LedgerTxn(LedgerView):
     def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
         """Record a failure report. Returns an :class:`Outcome` value.
 
-        ``released``: back to ready now, attempt not counted. ``retryable``: ready
-        after backoff unless attempts are exhausted (dead) or the deadline passed
-        (expired). Not retryable: dead at once with ``reason``."""
+        The reason's rule comes from the one failure policy (:data:`ccsq.common.policy.FAIL_POLICY`;
+        the wire's ``retryable`` only for a reason this version does not know).
+        ``released``: back to ready now, attempt not counted. ``store_unavailable``:
+        ready after a backoff, attempt not counted. Retryable: ready after backoff
+        unless attempts are exhausted (dead) or the deadline passed (expired).
+        Dead-lettered at once (fatal, payload_missing): dead with ``reason``."""
         rec = self.get(f.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
@@ -1074,9 +1076,11 @@ class LedgerTxn(LedgerView):
             self.bump("fenced_failures")
             return p.Outcome.FENCED.value
         rec["fail_token"] = f.token
+        rule = fail_rule(f.reason, f.retryable)
         if f.reason == p.FailReason.RELEASED.value:
+            attempt = rec["attempt"] if rule.counts_attempt else max(rec["attempt"] - 1, 0)
             self._transition(
-                rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, worker="", lease_expires_ms=0
+                rec, S.READY.value, attempt=attempt, nb_ms=now_ms, worker="", lease_expires_ms=0
             )
             self.bump("released")
             return p.Outcome.ACCEPTED.value
@@ -1084,7 +1088,7 @@ class LedgerTxn(LedgerView):
             return self._store_unavailable(rec, now_ms, f.message)
         self.bump("failed")
         reason = f.reason or p.FailReason.HANDLER_ERROR.value
-        if not f.retryable:
+        if rule.dead_letters_at_once:
             self._dead(rec, now_ms, reason, f.message)
         elif rec["attempt"] >= self._max_attempts(rec):
             self._dead(rec, now_ms, reason, f.message)
@@ -1102,7 +1106,8 @@ class LedgerTxn(LedgerView):
         item is ready again after a backoff of at least :data:`STORE_RETRY_MIN_MS`, or
         expires if its deadline passed."""
         self.bump("failed")
-        rec["attempt"] = max(rec["attempt"] - 1, 0)
+        if not FAIL_POLICY[p.FailReason.STORE_UNAVAILABLE].counts_attempt:
+            rec["attempt"] = max(rec["attempt"] - 1, 0)
         if self._deadline_passed(rec, now_ms):
             self._expire(rec, now_ms, f"claim store unavailable after the deadline: {message[:200]}")
             return p.Outcome.ACCEPTED.value

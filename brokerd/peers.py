@@ -44,13 +44,10 @@ class Session:
     done: int = 0
     info: dict = dataclasses.field(default_factory=dict)  # HELLO info, updated by heartbeats
     info_hello: dict = dataclasses.field(default_factory=dict)  # HELLO info as sent
-    # --- unsent replies while the peer's pipe is full (HWM): (message, first_try_mono) ---
+    # --- unsent replies (messages) while the peer's pipe is full (HWM) ---
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
     # --- completion service: item ids delivered to this session and not yet acknowledged ---
     in_flight: set[str] = dataclasses.field(default_factory=set)
-
-    def accepts(self, kind: str) -> bool:
-        return not self.kinds or kind in self.kinds
 
 
 class PeerTable:

@@ -15,7 +15,6 @@ import abc
 import hashlib
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,6 +231,3 @@ def open_configured_store(cfg: object, *, check: bool = True) -> ClaimStore:
         store.check(where)
     return store
 
-
-def now_s() -> float:
-    return time.time()

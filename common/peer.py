@@ -3,8 +3,8 @@ the one disconnect rule, and reconnection with capped, jittered backoff.
 
 Used by the worker, the producer's AsyncClient, the completion service and the
 admin CLI. The link owns its socket: only the coroutines of one session (one
-event loop, one thread) touch it. Other threads hand messages in with
-:meth:`BrokerLink.send_threadsafe`.
+event loop, one thread) touch it; other threads hand work to that loop
+(``loop.call_soon_threadsafe``) rather than calling the link.
 
 Delivery contract: :meth:`BrokerLink.send` queues a message for the *current*
 session only. When a session ends, unsent messages are discarded and the owner
@@ -12,7 +12,7 @@ re-sends whatever it still needs from ``on_connect`` (owners keep their own
 pending state: unconfirmed SUBMITs, unconfirmed COMPLETEs, held leases). This is
 the at-least-once pattern; the broker deduplicates.
 
-The one disconnect rule (DESIGN.md, "Liveness"): the broker is gone when nothing
+The one disconnect rule (docs/architecture.md, layer 2): the broker is gone when nothing
 arrived for ``heartbeat_interval_s x liveness``, on any socket error, or on an
 invalid envelope from it. Then the DEALER is closed (LINGER 0) and rebuilt.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ccsq.common import protocol as p
+from ccsq.common.backoff import backoff_delay_s
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import ConfigError, DecodeError
@@ -43,14 +43,14 @@ from ccsq.common.keys import (
     public_key_b64,
 )
 from ccsq.common.log import get_logger
+from ccsq.common.policy import CURVE_REFUSED, PEER_REFUSED_CODES
 
 log = get_logger("ccsq.peer")
 
 #: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
 #: until an operator changes authorized_keys (and restarts this peer).
-CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed with status 400
-REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                           p.REJECT_FORGED_ORIGIN, CURVE_REFUSED})
+#: (The table lives in the one failure policy, :mod:`ccsq.common.policy`.)
+REFUSED_CODES = PEER_REFUSED_CODES
 
 
 def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
@@ -95,12 +95,6 @@ class LinkState(enum.Enum):
 
 class LinkLost(Exception):
     """Internal: the current session ended (reason in args[0])."""
-
-
-def backoff_delay_s(attempt: int, base_s: float, cap_s: float) -> float:
-    """Capped exponential backoff with full jitter (AWS architecture blog, 2015):
-    uniform(0, min(cap, base * 2**attempt)). ``attempt`` counts from 0."""
-    return random.uniform(0.0, min(cap_s, base_s * (2 ** min(attempt, 30))))
 
 
 #: ZeroMQ handshake outcomes watched on a CURVE link (a wrong pinned key fails at once).
@@ -196,7 +190,6 @@ class BrokerLink:
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx = zmq.asyncio.Context.instance()
         self.log = log.bind(peer=settings.peer_id)
 
@@ -207,11 +200,6 @@ class BrokerLink:
             return False
         self._outbox.put_nowait(msg)
         return True
-
-    def send_threadsafe(self, msg: p.Message) -> None:
-        """Queue ``msg`` from another thread (e.g. an inference thread)."""
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.send, msg)
 
     async def stop(self, reason: str = "shutdown") -> None:
         """Say BYE (best effort, bounded) and end :meth:`run`."""
@@ -225,7 +213,6 @@ class BrokerLink:
 
     async def run(self) -> None:
         """Connect, serve sessions and reconnect until :meth:`stop`."""
-        self._loop = asyncio.get_running_loop()
         attempt = 0
         stop_ev = self._stopped_ev
         while not self._stopping:

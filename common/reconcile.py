@@ -1,6 +1,6 @@
 """``ccsq reconcile``: compare what the ledger references with what the claim store holds.
 
-Two kinds of drift (DESIGN.md, "Item life"):
+Two kinds of drift (docs/architecture.md, "The path of one item": PUT before SUBMIT):
 
 - an **orphan** blob: in the store, referenced by no item (a producer crashed
   between PUT and SUBMIT, or a purge already forgot the item). Safe to delete

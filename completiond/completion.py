@@ -41,7 +41,8 @@ from ccsq.common.envelope import Envelope
 from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, StoreUnavailable
 from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
-from ccsq.common.peer import BrokerLink, backoff_delay_s
+from ccsq.common.backoff import backoff_delay_s
+from ccsq.common.peer import BrokerLink
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.completiond.resultsdb import (
     ResultRow,
@@ -55,6 +56,8 @@ from ccsq.completiond.resultsdb import (
 log = structlog.get_logger("ccsq.completion")
 
 _DB_BACKOFF_BASE_S = 0.05
+#: first delay before a delivery whose result blob is missing is looked at again (doubles, jittered)
+_PARK_BASE_S = 0.5
 _STOP_ACK_GRACE_S = 5.0  # on shutdown, how long to wait for the last ACK_OK
 #: Database error text per quarantined row in an ACK (batch_max <= 2048 keeps the ACK far below 1 MiB).
 ACK_ERROR_MAX_CHARS = 200
@@ -194,7 +197,7 @@ class CompletionService:
                 self._parked.pop(d.item_id, None)
         for d in missing:
             attempt = self._parked.get(d.item_id, (0, d, 0.0, 0))[3]
-            retry_at = time.monotonic() + min(self.config.backoff_max_s, 0.5 * 2 ** min(attempt, 10))
+            retry_at = time.monotonic() + backoff_delay_s(attempt, _PARK_BASE_S, self.config.backoff_max_s)
             self._parked[d.item_id] = (sessions[d.item_id], d, retry_at, attempt + 1)
 
     def _due_parked(self) -> list[tuple[int, p.Delivery]]:

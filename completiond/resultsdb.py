@@ -90,10 +90,6 @@ class ResultsDB(abc.ABC):
         """(Re)connect if not connected and create the schema. Raises the driver's error."""
 
     @abc.abstractmethod
-    def upsert(self, rows: Sequence[ResultRow]) -> None:
-        """Write ``rows`` in one transaction (connects first if needed)."""
-
-    @abc.abstractmethod
     def interrupt(self) -> None:
         """Abort a statement running on the DB thread (call from any thread)."""
 

@@ -52,25 +52,20 @@ from ccsq.common.errors import (
     CcsqError,
     InvalidRequest,
     PayloadTooLarge,
-    PermanentError,
-    RetryableError,
     StoreUnavailable,
     Unauthorized,
-    error_from_code,
 )
 from ccsq.common.faults import crash_point
 from ccsq.common.log import get_logger
-from ccsq.common.peer import REFUSED_CODES, BrokerLink, backoff_delay_s, refusal_fix
+from ccsq.common.backoff import backoff_delay_s
+from ccsq.common.peer import BrokerLink, refusal_fix
+from ccsq.common.policy import PEER_REFUSED_CODES, refusal_error, refusal_retryable
 from ccsq.producer.outbox import Outbox
 
 log = get_logger("ccsq.producer")
 
 Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
-#: Error codes in a SubmitResult that are worth retrying (the rest are permanent).
-RETRYABLE_CODES = frozenset({"QUEUE_FULL", "DISK_FULL"})
-#: Codes with which a broker refuses our HELLO for good.
-UNAUTHORIZED_CODES = REFUSED_CODES
 #: States after which an item will not change any more ("unknown": purged or never existed).
 DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
 
@@ -312,7 +307,7 @@ class AsyncClient:
     def _check_refused(self, link: BrokerLink) -> None:
         """Raise Unauthorized (naming the fix) once the broker refused this peer for good."""
         refusal = link.refused or link.last_refusal
-        if refusal is not None and refusal.code in UNAUTHORIZED_CODES:
+        if refusal is not None and refusal.code in PEER_REFUSED_CODES:
             raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)
 
     async def wait_connected(self, timeout_s: float) -> bool:
@@ -400,7 +395,7 @@ class AsyncClient:
             last: p.SubmitResult | None = None
             for item in remaining:
                 res = by_key.get(item.key)
-                if res is None or res.error in RETRYABLE_CODES:
+                if res is None or refusal_retryable(res.error):
                     retry.append(item)
                     last = res or last
                 else:
@@ -408,7 +403,7 @@ class AsyncClient:
             if not retry:
                 return done, [], None
             remaining = retry
-            err = error_from_code(last.error, last.message) if last is not None else BrokerUnavailable(
+            err = refusal_error(last.error, last.message) if last is not None else BrokerUnavailable(
                 "broker answered without a result for some items")
             delay = backoff_delay_s(attempt, _RETRY_BASE_S * 4, self.config.reconnect_backoff_max_s)
             attempt += 1
@@ -595,21 +590,17 @@ class AsyncClient:
                 continue
             res = results[item.key]
             if res.error:
-                err = error_from_code(res.error, res.message or f"broker refused item {item.key}")
-                if not isinstance(err, PermanentError) and not isinstance(err, RetryableError):
-                    err = PermanentError(f"broker refused item {item.key}: {res.error}: {res.message}", code=res.error)
-                raise err
+                raise refusal_error(res.error, res.message or f"broker refused item {item.key}")
             receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat,
                                     unserved=item.kind in unserved))
         return receipts
 
-    async def _spool(self, items: list[p.SubmitItem], reason: str) -> list[Receipt]:
+    async def _spool(self, items: list[p.SubmitItem], reason: str) -> None:
         """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
         assert self._outbox is not None and self._flush_wakeup is not None
         new = await self._outbox.add(items)
         self._flush_wakeup.set()
         self.log.info("submit_spooled", items=len(items), new=new, reason=reason)
-        return [Receipt(item_id="", key=it.key, spooled=True) for it in items]
 
     async def _flusher(self) -> None:
         """Send spooled items in order whenever the broker is connected; remove each after its ACK."""

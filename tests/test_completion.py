@@ -105,7 +105,7 @@ def test_results_land_once_then_ack_within_credit(env) -> None:
 
 
 def test_killed_between_commit_and_ack_lands_once_and_counts_the_redelivery(env) -> None:
-    """Crash between steps 5 and 6 (DESIGN "Item life", gap G3): the first batch is
+    """Crash between steps 5 and 6 (docs/architecture.md hops 7-8, gap G3): the first batch is
     committed but never acknowledged; after a restart the broker redelivers it and the
     upsert keeps one row per item with deliveries=2."""
     e = env(batch_max=4, batch_wait_ms=200.0)

@@ -186,7 +186,7 @@ print("unreachable: the crash point did not fire")
 
 
 def test_producer_killed_after_blob_put_leaves_an_orphan_that_reconcile_collects(swarm) -> None:
-    """Crash between PUT and SUBMIT (DESIGN "Item life"): the blob is an orphan, the
+    """Crash between PUT and SUBMIT (docs/architecture.md hops 1-2): the blob is an orphan, the
     broker never heard of it, reconcile finds it and deletes it after the grace period."""
     root, endpoint, cfg = swarm
     with ScriptedBroker(root, endpoint) as broker:

@@ -1,4 +1,4 @@
-"""The GPU semaphore: at most ``slots`` inferences at once (DESIGN.md, "Exclusion").
+"""The GPU semaphore: at most ``slots`` inferences at once (docs/worker.md; case C06).
 
 Acquire, run and release live in one ``async with`` scope; there is no
 ``asyncio.shield`` anywhere near it, so a waiter cancelled while queued (or

@@ -8,7 +8,7 @@ calls all run on one dedicated thread). Inference runs on a thread pool of
 runs (case C06); a loop-lag probe proves it (``loop_lag_max_ms`` in every
 heartbeat's info: the worst lag since the previous heartbeat).
 
-Life of a task (DESIGN.md, operations 3-5)::
+Life of a task (docs/architecture.md, "The path of one item", hops 4-6)::
 
     DISPATCH -> journal "held" (fsync) -> fetch payload + verify its SHA-256
       (prefetch: outside the slot, while the GPU runs earlier items)
@@ -65,6 +65,7 @@ backend down, also when storing a result) -> ``store_unavailable`` (requeued
 after a backoff without counting the attempt: only the broker's reconcile,
 gap G7, dead-letters a payload as missing) and the worker reports itself
 unhealthy (no new DISPATCH) for 1, 2, 4 ... 60 s; the worker keeps running.
+Which reason is retryable is the one table ``ccsq.common.policy.FAIL_POLICY``.
 A batch runs under the strictest ``max_runtime_s`` of its items (times the
 batch size when the handler has no batched path and runs the items in turn);
 on overrun every item of the batch is reported ``timeout``.
@@ -132,6 +133,7 @@ from ccsq.common.envelope import Envelope, EnvelopeCodec
 from ccsq.common.errors import ConfigError, HandlerError, PayloadMissing, PermanentHandlerError
 from ccsq.common.faults import crash_point
 from ccsq.common.peer import BrokerLink, LinkState
+from ccsq.common.policy import task_failure
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import Handler
@@ -391,8 +393,8 @@ class Worker:
                 lost.append((e.item_id, e.token))
                 continue
             if report is None:  # held, never started: give it back without costing an attempt
-                report = p.TaskFailure(e.item_id, e.token, p.FailReason.RELEASED.value, True,
-                                       "worker restarted before starting the job")
+                report = task_failure(e.item_id, e.token, p.FailReason.RELEASED,
+                                      "worker restarted before starting the job")
                 await self._jw.write("record", [(report, e.kind)])
             self._pending[(e.item_id, e.token)] = Pending(report)
         if lost:
@@ -523,11 +525,11 @@ class Worker:
         hold = asyncio.ensure_future(self._jw.write("hold", [(j.task.item_id, j.task.token, j.task.kind) for j in new]))
         for job in new:
             if self._draining:
-                coro = self._report_after(hold, job, self._failure(job, p.FailReason.RELEASED, True, "worker is shutting down"))
+                coro = self._report_after(hold, job, self._failure(job, p.FailReason.RELEASED, "worker is shutting down"))
             elif job.task.kind not in self.kinds:
                 self.log.warning("unexpected_kind", item_id=job.task.item_id, kind=job.task.kind, kinds=self.kinds)
                 coro = self._report_after(
-                    hold, job, self._failure(job, p.FailReason.RELEASED, True, f"kind {job.task.kind!r} is not served here")
+                    hold, job, self._failure(job, p.FailReason.RELEASED, f"kind {job.task.kind!r} is not served here")
                 )
             else:
                 coro = self._run_job(job, hold)
@@ -561,20 +563,20 @@ class Worker:
         except PayloadMissing as exc:
             job.state = JobState.REPORTING
             if inline is not None:  # the bytes came with the item and do not match: the item's fault
-                await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, False, str(exc)))
+                await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, str(exc)))
                 return
             # absent or corrupt in OUR view of the store: this worker's problem until the broker's
             # reconcile confirms the blob gone (G7); requeued without counting the attempt
             self._store_trouble(str(exc))
             await self._report(job, self._failure(
-                job, p.FailReason.STORE_UNAVAILABLE, True, f"payload not in this worker's claim store: {exc}"[:1000]))
+                job, p.FailReason.STORE_UNAVAILABLE, f"payload not in this worker's claim store: {exc}"[:1000]))
             return
         except Exception as exc:  # any other claim-store error (I/O, backend): this attempt failed, retry later
             self.log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
             self._store_trouble(repr(exc))
             job.state = JobState.REPORTING
             await self._report(job, self._failure(
-                job, p.FailReason.STORE_UNAVAILABLE, True, f"could not fetch payload: {exc!r}"[:1000]))
+                job, p.FailReason.STORE_UNAVAILABLE, f"could not fetch payload: {exc!r}"[:1000]))
             return
         if inline is None:
             self._store_streak = 0  # the store produced a blob: healthy at the next heartbeat
@@ -582,11 +584,11 @@ class Worker:
             key = (task.kind, self.handler.batch_key(dict(task.params)))
         except PermanentHandlerError as exc:
             job.state = JobState.REPORTING
-            await self._report(job, self._failure(job, p.FailReason.FATAL, False, str(exc)))
+            await self._report(job, self._failure(job, p.FailReason.FATAL, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
             job.state = JobState.REPORTING
-            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, f"batch_key: {exc!r}"[:1000]))
+            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000]))
             return
         job.state = JobState.QUEUED
         job.outcome = loop.create_future()
@@ -701,24 +703,24 @@ class Worker:
 
     async def _finish(self, job: Job, outcome: RunOutcome) -> None:
         if outcome.skipped:
-            await self._report(job, self._failure(job, p.FailReason.RELEASED, True, outcome.skipped))
+            await self._report(job, self._failure(job, p.FailReason.RELEASED, outcome.skipped))
             return
         if outcome.timeout_s > 0:
             await self._report(job, self._failure(
-                job, p.FailReason.TIMEOUT, True, f"exceeded max_runtime_s={outcome.timeout_s}"))
+                job, p.FailReason.TIMEOUT, f"exceeded max_runtime_s={outcome.timeout_s}"))
             return
         exc = outcome.error
         if isinstance(exc, PermanentHandlerError):
-            await self._report(job, self._failure(job, p.FailReason.FATAL, False, str(exc)))
+            await self._report(job, self._failure(job, p.FailReason.FATAL, str(exc)))
             return
         if exc is not None:
             self.log.info("handler_error", item_id=job.task.item_id, token=job.task.token, error=repr(exc))
-            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, True, repr(exc)[:1000]))
+            await self._report(job, self._failure(job, p.FailReason.HANDLER_ERROR, repr(exc)[:1000]))
             return
         data, runtime_s = outcome.data, outcome.runtime_s
         if not isinstance(data, bytes):
             await self._report(job, self._failure(
-                job, p.FailReason.HANDLER_ERROR, True, f"handler returned {type(data).__name__}, expected bytes"))
+                job, p.FailReason.HANDLER_ERROR, f"handler returned {type(data).__name__}, expected bytes"))
             return
         crash_point("worker.after_infer")
         if job.released:
@@ -733,7 +735,7 @@ class Worker:
         except Exception as exc:  # any claim-store backend error: the attempt failed, retry elsewhere
             self.log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             self._store_trouble(repr(exc))
-            await self._report(job, self._failure(job, p.FailReason.STORE_UNAVAILABLE, True,
+            await self._report(job, self._failure(job, p.FailReason.STORE_UNAVAILABLE,
                                                   f"could not store result: {exc!r}"[:1000]))
             return
         result = p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, str(self.handler.version),
@@ -741,8 +743,9 @@ class Worker:
         await self._report(job, result)
 
     @staticmethod
-    def _failure(job: Job, reason: p.FailReason, retryable: bool, message: str) -> p.TaskFailure:
-        return p.TaskFailure(job.task.item_id, job.task.token, reason.value, retryable, message)
+    def _failure(job: Job, reason: p.FailReason, message: str) -> p.TaskFailure:
+        """A FAIL entry; ``retryable`` comes from the one failure policy (:mod:`ccsq.common.policy`)."""
+        return task_failure(job.task.item_id, job.task.token, reason, message)
 
     async def _report(self, job: Job, report: p.TaskResult | p.TaskFailure) -> None:
         """Journal the outcome (fsync), then send it and grant credit back."""
@@ -791,7 +794,7 @@ class Worker:
         if job.runner is not None:
             job.runner.cancel()
         job.state = JobState.REPORTING
-        job.runner = self._spawn(self._report(job, self._failure(job, p.FailReason.RELEASED, True, why)), "give-back")
+        job.runner = self._spawn(self._report(job, self._failure(job, p.FailReason.RELEASED, why)), "give-back")
 
     # --- reports and confirmations -------------------------------------------------
     def _queue_send(self, key: Key) -> None:
