@@ -416,6 +416,8 @@ def render_status(doc: dict, *, width: int = 120) -> str:
             if peer.get("store_ok") is False:
                 console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
                               "(no new items until it reports healthy; docs/deployment.md)")
+    if (doc.get("ledger") or {}).get("full_since_ms"):
+        console.print(f"LEDGER FULL: {doc['ledger'].get('full_advice', 'raise max_map_size_bytes and restart ccsq-brokerd')}")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
     if doc.get("readers"):
