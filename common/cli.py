@@ -221,7 +221,7 @@ def _submit_state(r) -> str:
 def _cmd_submit(args: argparse.Namespace) -> int:
     import time
 
-    from ccsq.producer.client import DONE_STATES, Client
+    from ccsq.producer.client import DONE_STATES, UNANSWERED_STATE, Client
 
     items = [Path(f) for f in args.files]
     missing = [str(f) for f in items if not f.is_file()]
@@ -272,7 +272,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                 todo = list(ids)
                 while todo:
                     left = deadline - time.monotonic()
-                    states.update(client.wait(todo, timeout_s=max(0.1, min(left, 1.0))))
+                    got = client.wait(todo, timeout_s=max(0.1, min(left, 1.0)))
+                    states.update({i: s for i, s in got.items() if s.state != UNANSWERED_STATE or i not in states})
                     todo = [i for i in todo if states[i].state not in DONE_STATES]
                     if bar:
                         bar.update(task, completed=sum(1 for i in ids if states[i].state == "acknowledged"))
