@@ -587,10 +587,27 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
-    store = open_store(args.store, Path(args.config).resolve().parent, s3=s3, where="--store")
+    store_uri, base, where = args.store, Path(args.config).resolve().parent, "--store"
+    if not store_uri:  # the broker has no claim store of its own: the producer's next to brokerd.toml
+        from ccsq.common.config import ProducerConfig
+
+        producer_path = base / "producer.toml"
+        if not producer_path.is_file():
+            raise ConfigError(f"give --store URI (the claim store the producers use): "
+                             f"no producer.toml next to {args.config} names one")
+        pcfg = load(ProducerConfig, producer_path)
+        store_uri, where = pcfg.claim_store, f"{producer_path}: claim_store"
+        s3 = {"endpoint_url": s3["endpoint_url"] or pcfg.s3_endpoint_url, "region": s3["region"] or pcfg.s3_region,
+              "profile": s3["profile"] or pcfg.s3_profile}
+    store = open_store(store_uri, base, create=False, s3=s3, where=where)
+    store.check(where=where)  # a root that does not exist is a typo, not a store with every payload missing (exit 78)
     report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
     out = report.as_dict()
     ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
+    if args.apply and ready_missing and len(report.missing) == report.needed and not args.force:
+        raise ConfigError(f"{store.uri} holds none of the {len(report.missing)} payload(s) the ledger "
+                          "still needs: wrong --store? Nothing was changed; check the URI (the producers' claim_store), "
+                          "or add --force to dead-letter them anyway")
     out["dead_lettered"] = []
     out["not_dead_lettered"] = ready_missing if not args.apply else []
     out["leased_missing"] = sorted({m.item_id for m in report.missing if m.state != "ready"})
@@ -770,7 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
     _config_arg(p, "brokerd")
-    p.add_argument("--store", required=True, help="claim store URI (file://PATH or s3://bucket/prefix)")
+    p.add_argument("--store", default="", help="claim store URI (file://PATH or s3://bucket/prefix; default: claim_store "
+                   "of producer.toml next to brokerd.toml); a file:// root that does not exist is refused (exit 78)")
+    p.add_argument("--force", action="store_true", help="with --apply: dead-letter even when the store holds none of the payloads")
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
