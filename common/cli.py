@@ -23,6 +23,7 @@ from ccsq.common.errors import (
     ConfigError,
     ExitCode,
     NoInput,
+    QueueFull,
     Unauthorized,
 )
 from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
@@ -232,7 +233,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     def submit_one(client, f: Path):
         return client.submit(f, args.kind, params={"name": f.name, **params}, priority=args.priority,
-                             deadline_ts=deadline_ts)
+                             deadline_ts=deadline_ts, timeout_s=args.submit_timeout_s)
 
     with Client.from_config_file(args.config) as client:
         if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
@@ -244,10 +245,27 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         with _progress(len(items) > 1 and not args.json) as bar:
             task = bar.add_task("submitting", total=len(items)) if bar else None
             receipts = []
+            full = None
             for f in items:
-                receipts.append(submit_one(client, f))
+                try:
+                    receipts.append(submit_one(client, f))
+                except QueueFull as exc:  # retryable: say what was accepted, exit 75 (TEMPFAIL)
+                    full = exc
+                    break
                 if bar:
                     bar.advance(task)
+        if full is not None:
+            rows = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
+                     "state": _submit_state(r)} for f, r in zip(items, receipts)]
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                for row in rows:
+                    print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row['state']}  {row['file']}")
+            print(f"ccsq submit: QUEUE_FULL: the broker accepted {len(receipts)} of {len(items)} file(s) (listed above) and "
+                  f"refused {items[len(receipts)]} and the rest: {full}. Retry later with the same command (accepted files are "
+                  "recognised as duplicates), or set outbox_dir in the producer config to spool", file=sys.stderr)
+            return ExitCode.TEMPFAIL
         unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
         for kind in unserved:
             print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
@@ -736,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
     p.add_argument("--connect-timeout-s", type=float, default=3.0,
                    help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
+    p.add_argument("--submit-timeout-s", type=float, default=60.0,
+                   help="how long one file's SUBMIT is retried on QUEUE_FULL/DISK_FULL or silence before exit 75/69 "
+                        "(default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)

@@ -29,6 +29,7 @@ class ExitCode(enum.IntEnum):
     NOINPUT = 66  # EX_NOINPUT: an input file named on the command line does not exist or cannot be read
     DEAD = 5  # submit --wait: some item ended dead or expired (it will not complete without `ccsq dlq replay`)
     LEDGER_CORRUPT = 80  # the ledger file is corrupt, not LMDB, or of another LMDB version: restore a backup; do not restart
+    TEMPFAIL = 75  # EX_TEMPFAIL (alias): a transient refusal (submit got QUEUE_FULL, a port busy): retry later
 
 
 class CcsqError(Exception):
