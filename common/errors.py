@@ -246,3 +246,10 @@ class StoreUnavailable(RetryableError):
     mount): transient, a daemon exits 75 at start-up and is restarted."""
 
     code = "STORE_UNAVAILABLE"
+
+
+class PortInUse(RetryableError):
+    """A listen address (``metrics_listen``) is taken by another process, e.g. the old
+    instance still exiting after a restart: transient, a daemon exits 75 (TEMPFAIL) and is restarted."""
+
+    code = "PORT_IN_USE"
