@@ -19,6 +19,7 @@ import tomli_w
 from ccsq.common.errors import (
     AdminFailed,
     BrokerUnavailable,
+    CantCreate,
     CcsqError,
     ConfigError,
     ExitCode,
@@ -153,7 +154,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from ccsq.common.endpoints import default_bind
 
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
-    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+    try:
+        written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+    except OSError as exc:
+        raise CantCreate.of("the swarm directory", args.dir, exc) from None
     for name, path in written.items():
         print(f"{name:14} {path}")
     if bind:
@@ -333,7 +337,10 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     if args.html:
         from ccsq.brokerd.report import render_html
 
-        Path(args.html).write_text(render_html(report))
+        try:
+            Path(args.html).write_text(render_html(report))
+        except OSError as exc:
+            raise CantCreate.of("the HTML report", args.html, exc) from None
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif not args.html:

@@ -289,3 +289,21 @@ def test_submit_on_queue_full_lists_what_was_accepted_and_exits_75(tmp_path: Pat
         rows = json.loads(out)
         assert [r["file"] for r in rows] == [str(d) for d in docs[:2]] and all(r["item_id"] for r in rows)
         assert "accepted 2 of 4" in err and "QUEUE_FULL" in err
+
+
+def test_unwritable_outputs_exit_73_and_status_without_broker_or_ledger_exits_69(tmp_path: Path, capsys) -> None:
+    """Tester #6: ``ccsq init`` into a directory that cannot be created and ``gap-report
+    --html`` into a missing directory give a sentence and 73 (CANTCREAT), no traceback.
+    Tester #9: ``ccsq status`` with the broker down and no ledger yet: a sentence and 69."""
+    rc, _out, err = run_ccsq(capsys, "init", "/proc/nope")
+    assert rc == ExitCode.CANTCREAT == 73 and "cannot write the swarm directory /proc/nope" in err and "Traceback" not in err
+    with Swarm(tmp_path, workers=0) as swarm:  # the broker never started: no ledger
+        admin = swarm.configs["admin"]
+        admin.write_text(admin.read_text() + "connect_timeout_s = 0.5\nhello_timeout_s = 0.5\n")
+        rc, _out, err = run_ccsq(capsys, "status", "--config", admin)
+        assert rc == ExitCode.UNAVAILABLE == 69 and "no ledger at" in err and "start" in err, err
+        swarm.start_broker()
+        swarm.procs.stop("broker")
+        rc, _out, err = run_ccsq(capsys, "gap-report", "--config", swarm.configs["brokerd"], "--html",
+                                 tmp_path / "nonexistent" / "r.html")
+        assert rc == 73 and "cannot write the HTML report" in err and "Traceback" not in err, err
