@@ -64,6 +64,17 @@ REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all pe
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
+#: Admission control (C08): room kept in the ledger for the result of every accepted
+#: item not yet completed (ready or leased): the worker's inline result limit
+#: (``workerd.worker.INLINE_RESULT_MAX_BYTES``, 16 KiB; larger results go to the claim
+#: store) plus 8 KiB for LMDB overflow-page rounding and the record and index rewrites
+#: of COMPLETE and ACK. A SUBMIT item is refused with QUEUE_FULL when the bytes in use
+#: + the items admitted since they were measured + (ready + leased + 1) x this reserve
+#: + the item's own size exceed SOFT_FULL_FRACTION x max_map_size_bytes.
+RESULT_RESERVE_BYTES = 16384 + 8192
+ITEM_RECORD_BYTES = 1024  # an item's record, index and key entries besides its inline payload
+LEDGER_FULL_ADVICE = ("the ledger is full at max_map_size_bytes: raise max_map_size_bytes in the broker's config "
+                      "and restart ccsq-brokerd (completions and acks that do not fit are retried by their peers)")
 #: The pages in use (for QUEUE_FULL and map growth) are measured in a turn's own
 #: transaction at most this often; the hot path opens no read transaction of its own.
 LEDGER_STATS_INTERVAL_S = 0.1
@@ -162,6 +173,8 @@ class Broker:
         self._rr = 0  # round-robin start among workers
         self.admin = AdminCommands(self)
         self._used_bytes = ledger.used_bytes()  # pages in use, refreshed by _ledger_stats in a turn's txn
+        self._admitted_bytes = 0  # admission cost of items committed since _used_bytes was measured
+        self.ledger_full_since_ms = 0  # wall ms when a turn last found the ledger full at max size (0: not full)
         self._ledger_stats_due_mono = 0.0
         self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
         self._reader_warn_next_mono = 0.0
@@ -490,24 +503,28 @@ class Broker:
         refuse = self._submit_refusal(ops, now)
         mode = "normal"
         batch = None
+        committed = False
         for _ in range(8):
             batch = Batch()
             txn = self.ledger.begin()
             try:
-                self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
-                self._apply_deferred(txn, batch, deferred)
-                self._apply_expiries(txn, batch, due)
+                if mode == "acks":  # at the max size even without growth: only what keeps delivery moving
+                    self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (p.Ack, p.Status))], "QUEUE_FULL")
+                else:
+                    self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
+                    self._apply_deferred(txn, batch, deferred)
+                    self._apply_expiries(txn, batch, due)
                 backlog = False
-                if background and mode != "minimal":
+                if background and mode not in ("minimal", "acks"):
                     backlog = txn.expire_deadlines(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
                     backlog = txn.purge(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
                     txn.append_sample(wall_ms(), self.cfg.accounting_sample_interval_s)
-                if mode != "minimal":
+                if mode not in ("minimal", "acks"):
                     self._dispatch(txn, batch, now)
                     self._deliver(txn, batch)
                 for code, n in self._rejects_unsaved.items():
                     txn.count_reject(code, n)
-                if background or now >= self._ledger_stats_due_mono:
+                if (background or now >= self._ledger_stats_due_mono) and mode != "acks":
                     self._ledger_stats(txn, now, background)
                 if txn.changed:
                     t0, records = time.perf_counter(), txn.records
@@ -516,26 +533,35 @@ class Broker:
                     self._committed_ops = len(ops)
                 else:
                     txn.abort()
+                committed = True
                 break
             except lmdb.MapFullError:
                 txn.abort()
                 if self.ledger.grow_map():
                     log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
                     continue
-                mode = "refuse" if mode == "normal" else "minimal"
+                if mode == "acks":
+                    break
+                mode = {"normal": "refuse", "refuse": "minimal"}.get(mode, "acks")
                 log.warning("ledger_map_full", mode=mode, map_size_bytes=self.ledger.map_size_bytes())
-        else:
-            # Still full with only completions, failures and acks: answer nothing (peers
-            # retry); put the due work back so it is tried again.
-            log.error("ledger_full_batch_dropped", ops=len(ops))
+        if mode == "acks" or not committed:
+            # Still full with only completions, failures and acks: those did not fit, so they
+            # are unanswered (peers resend them); acks and status were committed alone when
+            # they fitted. The due work is put back and tried again next turn.
+            self.ledger_full_since_ms = self.ledger_full_since_ms or wall_ms()
+            log.error("ledger_full_batch_dropped", ops=len(ops), acks_committed=committed, advice=LEDGER_FULL_ADVICE)
             self.deferred = deferred + self.deferred
             for lease in due:
                 self.leases.requeue_check(lease)
-            return
+            if not committed:
+                return
         if background:
             # a slice that used its whole budget has more to do: come back soon
             self._next_background_mono = now + (BACKGROUND_BUSY_INTERVAL_S if backlog else BACKGROUND_INTERVAL_S)
             self._refresh_snapshot()
+        if self.ledger_full_since_ms and mode == "normal" and any(isinstance(e.message, p.Complete) for _, _, e in ops):
+            self.ledger_full_since_ms = 0  # completions fit again
+            log.info("ledger_full_cleared")
         self._rejects_unsaved.clear()
         for name in batch.crash_points:
             crash_point(name)
@@ -560,6 +586,7 @@ class Broker:
         self._ledger_stats_due_mono = now + LEDGER_STATS_INTERVAL_S
         used = self.ledger.used_bytes(txn.txn)
         self._used_bytes = used
+        self._admitted_bytes = 0  # measured with this turn's items (the reset stands only if it commits)
         if txn.changed:
             txn.note_history(wall_ms(), used // self.ledger.env.stat()["psize"])
         cleared = self.ledger.clear_stale_readers()  # ~1 us: a dead reader pins history for at most ~0.1 s
@@ -596,10 +623,16 @@ class Broker:
 
     def _apply_ops(self, txn: LedgerTxn, batch: Batch, ops: list[tuple[bytes, Session, Envelope]], refuse: str) -> None:
         now_ms = wall_ms()
+        admitted = 0  # admission cost of this turn's new items
         for rid, sess, env in ops:
             msg = env.message
             if isinstance(msg, p.Submit):
-                results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
+                results = []
+                for item in msg.items:
+                    cost = _blob_size(item.payload) + ITEM_RECORD_BYTES
+                    r = txn.submit(item, now_ms, refuse=refuse or self._admission_refusal(txn, admitted + cost))
+                    admitted += cost if r.item_id and not r.duplicate else 0
+                    results.append(r)
                 batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
@@ -645,6 +678,16 @@ class Broker:
                     batch.replies.append((rid, p.StatusReply(msg.req, chunk)))
             elif isinstance(msg, p.Admin):
                 batch.replies.append((rid, self.admin.handle(txn, batch, sess, msg)))
+        if admitted:
+            batch.effects.append(lambda n=admitted: setattr(self, "_admitted_bytes", self._admitted_bytes + n))
+
+    def _admission_refusal(self, txn: LedgerTxn, cost: int) -> str:
+        """"QUEUE_FULL" when one more item of ``cost`` bytes (plus this turn's earlier ones)
+        would leave no room for the results of the items already accepted; see
+        :data:`RESULT_RESERVE_BYTES`. "" otherwise."""
+        pending = txn.state_count(p.ItemState.READY.value) + txn.state_count(p.ItemState.LEASED.value) + 1
+        need = self._used_bytes + self._admitted_bytes + cost + pending * RESULT_RESERVE_BYTES
+        return "QUEUE_FULL" if need > SOFT_FULL_FRACTION * self.ledger.max_map_size_bytes else ""
 
     def _apply_deferred(self, txn: LedgerTxn, batch: Batch, deferred: list[tuple[str, str, int, str]]) -> None:
         now_ms = wall_ms()

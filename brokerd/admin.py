@@ -166,6 +166,8 @@ class AdminCommands:
                 "map_size_bytes": b.ledger.map_size_bytes(),
                 "max_map_size_bytes": b.ledger.max_map_size_bytes,
                 "used_bytes": b.ledger.used_bytes(txn.txn),
+                "full_since_ms": b.ledger_full_since_ms,  # 0: not full; else completions may not fit
+                **({"full_advice": _ledger_full_advice()} if b.ledger_full_since_ms else {}),
             },
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": len(b.delivered),
@@ -253,3 +255,9 @@ def _str_arg(args: dict, name: str) -> str:
     if not isinstance(v, str) or not v:
         raise AdminError(f"argument {name!r} (a non-empty string) is required")
     return v
+
+
+def _ledger_full_advice() -> str:
+    from ccsq.brokerd.actor import LEDGER_FULL_ADVICE  # the actor imports this module
+
+    return LEDGER_FULL_ADVICE

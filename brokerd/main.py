@@ -32,7 +32,7 @@ from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
 from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ConfigError, ExitCode, ledger_failure
+from ccsq.common.errors import ConfigError, ExitCode, PortInUse, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
 from ccsq.common.systemd import Notifier, watchdog_task
 
@@ -151,6 +151,8 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                                         where=f"{cfg.config_path}: metrics_listen")
             except ConfigError as exc:
                 return _fail(ExitCode.CONFIG, f"config error: {exc}")
+            except PortInUse as exc:
+                return _fail(ExitCode.TEMPFAIL, f"transient: {exc}")
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:

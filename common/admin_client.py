@@ -170,9 +170,15 @@ def run_command(settings: AdminConfig, command: str, args: dict | None = None, *
 
     try:
         doc = with_broker(settings, one)
-    except BrokerUnavailable:
+    except BrokerUnavailable as exc:
         if mode == "online" or command not in READ_ONLY:
             raise
+        from ccsq.brokerd.ledger import data_paths
+
+        ledger_dir, _lock = data_paths(Path(settings.data_dir))
+        if not (ledger_dir / "data.mdb").exists():  # nothing to read offline either: the broker is needed (69)
+            raise BrokerUnavailable(f"{exc}, and there is no ledger at {ledger_dir} to read offline: start ccsq-brokerd "
+                                    "(systemctl start ccsq-brokerd) and run again, or fix data_dir in the admin config") from None
         doc = offline(settings.data_dir, command, args)
     doc.setdefault("source", "broker")
     return doc

@@ -19,10 +19,12 @@ import tomli_w
 from ccsq.common.errors import (
     AdminFailed,
     BrokerUnavailable,
+    CantCreate,
     CcsqError,
     ConfigError,
     ExitCode,
     NoInput,
+    QueueFull,
     Unauthorized,
 )
 from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
@@ -152,7 +154,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
     from ccsq.common.endpoints import default_bind
 
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
-    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+    try:
+        written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+    except OSError as exc:
+        raise CantCreate.of("the swarm directory", args.dir, exc) from None
     for name, path in written.items():
         print(f"{name:14} {path}")
     if bind:
@@ -221,7 +226,7 @@ def _submit_state(r) -> str:
 def _cmd_submit(args: argparse.Namespace) -> int:
     import time
 
-    from ccsq.producer.client import DONE_STATES, Client
+    from ccsq.producer.client import DONE_STATES, UNANSWERED_STATE, Client
 
     items = [Path(f) for f in args.files]
     missing = [str(f) for f in items if not f.is_file()]
@@ -232,7 +237,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     def submit_one(client, f: Path):
         return client.submit(f, args.kind, params={"name": f.name, **params}, priority=args.priority,
-                             deadline_ts=deadline_ts)
+                             deadline_ts=deadline_ts, timeout_s=args.submit_timeout_s)
 
     with Client.from_config_file(args.config) as client:
         if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
@@ -244,10 +249,27 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         with _progress(len(items) > 1 and not args.json) as bar:
             task = bar.add_task("submitting", total=len(items)) if bar else None
             receipts = []
+            full = None
             for f in items:
-                receipts.append(submit_one(client, f))
+                try:
+                    receipts.append(submit_one(client, f))
+                except QueueFull as exc:  # retryable: say what was accepted, exit 75 (TEMPFAIL)
+                    full = exc
+                    break
                 if bar:
                     bar.advance(task)
+        if full is not None:
+            rows = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
+                     "state": _submit_state(r)} for f, r in zip(items, receipts)]
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                for row in rows:
+                    print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row['state']}  {row['file']}")
+            print(f"ccsq submit: QUEUE_FULL: the broker accepted {len(receipts)} of {len(items)} file(s) (listed above) and "
+                  f"refused {items[len(receipts)]} and the rest: {full}. Retry later with the same command (accepted files are "
+                  "recognised as duplicates), or set outbox_dir in the producer config to spool", file=sys.stderr)
+            return ExitCode.TEMPFAIL
         unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
         for kind in unserved:
             print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
@@ -272,7 +294,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                 todo = list(ids)
                 while todo:
                     left = deadline - time.monotonic()
-                    states.update(client.wait(todo, timeout_s=max(0.1, min(left, 1.0))))
+                    got = client.wait(todo, timeout_s=max(0.1, min(left, 1.0)))
+                    states.update({i: s for i, s in got.items() if s.state != UNANSWERED_STATE or i not in states})
                     todo = [i for i in todo if states[i].state not in DONE_STATES]
                     if bar:
                         bar.update(task, completed=sum(1 for i in ids if states[i].state == "acknowledged"))
@@ -314,7 +337,10 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     if args.html:
         from ccsq.brokerd.report import render_html
 
-        Path(args.html).write_text(render_html(report))
+        try:
+            Path(args.html).write_text(render_html(report))
+        except OSError as exc:
+            raise CantCreate.of("the HTML report", args.html, exc) from None
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif not args.html:
@@ -416,6 +442,8 @@ def render_status(doc: dict, *, width: int = 120) -> str:
             if peer.get("store_ok") is False:
                 console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
                               "(no new items until it reports healthy; docs/deployment.md)")
+    if (doc.get("ledger") or {}).get("full_since_ms"):
+        console.print(f"LEDGER FULL: {doc['ledger'].get('full_advice', 'raise max_map_size_bytes and restart ccsq-brokerd')}")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
     if doc.get("readers"):
@@ -584,10 +612,27 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
-    store = open_store(args.store, Path(args.config).resolve().parent, s3=s3, where="--store")
+    store_uri, base, where = args.store, Path(args.config).resolve().parent, "--store"
+    if not store_uri:  # the broker has no claim store of its own: the producer's next to brokerd.toml
+        from ccsq.common.config import ProducerConfig
+
+        producer_path = base / "producer.toml"
+        if not producer_path.is_file():
+            raise ConfigError(f"give --store URI (the claim store the producers use): "
+                             f"no producer.toml next to {args.config} names one")
+        pcfg = load(ProducerConfig, producer_path)
+        store_uri, where = pcfg.claim_store, f"{producer_path}: claim_store"
+        s3 = {"endpoint_url": s3["endpoint_url"] or pcfg.s3_endpoint_url, "region": s3["region"] or pcfg.s3_region,
+              "profile": s3["profile"] or pcfg.s3_profile}
+    store = open_store(store_uri, base, create=False, s3=s3, where=where)
+    store.check(where=where)  # a root that does not exist is a typo, not a store with every payload missing (exit 78)
     report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
     out = report.as_dict()
     ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
+    if args.apply and ready_missing and len(report.missing) == report.needed and not args.force:
+        raise ConfigError(f"{store.uri} holds none of the {len(report.missing)} payload(s) the ledger "
+                          "still needs: wrong --store? Nothing was changed; check the URI (the producers' claim_store), "
+                          "or add --force to dead-letter them anyway")
     out["dead_lettered"] = []
     out["not_dead_lettered"] = ready_missing if not args.apply else []
     out["leased_missing"] = sorted({m.item_id for m in report.missing if m.state != "ready"})
@@ -716,6 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
     p.add_argument("--connect-timeout-s", type=float, default=3.0,
                    help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
+    p.add_argument("--submit-timeout-s", type=float, default=60.0,
+                   help="how long one file's SUBMIT is retried on QUEUE_FULL/DISK_FULL or silence before exit 75/69 "
+                        "(default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
@@ -767,7 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
     _config_arg(p, "brokerd")
-    p.add_argument("--store", required=True, help="claim store URI (file://PATH or s3://bucket/prefix)")
+    p.add_argument("--store", default="", help="claim store URI (file://PATH or s3://bucket/prefix; default: claim_store "
+                   "of producer.toml next to brokerd.toml); a file:// root that does not exist is refused (exit 78)")
+    p.add_argument("--force", action="store_true", help="with --apply: dead-letter even when the store holds none of the payloads")
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")

@@ -29,6 +29,8 @@ class ExitCode(enum.IntEnum):
     NOINPUT = 66  # EX_NOINPUT: an input file named on the command line does not exist or cannot be read
     DEAD = 5  # submit --wait: some item ended dead or expired (it will not complete without `ccsq dlq replay`)
     LEDGER_CORRUPT = 80  # the ledger file is corrupt, not LMDB, or of another LMDB version: restore a backup; do not restart
+    CANTCREAT = 73  # EX_CANTCREAT: an output file or directory named on the command line cannot be created
+    TEMPFAIL = 75  # EX_TEMPFAIL (alias): a transient refusal (submit got QUEUE_FULL, a port busy): retry later
 
 
 class CcsqError(Exception):
@@ -245,3 +247,23 @@ class StoreUnavailable(RetryableError):
     mount): transient, a daemon exits 75 at start-up and is restarted."""
 
     code = "STORE_UNAVAILABLE"
+
+
+class PortInUse(RetryableError):
+    """A listen address (``metrics_listen``) is taken by another process, e.g. the old
+    instance still exiting after a restart: transient, a daemon exits 75 (TEMPFAIL) and is restarted."""
+
+    code = "PORT_IN_USE"
+
+
+class CantCreate(PermanentError):
+    """An output file or directory named on the command line cannot be created or
+    written (no such parent directory, read-only, no permission): exit 73."""
+
+    code = "CANT_CREATE"
+    exit_code = ExitCode.CANTCREAT
+
+    @classmethod
+    def of(cls, what: str, path: object, exc: OSError) -> CantCreate:
+        return cls(f"cannot write {what} {path}: {exc.strerror or exc}; choose a writable path "
+                   "(an existing directory this user may write)")

@@ -19,6 +19,7 @@ port is ``server.server_port``).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import platform
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.errors import ConfigError, PortInUse
 
 LOOPBACK = "127.0.0.1"
 
@@ -102,6 +103,9 @@ def start_exporter(registry: CollectorRegistry, listen: str, *, process: str, wh
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:  # another process holds it (the old instance?): transient, exit 75
+            raise PortInUse(f"{where} = {listen!r}: {host}:{port} is in use by another process (the previous instance "
+                            "still exiting?); restart later, or choose another port") from None
         raise ConfigError(f"{where} = {listen!r}: cannot listen on {host}:{port}: {exc.strerror or exc}; "
                           "choose a free port or a local address") from None
     return server

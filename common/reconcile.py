@@ -47,6 +47,7 @@ class ReconcileReport:
     orphans_deleted: int
     missing: tuple[MissingPayload, ...]  # ready/leased items whose payload is absent
     dry_run: bool
+    needed: int = 0  # references of items that still need their payload (ready/leased)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -102,4 +103,5 @@ def reconcile(
         orphans_deleted=deleted,
         missing=missing,
         dry_run=dry_run,
+        needed=len(needed),
     )

@@ -38,7 +38,7 @@ from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore, open_configured_store
 from ccsq.common.config import CompletionConfig, load
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, StoreUnavailable
+from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, PortInUse, StoreUnavailable
 from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.backoff import backoff_delay_s
@@ -423,6 +423,9 @@ def main(config_path: str | Path) -> int:
     except StoreUnavailable as exc:
         print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
         return ExitCode.LEDGER_LOCKED
+    except PortInUse as exc:
+        print(f"ccsq completion: transient: {exc}", file=sys.stderr)
+        return ExitCode.TEMPFAIL
     try:
         asyncio.run(_serve(service))
     except CcsqError as exc:

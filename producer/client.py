@@ -68,6 +68,9 @@ Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
 #: States after which an item will not change any more ("unknown": purged or never existed).
 DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
+#: ``wait``'s state for an item the broker never answered about in time (down or frozen):
+#: not a verdict on the item, so not in DONE_STATES ("unknown" is the broker's own answer).
+UNANSWERED_STATE = "unanswered"
 
 DEFAULT_TIMEOUT_S = 60.0
 _ENVELOPE_OVERHEAD_BYTES = 512  # header, req id, array headers: generous
@@ -688,7 +691,9 @@ class AsyncClient:
     async def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
         """Poll STATUS (with backoff, 50 ms up to 1 s) until every item is done
         (acknowledged, dead, expired, or unknown to the broker) or ``timeout_s`` passes.
-        Returns the last status of every item; check ``.state`` for the ones not done."""
+        A broker that does not answer is waited for until ``timeout_s`` (it is not a
+        terminal state). Returns the last status of every item; check ``.state`` for the
+        ones not done (:data:`UNANSWERED_STATE` when the broker never answered for it)."""
         ids = list(dict.fromkeys(item_ids))
         deadline = time.monotonic() + timeout_s
         last: dict[str, p.ItemStatus] = {}
@@ -707,7 +712,7 @@ class AsyncClient:
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 1.5, 1.0)
         for i in ids:
-            last.setdefault(i, p.ItemStatus(item_id=i, state="unknown"))
+            last.setdefault(i, p.ItemStatus(item_id=i, state=UNANSWERED_STATE))
         return last
 
 

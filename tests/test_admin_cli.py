@@ -148,3 +148,29 @@ def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -
             lambda: ccsq(capsys, "items", "show", item_id, "--config", admin, "--json")[1]["item"]["attempt"] >= 1,
             20, "the item is dispatched to the undrained worker",
         )
+
+
+def test_reconcile_refuses_a_wrong_store_and_defaults_to_the_producers(tmp_path: Path, capsys) -> None:
+    """Tester #2: a --store root that does not exist is refused (78, nothing created, nothing
+    dead-lettered); --apply against a store holding none of the needed payloads is refused
+    unless --force; without --store the claim_store of producer.toml next to brokerd.toml is used."""
+    with Swarm(tmp_path, workers=0, producer={"inline_max_bytes": 0}) as swarm:
+        fast_admin(swarm)
+        brokerd = swarm.configs["brokerd"]
+        swarm.start_broker()
+        with swarm.client() as client:
+            item_id = client.submit(b"a document", "echo").item_id
+        typo = tmp_path / "does-not-exist"
+        rc, _ = ccsq(capsys, "reconcile", "--config", brokerd, "--store", f"file://{typo}", "--apply")
+        assert rc == ExitCode.CONFIG and not typo.exists()
+        empty = tmp_path / "empty-store"
+        empty.mkdir()
+        capsys.readouterr()
+        rc = cli.main(["reconcile", "--config", str(brokerd), "--store", f"file://{empty}", "--apply"])
+        assert rc == ExitCode.CONFIG and "wrong --store?" in capsys.readouterr().err
+        rc, out = ccsq(capsys, "reconcile", "--config", brokerd, "--apply", "--json")  # producer.toml's store
+        assert rc == 0 and out["missing"] == [] and out["stored"] == 1
+        _, shown = ccsq(capsys, "items", "show", item_id, "--config", swarm.configs["admin"], "--json")
+        assert shown["item"]["state"] == "ready"
+        rc, out = ccsq(capsys, "reconcile", "--config", brokerd, "--store", f"file://{empty}", "--apply", "--force", "--json")
+        assert rc == 0 and out["dead_lettered"] == [item_id]

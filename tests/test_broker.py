@@ -229,6 +229,82 @@ def test_ledger_full_refuses_submit_then_recovers(h):
     assert rep["received"] == len(accepted) + 1 and rep["acknowledged"] == 4 and rep["balanced"]
 
 
+def test_ledger_full_inline_results_of_accepted_work_still_land_and_ack(h):
+    """C08 (tester's scenario): map 1 MiB growing to 2 MiB, 12 KB payloads submitted
+    until QUEUE_FULL. Every accepted item must still be leased, completed with a
+    12 KB inline result, delivered and acknowledged: admission control keeps room
+    for the results of work already accepted (no ``ledger_full_batch_dropped``)."""
+    b = h.start(map_size_bytes=1 << 20, max_map_size_bytes=2 << 20, max_batch_items=16)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    accepted, refused = [], []
+    for batch in range(100):
+        res = prod.submit([item(f"f{batch}-{i}", data=os.urandom(12_000)) for i in range(10)], timeout_s=10)
+        accepted += [r for r in res if not r.error]
+        refused += [r for r in res if r.error]
+        if refused:
+            break
+    assert refused and len(accepted) >= 10, (len(accepted), len(refused))
+    assert {r.error for r in refused} == {"QUEUE_FULL"}
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=len(accepted), credit=len(accepted))
+    tasks = recv_tasks(w, len(accepted), timeout_s=30)
+    for i in range(0, len(tasks), 8):
+        chunk = tasks[i:i + 8]
+        w.send(p.Complete([result_of(t, os.urandom(12_000)) for t in chunk]))
+        ack = w.recv_type(p.CompleteAck, timeout_s=10)  # TimeoutError: dropped (ledger full)
+        assert {o.outcome for o in ack.outcomes} == {"accepted"}
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=len(accepted))
+    acked: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(acked) < len(accepted) and time.monotonic() < deadline:
+        env = comp.recv(timeout_s=1)  # RESULT and ACK_OK frames interleave: take both kinds
+        if env is not None and isinstance(env.message, p.Result):
+            comp.send(p.Ack([d.item_id for d in env.message.deliveries]))
+        elif env is not None and isinstance(env.message, p.AckOk):
+            acked |= set(env.message.item_ids)
+    assert acked == {r.item_id for r in accepted}
+    assert not b.events("ledger_full_batch_dropped")
+    assert b.proc.poll() is None
+
+
+def test_ledger_full_at_max_size_still_commits_acks_and_says_how_to_fix(h):
+    """C08 fallback: results far larger than the admission reserve fill the map at its
+    maximum; the COMPLETE that does not fit is left unanswered (its worker resends),
+    but an ACK in the same state still commits, and status names the fix."""
+    b = h.start(map_size_bytes=1 << 20, max_map_size_bytes=1 << 20)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    accepted = [r for r in prod.submit([item(f"x{i}", data=b"x") for i in range(6)]) if not r.error]
+    assert len(accepted) == 6
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=6, credit=6)
+    tasks = recv_tasks(w, 6)
+    w.send(p.Complete([result_of(tasks[0])]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=1)
+    (first,) = comp.recv_type(p.Result).deliveries
+    for t in tasks[1:]:  # 300 KB inline each: the map (1 MiB, no growth) runs out
+        w.send(p.Complete([result_of(t, os.urandom(300_000))]))
+        try:
+            w.recv_type(p.CompleteAck, timeout_s=3)
+        except TimeoutError:
+            break
+    else:
+        pytest.fail("the map never filled")
+    wait_for(lambda: b.events("ledger_full_batch_dropped"), 10, what="ledger_full_batch_dropped logged")
+    assert "max_map_size_bytes" in b.events("ledger_full_batch_dropped")[0]["advice"]
+    comp.send(p.Ack([first.item_id]))
+    assert comp.recv_type(p.AckOk, timeout_s=10).item_ids == [first.item_id]
+    adm = h.peer("adm", b.endpoint)
+    adm.hello("admin")
+    led = adm.admin_status()["ledger"]
+    assert led["full_since_ms"] > 0 and "raise max_map_size_bytes" in led["full_advice"]
+    assert b.proc.poll() is None
+
+
 # --- C01 -------------------------------------------------------------------------------
 @pytest.fixture
 def ipc_dir():

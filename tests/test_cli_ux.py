@@ -272,3 +272,38 @@ def test_curve_peer_outside_the_allow_list_is_refused_with_the_line_to_add(tmp_p
         assert rc == ExitCode.UNAUTHORIZED and "CURVE" in errtext
         with swarm.client() as client:  # the listed producer still gets in
             assert client.submit(b"y", "echo").item_id
+
+
+def test_submit_on_queue_full_lists_what_was_accepted_and_exits_75(tmp_path: Path, capsys) -> None:
+    """Tester #7: QUEUE_FULL is retryable: ``ccsq submit`` prints the files it did get
+    accepted, a sentence, and exits 75 (TEMPFAIL), not 1. A real broker with max_ready_items=2."""
+    with Swarm(tmp_path, workers=0, broker={"max_ready_items": 2}) as swarm:
+        swarm.start_broker()
+        docs = []
+        for i in range(4):
+            docs.append(tmp_path / f"d{i}.txt")
+            docs[-1].write_text(f"document {i}")
+        rc, out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "echo",
+                                "--submit-timeout-s", "1", "--json", *docs)
+        assert rc == ExitCode.TEMPFAIL == 75, err
+        rows = json.loads(out)
+        assert [r["file"] for r in rows] == [str(d) for d in docs[:2]] and all(r["item_id"] for r in rows)
+        assert "accepted 2 of 4" in err and "QUEUE_FULL" in err
+
+
+def test_unwritable_outputs_exit_73_and_status_without_broker_or_ledger_exits_69(tmp_path: Path, capsys) -> None:
+    """Tester #6: ``ccsq init`` into a directory that cannot be created and ``gap-report
+    --html`` into a missing directory give a sentence and 73 (CANTCREAT), no traceback.
+    Tester #9: ``ccsq status`` with the broker down and no ledger yet: a sentence and 69."""
+    rc, _out, err = run_ccsq(capsys, "init", "/proc/nope")
+    assert rc == ExitCode.CANTCREAT == 73 and "cannot write the swarm directory /proc/nope" in err and "Traceback" not in err
+    with Swarm(tmp_path, workers=0) as swarm:  # the broker never started: no ledger
+        admin = swarm.configs["admin"]
+        admin.write_text(admin.read_text() + "connect_timeout_s = 0.5\nhello_timeout_s = 0.5\n")
+        rc, _out, err = run_ccsq(capsys, "status", "--config", admin)
+        assert rc == ExitCode.UNAVAILABLE == 69 and "no ledger at" in err and "start" in err, err
+        swarm.start_broker()
+        swarm.procs.stop("broker")
+        rc, _out, err = run_ccsq(capsys, "gap-report", "--config", swarm.configs["brokerd"], "--html",
+                                 tmp_path / "nonexistent" / "r.html")
+        assert rc == 73 and "cannot write the HTML report" in err and "Traceback" not in err, err

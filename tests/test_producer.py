@@ -15,7 +15,7 @@ import pytest
 from ccsq.common.claimstore import FileStore
 from ccsq.common.errors import BrokerUnavailable, InvalidRequest, PayloadTooLarge, QueueFull
 from ccsq.common.faults import env_for
-from ccsq.common.procs import free_tcp_port, wait_until
+from ccsq.common.procs import bin_path, free_tcp_port, wait_until
 from ccsq.common.protocol import ItemState
 from ccsq.producer import Client, derive_key
 from ccsq.common.reconcile import reconcile
@@ -224,3 +224,30 @@ def test_submit_many_with_the_same_document_twice(swarm) -> None:
         a, b, c = client.submit_many([(b"doc", "echo"), (b"other", "echo"), (b"doc", "echo")])
     assert (a.duplicate, b.duplicate, c.duplicate) == (False, False, True)
     assert c.item_id == a.item_id and len(broker.items) == 2
+
+
+def test_wait_keeps_waiting_through_a_frozen_broker(swarm) -> None:
+    """Tester #4: a broker that stops answering is not a terminal state. ``Client.wait``
+    waits its whole timeout and never reports "unknown" (purged / never existed);
+    ``ccsq submit --wait`` (a real process) likewise runs to --timeout-s."""
+    root, endpoint, cfg = swarm
+    doc = root / "a.txt"
+    doc.write_bytes(b"frozen broker")
+    with ScriptedBroker(root, endpoint) as broker:
+        cli = subprocess.Popen([bin_path("ccsq"), "submit", "--config", str(cfg), "--kind", "echo", "--wait",
+                                "--timeout-s", "5", "--json", str(doc)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: broker.items, 20, "the CLI's item reached the broker")
+        (item_id,) = list(broker.items)
+        broker.set_silent(True)
+        t0 = time.monotonic()
+        out, err = cli.communicate(timeout=30)
+        t_cli = time.monotonic() - t0
+        with Client.from_config_file(cfg) as client:
+            t0 = time.monotonic()
+            st = client.wait([item_id], timeout_s=2.5)[item_id]
+            assert time.monotonic() - t0 >= 2.4 and st.state != "unknown", st
+    import json
+
+    (row,) = json.loads(out)
+    assert row["state"] != "unknown" and t_cli >= 2.5, (row, t_cli, err)
+    assert cli.returncode == 4, err  # INCOMPLETE: not acknowledged within --timeout-s

@@ -176,6 +176,30 @@ def test_metrics_listen_is_validated(tmp_path):
         assert out.returncode == 78 and "metrics_listen" in out.stderr, (argv, out.stderr)
 
 
+
+def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
+    """Tester #8: a metrics_listen port held by another process (the old instance still
+    exiting after a restart) exits 75 (TEMPFAIL: systemd restarts), not 78, for the
+    broker, a worker and the completion service (real processes)."""
+    import socket
+
+    from ccsq.common.procs import bin_path
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    busy = f"127.0.0.1:{holder.getsockname()[1]}"
+    try:
+        swarm = Swarm(tmp_path / "swarm", workers=1, broker={"metrics_listen": busy}, worker={"metrics_listen": busy},
+                      completion={"metrics_listen": busy})
+        for argv in ([bin_path("ccsq-brokerd"), "--config", str(swarm.configs["brokerd"])],
+                     [bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
+                     [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 75 and "in use" in out.stderr and "metrics_listen" in out.stderr, (argv, out.stderr)
+    finally:
+        holder.close()
+
 def test_worker_store_errors_and_build_info_are_counted(tmp_path):
     """The worker's claim-store wrapper counts a missing payload and an I/O
     error by op (a real file store), and passes everything else through; the

@@ -28,7 +28,7 @@ from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable, Unauthorized
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
@@ -114,6 +114,9 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     except ConfigError as exc:
         journal.close()
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    except PortInUse as exc:
+        journal.close()
+        return _die(ExitCode.TEMPFAIL, f"transient: {exc}"), False
     try:
         asyncio.run(_serve(worker, notifier))
     except JournalCorrupt as exc:
