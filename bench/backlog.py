@@ -90,7 +90,8 @@ def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
     """Fill to each of ``sizes`` (ascending), then measure lag and restart at the last size."""
     metrics_port = free_tcp_port()
     procs, configs = start_swarm(root, workers=4, start_workers=0, start_completion=False,
-                                 broker={"log_format": "json", "metrics_port": metrics_port})
+                                 broker={"log_format": "json", "metrics_port": metrics_port,
+                                         "result_reserve_bytes": 2048})  # echo results are a few bytes: let millions queue
     hists = ("ccsq_turn_seconds", "ccsq_heartbeat_lag_seconds")
     endpoint = (root / "broker-data" / "endpoint").read_text().strip()
     out: dict[str, Any] = {"sizes": sizes}

@@ -70,7 +70,8 @@ GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
 #: store) plus 8 KiB for LMDB overflow-page rounding and the record and index rewrites
 #: of COMPLETE and ACK. A SUBMIT item is refused with QUEUE_FULL when the bytes in use
 #: + the items admitted since they were measured + (ready + leased + 1) x this reserve
-#: + the item's own size exceed SOFT_FULL_FRACTION x max_map_size_bytes.
+#: + the item's own size exceed SOFT_FULL_FRACTION x max_map_size_bytes. The broker
+#: config's ``result_reserve_bytes`` sets it (default below).
 RESULT_RESERVE_BYTES = 16384 + 8192
 ITEM_RECORD_BYTES = 1024  # an item's record, index and key entries besides its inline payload
 LEDGER_FULL_ADVICE = ("the ledger is full at max_map_size_bytes: raise max_map_size_bytes in the broker's config "
@@ -684,9 +685,9 @@ class Broker:
     def _admission_refusal(self, txn: LedgerTxn, cost: int) -> str:
         """"QUEUE_FULL" when one more item of ``cost`` bytes (plus this turn's earlier ones)
         would leave no room for the results of the items already accepted; see
-        :data:`RESULT_RESERVE_BYTES`. "" otherwise."""
+        the config's ``result_reserve_bytes``. "" otherwise."""
         pending = txn.state_count(p.ItemState.READY.value) + txn.state_count(p.ItemState.LEASED.value) + 1
-        need = self._used_bytes + self._admitted_bytes + cost + pending * RESULT_RESERVE_BYTES
+        need = self._used_bytes + self._admitted_bytes + cost + pending * self.cfg.result_reserve_bytes
         return "QUEUE_FULL" if need > SOFT_FULL_FRACTION * self.ledger.max_map_size_bytes else ""
 
     def _apply_deferred(self, txn: LedgerTxn, batch: Batch, deferred: list[tuple[str, str, int, str]]) -> None:

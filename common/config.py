@@ -162,6 +162,7 @@ class BrokerConfig:
     retention_s: float = opt(3600.0, min=0.0, max=365 * 86400.0, doc="acknowledged items are purged after this")
     map_size_bytes: int = opt(1 << 30, min=1 << 20, max=1 << 44, doc="initial LMDB map size")
     max_map_size_bytes: int = opt(64 << 30, min=1 << 20, max=1 << 46, doc="the map grows up to this, then SUBMIT gets QUEUE_FULL")
+    result_reserve_bytes: int = opt(24576, min=0, max=1 << 30, doc="ledger room kept per accepted, not yet completed item for its result (admission control, docs/ledger.md); default = the worker's 16 KiB inline result limit + 8 KiB overhead; lower it for deep queues of small results")
     max_readers: int = opt(126, min=8, max=65536, doc="LMDB reader slots (processes reading the ledger at once); set when the broker creates lock.mdb")
     reader_warn_age_s: float = opt(300.0, min=0.1, max=86400.0, doc="warn (log, status) when a ledger reader's snapshot is this old: it pins pages freed since")
     min_free_disk_bytes: int = opt(256 << 20, min=0, max=1 << 46, doc="below this free disk, SUBMIT gets DISK_FULL")
