@@ -28,6 +28,7 @@ import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
+from ccsq.brokerd import federation as fed
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
@@ -146,7 +147,11 @@ class Broker:
         self._rr = 0  # round-robin start among workers
         self.admin = AdminCommands(self)
         self.epoch = ledger.bump_epoch()
+        self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self._recover()
+        if self.fed.enabled:
+            with self.ledger.read() as view:
+                log.info("federation_recovered", swarm=self.fed.swarm_id, routed=self.fed.recover(view))
 
     # --- lifecycle ---
     def _recover(self) -> None:
@@ -214,7 +219,7 @@ class Broker:
         wake = min(self._next_hb_mono, self._next_liveness_mono, self._next_background_mono)
         if self._workers_with_credit():
             wake = min(wake, self._dispatch_at_mono)
-        if self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION)):
+        if self._deliver_possible and any(s.credit > 0 for s in self._result_takers()):
             return 0.0
         due = self.leases.next_due_mono()
         if due is not None:
@@ -350,7 +355,7 @@ class Broker:
         self.peers.add(sess)
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []
-        if env.role is p.Role.WORKER:
+        if env.role in p.LEASE_HOLDER_ROLES:
             listed = set()
             for ref in hello.leases:
                 listed.add(ref.item_id)
@@ -362,7 +367,7 @@ class Broker:
                 if lease.item_id not in listed:
                     self.deferred.append(("expire", lease.item_id, lease.token, "worker reconnected without it"))
             self._dispatch_at_mono = now
-        if env.role is p.Role.COMPLETION:
+        if env.role in (p.Role.COMPLETION, p.Role.RELAY):
             self._deliver_possible = True
         welcome = p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released)
         self._send(rid, welcome)
@@ -380,7 +385,7 @@ class Broker:
     def _on_session_message(self, sess: Session, env: Envelope, now: float) -> None:
         msg = env.message
         if isinstance(msg, p.Heartbeat):
-            if sess.role is p.Role.WORKER:
+            if sess.role in p.LEASE_HOLDER_ROLES:
                 self.stats.heartbeat(env.ts_ms)
                 for ref in msg.leases:
                     self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
@@ -410,7 +415,14 @@ class Broker:
             return True
         if now >= self._dispatch_at_mono and self._workers_with_credit():
             return True
-        return self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION))
+        return self._deliver_possible and any(s.credit > 0 for s in self._result_takers())
+
+    def _result_takers(self) -> list[Session]:
+        """Completion services, and downstream relays while a routed result waits for one."""
+        takers = self.peers.sessions(p.Role.COMPLETION)
+        if self.fed.routed_all:
+            takers += [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == fed.DOWNSTREAM]
+        return takers
 
     def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
         if not ops and not self._background_due(now):  # a carry implies ops: _take_budget takes >= 1
@@ -499,7 +511,10 @@ class Broker:
         for rid, sess, env in ops:
             msg = env.message
             if isinstance(msg, p.Submit):
-                results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
+                if sess.role is p.Role.RELAY:
+                    results = [self._submit_relayed(txn, batch, sess, item, now_ms, refuse) for item in msg.items]
+                else:
+                    results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
                 batch.replies.append((rid, p.SubmitAck(msg.req, results)))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
@@ -507,8 +522,12 @@ class Broker:
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = txn.complete(r, now_ms)
+                    outcome = self._complete_relayed(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY else txn.complete(r, now_ms)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
+                    if self.fed.enabled and outcome == p.Outcome.ACCEPTED.value:
+                        reply_to = (txn.get(r.item_id) or {}).get("reply_to")
+                        if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
+                            self.fed.route(reply_to, r.item_id)  # (a hint: delivery checks the ledger state)
                     if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                         batch.effects.append(lambda i=r.item_id, t=r.token: self.leases.discard(i, t))
                 batch.crash("broker.after_complete_commit")
@@ -579,7 +598,7 @@ class Broker:
     def _workers_with_credit(self) -> list[Session]:
         return [
             s
-            for s in self.peers.sessions(p.Role.WORKER)
+            for s in self.peers.sessions(p.Role.WORKER) + self._relays(fed.UPSTREAM)
             if s.credit > 0 and s.healthy and not s.pending and s.peer_id not in self.peers.draining
         ]
 
@@ -608,7 +627,9 @@ class Broker:
                 exhausted = True
                 break
             limit = min(sess.credit, self.cfg.max_batch_items)
-            ids, hint = txn.scan_ready(list(sess.kinds) or None, limit, now_ms)
+            relay = sess.role is p.Role.RELAY  # never an item that came by relay (max_hops); signed
+            ids, hint = (fed.scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
+                         else txn.scan_ready(list(sess.kinds) or None, limit, now_ms))
             if hint is not None:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
             tasks = []
@@ -618,7 +639,7 @@ class Broker:
                     break
                 task = txn.lease(item_id, sess.peer_id, now_ms, ttl_ms)
                 if task is not None:
-                    tasks.append(task)
+                    tasks.append(self.fed.sign_task(txn, task, self.cfg.max_attempts) if relay else task)
             if len(ids) == limit and sess.credit > len(tasks):
                 exhausted = True  # some were expired or more may be waiting
             if not tasks:
@@ -641,6 +662,7 @@ class Broker:
         self._deliver_possible = True
 
     def _forget_delivery(self, item_id: str) -> None:
+        self.fed.unroute(item_id)
         peer = self.delivered.pop(item_id, None)
         self.redeliver.discard(item_id)
         if peer is not None:
@@ -651,8 +673,11 @@ class Broker:
     def _deliver(self, txn: LedgerTxn, batch: Batch) -> None:
         if not self._deliver_possible:
             return
+        more_routed = self._deliver_routed(txn, batch) if self.fed.routed_all else False
         sessions = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.pending]
         if not sessions:
+            if self.fed.routed_all:
+                batch.effects.append(lambda: setattr(self, "_deliver_possible", more_routed))
             return
         now_ms = wall_ms()
         planned: set[str] = set()
@@ -664,7 +689,8 @@ class Broker:
             if limit <= 0:
                 more = True
                 break
-            ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit, floor)
+            routed = self.fed.routed_all  # results of relayed items go to their relay only
+            ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned or i in routed, limit, floor)
             if len(ids) == limit:
                 more = True
             if not ids:
@@ -684,7 +710,7 @@ class Broker:
             batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
             for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Result(chunk)))
-        batch.effects.append(lambda: setattr(self, "_deliver_possible", more))
+        batch.effects.append(lambda: setattr(self, "_deliver_possible", more or more_routed))
         batch.effects.append(lambda f=floor, g=self._delivery_floor_resets: self._advance_delivery_floor(f, g))
 
     def _advance_delivery_floor(self, cseq: int, resets: int) -> None:
@@ -779,9 +805,82 @@ class Broker:
                     self._end_session(sess, f"silent for {now - sess.last_recv_mono:.2f}s")
         if now >= self._next_hb_mono:
             self._next_hb_mono = now + self.hb_s
+            caps = self._relay_capacity()
             for sess in list(self.peers.by_id.values()):
                 if not sess.pending:
-                    self._try_send(sess, p.Heartbeat(), queue_on_again=False)
+                    hb = p.Heartbeat(info=caps[sess.peer_id]) if sess.peer_id in caps else p.Heartbeat()
+                    self._try_send(sess, hb, queue_on_again=False)
+
+    # --- federation (brokerd/federation.py, docs/federation.md) ---
+    def _relays(self, side: str) -> list[Session]:
+        return [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
+
+    def _reject_counted(self, txn: LedgerTxn, batch: Batch, code: str, peer: str, item: str, why: str) -> None:
+        txn.count_reject(code)
+        batch.effects.append(lambda: self.rejects.update([code]))
+        log.warning("relayed_rejected", code=code, peer=peer, item=item[:120], reason=why[:300])
+
+    def _submit_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
+                        refuse: str) -> p.SubmitResult:
+        """A relay's SUBMIT: only items whose origin signature verifies; the item records its
+        origin and the relay, and its idempotency key is the origin (a resubmission is G9)."""
+        origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
+        if origin is None:
+            self._reject_counted(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
+        return txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+
+    def _complete_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
+        """A relay's COMPLETE counts only with the downstream broker's valid proof."""
+        why = fed.check_proof(r, self.fed.trust, self.fed.swarm_id)
+        if why:
+            self._reject_counted(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
+            return p.Outcome.REJECTED.value
+        return txn.complete(r, now_ms)
+
+    def _deliver_routed(self, txn: LedgerTxn, batch: Batch) -> bool:
+        """Deliver completed relayed items to the relay that submitted them (when it is
+        connected with credit; kept otherwise), each with this broker's signed proof.
+        Returns whether more are waiting."""
+        more = False
+        now_ms = wall_ms()
+        for sess in self._relays(fed.DOWNSTREAM):
+            ids = self.fed.routed.get(sess.peer_id)
+            if not ids or sess.credit <= 0 or sess.pending:
+                continue
+            limit = min(sess.credit, self.cfg.max_batch_items)
+            todo = [i for i in ids if i not in self.delivered]
+            if len(todo) > limit:
+                more, todo = True, todo[:limit]
+            deliveries = []
+            for item_id in todo:
+                rec = txn.get(item_id)
+                if rec is None or rec["state"] != p.ItemState.COMPLETED.value:
+                    batch.effects.append(lambda i=item_id: self.fed.unroute(i))
+                    continue
+                redelivery = item_id in self.redeliver
+                why = "relay session ended before ACK"
+                if not redelivery and rec.get("completed_epoch", self.epoch) < self.epoch:
+                    redelivery, why = True, "completed before a broker restart: may have been delivered"
+                if redelivery:
+                    txn.note_redelivery(item_id, now_ms, why)
+                deliveries.append(self.fed.sign_delivery(rec, txn.delivery(item_id, redelivery)))
+            if not deliveries:
+                continue
+            batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
+            for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
+                batch.replies.append((sess.routing_id, p.Result(chunk)))
+        return more
+
+    def _relay_capacity(self) -> dict[str, dict]:
+        """Per downstream relay session: free worker capacity of its kinds (Heartbeat.info)."""
+        relays = self._relays(fed.DOWNSTREAM)
+        if not relays:
+            return {}
+        with self.ledger.read() as view:
+            kind_states = view.kind_states()
+        workers = self.peers.sessions(p.Role.WORKER)
+        return {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
 
 
 def _op_items(msg: p.Message) -> int:

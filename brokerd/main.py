@@ -68,6 +68,10 @@ def run(config_path: str) -> int:
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
+        if cfg.trusted_swarms:  # federation trust file: refused at start, not at the first relayed item
+            from ccsq.brokerd.federation import TrustedSwarms
+
+            TrustedSwarms(Path(cfg.trusted_swarms))
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")

@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")
     p.add_argument("--out", required=True, help="directory for <id>.key and <id>.pub")
     p.add_argument("--id", required=True, help="peer id")
-    p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin"])
+    p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin", "relay"])
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
 
@@ -483,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
+
+    from ccsq.relayd.cli import add_commands as add_federation_commands  # init-relay, federation report
+
+    add_federation_commands(sub)
     return parser
 
 

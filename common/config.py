@@ -160,6 +160,8 @@ class BrokerConfig:
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
     curve: bool = opt(False, doc="encrypt every link with ZeroMQ CURVE (peers need curve = true and the public key)")
     curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
+    swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
+    trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
     config_path: str = ""
 
 

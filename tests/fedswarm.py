@@ -1,0 +1,53 @@
+"""Test harness: two real swarms (``tests.swarm.Swarm``) wired by ``ccsq init-relay``
+and a real ``ccsq-relayd`` subprocess between them (loopback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ccsq.common.procs import bin_path, wait_until
+from ccsq.relayd.init import init_relay
+from tests.swarm import Swarm
+
+
+class FedPair:
+    """Upstream swarm ``a`` (lends work), downstream swarm ``b`` (lends GPUs), relay in ``relay/``."""
+
+    def __init__(self, root: Path, *, a_workers: int = 1, b_workers: int = 1, kinds: tuple[str, ...] = ("echo",),
+                 broker: dict | None = None, relay: dict | None = None, producer: dict | None = None) -> None:
+        self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer)
+        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer)
+        self.relay_dir = root / "relay"
+        self.relay_cfg = init_relay(self.relay_dir, [(root / "a", root / "b")], kinds=list(kinds),
+                                    relay={"resend_interval_s": 0.5, "status_interval_s": 1.0,
+                                           "reconnect_backoff_max_s": 0.3, "hello_timeout_s": 2.0,
+                                           "log_format": "json", **(relay or {})})
+        self.procs = self.a.procs  # the relay runs in a's process group (stopped with it)
+        self.link = "a-to-b"
+
+    def __enter__(self) -> "FedPair":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.procs.stop("relay") if "relay" in self.procs.procs else None
+        self.a.procs.stop_all()
+        self.b.procs.stop_all()
+
+    def start_relay(self, env: dict[str, str] | None = None, wait: bool = True):
+        proc = self.procs.start("relay", [bin_path("ccsq-relayd"), "--config", str(self.relay_cfg)], env=env,
+                                ready_event="relay_started" if wait else None)
+        return proc
+
+    def report(self) -> dict[str, Any]:
+        from ccsq.relayd.report import load_federation_report
+
+        return load_federation_report(self.relay_cfg)
+
+    def counters(self) -> dict[str, int]:
+        return self.report()["links"][0]["counters"]
+
+    def wait_connected(self, timeout_s: float = 30.0) -> None:
+        proc = self.procs.procs["relay"]
+        wait_until(lambda: proc.count("upstream_connected") >= 1 and proc.count("downstream_connected") >= 1,
+                   timeout_s, "relay connected upstream and downstream")

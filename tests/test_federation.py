@@ -1,0 +1,90 @@
+"""Federation with real processes on loopback: two swarms (each a real broker, workers,
+completion service) and a real ``ccsq-relayd`` between them (docs/federation.md).
+
+The upstream ``a`` has a backlog and no running worker; the downstream ``b`` lends its
+idle GPU. Every item accepted by ``a`` must land exactly once in ``a``'s results
+database (never in ``b``'s), both ledgers and the link must balance, also when the
+relay is SIGKILLed at each of its crash points and restarted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ccsq.common.faults import env_for
+from tests.fedswarm import FedPair
+from tests.swarm import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _assert_landed_once(pair: FedPair, n: int) -> dict:
+    rep_a = pair.a.wait_acknowledged(n, timeout_s=60)
+    rows = wait_until(lambda: r if len(r := pair.a.results()) >= n else None, 30, f"{n} rows in a's results")
+    assert len(rows) == n and len({r["item_id"] for r in rows}) == n, rows
+    rep_a = pair.a.report()
+    assert rep_a["received"] == rep_a["acknowledged"] == n and rep_a["balanced"] is True
+    # the link's books: every lease ended (acknowledged downstream after the upstream confirmed)
+    fed = wait_until(lambda: r if (r := pair.report())["links"][0]["in_flight"] == 0 else None, 30, "link drained")
+    assert fed["balanced"] is True, fed
+    rep_b = pair.b.report()
+    assert rep_b["balanced"] is True
+    return fed["links"][0]["counters"]
+
+
+def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
+    """Nothing moves while b has no free worker; once b's worker is up, a's backlog
+    (inline and claim-check payloads, two different stores) drains through b and
+    lands only in a's results; b's own work is unaffected."""
+    with FedPair(tmp_path, producer={"inline_max_bytes": 64}) as pair:
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.start_relay()
+        pair.wait_connected()
+        with pair.a.client() as client:
+            receipts = [client.submit(f"doc-{i}".encode() * (1 if i % 2 else 20), "echo", params={"i": i})
+                        for i in range(10)]
+        assert len({r.item_id for r in receipts}) == 10
+        # b has no worker: no capacity, so the relay takes nothing (observed over ~10 heartbeats of b)
+        time.sleep(2.0)
+        assert pair.counters()["leased"] == 0
+        assert pair.a.report()["ready"] == 10
+        pair.b.start_worker(1)
+        with pair.b.client() as client:  # b's own producer keeps being served
+            own = [client.submit(f"b-own-{i}".encode(), "echo") for i in range(3)]
+        c = _assert_landed_once(pair, 10)
+        assert c["leased"] == c["returned"] == 10 and c["fenced"] == 0, c
+        assert c["blobs_copied"] == 5, c  # the claim-check payloads, copied a -> b
+        rows_b = wait_until(lambda: r if len(r := pair.b.results()) >= 3 else None, 30, "b's own results")
+        assert sorted(r["item_id"] for r in rows_b) == sorted(r.item_id for r in own)  # none of a's items
+        a_rows = pair.a.results()
+        assert {r["item_id"] for r in a_rows} == {r.item_id for r in receipts}
+        rep_b = pair.b.report()
+        assert rep_b["received"] == rep_b["acknowledged"] == 13
+
+
+@pytest.mark.parametrize("point", ["relay.after_lease_journaled", "relay.after_submit_ack",
+                                   "relay.after_result_journaled", "relay.after_complete_ack"])
+def test_relay_sigkilled_at_crash_point_resumes(tmp_path: Path, point: str) -> None:
+    """SIGKILL the relay at ``point``; restarted on its journal it resumes every item:
+    each lands exactly once in a's results, both swarms and the link balance."""
+    with FedPair(tmp_path) as pair:
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        pair.start_relay(env=env_for(point))
+        with pair.a.client() as client:
+            for i in range(3):
+                client.submit(f"crash-{i}".encode(), "echo")
+        wait_until(lambda: not pair.procs.procs["relay"].running, 60, f"relay to crash at {point}")
+        pair.start_relay()
+        c = _assert_landed_once(pair, 3)
+        assert pair.procs.procs["relay"].starts == 2
+        assert c["returned"] + c["fenced"] + c["duplicate"] >= 3, c
