@@ -29,6 +29,7 @@ import structlog
 
 from ccsq.brokerd import transport as tp
 from ccsq.brokerd import federation as fed
+from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
@@ -570,7 +571,9 @@ class Broker:
                 if txn.release(item_id, token, now_ms):
                     log.info("lease_released", item=item_id, token=token, why=why)
             elif op == "expire":
+                holder = (txn.get(item_id) or {}).get("worker", "")
                 new = txn.expire_lease(item_id, token, now_ms, why)
+                self._note_relay_lease_lost(txn, item_id, holder, now_ms, new)
                 if new:
                     batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                     log.info("lease_expired", item=item_id, token=token, why=why, now=new)
@@ -585,6 +588,7 @@ class Broker:
         now_ms = wall_ms()
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
+            self._note_relay_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 log.info("lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
@@ -827,8 +831,12 @@ class Broker:
         origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
         if origin is None:
             self._reject_counted(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
+            txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
             return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
-        return txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+        res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+        if res.duplicate:
+            txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
+        return res
 
     def _complete_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
         """A relay's COMPLETE counts only with the downstream broker's valid proof."""
@@ -836,7 +844,16 @@ class Broker:
         if why:
             self._reject_counted(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
             return p.Outcome.REJECTED.value
-        return txn.complete(r, now_ms)
+        before = txn.get(r.item_id) or {}
+        outcome = txn.complete(r, now_ms)
+        if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
+            txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
+        return outcome
+
+    def _note_relay_lease_lost(self, txn: LedgerTxn, item_id: str, holder: str, now_ms: int, new_state: str) -> None:
+        key = self.codec.authorized.get(holder)
+        if new_state and key is not None and key.role is p.Role.RELAY:
+            txn.event(gaps.F1_RELAY_LEASE_LOST, item_id, now_ms, f"lease of relay {holder}: item now {new_state}")
 
     def _deliver_routed(self, txn: LedgerTxn, batch: Batch) -> bool:
         """Deliver completed relayed items to the relay that submitted them (when it is

@@ -110,6 +110,8 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
     assert rep["received"] == rep["acknowledged"] == 1 and rep["balanced"] is True
     assert rep["duplicate_submits"] == 1
+    windows = {w["id"]: w["count"] for w in rep["windows"]}
+    assert windows["F3"] == 1 and windows["F4"] == len(forged) + 1  # gap windows of federation
     assert len(broker.events("relayed_rejected")) >= 1
 
 
@@ -167,5 +169,7 @@ def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path:
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.RESULT_REJECTED) == 2
     assert rep["fenced_completions"] == 1 and rep["completed"] == 1
-    assert {w["id"]: w["count"] for w in rep["windows"]}["G4"] == 1
+    windows = {w["id"]: w["count"] for w in rep["windows"]}
+    assert windows["G4"] == 1 and windows["F2"] == 1  # the late relayed result, fenced
+    assert windows["G2"] == 1 and windows["F1"] == 1  # the relay's lease expired
     assert rep["balanced"] is True
