@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-units="ccsq-brokerd.service ccsq-workerd@.service ccsq-completion.service ccsq-recover@.service ccsq-recover@.timer"
+units="ccsq-brokerd.service ccsq-workerd@.service ccsq-completion.service ccsq-recover@.service ccsq-recover@.timer ccsq-relayd@.service"
 unit_dir="${root%/}/etc/systemd/system"
 
 run() {
@@ -48,7 +48,7 @@ if [ -n "$venv" ]; then
         /*) ;;
         *) echo "install.sh: --venv needs an absolute path" >&2; exit 2 ;;
     esac
-    for bin in ccsq ccsq-brokerd ccsq-workerd; do
+    for bin in ccsq ccsq-brokerd ccsq-workerd ccsq-relayd; do
         [ -x "$venv/bin/$bin" ] || { echo "install.sh: $venv/bin/$bin not found (pip install ccsq into that venv first)" >&2; exit 2; }
     done
 fi
@@ -74,7 +74,7 @@ if [ -n "$root" ]; then
 fi
 
 if [ -n "$venv" ]; then
-    for bin in ccsq ccsq-brokerd ccsq-workerd; do
+    for bin in ccsq ccsq-brokerd ccsq-workerd ccsq-relayd; do
         run ln -sfn "$venv/bin/$bin" "/usr/local/bin/$bin"
     done
 fi
