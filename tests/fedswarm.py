@@ -15,11 +15,13 @@ class FedPair:
     """Upstream swarm ``a`` (lends work), downstream swarm ``b`` (lends GPUs), relay in ``relay/``."""
 
     def __init__(self, root: Path, *, a_workers: int = 1, b_workers: int = 1, kinds: tuple[str, ...] = ("echo",),
-                 broker: dict | None = None, relay: dict | None = None, producer: dict | None = None) -> None:
-        self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer)
-        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer)
+                 broker: dict | None = None, relay: dict | None = None, producer: dict | None = None,
+                 handler: str = "echo", both_ways: bool = False) -> None:
+        self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler)
+        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer, handler=handler)
         self.relay_dir = root / "relay"
-        self.relay_cfg = init_relay(self.relay_dir, [(root / "a", root / "b")], kinds=list(kinds),
+        links = [(root / "a", root / "b")] + ([(root / "b", root / "a")] if both_ways else [])
+        self.relay_cfg = init_relay(self.relay_dir, links, kinds=list(kinds),
                                     relay={"resend_interval_s": 0.5, "status_interval_s": 1.0,
                                            "reconnect_backoff_max_s": 0.3, "hello_timeout_s": 2.0,
                                            "log_format": "json", **(relay or {})})
@@ -44,10 +46,11 @@ class FedPair:
 
         return load_federation_report(self.relay_cfg)
 
-    def counters(self) -> dict[str, int]:
-        return self.report()["links"][0]["counters"]
+    def counters(self, link: int = 0) -> dict[str, int]:
+        return self.report()["links"][link]["counters"]
 
     def wait_connected(self, timeout_s: float = 30.0) -> None:
         proc = self.procs.procs["relay"]
-        wait_until(lambda: proc.count("upstream_connected") >= 1 and proc.count("downstream_connected") >= 1,
+        n = len(self.report()["links"])
+        wait_until(lambda: proc.count("upstream_connected") >= n and proc.count("downstream_connected") >= n,
                    timeout_s, "relay connected upstream and downstream")

@@ -9,6 +9,7 @@ relay is SIGKILLed at each of its crash points and restarted.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def _assert_landed_once(pair: FedPair, n: int) -> dict:
     rep_a = pair.a.report()
     assert rep_a["received"] == rep_a["acknowledged"] == n and rep_a["balanced"] is True
     # the link's books: every lease ended (acknowledged downstream after the upstream confirmed)
-    fed = wait_until(lambda: r if (r := pair.report())["links"][0]["in_flight"] == 0 else None, 30, "link drained")
+    def drained() -> dict | None:
+        r = pair.report()
+        return r if all(k["in_flight"] == 0 for k in r["links"]) else None
+
+    fed = wait_until(drained, 30, "links drained")
     assert fed["balanced"] is True, fed
     rep_b = pair.b.report()
     assert rep_b["balanced"] is True
@@ -39,7 +44,7 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
     """Nothing moves while b has no free worker; once b's worker is up, a's backlog
     (inline and claim-check payloads, two different stores) drains through b and
     lands only in a's results; b's own work is unaffected."""
-    with FedPair(tmp_path, producer={"inline_max_bytes": 64}) as pair:
+    with FedPair(tmp_path, producer={"inline_max_bytes": 64}, both_ways=True) as pair:
         pair.a.start_broker()
         pair.a.start_completion()
         pair.b.start_broker()
@@ -66,6 +71,42 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         assert {r["item_id"] for r in a_rows} == {r.item_id for r in receipts}
         rep_b = pair.b.report()
         assert rep_b["received"] == rep_b["acknowledged"] == 13
+        # the link b -> a (a hub of two links in one relay) moved nothing: a has no worker,
+        # and a's items that ran in b are never relayed back (max_hops)
+        assert pair.counters(1)["leased"] == 0
+
+
+def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
+    """The relay is frozen (SIGSTOP) with an item running downstream, longer than the
+    upstream lease: the lease expires (G2, F1) and the item runs at home; when the relay
+    thaws, the downstream result comes back under the old token and is fenced (G4, F2):
+    counted, not landed. a's results hold the item once; every book balances."""
+    with FedPair(tmp_path, handler="sleep", kinds=("sleep",)) as pair:
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        pair.start_relay()
+        with pair.a.client() as client:
+            receipt = client.submit(b"slow", "sleep", params={"seconds": 2.5})
+        wait_until(lambda: pair.counters()["submitted"] == 1, 30, "the item submitted downstream")
+        pair.procs.signal("relay", signal.SIGSTOP)
+        try:
+            windows = lambda: {w["id"]: w["count"] for w in pair.a.report()["windows"]}  # noqa: E731
+            wait_until(lambda: windows()["F1"] >= 1, 30, "the relay's lease to expire upstream (F1)")
+            pair.a.start_worker(1)  # a's own GPU runs it now
+            pair.a.wait_acknowledged(1, timeout_s=30)
+        finally:
+            pair.procs.signal("relay", signal.SIGCONT)
+        c = wait_until(lambda: c if (c := pair.counters())["fenced"] == 1 else None, 60, "the late result fenced")
+        c = _assert_landed_once(pair, 1)
+        assert c["fenced"] == 1 and c["returned"] == 0, c
+        assert [r["item_id"] for r in pair.a.results()] == [receipt.item_id]
+        w = {x["id"]: x["count"] for x in pair.a.report()["windows"]}
+        assert w["G2"] >= 1 and w["F1"] >= 1 and w["G4"] == 1 and w["F2"] == 1, w
+        rep_b = pair.b.report()
+        assert rep_b["received"] == rep_b["acknowledged"] == 1  # the relay acknowledged the fenced result
 
 
 CRASH_POINTS = ("relay.after_lease_journaled", "relay.after_submit_ack", "relay.after_result_journaled",
