@@ -76,6 +76,32 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         assert pair.counters(1)["leased"] == 0
 
 
+def test_brokers_sigkilled_mid_flow(tmp_path: Path) -> None:
+    """SIGKILL the downstream broker, then the upstream broker, while items flow through
+    the relay; restarted on their ledgers, every item lands exactly once in a's results
+    and all three books balance."""
+    with FedPair(tmp_path, handler="sleep", kinds=("sleep",)) as pair:
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        pair.start_relay()
+        n = 12
+        with pair.a.client() as client:
+            for i in range(n):
+                client.submit(f"mid-{i}".encode(), "sleep", params={"seconds": 0.25})
+        wait_until(lambda: pair.a.report()["acknowledged"] >= 3, 60, "3 items home")
+        pair.b.procs.kill("broker")
+        pair.b.start_broker()
+        wait_until(lambda: pair.a.report()["acknowledged"] >= 7, 60, "7 items home")
+        pair.a.procs.kill("broker")
+        pair.a.start_broker()
+        _assert_landed_once(pair, n)
+        rep_b = pair.b.report()
+        assert rep_b["received"] == rep_b["acknowledged"] == n  # each ran downstream once (resubmits deduped)
+
+
 def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
     """The relay is frozen (SIGSTOP) with an item running downstream, longer than the
     upstream lease: the lease expires (G2, F1) and the item runs at home; when the relay
