@@ -16,9 +16,11 @@ class FedPair:
 
     def __init__(self, root: Path, *, a_workers: int = 1, b_workers: int = 1, kinds: tuple[str, ...] = ("echo",),
                  broker: dict | None = None, relay: dict | None = None, producer: dict | None = None,
-                 handler: str = "echo", both_ways: bool = False) -> None:
-        self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler)
-        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer, handler=handler)
+                 handler: str = "echo", both_ways: bool = False, net=None) -> None:
+        self.net = net  # tests.netns.NetNs: each swarm and the relay in its own network namespace
+        hosts = {h: dict(host=net.HOSTS[h], wrap=net.wrap(h)) if net else {} for h in ("a", "b")}
+        self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler, **hosts["a"])
+        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer, handler=handler, **hosts["b"])
         self.relay_dir = root / "relay"
         links = [(root / "a", root / "b")] + ([(root / "b", root / "a")] if both_ways else [])
         self.relay_cfg = init_relay(self.relay_dir, links, kinds=list(kinds),
@@ -37,7 +39,8 @@ class FedPair:
         self.b.procs.stop_all()
 
     def start_relay(self, env: dict[str, str] | None = None, wait: bool = True):
-        proc = self.procs.start("relay", [bin_path("ccsq-relayd"), "--config", str(self.relay_cfg)], env=env,
+        wrap = self.net.wrap("r") if self.net else []
+        proc = self.procs.start("relay", [*wrap, bin_path("ccsq-relayd"), "--config", str(self.relay_cfg)], env=env,
                                 ready_event="relay_started" if wait else None)
         return proc
 
@@ -54,3 +57,23 @@ class FedPair:
         n = len(self.report()["links"])
         wait_until(lambda: proc.count("upstream_connected") >= n and proc.count("downstream_connected") >= n,
                    timeout_s, "relay connected upstream and downstream")
+
+
+SUBMIT_SCRIPT = """
+import sys
+from ccsq.producer.client import Client
+cfg, n, seconds, tag = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+with Client.from_config_file(cfg) as client:
+    for i in range(n):
+        print("ITEM", client.submit(f"{tag}-{i}".encode(), "sleep", params={"seconds": seconds}).item_id)
+"""
+
+
+def submit_in(swarm: Swarm, n: int, seconds: float, tag: str) -> list[str]:
+    """Submit ``n`` sleep items from a producer process run where the swarm runs (its namespace)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([*swarm.wrap, sys.executable, "-c", SUBMIT_SCRIPT, str(swarm.configs["producer"]), str(n),
+                          str(seconds), tag], capture_output=True, text=True, timeout=120, check=True)
+    return [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ITEM ")]
