@@ -26,6 +26,10 @@ def _cmd_federation_report(args: argparse.Namespace) -> int:
     from ccsq.relayd.report import load_federation_report, render_text
 
     report = load_federation_report(args.config)
+    if args.html:
+        from ccsq.relayd.report import render_html
+
+        Path(args.html).write_text(render_html(report))
     print(json.dumps(report, indent=2, default=str) if args.json else render_text(report))
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
 
@@ -44,4 +48,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = fed.add_parser("report", help="per link: leased, submitted, completed, returned, in flight, fenced, forged; balance")
     p.add_argument("--config", required=True, help="relayd.toml")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the report to FILE")
     p.set_defaults(func=_cmd_federation_report)

@@ -75,3 +75,31 @@ def render_text(report: dict[str, Any]) -> str:
                    f"blobs copied {c.get('blobs_copied', 0)}")
         out.append(f"  leased == in flight + ended: {'yes' if link['balanced'] else 'NO'}")
     return "\n".join(out)
+
+
+def render_html(report: dict[str, Any]) -> str:
+    """A self-contained HTML page of the federation report (one table per link)."""
+    from html import escape as e
+
+    rows = [("leased from upstream", "leased"), ("submitted downstream", "submitted"), ("dedup hits", "dedup_hits"),
+            ("completed downstream", "completed"), ("returned (accepted upstream)", "returned"),
+            ("fenced upstream (G4, F2)", "fenced"), ("duplicate", "duplicate"), ("proof rejected", "proof_rejected"),
+            ("rejected as forged", "forged_rejected"), ("other refusals", "refused"),
+            ("dead/expired downstream", "failed_down"), ("released", "released"), ("ended: acknowledged", "ended_acked"),
+            ("ended: failed", "ended_failed"), ("ended: released", "ended_released"), ("blobs copied", "blobs_copied")]
+    out = ["<!doctype html><meta charset='utf-8'><title>ccsq federation report</title>",
+           "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+           "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}th{text-align:left}"
+           ".bad{color:#b00;font-weight:bold}.ok{color:#070}</style>",
+           f"<h1>Federation: relay {e(report['relay'])} "
+           f"<span class='{'ok' if report['balanced'] else 'bad'}'>{'BALANCED' if report['balanced'] else 'UNBALANCED'}</span></h1>"]
+    for link in report["links"]:
+        c = link["counters"]
+        out.append(f"<h2>link {e(link['name'])}: {e(link['upstream'])} &rarr; {e(link['downstream'])} "
+                   f"(kinds {e(', '.join(link['kinds']))})</h2><table>")
+        out += [f"<tr><th>{e(label)}</th><td>{c.get(key, 0)}</td></tr>" for label, key in rows]
+        states = ", ".join(f"{e(k)} {v}" for k, v in sorted(link["states"].items())) or "none"
+        out.append(f"<tr><th>in flight</th><td>{link['in_flight']} ({states})</td></tr>")
+        cls = "ok" if link["balanced"] else "bad"
+        out.append(f"<tr><th>leased == in flight + ended</th><td class='{cls}'>{'yes' if link['balanced'] else 'NO'}</td></tr></table>")
+    return "\n".join(out) + "\n"

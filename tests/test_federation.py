@@ -9,13 +9,16 @@ relay is SIGKILLed at each of its crash points and restarted.
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from ccsq.common.faults import env_for
+from ccsq.common.procs import bin_path
 from tests.fedswarm import FedPair
 from tests.swarm import wait_until
 
@@ -74,6 +77,13 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         # the link b -> a (a hub of two links in one relay) moved nothing: a has no worker,
         # and a's items that ran in b are never relayed back (max_hops)
         assert pair.counters(1)["leased"] == 0
+        html = tmp_path / "federation.html"
+        out = subprocess.run([bin_path("ccsq"), "federation", "report", "--config", str(pair.relay_cfg), "--json",
+                              "--html", str(html)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert doc["balanced"] and doc["links"][0]["counters"]["returned"] == 10
+        assert "BALANCED" in html.read_text()
 
 
 def test_brokers_sigkilled_mid_flow(tmp_path: Path) -> None:
