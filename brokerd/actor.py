@@ -890,14 +890,28 @@ class Broker:
         return more
 
     def _relay_capacity(self) -> dict[str, dict]:
-        """Per downstream relay session: free worker capacity of its kinds (Heartbeat.info)."""
+        """Heartbeat.info per relay session: to downstream relays the free worker capacity of
+        their kinds; to upstream relays of policy ``deadline`` whether this swarm's drain
+        forecast misses a kind's nearest deadline (recomputed at most every 5 s)."""
         relays = self._relays(fed.DOWNSTREAM)
-        if not relays:
+        pressed = [s for s in self._relays(fed.UPSTREAM) if s.info_hello.get(fed.POLICY) == "deadline"]
+        if not relays and not pressed:
             return {}
+        out = {}
         with self.ledger.read() as view:
             kind_states = view.kind_states()
-        workers = self.peers.sessions(p.Role.WORKER)
-        return {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
+            workers = self.peers.sessions(p.Role.WORKER)
+            out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
+            if pressed:
+                now = time.monotonic()
+                cached = getattr(self, "_fed_forecast", None)
+                if cached is None or now - cached[0] >= 5.0:
+                    from ccsq.brokerd.report import queue_forecast
+
+                    cached = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(), wall_ms()))
+                    self._fed_forecast = cached
+                out.update({s.peer_id: fed.deadline_pressure(cached[1], s.kinds) for s in pressed})
+        return out
 
 
 def _op_items(msg: p.Message) -> int:

@@ -49,6 +49,13 @@ UPSTREAM, DOWNSTREAM = "upstream", "downstream"
 MAX_HOPS = 1
 #: Heartbeat.info key prefix of the free capacity per kind sent to downstream relay sessions.
 CAP_PREFIX = "cap:"
+#: ... and of the number of healthy workers that take the kind (a spill needs at least one).
+WORKERS_PREFIX = "workers:"
+#: Heartbeat.info key prefix sent to upstream relay sessions of policy ``deadline``: 1 when
+#: this swarm's drain forecast for the kind misses its nearest deadline (or is stalled).
+LATE_PREFIX = "late:"
+#: Hello.info key by which a relay names its link's policy (``capacity`` | ``deadline``).
+POLICY = "policy"
 MAX_RECORD_BYTES = 64 * 1024
 RECORD_VERSION = 1
 
@@ -309,4 +316,17 @@ def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, d
         free = sum(s.credit for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
         ready = kind_states.get(kind, {}).get(p.ItemState.READY.value, 0)
         out[CAP_PREFIX + kind] = max(0, free - ready)
+        out[WORKERS_PREFIX + kind] = sum(1 for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
+    return out
+
+
+def deadline_pressure(forecast: list[dict], kinds: tuple[str, ...]) -> dict[str, int]:
+    """``late:<kind>`` = 1 when the queue forecast (``brokerd.report.queue_forecast``) of a
+    kind with a deadline says it will not drain in time here (late, or stalled: no rate)."""
+    by_kind = {q["kind"]: q for q in forecast}
+    out = {}
+    for kind in kinds:
+        q = by_kind.get(kind)
+        late = q is not None and q.get("nearest_deadline_ms") is not None and q.get("verdict") in ("late", "stalled")
+        out[LATE_PREFIX + kind] = int(late)
     return out

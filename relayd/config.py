@@ -35,7 +35,8 @@ class LinkConfig:
 
     name: str = opt("", doc="link name (unique; used in peer ids, the journal and the federation report)")
     kinds: tuple[str, ...] = opt((), doc="item kinds this link carries (required)")
-    policy: str = opt("capacity", choices=("capacity",), doc="capacity: pull only while the downstream has free worker credit")
+    policy: str = opt("capacity", choices=("capacity", "deadline"), doc="capacity: pull only while the downstream has free worker"
+                      " credit; deadline: also spill (up to max_in_flight) while the upstream forecasts a missed deadline")
     max_hops: int = opt(1, min=1, max=1, doc="an item is relayed at most this many times (only 1 is supported)")
     max_in_flight: int = opt(256, min=1, max=65536, doc="most items held by this link at once")
     upstream_endpoint: str = opt("", doc="ZeroMQ endpoint of the upstream broker")

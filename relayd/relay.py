@@ -29,7 +29,8 @@ from collections.abc import Callable
 import msgpack
 import structlog
 
-from ccsq.brokerd.federation import CAP_PREFIX, DOWNSTREAM, ORIGIN_REJECTED, RELAY_SIDE, UPSTREAM, origin_key
+from ccsq.brokerd.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
+                                    WORKERS_PREFIX, origin_key)
 from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore, open_store
 from ccsq.common.envelope import Envelope
@@ -79,7 +80,7 @@ class LinkRunner:
         self.log = log.bind(link=cfg.name)
         self.rows: dict[Key, Row] = {r.key: r for r in journal.rows(cfg.name)}
         self.up = BrokerLink(rcfg.side(cfg, True), hello=self._up_hello, heartbeat=self._up_heartbeat,
-                             on_message=self._up_message, on_connect=self._up_connect)
+                             on_message=self._up_message, on_connect=self._up_connect, on_heartbeat=self._up_heartbeat_in)
         self.down = BrokerLink(rcfg.side(cfg, False), hello=self._down_hello, on_message=self._down_message,
                                on_connect=self._down_connect, on_heartbeat=self._down_heartbeat)
         same = cfg.upstream_claim_store == cfg.downstream_claim_store
@@ -90,6 +91,8 @@ class LinkRunner:
             self.up_store = open_store(cfg.upstream_claim_store, base)
             self.down_store = open_store(cfg.downstream_claim_store, base)
         self.capacity = 0
+        self.workers = 0  # downstream workers that take our kinds
+        self.late = False  # policy deadline: the upstream forecasts a missed deadline
         self.granted = 0  # credit granted in this upstream session
         self.received = 0  # tasks received in this upstream session
         self.broken = ""  # set when the downstream refuses our origins: stop pulling
@@ -115,7 +118,7 @@ class LinkRunner:
     # --- upstream session ---
     def _up_hello(self) -> p.Hello:
         return p.Hello(role=p.Role.RELAY.value, credit=0, kinds=list(self.cfg.kinds), leases=self._held(),
-                       info={RELAY_SIDE: UPSTREAM, "link": self.name})
+                       info={RELAY_SIDE: UPSTREAM, "link": self.name, POLICY: self.cfg.policy})
 
     def _up_heartbeat(self) -> p.Heartbeat:
         return p.Heartbeat(leases=self._held(), busy=len(self.rows))
@@ -231,7 +234,15 @@ class LinkRunner:
             return
         self.capacity = sum(v for k, v in hb.info.items() if k.startswith(CAP_PREFIX) and isinstance(v, int)
                             and k[len(CAP_PREFIX):] in self.cfg.kinds)
+        self.workers = sum(v for k, v in hb.info.items() if k.startswith(WORKERS_PREFIX) and isinstance(v, int)
+                           and k[len(WORKERS_PREFIX):] in self.cfg.kinds)
         self._grant()
+
+    def _up_heartbeat_in(self, hb: p.Heartbeat) -> None:
+        late = any(hb.info.get(LATE_PREFIX + k) == 1 for k in self.cfg.kinds)
+        if late != self.late:
+            self.log.info("upstream_deadline_pressure", late=late)
+        self.late = late
 
     def _grant(self) -> None:
         """Credit toward the upstream = the downstream's free capacity, less what is already
@@ -242,6 +253,8 @@ class LinkRunner:
         waiting = sum(1 for r in self.rows.values() if r.state == LEASED)
         room = self.cfg.max_in_flight - sum(1 for r in self.rows.values() if not r.lost) - outstanding
         want = min(self.capacity - outstanding - waiting, room)
+        if self.cfg.policy == "deadline" and self.late and self.workers > 0:
+            want = room  # spill: the upstream will miss a deadline; the downstream can run the kind
         if want > 0 and self.up.send(p.Credit(want)):
             self.granted += want
             self.log.debug("credit_granted", credit=want, capacity=self.capacity, outstanding=outstanding, waiting=waiting)

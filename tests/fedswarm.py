@@ -16,7 +16,7 @@ class FedPair:
 
     def __init__(self, root: Path, *, a_workers: int = 1, b_workers: int = 1, kinds: tuple[str, ...] = ("echo",),
                  broker: dict | None = None, relay: dict | None = None, producer: dict | None = None,
-                 handler: str = "echo", both_ways: bool = False, net=None) -> None:
+                 handler: str = "echo", both_ways: bool = False, net=None, link: dict | None = None) -> None:
         self.net = net  # tests.netns.NetNs: each swarm and the relay in its own network namespace
         hosts = {h: dict(host=net.HOSTS[h], wrap=net.wrap(h)) if net else {} for h in ("a", "b")}
         self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler, **hosts["a"])
@@ -26,7 +26,7 @@ class FedPair:
         self.relay_cfg = init_relay(self.relay_dir, links, kinds=list(kinds),
                                     relay={"resend_interval_s": 0.5, "status_interval_s": 1.0,
                                            "reconnect_backoff_max_s": 0.3, "hello_timeout_s": 2.0,
-                                           "log_format": "json", **(relay or {})})
+                                           "log_format": "json", **(relay or {})}, link=link)
         self.procs = self.a.procs  # the relay runs in a's process group (stopped with it)
         self.link = "a-to-b"
 

@@ -86,6 +86,29 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         assert "BALANCED" in html.read_text()
 
 
+def test_policy_deadline_spills_into_a_busy_swarm(tmp_path: Path) -> None:
+    """Policy ``deadline``: a's deadline items cannot drain at home (no worker: stalled),
+    so the relay spills them into b although b's worker is busy with b's own backlog
+    (no free capacity); they run there and land in a's results."""
+    with FedPair(tmp_path, handler="sleep", kinds=("sleep",), link={"policy": "deadline"}) as pair:
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        with pair.b.client() as client:
+            for i in range(6):
+                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 0.4})
+        with pair.a.client() as client:
+            for i in range(3):
+                client.submit(f"due-{i}".encode(), "sleep", params={"seconds": 0.05}, deadline_ts=time.time() + 120)
+        pair.start_relay()
+        wait_until(lambda: pair.counters()["leased"] == 3 and pair.b.report()["ready"] > 0, 30,
+                   "a's deadline items spilled while b still has its own backlog")
+        c = _assert_landed_once(pair, 3)
+        assert c["returned"] == 3
+
+
 def test_brokers_sigkilled_mid_flow(tmp_path: Path) -> None:
     """SIGKILL the downstream broker, then the upstream broker, while items flow through
     the relay; restarted on their ledgers, every item lands exactly once in a's results
