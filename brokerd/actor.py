@@ -834,6 +834,11 @@ class Broker:
             txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
             return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
         res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+        if res.duplicate and (txn.get(res.item_id) or {}).get("origin") != origin:
+            # a producer took this origin key first: never hand the relay someone else's item
+            why = f"key {item.key[:120]} belongs to an item that did not come by relay"
+            self._reject_counted(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
         if res.duplicate:
             txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
         return res

@@ -40,6 +40,8 @@ from ccsq.common.keys import _unb64, load_private_key
 
 #: SubmitResult.error for a relayed item whose origin does not verify (also the reject counter's name).
 ORIGIN_REJECTED = "ORIGIN_REJECTED"
+#: SubmitResult.error when a relayed item's origin key is held by a non-relayed item (squatted).
+ORIGIN_KEY_TAKEN = "ORIGIN_KEY_TAKEN"
 #: reject counter of a relay COMPLETE whose downstream proof does not verify.
 RESULT_REJECTED = "RESULT_REJECTED"
 #: Hello.info key by which a relay says which side of a link this session is.

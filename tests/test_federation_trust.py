@@ -52,7 +52,7 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
     root = tmp_path / "b"
     root.mkdir()
     trust = _trust(root / "trusted_swarms.toml", {"a": tmp_path / "a-keys" / "broker-a.pub"})
-    cfg = make_swarm(root, {"relay-down": "relay", "relay-up": "relay", "worker-1": "worker"},
+    cfg = make_swarm(root, {"relay-down": "relay", "relay-up": "relay", "worker-1": "worker", "producer-1": "producer"},
                      swarm_id="b", trusted_swarms=str(trust))
     broker = BrokerProcess(cfg).start()
     try:
@@ -79,6 +79,17 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         rogue_item = _genuine(rogue, "a0000000000003")  # a whole item from a rogue "a"
         [r] = relay.submit([rogue_item])
         assert r.error == fed.ORIGIN_REJECTED and "does not verify" in r.message
+
+        # a producer that takes an origin key first does not get its item handed to the relay
+        producer = ScriptedPeer(root, "producer-1", broker.endpoint)
+        producer.hello("producer")
+        squat = _genuine(a_key, "a0000000000004")
+        [mine] = producer.submit([dataclasses.replace(squat, origin=b"", origin_sig=b"")])
+        assert mine.item_id and not mine.error
+        [r] = relay.submit([squat])
+        assert r.error == fed.ORIGIN_KEY_TAKEN and not r.item_id
+        producer.send(p.Cancel(producer.next_req(), [mine.item_id]))  # (so the worker below gets the relayed item)
+        producer.recv_type(p.StatusReply)
 
         # max_hops: a relay's upstream session never gets an item that came by relay
         up = ScriptedPeer(root, "relay-up", broker.endpoint)
@@ -108,8 +119,9 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         broker.stop()
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
-    assert rep["received"] == rep["acknowledged"] == 1 and rep["balanced"] is True
-    assert rep["duplicate_submits"] == 1
+    assert rep["received"] == 2 and rep["acknowledged"] == 1 and rep["dead"] == 1 and rep["balanced"] is True
+    assert rep["rejects"].get(fed.ORIGIN_KEY_TAKEN) == 1
+    assert rep["duplicate_submits"] == 2  # the replay and the squatted key
     windows = {w["id"]: w["count"] for w in rep["windows"]}
     assert windows["F3"] == 1 and windows["F4"] == len(forged) + 1  # gap windows of federation
     assert len(broker.events("relayed_rejected")) >= 1
