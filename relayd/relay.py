@@ -150,6 +150,7 @@ class LinkRunner:
             self.journal.end(self.name, keys, "ended_failed")
             for k in keys:
                 self.rows.pop(k, None)
+                self._sent.pop(k, None)
         elif isinstance(msg, p.Error):
             self.log.warning("upstream_error", code=msg.code, message=msg.message)
         return None
@@ -382,6 +383,11 @@ class LinkRunner:
             elif st.state == p.ItemState.EXPIRED.value:
                 failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
                                            "deadline expired in the downstream swarm") for r in rows]
+            elif st.state == p.ItemState.ACKNOWLEDGED.value:
+                # the downstream item ended before this (later) lease of it: its result will not
+                # come again; give the lease back with an attempt counted (docs/federation.md)
+                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
+                                           "the downstream copy was already acknowledged") for r in rows]
             elif st.state == "unknown":
                 failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True,
                                            "the downstream swarm no longer knows the item") for r in rows]
