@@ -334,12 +334,16 @@ class LinkRunner:
                 reports.append((p.TaskResult(r.up_item, r.token, result, d.handler, d.handler_version, 0.0,
                                              d.proof, d.proof_sig), d.item_id))
         if reports:
+            # each finished item frees a downstream worker slot: refill now instead of at the
+            # next capacity heartbeat (the next one corrects any overshoot)
+            self.capacity += len({d for _, d in reports})
             self.journal.store_results(self.name, reports)
             for rep, down_item in reports:
                 row = self.rows[(rep.item_id, rep.token)]
                 row.state, row.report, row.down_item = RESULTED, rep, down_item
             crash_point("relay.after_result_journaled")
             self._send_up([rep for rep, _ in reports], p.Complete)
+            self._grant()
         if orphans:
             self.journal.count(self.name, "orphan_results", len(orphans))
             self.log.warning("orphan_results", items=orphans[:20])
