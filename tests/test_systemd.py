@@ -39,7 +39,7 @@ UNIT_DIR = REPO / "systemd"
 SANDBOX = Path(__file__).resolve().with_name("test_systemd_sandbox.py")
 VENV_BIN = Path(sys.executable).parent
 
-DAEMON_UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service"]
+DAEMON_UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service", "ccsq-relayd@.service"]
 SERVICE_UNITS = [*DAEMON_UNITS, "ccsq-recover@.service"]
 ALL_UNITS = [*SERVICE_UNITS, "ccsq-recover@.timer"]
 # instance names used to verify templates
@@ -47,6 +47,7 @@ INSTANCES = {
     "ccsq-brokerd.service": "ccsq-brokerd.service",
     "ccsq-workerd@.service": "ccsq-workerd@0.service",
     "ccsq-completion.service": "ccsq-completion.service",
+    "ccsq-relayd@.service": "ccsq-relayd@site-a.service",
     "ccsq-recover@.service": "ccsq-recover@ccsq-workerd@0.service.service",
     "ccsq-recover@.timer": "ccsq-recover@ccsq-brokerd.service.timer",
 }
