@@ -98,6 +98,7 @@ class LinkRunner:
         self.broken = ""  # set when the downstream refuses our origins: stop pulling
         self._req = 0
         self._sent: dict[Key, float] = {}  # when each row's pending message last went out
+        self._copying: set[Key] = set()  # claim-check copies under way
         self._last_status = time.monotonic()
         self._down_lost_mono: float | None = time.monotonic()
 
@@ -173,7 +174,16 @@ class LinkRunner:
                       and self.rows[(t.item_id, t.token)].state == LEASED])
 
     async def _copy_payloads(self, tasks: list[p.Task]) -> None:
-        """Claim-check payloads into the downstream store (digest-checked on read)."""
+        """Claim-check payloads into the downstream store (digest-checked on read); a task
+        whose copy is already under way (DISPATCH vs the tick) is skipped."""
+        tasks = [t for t in tasks if (t.item_id, t.token) not in self._copying]
+        self._copying.update((t.item_id, t.token) for t in tasks)
+        try:
+            await self._copy_each(tasks)
+        finally:
+            self._copying.difference_update((t.item_id, t.token) for t in tasks)
+
+    async def _copy_each(self, tasks: list[p.Task]) -> None:
         failures = []
         for t in tasks:
             try:
@@ -186,7 +196,8 @@ class LinkRunner:
                 failures.append(p.TaskFailure(t.item_id, t.token, p.FailReason.STORE_UNAVAILABLE.value, True, str(exc)[:300]))
                 continue
             self.journal.set_copied(self.name, [(t.item_id, t.token)], t.payload.sha256)
-            self.rows[(t.item_id, t.token)].copied = t.payload.sha256
+            if (t.item_id, t.token) in self.rows:
+                self.rows[(t.item_id, t.token)].copied = t.payload.sha256
             self.journal.count(self.name, "blobs_copied")
         if failures:
             self._fail(failures, "refused")
@@ -274,7 +285,11 @@ class LinkRunner:
             self.log.warning("downstream_error", code=msg.code, message=msg.message)
         return None
 
+    def _needs_copy(self, row: Row) -> bool:
+        return self.down_store is not None and row.task.payload.inline is None and not row.copied
+
     def _submit(self, rows: list[Row]) -> None:
+        rows = [r for r in rows if not self._needs_copy(r)]  # a claim check is copied first (tick)
         if not rows or not self._ready(self.down):
             return
         now = time.monotonic()
@@ -437,6 +452,9 @@ class LinkRunner:
     async def tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            uncopied = [r.task for r in self.rows.values() if r.state == LEASED and self._needs_copy(r)]
+            if uncopied:  # e.g. journaled, then SIGKILLed before the copy: copy now, submit next tick
+                await self._copy_payloads(uncopied)
             self._downstream_outage()
             self._resend()
             self._poll_status()

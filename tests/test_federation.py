@@ -9,6 +9,7 @@ relay is SIGKILLed at each of its crash points and restarted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ccsq.common.claimstore import FileStore
 from ccsq.common.faults import env_for
 from ccsq.common.procs import bin_path
 from tests.fedswarm import FedPair
@@ -67,7 +69,11 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
             own = [client.submit(f"b-own-{i}".encode(), "echo") for i in range(3)]
         c = _assert_landed_once(pair, 10)
         assert c["leased"] == c["returned"] == 10 and c["fenced"] == 0, c
-        assert c["blobs_copied"] == 5, c  # the claim-check payloads, copied a -> b
+        assert c["blobs_copied"] == 5, c  # the claim-check payloads, copied a -> b ...
+        big = [hashlib.sha256(f"doc-{i}".encode() * 20).hexdigest() for i in range(0, 10, 2)]
+        a_store, b_store = FileStore(tmp_path / "a" / "blobs"), FileStore(tmp_path / "b" / "blobs")
+        assert all(a_store.exists(h) for h in big)
+        assert not any(b_store.exists(h) for h in big)  # ... and the relay's copies deleted once home
         rows_b = wait_until(lambda: r if len(r := pair.b.results()) >= 3 else None, 30, "b's own results")
         assert sorted(r["item_id"] for r in rows_b) == sorted(r.item_id for r in own)  # none of a's items
         a_rows = pair.a.results()
@@ -176,7 +182,7 @@ def test_relay_sigkilled_at_every_crash_point_resumes(tmp_path: Path) -> None:
     """SIGKILL the relay at each of its crash points in turn (new items each time);
     restarted on its journal it resumes every item: each lands exactly once in a's
     results, both swarms and the link balance."""
-    with FedPair(tmp_path) as pair:
+    with FedPair(tmp_path, producer={"inline_max_bytes": 64}) as pair:  # claim checks copied a -> b too
         pair.a.start_broker()
         pair.a.start_completion()
         pair.b.start_broker()
@@ -187,7 +193,7 @@ def test_relay_sigkilled_at_every_crash_point_resumes(tmp_path: Path) -> None:
             pair.start_relay(env=env_for(point), wait=False)
             with pair.a.client() as client:
                 for i in range(2):
-                    client.submit(f"crash-{point}-{i}".encode(), "echo")
+                    client.submit(f"crash-{point}-{i}".encode() * (20 if i == 0 else 1), "echo")
                     n += 1
             wait_until(lambda: not pair.procs.procs["relay"].running, 60, f"relay to crash at {point}")
             assert pair.procs.procs["relay"].popen.returncode == -9, point
