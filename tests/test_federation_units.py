@@ -100,3 +100,30 @@ def test_relayd_exits_78_on_a_bad_config(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ccsq.relayd.main", "--config", cfg], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 78 and "kinds is required" in proc.stderr
+
+
+def test_init_relay_wires_two_swarms(tmp_path) -> None:
+    """`ccsq init-relay --both-ways` on two `ccsq init` directories: trust files, swarm ids,
+    relay peers authorized, and a relayd.toml that loads."""
+    import tomllib
+
+    from ccsq.brokerd.federation import TrustedSwarms
+    from ccsq.common.cli import main
+    from ccsq.common.keys import parse_authorized_keys
+
+    assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
+    assert main(["init", str(tmp_path / "site-b"), "--endpoint", "tcp://127.0.0.1:5602", "--workers", "1"]) == 0
+    assert main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
+                 str(tmp_path / "site-b"), "--kinds", "ocr,echo", "--both-ways"]) == 0
+    cfg = load_relay_config(tmp_path / "relay" / "relayd.toml")
+    assert [(lk.name, lk.kinds) for lk in cfg.links] == [("site-a-to-site-b", ("ocr", "echo")),
+                                                         ("site-b-to-site-a", ("ocr", "echo"))]
+    for me, other in (("site-a", "site-b"), ("site-b", "site-a")):
+        broker = tomllib.loads((tmp_path / me / "brokerd.toml").read_text())
+        assert broker["swarm_id"] == me
+        trust = TrustedSwarms(tmp_path / me / broker["trusted_swarms"])
+        assert set(trust.keys) == {other}
+        peers = parse_authorized_keys(tmp_path / me / "authorized_keys.toml")
+        assert peers[f"relay-{me}-to-{other}-up"].role is p.Role.RELAY
+        assert peers[f"relay-{other}-to-{me}-down"].role is p.Role.RELAY
+    assert (tmp_path / "relay" / "keys" / "relay.key").stat().st_mode & 0o077 == 0
