@@ -183,7 +183,7 @@ def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
         pair.b.start_worker(1)
         pair.start_relay()
         with pair.a.client() as client:
-            receipt = client.submit(b"slow", "sleep", params={"seconds": 2.5})
+            receipt = client.submit(b"slow", "sleep", params={"seconds": 1.0})
         wait_until(lambda: pair.counters()["submitted"] == 1, 30, "the item submitted downstream")
         pair.procs.signal("relay", signal.SIGSTOP)
         try:
