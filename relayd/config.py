@@ -29,6 +29,9 @@ from ccsq.common.config import PeerSettings, from_mapping, opt
 from ccsq.common.errors import ConfigError
 
 
+MAX_KINDS_PER_LINK = 100
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkConfig:
     """One ``[[links]]`` table: an upstream swarm that lends work, a downstream swarm that lends GPUs."""
@@ -124,6 +127,9 @@ def load_relay_config(path: str | Path) -> RelayConfig:
                 raise ConfigError(f"{where}: {key} is required")
         if not link.kinds:
             raise ConfigError(f"{where}: kinds is required (the item kinds this link carries)")
+        if len(link.kinds) > MAX_KINDS_PER_LINK or not all(0 < len(k) <= 128 for k in link.kinds):
+            # the brokers' heartbeats carry two entries per kind in a map of at most 256
+            raise ConfigError(f"{where}: kinds must be 1..{MAX_KINDS_PER_LINK} names of 1..128 characters")
         if link.upstream_endpoint == link.downstream_endpoint:
             raise ConfigError(f"{where}: upstream_endpoint and downstream_endpoint are the same broker")
         if any(c in link.name for c in " \t:/"):

@@ -85,6 +85,7 @@ def _relay_toml(tmp_path, **link) -> str:
 
 @pytest.mark.parametrize("link,needle", [
     ({"kinds": []}, "kinds is required"),
+    ({"kinds": [f"k{i}" for i in range(101)]}, "kinds must be"),
     ({"policy": "fastest"}, "policy"),
     ({"max_hops": 2}, "max_hops"),
     ({"downstream_endpoint": "tcp://127.0.0.1:1"}, "same broker"),
