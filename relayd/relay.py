@@ -147,7 +147,8 @@ class LinkRunner:
         if isinstance(msg, p.CompleteAck):
             self._on_complete_ack(msg.outcomes)
         elif isinstance(msg, p.FailAck):
-            keys = [(o.item_id, o.token) for o in msg.outcomes if (o.item_id, o.token) in self.rows]
+            keys = [(o.item_id, o.token) for o in msg.outcomes
+                    if (o.item_id, o.token) in self.rows and self.rows[(o.item_id, o.token)].state == FAILING]
             self.journal.end(self.name, keys, "ended_failed")
             for k in keys:
                 self.rows.pop(k, None)
@@ -210,6 +211,15 @@ class LinkRunner:
             row.state, row.outcome = RETURNED, o.outcome
             if o.outcome != p.Outcome.ACCEPTED.value:
                 self.log.info("result_not_accepted_upstream", item=o.item_id, token=o.token, outcome=o.outcome)
+        rejected = [o for o in mine if o.outcome == p.Outcome.REJECTED.value]
+        if rejected:
+            # the upstream cannot check the downstream's proofs (trust files): a misconfiguration.
+            # Stop pulling and give these leases back uncounted, so the work runs at home
+            # instead of expiring into dead letters (best effort: if lost, the lease expires)
+            self.broken = "upstream rejected the downstream's result proofs (check trusted_swarms on both brokers)"
+            self.log.error("link_refused_by_upstream", items=len(rejected), reason=self.broken)
+            self._send_up([p.TaskFailure(o.item_id, o.token, p.FailReason.RELEASED.value, True, self.broken)
+                           for o in rejected], p.Fail)
         crash_point("relay.after_complete_ack")
         self._ack({self.rows[(o.item_id, o.token)].down_item for o in mine})
 
