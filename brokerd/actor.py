@@ -841,6 +841,11 @@ class Broker:
             return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
         if res.duplicate:
             txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
+            if (txn.get(res.item_id) or {}).get("state") == p.ItemState.ACKNOWLEDGED.value:
+                # the upstream leased it again after an earlier relay took this result home and
+                # it was fenced there: deliver the (still stored) result once more (G3)
+                self.fed.route(sess.peer_id, res.item_id)
+                self._deliver_possible = True
         return res
 
     def _complete_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
@@ -877,11 +882,12 @@ class Broker:
             deliveries = []
             for item_id in todo:
                 rec = txn.get(item_id)
-                if rec is None or rec["state"] != p.ItemState.COMPLETED.value:
+                if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
                     batch.effects.append(lambda i=item_id: self.fed.unroute(i))
                     continue
-                redelivery = item_id in self.redeliver
-                why = "relay session ended before ACK"
+                redelivery = item_id in self.redeliver or rec["state"] == p.ItemState.ACKNOWLEDGED.value
+                why = "relay session ended before ACK" if rec["state"] == p.ItemState.COMPLETED.value else \
+                    "acknowledged result asked for again by a relay (its upstream leased the item again)"
                 if not redelivery and rec.get("completed_epoch", self.epoch) < self.epoch:
                     redelivery, why = True, "completed before a broker restart: may have been delivered"
                 if redelivery:

@@ -344,7 +344,9 @@ class LinkRunner:
         for d in deliveries:
             rows = [r for r in self._rows_of(d.key.rsplit(":", 1)[-1]) if r.state in (LEASED, SUBMITTED)]
             if not rows:
-                if not any(r.down_item == d.item_id for r in self.rows.values()):
+                # a row already past this step resends its COMPLETE or ACK itself; any other
+                # result (a dropped or failing lease) is acknowledged and discarded
+                if not any(r.down_item == d.item_id and r.state in (RESULTED, RETURNED) for r in self.rows.values()):
                     orphans.append(d.item_id)
                 continue
             result = d.result
@@ -412,11 +414,6 @@ class LinkRunner:
             elif st.state == p.ItemState.EXPIRED.value:
                 failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
                                            "deadline expired in the downstream swarm") for r in rows]
-            elif st.state == p.ItemState.ACKNOWLEDGED.value:
-                # the downstream item ended before this (later) lease of it: its result will not
-                # come again; give the lease back with an attempt counted (docs/federation.md)
-                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
-                                           "the downstream copy was already acknowledged") for r in rows]
             elif st.state == "unknown":
                 failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True,
                                            "the downstream swarm no longer knows the item") for r in rows]

@@ -100,15 +100,15 @@ def test_both_busy_nothing_moves_until_capacity_frees(tmp_path: Path) -> None:
         pair.a.start_completion()
         pair.b.start_broker()
         pair.b.start_completion()
-        pair.b.start_worker(1)
-        with pair.b.client() as client:
-            for i in range(5):
-                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 0.3})
+        with pair.b.client() as client:  # b's own backlog first, then its worker: never idle
+            for i in range(6):
+                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 0.4})
+        pair.start_relay()
+        pair.wait_connected()
         with pair.a.client() as client:
             for i in range(3):
                 client.submit(f"a-{i}".encode(), "sleep", params={"seconds": 0.05})
-        pair.start_relay()
-        pair.wait_connected()
+        pair.b.start_worker(1)
         seen_busy = 0
         while pair.b.report()["ready"] > 0:  # b still has its own work waiting
             assert pair.counters()["leased"] == 0
@@ -118,7 +118,7 @@ def test_both_busy_nothing_moves_until_capacity_frees(tmp_path: Path) -> None:
         c = _assert_landed_once(pair, 3)
         assert c["returned"] == 3
         rep_b = pair.b.report()
-        assert rep_b["received"] == rep_b["acknowledged"] == 8
+        assert rep_b["received"] == rep_b["acknowledged"] == 9
 
 
 def test_policy_deadline_spills_into_a_busy_swarm(tmp_path: Path) -> None:
@@ -132,11 +132,12 @@ def test_policy_deadline_spills_into_a_busy_swarm(tmp_path: Path) -> None:
         pair.b.start_completion()
         pair.b.start_worker(1)
         with pair.b.client() as client:
-            for i in range(5):
-                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 0.3})
+            for i in range(10):
+                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 0.4})
         with pair.a.client() as client:
             for i in range(3):
-                client.submit(f"due-{i}".encode(), "sleep", params={"seconds": 0.05}, deadline_ts=time.time() + 120)
+                client.submit(f"due-{i}".encode(), "sleep", params={"seconds": 0.05}, deadline_ts=time.time() + 120,
+                              priority=5)  # (priority travels: in b they go before b's own backlog)
         pair.start_relay()
         wait_until(lambda: pair.counters()["leased"] == 3 and pair.b.report()["ready"] > 0, 30,
                    "a's deadline items spilled while b still has its own backlog")

@@ -114,6 +114,14 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         assert "another item" in fed.check_proof(dataclasses.replace(back, item_id="a0000000000009"), b_trust, "a")
         relay.send(p.Ack([d.item_id]))
         assert relay.recv_type(p.AckOk).item_ids == [d.item_id]
+        # the upstream leased the item again later (its first result was fenced there): the
+        # resubmission is a dedup hit and the stored result is delivered once more
+        [third] = relay.submit([item])
+        assert third.duplicate and third.item_id == ok.item_id
+        [d2] = relay.recv_type(p.Result).deliveries
+        assert d2.item_id == ok.item_id and d2.redelivery and d2.result == result and d2.proof_sig
+        relay.send(p.Ack([d2.item_id]))
+        assert relay.recv_type(p.AckOk).item_ids == [d2.item_id]
         time.sleep(0.3)  # one more turn: the counters are in the ledger's last commit
     finally:
         broker.stop()
@@ -121,9 +129,10 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
     assert rep["received"] == 2 and rep["acknowledged"] == 1 and rep["dead"] == 1 and rep["balanced"] is True
     assert rep["rejects"].get(fed.ORIGIN_KEY_TAKEN) == 1
-    assert rep["duplicate_submits"] == 2  # the replay and the squatted key
+    assert rep["duplicate_submits"] == 3  # the replay, the squatted key, the re-lease
     windows = {w["id"]: w["count"] for w in rep["windows"]}
-    assert windows["F3"] == 1 and windows["F4"] == len(forged) + 1  # gap windows of federation
+    assert windows["F3"] == 2 and windows["F4"] == len(forged) + 1  # gap windows of federation
+    assert windows["G3"] == 1  # the acknowledged result delivered again
     assert len(broker.events("relayed_rejected")) >= 1
 
 
