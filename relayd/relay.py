@@ -467,7 +467,19 @@ class LinkRunner:
             self._poll_status()
 
     async def run(self) -> None:
-        await asyncio.gather(self.up.run(), self.down.run(), self.tick())
+        tasks = [asyncio.create_task(c) for c in (self.up.run(), self.down.run(), self.tick())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # raises what ended it
+            if self.up.replaced or self.down.replaced:
+                # another live process uses this link's peer id: exit (systemd shows it) rather
+                # than run a link that will never reconnect
+                raise RuntimeError(f"link {self.name}: another process uses its peer id (two relays, one identity?)")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stop(self) -> None:
         await asyncio.gather(self.up.stop("relay stopping"), self.down.stop("relay stopping"))
