@@ -128,3 +128,18 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
         assert peers[f"relay-{me}-to-{other}-up"].role is p.Role.RELAY
         assert peers[f"relay-{other}-to-{me}-down"].role is p.Role.RELAY
     assert (tmp_path / "relay" / "keys" / "relay.key").stat().st_mode & 0o077 == 0
+
+
+def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
+    """A HELLO from a socket its peer gave up on (hello timeout) that reaches the broker
+    after the peer's next session opened must not replace that live session."""
+    from ccsq.common.envelope import ReplayGuard
+    from ccsq.common.errors import AuthError
+
+    guard = ReplayGuard()
+    guard.check("relay-x", 2, 1, True, 2_000)
+    guard.accept("relay-x", 2, 1, 2_000)  # the newer session opened first
+    with pytest.raises(AuthError) as exc:
+        guard.check("relay-x", 1, 1, True, 1_000)  # ... then the older HELLO arrives
+    assert exc.value.code == p.REJECT_REPLAY
+    guard.check("relay-x", 3, 1, True, 3_000)  # a genuinely newer session still may
