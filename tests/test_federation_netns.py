@@ -1,5 +1,5 @@
 """Federation across real network links: each swarm and the relay in its own network
-namespace (``tests/netns.py``: veth pairs, created and removed here; needs root and
+namespace (``tests/fed_netns.py``: veth pairs, created and removed here; needs root and
 iproute2, as in CI). The same cases run on loopback in ``tests/test_federation.py``;
 without namespaces this file is skipped.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.fedswarm import FedPair, submit_in
-from tests.netns import NetNs, netns_available
+from tests.fed_netns import NetNs, netns_available
 from tests.swarm import wait_until
 
 pytestmark = [pytest.mark.timeout(180),
