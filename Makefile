@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test chaos bench soak install-systemd clean
+.PHONY: demo test chaos bench soak install-systemd clean dist
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,13 @@ soak: $(VENV)/.installed-test
 	$(VENV)/bin/pytest -q -m soak $(PYTEST_ARGS)
 
 clean:
-	rm -rf .demo build *.egg-info
+	rm -rf .demo build dist *.egg-info
 
 ## make install-systemd: install the systemd units (root; DRY_RUN=1 prints the steps; CCSQ_VENV=/opt/ccsq/venv links the binaries)
 install-systemd:
 	sh systemd/install.sh $(if $(DRY_RUN),--dry-run) $(if $(CCSQ_VENV),--venv $(CCSQ_VENV))
+
+## make dist: sdist and wheel in dist/ (the wheel is built from the sdist; it carries the units: VENV/share/ccsq/systemd)
+dist: $(VENV)/.installed-test
+	rm -rf dist
+	$(PY) -m build --outdir dist .

@@ -121,7 +121,7 @@ def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
         probe.hello("worker", credit=0, kinds=["probe"], slots=1)
         idle = probe_lag(probe, 2.0)
         for n in (1, 2):
-            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n}"])],
+            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n - 1}"])],
                         ready_event="broker_link_ready", ready_timeout_s=120)
         procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],
                     ready_event="broker_link_ready")

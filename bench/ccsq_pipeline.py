@@ -34,6 +34,9 @@ WORKER_PREFETCH = 64
 #: (``peer_pipeline.WORKER_BATCH``); ccsq's dynamic batching does the same.
 WORKER_MAX_BATCH = 64
 WORKER_MAX_WAIT_MS = 1.0
+#: One log line per batch and per report frame, not two per job (the peers log nothing per job;
+#: ``log_each_job`` in docs/benchmarks.md). The default config logs each job.
+WORKER_LOG_EACH_JOB = False
 COMPLETION_CREDIT = 512
 
 
@@ -51,14 +54,14 @@ def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: 
         handler=handler,
         broker={"min_free_disk_bytes": 0, **(broker or {})},
         worker={"slots": WORKER_SLOTS, "prefetch": WORKER_PREFETCH, "max_batch": WORKER_MAX_BATCH,
-                "max_wait_ms": WORKER_MAX_WAIT_MS, **(worker or {})},
+                "max_wait_ms": WORKER_MAX_WAIT_MS, "log_each_job": WORKER_LOG_EACH_JOB, **(worker or {})},
         completion={"credit": COMPLETION_CREDIT, **(completion or {})},
     )
     procs = ProcessGroup(root / "logs")
     try:
         procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])], ready_event="broker_started")
         for n in range(1, (workers if start_workers is None else start_workers) + 1):
-            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n}"])],
+            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n - 1}"])],
                         ready_event="broker_link_ready", ready_timeout_s=120)
         if start_completion:
             procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],
@@ -110,19 +113,27 @@ def acknowledged(root: Path) -> int:
         return count()
 
 
-def latencies_ms(root: Path) -> list[float]:
-    """submit -> acknowledged of every acknowledged item that carries ``params["t"]`` (ms)."""
+def latencies_ms(root: Path, facts: dict[str, int] | None = None) -> list[float]:
+    """submit -> acknowledged of every acknowledged item that carries ``params["t"]`` (ms).
+
+    ``facts``, when given, receives ``rerun`` (items leased more than once), ``redelivered``
+    (results delivered to the completion service again, gap G3) and ``acknowledged``."""
     ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
     import msgpack
 
     out: list[float] = []
+    rerun = 0
     try:
         with ledger.read() as view:
             for _k, raw in view.txn.cursor(db=view.db["items"]):
                 rec = msgpack.unpackb(raw, raw=False)
                 t = rec.get("params", {}).get("t")
+                rerun += rec.get("attempt", 0) > 1
                 if rec.get("acked_ms") and isinstance(t, float):
                     out.append(rec["acked_ms"] - t * 1000.0)
+            if facts is not None:
+                facts.update(rerun=rerun, redelivered=view.counter("redelivered"),
+                             acknowledged=view.counter("acknowledged"))
     finally:
         ledger.close()
     return out
@@ -154,20 +165,56 @@ async def _produce(producer_toml: Path, n: int, batch: int, window: int, rate_pe
 
 
 def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: float | None = None,
-        timeout_s: float = 900.0, profile_out: Path | None = None, fsync_trace: Path | None = None) -> dict[str, Any]:
+        timeout_s: float = 900.0, profile_out: Path | None = None, fsync_trace: Path | None = None,
+        profile_all: Path | None = None, kill_at: float | None = None, settle_s: float = 60.0) -> dict[str, Any]:
     """One pipeline run of ``n`` jobs; returns throughput, latency and broker facts.
 
     ``profile_out``: record the broker with py-spy (raw collapsed stacks) while it runs.
-    ``fsync_trace``: also run ``strace -T`` on the broker's fdatasync/fsync calls."""
+    ``fsync_trace``: also run ``strace -T`` on the broker's fdatasync/fsync calls.
+    ``profile_all``: a directory: record every daemon (broker, workers, completion) with py-spy,
+    ``<name>.txt`` each (the producer is this process: not recorded).
+    ``kill_at``: a kill run: SIGKILL worker-1 once that share of the jobs is acknowledged, restart it
+    1 s later; items not acknowledged ``settle_s`` after the last submit are lost (``"kill"``)."""
     metrics_port = free_tcp_port()
     procs, configs = start_swarm(root, broker={"metrics_port": metrics_port})
     spy = strace = None
+    spies: list[subprocess.Popen] = []
+    kill: dict[str, Any] = {}
+    killer = None
     try:
         broker_pid = procs.procs["broker"].popen.pid
         if profile_out is not None:
             spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(broker_pid), "-r", "200", "--format", "raw",
                                     "-o", str(profile_out), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if profile_all is not None:
+            profile_all.mkdir(parents=True, exist_ok=True)
+            for name, proc in procs.procs.items():
+                spies.append(subprocess.Popen([bin_path("py-spy"), "record", "-p", str(proc.popen.pid), "-r", "100",
+                                               "--format", "raw", "-o", str(profile_all / f"{name}.txt"), "--nonblocking", "--gil"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if kill_at:
+            import threading
+
+            worker_argv = list(procs.procs["worker-1"].argv)
+            counter, lock = AckCounter(root), threading.Lock()  # LMDB: one environment per process
+
+            def acked_now() -> int:
+                with lock:
+                    return counter()
+
+            def kill_and_restart() -> None:
+                try:
+                    wait_until(lambda: acked_now() >= int(n * kill_at), timeout_s, "kill point", interval_s=0.01)
+                except TimeoutError:
+                    return
+                procs.kill("worker-1")
+                kill.update(worker_killed="worker-1", killed_at_landed=int(n * kill_at))
+                time.sleep(1.0)
+                procs.start("worker-1", worker_argv, ready_event="broker_link_ready", ready_timeout_s=120)
+
+            killer = threading.Thread(target=kill_and_restart, daemon=True)
+            killer.start()
         if fsync_trace is not None and shutil.which("strace"):
             strace = subprocess.Popen(["strace", "-f", "-T", "-ttt", "-e", "trace=fdatasync,fsync,msync",
                                        "-o", str(fsync_trace), "-p", str(broker_pid)],
@@ -177,15 +224,25 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         cpu_before = {name: cpu_s(proc.popen.pid) for name, proc in procs.procs.items()}
         t0, cpu0 = time.monotonic(), time.process_time()
         prod = asyncio.run(_produce(configs["producer"], n, batch, window, rate_per_s))
-        with AckCounter(root) as acked:
-            wait_until(lambda: check_alive(procs) or acked() >= n, timeout_s, f"{n} acknowledged", interval_s=0.02)
+        if kill_at:  # worker-1 is down for a while on purpose; what is not acknowledged in time is lost
+            try:
+                wait_until(lambda: acked_now() >= n, settle_s, f"{n} acknowledged", interval_s=0.02)
+            except TimeoutError:
+                pass
+            if killer is not None:
+                killer.join(timeout=130)
+            counter.close()
+        else:
+            with AckCounter(root) as acked:
+                wait_until(lambda: check_alive(procs) or acked() >= n, timeout_s, f"{n} acknowledged", interval_s=0.02)
         elapsed_s = time.monotonic() - t0
         rss_after = rss_bytes(broker_pid)
-        cpu = {name: round(cpu_s(proc.popen.pid) - cpu_before[name], 2) for name, proc in procs.procs.items()}
+        cpu = {name: round(cpu_s(proc.popen.pid) - cpu_before[name], 2) for name, proc in procs.procs.items()
+               if not (kill_at and name == "worker-1")}
         cpu["producer (this process, incl. polling)"] = round(time.process_time() - cpu0, 2)
         group_commit = commit_histograms(metrics_port)
     finally:
-        for tool in (spy, strace):
+        for tool in (spy, strace, *spies):
             if tool is not None and tool.poll() is None:
                 tool.send_signal(2)  # SIGINT: both tools write their output and exit
                 try:
@@ -193,7 +250,11 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
                 except subprocess.TimeoutExpired:
                     tool.kill()
         procs.stop_all()
-    lat = latencies_ms(root)
+    facts: dict[str, int] = {}
+    lat = latencies_ms(root, facts)
+    if kill_at:
+        kill.update(lost=n - facts["acknowledged"], doubled=facts["redelivered"], rerun=facts["rerun"],
+                    settle_s=settle_s)
     return {
         **pipeline_record("ccsq", n=n, batch=batch, window=window, rate_per_s=rate_per_s, elapsed_s=elapsed_s,
                           producer=prod, latencies_ms=lat),
@@ -201,4 +262,5 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         "cpu_s": cpu,
         "group_commit": group_commit,
         "ledger_disk_bytes": disk_bytes(root / "broker-data"),
+        **({"kill": kill} if kill_at else {}),
     }

@@ -36,11 +36,11 @@ def pages(n: int) -> list[Path]:
     return found[: n + 1]
 
 
-def bare(files: list[Path], handler_threads: int) -> dict[str, Any]:
+def bare(files: list[Path], handler_threads: int, provider: str = "cpu") -> dict[str, Any]:
     from ccsq.common.config import WorkerConfig
     from ccsq.workerd.ocr import OcrHandler
 
-    handler = OcrHandler(WorkerConfig(handler="ocr", handler_threads=handler_threads))
+    handler = OcrHandler(WorkerConfig(handler="ocr", handler_threads=handler_threads, provider=provider))
     handler.load()
     handler.run(files[0].read_bytes(), {"name": files[0].name})  # warm-up
     datas = [(f.read_bytes(), f.name) for f in files[1:]]
@@ -52,12 +52,14 @@ def bare(files: list[Path], handler_threads: int) -> dict[str, Any]:
             "provider": handler.provider}
 
 
-def through_ccsq(root: Path, files: list[Path], handler_threads: int, max_batch: int = 1) -> dict[str, Any]:
+def through_ccsq(root: Path, files: list[Path], handler_threads: int, max_batch: int = 1,
+                 provider: str = "cpu") -> dict[str, Any]:
     from ccsq.producer.client import Client
 
     procs, configs = start_swarm(root, workers=1, handler="ocr",
                                  worker={"slots": 1, "prefetch": 1, "kinds": ["ocr"], "handler_threads": handler_threads,
-                                         "max_batch": max_batch, "max_wait_ms": 50.0 if max_batch > 1 else -1.0})
+                                         "max_batch": max_batch, "max_wait_ms": 50.0 if max_batch > 1 else -1.0,
+                                         "provider": provider})
     try:
         with Client.from_config_file(configs["producer"]) as client, AckCounter(root) as acked:
             client.submit(files[0], "ocr", params={"name": files[0].name})  # warm-up
@@ -72,12 +74,12 @@ def through_ccsq(root: Path, files: list[Path], handler_threads: int, max_batch:
     return {"pages": n, "max_batch": max_batch, "elapsed_s": round(elapsed_s, 3), "pages_per_s": round(n / elapsed_s, 3)}
 
 
-def run(root: Path, n_pages: int = 6, handler_threads: int = 0) -> dict[str, Any]:
+def run(root: Path, n_pages: int = 6, handler_threads: int = 0, provider: str = "cpu") -> dict[str, Any]:
     files = pages(n_pages)
-    b1 = bare(files, handler_threads)  # bare before and after ccsq: cancels slow drift of a shared machine
-    c = through_ccsq(root, files, handler_threads)
-    cb = through_ccsq(root, files, handler_threads, max_batch=BATCHED)
-    b2 = bare(files, handler_threads)
+    b1 = bare(files, handler_threads, provider)  # bare before and after ccsq: cancels slow drift of a shared machine
+    c = through_ccsq(root, files, handler_threads, provider=provider)
+    cb = through_ccsq(root, files, handler_threads, max_batch=BATCHED, provider=provider)
+    b2 = bare(files, handler_threads, provider)
     b = {"pages": b1["pages"], "elapsed_s": round((b1["elapsed_s"] + b2["elapsed_s"]) / 2, 3),
          "provider": b1["provider"], "runs_pages_per_s": [b1["pages_per_s"], b2["pages_per_s"]]}
     b["pages_per_s"] = round(b["pages"] / b["elapsed_s"], 3)

@@ -2,10 +2,12 @@
 
 Benchmarks (see docs/benchmarks.md for what each measures and the latest figures):
 
-1. pipeline throughput (ccsq, Redis Streams AOF always, RabbitMQ quorum queue),
-   then submit -> acknowledged latency of each at 50% of ccsq's max rate;
-   the broker is profiled with py-spy during ccsq's throughput run (6: its
-   fdatasync calls are traced with strace at the same time);
+1. pipeline throughput (ccsq, Redis Streams AOF always, RabbitMQ quorum queue,
+   Celery on Redis, dramatiq on RabbitMQ), then submit -> acknowledged latency
+   of each at 50% of ccsq's max rate (systems that cannot sustain it are
+   skipped), a kill run of each (SIGKILL one worker: lost and doubled results),
+   CPU per job of every process; every ccsq daemon is profiled with py-spy in a
+   separate run (6: the broker's fdatasync calls are traced with strace);
 5. worker overhead on real OCR inference (broker + worker vs a bare loop);
 4, 2, 3. ledger growth, heartbeat lag under backlog, restart recovery (one fill).
 
@@ -46,30 +48,58 @@ def _fsync_stats(trace: Path, jobs: int) -> dict[str, Any]:
                     "jobs_per_sync ~ jobs per commit; a job writes its record 4 times (submit, lease, complete, ack)"}
 
 
+#: Issue 15's targets: CPU per job of each ccsq process (µs), end-to-end ratios, paced latency.
+CPU_TARGET_US = {"broker": 50, "worker": 25, "completion": 20, "producer": 15}
+RATIO_TARGET = {"redis": 0.8, "celery": 20.0, "dramatiq": 6.0, "rabbit": None}
+LATENCY_TARGET_MS = {"p50": 15.0, "p99": 40.0}
+SERVER_OF = {"redis": "redis-server", "celery": "redis-server", "rabbit": "rabbitmq-server", "dramatiq": "rabbitmq-server"}
+
+
+def _cpu_role(name: str) -> str:
+    return ("broker" if name in ("broker", "server") else "producer" if name.startswith("producer")
+            else "worker" if name.startswith("worker") else name)
+
+
+def cpu_per_job(cpu: dict[str, float], n: int) -> dict[str, int]:
+    """Per-process CPU µs per job from a run's ``cpu_s`` (``{"broker"|"server", "producer", "worker-1",
+    "worker-2", "completion", "total"}``)."""
+    out: dict[str, int] = {}
+    for name, secs in cpu.items():
+        key = "broker" if name in ("broker", "server") else "producer" if name.startswith("producer") else name
+        out[key] = round(1e6 * secs / n)
+    out["total"] = round(1e6 * sum(cpu.values()) / n)
+    return out
+
+
 def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     n = args.n
-    systems = ["ccsq"] + [s for s in ("redis", "rabbit") if s in args.peers]
+    systems = ["ccsq"] + [s for s in peer_pipeline.SYSTEMS if s in args.peers]
     results: dict[str, Any] = {"n": n, "batch": args.batch, "window": args.window,
                                "ccsq_worker": {"slots": ccsq_pipeline.WORKER_SLOTS, "prefetch": ccsq_pipeline.WORKER_PREFETCH,
                                                "max_batch": ccsq_pipeline.WORKER_MAX_BATCH,
                                                "max_wait_ms": ccsq_pipeline.WORKER_MAX_WAIT_MS},
                                "runs": {}}
-    needed = [{"redis": "redis-server", "rabbit": "rabbitmq-server"}[s] for s in systems if s != "ccsq"]
-    servers.ensure_installed(needed)
+    servers.ensure_installed(sorted({SERVER_OF[s] for s in systems if s != "ccsq"}))
 
-    def one(system: str, rate: float | None, profile: bool = False) -> dict[str, Any]:
-        console.print(f"  {system}: {n} jobs" + (f" paced at {rate:,.0f}/s" if rate else " as fast as confirms come back"))
+    def one(system: str, rate: float | None, profile: bool = False, kill_at: float | None = None,
+            jobs: int = n) -> dict[str, Any]:
+        what = f" paced at {rate:,.0f}/s" if rate else " as fast as confirms come back"
+        if kill_at:
+            what += f", SIGKILL worker-1 at {kill_at:.0%} landed"
+        console.print(f"  {system}: {jobs} jobs" + what)
         if system == "ccsq":
-            return ccsq_pipeline.run(WORK / "ccsq", n, batch=args.batch, window=args.window, rate_per_s=rate,
+            return ccsq_pipeline.run(WORK / "ccsq", jobs, batch=args.batch, window=args.window, rate_per_s=rate,
                                      profile_out=OUT_DIR / "broker-profile.txt" if profile else None,
-                                     fsync_trace=WORK / "broker-fsync.strace" if profile else None)
-        if system == "redis":
+                                     fsync_trace=WORK / "broker-fsync.strace" if profile else None,
+                                     profile_all=OUT_DIR / "profiles" if profile else None, kill_at=kill_at)
+        if SERVER_OF[system] == "redis-server":
             with servers.RedisServer(WORK / "redis") as srv:
-                return peer_pipeline.run("redis", f"redis://127.0.0.1:{srv.port}/0", WORK / "redis-run", n,
-                                         batch=args.batch, window=args.window, rate_per_s=rate, server_pid=srv.pid)
+                return peer_pipeline.run(system, f"redis://127.0.0.1:{srv.port}/0", WORK / f"{system}-run", jobs,
+                                         batch=args.batch, window=args.window, rate_per_s=rate, server_pid=srv.pid,
+                                         kill_at=kill_at)
         with servers.RabbitServer(WORK / "rabbit") as srv:
-            return peer_pipeline.run("rabbit", srv.url, WORK / "rabbit-run", n, batch=args.batch, window=args.window,
-                                     rate_per_s=rate, server_pid=srv.beam_pid())
+            return peer_pipeline.run(system, srv.url, WORK / f"{system}-run", jobs, batch=args.batch, window=args.window,
+                                     rate_per_s=rate, server_pid=srv.beam_pid(), kill_at=kill_at)
 
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     for system in systems:
@@ -78,38 +108,67 @@ def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     rate = round(ccsq_max * 0.5, 1)
     results["paced_rate_per_s"] = rate
     for system in systems:
+        if results["runs"][system]["max"]["jobs_per_s"] < rate:  # it cannot keep up: its latency would be its backlog
+            results["runs"][system]["paced"] = None
+            continue
         results["runs"][system]["paced"] = one(system, rate)
-    # the profilers slow the broker: a separate run, never the one the ratios come from
-    console.print("  ccsq again under py-spy and strace (profile and fsync trace; its rate is not compared)")
-    results["runs"]["ccsq"]["profiled"] = one("ccsq", None, profile=True)
-    for peer, target in (("redis", 2.0), ("rabbit", 5.0)):
-        if peer in results["runs"]:
-            ratio = ccsq_max / results["runs"][peer]["max"]["jobs_per_s"]
-            results[f"ccsq_over_{peer}"] = {"ratio": round(ratio, 3), "target": target, "met": ratio >= target}
+    if args.kill_n:
+        for system in systems:
+            results["runs"][system]["kill"] = one(system, None, kill_at=0.3, jobs=args.kill_n)
+    # the profilers slow the processes: a separate run, never the one the ratios come from
+    if not args.no_profile:
+        console.print("  ccsq again under py-spy (every daemon) and strace (profiles, fsync trace; its rate is not compared)")
+        results["runs"]["ccsq"]["profiled"] = one("ccsq", None, profile=True)
+    for peer in systems[1:]:
+        ratio = ccsq_max / results["runs"][peer]["max"]["jobs_per_s"]
+        target = RATIO_TARGET[peer]
+        results[f"ccsq_over_{peer}"] = {"ratio": round(ratio, 3), "target": target,
+                                        "met": None if target is None else ratio >= target}
     prof = OUT_DIR / "broker-profile.txt"
-    if prof.exists():
+    if prof.exists() and not args.no_profile:
         results["broker_profile"] = top(prof, 12)
+        results["profiles"] = {f.stem: top(f, 12) for f in sorted((OUT_DIR / "profiles").glob("*.txt"))}
     results["fsync"] = _fsync_stats(WORK / "broker-fsync.strace", n)
     rows = []
     for system in systems:
         mx, pc = results["runs"][system]["max"], results["runs"][system]["paced"]
-        rows.append([system, mx["jobs_per_s"], round(ccsq_max / mx["jobs_per_s"], 2), pc["latency_ms"]["p50"],
-                     pc["latency_ms"]["p99"], mx["latency_ms"]["p50"], mx["producer"]["confirm_p50_ms"]])
-    print_table(f"1. pipeline, {n} jobs (1 producer, 2 workers, 1 completion -> SQLite); paced latency at {rate:,.0f} jobs/s",
-                ["system", "jobs/s", "ccsq / system", "paced p50 ms", "paced p99 ms", "max-rate p50 ms", "confirm p50 ms"],
-                rows)
-    for peer in ("redis", "rabbit"):
-        if f"ccsq_over_{peer}" in results:
-            r = results[f"ccsq_over_{peer}"]
-            console.print(f"  ccsq / {peer}: {r['ratio']}x (target >= {r['target']}x): {verdict(r['met'])}")
+        kl = results["runs"][system].get("kill", {}).get("kill", {})
+        rows.append([system, mx["jobs_per_s"], round(ccsq_max / mx["jobs_per_s"], 2),
+                     pc["latency_ms"]["p50"] if pc else "-", pc["latency_ms"]["p99"] if pc else "-",
+                     mx["producer"]["confirm_p50_ms"], kl.get("lost", "-"), kl.get("doubled", "-")])
+    print_table(f"1. pipeline, {n} jobs (1 producer, 2 workers, 1 completion -> SQLite); paced latency at {rate:,.0f} jobs/s;"
+                f" kill run: {args.kill_n} jobs, worker-1 SIGKILLed at 30 % landed",
+                ["system", "jobs/s", "ccsq / system", "paced p50 ms", "paced p99 ms", "confirm p50 ms", "kill: lost",
+                 "kill: doubled"], rows)
+    for peer in systems[1:]:
+        r = results[f"ccsq_over_{peer}"]
+        tgt = f"target >= {r['target']}x" if r["target"] else "no target"
+        console.print(f"  ccsq / {peer}: {r['ratio']}x ({tgt}): {verdict(r['met'])}")
+    pc = results["runs"]["ccsq"]["paced"]
+    if pc:
+        ok = pc["latency_ms"]["p50"] <= LATENCY_TARGET_MS["p50"] and pc["latency_ms"]["p99"] <= LATENCY_TARGET_MS["p99"]
+        results["latency_target"] = {**LATENCY_TARGET_MS, "met": ok}
+        console.print(f"  ccsq paced latency p50 <= 15 ms, p99 <= 40 ms: {verdict(ok)}")
+    if "kill" in results["runs"]["ccsq"]:
+        kl = results["runs"]["ccsq"]["kill"]["kill"]
+        console.print(f"  ccsq kill run: lost {kl['lost']}, results delivered twice {kl['doubled']}, "
+                      f"items run twice (lease given to another worker) {kl['rerun']}")
     cpu_rows = []
+    cols = ["broker", "producer", "worker-1", "worker-2", "completion", "total"]
     for system in systems:
-        c = results["runs"][system]["max"].get("cpu_s", {})
-        broker = c.get("broker", c.get("server", 0.0))
-        clients = sum(v for k, v in c.items() if k not in ("broker", "server"))
-        cpu_rows.append([system, round(1e6 * broker / n), round(1e6 * clients / n), round(1e6 * (broker + clients) / n)])
-    print_table("CPU per job during the unpaced runs (µs; clients = producer + 2 workers + completion)",
-                ["system", "broker / server", "clients", "total"], cpu_rows)
+        per = cpu_per_job(results["runs"][system]["max"].get("cpu_s", {}), n)
+        results["runs"][system]["max"]["cpu_us_per_job"] = per
+        cpu_rows.append([system, *[per.get(c, "-") for c in cols]])
+    cpu_rows.append(["target (ccsq)", CPU_TARGET_US["broker"], CPU_TARGET_US["producer"], CPU_TARGET_US["worker"],
+                     CPU_TARGET_US["worker"], CPU_TARGET_US["completion"], sum(CPU_TARGET_US.values()) + CPU_TARGET_US["worker"]])
+    print_table("CPU per job and process during the unpaced runs (µs, /proc user + system; broker = the server for peers;"
+                " ccsq producer includes the harness's polling)", ["system", *cols], cpu_rows)
+    per = results["runs"]["ccsq"]["max"]["cpu_us_per_job"]
+    results["cpu_targets"] = {c: {"us": per.get(c), "target": CPU_TARGET_US[_cpu_role(c)],
+                                  "met": per.get(c, 1e9) <= CPU_TARGET_US[_cpu_role(c)]}
+                              for c in cols[:-1]}
+    console.print("  ccsq CPU per job vs targets: " + ", ".join(
+        f"{c} {v['us']} <= {v['target']}: {verdict(v['met'])}" for c, v in results["cpu_targets"].items()))
     gc = results["runs"]["ccsq"]["max"].get("group_commit", {})
     if gc.get("commits"):
         rpc, cms = gc["records_per_commit"], gc["commit_ms"]
@@ -118,11 +177,12 @@ def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                     [[gc["commits"], rpc["mean"], rpc["p50_le"], rpc["p99_le"], cms["mean"], cms["p50_le"], cms["p99_le"],
                       cms["max_le"]]])
     f = results["fsync"]
-    print_table("6. broker fsync syscalls during the profiled run (strace -T)",
-                ["syncs", "jobs per sync", "p50 ms", "p99 ms", "max ms"],
-                [[f["syncs"], f["jobs_per_sync"], f["sync_ms"]["p50"], f["sync_ms"]["p99"], f["sync_ms"]["max"]]])
-    if "broker_profile" in results:
-        print_table("broker profile (py-spy, self time)", ["function", "% samples"], results["broker_profile"]["self"][:10])
+    if f["syncs"]:
+        print_table("6. broker fsync syscalls during the profiled run (strace -T)",
+                    ["syncs", "jobs per sync", "p50 ms", "p99 ms", "max ms"],
+                    [[f["syncs"], f["jobs_per_sync"], f["sync_ms"]["p50"], f["sync_ms"]["p99"], f["sync_ms"]["max"]]])
+    for name, prof_top in results.get("profiles", {}).items():
+        print_table(f"profile of {name} (py-spy, self time)", ["function", "% samples"], prof_top["self"][:8])
     return results
 
 
@@ -190,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=20_000, help="jobs per pipeline run (issue: 100,000)")
     ap.add_argument("--batch", type=int, default=100, help="jobs per producer batch (one durable confirm)")
     ap.add_argument("--window", type=int, default=8, help="producer batches in flight")
-    ap.add_argument("--peers", default="redis,rabbit", help="peers to run against (redis, rabbit; '' for ccsq only)")
+    ap.add_argument("--peers", default="redis,rabbit,celery,dramatiq",
+                    help="peers to run against (redis, rabbit, celery, dramatiq; '' for ccsq only)")
+    ap.add_argument("--kill-n", type=int, default=10_000, help="jobs per kill run (0: no kill runs)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled ccsq run")
     ap.add_argument("--pages", type=int, default=6, help="OCR pages timed (plus one warm-up)")
     ap.add_argument("--handler-threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = default)")
     ap.add_argument("--sizes", default="10000,100000,1000000", help="backlog checkpoints (issue: 10k, 100k, 1M, 5M)")

@@ -31,7 +31,7 @@ from ccsq.brokerd import transport as tp
 from ccsq.brokerd import federation as fed
 from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
-from ccsq.brokerd.ledger import Ledger, LedgerTxn, disk_free_bytes
+from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
 from ccsq.common import protocol as p
@@ -62,14 +62,26 @@ BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
 REJECT_LOG_INTERVAL_S = 10.0
+REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all peers together
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
+#: The pages in use (for QUEUE_FULL and map growth) are measured in a turn's own
+#: transaction at most this often; the hot path opens no read transaction of its own.
+LEDGER_STATS_INTERVAL_S = 0.1
+READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged again at most this often
 #: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR.
 POST_VERIFY_CODES = frozenset(
     {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
 )
 SESSION_TYPES = (p.Hello, p.Heartbeat, p.Credit, p.Bye)
+#: Refusals an unauthenticated sender may get (rate-limited; nothing but the id it claimed).
+STRANGER_ANSWERS = {
+    p.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
+    p.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
+}
+STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
+STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
 
 @dataclasses.dataclass
@@ -132,7 +144,11 @@ class Broker:
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
         self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
         self._rejects_unsaved: collections.Counter = collections.Counter()
-        self._reject_logged: dict[tuple[bytes, str], float] = {}
+        self._reject_logged: dict[tuple[bytes | str, str], float] = {}
+        self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
+        self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
+        self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
+        self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
         self._stopping = False
         self._started_mono = time.monotonic()
         self._last_turn_mono = self._started_mono
@@ -147,6 +163,10 @@ class Broker:
         self._disk_full = False
         self._rr = 0  # round-robin start among workers
         self.admin = AdminCommands(self)
+        self._used_bytes = ledger.used_bytes()  # pages in use, refreshed by _ledger_stats in a turn's txn
+        self._ledger_stats_due_mono = 0.0
+        self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
+        self._reader_warn_next_mono = 0.0
         self.epoch = ledger.bump_epoch()
         self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self._recover()
@@ -292,19 +312,66 @@ class Broker:
         try:
             return rid, self.codec.decode(raw[1:], bound_sender=sess.peer_id if sess else None)
         except DecodeError as exc:
-            self.rejects[exc.code] += 1
-            self._rejects_unsaved[exc.code] += 1
-            key = (rid, exc.code)
-            if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
-                if len(self._reject_logged) > 10_000:
-                    self._reject_logged.clear()
-                self._reject_logged[key] = now
-                log.warning("frame_rejected", code=exc.code, reason=str(exc)[:300], peer=sess.peer_id if sess else None)
+            self._count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
             if sess is not None or exc.code in POST_VERIFY_CODES:
                 self._send_raw(rid, p.Error(exc.code, str(exc)[:300]))
+            elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
+                # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)
+                self._send_raw(rid, p.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
             if sess is not None:
                 self._end_session(sess, f"invalid envelope: {exc.code}")
             return None
+
+    def _count_reject(self, code: str, reason: str, peer: str | None, rid: bytes, now: float) -> None:
+        """Count a refused frame (metric ccsq_frames_rejected, persisted) and log it at most
+        once per REJECT_LOG_INTERVAL_S per claimed peer id (per connection when none)."""
+        self.rejects[code] += 1
+        self._rejects_unsaved[code] += 1
+        key = (peer or rid, code)
+        if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
+            if now - self._reject_window_mono >= REJECT_LOG_INTERVAL_S:  # a new window for all peers together
+                if self._reject_lines_dropped:
+                    log.warning("frame_rejected_suppressed", lines=self._reject_lines_dropped,
+                                interval_s=REJECT_LOG_INTERVAL_S, limit=REJECT_LOG_LINES_PER_INTERVAL)
+                self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = now, 0, 0
+            if self._reject_window_lines >= REJECT_LOG_LINES_PER_INTERVAL:  # many ids: a flood, not a peer
+                self._reject_lines_dropped += 1
+                return
+            self._reject_window_lines += 1
+            if len(self._reject_logged) > 10_000:
+                self._reject_logged.clear()
+            self._reject_logged[key] = now
+            log.warning("frame_rejected", code=code, reason=reason, peer=peer)
+
+    def _may_answer_stranger(self, sender: str, now: float) -> bool:
+        """Whether an unauthenticated sender may get its refusal now: at most once per
+        STRANGER_ANSWER_INTERVAL_S per claimed id, and STRANGER_ANSWERS_PER_S for all
+        strangers together (token bucket), so a flood costs the broker no more than its frames."""
+        last = self._stranger_answered.get(sender)
+        if last is not None and now - last < STRANGER_ANSWER_INTERVAL_S:
+            return False
+        elapsed = now - self._stranger_tokens_mono
+        self._stranger_tokens = min(STRANGER_ANSWERS_PER_S, self._stranger_tokens + elapsed * STRANGER_ANSWERS_PER_S)
+        self._stranger_tokens_mono = now
+        if self._stranger_tokens < 1.0:
+            return False
+        self._stranger_tokens -= 1.0
+        if len(self._stranger_answered) > 10_000:
+            self._stranger_answered.clear()
+        self._stranger_answered[sender] = now
+        return True
+
+    def _unserved(self, sess: Session, items: list[p.SubmitItem]) -> list[str]:
+        """Kinds of ``items`` that no worker connected since the broker started serves, for a
+        producer that asked (HELLO info ``features``); [] in the first liveness windows after
+        start (workers are still reconnecting)."""
+        if "unserved_kinds" not in str(sess.info_hello.get("features", "")):
+            return []
+        if time.monotonic() - self._started_mono < 2 * self.silence_s:
+            return []
+        if "" in self._kinds_seen:  # a worker that takes every kind
+            return []
+        return sorted({it.kind for it in items} - self._kinds_seen.keys())
 
     def _end_session(self, sess: Session, reason: str) -> None:
         """Remove a session (the one disconnect rule, BYE, or replacement). Its
@@ -333,6 +400,7 @@ class Broker:
     def _on_hello(self, rid: bytes, env: Envelope, now: float) -> None:
         hello: p.Hello = env.message  # type: ignore[assignment]
         if hello.role != env.role.value:
+            self._count_reject(p.REJECT_ROLE, f"authorized as {env.role.value}, HELLO says {hello.role}", env.sender, rid, now)
             self._send_raw(rid, p.Error(p.REJECT_ROLE, f"authorized as {env.role.value}, HELLO says {hello.role}", env.seq))
             return
         old = self.peers.get(env.sender)
@@ -356,6 +424,8 @@ class Broker:
         self.peers.add(sess)
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []
+        if env.role is p.Role.WORKER:
+            self._kinds_seen.update(dict.fromkeys(sess.kinds or ("",), True))
         if env.role in p.LEASE_HOLDER_ROLES:
             listed = set()
             for ref in hello.leases:
@@ -451,6 +521,8 @@ class Broker:
                     self._deliver(txn, batch)
                 for code, n in self._rejects_unsaved.items():
                     txn.count_reject(code, n)
+                if background or now >= self._ledger_stats_due_mono:
+                    self._ledger_stats(txn, now, background)
                 if txn.changed:
                     t0, records = time.perf_counter(), txn.records
                     txn.commit()
@@ -488,7 +560,36 @@ class Broker:
 
     def _refresh_snapshot(self) -> None:
         """Replace :attr:`snapshot` (read by the metrics thread; never the ledger itself)."""
-        self.snapshot = build_snapshot(self)
+        try:
+            self.snapshot = build_snapshot(self)
+        except ReadersFull as exc:  # live readers hold every slot: keep the old snapshot, go on
+            log.error("ledger_readers_full", error=str(exc))
+
+    def _ledger_stats(self, txn: LedgerTxn, now: float, background: bool) -> None:
+        """In the turn's transaction, at most every :data:`LEDGER_STATS_INTERVAL_S`: pages in
+        use (for :meth:`_submit_refusal`), the commit history entry (reader ages), LMDB's
+        reader check (stale slots of dead readers freed); on background turns also the
+        reader report, with a warning when the oldest snapshot is older than
+        ``reader_warn_age_s``."""
+        self._ledger_stats_due_mono = now + LEDGER_STATS_INTERVAL_S
+        used = self.ledger.used_bytes(txn.txn)
+        self._used_bytes = used
+        if txn.changed:
+            txn.note_history(wall_ms(), used // self.ledger.env.stat()["psize"])
+        cleared = self.ledger.clear_stale_readers()  # ~1 us: a dead reader pins history for at most ~0.1 s
+        if cleared:
+            log.warning("ledger_stale_readers_cleared", cleared=cleared, total=self.ledger.stale_readers_cleared)
+        if not background:
+            return
+        doc = reader_report(self.ledger, txn, wall_ms(), warn_age_s=self.cfg.reader_warn_age_s)
+        self.readers_doc = doc
+        old = doc["oldest"]
+        if old is not None and not old["self"] and old["age_s"] >= self.cfg.reader_warn_age_s and now >= self._reader_warn_next_mono:
+            self._reader_warn_next_mono = now + max(self.cfg.reader_warn_age_s, READER_WARN_REPEAT_MIN_S)
+            log.warning("ledger_reader_old", pid=old["pid"], txnid=old["txnid"], lag_txns=old["lag_txns"], age_s=old["age_s"],
+                        pinned_bytes=old["pinned_bytes"], file_bytes=doc["file_bytes"], live_bytes=doc["live_bytes"],
+                        advice="this process holds an old LMDB snapshot: pages freed since cannot be reused and data.mdb "
+                               "grows; end its transaction (or the process) - see docs/ledger.md")
 
     def _submit_refusal(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> str:
         """"" or the code every new item of this turn is refused with (DISK_FULL, QUEUE_FULL)."""
@@ -499,7 +600,7 @@ class Broker:
             self._disk_full = disk_free_bytes(self.ledger.path) < self.cfg.min_free_disk_bytes
         if self._disk_full:
             return "DISK_FULL"
-        used, size = self.ledger.used_bytes(), self.ledger.map_size_bytes()
+        used, size = self._used_bytes, self.ledger.map_size_bytes()  # measured in a turn's txn (no read txn here)
         if used > GROW_AT_FRACTION * size and self.ledger.grow_map():
             log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
             size = self.ledger.map_size_bytes()
@@ -516,14 +617,15 @@ class Broker:
                     results = [self._submit_relayed(txn, batch, sess, item, now_ms, refuse) for item in msg.items]
                 else:
                     results = [txn.submit(item, now_ms, refuse=refuse) for item in msg.items]
-                batch.replies.append((rid, p.SubmitAck(msg.req, results)))
+                batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
                     batch.effects.append(self._wake_dispatch)
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = self._complete_relayed(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY else txn.complete(r, now_ms)
+                    outcome = self._complete_relayed(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY \
+                        else txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
                     if self.fed.enabled and outcome == p.Outcome.ACCEPTED.value:
                         reply_to = (txn.get(r.item_id) or {}).get("reply_to")
@@ -537,8 +639,10 @@ class Broker:
             elif isinstance(msg, p.Fail):
                 outcomes = []
                 for f in msg.failures:
-                    outcome = txn.fail(f, now_ms)
+                    outcome = txn.fail(f, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
+                    if f.reason == p.FailReason.STORE_UNAVAILABLE.value and outcome == p.Outcome.ACCEPTED.value:
+                        batch.effects.append(lambda w=sess.peer_id: self.peers.note_store_failure(w))
                     if outcome == p.Outcome.ACCEPTED.value:
                         batch.effects.append(lambda i=f.item_id, t=f.token: self.leases.discard(i, t))
                 batch.effects.append(self._wake_dispatch)
@@ -855,7 +959,7 @@ class Broker:
             self._reject_counted(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
             return p.Outcome.REJECTED.value
         before = txn.get(r.item_id) or {}
-        outcome = txn.complete(r, now_ms)
+        outcome = txn.complete(r, now_ms, sess.peer_id)
         if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
             txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
         return outcome

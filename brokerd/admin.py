@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ccsq.brokerd.ledger import reader_report
 from ccsq.common import protocol as p
 from ccsq.common.errors import CcsqError
 
@@ -134,6 +135,7 @@ class AdminCommands:
                     "credit": s.credit,
                     "kinds": list(s.kinds),
                     "healthy": s.healthy,
+                    **(b.peers.store_health(s) if s.role is p.Role.WORKER else {}),
                     "draining": s.peer_id in b.peers.draining,
                     "busy": s.busy,
                     "done": s.done,
@@ -167,6 +169,7 @@ class AdminCommands:
             },
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": len(b.delivered),
+            "readers": reader_report(b.ledger, txn, int(time.time() * 1000), warn_age_s=b.cfg.reader_warn_age_s),
         }
 
     def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
@@ -186,13 +189,15 @@ class AdminCommands:
         done = [i for i in ids if txn.replay_dead(i, now_ms, who=sess.peer_id)]
         if done:
             batch.effects.append(self.broker._wake_dispatch)  # noqa: SLF001
-        return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more}
+        return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more,
+                "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
 
     def cmd_dlq_purge(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         ids, more = self._dead_ids(txn, args)
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.purge_dead(i, now_ms, who=sess.peer_id)]
-        return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more}
+        return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more,
+                "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
 
     def cmd_drain(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         worker = _str_arg(args, "worker")

@@ -95,7 +95,8 @@ WINDOWS: tuple[Window, ...] = (
         G7_DEAD_LETTERED,
         "dead-lettered",
         "broker: attempts exhausted (worker_lost, handler_error, timeout), a permanent failure (fatal, payload_missing),"
-        " or `ccsq reconcile --apply` finding a ready item's payload missing",
+        " or `ccsq reconcile --apply` finding a ready item's payload missing (the only way a blob missing from the"
+        " claim store dead-letters an item: a worker that cannot read it reports store_unavailable, not counted)",
         "the item is terminal in state dead and not done",
         "operator: fix the cause, then `ccsq dlq replay` (G10) makes it ready again with a fresh attempt budget",
         "dead",

@@ -22,6 +22,7 @@ import os
 import random
 import secrets
 import struct
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import msgpack
 
 from ccsq.brokerd import gaps
 from ccsq.common import protocol as p
-from ccsq.common.errors import CcsqError
+from ccsq.common.errors import CcsqError, ExitCode, ledger_failure
 
 S = p.ItemState
 STATES: tuple[str, ...] = tuple(s.value for s in S)
@@ -66,6 +67,16 @@ STORE_RETRY_MIN_MS = 1000
 SAMPLES_KEPT = 2880
 #: Most kinds recorded per sample (their per-state counts, for per-queue drain rates).
 SAMPLE_MAX_KINDS = 64
+#: Commit history in meta (``h:`` + >Q txnid): at most one entry a second, kept an hour
+#: (<= 3600 entries, ~100 KiB): how old a reader's snapshot is and what it pins.
+HISTORY_PREFIX = b"h:"
+HISTORY_INTERVAL_MS = 1000
+HISTORY_KEEP_MS = 3600 * 1000
+#: The broker runs LMDB's reader check at least this often (stale slots of dead readers
+#: freed; in practice every 0.1 s while it commits); a process that finds the reader
+#: table full while opening waits longer than this.
+READER_CHECK_INTERVAL_S = 1.0
+READERS_FULL_WAIT_S = 3.0
 
 DB_NAMES = (
     "items",  # item_id -> msgpack record
@@ -93,9 +104,24 @@ _READY = struct.Struct(">IQQ")
 
 
 class LedgerError(CcsqError):
-    """The ledger cannot be opened or is inconsistent; the message says which file and why."""
+    """The ledger cannot be opened or is inconsistent; the message says which file and why.
+    ``exit_code``: what a command or daemon stopped by it exits with (:func:`ledger_failure`)."""
 
     code = "LEDGER"
+    exit_code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str = "", *, exit_code: ExitCode | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ReadersFull(LedgerError):
+    """Every LMDB reader slot is held by a live process (stale ones were cleared): a read
+    transaction cannot start. Transient (exit 75): the broker logs it and goes on."""
+
+    code = "LEDGER_READERS_FULL"
+    exit_code = ExitCode.LEDGER_LOCKED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +199,10 @@ class Ledger:
         policy: Policy | None = None,
         readonly: bool = False,
         rng: random.Random | None = None,
+        max_readers: int = 126,
     ) -> None:
         self.path = Path(path)
+        self.stale_readers_cleared = 0  # stale reader slots this process cleared (LMDB reader check)
         self.policy = policy or Policy()
         self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
         self.readonly = readonly
@@ -184,29 +212,41 @@ class Ledger:
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
         else:
             self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size_bytes,
-                max_dbs=len(DB_NAMES) + 2,
-                subdir=True,
-                readonly=readonly,
-                lock=True,
-                sync=True,
-                metasync=True,
-                writemap=False,
-                max_readers=126,
-                create=not readonly,
-            )
-        except lmdb.Error as exc:
-            raise LedgerError(f"cannot open ledger {self.path}: {exc}") from None
+        deadline = time.monotonic() + READERS_FULL_WAIT_S
+        while True:
+            try:
+                self.env = self._open_env(map_size_bytes, readonly, max_readers)
+                break
+            except lmdb.ReadersFullError as exc:
+                # py-lmdb begins a read transaction while opening, so a process that
+                # does not have the env open yet cannot run the reader check itself:
+                # wait for the broker's (READER_CHECK_INTERVAL_S), then give up
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+            except lmdb.Error as exc:
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise LedgerError(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
         if not readonly:
-            self.env.reader_check()
+            self.clear_stale_readers()
         try:
-            self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+            try:
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+            except lmdb.ReadersFullError:  # open_db reads too: clear dead readers' slots, try again
+                self.clear_stale_readers()
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in DB_NAMES}
+        except lmdb.ReadersFullError as exc:
+            self.env.close()
+            code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+            raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
         except lmdb.Error as exc:
             self.env.close()
             raise LedgerError(f"ledger {self.path} lacks its sub-databases: {exc}") from None
+        except LedgerError:
+            self.env.close()
+            raise
         self.ledger_id = ""
         if not readonly:
             with self.env.begin(write=True) as txn:
@@ -216,11 +256,33 @@ class Ledger:
                     txn.put(b"m:ledger_id", lid, db=self.db["meta"])
                 self.ledger_id = lid.decode()
         else:
-            with self.env.begin() as txn:
+            try:
+                txn = self._begin()
+            except LedgerError:
+                self.env.close()
+                raise
+            try:
                 lid = txn.get(b"m:ledger_id", db=self.db["meta"])
-                self.ledger_id = lid.decode() if lid else ""
+            finally:
+                txn.abort()
+            self.ledger_id = lid.decode() if lid else ""
 
     # --- environment ---
+    def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.path),
+            map_size=map_size_bytes,
+            max_dbs=len(DB_NAMES) + 2,
+            subdir=True,
+            readonly=readonly,
+            lock=True,
+            sync=True,
+            metasync=True,
+            writemap=False,
+            max_readers=max_readers,
+            create=not readonly,
+        )
+
     def close(self) -> None:
         self.env.close()
 
@@ -249,7 +311,7 @@ class Ledger:
         psize = self.env.stat()["psize"]
         pages = 0
         own = txn is None
-        txn = txn or self.env.begin()
+        txn = txn or self._begin()
         try:
             for db in self.db.values():
                 st = txn.stat(db)
@@ -272,6 +334,72 @@ class Ledger:
         self.env.set_mapsize(min(cur * 2, self.max_map_size_bytes))
         return True
 
+    # --- reader slots (see docs/ledger.md, "Readers and disk use") ---
+    def _begin(self, write: bool = False) -> lmdb.Transaction:
+        """``env.begin``; when no reader slot is free (``MDB_READERS_FULL``) clear the
+        slots of dead processes (LMDB's reader check) and try again. Raises
+        :class:`ReadersFull` when live processes hold every slot."""
+        for attempt in range(3):
+            try:
+                return self.env.begin(write=write)
+            except lmdb.ReadersFullError:
+                if self.clear_stale_readers() == 0 and attempt:
+                    break
+        code, why = ledger_failure(lmdb.ReadersFullError("mdb_txn_begin"), self.path, "a read transaction")
+        raise ReadersFull(f"{why} ({self.env.info()['max_readers']} slots)", exit_code=code)
+
+    def clear_stale_readers(self) -> int:
+        """LMDB's reader check: free the reader slots of processes that died holding
+        them. Returns how many were cleared (also added to :attr:`stale_readers_cleared`)."""
+        n = self.env.reader_check()
+        self.stale_readers_cleared += n
+        return n
+
+    def reader_slots(self) -> list[ReaderSlot]:
+        """The reader table now (``env.readers()`` parsed): one :class:`ReaderSlot` per
+        owned slot; ``txnid`` None for a slot whose process holds no snapshot now."""
+        return parse_readers(self.env.readers())
+
+    def backup(self, dest: Path) -> dict[str, Any]:
+        """A consistent, compacting copy of the ledger into the new or empty directory
+        ``dest`` (``dest/data.mdb``; LMDB's ``mdb_env_copy2`` with ``MDB_CP_COMPACT``:
+        one read snapshot, free pages left out, pages renumbered). Safe while the
+        broker writes; the copy's snapshot pins history only while it runs. The file
+        is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
+        :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
+        dest = Path(dest)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            if any(dest.iterdir()):
+                raise LedgerError(f"backup destination {dest} is not empty: give a new or empty directory",
+                                  exit_code=ExitCode.USAGE)
+            txn = self._begin()
+            try:
+                last_txnid = txn.id()
+                self.env.copy(str(dest), compact=True, txn=txn)
+            finally:
+                txn.abort()
+            out = dest / "data.mdb"
+            fd = os.open(out, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dfd = os.open(dest, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except (lmdb.Error, OSError) as exc:
+            try:
+                free = disk_free_bytes(dest)
+            except OSError:
+                free = None
+            code, why = ledger_failure(exc, dest, "the backup", free_bytes=free)
+            raise LedgerError(why, exit_code=code) from None
+        return {"path": str(out), "bytes": out.stat().st_size, "source_bytes": (self.path / "data.mdb").stat().st_size,
+                "last_txnid": last_txnid}
+
 
 class LedgerView:
     """Read-only queries on a snapshot; also the base of :class:`LedgerTxn`."""
@@ -279,7 +407,7 @@ class LedgerView:
     def __init__(self, ledger: Ledger, *, write: bool = False) -> None:
         self.ledger = ledger
         self.db = ledger.db
-        self.txn = ledger.env.begin(write=write)
+        self.txn = ledger._begin(write)  # noqa: SLF001 - the ledger's own transaction factory
 
     def __enter__(self) -> LedgerView:
         return self
@@ -555,6 +683,46 @@ class LedgerView:
         cands.sort()
         return [c[3] for c in cands[:limit]], hint
 
+    # --- commit history (meta ``h:`` + >Q txnid -> [ts_ms, last_pgno, live_pages]) ---
+    def history_after(self, txnid: int) -> tuple[int, list] | None:
+        """The first commit-history entry with a transaction id above ``txnid``, as
+        ``(txnid, [ts_ms, last_pgno, live_pages])``, or None."""
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(HISTORY_PREFIX + _Q.pack(txnid + 1)) and cur.key().startswith(HISTORY_PREFIX):
+            return _Q.unpack(cur.key()[2:])[0], _unpack(cur.value())
+        return None
+
+    def history_at_or_before(self, txnid: int) -> tuple[int, list] | None:
+        """The last commit-history entry with a transaction id <= ``txnid``, or None."""
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(HISTORY_PREFIX + _Q.pack(txnid + 1)):
+            ok = cur.prev()
+        else:
+            ok = cur.last()
+        if ok and cur.key().startswith(HISTORY_PREFIX):
+            return _Q.unpack(cur.key()[2:])[0], _unpack(cur.value())
+        return None
+
+    def blob_refs_page(self, name: str, after: bytes, limit: int) -> tuple[list[tuple[str, str, str]], bytes | None]:
+        """One page of :meth:`blob_refs` for table ``name`` (payloads or results):
+        up to ``limit`` entries with keys after ``after``. Returns ``(refs, last key
+        looked at)``; the key is None when the table is exhausted."""
+        items = self.db["items"]
+        out: list[tuple[str, str, str]] = []
+        cur = self.txn.cursor(db=self.db[name])
+        ok = cur.set_range(after + b"\0") if after else cur.first()
+        seen = 0
+        last = None
+        while ok and seen < limit:
+            k, v = cur.key(), cur.value()
+            last, seen = k, seen + 1
+            b = _unpack(v)
+            if b.get("inline") is None:
+                raw = self.txn.get(k, db=items)
+                out.append((k.decode(), _unpack(raw)["state"] if raw is not None else "unknown", b["sha256"]))
+            ok = cur.next()
+        return out, (last if ok else None)
+
 
 class LedgerTxn(LedgerView):
     """One write transaction. Every mutation of item state goes through here.
@@ -798,7 +966,8 @@ class LedgerTxn(LedgerView):
             return None
         token = self._next(b"next_token")
         self._transition(
-            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms
+            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
+            token_worker=worker,  # kept after the lease ends: only its holder may report under this token
         )
         self.bump("routed")
         return p.Task(
@@ -842,13 +1011,15 @@ class LedgerTxn(LedgerView):
         return S.READY.value
 
     # --- COMPLETE / FAIL ---
-    def complete(self, res: p.TaskResult, now_ms: int) -> str:
+    def complete(self, res: p.TaskResult, now_ms: int, sender: str = "") -> str:
         """Record a result. Returns an :class:`Outcome` value.
 
         Rule for late results: accepted if the item is leased with this token,
         or if its lease with this token expired and nobody leased it since
         (state ready, same token: the same work, G8 event). A replay of an
-        accepted result is ``duplicate``; any other token is ``fenced`` (G4)."""
+        accepted result is ``duplicate``; any other token is ``fenced`` (G4).
+        ``sender``: the reporting peer; a token is honoured only from the worker
+        it was leased to (another peer quoting it is ``fenced``, G4)."""
         rec = self.get(res.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
@@ -856,7 +1027,7 @@ class LedgerTxn(LedgerView):
         if st in (S.COMPLETED.value, S.ACKNOWLEDGED.value) and rec.get("completed_token") == res.token:
             return p.Outcome.DUPLICATE.value
         late = st == S.READY.value and rec["token"] == res.token and res.token != 0
-        if (st == S.LEASED.value and rec["token"] == res.token) or late:
+        if ((st == S.LEASED.value and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
             self.txn.put(res.item_id.encode(), _pack(_blob_to_wire(res.result)), db=self.db["results"])
             cseq = self._next(b"next_cseq")
             self._transition(
@@ -869,7 +1040,7 @@ class LedgerTxn(LedgerView):
                 handler=res.handler,
                 handler_version=res.handler_version,
                 runtime_s=res.runtime_s,
-                worker_done=rec["worker"],
+                worker_done=rec["worker"] or rec.get("token_worker") or sender,
                 lease_expires_ms=0,
             )
             self.bump("completed")
@@ -882,11 +1053,18 @@ class LedgerTxn(LedgerView):
             gaps.G4_FENCED_COMPLETION,
             res.item_id,
             now_ms,
-            f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
+            f"token {res.token} was leased to {rec.get('token_worker')}, reported by {sender}; result discarded"
+            if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
         )
         return p.Outcome.FENCED.value
 
-    def fail(self, f: p.TaskFailure, now_ms: int) -> str:
+    @staticmethod
+    def _not_holder(rec: dict, sender: str) -> bool:
+        """True when ``sender`` is known and is not the worker the item's current token was leased to."""
+        holder = rec.get("token_worker") or rec.get("worker")
+        return bool(sender and holder and sender != holder)
+
+    def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
         """Record a failure report. Returns an :class:`Outcome` value.
 
         ``released``: back to ready now, attempt not counted. ``retryable``: ready
@@ -895,8 +1073,8 @@ class LedgerTxn(LedgerView):
         rec = self.get(f.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
-        if rec["state"] != S.LEASED.value or rec["token"] != f.token:
-            if rec.get("fail_token") == f.token:
+        if rec["state"] != S.LEASED.value or rec["token"] != f.token or self._not_holder(rec, sender):
+            if rec.get("fail_token") == f.token and not self._not_holder(rec, sender):
                 return p.Outcome.DUPLICATE.value
             self.bump("fenced_failures")
             return p.Outcome.FENCED.value
@@ -1102,6 +1280,126 @@ class LedgerTxn(LedgerView):
                 self.changed = True
                 done += 1
         return done
+
+    def note_history(self, now_ms: int, live_pages: int) -> bool:
+        """Record this commit in the commit history (``h:`` + >Q txnid -> [ts_ms,
+        last_pgno, live_pages]) when the newest entry is :data:`HISTORY_INTERVAL_MS`
+        old; entries older than :data:`HISTORY_KEEP_MS` go. A reader's snapshot age and
+        the pages it pins are estimated from it (:func:`reader_report`). Entries above
+        this transaction's id (a restored, compacted copy restarts the ids) are
+        dropped first. True if written; call only in a transaction that commits."""
+        meta = self.db["meta"]
+        txnid = self.txn.id()
+        cur = self.txn.cursor(db=meta)
+        stale = []
+        if cur.set_range(HISTORY_PREFIX + _Q.pack(txnid)):
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(HISTORY_PREFIX):
+                    break
+                stale.append(k)
+        for k in stale:
+            self.txn.delete(k, db=meta)
+        last = self.history_at_or_before(txnid)
+        if last is not None and now_ms - last[1][0] < HISTORY_INTERVAL_MS:
+            return False
+        old = []
+        if cur.set_range(HISTORY_PREFIX):
+            for k, v in cur:
+                if not k.startswith(HISTORY_PREFIX) or len(old) >= 16 or _unpack(v)[0] >= now_ms - HISTORY_KEEP_MS:
+                    break
+                old.append(k)
+        for k in old:
+            self.txn.delete(k, db=meta)
+        info = self.ledger.env.info()
+        self.txn.put(HISTORY_PREFIX + _Q.pack(txnid), _pack([now_ms, info["last_pgno"], live_pages]), db=meta)
+        self.changed = True
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderSlot:
+    """One owned slot of the LMDB reader table: process id, thread (hex), and the
+    transaction id of the snapshot it reads (None: it holds no snapshot now)."""
+
+    pid: int
+    thread: str
+    txnid: int | None
+
+
+def parse_readers(text: str) -> list[ReaderSlot]:
+    """Parse ``Environment.readers()`` (``mdb_reader_list``): a header ``pid thread
+    txnid`` then one line per owned slot; ``-`` for a slot without a snapshot;
+    ``(no active readers)`` when empty."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        out.append(ReaderSlot(int(parts[0]), parts[1], None if parts[2] == "-" else int(parts[2])))
+    return out
+
+
+def reader_report(ledger: Ledger, view: LedgerView, now_ms: int, *, warn_age_s: float | None = None) -> dict[str, Any]:
+    """Who reads the ledger and what the oldest snapshot costs, from the reader table
+    and the commit history (read with ``view``; see docs/ledger.md, "Readers and disk use").
+
+    Returns ``{max_readers, slots, snapshots, stale_cleared, last_txnid, file_bytes,
+    live_bytes, free_bytes, oldest, readers, warn_age_s}``: ``slots`` owned reader slots,
+    ``snapshots`` those holding a snapshot; ``file_bytes`` pages up to the file's high
+    page, ``live_bytes`` pages of all trees, ``free_bytes`` the rest (reusable, or
+    pinned by a reader); ``oldest`` None or ``{pid, thread, txnid, lag_txns, age_s,
+    age_at_least, pinned_bytes, pinned_upper_bound, self}``: ``lag_txns`` commits
+    made since its snapshot; ``age_s`` seconds since the first commit it does not see
+    (0 when it lags by none: a snapshot of the newest commit pins nothing) -- from the
+    history entry (one per second at most) of the first commit after its snapshot, so
+    a lower bound within a second; ``age_at_least`` when that commit is older than the
+    history (then the age of the oldest entry) or newer than its newest entry (then 0:
+    less than a second, or a ledger no broker wrote history to); ``pinned_bytes`` non-live pages added
+    since its snapshot (pages freed after it, which LMDB cannot reuse while it reads),
+    or all non-live pages (``pinned_upper_bound``) when the history does not reach
+    back. ``readers``: up to 20 slots, oldest snapshot first."""
+    info = ledger.env.info()
+    psize = ledger.env.stat()["psize"]
+    slots = ledger.reader_slots()
+    snaps = sorted((r for r in slots if r.txnid is not None), key=lambda r: r.txnid or 0)
+    file_pages = info["last_pgno"] + 1
+    live_pages = ledger.used_bytes(view.txn) // psize
+    free_pages = max(0, file_pages - live_pages)
+    oldest: dict[str, Any] | None = None
+    if snaps:
+        r = snaps[0]
+        tid = r.txnid or 0
+        lag = max(0, info["last_txnid"] - tid)
+        age_s, at_least, pinned, upper = 0.0, False, 0, False
+        if lag:
+            after = view.history_after(tid)
+            before = view.history_at_or_before(tid)
+            if after is not None:
+                age_s = max(0.0, (now_ms - after[1][0]) / 1000.0)
+                at_least = before is None
+            else:  # its first unseen commit is newer than the newest entry (or there is no history)
+                at_least = True
+            if before is not None:
+                _ts, then_pgno, then_live = before[1]
+                pinned = max(0, free_pages - max(0, then_pgno + 1 - then_live))
+            else:
+                pinned, upper = free_pages, True
+        oldest = {"pid": r.pid, "thread": r.thread, "txnid": tid, "lag_txns": lag, "age_s": round(age_s, 3),
+                  "age_at_least": at_least, "pinned_bytes": pinned * psize, "pinned_upper_bound": upper,
+                  "self": r.pid == os.getpid()}
+    return {
+        "max_readers": info["max_readers"],
+        "slots": len(slots),
+        "snapshots": len(snaps),
+        "stale_cleared": ledger.stale_readers_cleared,
+        "last_txnid": info["last_txnid"],
+        "file_bytes": file_pages * psize,
+        "live_bytes": live_pages * psize,
+        "free_bytes": free_pages * psize,
+        "oldest": oldest,
+        "readers": [dataclasses.asdict(x) for x in (snaps + [r for r in slots if r.txnid is None])[:20]],
+        "warn_age_s": warn_age_s,
+    }
 
 
 _REFUSE_MESSAGES = {

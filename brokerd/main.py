@@ -1,9 +1,13 @@
 """``ccsq-brokerd --config DIR/brokerd.toml``: the broker daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.errors.ExitCode`): 0 after SIGTERM/SIGINT;
-``CONFIG`` (78) for a bad config, a missing or too-open key file (one line on
+``CONFIG`` (78) for a bad config, a missing or too-open key file, a bind endpoint
+that is not an address of this host (one line on
 stderr; systemd must not restart); ``LEDGER_LOCKED`` (75) when another broker
-holds the ledger lock or the endpoint is taken (transient: restart later).
+holds the ledger lock or the endpoint is taken (transient: restart later); an
+LMDB error exits with the code and sentence of
+:func:`~ccsq.common.errors.ledger_failure` (74 disk full / I/O error, 75 reader
+table full at start, 78 map full, 80 corrupt or unreadable file).
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from pathlib import Path
 import lmdb
 import structlog
 import uvloop
+import zmq
 
 from ccsq.brokerd.actor import Broker
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths
-from ccsq.brokerd.transport import EndpointInUse, Transport
+from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
+from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
+from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.errors import ConfigError, ExitCode, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
 from ccsq.common.systemd import Notifier, watchdog_task
 
@@ -54,6 +60,11 @@ def acquire_lock(path: Path) -> int:
     return fd
 
 
+def _bind_key(cfg: BrokerConfig) -> str:
+    """``FILE: bind`` or ``FILE: endpoint``: the key whose endpoint the ROUTER binds."""
+    return f"{cfg.config_path}: {'bind' if cfg.bind else 'endpoint'}"
+
+
 def _fail(code: ExitCode, message: str) -> int:
     print(f"ccsq-brokerd: {message}", file=sys.stderr, flush=True)
     return int(code)
@@ -68,6 +79,8 @@ def run(config_path: str) -> int:
         key = load_private_key(Path(cfg.private_key))
         authorized = AuthorizedKeys(Path(cfg.authorized_keys))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
+        check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
+        check_exposure(cfg, authorized, config_path)
         if cfg.trusted_swarms:  # federation trust file: refused at start, not at the first relayed item
             from ccsq.brokerd.federation import TrustedSwarms
 
@@ -100,9 +113,10 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             map_size_bytes=cfg.map_size_bytes,
             max_map_size_bytes=cfg.max_map_size_bytes,
             policy=Policy.from_config(cfg),
+            max_readers=cfg.max_readers,
         )
     except LedgerError as exc:
-        return _fail(ExitCode.FAILURE, str(exc))
+        return _fail(exc.exit_code, str(exc))
     codec = EnvelopeCodec(
         cfg.peer_id,
         key,
@@ -112,26 +126,46 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         require_hello=True,
     )
     try:
-        transport = Transport(cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
-                              curve_secret_key=curve_secret)
+        transport = Transport(cfg.bind or cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,
+                              curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
         return _fail(ExitCode.LEDGER_LOCKED, str(exc))
+    except zmq.ZMQError as exc:  # e.g. "No such device": a host name that is not this host's (exit 78, not a restart loop)
+        ledger.close()
+        err = bind_error(cfg.bind or cfg.endpoint, exc.errno, exc.strerror, where=_bind_key(cfg))
+        if err is None:
+            raise
+        return _fail(ExitCode.CONFIG, f"config error: {err}")
     try:
         (data_dir / "endpoint").write_text(transport.endpoint + "\n")
-        broker = Broker(cfg, ledger, transport)
+        try:
+            broker = Broker(cfg, ledger, transport)
+        except LedgerError as exc:
+            return _fail(exc.exit_code, str(exc))
+        except lmdb.Error as exc:
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
+            return _fail(code, why)
         metrics = None
-        if cfg.metrics_port:
-            from ccsq.brokerd.metrics import start_metrics
+        if cfg.metrics_port or cfg.metrics_listen:
+            from ccsq.brokerd.metrics import broker_listen, start_metrics
 
-            metrics = start_metrics(broker, cfg.metrics_port)
+            try:
+                metrics = start_metrics(broker, broker_listen(cfg.metrics_listen, cfg.metrics_port),
+                                        where=f"{cfg.config_path}: metrics_listen")
+            except ConfigError as exc:
+                return _fail(ExitCode.CONFIG, f"config error: {exc}")
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:
             # disk full or an I/O error at commit: the transaction did not commit, so
             # nothing in it was confirmed to anyone; exit and let systemd restart us
-            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}")
-            return _fail(ExitCode.LEDGER_IO, f"ledger write failed ({exc}); free disk space, then restart")
+            code, why = ledger_failure(exc, ledger.path / "data.mdb", "a ledger write", free_bytes=_free_bytes(ledger.path))
+            log.error("ledger_write_failed", error=f"{type(exc).__name__}: {exc}", exit_code=int(code), advice=why)
+            return _fail(code, why)
+        except LedgerError as exc:  # e.g. ReadersFull at a read that must succeed
+            log.error("ledger_failed", error=str(exc), exit_code=int(exc.exit_code))
+            return _fail(exc.exit_code, str(exc))
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded
@@ -140,6 +174,13 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             transport.close()
         ledger.close()
     return int(ExitCode.OK)
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return disk_free_bytes(path)
+    except OSError:
+        return None
 
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:

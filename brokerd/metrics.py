@@ -22,7 +22,16 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``max_map_size_bytes``, ``map_used_ratio``; ``peers{role}``; ``leases``;
 ``oldest_ready_age_seconds``; per worker ``worker_slots``, ``worker_busy``,
 ``worker_items_done``, ``worker_leases``, ``worker_draining`` (label ``worker``);
-``snapshot_age_seconds``.
+``snapshot_age_seconds``; the ledger's readers (docs/ledger.md, "Readers and disk use"):
+``ledger_reader_slots`` (owned), ``ledger_max_readers``, ``ledger_reader_snapshots``,
+``ledger_oldest_reader_age_seconds``, ``ledger_oldest_reader_lag_txns``,
+``ledger_pinned_bytes``, ``ledger_file_bytes``, ``ledger_live_bytes``, ``ledger_free_bytes``,
+``ledger_stale_readers_cleared_total``;
+``build_info{version,process,python,libzmq}``
+(every process, :mod:`ccsq.common.metrics`); ``zap_refused_total`` (CURVE
+handshakes the ZAP allow-list refused; with ``curve = true``).
+Workers and the completion service export their own (``workerd/metrics.py``,
+``completiond/completion_metrics.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ccsq.common import protocol as p
@@ -108,12 +117,16 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
                 "done": s.done,
                 "leases": len(b.leases.held_by(s.peer_id)),
                 "draining": s.peer_id in b.peers.draining,
+                "healthy": s.healthy,
+                "store_ok": b.peers.store_health(s)["store_ok"],
             }
         )
+    # every connected worker from 0 (rate()/increase() need the first sample), plus those seen since start
+    store_failures = {w["worker"]: 0 for w in workers} | dict(b.peers.store_failures)
     roles: dict[str, int] = {}
     for s in b.peers.sessions():
         roles[s.role.value] = roles.get(s.role.value, 0) + 1
-    map_size, used = b.ledger.map_size_bytes(), b.ledger.used_bytes()
+    map_size, used = b.ledger.map_size_bytes(), b._used_bytes  # noqa: SLF001 - measured in a turn's txn
     return {
         "taken_mono": time.monotonic(),
         "counters": counters,
@@ -130,6 +143,8 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
         "leases": len(b.leases),
         "oldest_ready_age_s": 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000.0),
         "workers": workers,
+        "store_failures": store_failures,
+        "readers": dict(b.readers_doc),
     }
 
 
@@ -162,6 +177,12 @@ class _SnapshotCollector:
         yield GaugeMetricFamily(
             "ccsq_oldest_ready_age_seconds", "age of the oldest ready item (0: none)", value=snap.get("oldest_ready_age_s", 0.0)
         )
+        yield from _reader_metrics(snap.get("readers") or {})
+        auth = getattr(self.broker.transport, "auth", None)
+        yield CounterMetricFamily(
+            "ccsq_zap_refused", "CURVE handshakes refused by the ZAP allow-list (keys not in authorized_keys.toml)",
+            value=auth.allow_list.refused if auth is not None else 0,
+        )
         taken = snap.get("taken_mono")
         yield GaugeMetricFamily(
             "ccsq_snapshot_age_seconds", "age of the snapshot these values come from",
@@ -173,12 +194,42 @@ class _SnapshotCollector:
             ("done", "items the worker finished since it started (last heartbeat)"),
             ("leases", "leases the broker holds for the worker"),
             ("draining", "1 when `ccsq drain` stopped dispatching to it"),
+            ("healthy", "1 when its last heartbeat said healthy (0: no DISPATCH to it)"),
+            ("store_ok", "0 while the worker reports its claim store failing (a blob missing there, I/O, backend)"),
         ):
             name = "ccsq_worker_items_done" if key == "done" else f"ccsq_worker_{key}"
             g = GaugeMetricFamily(name, help_, labels=["worker"])
             for w in snap.get("workers", []):
                 g.add_metric([w["worker"]], float(w[key]))
             yield g
+        yield _store_failures(snap)
+
+
+def _store_failures(snap: dict[str, Any]) -> Any:
+    fam = CounterMetricFamily("ccsq_worker_store_failures", "store_unavailable FAILs per worker since the broker started",
+                              labels=["worker"])
+    for worker, n in sorted(snap.get("store_failures", {}).items()):
+        fam.add_metric([worker], n)
+    return fam
+
+
+def _reader_metrics(doc: dict[str, Any]) -> Any:
+    """Gauges of the ledger's reader table and disk use (from ``reader_report``)."""
+    old = doc.get("oldest") or {}
+    for name, help_, value in (
+        ("ledger_reader_slots", "LMDB reader slots owned by processes", doc.get("slots", 0)),
+        ("ledger_max_readers", "LMDB reader table size", doc.get("max_readers", 0)),
+        ("ledger_reader_snapshots", "reader slots holding a snapshot now", doc.get("snapshots", 0)),
+        ("ledger_oldest_reader_age_seconds", "since the first commit the oldest snapshot does not see (0: none)", old.get("age_s", 0.0)),
+        ("ledger_oldest_reader_lag_txns", "commits made since the oldest snapshot", old.get("lag_txns", 0)),
+        ("ledger_pinned_bytes", "pages freed since the oldest snapshot, not reusable while it reads (estimate)", old.get("pinned_bytes", 0)),
+        ("ledger_file_bytes", "data.mdb up to its highest page", doc.get("file_bytes", 0)),
+        ("ledger_live_bytes", "pages of all trees (live data)", doc.get("live_bytes", 0)),
+        ("ledger_free_bytes", "pages in the file that are not live (reusable, or pinned by a reader)", doc.get("free_bytes", 0)),
+    ):
+        yield GaugeMetricFamily(f"ccsq_{name}", help_, value=value)
+    yield CounterMetricFamily("ccsq_ledger_stale_readers_cleared", "reader slots of dead processes cleared by the broker",
+                              value=doc.get("stale_cleared", 0))
 
 
 def _labelled(cls: type, name: str, help_: str, label: str, values: dict[str, Any]) -> Any:
@@ -188,11 +239,19 @@ def _labelled(cls: type, name: str, help_: str, label: str, values: dict[str, An
     return fam
 
 
-def start_metrics(broker: Broker, port: int) -> Any:
-    """Serve /metrics on 127.0.0.1:``port`` from the broker's stats registry plus
-    its snapshot; returns the server (call ``shutdown()``). Raises OSError if the
-    port is taken."""
+def broker_listen(metrics_listen: str, metrics_port: int) -> str:
+    """The broker's ``metrics_listen``, or ``127.0.0.1:metrics_port`` (the older key) when it is empty."""
+    return metrics_listen or (f"127.0.0.1:{metrics_port}" if metrics_port else "")
+
+
+def start_metrics(broker: Broker, listen: str | int, *, where: str = "brokerd.toml: metrics_listen") -> Any:
+    """Serve /metrics at ``listen`` (``metrics_listen`` syntax, see
+    :mod:`ccsq.common.metrics`; an int is a port on 127.0.0.1) from the broker's
+    stats registry plus its snapshot and ``ccsq_build_info``; returns the server
+    (call ``shutdown()``). Raises ConfigError if the address cannot be bound."""
+    from ccsq.common.metrics import start_exporter
+
     registry = broker.stats.registry
     registry.register(_SnapshotCollector(broker))  # type: ignore[arg-type]
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
-    return server
+    listen = f"127.0.0.1:{listen}" if isinstance(listen, int) else listen
+    return start_exporter(registry, listen, process="brokerd", where=where)

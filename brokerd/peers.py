@@ -62,6 +62,23 @@ class PeerTable:
         self.by_id: dict[str, Session] = {}
         self.by_route: dict[bytes, str] = {}
         self.draining: set[str] = set()
+        #: worker id -> FAILs with reason store_unavailable since the broker started (kept across
+        #: the worker's reconnects); with the worker's heartbeat info store_ok/store_error, the
+        #: per-worker claim-store health shown by `ccsq status` and the metrics
+        self.store_failures: dict[str, int] = {}
+
+    def note_store_failure(self, worker: str) -> None:
+        """Count one store_unavailable FAIL from ``worker``."""
+        self.store_failures[worker] = self.store_failures.get(worker, 0) + 1
+
+    def store_health(self, s: Session) -> dict:
+        """``store_ok`` (the worker's last heartbeat; True when it never said), the
+        worker's ``store_error`` while unhealthy, and the broker's count ``store_failures``."""
+        ok = s.info.get("store_ok", True) is not False
+        doc = {"store_ok": ok, "store_failures": self.store_failures.get(s.peer_id, 0)}
+        if not ok:
+            doc["store_error"] = str(s.info.get("store_error", ""))
+        return doc
 
     def __len__(self) -> int:
         return len(self.by_id)

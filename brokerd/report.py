@@ -1,7 +1,11 @@
 """Read-only accounting and gap report from a broker's data directory (``ccsq gap-report``).
 
 Opens the ledger with ``readonly=True`` and LMDB's lock table, so it works
-whether or not a broker is running (it reads one consistent snapshot).
+whether or not a broker is running. It never holds a snapshot for long (a reader
+pins every page freed after its snapshot: docs/ledger.md): the accounting is read
+in one short transaction (so the balance is of one commit), the history, deadlines
+and events each in their own, and :func:`iter_blob_refs` pages through the
+claim-check references with a fresh transaction per :data:`PAGE_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import COUNTERS, STATES, Ledger, data_paths
 
 RECENT_EVENTS = 10
+PAGE_ENTRIES = 1000  # entries read per (fresh, short) read transaction when paging
 RATE_WINDOW_S = 300.0  # the completion rate of a queue is measured over this much recent history
 CHART_COUNTERS = ("received", "routed", "completed", "acknowledged")
 SERIES_COUNTERS = ("received", "routed", "completed", "acknowledged", "retried", "dead", "expired")
@@ -42,13 +47,18 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ledger = Ledger(ledger_dir, readonly=True)
     now_ms = int(time.time() * 1000)
     try:
-        with ledger.read() as view:
-            samples = view.samples()
+        with ledger.read() as view:  # the accounting: one commit's numbers, read at once
             kinds = view.kind_states()
-            deadlines = view.nearest_deadlines()
             counters = view.counters()
             states = view.states()
             gap_counts = view.gap_counts()
+            epoch, rejects = view.epoch(), view.rejects()
+            used = ledger.used_bytes(view.txn)
+        with ledger.read() as view:
+            samples = view.samples()
+        with ledger.read() as view:
+            deadlines = view.nearest_deadlines()
+        with ledger.read() as view:
             windows = [
                 {
                     "id": w.id,
@@ -69,11 +79,11 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "counters": counters,
                 "states": states,
                 "balanced": counters["received"] == sum(states.values()),
-                "epoch": view.epoch(),
+                "epoch": epoch,
                 "ledger_id": ledger.ledger_id,
-                "rejects": view.rejects(),
+                "rejects": rejects,
                 "backlog": kinds,
-                "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": ledger.used_bytes()},
+                "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": used},
                 "windows": windows,
                 "queues": queue_forecast(kinds, samples, deadlines, now_ms),
                 "series": [{"ts_ms": d["ts_ms"], **{c: d["counters"].get(c, 0) for c in SERIES_COUNTERS}} for d in samples],
@@ -100,7 +110,9 @@ def queue_forecast(
     the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample).
     Returns a list of {kind, ready, leased, backlog, completed_per_s (None: no
     history), drain_eta_s (None: never at this rate), nearest_deadline_ms,
-    deadline_in_s, verdict: empty | on track | late | stalled | no deadline}.
+    deadline_in_s, verdict: empty | on track | late | stalled | no deadline}
+    (``ccsq gap-report`` turns "stalled" into "stalled: no worker serves kind 'X'" when
+    the running broker has no worker for it).
     """
     ref = None
     for d in samples:
@@ -145,12 +157,23 @@ def queue_forecast(
 def iter_blob_refs(data_dir: str | Path) -> Iterator[tuple[str, str, str]]:
     """``(item_id, state, sha256)`` for every claim-store reference in the ledger
     (payloads and results stored by reference; inline ones are skipped), for
-    ``ccsq reconcile``. One read snapshot; safe while the broker runs."""
+    ``ccsq reconcile``. Safe while the broker runs: it pages through the tables with a
+    fresh read transaction per :data:`PAGE_ENTRIES` entries and yields only between
+    them, so a slow consumer (a claim-store listing) never holds a snapshot. A
+    reference added during the scan behind the page being read is not seen, as with
+    one snapshot taken at the start; reconcile's grace period covers both."""
     ledger_dir, _lock = data_paths(Path(data_dir))
     ledger = Ledger(ledger_dir, readonly=True)
     try:
-        with ledger.read() as view:
-            yield from view.blob_refs()
+        for name in ("payloads", "results"):
+            after = b""
+            while True:
+                with ledger.read() as view:
+                    refs, last = view.blob_refs_page(name, after, PAGE_ENTRIES)
+                yield from refs
+                if last is None:
+                    break
+                after = last
     finally:
         ledger.close()
 
@@ -222,12 +245,23 @@ def _fmt_rate(v: float | None) -> str:
 
 
 # --- HTML (self-contained: inline SVG and CSS, nothing fetched) ---------------------
+_LEGEND_CHAR_PX = 7.5  # a generous width per character of a 12 px sans-serif font
 _CHART_COLOURS = {"received": "#1f77b4", "routed": "#ff7f0e", "completed": "#2ca02c", "acknowledged": "#9467bd"}
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:.25em .6em;vertical-align:top}td.n{text-align:right;font-variant-numeric:tabular-nums}"
     ".ok{color:#2ca02c}.bad{color:#d62728;font-weight:bold}small{color:#666}"
+    "code{font-family:ui-monospace,monospace;font-size:.9em;background:#f3f3f3;padding:0 .2em;border-radius:3px}"
 )
+
+
+def inline_code_html(text: str) -> str:
+    """``text`` HTML-escaped, with Markdown inline code (`like this`) as ``<code>``
+    (the gap-register texts are shared with docs/gap-register.md)."""
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:  # an unmatched backtick: leave it literal
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return "".join(f"<code>{html.escape(x)}</code>" if i % 2 else html.escape(x) for i, x in enumerate(parts))
 
 
 def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int], width: int = 760, height: int = 260) -> str:
@@ -238,7 +272,20 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
     pts.append((now_ms, {c: counters.get(c, 0) for c in CHART_COUNTERS}))
     t0, t1 = pts[0][0], max(pts[-1][0], pts[0][0] + 1000)
     vmax = max(1, max(max(v.values()) for _, v in pts))
-    left, right, top, bottom = 60, 130, 12, 30
+    # the legend sits under the time axis, in as many rows as its labels need (never clipped)
+    labels = [f"{c} {pts[-1][1][c]}" for c in CHART_COUNTERS]
+    left, right, top = 60, 14, 12
+    rows: list[list[tuple[str, str, float]]] = [[]]
+    lx = float(left)
+    for c, label in zip(CHART_COUNTERS, labels):
+        w = 22 + _LEGEND_CHAR_PX * len(label) + 22
+        if rows[-1] and lx + w > width - right:
+            rows.append([])
+            lx = float(left)
+        rows[-1].append((c, label, lx))
+        lx += w
+    bottom = 30 + 18 * len(rows)
+    height += 18 * (len(rows) - 1)
     pw, ph = width - left - right, height - top - bottom
 
     def x(t: int) -> float:
@@ -257,8 +304,8 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
         parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{v}</text>')
     for t, anchor in ((t0, "start"), (t1, "end")):
         label = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t / 1000))
-        parts.append(f'<text x="{x(t):.1f}" y="{height - 10}" font-size="11" text-anchor="{anchor}">{label}</text>')
-    for i, c in enumerate(CHART_COUNTERS):
+        parts.append(f'<text x="{x(t):.1f}" y="{top + ph + 16}" font-size="11" text-anchor="{anchor}">{label}</text>')
+    for c, stroke in zip(CHART_COUNTERS, (9.0, 6.5, 4.0, 1.5)):  # widest first: equal lines still show every colour
         coords: list[str] = []
         prev = None
         for t, v in pts:
@@ -268,11 +315,14 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
             prev = v[c]
         colour = _CHART_COLOURS[c]
         parts.append(
-            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="2" points="{" ".join(coords)}"/>'
+            f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="{stroke}" points="{" ".join(coords)}"/>'
         )
-        ly = top + 14 + i * 18
-        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 28}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
-        parts.append(f'<text x="{left + pw + 32}" y="{ly}" font-size="12">{c} {pts[-1][1][c]}</text>')
+    for r, row in enumerate(rows):
+        ly = top + ph + 36 + 18 * r
+        for c, label, lx in row:
+            colour = _CHART_COLOURS[c]
+            parts.append(f'<line x1="{lx:.1f}" y1="{ly - 4}" x2="{lx + 18:.1f}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
+            parts.append(f'<text x="{lx + 22:.1f}" y="{ly}" font-size="12" data-legend="{c}">{label}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -314,7 +364,7 @@ def render_html(report: dict[str, Any]) -> str:
         out.append(
             f"<tr><td>{e(q['kind'])}</td><td class='n'>{q['ready']}</td><td class='n'>{q['leased']}</td>"
             f"<td class='n'>{_fmt_rate(q['completed_per_s'])}</td><td class='n'>{_fmt_s(q['drain_eta_s'])}</td>"
-            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'] in ('late', 'stalled') else 'ok'}'>"
+            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'].startswith(('late', 'stalled')) else 'ok'}'>"
             f"{e(q['verdict'])}</td></tr>"
         )
     out.append("</table><h2>Gap register</h2><table id='windows'><tr><th>id</th><th>window</th><th>count</th>"
@@ -325,7 +375,8 @@ def render_html(report: dict[str, Any]) -> str:
         )
         out.append(
             f"<tr id='{e(w['id'])}'><td>{e(w['id'])}</td><td>{e(w['name'])}</td><td class='n'>{w['count']}</td>"
-            f"<td>{e(w['where'])}<br><b>why</b> {e(w['why'])}<br><b>repair</b> {e(w['repair'])}</td><td>{recent}</td></tr>"
+            f"<td>{inline_code_html(w['where'])}<br><b>why</b> {inline_code_html(w['why'])}<br><b>repair</b> "
+            f"{inline_code_html(w['repair'])}</td><td>{recent}</td></tr>"
         )
     out.append("</table>")
     if report.get("rejects"):

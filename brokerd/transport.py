@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
+import structlog
 import zmq
 
 from ccsq.common import protocol as p
 from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import CcsqError
+from ccsq.common.errors import CcsqError, ConfigError
 from ccsq.common.keys import curve_server_setup
 
 SENT = "sent"
@@ -28,6 +34,41 @@ UNROUTABLE = "unroutable"
 FRAME_SLACK_BYTES = 4096
 #: A connection that has not finished the ZeroMQ (or CURVE) handshake by then is dropped.
 HANDSHAKE_IVL_MS = 5000
+_log = structlog.get_logger("ccsq.brokerd")
+#: Bytes one connection may have queued in the broker (ZeroMQ receive pipe) before
+#: ZeroMQ stops reading its socket (back-pressure over TCP: nothing is dropped).
+INBOUND_BYTES_PER_CONNECTION = 16 << 20
+#: The actor takes at most this many frames per turn (MAX_FRAMES_PER_TURN in actor.py):
+#: a longer per-connection queue cannot make the broker faster.
+RCVHWM_MAX = 256
+RCVHWM_MIN = 4
+#: A refused CURVE key is logged at most once per this many seconds.
+ZAP_LOG_INTERVAL_S = 60.0
+
+
+def rcvhwm_for(max_frame_bytes: int) -> int:
+    """Receive high-water mark (messages per connection) so that one connection
+    queues at most about :data:`INBOUND_BYTES_PER_CONNECTION` of full-size frames:
+    16 MiB // (max_frame_bytes + slack), within [4, 256]. Default 1 MiB frames: 15."""
+    per_msg = max_frame_bytes + FRAME_SLACK_BYTES + p.SIGNATURE_BYTES
+    return max(RCVHWM_MIN, min(RCVHWM_MAX, INBOUND_BYTES_PER_CONNECTION // per_msg))
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True when ``endpoint`` can only be reached from this host: ``ipc://``,
+    ``inproc://``, or ``tcp://`` on a loopback address (127.0.0.0/8, ::1, localhost).
+    ``tcp://*``, ``0.0.0.0``, an interface name or any other address is beyond loopback."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class EndpointInUse(CcsqError):
@@ -43,11 +84,42 @@ def normalize_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def check_exposure(cfg, authorized, config_path: str) -> None:
+    """Refuse (ConfigError) what would let strangers cost the broker memory or
+    silently shut every peer out: an endpoint beyond loopback without CURVE
+    (unless ``allow_insecure_bind = true``); CURVE with no ``curve_public_key``
+    in authorized_keys.toml (the ZAP allow-list would refuse every peer); a
+    malformed ``metrics_listen``. ``cfg`` is a BrokerConfig, ``authorized`` its
+    AuthorizedKeys."""
+    from ccsq.brokerd.metrics import broker_listen
+    from ccsq.common.metrics import parse_listen
+
+    bound = getattr(cfg, "bind", "") or cfg.endpoint  # what the ROUTER binds (bind, else endpoint)
+    if not cfg.curve and not cfg.allow_insecure_bind and not is_loopback_endpoint(bound):
+        raise ConfigError(
+            f"{config_path}: {'bind' if bound != cfg.endpoint else 'endpoint'} {bound} is reachable beyond this host but curve = false: anyone who "
+            "reaches the port could connect and make the broker queue frames. Set curve = true (with "
+            "curve_secret_key; `ccsq init` writes the keys, peers need curve = true and their curve_secret_key, "
+            "authorized_keys.toml their curve_public_key), or bind 127.0.0.1, or set allow_insecure_bind = true "
+            "to accept unauthenticated connections (docs/security.md)")
+    if cfg.curve and not authorized.curve_keys:
+        raise ConfigError(
+            f"{config_path}: curve = true but {cfg.authorized_keys} lists no curve_public_key, so every peer would "
+            "be refused at the handshake; add curve_public_key = \"<Z85>\" to each peer's entry "
+            "(`ccsq keygen --curve --out keys --id PEER` prints it)")
+    parse_listen(broker_listen(cfg.metrics_listen, cfg.metrics_port), where=f"{config_path}: metrics_listen")
+
+
 class Transport:
     """ROUTER socket bound to ``endpoint``; frames are ``[routing_id, payload, sig]``.
 
     ``curve_secret_key``: the broker's Z85 CURVE secret key; when given, the
-    ROUTER is a CURVE server and only CURVE clients can talk to it (encrypted)."""
+    ROUTER is a CURVE server and only CURVE clients can talk to it (encrypted).
+    ``curve_allow``: the ZAP decision for a client's Z85 CURVE public key
+    (``AuthorizedKeys.curve_allowed``); a ZAP handler thread on this socket's
+    context asks it during every CURVE handshake, and a refused client is
+    dropped before any of its frames are queued. Required with CURVE.
+    The receive high-water mark is :func:`rcvhwm_for` ``(max_frame_bytes)``."""
 
     def __init__(
         self,
@@ -57,10 +129,17 @@ class Transport:
         sndhwm: int,
         max_frame_bytes: int,
         curve_secret_key: bytes | None = None,
+        curve_allow: Callable[[bytes], bool] | None = None,
     ) -> None:
+        if curve_secret_key is not None and curve_allow is None:
+            raise ValueError("a CURVE broker needs curve_allow (the ZAP allow-list)")
         self.codec = codec
         self.curve = curve_secret_key is not None
         self.ctx = zmq.Context()
+        self.auth = None
+        if curve_secret_key is not None:
+            self.auth = _start_zap(self.ctx, curve_allow)
+        self.rcvhwm = rcvhwm_for(max_frame_bytes)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
@@ -69,7 +148,7 @@ class Transport:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.SNDHWM, sndhwm)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK_BYTES)
         try:
             self.sock.bind(normalize_endpoint(endpoint))
@@ -151,4 +230,40 @@ class Transport:
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket; ``linger_ms`` bounds how long queued sends (BYE) may still go out."""
         self.sock.close(linger=linger_ms)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
         self.ctx.term()
+
+
+class _AllowList:
+    """pyzmq credentials provider: the ZAP thread calls :meth:`callback` per CURVE handshake."""
+
+    def __init__(self, allow: Callable[[bytes], bool]) -> None:
+        self.allow = allow
+        self.refused = 0
+        self._logged: dict[bytes, float] = {}  # key -> when it was last logged (monotonic s)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = bool(self.allow(key))
+        if not ok:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged.get(key, -1e9) >= ZAP_LOG_INTERVAL_S:
+                if len(self._logged) > 1024:
+                    self._logged.clear()
+                self._logged[key] = now
+                _log.warning("curve_peer_refused", client_curve_key=key.decode("ascii", "replace"), refused_total=self.refused,
+                             hint="not a curve_public_key in authorized_keys.toml (add it and send SIGHUP, or it is a stranger)")
+        return ok
+
+
+def _start_zap(ctx: zmq.Context, allow: Callable[[bytes], bool]):
+    """Start pyzmq's ZAP handler (a thread) on ``ctx`` admitting the CURVE keys ``allow`` accepts."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("ccsq.brokerd.zap"))
+    auth.start()
+    auth.allow_list = _AllowList(allow)  # type: ignore[attr-defined]
+    auth.configure_curve_callback("*", credentials_provider=auth.allow_list)  # type: ignore[attr-defined]
+    return auth

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ import msgpack
 from ccsq.common import protocol as p
 from ccsq.common.config import AdminConfig
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import AdminFailed, BrokerUnavailable  # noqa: F401 (AdminFailed: re-exported)
+from ccsq.common.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -79,9 +80,16 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     session.link = link
     runner = asyncio.create_task(link.run(), name="admin-link")
     try:
+        ready = asyncio.ensure_future(link.ready.wait())
         try:
-            await asyncio.wait_for(link.ready.wait(), connect_timeout_s)
-        except asyncio.TimeoutError:
+            await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if link.refused is not None:
+            from ccsq.common.peer import refusal_fix
+
+            raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
+        if not link.ready.is_set():
             why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
             raise BrokerUnavailable(
                 f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g}s{why}"
@@ -133,7 +141,12 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
     try:
         with offline_view(data_dir) as view:
             if command == "status":
-                return {"source": OFFLINE, **admin.ledger_status(view), "peers": []}
+                from ccsq.brokerd.ledger import reader_report
+
+                from ccsq.common.config import BrokerConfig
+
+                readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
+                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
             if command == "items_show":
                 item_id = args.get("item_id")
                 if not isinstance(item_id, str) or not item_id:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ccsq.common.errors import ConfigError, PayloadMissing
+from ccsq.common.errors import ConfigError, PayloadMissing, StoreUnavailable
 from ccsq.common.protocol import Blob
 
 
@@ -52,6 +52,12 @@ class ClaimStore(abc.ABC):
     def list(self) -> Iterator[tuple[str, float]]:
         """Yield ``(sha256, mtime_unix_s)`` of every blob (for reconcile)."""
 
+    def check(self, where: str = "") -> None:
+        """Start-up check that this store is usable (root / bucket present and
+        accessible). Raises ConfigError (exit 78: wrong root, bucket, credentials,
+        permissions) or StoreUnavailable (exit 75: unreachable right now); ``where``
+        (``"FILE: claim_store"``) is named in the message."""
+
     def inline_without_io(self, size_bytes: int, inline_max_bytes: int) -> bool:
         """True when a blob of ``size_bytes`` travels inline and this store's
         :meth:`put_blob` / :meth:`get_blob` are the base class's, which then do no
@@ -83,9 +89,16 @@ class ClaimStore(abc.ABC):
 class FileStore(ClaimStore):
     """``file://PATH``: blobs at ``PATH/ab/cd/<sha256>``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, create: bool = True) -> None:
+        """``create``: make the root if absent (``ccsq init``, the broker host's
+        reconcile); workers, producers and the completion service pass False and
+        call :meth:`check`, so a wrong root is refused at start instead of becoming
+        an empty store that reports every payload missing."""
         self.root = root
         self.uri = f"file://{root}"
+        self._create = create
+        if not create:
+            return
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError:
@@ -93,6 +106,28 @@ class FileStore(ClaimStore):
             # fails with OSError and is retried by its caller, as during a later outage;
             # a daemon must not crash-loop at start over it
             pass
+
+    def check(self, where: str = "") -> None:
+        prefix = f"{where} = {self.uri!r}" if where else f"claim store {self.uri}"
+        try:
+            st = self.root.stat()
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{prefix}: directory {self.root} does not exist; fix the path, mount the shared store there, "
+                "or create it on purpose (ccsq init does; a worker, producer or completion service never creates it)"
+            ) from None
+        except PermissionError as exc:
+            raise ConfigError(f"{prefix}: {exc.strerror}; give this service's user access to {self.root}") from None
+        except OSError as exc:  # EIO, ESTALE, ETIMEDOUT on a network mount: transient
+            raise StoreUnavailable(f"{prefix}: {self.root} cannot be read right now ({exc.strerror}); retry later") from None
+        import stat as stat_mod
+
+        if not stat_mod.S_ISDIR(st.st_mode):  # there but unusable, as during an outage of a mount: transient
+            raise StoreUnavailable(f"{prefix}: {self.root} exists but is not a directory; retry later, or point "
+                                   "claim_store at the blobs directory")
+        if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
+            raise ConfigError(f"{prefix}: {self.root} is not readable and writable by this user (uid {os.getuid()}); "
+                              "fix its owner or mode")
 
     def _path(self, sha256: str) -> Path:
         if len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256):
@@ -109,7 +144,11 @@ class FileStore(ClaimStore):
                 return digest
             except FileNotFoundError:
                 pass  # collected meanwhile: write it again
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:  # the root itself is never created here (a vanished mount must not become an empty local store)
+            path.parent.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -158,21 +197,40 @@ class FileStore(ClaimStore):
                 continue
 
 
-def open_store(uri: str, base_dir: str | Path | None = None) -> ClaimStore:
+def open_store(uri: str, base_dir: str | Path | None = None, *, create: bool = True, s3: dict | None = None,
+               where: str = "") -> ClaimStore:
     """Open a claim store by URI. A relative ``file://`` path is resolved against
-    ``base_dir`` (the config file's directory). Raises ConfigError for unknown schemes."""
+    ``base_dir`` (the config file's directory). ``create``: make a missing file://
+    root (False: leave it to :meth:`ClaimStore.check`). ``s3``: ``endpoint_url``,
+    ``region``, ``profile`` for s3:// (empty values: the AWS defaults). Raises
+    ConfigError for unknown schemes."""
     if uri.startswith("file://"):
         path = Path(uri[len("file://"):])
         if not path.is_absolute():
             path = Path(base_dir or ".").resolve() / path
-        return FileStore(path)
+        return FileStore(path, create=create)
     if uri.startswith("s3://"):
         try:
             from ccsq.common.s3store import S3Store
         except ImportError as exc:
             raise ConfigError(f"claim store {uri}: install the s3 extra (pip install 'ccsq[s3]'): {exc}") from None
-        return S3Store.from_uri(uri)
-    raise ConfigError(f"claim store {uri!r}: scheme must be file:// or s3://")
+        opts = {k: v for k, v in (s3 or {}).items() if v}
+        return S3Store.from_uri(uri, where=where, **opts)
+    raise ConfigError(f"{where + ' = ' if where else 'claim store '}{uri!r}: scheme must be file:// or s3://")
+
+
+def open_configured_store(cfg: object, *, check: bool = True) -> ClaimStore:
+    """The claim store of a worker, producer or completion config (``claim_store``
+    and the ``s3_*`` keys), never creating a file:// root; with ``check``, the
+    start-up check runs (ConfigError / StoreUnavailable naming the file and key)."""
+    config_path = getattr(cfg, "config_path", "")
+    where = f"{config_path}: claim_store" if config_path else "claim_store"
+    s3 = {k: getattr(cfg, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
+    store = open_store(getattr(cfg, "claim_store"), Path(config_path).parent if config_path else None, create=False, s3=s3,
+                       where=where)
+    if check:
+        store.check(where)
+    return store
 
 
 def now_s() -> float:

@@ -1,7 +1,8 @@
 """``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report,
-status, items, dlq, drain, reconcile).
+status, items, dlq, drain, reconcile, completion-script).
 
-Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
+``--config`` defaults to ``$CCSQ_CONFIG/<name>.toml`` (or ``/etc/ccsq/<name>.toml``):
+:func:`default_config`. Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
 host without onnxruntime can still run the broker-side commands.
 Exit codes are :class:`ccsq.common.errors.ExitCode` values.
 """
@@ -15,8 +16,16 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import AdminFailed, BrokerUnavailable, CcsqError, ConfigError, ExitCode
-from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_keypair
+from ccsq.common.errors import (
+    AdminFailed,
+    BrokerUnavailable,
+    CcsqError,
+    ConfigError,
+    ExitCode,
+    NoInput,
+    Unauthorized,
+)
+from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
 
 
 # --- ccsq init ------------------------------------------------------------------------
@@ -30,32 +39,55 @@ def init_swarm(
     worker: dict | None = None,
     producer: dict | None = None,
     completion: dict | None = None,
+    bind: str = "",
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
 
+    ``endpoint`` is what peers connect to; ``bind`` (optional) what the broker binds
+    when that differs (``tcp://0.0.0.0:5555`` behind ``tcp://gpu-broker.internal:5555``).
+
     Layout (all state lives under ``directory``)::
 
-        brokerd.toml  workerd-1.toml ... workerd-N.toml  producer.toml  completion.toml
+        brokerd.toml  workerd-0.toml ... workerd-<N-1>.toml  producer.toml  completion.toml
         authorized_keys.toml  keys/<peer>.key (0600) keys/<peer>.pub
+        keys/<peer>.curve.key (0600) keys/<peer>.curve.pub (CURVE; curve = true when the endpoint is not loopback)
         blobs/ (file claim store)  broker-data/ (ledger)  worker-N-journal/  results.db
+
+    Worker numbering: ``workerd-G.toml`` is named after the GPU index G (0-based, ``nvidia-smi``
+    order) that ``ccsq-workerd@G.service`` drives and reads as ``/etc/ccsq/workerd-G.toml``; the
+    peer inside is ``worker-<G+1>`` (worker-1..N, unique in the swarm: on another GPU host the
+    file for its GPU 0 holds another peer id). Keys ``workerd-0`` ... in the returned dict.
 
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
     """
+    from ccsq.brokerd.transport import is_loopback_endpoint
+
     directory = directory.resolve()
+    from ccsq.common.endpoints import check_endpoint
+
+    check_endpoint(endpoint, bind=not bind, where="--endpoint")
+    if bind:
+        check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
     keys_dir = directory / "keys"
     peers = {"broker": "broker", "producer-1": "producer", "completion-1": "completion", "admin": "admin"}
     peers.update({f"worker-{i}": "worker" for i in range(1, workers + 1)})
-    authorized: dict[str, tuple[str, str]] = {}
+    authorized: dict[str, tuple[str, ...]] = {}
     for peer_id, role in peers.items():
         priv, _ = write_keypair(keys_dir, peer_id)
-        authorized[peer_id] = (role, public_key_b64(load_private_key(priv)))
+        _, curve_pub = write_curve_keypair(keys_dir, peer_id)  # CURVE: the broker's ZAP allow-list (docs/security.md)
+        authorized[peer_id] = (role, public_key_b64(load_private_key(priv)), curve_pub.read_text().strip())
     write_authorized_keys(directory / "authorized_keys.toml", authorized)
     (directory / "blobs").mkdir(exist_ok=True)
     common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
+    # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
+    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
+
+    def curve_lines(peer_id: str) -> dict:
+        return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
     written: dict[str, Path] = {}
 
     def write(name: str, doc: dict) -> None:
@@ -70,13 +102,16 @@ def init_swarm(
             "private_key": "keys/broker.key",
             "authorized_keys": "authorized_keys.toml",
             "endpoint": endpoint,
+            **({"bind": bind} if bind else {}),
             "data_dir": "broker-data",
+            "curve": curve_on,
+            "curve_secret_key": "keys/broker.curve.key",
             **(broker or {}),
         },
     )
-    for i in range(1, workers + 1):
+    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
         write(
-            f"workerd-{i}.toml",
+            f"workerd-{i - 1}.toml",
             {
                 "peer_id": f"worker-{i}",
                 "private_key": f"keys/worker-{i}.key",
@@ -84,12 +119,14 @@ def init_swarm(
                 "handler": handler,
                 "claim_store": "file://blobs",
                 "journal_dir": f"worker-{i}-journal",
+                **curve_lines(f"worker-{i}"),
                 **(worker or {}),
             },
         )
     write(
         "producer.toml",
-        {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs", **(producer or {})},
+        {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
+         **curve_lines("producer-1"), **(producer or {})},
     )
     write(
         "completion.toml",
@@ -99,20 +136,31 @@ def init_swarm(
             **common,
             "claim_store": "file://blobs",
             "database": "sqlite:///results.db",
+            **curve_lines("completion-1"),
             **(completion or {}),
         },
     )
     write(
         "admin.toml",
-        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data")},
+        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data"),
+         **curve_lines("admin")},
     )
     return written
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler)
+    from ccsq.common.endpoints import default_bind
+
+    bind = args.bind if args.bind is not None else default_bind(args.endpoint)
+    written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
     for name, path in written.items():
         print(f"{name:14} {path}")
+    if bind:
+        print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    if args.hosts:
+        from ccsq.common.hosts import render_layout, write_host_layout
+
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
     return ExitCode.OK
 
 
@@ -122,7 +170,10 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
         secret, public = write_curve_keypair(Path(args.out), args.id)
         print(f"CURVE secret key {secret} (mode 0600)\nCURVE public key {public}: {public.read_text().strip()}")
-        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, broker_curve_public_key = <public path>")
+        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, "
+              "curve_secret_key = <their secret path>, broker_curve_public_key = <the broker's public path>")
+        print(f'add to the [peers.{args.id}] entry of authorized_keys.toml (the broker admits only listed keys; '
+              f'SIGHUP reloads):\ncurve_public_key = "{public.read_text().strip()}"')
         return ExitCode.OK
     priv, pub = write_keypair(Path(args.out), args.id)
     print(f"private key {priv} (mode 0600)\npublic key  {pub}: {pub.read_text().strip()}")
@@ -131,38 +182,124 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 # --- ccsq submit ----------------------------------------------------------------------
+def _param(text: str) -> tuple[str, object]:
+    """``K=V`` for ``--param``: V as int, float, true/false, else the string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--param {text!r}: expected KEY=VALUE")
+    value: object = raw
+    if raw in ("true", "false"):
+        value = raw == "true"
+    else:
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                pass
+    return key, value
+
+
+def _progress(enabled: bool):
+    """A rich progress bar on stderr when it is a terminal (and ``enabled``), else a no-op."""
+    import contextlib
+
+    if not (enabled and sys.stderr.isatty()):
+        return contextlib.nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+def _submit_state(r) -> str:
+    """The state column of a submit without --wait."""
+    return "spooled" if r.spooled else ("duplicate" if r.duplicate else "submitted")
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from ccsq.producer.client import Client
+    import time
+
+    from ccsq.producer.client import DONE_STATES, Client
 
     items = [Path(f) for f in args.files]
-    for f in items:
-        if not f.is_file():
-            raise ConfigError(f"{f}: no such file")
+    missing = [str(f) for f in items if not f.is_file()]
+    if missing:
+        raise NoInput(f"no such file: {', '.join(missing)}")
+    params = dict(args.param or [])
+    deadline_ts = None if args.deadline_s is None else time.time() + args.deadline_s
+
+    def submit_one(client, f: Path):
+        return client.submit(f, args.kind, params={"name": f.name, **params}, priority=args.priority,
+                             deadline_ts=deadline_ts)
+
     with Client.from_config_file(args.config) as client:
-        receipts = [client.submit(f, args.kind, params={"name": f.name}) for f in items]
-        out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled} for f, r in zip(items, receipts)]
+        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
+            raise BrokerUnavailable(
+                f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: "
+                f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
+                "(or set outbox_dir there to spool while it is down)"
+            )
+        with _progress(len(items) > 1 and not args.json) as bar:
+            task = bar.add_task("submitting", total=len(items)) if bar else None
+            receipts = []
+            for f in items:
+                receipts.append(submit_one(client, f))
+                if bar:
+                    bar.advance(task)
+        unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
+        for kind in unserved:
+            print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
+                  "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
+                  "handler's name; `ccsq status` lists them)", file=sys.stderr)
+        out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
+                "state": _submit_state(r)} for f, r in zip(items, receipts)]
         status_code = ExitCode.OK
         if args.wait:
+            deadline = time.monotonic() + args.timeout_s
             if any(r.spooled for r in receipts):
                 # spooled while the broker was away: let the outbox drain, then the same
                 # submit (same idempotency key) answers the original item id
                 client.flush(timeout_s=args.timeout_s)
-                receipts = [client.submit(f, args.kind, params={"name": f.name}) if r.spooled else r
-                            for f, r in zip(items, receipts)]
+                receipts = [submit_one(client, f) if r.spooled else r for f, r in zip(items, receipts)]
                 for row, r in zip(out, receipts):
                     row["item_id"] = r.item_id
             ids = [r.item_id for r in receipts if r.item_id]
-            states = client.wait(ids, timeout_s=args.timeout_s)
+            states: dict = {}
+            with _progress(not args.json) as bar:
+                task = bar.add_task("acknowledged", total=len(ids)) if bar else None
+                todo = list(ids)
+                while todo:
+                    left = deadline - time.monotonic()
+                    states.update(client.wait(todo, timeout_s=max(0.1, min(left, 1.0))))
+                    todo = [i for i in todo if states[i].state not in DONE_STATES]
+                    if bar:
+                        bar.update(task, completed=sum(1 for i in ids if states[i].state == "acknowledged"))
+                    if time.monotonic() >= deadline:
+                        break
             for row in out:
                 st = states.get(row["item_id"])
                 row["state"] = st.state if st else "unknown"
-            if any(row.get("state") != "acknowledged" for row in out):
+                if st is not None and st.error:
+                    row["error"] = st.error
+            final = [row["state"] for row in out]
+            if any(st in ("dead", "expired") for st in final):
+                status_code = ExitCode.DEAD
+            elif any(st != "acknowledged" for st in final):
                 status_code = ExitCode.INCOMPLETE
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for row in out:
-            print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row.get('state', '')}  {row['file']}")
+            err = f" ({row['error']})" if row.get("error") else ""
+            print(f"{row['item_id'] or '(spooled)':>20}  {'dup ' if row['duplicate'] else ''}{row['state']}{err}  {row['file']}")
+    if status_code == ExitCode.DEAD:
+        print("ccsq submit: some items ended dead or expired: `ccsq dlq list` says why, `ccsq dlq replay ID` retries",
+              file=sys.stderr)
+    elif status_code == ExitCode.INCOMPLETE:
+        print(f"ccsq submit: not every item was acknowledged within {args.timeout_s:g} s (`ccsq status` shows the backlog"
+              " and the workers)", file=sys.stderr)
     return status_code
 
 
@@ -173,6 +310,7 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
+    _name_unserved_queues(report, Path(args.config).resolve().parent / "admin.toml")
     if args.html:
         from ccsq.brokerd.report import render_html
 
@@ -184,6 +322,30 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+def _name_unserved_queues(report: dict, admin_path: Path) -> None:
+    """A stalled queue whose kind no connected worker serves says so ("stalled: no worker
+    serves kind 'X'"), when the broker answers an admin status (``admin.toml`` next to
+    ``brokerd.toml``) within 1 s; otherwise the verdict stays "stalled"."""
+    stalled = [q for q in report.get("queues", []) if q.get("verdict") == "stalled"]
+    if not stalled or not admin_path.is_file():
+        return
+    from ccsq.common.admin_client import with_broker
+    from ccsq.common.config import AdminConfig, load
+
+    async def status(session) -> dict:
+        return await session.call("status", timeout_s=2.0)
+
+    try:
+        settings = load(AdminConfig, admin_path)
+        doc = with_broker(settings, status, connect_timeout_s=min(settings.connect_timeout_s, 1.0))
+    except CcsqError:
+        return
+    workers = [x for x in doc.get("peers", []) if x.get("role") == "worker"]
+    for q in stalled:
+        if not any(not w.get("kinds") or q["kind"] in w["kinds"] for w in workers):
+            q["verdict"] = f"stalled: no worker serves kind {q['kind']!r}"
 
 
 # --- admin commands: status, items show, dlq, drain --------------------------------------
@@ -240,17 +402,24 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     )
     if doc.get("source") == "broker":
         pt = Table(title="peers")
-        for col in ("peer", "role", "slots", "busy", "credit", "leases", "done", "healthy", "draining", "last seen"):
+        for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
             pt.add_column(col)
         for peer in doc.get("peers", []):
+            kinds = ", ".join(peer.get("kinds") or []) or ("any" if peer["role"] == "worker" else "")
             pt.add_row(
-                peer["peer_id"], peer["role"], str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
-                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO",
+                peer["peer_id"], peer["role"], kinds, str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
+                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO", _store_cell(peer),
                 "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
             )
         console.print(pt)
+        for peer in doc.get("peers", []):
+            if peer.get("store_ok") is False:
+                console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
+                              "(no new items until it reports healthy; docs/deployment.md)")
     if doc.get("draining"):  # kept in the ledger: shown offline too
         console.print("draining: " + ", ".join(doc["draining"]))
+    if doc.get("readers"):
+        console.print(render_readers(doc["readers"]))
     bt = Table(title="backlog per queue (kind)")
     bt.add_column("kind")
     states = list(doc.get("states", {}))
@@ -259,7 +428,55 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     for kind, per in sorted(doc.get("backlog", {}).items()):
         bt.add_row(kind, *(str(per.get(st, 0)) for st in states))
     console.print(bt)
+    if doc.get("source") == "broker":
+        workers = [x for x in doc.get("peers", []) if x["role"] == "worker"]
+        for kind, per in sorted(doc.get("backlog", {}).items()):
+            if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
+                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
     return buf.getvalue()
+
+
+def _store_cell(peer: dict) -> str:
+    """The ``store`` column: a worker's claim-store health and its store_unavailable count."""
+    if "store_ok" not in peer:
+        return ""
+    n = peer.get("store_failures", 0)
+    return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
+
+
+def render_readers(r: dict) -> str:
+    """One or two lines on the ledger's readers: slots, the oldest snapshot (pid,
+    commits behind, age, pages it pins) and disk use; WARNING past warn_age_s."""
+    mib = 1 << 20
+    line = (f"ledger readers: {r['slots']} of {r['max_readers']} slots, {r['snapshots']} snapshot(s); "
+            f"data.mdb {r['file_bytes'] / mib:.1f} MiB: live {r['live_bytes'] / mib:.1f} MiB, "
+            f"free or pinned {r['free_bytes'] / mib:.1f} MiB; stale slots cleared {r['stale_cleared']}")
+    old = r.get("oldest")
+    if old and old["lag_txns"]:
+        age = f"{'>= ' if old['age_at_least'] else ''}{old['age_s']:.1f} s"
+        pinned = f"{'<= ' if old['pinned_upper_bound'] else '~'}{old['pinned_bytes'] / mib:.1f} MiB"
+        warn = r.get("warn_age_s")
+        flag = "WARNING " if warn is not None and old["age_s"] >= warn and not old.get("self") else ""
+        line += (f"\n{flag}oldest reader: pid {old['pid']}{' (this command)' if old.get('self') else ''}, "
+                 f"snapshot {old['txnid']}, {old['lag_txns']} commits behind, {age} old, pins {pinned} "
+                 "(pages freed since cannot be reused while it reads; docs/ledger.md)")
+    return line
+
+
+def _when(key: str, value: object) -> object:
+    """Epoch-millisecond (``*_ms``) and epoch-second (``*_ts``) times as ISO 8601 UTC dates."""
+    import datetime
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return value
+    if key.endswith("_ms") and value > 1e11:
+        seconds = value / 1000.0
+    elif key.endswith("_ts") and value > 1e8:
+        seconds = float(value)
+    else:
+        return value
+    when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _cmd_items_show(args: argparse.Namespace) -> int:
@@ -268,7 +485,7 @@ def _cmd_items_show(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, default=str))
     else:
         for k, v in doc["item"].items():
-            print(f"{k:>16}  {v}")
+            print(f"{k:>16}  {_when(k, v)}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
     return ExitCode.OK
@@ -280,7 +497,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, default=str))
     else:
         for rec in doc["items"]:
-            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')[:80]}")
+            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')}")
         purged = doc.get("purged", 0)
         print(f"{len(doc['items'])} shown of {doc['total']} dead letters" + (f" (+{purged} purged)" if purged else ""))
     return ExitCode.OK
@@ -297,25 +514,34 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
     async def go(session) -> dict:
         done: list[str] = []
         not_dead: list[str] = []
-        if args.all:
-            while True:
-                doc = await session.call(command, {"all": True})
-                done += doc[key]
-                if not doc["more"] or not doc[key]:
-                    break
-        else:
-            for item_id in args.item_ids:
-                doc = await session.call(command, {"item_id": item_id})
-                done += doc[key]
-                not_dead += doc["not_dead"]
-        return {key: done, "not_dead": not_dead}
+        unknown: list[str] = []
+        with _progress(not args.json) as bar:
+            task = bar.add_task(f"dlq {args.action}", total=None if args.all else len(args.item_ids)) if bar else None
+            if args.all:
+                while True:
+                    doc = await session.call(command, {"all": True})
+                    done += doc[key]
+                    if bar:
+                        bar.update(task, completed=len(done))
+                    if not doc["more"] or not doc[key]:
+                        break
+            else:
+                for item_id in args.item_ids:
+                    doc = await session.call(command, {"item_id": item_id})
+                    done += doc[key]
+                    unknown += doc.get("unknown", [])  # brokers before this field: unknown ids count as not dead
+                    not_dead += [i for i in doc["not_dead"] if i not in doc.get("unknown", [])]
+                    if bar:
+                        bar.advance(task)
+        return {key: done, "not_dead": not_dead, "unknown": unknown}
 
     out = with_broker(_admin_settings(args), go)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else ""))
-    return ExitCode.OK if not out["not_dead"] else ExitCode.REFUSED
+        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else "")
+              + (f"; unknown (no such item in the ledger): {', '.join(out['unknown'])}" if out["unknown"] else ""))
+    return ExitCode.OK if not out["not_dead"] and not out["unknown"] else ExitCode.REFUSED
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:
@@ -329,10 +555,15 @@ def _cmd_drain(args: argparse.Namespace) -> int:
         doc = await session.call("drain", {"worker": args.worker, "undo": args.undo})
         if args.wait and not args.undo:
             deadline = time.monotonic() + args.timeout_s
-            while doc["leases"] > 0 and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-                st = await session.call("status")
-                doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+            with _progress(not args.json and doc["leases"] > 0) as bar:
+                task = bar.add_task(f"{args.worker}: leases finished", total=doc["leases"]) if bar else None
+                start = doc["leases"]
+                while doc["leases"] > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    st = await session.call("status")
+                    doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+                    if bar:
+                        bar.update(task, completed=max(0, start - doc["leases"]))
         return doc
 
     doc = with_broker(_admin_settings(args), go)
@@ -349,10 +580,11 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
     from ccsq.common.claimstore import open_store
     from ccsq.common.config import AdminConfig, BrokerConfig, load
-    from ccsq.producer.reconcile import ReconcileReport, reconcile
+    from ccsq.common.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
-    store = open_store(args.store, Path(args.config).resolve().parent)
+    s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
+    store = open_store(args.store, Path(args.config).resolve().parent, s3=s3, where="--store")
     report: ReconcileReport = reconcile(iter_blob_refs(cfg.data_dir), store, args.grace_s, dry_run=not args.apply)
     out = report.as_dict()
     ready_missing = sorted({m.item_id for m in report.missing if m.state == "ready"})
@@ -392,24 +624,74 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
             f"{out['orphans']} orphan(s) ({out['orphans_young']} younger than {args.grace_s:g} s kept, "
             f"{out['orphans_deleted']} deleted), {len(out['missing'])} payload(s) missing: "
             f"{len(out['dead_lettered'])} dead-lettered (payload_missing), {len(out['not_dead_lettered'])} not, "
-            f"{len(out['leased_missing'])} leased (their worker reports payload_missing)"
+            f"{len(out['leased_missing'])} leased (their worker gives them back as store_unavailable: run again)"
         )
     return status
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
-    from ccsq.producer.completion import main as completion_main
+    from ccsq.completiond.completion import main as completion_main
 
     return completion_main(args.config)
 
 
+# --- ccsq backup ------------------------------------------------------------------------
+def _cmd_backup(args: argparse.Namespace) -> int:
+    """A consistent, compacting hot copy of the ledger into DEST (docs/ledger.md, Backups),
+    then the copy's accounting read back from it."""
+    import time
+
+    from ccsq.brokerd.ledger import Ledger, data_paths
+    from ccsq.common.config import BrokerConfig, load
+
+    cfg = load(BrokerConfig, args.config)
+    ledger_dir, _lock = data_paths(Path(cfg.data_dir))
+    dest = Path(args.dest)
+    t0 = time.monotonic()
+    ledger = Ledger(ledger_dir, readonly=True)
+    try:
+        out = ledger.backup(dest)
+    finally:
+        ledger.close()
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    copy = Ledger(dest, readonly=True)  # check it opens and balances (its lock.mdb is removed after)
+    try:
+        with copy.read() as view:
+            out.update(ledger_id=copy.ledger_id, received=view.counter("received"), balanced=view.balanced(), epoch=view.epoch())
+    finally:
+        copy.close()
+        (dest / "lock.mdb").unlink(missing_ok=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        mib = 1 << 20
+        print(f"backup {out['path']}: {out['bytes'] / mib:.1f} MiB (ledger file {out['source_bytes'] / mib:.1f} MiB), "
+              f"snapshot txn {out['last_txnid']}, ledger {out['ledger_id']} epoch {out['epoch']}, {out['received']} received, "
+              f"{'balanced' if out['balanced'] else 'UNBALANCED'}, {out['seconds']} s")
+    return ExitCode.OK if out["balanced"] else ExitCode.UNBALANCED
+
+
+def _cmd_console(args: argparse.Namespace) -> int:
+    from ccsq.console.main import run
+
+    return run(_admin_settings(args), listen=args.listen, token=args.token, refresh_s=args.refresh_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference")
+    parser = argparse.ArgumentParser(prog="ccsq", description="ccsq: durable job broker for GPU inference",
+                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ccsq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("init", help="write a ready-to-run swarm directory (configs, keys, authorized keys)")
     p.add_argument("dir")
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint (default %(default)s)")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="broker endpoint peers connect to (default %(default)s)")
+    p.add_argument("--bind", default=None, help="endpoint the broker binds, e.g. tcp://0.0.0.0:5555 (default: the endpoint "
+                   "itself when its host is a loopback/local address or *, else tcp://0.0.0.0:PORT)")
+    p.add_argument("--hosts", action="store_true", help="also write hosts/<host>/: each host's configs, its own private "
+                   "key(s) and the public keys it needs (docs/deployment.md)")
+    p.add_argument("--gpu-hosts", type=int, default=0, help="with --hosts: spread the workers over this many GPU hosts "
+                   "(default: one host per worker)")
     p.add_argument("--workers", type=int, default=2, help="number of worker configs (default %(default)s)")
     p.add_argument("--handler", default="echo", help="worker handler: ocr, echo, sleep, fail (default %(default)s)")
     p.set_defaults(func=_cmd_init)
@@ -421,21 +703,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
 
-    p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait")
-    p.add_argument("--config", required=True, help="producer.toml")
+    p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait",
+                       epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _config_arg(p, "producer")
     p.add_argument("--kind", default="ocr", help="item kind (default %(default)s)")
-    p.add_argument("--wait", action="store_true", help="wait until every item is acknowledged")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until every item is acknowledged (exit 4 on timeout, 5 if one ends dead or expired)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait: give up after this (default %(default)s)")
+    p.add_argument("--param", type=_param, action="append", metavar="K=V",
+                   help="an item parameter for the handler (repeatable; numbers and true/false are typed)")
+    p.add_argument("--priority", type=int, default=0, help="higher is dispatched first (default %(default)s)")
+    p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
+    p.add_argument("--connect-timeout-s", type=float, default=3.0,
+                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK)")
-    p.add_argument("--config", required=True, help="completion.toml")
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
+    _config_arg(p, "completion")
     p.set_defaults(func=_cmd_completion)
 
     p = sub.add_parser("gap-report", help="accounting, balance and gap-register windows (reads the ledger)")
-    p.add_argument("--config", required=True, help="brokerd.toml")
+    _config_arg(p, "brokerd")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with a chart to FILE")
     p.add_argument("--verbose", action="store_true", help="show where/why/repair of each window")
@@ -443,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def admin_parser(name: str, help_: str, parent=sub, *, read_only: bool = False) -> argparse.ArgumentParser:
         ap = parent.add_parser(name, help=help_)
-        ap.add_argument("--config", required=True, help="admin.toml")
+        _config_arg(ap, "admin")
         ap.add_argument("--json", action="store_true", help="print JSON")
         if read_only:
             ap.add_argument("--offline", action="store_true", help="read the ledger directly (also automatic when the broker does not answer)")
@@ -476,38 +766,149 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_drain)
 
     p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
-    p.add_argument("--config", required=True, help="brokerd.toml")
+    _config_arg(p, "brokerd")
     p.add_argument("--store", required=True, help="claim store URI (file://PATH or s3://bucket/prefix)")
     p.add_argument("--grace-s", type=float, default=3600.0, help="orphans younger than this are kept (default %(default)s)")
     p.add_argument("--apply", action="store_true", help="delete old orphans and dead-letter ready items whose payload is missing")
     p.add_argument("--admin-config", help="admin.toml for --apply (default: next to brokerd.toml)")
+    p.add_argument("--s3-endpoint-url", default="", help="for s3://: the S3-compatible server (as s3_endpoint_url in the configs)")
+    p.add_argument("--s3-region", default="", help="for s3://: the region")
+    p.add_argument("--s3-profile", default="", help="for s3://: a profile of the AWS credential chain")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
 
     from ccsq.relayd.cli import add_commands as add_federation_commands  # init-relay, federation report
 
     add_federation_commands(sub)
+    p = sub.add_parser("backup", help="consistent compacting hot copy of the ledger (safe while the broker runs)")
+    _config_arg(p, "brokerd")
+    p.add_argument("dest", help="new or empty directory for the copy's data.mdb")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_backup)
+
+    p = sub.add_parser("console", help="the live console in the browser: accounting, workers, items, dead letters, gaps")
+    _config_arg(p, "admin")
+    p.add_argument("--listen", help="HOST:PORT (default: console_listen in admin.toml, 127.0.0.1:8750); "
+                   "a non-loopback address needs a token")
+    p.add_argument("--token", help="access token (admin role); also CCSQ_CONSOLE_TOKEN or console_tokens in admin.toml")
+    p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
+    p.set_defaults(func=_cmd_console)
+
+    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh or tcsh)",
+                       epilog="examples:\n  ccsq completion-script bash > /etc/bash_completion.d/ccsq\n"
+                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.set_defaults(func=_cmd_completion_script)
     return parser
 
 
+EXAMPLES = """\
+examples:
+  ccsq init swarm && cd swarm                   # a ready-to-run swarm directory
+  export CCSQ_CONFIG=$PWD                       # then --config can be left out (default: /etc/ccsq/<name>.toml)
+  ccsq submit --kind ocr --wait scans/*.png     # submit files and wait until acknowledged
+  ccsq status                                   # peers, their kinds, backlog per kind
+  ccsq dlq list && ccsq dlq replay --all        # dead letters: why, and retry
+  ccsq gap-report --html report.html            # accounting and every at-least-once window
+  source <(ccsq completion-script bash)         # tab completion
+
+exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not acknowledged in time,
+5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
+69 the broker did not answer, 74 ledger write failed, 75 ledger locked / port busy,
+77 the broker refused this peer (unknown id, wrong key, wrong role), 78 configuration error,
+79 GPU required but unusable, 80 ledger file corrupt or unreadable (restore a `ccsq backup`)
+"""
+
+SUBMIT_EXAMPLES = """\
+examples:
+  ccsq submit --kind ocr scan-1.png scan-2.png
+  ccsq submit --kind classify --param model=resnet50.onnx --param top_k=5 --priority 10 --wait photo.jpg
+  ccsq submit --kind ocr --deadline-s 3600 --wait --timeout-s 3600 --json batch/*.png
+"""
+
+#: shtab.FILE (file-name completion), without importing shtab for every command.
+FILE_COMPLETION = {"bash": "_shtab_compgen_files", "zsh": "_files", "tcsh": "f"}
+
+#: The config file each command reads when --config is not given.
+CONFIG_ENV = "CCSQ_CONFIG"
+CONFIG_DIR = Path("/etc/ccsq")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ccsq")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--config`` of a command that reads ``<name>.toml`` (default: see :func:`default_config`)."""
+    parser.add_argument("--config", default=None,
+                        help=f"{name}.toml (default: ${CONFIG_ENV}/{name}.toml when ${CONFIG_ENV} is a directory, "
+                             f"${CONFIG_ENV} when it is a file, else {CONFIG_DIR}/{name}.toml)",
+                        ).complete = FILE_COMPLETION  # type: ignore[attr-defined]
+    parser.set_defaults(config_name=name)
+
+
+def default_config(name: str) -> str:
+    """The config file for a command that reads ``<name>.toml`` when --config is left out:
+    ``$CCSQ_CONFIG/<name>.toml`` (a directory, e.g. the one ``ccsq init`` wrote),
+    ``$CCSQ_CONFIG`` (a file), else ``/etc/ccsq/<name>.toml``."""
+    import os
+
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        path = Path(env)
+        return str(path / f"{name}.toml") if path.is_dir() else str(path)
+    return str(CONFIG_DIR / f"{name}.toml")
+
+
+def _cmd_completion_script(args: argparse.Namespace) -> int:
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return ExitCode.OK
+
+
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
-QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen"})
+QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
+                                "completion-script", "backup"})
+
+
+def _not_refusal(record) -> bool:
+    return (getattr(record, "ccsq_event", None) or {}).get("event") != "broker_refused_peer"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config_name", None) and args.config is None:
+        args.config = default_config(args.config_name)
+        if not Path(args.config).exists():
+            print(f"ccsq {args.command}: no --config given and {args.config} does not exist: pass --config "
+                  f"FILE, or set {CONFIG_ENV} to the directory `ccsq init` wrote", file=sys.stderr)
+            return ExitCode.CONFIG
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 
         from ccsq.common import log as logsetup
 
         logsetup.configure("auto", level=logging.WARNING)
+        logging.getLogger("ccsq.peer").addFilter(_not_refusal)  # the command prints the refusal as a sentence
     try:
         return int(args.func(args))
     except ConfigError as exc:
         print(f"ccsq {args.command}: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except NoInput as exc:
+        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
+        return ExitCode.NOINPUT
+    except Unauthorized as exc:
+        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
+        return ExitCode.UNAUTHORIZED
     except BrokerUnavailable as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
         return ExitCode.UNAVAILABLE
@@ -516,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.REFUSED
     except CcsqError as exc:
         print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
-        return ExitCode.FAILURE
+        return getattr(exc, "exit_code", ExitCode.FAILURE)  # a LedgerError says which (ledger_failure)
     except KeyboardInterrupt:
         return ExitCode.FAILURE
     except BrokenPipeError:  # `ccsq status | head -1`: the reader left; not an error of ours

@@ -20,9 +20,12 @@ from ccsq.common.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "") -> Any:
-    """A config field: default, inclusive range, whether it is a filesystem path, allowed values."""
-    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc})
+def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "",
+        endpoint: str = "") -> Any:
+    """A config field: default, inclusive range, whether it is a filesystem path, allowed values;
+    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.endpoints`)."""
+    return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc,
+                                                        "endpoint": endpoint})
 
 
 def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
@@ -55,6 +58,10 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         raise ConfigError(f"{key} = {value!r} is above the maximum {md['max']}")
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
+    if md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
+        from ccsq.common.endpoints import check_endpoint
+
+        check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
     return value
 
 
@@ -63,7 +70,14 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - set(fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known keys: {sorted(set(fields) - {'config_path'})}")
+        import difflib
+
+        known = sorted(set(fields) - {"config_path"})
+        hints = []
+        for key in sorted(unknown):
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; the keys are listed in the README (Configuration)")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
@@ -115,7 +129,7 @@ class PeerSettings:
     peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
     private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
-    broker_endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint of ccsq-brokerd")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH)")
     broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
@@ -124,6 +138,7 @@ class PeerSettings:
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
     curve: bool = opt(False, doc="encrypt the link with ZeroMQ CURVE (the broker must have curve = true)")
     broker_curve_public_key: str = opt("keys/broker.curve.pub", path=True, doc="the broker's CURVE public key (Z85), pinned; used when curve = true")
+    curve_secret_key: str = opt("", path=True, doc="this peer's CURVE secret key (Z85, mode 0600; needed when curve = true): the broker admits only the curve_public_key values in authorized_keys.toml")
     config_path: str = ""
 
 
@@ -134,7 +149,8 @@ class BrokerConfig:
     peer_id: str = opt("broker", doc="the broker's peer id")
     private_key: str = opt("keys/broker.key", path=True, doc="broker's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key; reloaded on SIGHUP")
-    endpoint: str = opt("tcp://127.0.0.1:5555", doc="ZeroMQ endpoint the ROUTER binds")
+    endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="bind", doc="endpoint peers connect to (their broker_endpoint); the ROUTER binds it too unless bind is set")
+    bind: str = opt("", endpoint="bind", doc="endpoint the ROUTER binds when it differs from endpoint, e.g. tcp://0.0.0.0:5555 ('' = endpoint)")
     data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
     heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
     liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
@@ -146,6 +162,8 @@ class BrokerConfig:
     retention_s: float = opt(3600.0, min=0.0, max=365 * 86400.0, doc="acknowledged items are purged after this")
     map_size_bytes: int = opt(1 << 30, min=1 << 20, max=1 << 44, doc="initial LMDB map size")
     max_map_size_bytes: int = opt(64 << 30, min=1 << 20, max=1 << 46, doc="the map grows up to this, then SUBMIT gets QUEUE_FULL")
+    max_readers: int = opt(126, min=8, max=65536, doc="LMDB reader slots (processes reading the ledger at once); set when the broker creates lock.mdb")
+    reader_warn_age_s: float = opt(300.0, min=0.1, max=86400.0, doc="warn (log, status) when a ledger reader's snapshot is this old: it pins pages freed since")
     min_free_disk_bytes: int = opt(256 << 20, min=0, max=1 << 46, doc="below this free disk, SUBMIT gets DISK_FULL")
     max_ready_items: int = opt(0, min=0, max=1 << 40, doc="0 = unlimited; above it SUBMIT gets QUEUE_FULL")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest accepted frame")
@@ -160,6 +178,8 @@ class BrokerConfig:
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
     curve: bool = opt(False, doc="encrypt every link with ZeroMQ CURVE (peers need curve = true and the public key)")
     curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
+    allow_insecure_bind: bool = opt(False, doc="true: allow an endpoint beyond loopback without curve (anyone reaching the port can connect and make the broker queue frames; docs/security.md)")
+    metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
     swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
     trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
     config_path: str = ""
@@ -183,6 +203,11 @@ class WorkerConfig(PeerSettings):
     max_batch: int = opt(0, min=0, max=4096, doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
     model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
+    metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
+    log_each_job: bool = opt(True, doc="log job_started/job_completed per item (false: one batch_started line naming the batch's items and one results_reported per report frame; ~40 µs CPU less per item)")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +218,9 @@ class ProducerConfig(PeerSettings):
     inline_max_bytes: int = opt(16384, min=0, max=1 << 20, doc="payloads up to this size travel inline")
     outbox_dir: str = opt("", path=True, doc="local spool for submissions while the broker is down ('' = off)")
     submit_timeout_s: float = opt(10.0, min=0.1, max=3600.0, doc="wait this long for SUBMIT_ACK before retrying")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +234,10 @@ class CompletionConfig(PeerSettings):
     batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
+    metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
+    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
+    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +246,8 @@ class AdminConfig(PeerSettings):
 
     data_dir: str = opt("broker-data", path=True, doc="the broker's data_dir, read directly when the broker is stopped (--offline)")
     connect_timeout_s: float = opt(2.0, min=0.1, max=300.0, doc="no WELCOME within this: read the ledger offline (read-only commands)")
+    console_listen: str = opt("127.0.0.1:8750", doc="`ccsq console` listens here (HOST:PORT; beyond loopback it needs a token)")
+    console_tokens: str = opt("", path=True, doc="`ccsq console` tokens: TOML file of [tokens.NAME] token, role = admin|viewer (mode 0600; '' = none)")
 
 
 CONFIG_FILES: dict[str, type] = {

@@ -155,6 +155,16 @@ class ReplayGuard:
         self._current[sender] = (session, seq, ts_ms)
 
 
+def _refused(message: str, code: str, sender: str, hello_fresh: bool) -> AuthError:
+    """An AuthError that names the claimed sender (at most 64 chars) for refusals and rate
+    limits; ``answerable`` when the frame looks like a real peer's HELLO (type HELLO, a
+    fresh timestamp), the only unauthenticated frame the broker may answer."""
+    err = AuthError(message, code=code)
+    err.sender = sender[:64]
+    err.answerable = hello_fresh
+    return err
+
+
 class EnvelopeCodec:
     """Encodes this peer's messages and verifies everyone else's.
 
@@ -207,6 +217,9 @@ class EnvelopeCodec:
             )
         return [payload, self._key.sign(payload)]
 
+    def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
+        return msg_type == p.MsgType.HELLO and abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
+
     def decode(self, frames: list[bytes], *, bound_sender: str | None = None) -> Envelope:
         """Verify and decode ``[payload, signature]`` from an untrusted peer.
 
@@ -232,13 +245,14 @@ class EnvelopeCodec:
             raise DecodeError("envelope header has wrong types", code=p.REJECT_MALFORMED)
         peer = self.authorized.get(sender)
         if peer is None:
-            raise AuthError(f"unknown sender {sender[:64]!r}", code=p.REJECT_UNKNOWN_SENDER)
+            raise _refused(f"unknown sender {sender[:64]!r}", p.REJECT_UNKNOWN_SENDER, sender, self._hello_fresh(msg_type, ts_ms))
         if bound_sender is not None and sender != bound_sender:
             raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=p.REJECT_FORGED_ORIGIN)
         try:
             peer.public_key.verify(signature, payload)
         except InvalidSignature:
-            raise AuthError(f"bad signature from {sender!r}", code=p.REJECT_BAD_SIGNATURE) from None
+            raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender,
+                           self._hello_fresh(msg_type, ts_ms)) from None
         # --- authenticated from here on: the sender signed exactly these bytes ---
         try:
             mtype = p.MsgType(msg_type)

@@ -25,6 +25,10 @@ class ExitCode(enum.IntEnum):
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
     REFUSED = 65  # EX_DATAERR: the broker refused a CLI request (unknown item or worker, item not dead...)
     UNAVAILABLE = 69  # EX_UNAVAILABLE: a CLI command needs the running broker and got no answer
+    UNAUTHORIZED = 77  # EX_NOPERM: the broker refused this peer (unknown id, wrong key, wrong role); do not restart
+    NOINPUT = 66  # EX_NOINPUT: an input file named on the command line does not exist or cannot be read
+    DEAD = 5  # submit --wait: some item ended dead or expired (it will not complete without `ccsq dlq replay`)
+    LEDGER_CORRUPT = 80  # the ledger file is corrupt, not LMDB, or of another LMDB version: restore a backup; do not restart
 
 
 class CcsqError(Exception):
@@ -52,6 +56,12 @@ class ConfigError(PermanentError):
     code = "CONFIG"
 
 
+class NoInput(PermanentError):
+    """An input file named on the command line does not exist or cannot be read (exit 66)."""
+
+    code = "NOINPUT"
+
+
 class DecodeError(PermanentError):
     """Bytes from the wire could not be turned into a valid message.
 
@@ -59,6 +69,10 @@ class DecodeError(PermanentError):
     """
 
     code = "MALFORMED"
+    #: the sender id the frame claims, when it was read (for refusals and rate limits)
+    sender: str | None = None
+    #: an unauthenticated frame that looks like a real peer's HELLO (the broker may answer it)
+    answerable: bool = False
 
 
 class AuthError(DecodeError):
@@ -140,6 +154,68 @@ class PermanentHandlerError(PermanentError):
     code = "HANDLER_FATAL"
 
 
+#: An I/O error on a filesystem with less free space than this is a full disk: LMDB reports a
+#: short write (what a full disk gives) as EIO.
+FULL_DISK_MARGIN_BYTES = 8 << 20
+
+
+def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
+                   free_bytes: int | None = None) -> tuple[ExitCode, str]:
+    """The exit code and one sentence (cause and fix) for an LMDB error ``exc`` that
+    stopped ``doing`` on the ledger at ``path``. Classifies by the py-lmdb exception
+    class name (no lmdb import here) and, for plain ``lmdb.Error``/``OSError``, by the
+    errno text: ReadersFullError -> LEDGER_LOCKED (75, transient), MapFullError ->
+    CONFIG (78: raise max_map_size_bytes), ENOSPC -> LEDGER_IO (74: free space), EIO ->
+    LEDGER_IO (74: check the disk), Corrupted/Invalid/VersionMismatch/BadChecksum/
+    PageNotFound/Panic/Incompatible -> LEDGER_CORRUPT (80: restore a backup),
+    LockError -> LEDGER_LOCKED (75); EACCES -> CONFIG (78); anything else -> LEDGER_IO (74). ``free_bytes``: free
+    space on the ledger's filesystem when known; an EIO there with less than
+    :data:`FULL_DISK_MARGIN_BYTES` free is a full disk (LMDB turns the short write of a
+    full disk into EIO)."""
+    name = type(exc).__name__
+    text = str(exc)
+    where = f"{doing} on {path}"
+    if name == "ReadersFullError":
+        return ExitCode.LEDGER_LOCKED, (
+            f"{where}: the LMDB reader table is full (MDB_READERS_FULL): live processes hold every reader slot "
+            "(stale slots of dead processes were cleared); stop the stray readers listed by `ccsq status` "
+            "(readers) or raise max_readers, then retry. This is not a disk problem")
+    if name == "MapFullError":
+        return ExitCode.CONFIG, (
+            f"{where}: the ledger reached its map size limit (MDB_MAP_FULL): raise max_map_size_bytes in brokerd.toml, "
+            "or take back space held by history with `ccsq backup` and the swap in docs/ledger.md")
+    eio = "Input/output error" in text or getattr(exc, "errno", None) == 5
+    if eio and free_bytes is not None and free_bytes < FULL_DISK_MARGIN_BYTES:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk holding the ledger is full (ENOSPC: {free_bytes} bytes free; LMDB reports the short "
+            "write as EIO); nothing unconfirmed was acknowledged: free disk space there, then restart")
+    if name == "DiskError" or "No space left" in text or getattr(exc, "errno", None) == 28:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk holding the ledger is full (ENOSPC); nothing unconfirmed was acknowledged: "
+            "free disk space there, then restart")
+    if eio:
+        return ExitCode.LEDGER_IO, (
+            f"{where}: the disk or filesystem returned an I/O error (EIO); nothing unconfirmed was acknowledged: "
+            "check the device (dmesg, smartctl), restart once it is healthy, or restore the latest backup on a healthy disk")
+    if name in ("CorruptedError", "PageNotFoundError", "BadChecksumError", "PanicError"):
+        return ExitCode.LEDGER_CORRUPT, (
+            f"{where}: the ledger file is corrupt ({name}); do not restart: stop the broker, keep the file for analysis, "
+            "restore the latest `ccsq backup` (docs/ledger.md, Backups), then start")
+    if name in ("InvalidError", "VersionMismatchError", "IncompatibleError"):
+        return ExitCode.LEDGER_CORRUPT, (
+            f"{where}: data.mdb is not a ledger this LMDB can read ({name}: not an LMDB file, or written by another "
+            "LMDB version); do not restart: point data_dir at the right directory, use the LMDB version that wrote it, "
+            "or restore a `ccsq backup`")
+    if "Permission denied" in text or getattr(exc, "errno", None) == 13:
+        return ExitCode.CONFIG, (
+            f"{where}: permission denied (EACCES): this user cannot open the ledger files; fix their owner and mode "
+            "(the broker's user owns data_dir), or run as that user")
+    if name == "LockError":
+        return ExitCode.LEDGER_LOCKED, (
+            f"{where}: the ledger's lock file is locked by another process (EAGAIN): transient, retry later")
+    return ExitCode.LEDGER_IO, f"{where}: ledger error ({name}: {text}); nothing unconfirmed was acknowledged: restart"
+
+
 #: Map from wire error code to exception type, used by clients to re-raise.
 ERRORS_BY_CODE: dict[str, type[CcsqError]] = {
     cls.code: cls
@@ -162,3 +238,10 @@ def error_from_code(code: str, message: str) -> CcsqError:
     """Build the typed exception for a wire error ``code`` (unknown codes give :class:`CcsqError`)."""
     cls = ERRORS_BY_CODE.get(code, CcsqError)
     return cls(message, code=code)
+
+
+class StoreUnavailable(RetryableError):
+    """The claim store cannot be reached right now (S3 endpoint down, I/O error on a
+    mount): transient, a daemon exits 75 at start-up and is restarted."""
+
+    code = "STORE_UNAVAILABLE"

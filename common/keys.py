@@ -7,6 +7,8 @@ Authorized keys (TOML)::
     [peers.worker-1]
     role = "worker"            # broker | worker | producer | completion | admin
     public_key = "base64..."   # raw 32-byte Ed25519 public key
+    curve_public_key = "Z85.." # optional: the peer's ZeroMQ CURVE public key (40 chars);
+                               # a broker with curve = true admits exactly these (ZAP)
 
 Errors: :class:`~ccsq.common.errors.ConfigError` naming the file and the fix.
 """
@@ -89,6 +91,7 @@ class PeerKey:
     peer_id: str
     role: Role
     public_key: Ed25519PublicKey
+    curve_public_key: bytes | None = None  # Z85, when the entry lists one
 
 
 class AuthorizedKeys:
@@ -97,11 +100,20 @@ class AuthorizedKeys:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._peers: dict[str, PeerKey] = {}
+        #: Z85 CURVE public keys of every entry that lists one: the broker's ZAP
+        #: allow-list (read from the ZAP thread; replaced whole on reload).
+        self.curve_keys: frozenset[bytes] = frozenset()
         self.reload()
 
     def reload(self) -> None:
         """Re-read the file; on error the previous table stays in force and ConfigError is raised."""
-        self._peers = parse_authorized_keys(self.path)
+        peers = parse_authorized_keys(self.path)
+        self._peers = peers
+        self.curve_keys = frozenset(k.curve_public_key for k in peers.values() if k.curve_public_key)
+
+    def curve_allowed(self, z85_key: bytes) -> bool:
+        """ZAP decision: is this CURVE client key listed for some authorized peer?"""
+        return z85_key in self.curve_keys
 
     def get(self, peer_id: str) -> PeerKey | None:
         return self._peers.get(peer_id)
@@ -130,29 +142,35 @@ def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
     peers: dict[str, PeerKey] = {}
     for peer_id, entry in doc.get("peers", {}).items():
         where = f"{path}: peers.{peer_id}"
-        if not isinstance(entry, dict) or set(entry) != {"role", "public_key"}:
-            raise ConfigError(f"{where}: needs exactly the keys role and public_key")
+        if not isinstance(entry, dict) or not {"role", "public_key"} <= set(entry) <= {"role", "public_key", "curve_public_key"}:
+            raise ConfigError(f"{where}: needs the keys role and public_key (and optionally curve_public_key)")
         try:
             role = Role(entry["role"])
         except ValueError:
             raise ConfigError(f"{where}.role: {entry['role']!r} is not one of {[r.value for r in Role]}") from None
         raw = _unb64(str(entry["public_key"]), f"{where}.public_key")
-        peers[peer_id] = PeerKey(peer_id, role, Ed25519PublicKey.from_public_bytes(raw))
+        curve = None
+        if "curve_public_key" in entry:
+            curve = _z85_key(str(entry["curve_public_key"]), f"{where}.curve_public_key")
+        peers[peer_id] = PeerKey(peer_id, role, Ed25519PublicKey.from_public_bytes(raw), curve)
     return peers
 
 
-def write_authorized_keys(path: Path, entries: dict[str, tuple[str, str]]) -> None:
-    """Write ``{peer_id: (role, public_key_b64)}`` as an authorized-keys TOML file."""
-    doc = {"peers": {pid: {"role": role, "public_key": pub} for pid, (role, pub) in entries.items()}}
+def write_authorized_keys(path: Path, entries: dict[str, tuple[str, ...]]) -> None:
+    """Write ``{peer_id: (role, public_key_b64[, curve_public_key_z85])}`` as an authorized-keys TOML file."""
+    doc: dict = {"peers": {}}
+    for pid, (role, pub, *curve) in entries.items():
+        doc["peers"][pid] = {"role": role, "public_key": pub, **({"curve_public_key": curve[0]} if curve and curve[0] else {})}
     path.write_text(tomli_w.dumps(doc))
 
 
 # --- ZeroMQ CURVE transport keys (optional encryption; see docs/security.md) ---------
 # Files: the Z85 text of the 32-byte key (40 chars), one line. The secret key is
 # written 0600 and refused when group/world readable, like the Ed25519 key.
-# Only the broker needs a long-lived CURVE key pair: peers use a fresh
-# ephemeral pair per connection (they are authenticated by their Ed25519
-# envelope signatures, not by their CURVE key) and pin the broker's public key.
+# The broker's key pair is pinned by every peer. Each peer has its own pair too
+# (``curve_secret_key``); its public key is listed as ``curve_public_key`` in
+# authorized_keys.toml, and the broker's ZAP handler admits exactly those keys,
+# so an unknown peer is dropped at the handshake, before it can queue a byte.
 
 CURVE_KEY_CHARS = 40
 
@@ -178,28 +196,38 @@ def write_curve_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     return sec_path, pub_path
 
 
-def _read_z85(path: Path, what: str) -> bytes:
-    import zmq
+def _z85_key(text: str, what: str) -> bytes:
+    """Validate a Z85 CURVE key given as text; ConfigError naming ``what``."""
     from zmq.utils import z85
 
+    raw = text.strip().encode("ascii", "replace")
     try:
-        text = path.read_text().strip().encode("ascii")
+        if len(raw) != CURVE_KEY_CHARS or len(z85.decode(raw)) != 32:
+            raise ValueError
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConfigError(f"{what}: expected a {CURVE_KEY_CHARS}-character Z85 CURVE key") from None
+    return raw
+
+
+def _read_z85(path: Path, what: str) -> bytes:
+    import zmq
+
+    try:
+        text = path.read_text().strip()
+        text.encode("ascii")
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} not found (create it with `ccsq keygen --curve`)") from None
     except (UnicodeError, OSError) as exc:
         raise ConfigError(f"{what} {path}: {exc}") from None
-    try:
-        if len(text) != CURVE_KEY_CHARS or len(z85.decode(text)) != 32:
-            raise ValueError
-    except (ValueError, KeyError, IndexError):
-        raise ConfigError(f"{what} {path}: expected a {CURVE_KEY_CHARS}-character Z85 CURVE key") from None
+    key = _z85_key(text, f"{what} {path}")
     if not zmq.has("curve"):
         raise ConfigError("curve = true but this libzmq has no CURVE support")
-    return text
+    return key
 
 
 def load_curve_secret(path: Path) -> bytes:
-    """The broker's Z85 CURVE secret key; refuses a group/world-readable file (ConfigError)."""
+    """A Z85 CURVE secret key (the broker's, or a peer's ``curve_secret_key``);
+    refuses a group/world-readable file (ConfigError)."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -224,12 +252,16 @@ def curve_server_setup(sock, secret_z85: bytes) -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret_z85)
 
 
-def curve_client_setup(sock, server_public_z85: bytes) -> None:
-    """Make ``sock`` a CURVE client of the server whose public key is pinned;
-    a fresh ephemeral client key pair per socket."""
+def curve_client_setup(sock, server_public_z85: bytes, secret_z85: bytes | None = None) -> None:
+    """Make ``sock`` a CURVE client of the server whose public key is pinned,
+    with the peer's own key pair (``secret_z85``; its public key is derived),
+    or a fresh ephemeral pair when None (which a ZAP allow-list refuses)."""
     import zmq
 
-    public, secret = zmq.curve_keypair()
+    if secret_z85 is None:
+        public, secret = zmq.curve_keypair()
+    else:
+        public, secret = zmq.curve_public(secret_z85), secret_z85
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public_z85)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)

@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -34,10 +33,54 @@ from zmq.utils.monitor import parse_monitor_message
 from ccsq.common import protocol as p
 from ccsq.common.config import PeerSettings
 from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, curve_client_setup, load_curve_public, load_private_key
+from ccsq.common.errors import ConfigError, DecodeError
+from ccsq.common.keys import (
+    AuthorizedKeys,
+    curve_client_setup,
+    load_curve_public,
+    load_curve_secret,
+    load_private_key,
+    public_key_b64,
+)
+from ccsq.common.log import get_logger
 
-log = structlog.get_logger("ccsq.peer")
+log = get_logger("ccsq.peer")
+
+#: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
+#: until an operator changes authorized_keys (and restarts this peer).
+CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed with status 400
+REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
+                           p.REJECT_FORGED_ORIGIN, CURVE_REFUSED})
+
+
+def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
+    """One sentence: why the broker refused this peer and what to change (for logs,
+    :class:`~ccsq.common.errors.Unauthorized` and the CLI)."""
+    peer = settings.peer_id
+    try:
+        entry = f'[peers.{peer}] role = "{role}" public_key = "{public_key_b64(load_private_key(Path(settings.private_key)))}"'
+    except Exception:  # noqa: BLE001 - the key loaded at start; this is only a hint
+        entry = f'[peers.{peer}] role = "{role}" public_key = "<this peer\'s public key>"'
+    if refusal.code == p.REJECT_UNKNOWN_SENDER:
+        fix = f"add to the broker's authorized_keys: {entry}; then reload the broker (SIGHUP) and start this peer again"
+    elif refusal.code == p.REJECT_BAD_SIGNATURE:
+        fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
+               f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
+    elif refusal.code == CURVE_REFUSED:
+        try:
+            import zmq as _zmq
+
+            curve_pub = _zmq.curve_public(peer_curve_secret(settings)).decode()
+        except Exception:  # noqa: BLE001 - only a hint
+            curve_pub = "<this peer's CURVE public key>"
+        fix = (f'add curve_public_key = "{curve_pub}" to [peers.{peer}] in the broker\'s authorized_keys.toml, then '
+               "reload the broker (SIGHUP) and start this peer again")
+    elif refusal.code == p.REJECT_ROLE:
+        fix = (f"peer id {peer!r} is authorized for another role than {role!r}: "
+               f"use the id and key of a peer with role {role!r}, or change its role in the broker's authorized_keys")
+    else:
+        fix = "check this peer's id and key against the broker's authorized_keys"
+    return f"the broker refused peer {peer!r} ({refusal.code}: {refusal.message}); {fix}"
 
 
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish
@@ -66,11 +109,23 @@ CURVE_FAILED_EVENTS = (
 )
 
 
+def peer_curve_secret(settings: PeerSettings) -> bytes:
+    """This peer's own CURVE secret key (``curve_secret_key``, needed with curve = true:
+    the broker's ZAP allow-list admits only listed keys); ConfigError naming the fix."""
+    if not settings.curve_secret_key:
+        raise ConfigError(
+            f"{settings.config_path or 'config'}: curve = true needs curve_secret_key (this peer's CURVE key; "
+            f"`ccsq keygen --curve --out keys --id {settings.peer_id or 'PEER'}` writes it and prints the "
+            "curve_public_key line for authorized_keys.toml)")
+    return load_curve_secret(Path(settings.curve_secret_key))
+
+
 def make_codec(settings: PeerSettings) -> EnvelopeCodec:
     """Build this peer's codec from its settings (keys loaded, and the broker's
     CURVE public key checked when ``curve`` is on; ConfigError on problems)."""
     if settings.curve:
         load_curve_public(Path(settings.broker_curve_public_key))
+        peer_curve_secret(settings)
     return EnvelopeCodec(
         settings.peer_id,
         load_private_key(Path(settings.private_key)),
@@ -102,6 +157,7 @@ class BrokerLink:
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
     replaced: bool  # another live process took our peer id: the link stopped for good
+    refused: p.Error | None  # the broker refused this peer for good (REFUSED_CODES): the link stopped
     _outbox: asyncio.Queue[p.Message]
 
     def __init__(
@@ -120,6 +176,7 @@ class BrokerLink:
         self.settings = settings
         self.codec = codec or make_codec(settings)
         self._curve_server_key = load_curve_public(Path(settings.broker_curve_public_key)) if settings.curve else None
+        self._curve_secret = peer_curve_secret(settings) if settings.curve else None
         self._hello = hello
         self._heartbeat = heartbeat or (lambda: p.Heartbeat())
         self._on_message = on_message
@@ -136,6 +193,8 @@ class BrokerLink:
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
         self.replaced = False  # set when the broker says a newer session took our peer id
+        self.refused = None
+        self._hello_role = ""
         self._outbox = asyncio.Queue()
         self._stopping = False
         self._stopped_ev = asyncio.Event()  # set by stop(); ends run()
@@ -201,7 +260,7 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
         monitor = None
         if self._curve_server_key is not None:
-            curve_client_setup(sock, self._curve_server_key)
+            curve_client_setup(sock, self._curve_server_key, self._curve_secret)
             monitor = sock.get_monitor_socket(CURVE_FAILED_EVENTS)
         sock.connect(self.settings.broker_endpoint)
         self.codec.new_session()
@@ -266,10 +325,19 @@ class BrokerLink:
                 return hello.result()
             event = parse_monitor_message(failed.result())
             name = getattr(event["event"], "name", str(event["event"]))
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
+                # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
+                self.refused = self.last_refusal = p.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "
+                                                                          "this peer's CURVE public key")
+                self._stopping = True
+                self.log.error("broker_refused_peer", code=CURVE_REFUSED, message=self.refused.message,
+                               fix=refusal_fix(self.settings, self._hello_role, self.refused))
+                raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} refused (ZAP): {CURVE_REFUSED}")
             self.log.error(
                 "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
                 broker_curve_public_key=self.settings.broker_curve_public_key,
-                hint="the pinned broker CURVE public key is wrong, or the broker does not run with curve = true",
+                hint="the pinned broker CURVE public key is wrong, the broker does not run with curve = true, or "
+                     "this peer's curve_public_key is not in the broker's authorized_keys.toml (ZAP refused it)",
             )
             raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): check broker_curve_public_key")
         finally:
@@ -282,7 +350,9 @@ class BrokerLink:
                         pass
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
-        frames = self.codec.encode(self._hello())
+        hello = self._hello()
+        self._hello_role = hello.role
+        frames = self.codec.encode(hello)
         try:
             await asyncio.wait_for(sock.send_multipart(frames), timeout=self.settings.hello_timeout_s)
         except asyncio.TimeoutError:
@@ -308,7 +378,14 @@ class BrokerLink:
                 return
             if isinstance(msg, p.Error):
                 self.last_refusal = msg
-                self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
+                if msg.code in REFUSED_CODES:
+                    # for good: reconnecting cannot help until authorized_keys changes
+                    self.refused = msg
+                    self._stopping = True
+                    self.log.error("broker_refused_peer", code=msg.code, message=msg.message,
+                                   fix=refusal_fix(self.settings, self._hello_role, msg))
+                else:
+                    self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
 
     def _decode(self, raw: list[bytes]) -> Envelope:

@@ -392,7 +392,10 @@ class Delivery:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ItemStatus:
     """An item's state as STATUS_REPLY reports it (``state`` is an :class:`ItemState`
-    value, or "unknown"); ``result`` is set once completed."""
+    value, or "unknown"); ``error`` is the dead-letter reason; ``result`` is the
+    handler's output as a :class:`Blob` (inline bytes, or a claim-check reference:
+    resolve with ``ClaimStore.get_blob``) while the item is completed or acknowledged
+    (until acknowledged items are purged after ``retention_s``), else None."""
 
     item_id: str
     state: str
@@ -484,6 +487,9 @@ class SubmitAck(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT_ACK
     req: int
     results: list[SubmitResult]
+    #: kinds of these items that no worker seen since the broker started serves; sent only
+    #: to producers whose HELLO info has ``features = "unserved_kinds"``
+    unserved: list[str] = extension(list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

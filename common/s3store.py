@@ -8,8 +8,14 @@ grace period protects a blob that a producer is about to reference again.
 Reads verify the SHA-256, so a torn or tampered object is
 :class:`~ccsq.common.errors.PayloadMissing`.
 
-The endpoint comes from ``CCSQ_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``
-(default: AWS); credentials and region from the usual boto3 chain.
+The endpoint comes from the config key ``s3_endpoint_url``, else
+``CCSQ_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` (default: AWS); the region from
+``s3_region`` (else ``AWS_REGION``/``AWS_DEFAULT_REGION``/the profile); credentials
+always from the AWS credential chain (environment, e.g. the unit's
+``EnvironmentFile=``; the ``s3_profile`` profile of ``~/.aws/credentials``; an
+instance role), never from ccsq's TOML. :meth:`S3Store.check` (run at start-up)
+turns missing credentials, a missing bucket and access denied into ConfigError
+(exit 78) and an unreachable endpoint into StoreUnavailable (exit 75).
 """
 
 from __future__ import annotations
@@ -20,19 +26,31 @@ from collections.abc import Iterator
 
 import boto3
 import botocore.exceptions
-import structlog
 from botocore.config import Config as BotoConfig
 
 from ccsq.common.claimstore import ClaimStore, sha256_hex
-from ccsq.common.errors import ConfigError, PayloadMissing
+from ccsq.common.errors import ConfigError, PayloadMissing, StoreUnavailable
+from ccsq.common.log import get_logger
 
-log = structlog.get_logger("ccsq.s3store")
+log = get_logger("ccsq.s3store")
 
 _HEX = frozenset("0123456789abcdef")
 _PRECONDITION_FAILED = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _PUT_CONFLICT_RETRIES = 5
+_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+           "AllAccessDisabled", "AuthorizationHeaderMalformed"}
+_NO_BUCKET = {"NoSuchBucket", "404", "NotFound"}
+_CREDENTIALS_FIX = ("give the service AWS credentials through the credential chain: AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY in the unit's EnvironmentFile=, a profile (s3_profile) in "
+                    "~/.aws/credentials of the service user, or an instance role; never in the TOML")
+_UNREACHABLE = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectionClosedError,
+)
 
 
 def _code(exc: botocore.exceptions.ClientError) -> str:
@@ -45,28 +63,84 @@ class S3Store(ClaimStore):
     ``client`` is a boto3 S3 client; one instance is used from one thread at a time.
     """
 
-    def __init__(self, client: object, bucket: str, prefix: str = "") -> None:
+    def __init__(self, client: object, bucket: str, prefix: str = "", *, probe_client: object | None = None,
+                 endpoint_url: str = "") -> None:
         if not bucket:
             raise ConfigError("s3 claim store: the URI needs a bucket (s3://bucket/prefix)")
         self._s3 = client
+        self._probe = probe_client or client  # start-up check: few retries, short timeouts
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.endpoint_url = endpoint_url
 
     @classmethod
-    def from_uri(cls, uri: str, *, endpoint_url: str | None = None) -> S3Store:
+    def from_uri(cls, uri: str, *, endpoint_url: str | None = None, region: str | None = None,
+                 profile: str | None = None, where: str = "") -> S3Store:
         """Open ``s3://bucket[/prefix]``. ``endpoint_url`` defaults to the env
-        ``CCSQ_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``. Raises ConfigError on a bad URI."""
+        ``CCSQ_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``; ``region``/``profile``: the
+        AWS region and named profile (None: boto3's defaults). Raises ConfigError on a
+        bad URI or an unknown profile."""
         if not uri.startswith("s3://"):
             raise ConfigError(f"claim store {uri!r} is not an s3:// URI")
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         endpoint = endpoint_url or os.environ.get("CCSQ_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL") or None
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60),
-        )
-        return cls(client, bucket, prefix)
+        try:
+            session = boto3.session.Session(profile_name=profile or None, region_name=region or None)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ConfigError(f"{where or 'claim store ' + uri}: s3_profile: {exc}; add the profile to the service "
+                              "user's ~/.aws/config (or AWS_CONFIG_FILE) or remove s3_profile") from None
+        try:
+            client = session.client(
+                "s3",
+                endpoint_url=endpoint,
+                config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=5, read_timeout=60),
+            )
+            probe = session.client(
+                "s3",
+                endpoint_url=endpoint,
+                config=BotoConfig(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10),
+            )
+        except ValueError as exc:  # e.g. an endpoint URL that is not a URL
+            raise ConfigError(f"{where or 'claim store ' + uri}: s3_endpoint_url {endpoint!r}: {exc}") from None
+        except botocore.exceptions.NoRegionError:
+            raise ConfigError(f"{where or 'claim store ' + uri}: no AWS region; set s3_region (or AWS_REGION)") from None
+        return cls(client, bucket, prefix, probe_client=probe, endpoint_url=endpoint or "")
+
+    def check(self, where: str = "") -> None:
+        """HEAD the bucket with the configured credentials: ConfigError for missing
+        credentials, a missing bucket or access denied (exit 78), StoreUnavailable
+        for an endpoint that does not answer (exit 75)."""
+        prefix = f"{where} = {self.uri!r}" if where else f"claim store {self.uri}"
+        at = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        try:
+            self._probe.head_bucket(Bucket=self.bucket)
+        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError) as exc:
+            raise ConfigError(f"{prefix}: {exc}; {_CREDENTIALS_FIX}") from None
+        except _UNREACHABLE as exc:
+            raise StoreUnavailable(f"{prefix}: the S3 endpoint{at} does not answer ({exc}); retry later, "
+                                   "or fix s3_endpoint_url") from None
+        except botocore.exceptions.ClientError as exc:
+            code = _code(exc)
+            if code in _NO_BUCKET:
+                raise ConfigError(f"{prefix}: bucket {self.bucket!r} does not exist{at}; create it or fix the URI") from None
+            if code in _DENIED:
+                raise ConfigError(f"{prefix}: access to bucket {self.bucket!r}{at} denied ({code}); check the "
+                                  "credentials and the bucket policy (s3:ListBucket, GetObject, PutObject)") from None
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status >= 500:
+                raise StoreUnavailable(f"{prefix}: the S3 endpoint{at} answered {status} ({code}); retry later") from None
+            raise ConfigError(f"{prefix}: bucket check failed ({code}: {exc})") from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ConfigError(f"{prefix}: {exc}") from None
+
+    def _runtime(self, exc: Exception) -> Exception:
+        """A credentials problem at run time, as a ConfigError with the fix (not a raw traceback)."""
+        if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
+            return ConfigError(f"claim store {self.uri}: {exc}; {_CREDENTIALS_FIX}")
+        if isinstance(exc, _UNREACHABLE):
+            return StoreUnavailable(f"claim store {self.uri}: the S3 endpoint does not answer ({exc})")
+        return exc
 
     def _key(self, sha256: str) -> str:
         if len(sha256) != 64 or not set(sha256) <= _HEX:
@@ -76,6 +150,12 @@ class S3Store(ClaimStore):
 
     def put(self, data: bytes) -> str:
         """Store ``data`` unless present (conditional put); return its SHA-256 hex."""
+        try:
+            return self._put(data)
+        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError, *_UNREACHABLE) as exc:
+            raise self._runtime(exc) from None
+
+    def _put(self, data: bytes) -> str:
         digest = sha256_hex(data)
         key = self._key(digest)
         for attempt in range(_PUT_CONFLICT_RETRIES):
@@ -109,6 +189,8 @@ class S3Store(ClaimStore):
             if _code(exc) in _NOT_FOUND:
                 raise PayloadMissing(f"blob {sha256} is not in {self.uri}") from None
             raise
+        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError, *_UNREACHABLE) as exc:
+            raise self._runtime(exc) from None
         data = obj["Body"].read()
         if sha256_hex(data) != sha256:
             raise PayloadMissing(f"blob {sha256} in {self.uri} is corrupt (digest mismatch)")

@@ -62,7 +62,7 @@ def main() -> int:
     with ProcessGroup(root / "logs") as procs:
         procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])], ready_event="broker_started")
         for n in range(1, args.workers + 1):
-            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n}"])],
+            procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n - 1}"])],
                         ready_event="broker_link_ready", ready_timeout_s=120)
         procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(configs["completion"])],
                     ready_event="broker_link_ready")

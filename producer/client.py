@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 import msgpack
-import structlog
 
 from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore, open_store
@@ -55,22 +54,23 @@ from ccsq.common.errors import (
     PayloadTooLarge,
     PermanentError,
     RetryableError,
+    StoreUnavailable,
     Unauthorized,
     error_from_code,
 )
 from ccsq.common.faults import crash_point
-from ccsq.common.peer import BrokerLink, backoff_delay_s
+from ccsq.common.log import get_logger
+from ccsq.common.peer import REFUSED_CODES, BrokerLink, backoff_delay_s, refusal_fix
 from ccsq.producer.outbox import Outbox
 
-log = structlog.get_logger("ccsq.producer")
+log = get_logger("ccsq.producer")
 
 Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
 #: Error codes in a SubmitResult that are worth retrying (the rest are permanent).
 RETRYABLE_CODES = frozenset({"QUEUE_FULL", "DISK_FULL"})
 #: Codes with which a broker refuses our HELLO for good.
-UNAUTHORIZED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                                p.REJECT_FORGED_ORIGIN})
+UNAUTHORIZED_CODES = REFUSED_CODES
 #: States after which an item will not change any more ("unknown": purged or never existed).
 DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
 
@@ -91,6 +91,9 @@ class Receipt:
     key: str
     duplicate: bool = False
     spooled: bool = False
+    #: no worker seen by the broker since it started serves this item's kind: it waits
+    #: in ``ready`` until one connects (False when unknown: spooled, or an older broker)
+    unserved: bool = False
 
 
 def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
@@ -173,7 +176,13 @@ class AsyncClient:
         self.config = config
         if base_dir is None:
             base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
-        self._store = open_store(config.claim_store, base_dir=base_dir)
+        s3 = {k: getattr(config, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
+        where = f"{config.config_path}: claim_store" if config.config_path else "claim_store"
+        self._store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
+        try:
+            self._store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
+        except StoreUnavailable as exc:  # unreachable right now: submit retries / spools; say so once
+            log.warning("claim_store_unavailable", error=str(exc))
         self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
         self._outbox = Outbox(config.outbox_dir) if config.outbox_dir else None
         self._link = None
@@ -203,16 +212,27 @@ class AsyncClient:
             return
         self._link = BrokerLink(
             self.config,
-            hello=lambda: p.Hello(role=p.Role.PRODUCER.value),
+            hello=lambda: p.Hello(role=p.Role.PRODUCER.value, info={"features": "unserved_kinds"}),
             on_message=self._on_message,
             on_connect=self._on_connect,
         )
-        self._tasks.append(asyncio.create_task(self._link.run(), name="producer-link"))
+        link_task = asyncio.create_task(self._link.run(), name="producer-link")
+        link_task.add_done_callback(self._link_ended)
+        self._tasks.append(link_task)
         if self._outbox is not None:
             self._flush_wakeup = asyncio.Event()
             flusher = asyncio.create_task(self._flusher(), name="producer-outbox-flusher")
             flusher.add_done_callback(self._flusher_done)
             self._tasks.append(flusher)
+
+    def _link_ended(self, _task: asyncio.Task) -> None:
+        """The link stopped for good: if the broker refused us, every waiting request fails now."""
+        if self._link is None or self._link.refused is None:
+            return
+        err = Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code)
+        for pend in self._pending.values():
+            if not pend.future.done():
+                pend.future.set_exception(err)
 
     def _flusher_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -289,18 +309,26 @@ class AsyncClient:
             raise CcsqError("client not started: use `async with AsyncClient(cfg)` or call start()")
         return self._link
 
+    def _check_refused(self, link: BrokerLink) -> None:
+        """Raise Unauthorized (naming the fix) once the broker refused this peer for good."""
+        refusal = link.refused or link.last_refusal
+        if refusal is not None and refusal.code in UNAUTHORIZED_CODES:
+            raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a session with the broker: True when connected,
+        False when the broker did not answer in time (down, or the endpoint is wrong).
+        Raises Unauthorized as soon as the broker refuses this peer (unknown id, wrong
+        key, wrong role), normally well within a second."""
+        return await self._wait_ready(timeout_s)
+
     async def _wait_ready(self, timeout_s: float) -> bool:
         """True once a session is up; False after ``timeout_s``; Unauthorized as soon as
         the broker refuses our HELLO for good."""
         link = self._require_link()
         deadline = time.monotonic() + timeout_s
         while not link.ready.is_set():
-            refusal = link.last_refusal
-            if refusal is not None and refusal.code in UNAUTHORIZED_CODES:
-                raise Unauthorized(
-                    f"broker refused peer {self.config.peer_id!r}: {refusal.code}: {refusal.message}; "
-                    "add its public key with role producer to authorized_keys"
-                )
+            self._check_refused(link)
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -325,6 +353,7 @@ class AsyncClient:
         try:
             link.send(msg)  # if not connected, on_connect sends it
             while True:
+                self._check_refused(link)
                 left = deadline_mono - time.monotonic()
                 if left <= 0:
                     raise BrokerUnavailable(
@@ -349,12 +378,13 @@ class AsyncClient:
                 fut.cancel()
 
     async def _submit_confirmed(
-        self, items: list[p.SubmitItem], deadline_mono: float
+        self, items: list[p.SubmitItem], deadline_mono: float, unserved: set[str] | None = None
     ) -> tuple[dict[str, p.SubmitResult], list[p.SubmitItem], CcsqError | None]:
         """Send ``items`` (one frame) until each is confirmed or refused for good.
 
         Returns ``(results by key, unconfirmed items, last retryable error)``;
-        results include permanent refusals (``error`` set)."""
+        results include permanent refusals (``error`` set). Kinds the broker says no
+        worker serves are added to ``unserved``."""
         done: dict[str, p.SubmitResult] = {}
         remaining = items
         attempt = 0
@@ -363,6 +393,8 @@ class AsyncClient:
                 ack = await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono)
             except BrokerUnavailable as exc:
                 return done, remaining, exc
+            if unserved is not None:
+                unserved.update(ack.unserved)
             by_key = {r.key: r for r in ack.results}
             retry: list[p.SubmitItem] = []
             last: p.SubmitResult | None = None
@@ -428,12 +460,17 @@ class AsyncClient:
         if max_runtime_s is not None and max_runtime_s <= 0:
             raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
         params = _check_params(params)
-        probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
-                             priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                             max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-        problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
-        if problem:
-            raise InvalidRequest(problem)
+        # bytes that travel inline are never written anywhere: check the final item instead of a
+        # probe (one SubmitItem and Blob per item less; same rule, same error)
+        inline_bytes = isinstance(payload, (bytes, bytearray)) and self._store.inline_without_io(
+            len(payload), self.config.inline_max_bytes)
+        if not inline_bytes:
+            probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
+                                 priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
+                                 max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
+            problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
+            if problem:
+                raise InvalidRequest(problem)
         data = _read_payload(payload)
         if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
             blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
@@ -452,6 +489,10 @@ class AsyncClient:
             max_attempts=int(max_attempts or 0),
             max_runtime_s=float(max_runtime_s or 0.0),
         )
+        if inline_bytes:
+            problem = p.submit_item_problem(item)
+            if problem:
+                raise InvalidRequest(problem)
         return item
 
     # --- public API ---
@@ -511,6 +552,7 @@ class AsyncClient:
         requested = items
         items = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
         frames = self._frames(items)
+        self._check_refused(self._require_link())  # refused for good: spooling would only hide it
         spooled: list[p.SubmitItem] = []
         results: dict[str, p.SubmitResult] = {}
         errors: list[CcsqError] = []
@@ -526,7 +568,11 @@ class AsyncClient:
                     f"no session with the broker at {self.config.broker_endpoint} within {timeout_s}s; "
                     "check that ccsq-brokerd runs and the endpoint is right (or set outbox_dir to spool)"
                 )
-        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline) for f in frames))
+        unserved: set[str] = set()
+        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline, unserved) for f in frames))
+        if unserved:
+            self.log.info("kind_not_served", kinds=sorted(unserved),
+                             hint="no worker seen by the broker since it started serves these kinds; the items wait in ready")
         for done, unconfirmed, err in outcomes:
             results.update(done)
             if unconfirmed:
@@ -553,7 +599,8 @@ class AsyncClient:
                 if not isinstance(err, PermanentError) and not isinstance(err, RetryableError):
                     err = PermanentError(f"broker refused item {item.key}: {res.error}: {res.message}", code=res.error)
                 raise err
-            receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat))
+            receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat,
+                                    unserved=item.kind in unserved))
         return receipts
 
     async def _spool(self, items: list[p.SubmitItem], reason: str) -> list[Receipt]:
@@ -732,6 +779,10 @@ class Client:
     def connected(self) -> bool:
         """True while a session with the broker is up."""
         return self._async.connected
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """See :meth:`AsyncClient.wait_connected`."""
+        return self._call(self._async.wait_connected(timeout_s))
 
     def outbox_count(self) -> int:
         """Items still in the local outbox (0 without one)."""

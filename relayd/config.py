@@ -65,6 +65,7 @@ class RelayConfig:
     peer_id: str = opt("", doc="the relay's name; its peer ids are <peer_id>-<link>-up/-down")
     private_key: str = opt("", path=True, doc="the relay's Ed25519 private key (mode 0600)")
     journal_dir: str = opt("relay-journal", path=True, doc="the relay's local journal (SQLite)")
+    curve_secret_key: str = opt("", path=True, doc="the relay's CURVE secret key (Z85, mode 0600) for links with upstream_curve/downstream_curve; its public key is the relay's curve_public_key in both swarms' authorized_keys.toml")
     result_credit: int = opt(64, min=1, max=65536, doc="results in flight from each downstream broker")
     resend_interval_s: float = opt(2.0, min=0.05, max=3600.0, doc="unconfirmed SUBMIT/COMPLETE/ACK are resent this often")
     status_interval_s: float = opt(5.0, min=0.1, max=3600.0, doc="ask the downstream about submitted items this often (dead/expired there)")
@@ -93,6 +94,7 @@ class RelayConfig:
             log_format=self.log_format,
             curve=getattr(link, pre + "curve"),
             broker_curve_public_key=getattr(link, pre + "broker_curve_public_key") or "keys/broker.curve.pub",
+            curve_secret_key=self.curve_secret_key,
             config_path=self.config_path,
         )
 

@@ -302,4 +302,7 @@ def write_config(root: Path, name: str, peer_id: str, endpoint: str, **extra: ob
            "hello_timeout_s": 1.0, "log_format": "json", **extra}
     path = root / f"{name}.toml"
     path.write_text(tomli_w.dumps(doc))
+    store = str(doc.get("claim_store", "file://blobs"))
+    if store.startswith("file://") and name != "admin":  # daemons refuse a store root that does not exist
+        (root / store[len("file://"):]).mkdir(parents=True, exist_ok=True)
     return path

@@ -51,7 +51,7 @@ class Swarm:
                                 env=env, ready_event="broker_started" if wait else None)
 
     def start_worker(self, n: int = 1, env: dict[str, str] | None = None, wait: bool = True):
-        return self.procs.start(f"worker-{n}", [*self.wrap, bin_path("ccsq-workerd"), "--config", str(self.configs[f"workerd-{n}"])],
+        return self.procs.start(f"worker-{n}", [*self.wrap, bin_path("ccsq-workerd"), "--config", str(self.configs[f"workerd-{n - 1}"])],
                                 env=env, ready_event="broker_link_ready" if wait else None, ready_timeout_s=60.0)
 
     def start_completion(self, env: dict[str, str] | None = None, wait: bool = True):

@@ -40,3 +40,45 @@ def test_percentiles_and_profile_summary(tmp_path: Path) -> None:
     summary = top(raw)
     assert summary["self"][0] == ("commit (c/ledger.py)", 75.0)
     assert ("run (a/b.py)", 100.0) in summary["inclusive"]
+
+
+@pytest.mark.timeout(30)
+def test_gpu_check_refuses_without_a_gpu(tmp_path: Path) -> None:
+    """bench/gpu_check.sh on a machine without an NVIDIA GPU: exit 79 (GPU_UNAVAILABLE) with the
+    reason, before anything is installed (no venv created, no JSON written)."""
+    import os
+    import shutil
+    import subprocess
+
+    from ccsq.common.errors import ExitCode
+
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: the refusal path is not reachable here")
+    venv, out = tmp_path / "venv", tmp_path / "gpu.json"
+    proc = subprocess.run([str(root / "bench" / "gpu_check.sh"), str(out)], capture_output=True, text=True, timeout=20,
+                          env={**os.environ, "GPU_CHECK_VENV": str(venv)})
+    assert proc.returncode == ExitCode.GPU_UNAVAILABLE == 79, proc.stderr
+    assert "refused" in proc.stderr and "nvidia-smi" in proc.stderr
+    assert not venv.exists() and not out.exists()
+
+
+def test_cpu_per_job_table_names_every_process() -> None:
+    from bench.run import CPU_TARGET_US, cpu_per_job
+
+    per = cpu_per_job({"broker": 1.0, "worker-1": 0.5, "worker-2": 0.25, "completion": 0.2,
+                       "producer (this process, incl. polling)": 0.1}, 20_000)
+    assert per == {"broker": 50, "worker-1": 25, "worker-2": 12, "completion": 10, "producer": 5, "total": 102}
+    assert set(CPU_TARGET_US) == {"broker", "worker", "completion", "producer"}
+
+
+@pytest.mark.timeout(150)
+def test_ccsq_kill_run_smoke(tmp_path: Path) -> None:
+    """The kill run of benchmark 1 on the ccsq side: worker-1 SIGKILLed once 30 % are
+    acknowledged, restarted; nothing is lost and no result is delivered twice."""
+    n = 300
+    res = ccsq_pipeline.run(tmp_path / "swarm", n, batch=50, window=2, kill_at=0.3, settle_s=90)
+    kill = res["kill"]
+    assert kill["worker_killed"] == "worker-1" and kill["killed_at_landed"] == 90
+    assert kill["lost"] == 0 and kill["doubled"] == 0, kill
+    assert "worker-1" not in res["cpu_s"]  # a killed process's CPU is not comparable

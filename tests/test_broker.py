@@ -660,7 +660,7 @@ def test_sighup_reloads_authorized_keys(h):
     ak.write_text(ak.read_text() + f'\n[peers.late]\nrole = "producer"\npublic_key = "{pub.read_text().strip()}"\n')
     late = h.peer("late", b.endpoint)
     late.send(p.Hello(role="producer"))
-    assert late.recv(0.5) is None  # unknown sender: silently rejected
+    assert late.recv_type(p.Error).code == p.REJECT_UNKNOWN_SENDER  # unknown sender: told why (docs/security.md)
     b.signal(signal.SIGHUP)
     wait_for(lambda: b.events("authorized_keys_reloaded"), 5)
     late.connect()

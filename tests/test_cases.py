@@ -198,7 +198,7 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
     completion service receives it once, the results table holds it once."""
     with Swarm(tmp_path / "s", workers=2, handler="sleep", broker={"lease_ttl_s": 1.0},
                worker={"kinds": ["sleep"]}) as swarm:
-        retune(swarm.configs["workerd-1"], handler="echo")
+        retune(swarm.configs["workerd-0"], handler="echo")  # worker-1
         swarm.start_broker()
         swarm.start_completion()
         swarm.start_worker(1, env=env_for("worker.after_result_stored"))
@@ -292,7 +292,7 @@ def test_c07b_poison_job_dead_lettered_others_complete_attempts_survive_restart(
     with Swarm(tmp_path / "s", workers=2, handler="fail",
                broker={"lease_ttl_s": 30.0, "retry_backoff_base_s": base_s, "retry_backoff_max_s": cap_s},
                worker={"kinds": ["fail"]}) as swarm:
-        retune(swarm.configs["workerd-2"], handler="echo", kinds=["echo"])
+        retune(swarm.configs["workerd-1"], handler="echo", kinds=["echo"])  # worker-2
         swarm.start_all(workers=2)
         with swarm.client() as client:
             poison = client.submit(b"poison", "fail", params={"kill_worker": True}, max_attempts=3, priority=9)
@@ -343,7 +343,7 @@ def test_two_live_workers_with_one_peer_id_the_replaced_one_stops(tmp_path: Path
         swarm.start_broker()
         first = swarm.start_worker(1)
         twin_cfg = tmp_path / "s" / "workerd-1-twin.toml"
-        doc = tomllib.loads(swarm.configs["workerd-1"].read_text())
+        doc = tomllib.loads(swarm.configs["workerd-0"].read_text())  # worker-1
         doc["journal_dir"] = "worker-1-twin-journal"
         twin_cfg.write_text(tomli_w.dumps(doc))
         twin = swarm.procs.start("worker-1-twin", [bin_path("ccsq-workerd"), "--config", str(twin_cfg)],

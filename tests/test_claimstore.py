@@ -12,7 +12,7 @@ import pytest
 from ccsq.common.claimstore import FileStore, open_store, sha256_hex
 from ccsq.common.errors import ConfigError, PayloadMissing
 from ccsq.common.protocol import Blob
-from ccsq.producer.reconcile import reconcile
+from ccsq.common.reconcile import reconcile
 
 BUCKET = "ccsq-test"
 

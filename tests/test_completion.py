@@ -205,9 +205,15 @@ def test_sigterm_finishes_the_batch_says_bye_and_exits_0(env) -> None:
     wait_until(lambda: "completion-1" in e.broker.byes, 5, "BYE from the completion service")
 
 
-def test_bad_database_url_is_a_config_error(env) -> None:
+@pytest.mark.parametrize("how", ["ccsq completion", "ccsq-completiond", "ccsq-completiond, $CCSQ_CONFIG"])
+def test_bad_database_url_is_a_config_error(env, how: str) -> None:
+    """The unit's ``ccsq-completiond`` and the ``ccsq completion`` alias are one command:
+    same config (``--config`` or the default from ``$CCSQ_CONFIG``), same refusal, same exit."""
     e = env(database="mysql://nope")
-    proc = e.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(e.config)])
+    argv = {"ccsq completion": [bin_path("ccsq"), "completion", "--config", str(e.config)],
+            "ccsq-completiond": [bin_path("ccsq-completiond"), "--config", str(e.config)],
+            "ccsq-completiond, $CCSQ_CONFIG": [bin_path("ccsq-completiond")]}[how]
+    proc = e.procs.start("completion", argv, env={"CCSQ_CONFIG": str(e.config)})
     assert e.procs.wait_exit("completion", timeout_s=20) == 78
     assert "mysql://nope" in e.procs.tail("completion") and proc.starts == 1
 
@@ -260,7 +266,7 @@ def test_rows_the_database_refuses_are_quarantined_acknowledged_once_even_across
     ``results``, each refused one in ``results_quarantine`` with the database's error,
     and the ACK names them. A crash after the commit (before the ACK) redelivers the
     batch: both tables absorb it (deliveries=2), nothing is acknowledged twice."""
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     e = env(batch_max=8, batch_wait_ms=200.0)
     db = e.root / "results.db"
@@ -297,7 +303,7 @@ def test_rows_the_database_refuses_are_quarantined_acknowledged_once_even_across
 def test_postgres_check_violation_is_quarantined_and_an_outage_is_not(env, pg_server, pg_database) -> None:  # noqa: F811
     """On PostgreSQL a CHECK constraint refusing a row is a data error (quarantine), while
     the server being down is an outage (no ACK, retried): the two are told apart."""
-    from ccsq.producer.resultsdb import PostgresResults
+    from ccsq.completiond.resultsdb import PostgresResults
 
     PostgresResults(pg_database).connect()
     with psycopg.connect(pg_database) as con:
@@ -324,7 +330,7 @@ def test_postgres_check_violation_is_quarantined_and_an_outage_is_not(env, pg_se
 
 
 def _row(n: int, key: str, handler: str = "echo") -> "ResultRow":
-    from ccsq.producer.resultsdb import ResultRow
+    from ccsq.completiond.resultsdb import ResultRow
 
     data = f"result {n}".encode()
     return ResultRow(item_id=f"item-{n:05d}", idem_key=key, kind="echo", params_json=json.dumps({"n": n}),
@@ -337,7 +343,7 @@ def test_postgres_latin1_database_quarantines_text_it_cannot_hold_ascii_escaped(
     """A LATIN1 database cannot store a CJK idempotency key (SQLSTATE 22P05) in either
     table: the row still lands in ``results_quarantine``, its text escaped to ASCII,
     in the same single transaction as the rest of the batch (one commit, deliveries 1)."""
-    from ccsq.producer.resultsdb import PostgresResults
+    from ccsq.completiond.resultsdb import PostgresResults
 
     name = f"latin1_{os.getpid()}"
     with psycopg.connect(pg_server.dsn, autocommit=True) as con:
@@ -361,7 +367,7 @@ def test_sqlite_rows_a_trigger_silently_skips_are_quarantined_not_lost(tmp_path:
     """A trigger that drops a row without an error (``RAISE(IGNORE)``) must not turn into a
     result acknowledged but stored nowhere: the skipped row is refused like a data error
     and lands in the quarantine, the rest in ``results``, in one transaction."""
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     db = SqliteResults(tmp_path / "r.db")
     db.connect()
@@ -380,7 +386,7 @@ def test_sqlite_rows_a_trigger_silently_skips_are_quarantined_not_lost(tmp_path:
 @pytest.mark.postgres
 def test_postgres_trigger_returning_null_is_quarantined_not_lost(pg_database) -> None:  # noqa: F811
     """PostgreSQL's silent skip: a BEFORE INSERT trigger that returns NULL."""
-    from ccsq.producer.resultsdb import PostgresResults
+    from ccsq.completiond.resultsdb import PostgresResults
 
     db = PostgresResults(pg_database)
     db.connect()
@@ -403,7 +409,7 @@ def test_sqlite_rollback_trigger_is_an_outage_and_writes_nothing(tmp_path: Path)
     """``RAISE(ROLLBACK)`` ends the whole transaction: nothing of the batch may be
     written (each later statement would commit on its own); the batch fails as an
     outage (retried), never half-landed."""
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     db = SqliteResults(tmp_path / "r.db")
     db.connect()
@@ -422,7 +428,7 @@ def test_a_redelivery_refused_only_as_an_update_is_not_quarantined(tmp_path: Pat
     """An append-only rule on ``results`` (no UPDATE) refuses the redelivery's
     ``deliveries + 1``; the result is already stored, so it must not also go to the
     quarantine (found by a fresh-clone tester: 30 results in both tables)."""
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     db = SqliteResults(tmp_path / "r.db")
     db.connect()

@@ -124,7 +124,7 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
     its ledger record carries the database's error (what `ccsq items show` prints)."""
     import sqlite3
 
-    from ccsq.producer.resultsdb import SqliteResults
+    from ccsq.completiond.resultsdb import SqliteResults
 
     root = tmp_path / "s"
     with Swarm(root) as swarm:
@@ -165,17 +165,29 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
     items of a 25 s outage dead-lettered before this)."""
     import shutil
 
+    import subprocess
+
+    from ccsq.common.procs import bin_path
+
     root = tmp_path / "s"
     with Swarm(root, broker={"max_attempts": 2}, producer={"inline_max_bytes": 0}) as swarm:
         swarm.start_broker()
         swarm.start_completion()
+
+        def drain(*undo: str) -> None:  # a worker refuses a broken store at start: start it healthy, drained
+            subprocess.run([bin_path("ccsq"), "drain", "worker-1", *undo, "--config", str(swarm.configs["admin"])],
+                           check=True, capture_output=True, timeout=30)
+
+        drain()
         with swarm.client() as client:
             ids = [client.submit(f"stored page {i}".encode() * 50, "echo").item_id for i in range(5)]
+        worker = swarm.start_worker(1)
         blobs = root / "blobs"
         shutil.move(blobs, root / "blobs-away")
         blobs.write_bytes(b"the store is down")
-        worker = swarm.start_worker(1)
-        wait_until(lambda: worker.count("payload_fetch_failed") >= 10, 60, "fetches failing during the outage")
+        drain("--undo")
+        # the worker reports itself unhealthy for 1, 2, 4 ... s after each episode: fewer fetches than before
+        wait_until(lambda: worker.count("payload_fetch_failed") >= 4, 60, "fetches failing during the outage")
         rep = swarm.report()
         assert rep["dead"] == 0 and rep["acknowledged"] == 0 and worker.running
         blobs.unlink()

@@ -290,3 +290,26 @@ def test_blob_refs_for_reconcile(tmp_path):
     led.close()
     refs = sorted(iter_blob_refs(tmp_path))
     assert refs == sorted([(r1.item_id, "completed", "a" * 64), (r1.item_id, "completed", "b" * 64)])
+
+
+def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
+    """Tokens are a sequence: another authorized worker quoting one (current or just expired)
+    is fenced, never accepted; a late result accepted after expiry records who produced it."""
+    submit(ledger, item("a"), item("b"))
+    ta, tb = lease_all(ledger, worker="w1")
+    txn = ledger.begin()
+    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"forged"), "echo", "1"), 2_100, "w2") == p.Outcome.FENCED.value
+    assert txn.fail(p.TaskFailure(ta.item_id, ta.token, "fatal", False, "forged"), 2_100, "w2") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"real"), "echo", "1"), 2_200, "w1") == p.Outcome.ACCEPTED.value
+    txn.expire_lease(tb.item_id, tb.token, 3_000)  # b is ready again, same token: a late result would be accepted ...
+    assert txn.complete(p.TaskResult(tb.item_id, tb.token, blob(b"forged"), "echo", "1"), 3_100, "w2") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(tb.item_id, tb.token, blob(b"late"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(ta.item_id)["worker_done"] == "w1"
+        assert v.get(tb.item_id)["worker_done"] == "w1"  # ... from its holder only, and says who did the work
+        assert v.item_status(ta.item_id).result == blob(b"real") and v.item_status(tb.item_id).result == blob(b"late")
+        assert v.counter("fenced_completions") == 2 and v.counter("fenced_failures") == 1
+        assert v.gap_counts()[gaps.G8_LATE_RESULT_ACCEPTED] == 1
+        assert any("reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
+    check_balance(ledger)

@@ -18,7 +18,7 @@ from ccsq.common.faults import env_for
 from ccsq.common.procs import free_tcp_port, wait_until
 from ccsq.common.protocol import ItemState
 from ccsq.producer import Client, derive_key
-from ccsq.producer.reconcile import reconcile
+from ccsq.common.reconcile import reconcile
 from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 
 

@@ -16,7 +16,7 @@ import pytest
 from ccsq.common.claimstore import FileStore
 from ccsq.common.errors import QueueFull
 from ccsq.common.faults import env_for
-from ccsq.producer.reconcile import reconcile
+from ccsq.common.reconcile import reconcile
 from tests.swarm import Swarm, wait_until
 
 

@@ -26,7 +26,6 @@ CURVE = {"curve": True}
 @pytest.fixture
 def swarm(tmp_path):
     s = Swarm(tmp_path / "swarm", workers=1, broker=CURVE, worker=CURVE, producer=CURVE, completion=CURVE)
-    write_curve_keypair(s.root / "keys", "broker")
     with s:
         yield s
 

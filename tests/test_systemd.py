@@ -2,11 +2,15 @@
 
 - ``systemd-analyze verify`` passes with no output at all (warnings fail too);
 - ``systemd-analyze security --offline=yes`` rates every service below 5.0;
-- ``RestartPreventExitStatus`` is exactly ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
-- the recovery unit restarts a unit only after its start limit was hit (case C11);
+- ``RestartPreventExitStatus`` is exactly ``ExitCode.UNAUTHORIZED``, ``ExitCode.CONFIG`` and ``ExitCode.GPU_UNAVAILABLE``;
+- the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79/80 (case C11);
+- ``install.sh --venv`` refuses a venv the sandbox hides (or whose base Python it hides);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
   (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
   ``$NOTIFY_SOCKET``, and on SIGTERM sends STOPPING=1 and exits 0 within the unit's TimeoutStopSec.
+
+What only a real systemd shows (address families, the start limit, the recover timer firing,
+KillMode, the watchdog) is tested in test_systemd_real.py, which boots one.
 
 Without ``systemd-analyze`` the verify/security tests skip, except under CI (``$CI`` set),
 where they fail: CI must install the ``systemd`` Debian package.
@@ -14,6 +18,7 @@ where they fail: CI must install the ``systemd`` Debian package.
 
 from __future__ import annotations
 
+import configparser
 import functools
 import importlib.util
 import os
@@ -26,6 +31,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -149,7 +155,8 @@ def test_unit_exposure_is_below_five(systemd_analyze: str, unit_copies: Path, na
 def test_restart_prevent_exit_status_is_the_permanent_exit_codes(name: str) -> None:
     u = unit(name)
     codes = {int(c) for v in values(u, "Service", "RestartPreventExitStatus") for c in v.split()}
-    assert codes == {ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE}
+    ledger = {ExitCode.LEDGER_CORRUPT} if name == "ccsq-brokerd.service" else set()  # only the broker has the ledger
+    assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE} | ledger
     assert ExitCode.LEDGER_LOCKED not in codes  # transient: must restart
     assert value(u, "Service", "Restart") == "on-failure"
     assert value(u, "Service", "RestartSec") == "2"
@@ -167,7 +174,9 @@ def test_daemon_unit_settings(name: str) -> None:
     assert all(d.startswith("ccsq/") for d in svc["StateDirectory"].split())
     assert svc["UMask"] == "0077" and svc["ProtectSystem"] == "strict" and svc["NoNewPrivileges"] == "yes"
     assert svc["CapabilityBoundingSet"] == ""
-    assert svc["RestrictAddressFamilies"].split() == ["AF_UNIX", "AF_INET", "AF_INET6"]
+    # AF_NETLINK: libzmq's bind/connect call getifaddrs() (without it: SIGABRT in ip_resolver.cpp)
+    assert svc["RestrictAddressFamilies"].split() == ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+    assert values(u, "Service", "EnvironmentFile") == ["-/etc/ccsq/ccsq.env"]  # optional: S3 credentials etc.
     assert value(u, "Unit", "StartLimitIntervalSec") == "60" and value(u, "Unit", "StartLimitBurst") == "5"
     assert value(u, "Unit", "OnFailure") == "ccsq-recover@%n.timer"
     # peers wait for each other at run time: ordering on the network only, no hard dependencies
@@ -192,6 +201,18 @@ def test_workers_get_their_gpu_and_the_others_get_no_devices() -> None:
         assert value(u, "Service", "PrivateDevices") == "yes" and value(u, "Service", "MemoryDenyWriteExecute") == "yes"
 
 
+def test_each_daemon_unit_runs_its_own_console_script() -> None:
+    # `ccsq completion` stays an alias for people; the unit runs the daemon's own script
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    scripts = {line.split("=")[0].strip() for line in cfg["options.entry_points"]["console_scripts"].splitlines() if line}
+    for name, script in (("ccsq-brokerd.service", "ccsq-brokerd"), ("ccsq-workerd@.service", "ccsq-workerd"),
+                         ("ccsq-completion.service", "ccsq-completiond")):
+        argv = shlex.split(value(unit(name), "Service", "ExecStart"))
+        assert argv[:2] == [f"/usr/local/bin/{script}", "--config"], f"{name}: ExecStart {argv}"
+        assert script in scripts, f"{script} is not a console script in setup.cfg"
+
+
 # --- C11: the recovery unit -------------------------------------------------------------
 def _recover_argv(target: str) -> list[str]:
     """ccsq-recover@TARGET's ExecStart as systemd runs it (``$$`` -> ``$``, ``%i`` -> TARGET)."""
@@ -199,14 +220,35 @@ def _recover_argv(target: str) -> list[str]:
     return [target if a == "%i" else a for a in shlex.split(line.replace("$$", "$"))]
 
 
-@pytest.mark.parametrize(("result", "restarted"), [("start-limit-hit", True), ("exit-code", False), ("success", False)])
-def test_recover_restarts_only_after_the_start_limit(tmp_path: Path, result: str, restarted: bool) -> None:
+@pytest.mark.parametrize(
+    ("state", "code", "status", "restarted"),
+    [
+        ("failed", "2", "9", True),  # crash loop of SIGKILLs: Result=signal on systemd 252
+        ("failed", "1", "1", True),  # crash loop of exit 1: Result=exit-code
+        ("failed", "1", "75", True),  # ledger locked / port busy: transient
+        ("failed", "1", "0", True),  # start-limit-hit after manual restarts of a healthy unit
+        ("failed", "1", "77", False),  # UNAUTHORIZED: the key must be added first
+        ("failed", "1", "78", False),  # CONFIG: a restart cannot fix it
+        ("failed", "1", "79", False),  # GPU_UNAVAILABLE
+        ("failed", "1", "80", False),  # LEDGER_CORRUPT: restore from a backup first
+        ("active", "1", "1", False),  # already running again
+        ("inactive", "1", "1", False),  # the operator ran reset-failed: keep it down
+    ],
+)
+def test_recover_restarts_a_failed_unit_unless_it_exited_78_or_79(
+    tmp_path: Path, state: str, code: str, status: str, restarted: bool
+) -> None:
     fake = tmp_path / "systemctl"
     calls = tmp_path / "calls"
     fake.write_text(
         "#!/bin/sh\n"
         f'echo "$*" >> {calls}\n'
-        f'if [ "$1" = show ]; then echo {result}; fi\n'
+        'if [ "$1" = show ]; then case "$2" in\n'
+        f"  --property=ActiveState) echo {state} ;;\n"
+        "  --property=Result) echo signal ;;\n"
+        f"  --property=ExecMainCode) echo {code} ;;\n"
+        f"  --property=ExecMainStatus) echo {status} ;;\n"
+        "esac; fi\n"
     )
     fake.chmod(0o755)
     target = "ccsq-workerd@0.service"
@@ -214,9 +256,11 @@ def test_recover_restarts_only_after_the_start_limit(tmp_path: Path, result: str
                           text=True, timeout=10)
     assert done.returncode == 0, done.stderr
     lines = calls.read_text().splitlines()
-    assert lines[0] == f"show --property=Result --value {target}"
+    assert all(line.startswith("show ") for line in lines[:4]) and lines[0] == f"show --property=ActiveState --value {target}"
     expected = [f"reset-failed {target}", f"start --no-block {target}"] if restarted else []
-    assert lines[1:] == expected
+    assert lines[4:] == expected, done.stdout
+    if status in ("77", "78", "79", "80") and state == "failed":
+        assert f"exited {status}" in done.stdout and "not restarted" in done.stdout
 
 
 def test_recover_timer_fires_once_and_rearms() -> None:
@@ -226,15 +270,21 @@ def test_recover_timer_fires_once_and_rearms() -> None:
 
 
 # --- install.sh -----------------------------------------------------------------------
-def test_install_dry_run_changes_nothing(tmp_path: Path) -> None:
-    done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(VENV_BIN.parent)],
-                          capture_output=True, text=True, timeout=20)
+def test_install_dry_run_changes_nothing() -> None:
+    root = Path(tempfile.mkdtemp(prefix=".test-venv-", dir=REPO))  # not under /tmp: the units must see it
+    try:
+        venv = _fake_venv(root, "/usr/bin")
+        done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(venv)],
+                              capture_output=True, text=True, timeout=20)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for name in ALL_UNITS:
         assert f"install -m 0644 {UNIT_DIR / name} /etc/systemd/system/{name}" in out
     assert "useradd --system" in out or "# user ccsq exists" in out
-    assert f"ln -sfn {VENV_BIN.parent}/bin/ccsq-brokerd /usr/local/bin/ccsq-brokerd" in out
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console", "ccsq-relayd"):
+        assert f"ln -sfn {venv}/bin/{name} /usr/local/bin/{name}" in out
 
 
 def test_install_into_a_staging_root(tmp_path: Path) -> None:
@@ -247,10 +297,46 @@ def test_install_into_a_staging_root(tmp_path: Path) -> None:
         assert stat.S_IMODE(installed.stat().st_mode) == 0o644
 
 
-def test_install_refuses_a_venv_under_home() -> None:
-    done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", "/home/someone/venv"],
+@pytest.mark.parametrize(("venv", "why"), [
+    ("/home/someone/venv", "ProtectHome"), ("/root/venv", "ProtectHome"), ("/run/user/0/venv", "ProtectHome"),
+    ("/tmp/venv", "PrivateTmp"), ("/var/tmp/ccsq-venv", "PrivateTmp"),
+])
+def test_install_refuses_a_venv_the_units_cannot_see(venv: str, why: str) -> None:
+    done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", venv],
                           capture_output=True, text=True, timeout=20)
-    assert done.returncode == 2 and "ProtectHome" in done.stderr
+    assert done.returncode == 2 and why in done.stderr and "/usr/bin/python3 -m venv /opt/ccsq/venv" in done.stderr, done.stderr
+    assert "ln -sfn" not in done.stdout
+
+
+def _fake_venv(root: Path, base_home: str) -> Path:
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console", "ccsq-relayd"):
+        (venv / "bin" / name).write_text("#!/bin/sh\n")
+        (venv / "bin" / name).chmod(0o755)
+    (venv / "bin" / "python3").symlink_to(f"{base_home}/python3")
+    (venv / "pyvenv.cfg").write_text(f"home = {base_home}\ninclude-system-site-packages = false\nversion = 3.11.7\n")
+    return venv
+
+
+@pytest.mark.parametrize("base_home", ["/root/.pyenv/versions/3.11.7/bin", "/home/dev/.local/python/bin", "/tmp/py/bin"])
+def test_install_refuses_a_venv_whose_base_python_the_units_cannot_see(base_home: str) -> None:
+    # the venv itself must lie where the units can see it (not under tmp_path, which is in /tmp)
+    root = Path(tempfile.mkdtemp(prefix=".test-venv-", dir=REPO))
+    try:
+        venv = _fake_venv(root, base_home)
+        done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(venv)],
+                              capture_output=True, text=True, timeout=20)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert f"its base Python is {base_home}" in done.stderr and "203/EXEC" in done.stderr, done.stderr
+        # the same venv made from a Python the units can see is accepted
+        shutil.rmtree(venv)
+        venv = _fake_venv(root, "/usr/bin")
+        done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(venv)],
+                              capture_output=True, text=True, timeout=20)
+        assert done.returncode == 0 and f"ln -sfn {venv}/bin/ccsq-brokerd" in done.stdout, done.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # --- the daemons, started as the units start them ---------------------------------------
@@ -302,7 +388,7 @@ def _as_written(name: str, instance: str, paths: dict[str, str]) -> tuple[list[s
 
 _DAEMONS = [  # (process name, unit, instance, readiness log event), in start order
     ("broker", "ccsq-brokerd.service", "", "broker_started"),
-    ("worker-1", "ccsq-workerd@.service", "1", "broker_link_ready"),
+    ("worker-1", "ccsq-workerd@.service", "0", "broker_link_ready"),  # GPU 0: workerd-0.toml (peer worker-1)
     ("completion", "ccsq-completion.service", "", "broker_link_ready"),
 ]
 
@@ -340,7 +426,7 @@ def _sandbox_options(u: dict, tmp_path: Path, proc_name: str) -> list[str]:
 
 
 def _daemons_missing() -> list[str]:
-    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.producer.completion")
+    return [m for m in ("ccsq.brokerd.main", "ccsq.workerd.main", "ccsq.completiond.main")
             if importlib.util.find_spec(m) is None]
 
 

@@ -20,6 +20,10 @@ the same rules. x86-64 only. As a script (``--umask`` applies ``UMask=`` too)::
     python tests/test_systemd_sandbox.py [--umask 0077] [--deny-write-execute] [--syscalls FILE] -- COMMAND [ARG...]
 
 ``FILE`` holds the allowed syscall numbers, one per line.
+
+Only these two: the rest of the sandbox (``RestrictAddressFamilies=``, which once aborted the broker
+because libzmq needs AF_NETLINK, ``ProtectHome=``, ``PrivateTmp=``, the users, the start limit) shows
+only under a real systemd, which ``tests/test_systemd_real.py`` boots.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def test_next_payload_is_fetched_and_verified_while_the_slot_runs(broker: Worker
                                                                  tmp_path: Path) -> None:
     """Prefetch: while item N runs (slots 1), the payload of item N+1 is already fetched
     from the claim store and its SHA-256 checked: a tampered blob is reported
-    payload_missing before N finishes, while the heartbeat still shows the slot busy."""
+    store_unavailable before N finishes, while the heartbeat still shows the slot busy."""
     store = FileStore(tmp_path / "blobs")
     good = b"the real payload" * 100
     digest = store.put(good)
@@ -235,7 +235,8 @@ def test_next_payload_is_fetched_and_verified_while_the_slot_runs(broker: Worker
     broker.wait_for(p.Heartbeat, lambda m: m.busy == 1)  # N runs
     broker.dispatch(p.Task("n+1", 2, "sleep", p.Blob(digest, len(good), None), {"seconds": 0.0}, 1))
     (fail,) = broker.wait_for(p.Fail)
-    assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("n+1", "payload_missing", False)]
+    # corrupt in this worker's view of the store: its problem (store_unavailable, attempt not counted), not the item's
+    assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("n+1", "store_unavailable", True)]
     assert "corrupt" in fail.msg.failures[0].message
     assert not broker.of(p.Complete)  # N still runs
     (done,) = broker.wait_for(p.Complete)
@@ -323,3 +324,32 @@ def test_claim_store_read_error_fails_the_item_not_the_worker(broker: WorkerBrok
     broker.dispatch(task("next", "echo", b"still alive", token=2))
     (done,) = broker.wait_for(p.Complete)
     assert done.msg.results[0].result.inline == b"still alive"
+
+
+@pytest.mark.timeout(60)
+def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: WorkerBroker, workers: Workers) -> None:
+    """``log_each_job = false``: no job_started/job_completed per item; one batch_started line
+    naming every (item_id, token, attempt) of the batch, one results_reported per report frame;
+    every item still journaled and reported."""
+    workers.start(handler="sleep", max_batch=4, max_wait_ms=300, prefetch=4, log_each_job=False)
+    broker.wait_for(p.Hello)
+    broker.dispatch(*[task(f"q{n}", "sleep", token=n + 1, params={"seconds": 0.05}) for n in range(8)])
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 8, 30, "8 results")
+    events = workers.log_events(1)
+    assert not [e for e in events if e["event"] in ("job_started", "job_completed")]
+    started = [e for e in events if e["event"] == "batch_started"]
+    assert sorted(i[0] for e in started for i in e["items"]) == [f"q{n}" for n in range(8)]
+    assert all(e["size"] == len(e["items"]) for e in started)
+    wait_until(lambda: sum(e["items"] for e in workers.log_events(1) if e["event"] == "results_reported") == 8, 10,
+               "results_reported lines for the 8 results")
+
+
+def test_group_commit_merges_adjacent_ops_of_one_name() -> None:
+    """The group commit applies adjacent same-name ops as one op (one executemany), rows in
+    order, without touching the callers' lists; different names keep their order."""
+    from ccsq.workerd.journal import _merge_adjacent
+
+    a, b = [("x", 1)], [("y", 2)]
+    merged = _merge_adjacent([("record", a), ("record", b), ("forget", [("x", 1)]), ("record", [("z", 3)])])
+    assert merged == [("record", [("x", 1), ("y", 2)]), ("forget", [("x", 1)]), ("record", [("z", 3)])]
+    assert a == [("x", 1)] and b == [("y", 2)]

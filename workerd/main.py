@@ -5,7 +5,9 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
 (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
 
     0   stopped by SIGTERM/SIGINT after draining
-    78  CONFIG: invalid config, keys, handler name or missing model files
+    78  CONFIG: invalid config, keys, handler name or missing model files; a claim
+        store root that does not exist, a missing bucket, credentials or access
+    75  the claim store does not answer at start (transient: restarted)
     79  GPU_UNAVAILABLE: provider cuda/tensorrt required and not usable (case C10);
         set allow_cpu_fallback = true to run on CPU and say so in HELLO
     75  LEDGER_LOCKED: another ccsq-workerd holds this journal_dir (transient)
@@ -19,15 +21,15 @@ import asyncio
 import os
 import signal
 import sys
-from pathlib import Path
 
 import structlog
 
 from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
-from ccsq.common.claimstore import open_store
+from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable
+from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, StoreUnavailable, Unauthorized
+from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.workerd.handlers import load_handler
@@ -75,6 +77,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     logsetup.configure(cfg.log_format)
     try:
         codec = make_codec(cfg)  # keys and authorized_keys, before any slow model load
+        parse_listen(cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
     try:
@@ -84,9 +87,12 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     except OSError as exc:
         return _die(ExitCode.CONFIG, f"journal_dir {cfg.journal_dir}: {exc}"), False
     try:
+        store = open_configured_store(cfg)  # a wrong root/bucket/credential: 78 before any slow model load
         handler = load_handler(cfg.handler, cfg)
         handler.load()
-        store = open_store(cfg.claim_store, base_dir=Path(cfg.config_path).parent if cfg.config_path else None)
+    except StoreUnavailable as exc:
+        journal.close()
+        return _die(ExitCode.LEDGER_LOCKED, f"claim store unavailable (transient, restart later): {exc}"), False
     except GpuUnavailable as exc:
         log.error("gpu_unavailable", provider=cfg.provider, reason=str(exc))
         journal.close()
@@ -102,11 +108,22 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     )
     worker = Worker(cfg, handler, store, journal, codec=codec)
     try:
+        from ccsq.workerd.metrics import start_worker_metrics
+
+        metrics = start_worker_metrics(worker, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
+    except ConfigError as exc:
+        journal.close()
+        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+    try:
         asyncio.run(_serve(worker, notifier))
     except JournalCorrupt as exc:
         return _die(ExitCode.CONFIG, str(exc)), False
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         journal.close()
+    if isinstance(worker.fatal, Unauthorized):
+        return _die(ExitCode.UNAUTHORIZED, str(worker.fatal)), worker.stuck_threads > 0
     if isinstance(worker.fatal, ConfigError):
         return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0
     if worker.fatal is not None:

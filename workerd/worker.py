@@ -58,12 +58,13 @@ Failures follow the same path with FAIL / FAIL_ACK:
 exception -> ``handler_error`` (retryable, message = repr); over
 ``max_runtime_s`` (the task's, else the config's; 0 = none) -> ``timeout``
 (retryable) at once, while the slot stays counted as *lost* until the thread
-returns (its result is discarded); a payload the claim store cannot produce
-(absent, or its SHA-256 does not match) -> ``payload_missing`` (not retryable);
-any other claim-store error while fetching (I/O error, backend down) ->
-``handler_error`` (retryable, with backoff: the attempt counts, so a store
-that stays broken dead-letters the item after ``max_attempts`` instead of
-looping); the worker itself keeps running.
+returns (its result is discarded); inline bytes that do not match their
+SHA-256 -> ``payload_missing`` (not retryable); a blob this worker's claim store
+cannot produce (absent, corrupt) or any other claim-store error (I/O error,
+backend down, also when storing a result) -> ``store_unavailable`` (requeued
+after a backoff without counting the attempt: only the broker's reconcile,
+gap G7, dead-letters a payload as missing) and the worker reports itself
+unhealthy (no new DISPATCH) for 1, 2, 4 ... 60 s; the worker keeps running.
 A batch runs under the strictest ``max_runtime_s`` of its items (times the
 batch size when the handler has no batched path and runs the items in turn);
 on overrun every item of the batch is reported ``timeout``.
@@ -148,6 +149,7 @@ ACK_WAIT_ON_STOP_S = 2.0  # at shutdown, wait this long for outstanding confirma
 GPU_MEM_POLL_S = 10.0  # how often GPU free memory is sampled (GPU providers only)
 REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
 JOURNAL_WINDOW_S = 0.001  # journal group commit: writes within this window share one fsync
+STORE_UNHEALTHY_MAX_S = 60.0  # cap of the time a worker reports itself unhealthy after claim-store failures
 
 
 class JobState(enum.Enum):
@@ -252,6 +254,7 @@ class Worker:
     loop_lag_max_ms: float  # worst loop lag since start
     _lag_window_ms: float  # worst loop lag since the previous heartbeat
     gpu_mem_free_bytes: int | None
+    observe_batch: Callable[[int, float], None] | None = None  # metrics hook (workerd/metrics.py): once per handler call
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, store: ClaimStore, journal: Journal, *,
                  codec: EnvelopeCodec | None = None) -> None:
@@ -294,6 +297,10 @@ class Worker:
         self.loop_lag_max_ms = 0.0
         self._lag_window_ms = 0.0
         self.gpu_mem_free_bytes = None
+        self.store_failures = 0  # payload fetches / result stores the claim store failed (missing blob included)
+        self._store_streak = 0  # consecutive store failures; 0 after a successful fetch from the store
+        self._store_bad_until = 0.0  # monotonic: unhealthy (no new DISPATCH) until then
+        self._store_error = ""
         self._infer_pool = ThreadPoolExecutor(cfg.slots, thread_name_prefix="ccsq-infer")
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="ccsq-io")
         self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix="ccsq-journal")
@@ -334,6 +341,11 @@ class Worker:
             if link_task in done and link_task.exception() is not None:
                 self.fatal = link_task.exception()
                 self.log.error("broker_link_crashed", exc_info=self.fatal)
+            elif link_task in done and self.link.refused is not None:
+                from ccsq.common.errors import Unauthorized
+                from ccsq.common.peer import refusal_fix
+
+                self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
                 self.fatal = ConfigError(
                     f"another live worker uses peer id {self.cfg.peer_id!r}; give each worker its own id and key"
@@ -430,13 +442,34 @@ class Worker:
         if self.gpu_mem_free_bytes is not None:
             info["gpu_mem_free_bytes"] = self.gpu_mem_free_bytes
         info.update(self.handler.health())
+        store_ok = time.monotonic() >= self._store_bad_until
+        info.update(store_ok=store_ok, store_failures=self.store_failures)
+        if not store_ok:
+            info["store_error"] = self._store_error[:200]
         return p.Heartbeat(
             leases=self._lease_refs(),
             busy=self.gate.busy,
             done=self.done,
-            healthy=self.gate.lost < self.gate.slots,
+            healthy=self.gate.lost < self.gate.slots and store_ok,
             info=info,
         )
+
+    def _store_trouble(self, error: str) -> None:
+        """The claim store failed us (a blob missing here, an I/O or backend error):
+        unhealthy for 1, 2, 4 ... 60 s (consecutive episodes), said at once in a
+        HEARTBEAT (healthy = false, info store_ok/store_error) *before* the FAIL, so
+        the broker dispatches no more to this worker until a later heartbeat says
+        healthy (docs/deployment.md, "a store that lost a blob")."""
+        self.store_failures += 1
+        self._store_error = error
+        now = time.monotonic()
+        if now < self._store_bad_until:
+            return  # the same episode (the rest of a batch already dispatched)
+        self._store_streak += 1
+        self._store_bad_until = now + min(STORE_UNHEALTHY_MAX_S, 2.0 ** (self._store_streak - 1))
+        self.log.warning("claim_store_unhealthy", failures=self.store_failures, streak=self._store_streak,
+                         error=error[:300])
+        self.link.send(self._heartbeat())
 
     def _on_connect(self, welcome: p.Welcome) -> None:
         for ref in welcome.released:
@@ -527,14 +560,24 @@ class Worker:
                 job.payload = await loop.run_in_executor(self._io_pool, self.store.get_blob, task.payload)
         except PayloadMissing as exc:
             job.state = JobState.REPORTING
-            await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, False, str(exc)))
+            if inline is not None:  # the bytes came with the item and do not match: the item's fault
+                await self._report(job, self._failure(job, p.FailReason.PAYLOAD_MISSING, False, str(exc)))
+                return
+            # absent or corrupt in OUR view of the store: this worker's problem until the broker's
+            # reconcile confirms the blob gone (G7); requeued without counting the attempt
+            self._store_trouble(str(exc))
+            await self._report(job, self._failure(
+                job, p.FailReason.STORE_UNAVAILABLE, True, f"payload not in this worker's claim store: {exc}"[:1000]))
             return
         except Exception as exc:  # any other claim-store error (I/O, backend): this attempt failed, retry later
             self.log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
+            self._store_trouble(repr(exc))
             job.state = JobState.REPORTING
             await self._report(job, self._failure(
                 job, p.FailReason.STORE_UNAVAILABLE, True, f"could not fetch payload: {exc!r}"[:1000]))
             return
+        if inline is None:
+            self._store_streak = 0  # the store produced a blob: healthy at the next heartbeat
         try:
             key = (task.kind, self.handler.batch_key(dict(task.params)))
         except PermanentHandlerError as exc:
@@ -593,13 +636,17 @@ class Worker:
         if not run:
             return
         await self._jw.write("started", [j.key for j in run])
-        for job in run:
-            t = job.task
-            self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
+        if self.cfg.log_each_job:
+            for job in run:
+                t = job.task
+                self.log.info("job_started", item_id=t.item_id, token=t.token, attempt=t.attempt, kind=t.kind)
         self.batches_run += 1
         self.batch_items += len(run)
         self.batch_size_max = max(self.batch_size_max, len(run))
-        if self.max_batch > 1:
+        if not self.cfg.log_each_job:  # one line for the batch: [item_id, token, attempt] each
+            self.log.info("batch_started", size=len(run), kind=run[0].task.kind, max_batch=self.max_batch,
+                          items=[(j.task.item_id, j.task.token, j.task.attempt) for j in run])
+        elif self.max_batch > 1:
             self.log.info("batch_started", size=len(run), kind=run[0].task.kind, max_batch=self.max_batch)
         limit_s = self._batch_limit_s(run)
         items = [(j.payload or b"", dict(j.task.params)) for j in run]
@@ -615,6 +662,8 @@ class Worker:
             outputs, runtime_s = [fut.exception()] * len(run), 0.0
         else:
             outputs, runtime_s = fut.result()
+        if self.observe_batch is not None:
+            self.observe_batch(len(run), runtime_s)
         if len(outputs) != len(run):
             err = HandlerError(f"run_batch returned {len(outputs)} outputs for {len(run)} items")
             outputs = [err] * len(run)
@@ -683,6 +732,7 @@ class Worker:
                 blob = await loop.run_in_executor(self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
         except Exception as exc:  # any claim-store backend error: the attempt failed, retry elsewhere
             self.log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
+            self._store_trouble(repr(exc))
             await self._report(job, self._failure(job, p.FailReason.STORE_UNAVAILABLE, True,
                                                   f"could not store result: {exc!r}"[:1000]))
             return
@@ -711,8 +761,9 @@ class Worker:
         self._pending_changed()
         if isinstance(report, p.TaskResult):
             self.done += 1
-            self.log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
-                          result_bytes=report.result.size)
+            if self.cfg.log_each_job:
+                self.log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
+                              result_bytes=report.result.size)
         else:
             self.failed += 1
             self.log.info("job_failed", item_id=key[0], token=key[1], reason=report.reason,
@@ -767,6 +818,8 @@ class Worker:
             if pend is not None:
                 (results if isinstance(pend.report, p.TaskResult) else failures).append(pend)
         now = time.monotonic()
+        if results and not self.cfg.log_each_job:  # per report frame instead of job_completed per item
+            self.log.info("results_reported", items=len(results), done=self.done)
         for chunk in self._chunks(results):
             if self.link.send(p.Complete(results=[pd.report for pd in chunk])):  # type: ignore[misc]
                 for pd in chunk:

@@ -134,7 +134,7 @@ class ChaosRun:
             completion={"log_format": "json"},
         )
         self.names = ["broker", *[f"worker-{n}" for n in range(1, opts.workers + 1)], "completion", "producer"]
-        self.peer_configs = {f"worker-{n}": f"workerd-{n}" for n in range(1, opts.workers + 1)}
+        self.peer_configs = {f"worker-{n}": f"workerd-{n - 1}" for n in range(1, opts.workers + 1)}
         self.peer_configs.update({"completion": "completion", "producer": "producer"})
         self.proxy = FaultProxy(self.swarm.port, list(self.peer_configs))
         self.hostile: HostilePeer | None = None
@@ -178,7 +178,7 @@ class ChaosRun:
         """An operator's rule on the results table that refuses some rows (keys ending in
         :data:`REFUSED_KEY_SUFFIX`, ~1 %): those results must end in the quarantine
         (gap G12), under every fault, never lost and never twice."""
-        from ccsq.producer.resultsdb import SqliteResults
+        from ccsq.completiond.resultsdb import SqliteResults
 
         db = SqliteResults(self.swarm.root / "results.db")
         db.connect()
@@ -247,6 +247,9 @@ class ChaosRun:
         lines = [ln for ln in tail.splitlines() if ln.strip() and not set(ln.strip()) <= {"^", "~"}]
         reason = (lines[-1] if lines else "")[:300]
         in_outage = self.blob_outage or time.monotonic() - self.outage_end_mono < 5.0
+        if in_outage and rc == 75 and "claim store unavailable" in tail:
+            self.say(f"{name} refused to start during the claim-store outage (exit 75, restarted as systemd would)")
+            return  # by design: a store that does not answer at start is transient
         for known, pattern in KNOWN_CRASHES.items():
             if in_outage and re.search(pattern, tail):
                 self.known_crashes[known] += 1
@@ -403,6 +406,28 @@ class ChaosRun:
         self.deleted_payload_keys.add(key)
         self.say(f"fault blob_delete: payload blob of ready item {key} deleted")
         self.faults["blob_delete"] += 1
+        # workers give such an item back uncounted (store_unavailable); only reconcile dead-letters it (G7)
+        self.at(1.0, "reconcile", self._reconcile)
+
+    def _reconcile(self) -> None:
+        """What the operator does when workers report payloads missing: ``ccsq reconcile
+        --apply`` (orphans kept: a long grace). Best effort: a ready item leased meanwhile,
+        or a broker that does not answer, waits for the next run."""
+        import subprocess
+
+        from ccsq.common.procs import bin_path
+
+        if self.blob_outage:
+            return
+        res = subprocess.run([bin_path("ccsq"), "reconcile", "--config", str(self.swarm.configs["brokerd"]),
+                              "--store", "file://blobs", "--grace-s", "86400", "--apply", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        try:
+            doc = json.loads(res.stdout)
+            what = f"dead-lettered {doc['dead_lettered']}, not yet {doc['not_dead_lettered'] + doc['leased_missing']}"
+        except (ValueError, KeyError):
+            what = res.stderr.strip()[-300:]
+        self.say(f"reconcile --apply: exit {res.returncode}: {what}")
 
     # --- the run ---
     def run(self) -> ChaosResult:
@@ -482,6 +507,7 @@ class ChaosRun:
         deadline = time.monotonic() + self.opts.settle_timeout_s
         last = ""
         next_poll = 0.0
+        next_reconcile = 0.0
         while time.monotonic() < deadline:
             self._supervise()
             if time.monotonic() >= next_poll:
@@ -498,6 +524,9 @@ class ChaosRun:
                 if self.producer_done and open_items == 0:
                     self.say(f"settled: {last}")
                     return
+                if self.deleted_payload_keys and open_items and time.monotonic() >= next_reconcile:
+                    self._reconcile()  # deleted payloads: their items wait for reconcile (G7)
+                    next_reconcile = time.monotonic() + 3.0
             time.sleep(0.2)  # polling the ledger for a condition, with a deadline
         self.say(f"NOT SETTLED after {self.opts.settle_timeout_s}s: {last}")
 

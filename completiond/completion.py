@@ -29,20 +29,21 @@ import concurrent.futures
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
 from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore, open_store
+from ccsq.common.claimstore import ClaimStore, open_configured_store
 from ccsq.common.config import CompletionConfig, load
 from ccsq.common.envelope import Envelope
-from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing
+from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, StoreUnavailable
 from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.peer import BrokerLink, backoff_delay_s
 from ccsq.common.systemd import Notifier, watchdog_task
-from ccsq.producer.resultsdb import (
+from ccsq.completiond.resultsdb import (
     ResultRow,
     ResultsDB,
     describe_error,
@@ -83,6 +84,9 @@ class CompletionService:
     landed: int  # results written so far (this process)
     acked: int  # results acknowledged so far (this process)
     quarantined: int  # results written to results_quarantine so far (this process)
+    db_retry_in_s: float = 0.0  # current database backoff delay (0 = healthy)
+    db_failures: int = 0  # failed database writes (this process)
+    observe_db_write: Callable[[int, float], None] | None = None  # metrics hook: (rows, seconds) per landed batch
 
     def __init__(self, config: CompletionConfig, *, db: ResultsDB | None = None, store: ClaimStore | None = None,
                  notifier: Notifier | None = None) -> None:
@@ -90,7 +94,7 @@ class CompletionService:
         self.notifier = notifier or Notifier()  # sd_notify STATUS= lines (a no-op outside systemd)
         base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
         self.db = db or open_results_db(config.database, base_dir, timeout_s=2 * config.db_slow_s)
-        self.store = store or open_store(config.claim_store, base_dir=base_dir)
+        self.store = store or open_configured_store(config)  # a wrong root/bucket: ConfigError before READY
         self._db_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-results-db")
         self._io_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
         self.healthy = True
@@ -123,7 +127,7 @@ class CompletionService:
     async def run(self) -> None:
         """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
         link_task = asyncio.create_task(self.link.run(), name="completion-link")
-        link_task.add_done_callback(lambda _t: self.link.replaced and self.request_stop())
+        link_task.add_done_callback(lambda _t: (self.link.replaced or self.link.refused) and self.request_stop())
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
@@ -305,6 +309,9 @@ class CompletionService:
                 error = describe_error(exc)
             if error is None:
                 self.landed += len(rows)
+                self.db_retry_in_s = 0.0
+                if self.observe_db_write is not None:
+                    self.observe_db_write(len(rows), time.monotonic() - t0)
                 if not self.healthy:
                     self.log.info("db_recovered", after_s=round(time.monotonic() - (down_since or t0), 3),
                                   attempts=attempt + 1)
@@ -323,6 +330,8 @@ class CompletionService:
             await loop.run_in_executor(self._db_exec, self.db.reset)
             delay = backoff_delay_s(attempt, _DB_BACKOFF_BASE_S, self.config.backoff_max_s)
             attempt += 1
+            self.db_failures += 1
+            self.db_retry_in_s = delay
             self.log.warning("db_unhealthy", error=error[:500], items=len(rows), attempt=attempt,
                              retry_in_s=round(delay, 3))
             try:
@@ -402,14 +411,28 @@ def main(config_path: str | Path) -> int:
         config = load(CompletionConfig, config_path)
         configure(config.log_format)
         service = CompletionService(config, notifier=notifier)
+        from ccsq.completiond.completion_metrics import start_completion_metrics
+
+        metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:
         print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except StoreUnavailable as exc:
+        print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
+        return ExitCode.LEDGER_LOCKED
     try:
         asyncio.run(_serve(service))
     except CcsqError as exc:
         log.error("completion_failed", code=exc.code, error=str(exc))
         return ExitCode.FAILURE
+    finally:
+        if metrics is not None:
+            metrics.shutdown()
+    if service.link.refused is not None:
+        from ccsq.common.peer import refusal_fix
+
+        print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
+        return ExitCode.UNAUTHORIZED
     if service.link.replaced:
         print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
               file=sys.stderr)

@@ -18,12 +18,12 @@ import dataclasses
 import time
 from collections.abc import Iterable
 
-import structlog
 
 from ccsq.common.claimstore import ClaimStore
 from ccsq.common.protocol import ItemState
+from ccsq.common.log import get_logger
 
-log = structlog.get_logger("ccsq.reconcile")
+log = get_logger("ccsq.reconcile")
 
 #: Items in these states will still be run, so their payload must exist.
 NEEDS_PAYLOAD = frozenset({ItemState.READY.value, ItemState.LEASED.value})

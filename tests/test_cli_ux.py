@@ -1,0 +1,274 @@
+"""A command line (and library) that helps: refused peers learn why within seconds,
+a down broker is named at once, exit codes and messages say what happened
+(issue 16, "A command line that helps"). Real broker, real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from ccsq.common import cli
+from ccsq.common import protocol as p
+from ccsq.common.envelope import EnvelopeCodec
+from ccsq.common.errors import ExitCode, Unauthorized
+from ccsq.common.keys import AuthorizedKeys, load_private_key, write_keypair
+from ccsq.common.procs import bin_path
+from tests.swarm import Swarm, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+REFUSAL_S = 5.0  # the issue's bound: a refused peer gets a distinct error within this
+
+
+def run_ccsq(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def peer_config(swarm: Swarm, base: str, name: str, **changes) -> Path:
+    """A copy of ``base``.toml with some keys changed (a peer the broker should refuse)."""
+    text = swarm.configs[base].read_text()
+    lines = [ln for ln in text.splitlines() if ln.split("=")[0].strip() not in changes]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in changes.items()]
+    path = swarm.root / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, capsys) -> None:
+    """Unknown id, wrong key and wrong role: workers exit 77 (not restarted by systemd),
+    the library raises Unauthorized and the CLI exits 77 naming the fix, each within
+    5 s; the broker counts and logs every kind."""
+    with Swarm(tmp_path, workers=1, producer={"hello_timeout_s": 5.0}) as swarm:
+        swarm.start_broker()
+        keys = tmp_path / "keys"
+        write_keypair(keys, "stranger")  # a key pair the broker's authorized_keys does not list
+        write_keypair(keys, "impostor")
+        unknown_worker = peer_config(swarm, "workerd-0", "w-unknown", peer_id="stranger", private_key="keys/stranger.key",
+                                     journal_dir="j-unknown")
+        wrong_key = peer_config(swarm, "workerd-0", "w-badkey", private_key="keys/impostor.key", journal_dir="j-badkey")
+        wrong_role = peer_config(swarm, "workerd-0", "w-role", peer_id="producer-1", private_key="keys/producer-1.key",
+                                 journal_dir="j-role")
+        stranger_completion = peer_config(swarm, "completion", "c-unknown", peer_id="stranger-c",
+                                          private_key="keys/stranger.key", database="sqlite:///stranger.db")
+        workers = {}
+        for name, path in (("unknown", unknown_worker), ("badkey", wrong_key), ("role", wrong_role)):
+            workers[name] = subprocess.Popen([bin_path("ccsq-workerd"), "--config", str(path)], stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.PIPE, text=True)
+        workers["completion"] = subprocess.Popen([bin_path("ccsq"), "completion", "--config", str(stranger_completion)],
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+        # the library: Unauthorized (not BrokerUnavailable after 60 s), within 5 s
+        from ccsq.producer.client import Client
+
+        stranger_producer = peer_config(swarm, "producer", "p-unknown", peer_id="stranger-p", private_key="keys/stranger.key")
+        with Client.from_config_file(stranger_producer) as client:
+            t0 = time.monotonic()
+            with pytest.raises(Unauthorized) as err:
+                client.submit(b"x", "echo")
+            assert time.monotonic() - t0 < REFUSAL_S
+        assert err.value.code == p.REJECT_UNKNOWN_SENDER and "authorized_keys" in str(err.value)
+
+        # the CLI: its own exit code and a sentence naming the fix
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        wrong_role_producer = peer_config(swarm, "producer", "p-role", peer_id="worker-1", private_key="keys/worker-1.key")
+        t0 = time.monotonic()
+        rc, _out, errtext = run_ccsq(capsys, "submit", "--config", wrong_role_producer, "--kind", "echo", doc)
+        assert rc == ExitCode.UNAUTHORIZED and time.monotonic() - t0 < REFUSAL_S
+        assert "ROLE" in errtext and "use the id and key of a peer with role 'producer'" in errtext
+        admin_as_worker = peer_config(swarm, "admin", "a-role", peer_id="worker-1", private_key="keys/worker-1.key")
+        rc, _out, errtext = run_ccsq(capsys, "status", "--config", admin_as_worker)
+        assert rc == ExitCode.UNAUTHORIZED and "peer with role 'admin'" in errtext
+        assert "authorized for another role than 'admin'" in errtext  # not a silent offline fallback
+
+        for name, proc in workers.items():
+            try:
+                _, stderr = proc.communicate(timeout=30)  # process start and handler import included
+            finally:
+                proc.kill()
+            assert proc.returncode == ExitCode.UNAUTHORIZED, (name, stderr[-2000:])
+            assert "authorized_keys" in stderr or "peer with role 'worker'" in stderr, stderr[-2000:]
+            if name != "completion":  # from ready to connect to stopped, by the worker's own log
+                events = {e["event"]: e["timestamp"] for e in (json.loads(ln) for ln in stderr.splitlines() if ln.startswith("{"))
+                          if isinstance(e, dict) and "event" in e}
+                took = (datetime.fromisoformat(events["worker_stopped"].replace("Z", "+00:00"))
+                        - datetime.fromisoformat(events["handler_ready"].replace("Z", "+00:00"))).total_seconds()
+                assert took < REFUSAL_S, (name, took)
+
+        # the broker counted and logged each kind of refusal
+        rc, out, _ = run_ccsq(capsys, "status", "--config", swarm.configs["admin"], "--json")
+        rejects = json.loads(out)["rejects"]
+        assert rejects.get(p.REJECT_UNKNOWN_SENDER, 0) >= 2 and rejects.get(p.REJECT_BAD_SIGNATURE, 0) >= 1
+        assert rejects.get(p.REJECT_ROLE, 0) >= 2
+        log = [json.loads(ln) for ln in (tmp_path / "logs" / "broker.log").read_text().splitlines() if ln.startswith("{")]
+        refused = {(e.get("peer"), e["code"]) for e in log if e["event"] == "frame_rejected"}
+        assert {("stranger", "UNKNOWN_SENDER"), ("worker-1", "BAD_SIGNATURE"), ("producer-1", "ROLE")} <= refused
+
+
+def test_broker_answers_strangers_rate_limited_and_never_unsigned_junk(tmp_path: Path) -> None:
+    """A flood of HELLOs from an unknown id gets one answer per interval; junk gets none."""
+    with Swarm(tmp_path, workers=0) as swarm:
+        swarm.start_broker()
+        priv, _ = write_keypair(tmp_path / "keys", "flooder")
+        codec = EnvelopeCodec("flooder", load_private_key(priv), AuthorizedKeys(tmp_path / "authorized_keys.toml"),
+                              require_hello=False)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(swarm.endpoint)
+        try:
+            for _ in range(50):
+                sock.send_multipart(codec.encode(p.Hello(role="worker")))
+            for _ in range(50):
+                sock.send_multipart([msgpack.packb([1, int(p.MsgType.HELLO), "junk", 1, 1, 0, {}]), b"\0" * 64])  # stale junk
+                sock.send_multipart([b"\xc1garbage"])
+            answers = []
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                if sock.poll(100):
+                    answers.append(codec.decode(sock.recv_multipart(), bound_sender="broker").message)
+            assert len(answers) == 1, answers
+            assert isinstance(answers[0], p.Error) and answers[0].code == p.REJECT_UNKNOWN_SENDER
+            assert "'flooder'" in answers[0].message and "public" not in answers[0].message
+
+            # made-up ids: at most the token bucket's burst is answered, the log stays bounded
+            key = load_private_key(priv)
+            for i in range(300):
+                sock.send_multipart(EnvelopeCodec(f"made-up-{i}", key, codec.authorized).encode(p.Hello(role="worker")))
+            answers = []
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                if sock.poll(100):
+                    answers.append(codec.decode(sock.recv_multipart(), bound_sender="broker").message)
+            assert 15 <= len(answers) <= 60, len(answers)  # a burst of 20, then 20/s: far fewer than 300
+            log = (tmp_path / "logs" / "broker.log").read_text()
+            assert log.count('"frame_rejected"') <= 100
+        finally:
+            sock.close()
+
+
+def test_submit_names_a_down_broker_within_seconds(tmp_path: Path, capsys) -> None:
+    with Swarm(tmp_path, workers=0) as swarm:  # no broker started
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        t0 = time.monotonic()
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--connect-timeout-s", "1",
+                                 "--kind", "echo", doc)
+        assert rc == ExitCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+        assert "did not answer within 1 s" in err and "start ccsq-brokerd" in err
+
+
+def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatch) -> None:
+    """--version, CCSQ_CONFIG, completion script, missing input (66), unknown config key
+    suggestion, state column without --wait, unserved-kind warning, kinds in status,
+    ISO dates in items show, dlq purge of an unknown id, dead items exit 5."""
+    with Swarm(tmp_path, workers=1, handler="fail", broker={"max_attempts": 1}) as swarm:
+        swarm.start_broker()
+        swarm.start_worker(1)
+        monkeypatch.setenv("CCSQ_CONFIG", str(tmp_path))  # no --config from here on
+        with pytest.raises(SystemExit):
+            cli.main(["--version"])
+        assert capsys.readouterr().out.startswith("ccsq ")
+        rc, out, _ = run_ccsq(capsys, "completion-script", "bash")
+        assert rc == 0 and "submit" in out and "--deadline-s" in out and "_shtab_compgen_files" in out
+        import shtab
+
+        assert all(shtab.FILE[k] == v for k, v in cli.FILE_COMPLETION.items())
+
+        rc, _, err = run_ccsq(capsys, "submit", "--kind", "fail", tmp_path / "missing.png")
+        assert rc == ExitCode.NOINPUT and "missing.png" in err
+
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        # the broker says "unserved" only after 2 liveness windows (2 s here): workers reconnect first
+        wait_until(lambda: json.loads(run_ccsq(capsys, "status", "--json")[1])["broker"]["uptime_s"] > 2.5, 30, "uptime")
+        rc, out, err = run_ccsq(capsys, "submit", "--kind", "classify", "--param", "top_k=5", "--priority", "7",
+                                "--deadline-s", "3600", doc)
+        assert rc == 0 and "submitted" in out
+        rc, shown, _ = run_ccsq(capsys, "items", "show", out.split()[0], "--json")
+        rec = json.loads(shown)["item"]
+        assert rec["params"] == {"name": "doc.txt", "top_k": 5} and rec["priority"] == 7
+        assert 3500_000 < rec["deadline_ms"] - time.time() * 1000 <= 3600_000
+        assert "no worker seen by the broker since it started serves kind 'classify'" in err
+
+        rc, out, _ = run_ccsq(capsys, "status")
+        assert rc == 0 and "fail" in out and "no connected worker serves kind 'classify'" in out
+        rc, out, _ = run_ccsq(capsys, "gap-report", "--json")
+        assert rc == 0 and {q["kind"]: q["verdict"] for q in json.loads(out)["queues"]}["classify"] == (
+            "stalled: no worker serves kind 'classify'")
+
+        rc, out, err = run_ccsq(capsys, "submit", "--kind", "fail", "--wait", "--timeout-s", "60", doc)
+        assert rc == ExitCode.DEAD and " dead" in out and "dlq list" in err
+        item_id = out.split()[0]
+        rc, out, _ = run_ccsq(capsys, "items", "show", item_id)
+        assert rc == 0 and "Z" in out and f"{time.gmtime().tm_year}-" in out
+
+        rc, out, _ = run_ccsq(capsys, "dlq", "purge", "bogus-id")
+        assert rc == ExitCode.REFUSED and "unknown (no such item in the ledger): bogus-id" in out
+
+        bad = peer_config(swarm, "admin", "typo", conect_timeout_s=1.0)
+        rc, _, err = run_ccsq(capsys, "status", "--config", bad)
+        assert rc == ExitCode.CONFIG and "did you mean 'connect_timeout_s'" in err and "known keys" not in err
+
+
+LIBRARY_APP = """
+import logging, sys
+from ccsq.producer.client import Client
+logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="APP %(name)s %(message)s")
+logging.getLogger("ccsq").setLevel(sys.argv[2])
+with Client.from_config_file(sys.argv[1]) as c:
+    print(c.submit(b"doc", "echo").item_id)
+"""
+
+
+def test_library_logs_through_standard_logging(tmp_path: Path) -> None:
+    """Inside an application the library's log lines obey logging levels and handlers."""
+    with Swarm(tmp_path, workers=0) as swarm:
+        swarm.start_broker()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        quiet = subprocess.run([sys.executable, "-c", LIBRARY_APP, str(swarm.configs["producer"]), "ERROR"],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert quiet.returncode == 0 and quiet.stdout.strip(), quiet.stderr
+        assert "broker_link_ready" not in quiet.stderr and "broker_link_ready" not in quiet.stdout
+        chatty = subprocess.run([sys.executable, "-c", LIBRARY_APP, str(swarm.configs["producer"]), "INFO"],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert chatty.returncode == 0
+        assert "APP ccsq.peer broker_link_ready" in chatty.stderr  # through the application's own handler
+
+
+def test_curve_peer_outside_the_allow_list_is_refused_with_the_line_to_add(tmp_path: Path, capsys) -> None:
+    """With CURVE, a peer whose CURVE key the broker's allow-list lacks (ZAP 400) stops
+    at once too: Unauthorized / exit 77 with the curve_public_key line to add."""
+    from ccsq.common.keys import write_curve_keypair
+    from ccsq.producer.client import Client
+
+    curve = {"curve": True}
+    with Swarm(tmp_path, workers=0, broker=curve, producer=curve, completion=curve, worker=curve) as swarm:
+        swarm.start_broker()
+        secret, public = write_curve_keypair(tmp_path / "keys", "stray")
+        stray = peer_config(swarm, "producer", "p-stray", curve_secret_key=str(secret))
+        with Client.from_config_file(stray) as client:
+            t0 = time.monotonic()
+            with pytest.raises(Unauthorized) as err:
+                client.submit(b"x", "echo")
+            assert time.monotonic() - t0 < REFUSAL_S
+        assert err.value.code == "CURVE_REFUSED"
+        assert f'curve_public_key = "{public.read_text().strip()}"' in str(err.value)
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        rc, _out, errtext = run_ccsq(capsys, "submit", "--config", stray, "--kind", "echo", doc)
+        assert rc == ExitCode.UNAUTHORIZED and "CURVE" in errtext
+        with swarm.client() as client:  # the listed producer still gets in
+            assert client.submit(b"y", "echo").item_id
