@@ -229,6 +229,21 @@ def bench_backlog(args: argparse.Namespace) -> dict[str, Any]:
 BENCHES = {"pipeline": bench_pipeline, "ocr": bench_ocr, "backlog": bench_backlog}
 
 
+def bench_federation(args: argparse.Namespace) -> dict[str, Any]:
+    """Opt-in (``--only federation``): a backlog of --n items spilled through a relay (bench/federation.py)."""
+    from bench import federation
+
+    res = federation.run(args.n, 2)
+    print_table(f"federation: {args.n:,} items, 2 workers", ["one swarm items/s", "across a link items/s",
+                "spill time s", "relay CPU ms/item"],
+                [[res["one_swarm_items_per_s"], res["across_link_items_per_s"], res["spill_time_s"],
+                  res["relay_cpu_ms_per_item"]]])
+    return res
+
+
+BENCHES["federation"] = bench_federation  # not in the default --only list (docs/federation.md, "Measured")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="pipeline,ocr,backlog", help="comma list of: " + ", ".join(BENCHES))

@@ -28,6 +28,8 @@ import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
+from ccsq.brokerd import federation as fed
+from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
@@ -180,7 +182,11 @@ class Broker:
         self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
         self._reader_warn_next_mono = 0.0
         self.epoch = ledger.bump_epoch()
+        self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self._recover()
+        if self.fed.enabled:
+            with self.ledger.read() as view:
+                log.info("federation_recovered", swarm=self.fed.swarm_id, routed=self.fed.recover(view))
 
     # --- lifecycle ---
     def _recover(self) -> None:
@@ -248,7 +254,7 @@ class Broker:
         wake = min(self._next_hb_mono, self._next_liveness_mono, self._next_background_mono)
         if self._workers_with_credit():
             wake = min(wake, self._dispatch_at_mono)
-        if self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION)):
+        if self._deliver_possible and any(s.credit > 0 for s in self._result_takers()):
             return 0.0
         due = self.leases.next_due_mono()
         if due is not None:
@@ -434,6 +440,7 @@ class Broker:
         released: list[p.LeaseRef] = []
         if env.role is p.Role.WORKER:
             self._kinds_seen.update(dict.fromkeys(sess.kinds or ("",), True))
+        if env.role in p.LEASE_HOLDER_ROLES:
             listed = set()
             for ref in hello.leases:
                 listed.add(ref.item_id)
@@ -445,7 +452,7 @@ class Broker:
                 if lease.item_id not in listed:
                     self.deferred.append(("expire", lease.item_id, lease.token, "worker reconnected without it"))
             self._dispatch_at_mono = now
-        if env.role is p.Role.COMPLETION:
+        if env.role in (p.Role.COMPLETION, p.Role.RELAY):
             self._deliver_possible = True
         welcome = p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released)
         self._send(rid, welcome)
@@ -463,7 +470,7 @@ class Broker:
     def _on_session_message(self, sess: Session, env: Envelope, now: float) -> None:
         msg = env.message
         if isinstance(msg, p.Heartbeat):
-            if sess.role is p.Role.WORKER:
+            if sess.role in p.LEASE_HOLDER_ROLES:
                 self.stats.heartbeat(env.ts_ms)
                 for ref in msg.leases:
                     self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
@@ -493,7 +500,14 @@ class Broker:
             return True
         if now >= self._dispatch_at_mono and self._workers_with_credit():
             return True
-        return self._deliver_possible and any(s.credit > 0 for s in self.peers.sessions(p.Role.COMPLETION))
+        return self._deliver_possible and any(s.credit > 0 for s in self._result_takers())
+
+    def _result_takers(self) -> list[Session]:
+        """Completion services, and downstream relays while a routed result waits for one."""
+        takers = self.peers.sessions(p.Role.COMPLETION)
+        if self.fed.routed_all:
+            takers += [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == fed.DOWNSTREAM]
+        return takers
 
     def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
         if not ops and not self._background_due(now):  # a carry implies ops: _take_budget takes >= 1
@@ -631,7 +645,11 @@ class Broker:
                 results = []
                 for item in msg.items:
                     cost = _blob_size(item.payload) + ITEM_RECORD_BYTES
-                    r = txn.submit(item, now_ms, refuse=refuse or self._admission_refusal(txn, admitted + cost))
+                    refusal = refuse or self._admission_refusal(txn, admitted + cost)
+                    if sess.role is p.Role.RELAY:
+                        r = self._submit_relayed(txn, batch, sess, item, now_ms, refusal)
+                    else:
+                        r = txn.submit(item, now_ms, refuse=refusal)
                     admitted += cost if r.item_id and not r.duplicate else 0
                     results.append(r)
                 batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
@@ -641,8 +659,13 @@ class Broker:
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = txn.complete(r, now_ms, env.sender)
+                    outcome = self._complete_relayed(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY \
+                        else txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
+                    if self.fed.enabled and outcome == p.Outcome.ACCEPTED.value:
+                        reply_to = (txn.get(r.item_id) or {}).get("reply_to")
+                        if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
+                            self.fed.route(reply_to, r.item_id)  # (a hint: delivery checks the ledger state)
                     if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                         batch.effects.append(lambda i=r.item_id, t=r.token: self.leases.discard(i, t))
                 batch.crash("broker.after_complete_commit")
@@ -697,7 +720,9 @@ class Broker:
                 if txn.release(item_id, token, now_ms):
                     log.info("lease_released", item=item_id, token=token, why=why)
             elif op == "expire":
+                holder = (txn.get(item_id) or {}).get("worker", "")
                 new = txn.expire_lease(item_id, token, now_ms, why)
+                self._note_relay_lease_lost(txn, item_id, holder, now_ms, new)
                 if new:
                     batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                     log.info("lease_expired", item=item_id, token=token, why=why, now=new)
@@ -712,6 +737,7 @@ class Broker:
         now_ms = wall_ms()
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
+            self._note_relay_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 log.info("lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
@@ -725,7 +751,7 @@ class Broker:
     def _workers_with_credit(self) -> list[Session]:
         return [
             s
-            for s in self.peers.sessions(p.Role.WORKER)
+            for s in self.peers.sessions(p.Role.WORKER) + self._relays(fed.UPSTREAM)
             if s.credit > 0 and s.healthy and not s.pending and s.peer_id not in self.peers.draining
         ]
 
@@ -754,7 +780,9 @@ class Broker:
                 exhausted = True
                 break
             limit = min(sess.credit, self.cfg.max_batch_items)
-            ids, hint = txn.scan_ready(list(sess.kinds) or None, limit, now_ms)
+            relay = sess.role is p.Role.RELAY  # never an item that came by relay (max_hops); signed
+            ids, hint = (fed.scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
+                         else txn.scan_ready(list(sess.kinds) or None, limit, now_ms))
             if hint is not None:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
             tasks = []
@@ -764,7 +792,7 @@ class Broker:
                     break
                 task = txn.lease(item_id, sess.peer_id, now_ms, ttl_ms)
                 if task is not None:
-                    tasks.append(task)
+                    tasks.append(self.fed.sign_task(txn, task, self.cfg.max_attempts) if relay else task)
             if len(ids) == limit and sess.credit > len(tasks):
                 exhausted = True  # some were expired or more may be waiting
             if not tasks:
@@ -787,6 +815,7 @@ class Broker:
         self._deliver_possible = True
 
     def _forget_delivery(self, item_id: str) -> None:
+        self.fed.unroute(item_id)
         peer = self.delivered.pop(item_id, None)
         self.redeliver.discard(item_id)
         if peer is not None:
@@ -797,8 +826,11 @@ class Broker:
     def _deliver(self, txn: LedgerTxn, batch: Batch) -> None:
         if not self._deliver_possible:
             return
+        more_routed = self._deliver_routed(txn, batch) if self.fed.routed_all else False
         sessions = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.pending]
         if not sessions:
+            if self.fed.routed_all:
+                batch.effects.append(lambda: setattr(self, "_deliver_possible", more_routed))
             return
         now_ms = wall_ms()
         planned: set[str] = set()
@@ -810,7 +842,8 @@ class Broker:
             if limit <= 0:
                 more = True
                 break
-            ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned, limit, floor)
+            routed = self.fed.routed_all  # results of relayed items go to their relay only
+            ids, floor = txn.completed_ids(lambda i: i in self.delivered or i in planned or i in routed, limit, floor)
             if len(ids) == limit:
                 more = True
             if not ids:
@@ -830,7 +863,7 @@ class Broker:
             batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
             for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Result(chunk)))
-        batch.effects.append(lambda: setattr(self, "_deliver_possible", more))
+        batch.effects.append(lambda: setattr(self, "_deliver_possible", more or more_routed))
         batch.effects.append(lambda f=floor, g=self._delivery_floor_resets: self._advance_delivery_floor(f, g))
 
     def _advance_delivery_floor(self, cseq: int, resets: int) -> None:
@@ -925,9 +958,120 @@ class Broker:
                     self._end_session(sess, f"silent for {now - sess.last_recv_mono:.2f}s")
         if now >= self._next_hb_mono:
             self._next_hb_mono = now + self.hb_s
+            caps = self._relay_capacity()
             for sess in list(self.peers.by_id.values()):
                 if not sess.pending:
-                    self._try_send(sess, p.Heartbeat(), queue_on_again=False)
+                    hb = p.Heartbeat(info=caps[sess.peer_id]) if sess.peer_id in caps else p.Heartbeat()
+                    self._try_send(sess, hb, queue_on_again=False)
+
+    # --- federation (brokerd/federation.py, docs/federation.md) ---
+    def _relays(self, side: str) -> list[Session]:
+        return [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
+
+    def _reject_counted(self, txn: LedgerTxn, batch: Batch, code: str, peer: str, item: str, why: str) -> None:
+        txn.count_reject(code)
+        batch.effects.append(lambda: self.rejects.update([code]))
+        log.warning("relayed_rejected", code=code, peer=peer, item=item[:120], reason=why[:300])
+
+    def _submit_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
+                        refuse: str) -> p.SubmitResult:
+        """A relay's SUBMIT: only items whose origin signature verifies; the item records its
+        origin and the relay, and its idempotency key is the origin (a resubmission is G9)."""
+        origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
+        if origin is None:
+            self._reject_counted(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
+            txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
+        res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+        if res.duplicate and (txn.get(res.item_id) or {}).get("origin") != origin:
+            # a producer took this origin key first: never hand the relay someone else's item
+            why = f"key {item.key[:120]} belongs to an item that did not come by relay"
+            self._reject_counted(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
+        if res.duplicate:
+            txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
+            if (txn.get(res.item_id) or {}).get("state") == p.ItemState.ACKNOWLEDGED.value:
+                # the upstream leased it again after an earlier relay took this result home and
+                # it was fenced there: deliver the (still stored) result once more (G3)
+                self.fed.route(sess.peer_id, res.item_id)
+                self._deliver_possible = True
+        return res
+
+    def _complete_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
+        """A relay's COMPLETE counts only with the downstream broker's valid proof."""
+        why = fed.check_proof(r, self.fed.trust, self.fed.swarm_id)
+        if why:
+            self._reject_counted(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
+            return p.Outcome.REJECTED.value
+        before = txn.get(r.item_id) or {}
+        outcome = txn.complete(r, now_ms, sess.peer_id)
+        if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
+            txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
+        return outcome
+
+    def _note_relay_lease_lost(self, txn: LedgerTxn, item_id: str, holder: str, now_ms: int, new_state: str) -> None:
+        key = self.codec.authorized.get(holder)
+        if new_state and key is not None and key.role is p.Role.RELAY:
+            txn.event(gaps.F1_RELAY_LEASE_LOST, item_id, now_ms, f"lease of relay {holder}: item now {new_state}")
+
+    def _deliver_routed(self, txn: LedgerTxn, batch: Batch) -> bool:
+        """Deliver completed relayed items to the relay that submitted them (when it is
+        connected with credit; kept otherwise), each with this broker's signed proof.
+        Returns whether more are waiting."""
+        more = False
+        now_ms = wall_ms()
+        for sess in self._relays(fed.DOWNSTREAM):
+            ids = self.fed.routed.get(sess.peer_id)
+            if not ids or sess.credit <= 0 or sess.pending:
+                continue
+            limit = min(sess.credit, self.cfg.max_batch_items)
+            todo = [i for i in ids if i not in self.delivered]
+            if len(todo) > limit:
+                more, todo = True, todo[:limit]
+            deliveries = []
+            for item_id in todo:
+                rec = txn.get(item_id)
+                if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
+                    batch.effects.append(lambda i=item_id: self.fed.unroute(i))
+                    continue
+                redelivery = item_id in self.redeliver or rec["state"] == p.ItemState.ACKNOWLEDGED.value
+                why = "relay session ended before ACK" if rec["state"] == p.ItemState.COMPLETED.value else \
+                    "acknowledged result asked for again by a relay (its upstream leased the item again)"
+                if not redelivery and rec.get("completed_epoch", self.epoch) < self.epoch:
+                    redelivery, why = True, "completed before a broker restart: may have been delivered"
+                if redelivery:
+                    txn.note_redelivery(item_id, now_ms, why)
+                deliveries.append(self.fed.sign_delivery(rec, txn.delivery(item_id, redelivery)))
+            if not deliveries:
+                continue
+            batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
+            for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
+                batch.replies.append((sess.routing_id, p.Result(chunk)))
+        return more
+
+    def _relay_capacity(self) -> dict[str, dict]:
+        """Heartbeat.info per relay session: to downstream relays the free worker capacity of
+        their kinds; to upstream relays of policy ``deadline`` whether this swarm's drain
+        forecast misses a kind's nearest deadline (recomputed at most every 5 s)."""
+        relays = self._relays(fed.DOWNSTREAM)
+        pressed = [s for s in self._relays(fed.UPSTREAM) if s.info_hello.get(fed.POLICY) == "deadline"]
+        if not relays and not pressed:
+            return {}
+        out = {}
+        with self.ledger.read() as view:
+            kind_states = view.kind_states()
+            workers = self.peers.sessions(p.Role.WORKER)
+            out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
+            if pressed:
+                now = time.monotonic()
+                cached = getattr(self, "_fed_forecast", None)
+                if cached is None or now - cached[0] >= 5.0:
+                    from ccsq.brokerd.report import queue_forecast
+
+                    cached = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(), wall_ms()))
+                    self._fed_forecast = cached
+                out.update({s.peer_id: fed.deadline_pressure(cached[1], s.kinds) for s in pressed})
+        return out
 
 
 def _op_items(msg: p.Message) -> int:

@@ -36,6 +36,12 @@ G9_SUBMIT_RETRIED = "G9"
 G10_DEAD_LETTER_REPLAYED = "G10"
 G11_DEAD_LETTER_PURGED = "G11"
 G12_RESULT_QUARANTINED = "G12"
+# federation windows (a relay between swarms: docs/federation.md); F ids so they never
+# collide with new single-swarm windows
+F1_RELAY_LEASE_LOST = "F1"
+F2_RELAYED_RESULT_LATE = "F2"
+F3_RELAYED_RESUBMIT = "F3"
+F4_RELAYED_ITEM_REFUSED = "F4"
 
 WINDOWS: tuple[Window, ...] = (
     Window(
@@ -135,6 +141,42 @@ WINDOWS: tuple[Window, ...] = (
         " `results`: a query of `results` alone misses it",
         "operator: fix the constraint or the data, then move the row (docs/results-schema.md, 'Quarantine')",
         "quarantined",
+    ),
+    Window(
+        F1_RELAY_LEASE_LOST,
+        "relay lease lost",
+        "upstream broker: a lease held by a relay expired (relay dead, link cut longer than lease_ttl_s) or was dropped"
+        " when the relay reconnected without it",
+        "the item may already be running in the downstream swarm while it runs again here (at-least-once across swarms)",
+        "automatic: requeued as G2; the relay still brings the downstream result back under the old token, where it is"
+        " fenced (G4, F2) or accepted late (G8, F2); the downstream item is acknowledged either way",
+        "retried",
+    ),
+    Window(
+        F2_RELAYED_RESULT_LATE,
+        "relayed result late",
+        "upstream broker: a relay's COMPLETE whose lease had moved on (fenced) or expired (accepted late)",
+        "the item ran in the downstream swarm after this swarm gave its lease up: it ran twice, or its retry never ran",
+        "nothing to repair: the fencing token keeps one result; explains an F1/G2 event",
+        "fenced_completions",
+    ),
+    Window(
+        F3_RELAYED_RESUBMIT,
+        "relayed item resubmitted",
+        "downstream broker: a relay's SUBMIT of an item it already has (relay restarted between SUBMIT and journaling the"
+        " SUBMIT_ACK, a lease taken again after F1, or a replayed frame)",
+        "the relay could not know whether the first SUBMIT landed",
+        "the origin key (origin:<swarm>:<item>) returns the existing item (a dedup hit, also counted as G9): no second item",
+        "duplicate_submits",
+    ),
+    Window(
+        F4_RELAYED_ITEM_REFUSED,
+        "relayed item refused",
+        "downstream broker: a relayed item whose origin signature does not verify against trusted_swarms, or that"
+        " differs from its signed record (forged origin, tampered params, swapped payload, loop, max_hops)",
+        "the item is not accepted here (at-most-zero in this swarm); the relay gives the lease back upstream (released)",
+        "operator: find the cause in the broker's relayed_rejected log line (a rogue relay or key, or a stale"
+        " trusted_swarms.toml); the upstream runs the item at home meanwhile",
     ),
 )
 

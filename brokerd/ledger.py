@@ -885,9 +885,12 @@ class LedgerTxn(LedgerView):
         self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
 
     # --- SUBMIT ---
-    def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "") -> p.SubmitResult:
+    def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
+               reply_to: str = "") -> p.SubmitResult:
         """Create one item (or answer a duplicate). ``refuse`` is an error code
-        (QUEUE_FULL/DISK_FULL) to answer for new items without writing them."""
+        (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
+        ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
+        and the relay its result goes back to (brokerd/federation.py)."""
         policy = self.ledger.policy
         why = validate_submit_item(item)
         if why:
@@ -932,6 +935,8 @@ class LedgerTxn(LedgerView):
             "created_ms": now_ms,
             "error": "",
         }
+        if origin:
+            rec["origin"], rec["reply_to"] = origin, reply_to
         self.txn.put(item_id.encode(), _pack(_blob_to_wire(item.payload)), db=self.db["payloads"])
         self._put(rec)
         self._index_add(rec)

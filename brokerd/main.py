@@ -81,6 +81,10 @@ def run(config_path: str) -> int:
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
         check_exposure(cfg, authorized, config_path)
+        if cfg.trusted_swarms:  # federation trust file: refused at start, not at the first relayed item
+            from ccsq.brokerd.federation import TrustedSwarms
+
+            TrustedSwarms(Path(cfg.trusted_swarms))
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")

@@ -744,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")
     p.add_argument("--out", required=True, help="directory for <id>.key and <id>.pub")
     p.add_argument("--id", required=True, help="peer id")
-    p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin"])
+    p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin", "relay"])
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
 
@@ -827,6 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_reconcile)
 
+    from ccsq.relayd.cli import add_commands as add_federation_commands  # init-relay, federation report
+
+    add_federation_commands(sub)
     p = sub.add_parser("backup", help="consistent compacting hot copy of the ledger (safe while the broker runs)")
     _config_arg(p, "brokerd")
     p.add_argument("dest", help="new or empty directory for the copy's data.mdb")

@@ -181,6 +181,8 @@ class BrokerConfig:
     curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
     allow_insecure_bind: bool = opt(False, doc="true: allow an endpoint beyond loopback without curve (anyone reaching the port can connect and make the broker queue frames; docs/security.md)")
     metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
+    swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
+    trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
     config_path: str = ""
 
 

@@ -129,6 +129,10 @@ class ReplayGuard:
             raise AuthError(f"message from retired session of {sender}", code=p.REJECT_REPLAY)
         if not is_hello:
             raise AuthError(f"{sender}: session must open with HELLO", code=p.REJECT_NO_SESSION)
+        if cur is not None and ts_ms < cur[2]:
+            # a HELLO older than the current session's: a delayed HELLO of a socket its peer
+            # already gave up on must not replace the live session that followed it
+            raise AuthError(f"{sender}: HELLO older than its current session's", code=p.REJECT_REPLAY)
         if ts_ms <= self._floor_ms.get(sender, -1):
             raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=p.REJECT_REPLAY)
 

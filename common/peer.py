@@ -165,6 +165,7 @@ class BrokerLink:
         on_disconnect: Callable[[str], None] | None = None,
         codec: EnvelopeCodec | None = None,
         send_timeout_s: float = 5.0,
+        on_heartbeat: Callable[[p.Heartbeat], None] | None = None,
     ) -> None:
         self.settings = settings
         self.codec = codec or make_codec(settings)
@@ -175,6 +176,7 @@ class BrokerLink:
         self._on_message = on_message
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
+        self._on_heartbeat = on_heartbeat  # the broker's heartbeats (a relay reads capacity in info)
         self.send_timeout_s = send_timeout_s
         self.state = LinkState.CONNECTING
         self.ready = asyncio.Event()
@@ -391,6 +393,8 @@ class BrokerLink:
                 raise LinkLost(f"socket error: {exc}") from None
             self.last_recv_mono = time.monotonic()
             env = self._decode(raw)
+            if isinstance(env.message, p.Heartbeat) and self._on_heartbeat is not None:
+                self._on_heartbeat(env.message)
             if isinstance(env.message, (p.Heartbeat, p.Welcome)):
                 continue
             if isinstance(env.message, p.Error) and env.message.code == p.ERROR_REPLACED:

@@ -82,6 +82,9 @@ class Role(str, enum.Enum):
     PRODUCER = "producer"
     COMPLETION = "completion"
     ADMIN = "admin"
+    #: a federation relay (ccsq-relayd): toward an upstream swarm it holds leases like a
+    #: worker; toward a downstream swarm it submits relayed items and takes their results
+    RELAY = "relay"
 
 
 class MsgType(enum.IntEnum):
@@ -132,6 +135,8 @@ class Outcome(str, enum.Enum):
     FENCED = "fenced"  # stale lease token: confirmed but discarded (gap event)
     DUPLICATE = "duplicate"  # already recorded (a replay); idempotent no-op
     UNKNOWN = "unknown"  # the broker has no such item (purged or never existed)
+    #: a relay's result whose downstream proof does not verify: discarded, lease untouched
+    REJECTED = "rejected"
 
 
 class FailReason(str, enum.Enum):
@@ -176,7 +181,13 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.ACK, MsgType.STATUS}
     ),
     Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS, MsgType.CANCEL}),
+    Role.RELAY: frozenset(
+        {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL,
+         MsgType.SUBMIT, MsgType.STATUS, MsgType.ACK}
+    ),
 }
+#: Roles whose sessions hold leases (fencing tokens, heartbeat extension, resume at HELLO).
+LEASE_HOLDER_ROLES = frozenset({Role.WORKER, Role.RELAY})
 
 _HEX_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -231,6 +242,10 @@ class SubmitItem:
     deadline_ts: float | None = None
     max_attempts: int = 0
     max_runtime_s: float = 0.0
+    #: federation (relay submissions only): the origin broker's signed canonical record
+    #: of the item (msgpack, docs/federation.md) and its Ed25519 signature
+    origin: bytes = extension(bytes)
+    origin_sig: bytes = extension(bytes)
 
 
 PRIO_MAX = (1 << 31) - 1
@@ -302,6 +317,10 @@ class Task:
     attempt: int
     max_runtime_s: float = 0.0
     deadline_ts: float | None = None
+    #: federation (DISPATCH to a relay only): this broker's signed canonical record of the
+    #: item and its signature; the downstream broker checks both (docs/federation.md)
+    origin: bytes = extension(bytes)
+    origin_sig: bytes = extension(bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,6 +333,10 @@ class TaskResult:
     handler: str
     handler_version: str
     runtime_s: float = 0.0
+    #: federation (COMPLETE from a relay only): the downstream broker's signed proof of
+    #: the result (origin item id, result digest) and its signature
+    proof: bytes = extension(bytes)
+    proof_sig: bytes = extension(bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -361,6 +384,9 @@ class Delivery:
     handler_version: str
     completed_ts: float
     redelivery: bool = False
+    #: federation (RESULT to a relay only): this broker's signed proof of the result
+    proof: bytes = extension(bytes)
+    proof_sig: bytes = extension(bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -32,8 +32,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-bins="ccsq ccsq-brokerd ccsq-workerd ccsq-completiond ccsq-console"
-units="ccsq-brokerd.service ccsq-workerd@.service ccsq-completion.service ccsq-recover@.service ccsq-recover@.timer"
+bins="ccsq ccsq-brokerd ccsq-workerd ccsq-completiond ccsq-console ccsq-relayd"
+units="ccsq-brokerd.service ccsq-workerd@.service ccsq-completion.service ccsq-recover@.service ccsq-recover@.timer ccsq-relayd@.service"
 unit_dir="${root%/}/etc/systemd/system"
 
 run() {

@@ -20,10 +20,12 @@ class Swarm:
     """
 
     def __init__(self, root: Path, *, workers: int = 1, handler: str = "echo", broker: dict | None = None,
-                 worker: dict | None = None, producer: dict | None = None, completion: dict | None = None) -> None:
+                 worker: dict | None = None, producer: dict | None = None, completion: dict | None = None,
+                 host: str = "127.0.0.1", wrap: list[str] | None = None) -> None:
         self.root = root
         self.port = free_tcp_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.endpoint = f"tcp://{host}:{self.port}"
+        self.wrap = list(wrap or [])  # argv prefix of every process, e.g. ["ip", "netns", "exec", NS]
         self.configs = init_swarm(
             root,
             endpoint=self.endpoint,
@@ -45,15 +47,15 @@ class Swarm:
 
     # --- processes ---
     def start_broker(self, env: dict[str, str] | None = None, wait: bool = True):
-        return self.procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(self.configs["brokerd"])],
+        return self.procs.start("broker", [*self.wrap, bin_path("ccsq-brokerd"), "--config", str(self.configs["brokerd"])],
                                 env=env, ready_event="broker_started" if wait else None)
 
     def start_worker(self, n: int = 1, env: dict[str, str] | None = None, wait: bool = True):
-        return self.procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(self.configs[f"workerd-{n - 1}"])],
+        return self.procs.start(f"worker-{n}", [*self.wrap, bin_path("ccsq-workerd"), "--config", str(self.configs[f"workerd-{n - 1}"])],
                                 env=env, ready_event="broker_link_ready" if wait else None, ready_timeout_s=60.0)
 
     def start_completion(self, env: dict[str, str] | None = None, wait: bool = True):
-        return self.procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(self.configs["completion"])],
+        return self.procs.start("completion", [*self.wrap, bin_path("ccsq"), "completion", "--config", str(self.configs["completion"])],
                                 env=env, ready_event="broker_link_ready" if wait else None)
 
     def start_all(self, workers: int = 1) -> None:

@@ -194,7 +194,7 @@ def test_gap_register_doc_and_code_list_the_same_windows() -> None:
     from ccsq.brokerd import gaps
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "gap-register.md").read_text()
-    rows = dict(re.findall(r"^\| (G\d+) \| ([^|]+) \|", doc, flags=re.M))
+    rows = dict(re.findall(r"^\| ([GF]\d+) \| ([^|]+) \|", doc, flags=re.M))  # F: federation windows
     assert {k: v.strip() for k, v in rows.items()} == {w.id: w.name for w in gaps.WINDOWS}
 
 

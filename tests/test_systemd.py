@@ -45,7 +45,7 @@ UNIT_DIR = REPO / "systemd"
 SANDBOX = Path(__file__).resolve().with_name("test_systemd_sandbox.py")
 VENV_BIN = Path(sys.executable).parent
 
-DAEMON_UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service"]
+DAEMON_UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service", "ccsq-relayd@.service"]
 SERVICE_UNITS = [*DAEMON_UNITS, "ccsq-recover@.service"]
 ALL_UNITS = [*SERVICE_UNITS, "ccsq-recover@.timer"]
 # instance names used to verify templates
@@ -53,6 +53,7 @@ INSTANCES = {
     "ccsq-brokerd.service": "ccsq-brokerd.service",
     "ccsq-workerd@.service": "ccsq-workerd@0.service",
     "ccsq-completion.service": "ccsq-completion.service",
+    "ccsq-relayd@.service": "ccsq-relayd@site-a.service",
     "ccsq-recover@.service": "ccsq-recover@ccsq-workerd@0.service.service",
     "ccsq-recover@.timer": "ccsq-recover@ccsq-brokerd.service.timer",
 }
@@ -282,7 +283,7 @@ def test_install_dry_run_changes_nothing() -> None:
     for name in ALL_UNITS:
         assert f"install -m 0644 {UNIT_DIR / name} /etc/systemd/system/{name}" in out
     assert "useradd --system" in out or "# user ccsq exists" in out
-    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console", "ccsq-relayd"):
         assert f"ln -sfn {venv}/bin/{name} /usr/local/bin/{name}" in out
 
 
@@ -310,7 +311,7 @@ def test_install_refuses_a_venv_the_units_cannot_see(venv: str, why: str) -> Non
 def _fake_venv(root: Path, base_home: str) -> Path:
     venv = root / "venv"
     (venv / "bin").mkdir(parents=True)
-    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console"):
+    for name in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-console", "ccsq-relayd"):
         (venv / "bin" / name).write_text("#!/bin/sh\n")
         (venv / "bin" / name).chmod(0o755)
     (venv / "bin" / "python3").symlink_to(f"{base_home}/python3")

@@ -1,0 +1,1 @@
+"""ccsq-relayd: federation between swarms (docs/federation.md)."""

@@ -1,0 +1,52 @@
+"""The ``ccsq`` subcommands of federation: ``init-relay`` and ``federation report``
+(added to the umbrella parser by :func:`add_commands`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ccsq.common.errors import ExitCode
+
+
+def _cmd_init_relay(args: argparse.Namespace) -> int:
+    from ccsq.relayd.init import init_relay
+
+    links = [(Path(args.upstream), Path(args.downstream))]
+    if args.both_ways:
+        links.append((Path(args.downstream), Path(args.upstream)))
+    path = init_relay(Path(args.dir), links, kinds=args.kinds.split(","), relay_id=args.id)
+    print(f"wrote {path}; restart both brokers (they read trusted_swarms.toml at start), then:\n"
+          f"  ccsq-relayd --config {path}\n  ccsq federation report --config {path}")
+    return ExitCode.OK
+
+
+def _cmd_federation_report(args: argparse.Namespace) -> int:
+    from ccsq.relayd.report import load_federation_report, render_text
+
+    report = load_federation_report(args.config)
+    if args.html:
+        from ccsq.relayd.report import render_html
+
+        Path(args.html).write_text(render_html(report))
+    print(json.dumps(report, indent=2, default=str) if args.json else render_text(report))
+    return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("init-relay", help="write a relay config + key for two swarm directories and wire their trust")
+    p.add_argument("dir", help="the relay's directory (relayd.toml, keys/, relay-journal/)")
+    p.add_argument("--upstream", required=True, help="swarm directory that lends work (written by ccsq init)")
+    p.add_argument("--downstream", required=True, help="swarm directory that lends GPUs")
+    p.add_argument("--kinds", required=True, help="comma-separated item kinds the link carries")
+    p.add_argument("--id", default="relay", help="the relay's peer id (default %(default)s)")
+    p.add_argument("--both-ways", action="store_true", help="also a link downstream -> upstream")
+    p.set_defaults(func=_cmd_init_relay)
+
+    fed = sub.add_parser("federation", help="federation between swarms").add_subparsers(dest="federation_command", required=True)
+    p = fed.add_parser("report", help="per link: leased, submitted, completed, returned, in flight, fenced, forged; balance")
+    p.add_argument("--config", required=True, help="relayd.toml")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the report to FILE")
+    p.set_defaults(func=_cmd_federation_report)

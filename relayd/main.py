@@ -1,0 +1,78 @@
+"""``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
+
+Exit codes (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
+0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
+75 LEDGER_LOCKED (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from ccsq.common import log as logsetup
+from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.relayd.config import load_relay_config
+from ccsq.relayd.journal import RelayJournal
+from ccsq.workerd.journal import JournalCorrupt, JournalLocked
+
+log = structlog.get_logger("ccsq.relayd.main")
+
+
+def _die(code: ExitCode, reason: str) -> int:
+    print(f"ccsq-relayd: {reason}", file=sys.stderr, flush=True)
+    return int(code)
+
+
+async def _serve(relay, notifier: Notifier) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: (notifier.stopping(), relay.request_stop()))
+    watchdog = asyncio.create_task(watchdog_task(notifier))
+    try:
+        await relay.run(on_ready=lambda: notifier.ready(f"{len(relay.links)} link(s)"))
+    finally:
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
+
+
+def run(config_path: str) -> int:
+    try:
+        cfg = load_relay_config(config_path)
+        notifier = Notifier.from_env()
+    except ConfigError as exc:
+        return _die(ExitCode.CONFIG, f"config error: {exc}")
+    logsetup.configure(cfg.log_format)
+    try:
+        journal = RelayJournal.open(cfg.journal_dir)
+    except JournalLocked as exc:
+        return _die(ExitCode.LEDGER_LOCKED, str(exc))
+    try:
+        from ccsq.relayd.relay import Relay
+
+        try:
+            relay = Relay(cfg, journal)
+        except ConfigError as exc:
+            return _die(ExitCode.CONFIG, f"config error: {exc}")
+        except JournalCorrupt as exc:
+            return _die(ExitCode.FAILURE, str(exc))
+        asyncio.run(_serve(relay, notifier))
+    finally:
+        journal.close()
+    return int(ExitCode.OK)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ccsq-relayd", description="ccsq federation relay (docs/federation.md)")
+    parser.add_argument("--config", required=True, help="path of relayd.toml")
+    args = parser.parse_args(argv)
+    sys.exit(run(args.config))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,516 @@
+"""The relay: moves items from an upstream swarm to a downstream swarm's idle GPUs and
+their results back, one :class:`LinkRunner` per ``[[links]]`` table (docs/federation.md).
+
+Per link, two sessions (:class:`~ccsq.common.peer.BrokerLink`, role ``relay``):
+
+* **upstream** (``relay_side = upstream``): the relay holds leases like a worker. It
+  grants credit only while the downstream reports free worker capacity for the link's
+  kinds (``cap:<kind>`` in the downstream broker's heartbeats), lists its leases in
+  every heartbeat (extension), and reports each result with COMPLETE under the lease's
+  fencing token, carrying the downstream broker's signed proof.
+* **downstream** (``relay_side = downstream``): the relay SUBMITs each leased item
+  with the upstream broker's origin signature and the origin key
+  (``origin:<swarm>:<item>``: a resubmission is a dedup hit); the downstream routes the
+  item's RESULT back to this session; the relay ACKs it only after the upstream
+  confirmed the COMPLETE (ack-mode on-confirm).
+
+Every step is journaled (:mod:`ccsq.relayd.journal`) before the next message goes out,
+so a SIGKILL anywhere resumes every item after a restart. Crash points (tests):
+``relay.after_lease_journaled``, ``relay.after_submit_ack``,
+``relay.after_result_journaled``, ``relay.after_complete_ack``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgpack
+import structlog
+
+from ccsq.brokerd.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
+                                    WORKERS_PREFIX, origin_key)
+from ccsq.common import protocol as p
+from ccsq.common.claimstore import ClaimStore, open_store
+from ccsq.common.envelope import Envelope
+from ccsq.common.errors import PayloadMissing
+from ccsq.common.faults import crash_point
+from ccsq.common.peer import BrokerLink, LinkState
+from ccsq.relayd.config import LinkConfig, RelayConfig
+from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
+
+log = structlog.get_logger("ccsq.relayd")
+
+TICK_S = 0.1
+#: SUBMIT errors after which the item is simply tried again later (nothing is wrong with it).
+RETRY_LATER = frozenset({"QUEUE_FULL", "DISK_FULL"})
+MAX_ITEMS_PER_FRAME = 128
+
+
+def _origin_fields(task: p.Task) -> dict:
+    return msgpack.unpackb(task.origin, raw=False) if task.origin else {}
+
+
+def submit_item(task: p.Task) -> p.SubmitItem:
+    """The downstream SUBMIT of an upstream task: every field as the origin signed it."""
+    rec = _origin_fields(task)
+    return p.SubmitItem(
+        key=origin_key(rec.get("swarm", ""), task.item_id),
+        kind=task.kind,
+        payload=task.payload,
+        params=task.params,
+        priority=rec.get("priority", 0),
+        deadline_ts=task.deadline_ts,
+        max_attempts=rec.get("max_attempts", 0),
+        max_runtime_s=task.max_runtime_s,
+        origin=task.origin,
+        origin_sig=task.origin_sig,
+    )
+
+
+class LinkRunner:
+    """One link: its two broker sessions, its rows of the journal, its credit."""
+
+    def __init__(self, rcfg: RelayConfig, cfg: LinkConfig, journal: RelayJournal) -> None:
+        self.rcfg = rcfg
+        self.cfg = cfg
+        self.name = cfg.name
+        self.journal = journal
+        self.log = log.bind(link=cfg.name)
+        self.rows: dict[Key, Row] = {r.key: r for r in journal.rows(cfg.name)}
+        self.up = BrokerLink(rcfg.side(cfg, True), hello=self._up_hello, heartbeat=self._up_heartbeat,
+                             on_message=self._up_message, on_connect=self._up_connect, on_heartbeat=self._up_heartbeat_in)
+        self.down = BrokerLink(rcfg.side(cfg, False), hello=self._down_hello, on_message=self._down_message,
+                               on_connect=self._down_connect, on_heartbeat=self._down_heartbeat)
+        same = cfg.upstream_claim_store == cfg.downstream_claim_store
+        base = rcfg.config_path.rsplit("/", 1)[0] if rcfg.config_path else None
+        self.up_store: ClaimStore | None = None
+        self.down_store: ClaimStore | None = None
+        if not same and cfg.upstream_claim_store and cfg.downstream_claim_store:
+            self.up_store = open_store(cfg.upstream_claim_store, base)
+            self.down_store = open_store(cfg.downstream_claim_store, base)
+        self.capacity = 0
+        self.workers = 0  # downstream workers that take our kinds
+        self.late = False  # policy deadline: the upstream forecasts a missed deadline
+        self.granted = 0  # credit granted in this upstream session
+        self.received = 0  # tasks received in this upstream session
+        self.broken = ""  # set when the downstream refuses our origins: stop pulling
+        self._req = 0
+        self._sent: dict[Key, float] = {}  # when each row's pending message last went out
+        self._copying: set[Key] = set()  # claim-check copies under way
+        self._last_status = time.monotonic()
+        self._down_lost_mono: float | None = time.monotonic()
+
+    # --- helpers ---
+    def _next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    def _held(self) -> list[p.LeaseRef]:
+        return [p.LeaseRef(r.up_item, r.token) for r in self.rows.values() if not r.lost]
+
+    def _rows_of(self, up_item: str) -> list[Row]:
+        return [r for r in self.rows.values() if r.up_item == up_item]
+
+    def _ready(self, link: BrokerLink) -> bool:
+        return link.state is LinkState.READY
+
+    # --- upstream session ---
+    def _up_hello(self) -> p.Hello:
+        return p.Hello(role=p.Role.RELAY.value, credit=0, kinds=list(self.cfg.kinds), leases=self._held(),
+                       info={RELAY_SIDE: UPSTREAM, "link": self.name, POLICY: self.cfg.policy})
+
+    def _up_heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat(leases=self._held(), busy=len(self.rows))
+
+    def _up_connect(self, welcome: p.Welcome) -> None:
+        self.granted = self.received = 0
+        released = {(r.item_id, r.token) for r in welcome.released}
+        drop = [k for k in released if k in self.rows and self.rows[k].state == LEASED]
+        if drop:
+            self.journal.end(self.name, drop, "ended_released", "released")
+            for k in drop:
+                self.rows.pop(k, None)
+        lost = [k for k in released if k in self.rows]
+        if lost:
+            self.journal.mark_lost(self.name, lost)
+            for k in lost:
+                self.rows[k].lost = True
+        self.log.info("upstream_connected", resumed=len(welcome.resumed), released=len(drop), lost=len(lost))
+        self._resend(force=True)
+
+    def _up_message(self, env: Envelope) -> Callable | None:
+        msg = env.message
+        if isinstance(msg, p.Dispatch):
+            return self._on_dispatch(msg.tasks)
+        if isinstance(msg, p.CompleteAck):
+            self._on_complete_ack(msg.outcomes)
+        elif isinstance(msg, p.FailAck):
+            keys = [(o.item_id, o.token) for o in msg.outcomes
+                    if (o.item_id, o.token) in self.rows and self.rows[(o.item_id, o.token)].state == FAILING]
+            self.journal.end(self.name, keys, "ended_failed")
+            for k in keys:
+                self.rows.pop(k, None)
+                self._sent.pop(k, None)
+        elif isinstance(msg, p.Error):
+            self.log.warning("upstream_error", code=msg.code, message=msg.message)
+        return None
+
+    async def _on_dispatch(self, tasks: list[p.Task]) -> None:
+        self.received += len(tasks)
+        unsigned = [t for t in tasks if not t.origin or not t.origin_sig]
+        if unsigned:  # an upstream broker without federation support: give them back
+            self.log.error("upstream_dispatch_unsigned", items=len(unsigned))
+        new = self.journal.insert_leased(self.name, tasks)
+        for t in new:
+            self.rows[(t.item_id, t.token)] = Row(self.name, t.item_id, t.token, t.kind, LEASED, t)
+        crash_point("relay.after_lease_journaled")
+        if unsigned:
+            self._fail([p.TaskFailure(t.item_id, t.token, p.FailReason.RELEASED.value, True, "upstream did not sign")
+                        for t in unsigned if (t.item_id, t.token) in self.rows], "refused")
+        if self.down_store is not None:
+            await self._copy_payloads([t for t in new if t.payload.inline is None])
+        self._submit([self.rows[(t.item_id, t.token)] for t in new if (t.item_id, t.token) in self.rows
+                      and self.rows[(t.item_id, t.token)].state == LEASED])
+
+    async def _copy_payloads(self, tasks: list[p.Task]) -> None:
+        """Claim-check payloads into the downstream store (digest-checked on read); a task
+        whose copy is already under way (DISPATCH vs the tick) is skipped."""
+        tasks = [t for t in tasks if (t.item_id, t.token) not in self._copying]
+        self._copying.update((t.item_id, t.token) for t in tasks)
+        try:
+            await self._copy_each(tasks)
+        finally:
+            self._copying.difference_update((t.item_id, t.token) for t in tasks)
+
+    async def _copy_each(self, tasks: list[p.Task]) -> None:
+        failures = []
+        for t in tasks:
+            try:
+                data = await asyncio.to_thread(self.up_store.get_blob, t.payload)
+                await asyncio.to_thread(self.down_store.put, data)
+            except PayloadMissing as exc:
+                failures.append(p.TaskFailure(t.item_id, t.token, p.FailReason.PAYLOAD_MISSING.value, False, str(exc)[:300]))
+                continue
+            except OSError as exc:
+                failures.append(p.TaskFailure(t.item_id, t.token, p.FailReason.STORE_UNAVAILABLE.value, True, str(exc)[:300]))
+                continue
+            self.journal.set_copied(self.name, [(t.item_id, t.token)], t.payload.sha256)
+            if (t.item_id, t.token) in self.rows:
+                self.rows[(t.item_id, t.token)].copied = t.payload.sha256
+            self.journal.count(self.name, "blobs_copied")
+        if failures:
+            self._fail(failures, "refused")
+
+    def _on_complete_ack(self, outcomes: list[p.ItemOutcome]) -> None:
+        mine = [o for o in outcomes if (o.item_id, o.token) in self.rows and self.rows[(o.item_id, o.token)].state == RESULTED]
+        self.journal.mark_returned(self.name, mine)
+        for o in mine:
+            row = self.rows[(o.item_id, o.token)]
+            row.state, row.outcome = RETURNED, o.outcome
+            if o.outcome != p.Outcome.ACCEPTED.value:
+                self.log.info("result_not_accepted_upstream", item=o.item_id, token=o.token, outcome=o.outcome)
+        rejected = [o for o in mine if o.outcome == p.Outcome.REJECTED.value]
+        if rejected:
+            # the upstream cannot check the downstream's proofs (trust files): a misconfiguration.
+            # Stop pulling and give these leases back uncounted, so the work runs at home
+            # instead of expiring into dead letters (best effort: if lost, the lease expires)
+            self.broken = "upstream rejected the downstream's result proofs (check trusted_swarms on both brokers)"
+            self.log.error("link_refused_by_upstream", items=len(rejected), reason=self.broken)
+            self._send_up([p.TaskFailure(o.item_id, o.token, p.FailReason.RELEASED.value, True, self.broken)
+                           for o in rejected], p.Fail)
+        crash_point("relay.after_complete_ack")
+        self._ack({self.rows[(o.item_id, o.token)].down_item for o in mine})
+
+    def _fail(self, failures: list[p.TaskFailure], counter: str) -> None:
+        self.journal.mark_failing(self.name, failures, counter)
+        for f in failures:
+            row = self.rows.get((f.item_id, f.token))
+            if row is not None:
+                row.state, row.report = FAILING, f
+        self._send_up(failures, p.Fail)
+
+    def _send_up(self, reports: list, cls: type) -> None:
+        if not reports or not self._ready(self.up):
+            return
+        now = time.monotonic()
+        for i in range(0, len(reports), MAX_ITEMS_PER_FRAME):
+            chunk = reports[i:i + MAX_ITEMS_PER_FRAME]
+            self.up.send(cls(chunk))
+            for r in chunk:
+                self._sent[(r.item_id, r.token)] = now
+
+    # --- downstream session ---
+    def _down_hello(self) -> p.Hello:
+        return p.Hello(role=p.Role.RELAY.value, credit=self.rcfg.result_credit, kinds=list(self.cfg.kinds),
+                       info={RELAY_SIDE: DOWNSTREAM, "link": self.name})
+
+    def _down_connect(self, welcome: p.Welcome) -> None:
+        self._down_lost_mono = None
+        self.log.info("downstream_connected", in_flight=len(self.rows))
+        self._resend(force=True)
+
+    def _down_heartbeat(self, hb: p.Heartbeat) -> None:
+        if self._down_lost_mono is not None:
+            return
+        self.capacity = sum(v for k, v in hb.info.items() if k.startswith(CAP_PREFIX) and isinstance(v, int)
+                            and k[len(CAP_PREFIX):] in self.cfg.kinds)
+        self.workers = sum(v for k, v in hb.info.items() if k.startswith(WORKERS_PREFIX) and isinstance(v, int)
+                           and k[len(WORKERS_PREFIX):] in self.cfg.kinds)
+        self._grant()
+
+    def _up_heartbeat_in(self, hb: p.Heartbeat) -> None:
+        late = any(hb.info.get(LATE_PREFIX + k) == 1 for k in self.cfg.kinds)
+        if late != self.late:
+            self.log.info("upstream_deadline_pressure", late=late)
+        self.late = late
+
+    def _grant(self) -> None:
+        """Credit toward the upstream = the downstream's free capacity, less what is already
+        on its way (credit not yet used upstream, items not yet confirmed downstream)."""
+        if self.broken or not self._ready(self.up) or not self._ready(self.down):
+            return
+        outstanding = max(0, self.granted - self.received)
+        waiting = sum(1 for r in self.rows.values() if r.state == LEASED)
+        room = self.cfg.max_in_flight - sum(1 for r in self.rows.values() if not r.lost) - outstanding
+        want = min(self.capacity - outstanding - waiting, room)
+        if self.cfg.policy == "deadline" and self.late and self.workers > 0:
+            want = room  # spill: the upstream will miss a deadline; the downstream can run the kind
+        if want > 0 and self.up.send(p.Credit(want)):
+            self.granted += want
+            self.log.debug("credit_granted", credit=want, capacity=self.capacity, outstanding=outstanding, waiting=waiting)
+
+    def _down_message(self, env: Envelope) -> Callable | None:
+        msg = env.message
+        if isinstance(msg, p.SubmitAck):
+            self._on_submit_ack(msg.results)
+        elif isinstance(msg, p.Result):
+            return self._on_result(msg.deliveries)
+        elif isinstance(msg, p.AckOk):
+            self._on_ack_ok(set(msg.item_ids) | set(msg.unknown))
+        elif isinstance(msg, p.StatusReply):
+            self._on_status(msg.items)
+        elif isinstance(msg, p.Error):
+            self.log.warning("downstream_error", code=msg.code, message=msg.message)
+        return None
+
+    def _needs_copy(self, row: Row) -> bool:
+        return self.down_store is not None and row.task.payload.inline is None and not row.copied
+
+    def _submit(self, rows: list[Row]) -> None:
+        rows = [r for r in rows if not self._needs_copy(r)]  # a claim check is copied first (tick)
+        if not rows or not self._ready(self.down):
+            return
+        now = time.monotonic()
+        for i in range(0, len(rows), MAX_ITEMS_PER_FRAME):
+            chunk = rows[i:i + MAX_ITEMS_PER_FRAME]
+            # one SubmitItem per upstream item (two leases of one item are one downstream item)
+            items = {r.up_item: submit_item(r.task) for r in chunk}
+            self.down.send(p.Submit(self._next_req(), list(items.values())))
+            for r in chunk:
+                self._sent[r.key] = now
+
+    def _on_submit_ack(self, results: list[p.SubmitResult]) -> None:
+        refused: list[p.TaskFailure] = []
+        for res in results:
+            up_item = res.key.rsplit(":", 1)[-1]
+            rows = [r for r in self._rows_of(up_item) if r.state == LEASED]
+            if not rows:
+                continue
+            if res.error:
+                if res.error in RETRY_LATER:
+                    continue  # resent after resend_interval_s
+                if res.error == ORIGIN_REJECTED:
+                    self.broken = f"downstream refused our origin: {res.message}"
+                    self.log.error("link_refused_by_downstream", item=up_item, reason=res.message[:300])
+                    reason, retryable = p.FailReason.RELEASED.value, True
+                else:
+                    self.log.warning("downstream_refused_item", item=up_item, error=res.error, message=res.message[:300])
+                    reason, retryable = p.FailReason.HANDLER_ERROR.value, True
+                refused += [p.TaskFailure(r.up_item, r.token, reason, retryable, f"downstream {res.error}: {res.message}"[:500])
+                            for r in rows]
+                continue
+            self.journal.mark_submitted(self.name, up_item, res.item_id, res.duplicate)
+            for r in rows:
+                r.state, r.down_item = SUBMITTED, res.item_id
+        if refused:
+            self._fail(refused, "forged_rejected" if self.broken else "refused")
+        crash_point("relay.after_submit_ack")
+
+    async def _on_result(self, deliveries: list[p.Delivery]) -> None:
+        reports: list[tuple[p.TaskResult, str]] = []
+        orphans: list[str] = []
+        for d in deliveries:
+            rows = [r for r in self._rows_of(d.key.rsplit(":", 1)[-1]) if r.state in (LEASED, SUBMITTED)]
+            if not rows:
+                # a row already past this step resends its COMPLETE or ACK itself; any other
+                # result (a dropped or failing lease) is acknowledged and discarded
+                if not any(r.down_item == d.item_id and r.state in (RESULTED, RETURNED) for r in self.rows.values()):
+                    orphans.append(d.item_id)
+                continue
+            result = d.result
+            if self.up_store is not None and result.inline is None:
+                try:
+                    data = await asyncio.to_thread(self.down_store.get_blob, result)
+                    await asyncio.to_thread(self.up_store.put, data)
+                except (PayloadMissing, OSError) as exc:
+                    self.log.warning("result_copy_failed", item=d.item_id, error=str(exc)[:300])
+                    continue  # not acknowledged: the downstream redelivers it
+            for r in rows:
+                reports.append((p.TaskResult(r.up_item, r.token, result, d.handler, d.handler_version, 0.0,
+                                             d.proof, d.proof_sig), d.item_id))
+        if reports:
+            # each finished item frees a downstream worker slot: refill now instead of at the
+            # next capacity heartbeat (the next one corrects any overshoot)
+            self.capacity += len({d for _, d in reports})
+            self.journal.store_results(self.name, reports)
+            for rep, down_item in reports:
+                row = self.rows[(rep.item_id, rep.token)]
+                row.state, row.report, row.down_item = RESULTED, rep, down_item
+            crash_point("relay.after_result_journaled")
+            self._send_up([rep for rep, _ in reports], p.Complete)
+            self._grant()
+        if orphans:
+            self.journal.count(self.name, "orphan_results", len(orphans))
+            self.log.warning("orphan_results", items=orphans[:20])
+            self.down.send(p.Ack(orphans))
+        self.down.send(p.Credit(len(deliveries)))
+
+    def _ack(self, down_items: set[str]) -> None:
+        """ACK downstream the items whose every row the upstream has confirmed."""
+        done = [d for d in down_items if d and all(r.state == RETURNED for r in self.rows.values() if r.down_item == d)]
+        if not done or not self._ready(self.down):
+            return
+        now = time.monotonic()
+        self.down.send(p.Ack(done))
+        for r in self.rows.values():
+            if r.down_item in done:
+                self._sent[r.key] = now
+
+    def _on_ack_ok(self, down_items: set[str]) -> None:
+        rows = [r for r in self.rows.values() if r.state == RETURNED and r.down_item in down_items]
+        if not rows:
+            return
+        self.journal.end(self.name, [r.key for r in rows], "ended_acked")
+        for r in rows:
+            self.rows.pop(r.key, None)
+            self._sent.pop(r.key, None)
+        if self.down_store is not None:
+            still = {r.copied for r in self.rows.values()}
+            for sha in {r.copied for r in rows if r.copied} - still:
+                try:
+                    self.down_store.delete(sha)  # our copy: the result is home
+                except OSError as exc:
+                    self.log.warning("blob_delete_failed", sha256=sha, error=str(exc)[:200])
+
+    def _on_status(self, items: list[p.ItemStatus]) -> None:
+        failures: list[p.TaskFailure] = []
+        for st in items:
+            rows = [r for r in self.rows.values() if r.down_item == st.item_id and r.state == SUBMITTED]
+            if st.state == p.ItemState.DEAD.value:
+                failures += [p.TaskFailure(r.up_item, r.token, st.error or p.FailReason.HANDLER_ERROR.value, False,
+                                           f"dead in the downstream swarm ({st.error})") for r in rows]
+            elif st.state == p.ItemState.EXPIRED.value:
+                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
+                                           "deadline expired in the downstream swarm") for r in rows]
+            elif st.state == "unknown":
+                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True,
+                                           "the downstream swarm no longer knows the item") for r in rows]
+        if failures:
+            self._fail(failures, "failed_down")
+
+    # --- periodic: resends, status polls, downstream outage ---
+    def _resend(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        due = [r for r in self.rows.values() if force or now - self._sent.get(r.key, 0.0) >= self.rcfg.resend_interval_s]
+        self._submit([r for r in due if r.state == LEASED])
+        self._send_up([r.report for r in due if r.state == RESULTED and r.report is not None], p.Complete)
+        self._send_up([r.report for r in due if r.state == FAILING and r.report is not None], p.Fail)
+        self._ack({r.down_item for r in due if r.state == RETURNED})
+
+    def _poll_status(self) -> None:
+        now = time.monotonic()
+        if now - self._last_status < self.rcfg.status_interval_s or not self._ready(self.down):
+            return
+        self._last_status = now
+        ids = sorted({r.down_item for r in self.rows.values() if r.state == SUBMITTED and r.down_item})
+        for i in range(0, len(ids), MAX_ITEMS_PER_FRAME):
+            self.down.send(p.Status(self._next_req(), ids[i:i + MAX_ITEMS_PER_FRAME]))
+
+    def _downstream_outage(self) -> None:
+        """The downstream is unreachable: give the leases we have not submitted back to
+        the upstream (released: no attempt counted) so its own workers can run them."""
+        if self._ready(self.down):
+            self._down_lost_mono = None
+            return
+        now = time.monotonic()
+        if self._down_lost_mono is None:
+            self._down_lost_mono = now
+            self.capacity = 0
+        if now - self._down_lost_mono < self.rcfg.resend_interval_s * 2:
+            return
+        give_back = [r for r in self.rows.values() if r.state == LEASED and not r.lost]
+        if give_back and self._ready(self.up):
+            self.log.warning("downstream_unreachable_release", items=len(give_back))
+            self._fail([p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True, "downstream unreachable")
+                        for r in give_back], "released")
+
+    async def tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            uncopied = [r.task for r in self.rows.values() if r.state == LEASED and self._needs_copy(r)]
+            if uncopied:  # e.g. journaled, then SIGKILLed before the copy: copy now, submit next tick
+                await self._copy_payloads(uncopied)
+            self._downstream_outage()
+            self._resend()
+            self._poll_status()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(c) for c in (self.up.run(), self.down.run(), self.tick())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # raises what ended it
+            if self.up.replaced or self.down.replaced:
+                # another live process uses this link's peer id: exit (systemd shows it) rather
+                # than run a link that will never reconnect
+                raise RuntimeError(f"link {self.name}: another process uses its peer id (two relays, one identity?)")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        await asyncio.gather(self.up.stop("relay stopping"), self.down.stop("relay stopping"))
+
+
+class Relay:
+    """Every link of one ``relayd.toml``; :meth:`run` until :meth:`request_stop`."""
+
+    def __init__(self, cfg: RelayConfig, journal: RelayJournal) -> None:
+        self.cfg = cfg
+        self.journal = journal
+        self.links = [LinkRunner(cfg, link, journal) for link in cfg.links]
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, on_ready: Callable[[], object] | None = None) -> None:
+        tasks = [asyncio.create_task(link.run(), name=f"link-{link.name}") for link in self.links]
+        log.info("relay_started", links=[link.name for link in self.links],
+                 in_flight={link.name: len(link.rows) for link in self.links})
+        if on_ready:
+            on_ready()
+        stop = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stop and t.exception() is not None:
+                raise t.exception()
+        await asyncio.gather(*(link.stop() for link in self.links), return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stop.cancel()
+        log.info("relay_stopped")
