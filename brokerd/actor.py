@@ -28,7 +28,7 @@ import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
-from ccsq.brokerd import federation as fed
+from ccsq.common import federation as fed
 from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
@@ -964,7 +964,7 @@ class Broker:
                     hb = p.Heartbeat(info=caps[sess.peer_id]) if sess.peer_id in caps else p.Heartbeat()
                     self._try_send(sess, hb, queue_on_again=False)
 
-    # --- federation (brokerd/federation.py, docs/federation.md) ---
+    # --- federation (common/federation.py, docs/federation.md) ---
     def _relays(self, side: str) -> list[Session]:
         return [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
 

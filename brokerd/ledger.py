@@ -890,7 +890,7 @@ class LedgerTxn(LedgerView):
         """Create one item (or answer a duplicate). ``refuse`` is an error code
         (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
         ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
-        and the relay its result goes back to (brokerd/federation.py)."""
+        and the relay its result goes back to (common/federation.py)."""
         policy = self.ledger.policy
         why = validate_submit_item(item)
         if why:

@@ -82,7 +82,7 @@ def run(config_path: str) -> int:
         check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
         check_exposure(cfg, authorized, config_path)
         if cfg.trusted_swarms:  # federation trust file: refused at start, not at the first relayed item
-            from ccsq.brokerd.federation import TrustedSwarms
+            from ccsq.common.federation import TrustedSwarms
 
             TrustedSwarms(Path(cfg.trusted_swarms))
         notifier = Notifier.from_env()

@@ -267,3 +267,15 @@ class CantCreate(PermanentError):
     def of(cls, what: str, path: object, exc: OSError) -> CantCreate:
         return cls(f"cannot write {what} {path}: {exc.strerror or exc}; choose a writable path "
                    "(an existing directory this user may write)")
+
+
+class JournalLocked(RetryableError):
+    """Another process holds this journal_dir (a worker's or a relay's journal): give each its own journal_dir, or wait for the old process to exit."""
+
+    code = "JOURNAL_LOCKED"
+
+
+class JournalCorrupt(RetryableError):
+    """A journal row could not be decoded; the message names the row. Move the journal aside to start clean."""
+
+    code = "JOURNAL_CORRUPT"

@@ -40,7 +40,7 @@ from pathlib import Path
 import msgpack
 
 from ccsq.common import protocol as p
-from ccsq.workerd.journal import JournalCorrupt, JournalLocked
+from ccsq.common.errors import JournalCorrupt, JournalLocked
 
 Key = tuple[str, int]  # (up_item, token)
 

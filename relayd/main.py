@@ -19,7 +19,7 @@ from ccsq.common.errors import ConfigError, ExitCode
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
-from ccsq.workerd.journal import JournalCorrupt, JournalLocked
+from ccsq.common.errors import JournalCorrupt, JournalLocked
 
 log = structlog.get_logger("ccsq.relayd.main")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import msgpack
 import structlog
 
-from ccsq.brokerd.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
+from ccsq.common.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
                                     WORKERS_PREFIX, origin_key)
 from ccsq.common import protocol as p
 from ccsq.common.claimstore import ClaimStore, open_store

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from ccsq.brokerd import federation as fed
+from ccsq.common import federation as fed
 from ccsq.brokerd.report import load_report
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm
 from ccsq.common import protocol as p

@@ -28,7 +28,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ccsq.brokerd import federation as fed  # noqa: E402
+from ccsq.common import federation as fed  # noqa: E402
 from ccsq.common import protocol as p  # noqa: E402
 from ccsq.common.errors import ConfigError  # noqa: E402
 from ccsq.relayd.config import load_relay_config  # noqa: E402
@@ -108,7 +108,7 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     relay peers authorized, and a relayd.toml that loads."""
     import tomllib
 
-    from ccsq.brokerd.federation import TrustedSwarms
+    from ccsq.common.federation import TrustedSwarms
     from ccsq.common.cli import main
     from ccsq.common.keys import parse_authorized_keys
 

@@ -38,22 +38,10 @@ from pathlib import Path
 import msgpack
 
 from ccsq.common import protocol as p
-from ccsq.common.errors import DecodeError, RetryableError
+from ccsq.common.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
 
 Key = tuple[str, int]
 Op = tuple[str, list]  # (name, rows): see Journal.apply
-
-
-class JournalLocked(RetryableError):
-    """Another ccsq-workerd holds this journal_dir: give each worker its own journal_dir, or wait for the old process to exit."""
-
-    code = "JOURNAL_LOCKED"
-
-
-class JournalCorrupt(RetryableError):
-    """A journal row could not be decoded; the message names the row. Move the journal aside to start clean."""
-
-    code = "JOURNAL_CORRUPT"
 
 
 class EntryState(str, enum.Enum):
