@@ -99,9 +99,10 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(tmp_path):
     (prom_dir / "prometheus.yml").write_text(
         f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{scrape_configs}\n")
     with swarm, downstream:
+        # the relay and its downstream boot alongside the swarm (the relay reconnects until both brokers answer)
+        downstream.start_broker(wait=False)
+        swarm.procs.start("relay", [bin_path("ccsq-relayd"), "--config", str(relay_cfg)])
         swarm.start_all()
-        downstream.start_broker()
-        swarm.procs.start("relay", [bin_path("ccsq-relayd"), "--config", str(relay_cfg)], ready_event="relay_started")
         prom = swarm.procs.start("prometheus", [
             prom_bin, f"--config.file={prom_dir / 'prometheus.yml'}", f"--storage.tsdb.path={prom_dir / 'data'}",
             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn",
@@ -203,7 +204,7 @@ def test_metrics_listen_is_validated(tmp_path):
 def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     """Tester #8: a metrics_listen port held by another process (the old instance still
     exiting after a restart) exits 75 (TEMPFAIL: systemd restarts), not 78, for the
-    broker, a worker and the completion service (real processes)."""
+    broker, a worker, the completion service and a relay (real processes)."""
     import socket
 
     from ccsq.common.procs import bin_path
@@ -215,7 +216,11 @@ def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     try:
         swarm = Swarm(tmp_path / "swarm", workers=1, broker={"metrics_listen": busy}, worker={"metrics_listen": busy},
                       completion={"metrics_listen": busy})
+        Swarm(tmp_path / "b", workers=0)
+        relay_cfg = init_relay(tmp_path / "relay", [(tmp_path / "swarm", tmp_path / "b")], kinds=["ocr"],
+                               relay={"metrics_listen": busy})
         for argv in ([bin_path("ccsq-brokerd"), "--config", str(swarm.configs["brokerd"])],
+                     [bin_path("ccsq-relayd"), "--config", str(relay_cfg)],
                      [bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
                      [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
