@@ -310,15 +310,20 @@ def scan_for_relay(txn: Any, kinds: list[str] | None, limit: int, now_ms: int) -
     return out, hint
 
 
+def _takes(session, kind: str) -> bool:
+    """Whether a worker session takes ``kind`` (no kinds listed = every kind)."""
+    return not session.kinds or kind in session.kinds
+
+
 def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, dict[str, int]], kinds: tuple[str, ...]) -> dict[str, int]:
     """Free worker capacity per kind: credit of healthy, non-draining workers that take the
     kind, minus the items of that kind already waiting (this swarm's own work first)."""
     out = {}
     for kind in kinds:
-        free = sum(s.credit for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
+        free = sum(s.credit for s in worker_sessions if s.healthy and s.peer_id not in draining and _takes(s, kind))
         ready = kind_states.get(kind, {}).get(p.ItemState.READY.value, 0)
         out[CAP_PREFIX + kind] = max(0, free - ready)
-        out[WORKERS_PREFIX + kind] = sum(1 for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
+        out[WORKERS_PREFIX + kind] = sum(1 for s in worker_sessions if s.healthy and s.peer_id not in draining and _takes(s, kind))
     return out
 
 

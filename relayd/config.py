@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ccsq.common.config import PeerSettings, from_mapping, opt
 from ccsq.common.errors import ConfigError
+from ccsq.common.metrics import parse_listen
 
 
 MAX_KINDS_PER_LINK = 100
@@ -74,6 +75,7 @@ class RelayConfig:
     reconnect_backoff_max_s: float = opt(5.0, min=0.05, max=300.0, doc="cap of the reconnect backoff")
     hello_timeout_s: float = opt(5.0, min=0.1, max=300.0, doc="how long to wait for WELCOME before reconnecting")
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
+    metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
     links: tuple = ()
     config_path: str = ""
 
@@ -115,6 +117,7 @@ def load_relay_config(path: str | Path) -> RelayConfig:
     cfg = from_mapping(RelayConfig, {**data, "config_path": str(path.resolve())}, base_dir=base, where=str(path))
     if not cfg.peer_id or not cfg.private_key:
         raise ConfigError(f"{path}: peer_id and private_key are required")
+    parse_listen(cfg.metrics_listen, where=f"{path}: metrics_listen")
     if not isinstance(raw_links, list) or not raw_links:
         raise ConfigError(f"{path}: needs at least one [[links]] table")
     links = []

@@ -35,6 +35,7 @@ import fcntl
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -127,6 +128,8 @@ class RelayJournal:
         self.path = path
         self._db = db
         self._lock_fd = lock_fd
+        #: called with the seconds of each committed transaction (the relay's metrics; None = off)
+        self.observe_commit: Callable[[float], object] | None = None
 
     @classmethod
     def open(cls, journal_dir: str | Path) -> RelayJournal:
@@ -165,11 +168,14 @@ class RelayJournal:
 
         class _Tx:
             def __enter__(self_inner):
+                self_inner.t0 = time.perf_counter()
                 journal._db.execute("BEGIN IMMEDIATE")
                 return journal._db
 
             def __exit__(self_inner, exc_type, exc, tb):
                 journal._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+                if exc_type is None and journal.observe_commit is not None:
+                    journal.observe_commit(time.perf_counter() - self_inner.t0)
 
         return _Tx()
 

@@ -15,7 +15,7 @@ import sys
 import structlog
 
 from ccsq.common import log as logsetup
-from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.errors import ConfigError, ExitCode, PortInUse
 from ccsq.common.systemd import Notifier, watchdog_task
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
@@ -53,15 +53,21 @@ def run(config_path: str) -> int:
     except JournalLocked as exc:
         return _die(ExitCode.LEDGER_LOCKED, str(exc))
     try:
+        from ccsq.relayd.metrics import start_relay_metrics
         from ccsq.relayd.relay import Relay
 
         try:
             relay = Relay(cfg, journal)
+            metrics = start_relay_metrics(relay, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
         except ConfigError as exc:
             return _die(ExitCode.CONFIG, f"config error: {exc}")
         except JournalCorrupt as exc:
             return _die(ExitCode.FAILURE, str(exc))
+        except PortInUse as exc:  # the old instance still exiting: transient
+            return _die(ExitCode.TEMPFAIL, f"transient: {exc}")
         asyncio.run(_serve(relay, notifier))
+        if metrics is not None:
+            metrics.shutdown()
     finally:
         journal.close()
     return int(ExitCode.OK)

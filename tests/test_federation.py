@@ -49,7 +49,11 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
     """Nothing moves while b has no free worker; once b's worker is up, a's backlog
     (inline and claim-check payloads, two different stores) drains through b and
     lands only in a's results; b's own work is unaffected."""
-    with FedPair(tmp_path, producer={"inline_max_bytes": 64}, both_ways=True) as pair:
+    from ccsq.common.procs import free_tcp_port
+
+    metrics_port = free_tcp_port()
+    with FedPair(tmp_path, producer={"inline_max_bytes": 64}, both_ways=True,
+                 relay={"metrics_listen": f"127.0.0.1:{metrics_port}"}) as pair:
         pair.a.start_broker()
         pair.a.start_completion()
         pair.b.start_broker()
@@ -90,6 +94,20 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         doc = json.loads(out.stdout)
         assert doc["balanced"] and doc["links"][0]["counters"]["returned"] == 10
         assert "BALANCED" in html.read_text()
+        # the relay's /metrics (docs/federation.md#metrics): the same books, per link, read at scrape time
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        for link in doc["links"]:
+            for event, n in link["counters"].items():
+                assert m[("ccsq_relay_items_total", (("event", event), ("link", link["name"])))] == n, (link["name"], event)
+            assert m[("ccsq_relay_balanced", (("link", link["name"]),))] == 1
+            assert sum(v for (name, labels), v in m.items() if name == "ccsq_relay_in_flight" and ("link", link["name"]) in labels) == 0
+            assert m[("ccsq_relay_connected", (("link", link["name"]), ("side", "downstream")))] == 1
+        assert m[("ccsq_relay_journal_commit_seconds_count", ())] >= 10  # at least one per item (SUBMIT_ACK)
 
 
 def test_both_busy_nothing_moves_until_capacity_frees(tmp_path: Path) -> None:

@@ -49,10 +49,7 @@ class _W:
     peer_id: str
     credit: int
     kinds: tuple = ()
-    healthy: bool = True
-
-    def accepts(self, kind: str) -> bool:
-        return not self.kinds or kind in self.kinds
+    healthy: bool = True  # only the fields a broker Session has (a method here once hid a call to a removed one)
 
 
 def test_capacity_is_free_worker_credit_minus_own_backlog() -> None:
@@ -143,3 +140,67 @@ def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
         guard.check("relay-x", 1, 1, True, 1_000)  # ... then the older HELLO arrives
     assert exc.value.code == p.REJECT_REPLAY
     guard.check("relay-x", 3, 1, True, 3_000)  # a genuinely newer session still may
+
+
+def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
+    """relayd.toml metrics_listen: a real Relay over a real journal serves the link's books
+    over HTTP (the same figures as `ccsq federation report`), its credit and sessions,
+    the journal commit histogram and ccsq_build_info{process="relayd"}; bad syntax is refused."""
+    import hashlib
+    import tomllib
+    import urllib.request
+
+    import tomli_w
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ccsq.common.cli import main
+    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.metrics import start_relay_metrics
+    from ccsq.relayd.relay import Relay
+    from ccsq.relayd.report import load_federation_report
+
+    assert main(["init", str(tmp_path / "a"), "--endpoint", "tcp://127.0.0.1:5611", "--workers", "1"]) == 0
+    assert main(["init", str(tmp_path / "b"), "--endpoint", "tcp://127.0.0.1:5612", "--workers", "1"]) == 0
+    assert main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "a"), "--downstream",
+                 str(tmp_path / "b"), "--kinds", "ocr"]) == 0
+    path = tmp_path / "relay" / "relayd.toml"
+    raw = tomllib.loads(path.read_text())
+    for bad in ("9464x", "0.0.0.0:", "0.0.0.0:70000"):
+        path.write_text(tomli_w.dumps({**raw, "metrics_listen": bad}))
+        with pytest.raises(ConfigError, match="metrics_listen"):
+            load_relay_config(path)
+    path.write_text(tomli_w.dumps({**raw, "metrics_listen": "127.0.0.1:0"}))
+    cfg = load_relay_config(path)
+    journal = RelayJournal.open(cfg.journal_dir)
+    relay = Relay(cfg, journal)
+    server = start_relay_metrics(relay, cfg.metrics_listen, where="relayd.toml: metrics_listen")
+    try:
+        link = cfg.links[0].name
+        blob = p.Blob(sha256=hashlib.sha256(b"x").hexdigest(), size=1, inline=b"x")
+        tasks = [p.Task(f"it-{i}", 1, "ocr", blob, {}, 1) for i in range(5)]
+        journal.insert_leased(link, tasks)
+        journal.mark_submitted(link, "it-0", "down-0", False)
+        journal.mark_failing(link, [p.TaskFailure("it-1", 1, p.FailReason.RELEASED.value, True)], "forged_rejected")
+        journal.end(link, [("it-1", 1)], "ended_failed")
+        relay.links[0].granted, relay.links[0].received = 7, 5
+
+        def scrape() -> dict[tuple[str, tuple], float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10).read().decode()
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+        m = scrape()
+        counters = load_federation_report(path)["links"][0]["counters"]
+        assert counters["leased"] == 5 and counters["forged_rejected"] == 1
+        for event, n in counters.items():
+            assert m[("ccsq_relay_items_total", (("event", event), ("link", link)))] == n, event
+        assert m[("ccsq_relay_in_flight", (("link", link), ("state", "leased")))] == 3
+        assert m[("ccsq_relay_in_flight", (("link", link), ("state", "submitted")))] == 1
+        assert m[("ccsq_relay_balanced", (("link", link),))] == 1
+        assert m[("ccsq_relay_upstream_credit", (("link", link),))] == 2
+        assert m[("ccsq_relay_connected", (("link", link), ("side", "upstream")))] == 0
+        assert m[("ccsq_relay_journal_commit_seconds_count", ())] == 4  # one per transaction above
+        assert any(k[0] == "ccsq_build_info" and ("process", "relayd") in k[1] for k in m)
+    finally:
+        server.shutdown()
+        journal.close()

@@ -1,8 +1,10 @@
 """Metrics from every process, scraped by a real Prometheus (Debian's ``prometheus``).
 
 A swarm on loopback (broker, one worker, the completion service), each with
-``metrics_listen``; a Prometheus server scraping the three every second; items
-submitted and acknowledged. Then every query of docs/grafana-dashboard.json
+``metrics_listen``, and a federation relay (``ccsq-relayd``) linking it to a second
+swarm's broker (kind ``ocr``, which nobody there runs: the link stays idle, its
+books and state are exported all the same); a Prometheus server scraping the four
+every second; items submitted and acknowledged. Then every query of docs/grafana-dashboard.json
 goes through Prometheus's HTTP API: each must parse and evaluate (data or a
 valid empty result), and every ``ccsq_*`` name it uses must be exported by one
 of the processes (a typo or a metric nobody exports fails the test).
@@ -24,7 +26,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccsq.common.procs import free_tcp_port, wait_until
+from ccsq.common.procs import bin_path, free_tcp_port, wait_until
+from ccsq.relayd.init import init_relay
 from tests.swarm import Swarm
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json"
@@ -67,23 +70,38 @@ def _exported(port: int) -> set[str]:
     return names
 
 
+def _value(port: int, metric: str, **labels: str) -> float | None:
+    """The value of one series in Prometheus now (None when absent)."""
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    res = _api(port, "query", query=f"{metric}{{{sel}}}")["data"]["result"]
+    return float(res[0]["value"][1]) if len(res) == 1 else None
+
+
 def test_every_dashboard_query_runs_on_a_real_prometheus(tmp_path):
     prom_bin = _prometheus_bin()
     t_start = time.monotonic()
-    ports = {"broker": free_tcp_port(), "worker": free_tcp_port(), "completion": free_tcp_port()}
+    ports = {"broker": free_tcp_port(), "worker": free_tcp_port(), "completion": free_tcp_port(), "relay": free_tcp_port()}
     swarm = Swarm(tmp_path / "swarm", workers=1,
                   broker={"metrics_listen": f"127.0.0.1:{ports['broker']}"},
                   worker={"metrics_listen": f"127.0.0.1:{ports['worker']}"},
                   completion={"metrics_listen": f"127.0.0.1:{ports['completion']}"})
+    downstream = Swarm(tmp_path / "b", workers=0)  # the relay's other end (a broker only)
+    relay_cfg = init_relay(tmp_path / "relay", [(tmp_path / "swarm", tmp_path / "b")], kinds=["ocr"],
+                           relay={"log_format": "json", "reconnect_backoff_max_s": 0.3,
+                                  "metrics_listen": f"127.0.0.1:{ports['relay']}"})
     prom_port = free_tcp_port()
     prom_dir = tmp_path / "prometheus"
     prom_dir.mkdir()
-    jobs = {"ccsq-brokerd": ports["broker"], "ccsq-workerd": ports["worker"], "ccsq-completion": ports["completion"]}
+    jobs = {"ccsq-brokerd": ports["broker"], "ccsq-workerd": ports["worker"], "ccsq-completion": ports["completion"],
+            "ccsq-relayd": ports["relay"]}
     scrape_configs = "\n".join(
         f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{port}']" for job, port in jobs.items())
     (prom_dir / "prometheus.yml").write_text(
         f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{scrape_configs}\n")
-    with swarm:
+    with swarm, downstream:
+        # the relay and its downstream boot alongside the swarm (the relay reconnects until both brokers answer)
+        downstream.start_broker(wait=False)
+        swarm.procs.start("relay", [bin_path("ccsq-relayd"), "--config", str(relay_cfg)])
         swarm.start_all()
         prom = swarm.procs.start("prometheus", [
             prom_bin, f"--config.file={prom_dir / 'prometheus.yml'}", f"--storage.tsdb.path={prom_dir / 'data'}",
@@ -122,7 +140,7 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(tmp_path):
 
         failures, empty, with_data = [], [], 0
         for pnl in dashboard["panels"]:
-            for target in pnl["targets"]:
+            for target in pnl.get("targets", []):  # a row has none
                 expr = target["expr"].replace("$job", ".*")
                 unknown = {n for n in re.findall(r"\bccsq_[a-z0-9_]+", expr) if n not in exported}
                 if unknown:
@@ -143,7 +161,13 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(tmp_path):
         assert with_data >= 30
         # the build of each process, by job
         builds = _api(prom_port, "query", query="ccsq_build_info")["data"]["result"]
-        assert sorted(b["metric"]["process"] for b in builds) == ["brokerd", "completion", "workerd"]
+        assert sorted(b["metric"]["process"] for b in builds) == ["brokerd", "completion", "relayd", "workerd"]
+        # the relay's link: connected both ways, its books balance (nothing relayed: b runs no ocr)
+        link = {"link": "swarm-to-b"}
+        for side in ("upstream", "downstream"):
+            wait_until(lambda: _value(prom_port, "ccsq_relay_connected", side=side, **link) == 1.0, 20.0, f"relay {side}")
+        assert _value(prom_port, "ccsq_relay_balanced", **link) == 1.0
+        assert _value(prom_port, "ccsq_relay_items_total", event="leased", **link) == 0.0
         # worker and completion figures saw the traffic
         landed = _api(prom_port, "query", query="ccsq_completion_results_landed_total")["data"]["result"]
         assert float(landed[0]["value"][1]) == len(ids)
@@ -180,7 +204,7 @@ def test_metrics_listen_is_validated(tmp_path):
 def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     """Tester #8: a metrics_listen port held by another process (the old instance still
     exiting after a restart) exits 75 (TEMPFAIL: systemd restarts), not 78, for the
-    broker, a worker and the completion service (real processes)."""
+    broker, a worker, the completion service and a relay (real processes)."""
     import socket
 
     from ccsq.common.procs import bin_path
@@ -192,7 +216,11 @@ def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     try:
         swarm = Swarm(tmp_path / "swarm", workers=1, broker={"metrics_listen": busy}, worker={"metrics_listen": busy},
                       completion={"metrics_listen": busy})
+        Swarm(tmp_path / "b", workers=0)
+        relay_cfg = init_relay(tmp_path / "relay", [(tmp_path / "swarm", tmp_path / "b")], kinds=["ocr"],
+                               relay={"metrics_listen": busy})
         for argv in ([bin_path("ccsq-brokerd"), "--config", str(swarm.configs["brokerd"])],
+                     [bin_path("ccsq-relayd"), "--config", str(relay_cfg)],
                      [bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
                      [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
             out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
