@@ -217,6 +217,10 @@ def _submit_state(r) -> str:
     """The state column of a submit without --wait."""
     return "spooled" if r.spooled else ("duplicate" if r.duplicate else "submitted")
 
+#: ``ccsq submit`` without an outbox: connects refused (nothing listens) this long mean
+#: "broker down" at once; a broker that accepts but answers slowly gets --connect-timeout-s.
+SUBMIT_REFUSED_GRACE_S = 1.5
+
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     import time
@@ -235,10 +239,15 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                              deadline_ts=deadline_ts)
 
     with Client.from_config_file(args.config) as client:
-        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
+        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s,
+                                                                      refused_grace_s=SUBMIT_REFUSED_GRACE_S):
+            problem = client.connect_problem()
+            if problem and problem.startswith("CURVE mismatch"):
+                raise ConfigError(problem)
             raise BrokerUnavailable(
-                f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: "
-                f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
+                (f"{problem}: " if problem else
+                 f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: ")
+                + f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
                 "(or set outbox_dir there to spool while it is down)"
             )
         with _progress(len(items) > 1 and not args.json) as bar:
@@ -714,8 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an item parameter for the handler (repeatable; numbers and true/false are typed)")
     p.add_argument("--priority", type=int, default=0, help="higher is dispatched first (default %(default)s)")
     p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
-    p.add_argument("--connect-timeout-s", type=float, default=3.0,
-                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0,
+                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s; "
+                        f"a refused connection, nothing listening, fails after {SUBMIT_REFUSED_GRACE_S:g} s)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
