@@ -63,6 +63,11 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
         entry = f'[peers.{peer}] role = "{role}" public_key = "<this peer\'s public key>"'
     if refusal.code == p.REJECT_UNKNOWN_SENDER:
         fix = f"add to the broker's authorized_keys: {entry}; then reload the broker (SIGHUP) and start this peer again"
+    elif refusal.code == p.REJECT_BAD_SIGNATURE and (owner := _key_owner(settings)) not in (None, peer):
+        # another peer's key: registering it for this peer too would let that peer act as this one
+        own = Path(settings.private_key).with_name(f"{peer}.key")
+        fix = (f"this is {owner}'s key ({settings.private_key}); use {own}: set private_key = \"{own}\" in "
+               f"{settings.config_path or 'its config'} (do not list {owner}'s public key for {peer!r})")
     elif refusal.code == p.REJECT_BAD_SIGNATURE:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
                f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
@@ -81,6 +86,24 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
     else:
         fix = "check this peer's id and key against the broker's authorized_keys"
     return f"the broker refused peer {peer!r} ({refusal.code}: {refusal.message}); {fix}"
+
+
+def _key_owner(settings: PeerSettings) -> str | None:
+    """The peer id whose public key in this peer's copy of authorized_keys matches this
+    peer's private key (None when none does or a file cannot be read: only a hint)."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+
+        raw = serialization.Encoding.Raw
+        mine = load_private_key(Path(settings.private_key)).public_key().public_bytes(raw, serialization.PublicFormat.Raw)
+        keys = AuthorizedKeys(Path(settings.authorized_keys))
+        for pid in keys.ids():
+            entry = keys.get(pid)
+            if entry is not None and entry.public_key.public_bytes(raw, serialization.PublicFormat.Raw) == mine:
+                return pid
+    except Exception:  # noqa: BLE001 - only a hint
+        return None
+    return None
 
 
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish

@@ -294,3 +294,18 @@ def test_curve_on_one_side_only_is_named_not_broker_down(tmp_path: Path, capsys,
         assert "CURVE mismatch" in err and "start ccsq-brokerd" not in err
         assert ("requires CURVE" in err) if side == "broker" else ("runs without CURVE" in err)
 
+
+def test_a_peer_using_another_peers_key_is_told_whose_key_it_is(tmp_path: Path, capsys) -> None:
+    """producer-1 started with worker-1's private key: exit 77 and the fix leads with
+    "this is worker-1's key; use keys/producer-1.key", never "list worker-1's public key
+    for producer-1" (which would let worker-1's key act as producer-1)."""
+    with Swarm(tmp_path, workers=1) as swarm:  # worker-1's key exists; no worker runs
+        swarm.start_broker()
+        stolen = peer_config(swarm, "producer", "p-stolen", private_key="keys/worker-1.key")
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        rc, _out, errtext = run_ccsq(capsys, "submit", "--config", stolen, "--kind", "echo", doc)
+        assert rc == ExitCode.UNAUTHORIZED, errtext
+        assert "this is worker-1's key" in errtext, errtext
+        assert "keys/producer-1.key: set private_key" in errtext and "set it in the broker's" not in errtext
+
