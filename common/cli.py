@@ -181,6 +181,16 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _peer_id_arg(text: str) -> str:
+    """``--id``: a safe peer id (it names files under --out and a [peers.<id>] table), else exit 2."""
+    from ccsq.common.keys import check_peer_id
+
+    try:
+        return check_peer_id(text, where="--id")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # --- ccsq submit ----------------------------------------------------------------------
 def _param(text: str) -> tuple[str, object]:
     """``K=V`` for ``--param``: V as int, float, true/false, else the string."""
@@ -707,7 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")
     p.add_argument("--out", required=True, help="directory for <id>.key and <id>.pub")
-    p.add_argument("--id", required=True, help="peer id")
+    p.add_argument("--id", required=True, type=_peer_id_arg,
+                   help="peer id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin"])
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)

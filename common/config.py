@@ -62,6 +62,10 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         from ccsq.common.endpoints import check_endpoint
 
         check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
+    if f.name in ("peer_id", "broker_id") and value:
+        from ccsq.common.keys import check_peer_id
+
+        check_peer_id(value, where=key)
     return value
 
 

@@ -309,3 +309,29 @@ def test_a_peer_using_another_peers_key_is_told_whose_key_it_is(tmp_path: Path, 
         assert "this is worker-1's key" in errtext, errtext
         assert "keys/producer-1.key: set private_key" in errtext and "set it in the broker's" not in errtext
 
+
+@pytest.mark.parametrize("bad", ["../evil", "a/b", "-x", "", "a b", "x" * 65, "peers.x]"])
+def test_peer_ids_are_validated_everywhere(tmp_path: Path, capsys, bad: str) -> None:
+    """keygen --id (exit 2, nothing written anywhere), authorized_keys.toml and peer_id in
+    a config (exit 78, a sentence naming the file and the allowed characters)."""
+    import tomli_w
+
+    from ccsq.common.config import PeerSettings, load
+    from ccsq.common.errors import ConfigError
+    from ccsq.common.keys import parse_authorized_keys
+
+    out = tmp_path / "out" / "keys"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["keygen", "--out", str(out), f"--id={bad}"])
+    assert exc.value.code == ExitCode.USAGE and "not a valid peer id" in capsys.readouterr().err
+    assert not any(tmp_path.rglob("*.key")) and not any(tmp_path.rglob("*.pub"))
+    _priv, pub = write_keypair(tmp_path / "k", "good-1.x_y")
+    ak = tmp_path / "authorized_keys.toml"
+    ak.write_text(tomli_w.dumps({"peers": {bad: {"role": "worker", "public_key": pub.read_text().strip()}}}))
+    with pytest.raises(ConfigError, match="not a valid peer id"):
+        parse_authorized_keys(ak)
+    cfg = tmp_path / "producer.toml"
+    cfg.write_text(tomli_w.dumps({"peer_id": bad or "x", "broker_id": "broker" if bad else ""}))
+    if bad:
+        with pytest.raises(ConfigError, match=r"producer.toml: peer_id: .* not a valid peer id"):
+            load(PeerSettings, cfg)
