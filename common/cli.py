@@ -498,13 +498,42 @@ def _when(key: str, value: object) -> object:
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+#: States in which an item's ``error``/``error_message`` is history, not its present:
+#: the fields stay in the ledger (what the last failed attempt said) and ``items show``
+#: labels them "last error (attempt N)"; only dead/expired items show them as the error.
+FAILED_STATES = ("dead", "expired")
+
+
+def _item_rows(doc: dict) -> list[tuple[str, object]]:
+    """The rows of ``items show`` (text): times as ISO dates, 0 (unset) times as "-",
+    ``max_attempts`` 0 as the broker default, an error of an earlier attempt labelled so."""
+    rec = doc["item"]
+    stale = rec.get("state") not in FAILED_STATES
+    rows: list[tuple[str, object]] = []
+    for k, v in rec.items():
+        if k.endswith(("_ms", "_ts")) and v in (0, None):
+            v = "-"
+        elif k == "max_attempts" and v == 0:
+            default = doc.get("default_max_attempts")
+            v = f"broker default ({default})" if default else "broker default (max_attempts in brokerd.toml)"
+        elif k in ("error", "error_message") and stale:
+            if not v:
+                continue
+            k = "last error" if k == "error" else "last error msg"
+            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "last error" else v
+        else:
+            v = _when(k, v)
+        rows.append((k, v))
+    return rows
+
+
 def _cmd_items_show(args: argparse.Namespace) -> int:
     doc = _read_query(args, "items_show", {"item_id": args.item_id})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        for k, v in doc["item"].items():
-            print(f"{k:>16}  {_when(k, v)}")
+        for k, v in _item_rows(doc):
+            print(f"{k:>16}  {v}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
     return ExitCode.OK

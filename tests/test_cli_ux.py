@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -205,6 +206,10 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
         assert rec["params"] == {"name": "doc.txt", "top_k": 5} and rec["priority"] == 7
         assert 3500_000 < rec["deadline_ms"] - time.time() * 1000 <= 3600_000
         assert "no worker seen by the broker since it started serves kind 'classify'" in err
+        rc, shown, _ = run_ccsq(capsys, "items", "show", out.split()[0])
+        rows = dict(ln.strip().split("  ", 1) for ln in shown.splitlines() if "  " in ln.strip())
+        rows = {k.strip(): v.strip() for k, v in rows.items()}
+        assert rows.get("lease_expires_ms", "-") == "-" and rows["max_attempts"].startswith("broker default ("), shown
 
         rc, out, _ = run_ccsq(capsys, "status")
         assert rc == 0 and "fail" in out and "no connected worker serves kind 'classify'" in out
@@ -217,6 +222,7 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
         item_id = out.split()[0]
         rc, out, _ = run_ccsq(capsys, "items", "show", item_id)
         assert rc == 0 and "Z" in out and f"{time.gmtime().tm_year}-" in out
+        assert "last error" not in out and re.search(r"^ +error  \S", out, re.M), out  # a dead item's own error
 
         rc, out, _ = run_ccsq(capsys, "dlq", "purge", "bogus-id")
         assert rc == ExitCode.REFUSED and "unknown (no such item in the ledger): bogus-id" in out
@@ -335,3 +341,17 @@ def test_peer_ids_are_validated_everywhere(tmp_path: Path, capsys, bad: str) -> 
     if bad:
         with pytest.raises(ConfigError, match=r"producer.toml: peer_id: .* not a valid peer id"):
             load(PeerSettings, cfg)
+
+
+def test_items_show_labels_an_earlier_attempts_error() -> None:
+    """A replayed then acknowledged item keeps the dead attempt's error in the ledger;
+    ``items show`` labels it "last error (an earlier attempt ...)"; a dead item's error stays "error"."""
+    rec = {"id": "x", "state": "acknowledged", "attempt": 2, "error": "handler_failed", "error_message": "boom",
+           "lease_expires_ms": 0, "max_attempts": 0, "created_ms": 1_700_000_000_000}
+    rows = dict(cli._item_rows({"item": rec, "default_max_attempts": 5}))
+    assert "error" not in rows and rows["last error"].startswith("handler_failed (an earlier attempt; the item is acknowledged")
+    assert rows["last error msg"] == "boom" and rows["lease_expires_ms"] == "-" and rows["max_attempts"] == "broker default (5)"
+    assert rows["created_ms"].startswith("2023-11-14T")
+    rows = dict(cli._item_rows({"item": {**rec, "state": "dead"}}))
+    assert rows["error"] == "handler_failed" and "last error" not in rows
+    assert rows["max_attempts"] == "broker default (max_attempts in brokerd.toml)"
