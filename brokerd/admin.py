@@ -177,7 +177,6 @@ class AdminCommands:
         doc = item_doc(txn, item_id)
         lease = self.broker.leases.get(item_id)
         doc["lease_in_memory"] = None if lease is None else {"token": lease.token, "worker": lease.worker}
-        doc["default_max_attempts"] = self.broker.cfg.max_attempts  # what max_attempts 0 means
         return doc
 
     def cmd_dlq_list(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:

@@ -527,12 +527,23 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
     return rows
 
 
+def _broker_max_attempts(admin_config: str | None) -> int | None:
+    """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
+    max_attempts 0 means), or None when there is none to read."""
+    from ccsq.common.config import BrokerConfig, load
+
+    try:
+        return load(BrokerConfig, Path(admin_config).with_name("brokerd.toml")).max_attempts if admin_config else None
+    except Exception:  # noqa: BLE001 - only a label
+        return None
+
+
 def _cmd_items_show(args: argparse.Namespace) -> int:
     doc = _read_query(args, "items_show", {"item_id": args.item_id})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        for k, v in _item_rows(doc):
+        for k, v in _item_rows({**doc, "default_max_attempts": _broker_max_attempts(_admin_settings(args).config_path)}):
             print(f"{k:>16}  {v}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
