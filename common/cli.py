@@ -126,7 +126,7 @@ def init_swarm(
     write(
         "producer.toml",
         {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
-         **curve_lines("producer-1"), **(producer or {})},
+         "default_kind": handler, **curve_lines("producer-1"), **(producer or {})},
     )
     write(
         "completion.toml",
@@ -249,6 +249,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                              deadline_ts=deadline_ts)
 
     with Client.from_config_file(args.config) as client:
+        if args.kind is None:  # the swarm's kind (init writes its --handler), else the historical default
+            args.kind = client.config.default_kind or "ocr"
         if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s,
                                                                       refused_grace_s=SUBMIT_REFUSED_GRACE_S):
             problem = client.connect_problem()
@@ -766,7 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait",
                        epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_arg(p, "producer")
-    p.add_argument("--kind", default="ocr", help="item kind (default %(default)s)")
+    p.add_argument("--kind", default=None, help="item kind (default: default_kind in producer.toml, which `ccsq init` "
+                                                "sets to its --handler; else ocr)")
     p.add_argument("--wait", action="store_true",
                    help="wait until every item is acknowledged (exit 4 on timeout, 5 if one ends dead or expired)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait: give up after this (default %(default)s)")

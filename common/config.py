@@ -223,6 +223,7 @@ class ProducerConfig(PeerSettings):
     s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
     s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
+    default_kind: str = opt("", doc="item kind of `ccsq submit` without --kind ('' = ocr; `ccsq init` writes its --handler)")
 
 
 @dataclasses.dataclass(frozen=True)

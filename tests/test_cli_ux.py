@@ -355,3 +355,20 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
     rows = dict(cli._item_rows({"item": {**rec, "state": "dead"}}))
     assert rows["error"] == "handler_failed" and "last error" not in rows
     assert rows["max_attempts"] == "broker default (max_attempts in brokerd.toml)"
+
+
+def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys) -> None:
+    """`ccsq init --handler sleep` writes default_kind = "sleep" in producer.toml; a plain
+    `ccsq submit` (no --kind) queues items of that kind, not "ocr"."""
+    import tomllib
+
+    with Swarm(tmp_path, workers=0, handler="sleep") as swarm:
+        assert tomllib.loads(swarm.configs["producer"].read_text())["default_kind"] == "sleep"
+        swarm.start_broker()
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        rc, out, _ = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--json", doc)
+        assert rc == 0, out
+        item_id = json.loads(out)[0]["item_id"]
+        rc, shown, _ = run_ccsq(capsys, "items", "show", item_id, "--config", swarm.configs["admin"], "--json")
+        assert json.loads(shown)["item"]["kind"] == "sleep"
