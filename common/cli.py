@@ -271,7 +271,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                     bar.advance(task)
         unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
         for kind in unserved:
-            print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
+            print(f"ccsq submit: warning: no worker seen by the broker recently (since it started, or in the day before) serves "
+                  f"kind {kind!r}: the items wait in "
                   "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
                   "handler's name; `ccsq status` lists them)", file=sys.stderr)
         out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,

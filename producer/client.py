@@ -91,7 +91,7 @@ class Receipt:
     key: str
     duplicate: bool = False
     spooled: bool = False
-    #: no worker seen by the broker since it started serves this item's kind: it waits
+    #: no worker seen by the broker recently (since it started, or noted in its ledger the day before) serves this item's kind: it waits
     #: in ``ready`` until one connects (False when unknown: spooled, or an older broker)
     unserved: bool = False
 
@@ -585,7 +585,7 @@ class AsyncClient:
         outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline, unserved) for f in frames))
         if unserved:
             self.log.info("kind_not_served", kinds=sorted(unserved),
-                             hint="no worker seen by the broker since it started serves these kinds; the items wait in ready")
+                             hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
         for done, unconfirmed, err in outcomes:
             results.update(done)
             if unconfirmed:

@@ -205,7 +205,7 @@ def test_cli_messages_exit_codes_and_defaults(tmp_path: Path, capsys, monkeypatc
         rec = json.loads(shown)["item"]
         assert rec["params"] == {"name": "doc.txt", "top_k": 5} and rec["priority"] == 7
         assert 3500_000 < rec["deadline_ms"] - time.time() * 1000 <= 3600_000
-        assert "no worker seen by the broker since it started serves kind 'classify'" in err
+        assert "no worker seen by the broker recently (since it started, or in the day before) serves kind 'classify'" in err
         rc, shown, _ = run_ccsq(capsys, "items", "show", out.split()[0])
         rows = dict(ln.strip().split("  ", 1) for ln in shown.splitlines() if "  " in ln.strip())
         rows = {k.strip(): v.strip() for k, v in rows.items()}
@@ -372,3 +372,31 @@ def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys
         item_id = json.loads(out)[0]["item_id"]
         rc, shown, _ = run_ccsq(capsys, "items", "show", item_id, "--config", swarm.configs["admin"], "--json")
         assert json.loads(shown)["item"]["kind"] == "sleep"
+
+
+def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path, capsys) -> None:
+    """The broker keeps the kinds its workers served (HELLO) in the ledger (meta w:<kind>),
+    so right after a restart, within what used to be a silent grace of two liveness
+    windows, `ccsq submit` of a kind no recent worker served warns, and a served kind does not."""
+    from ccsq.brokerd.testing import ScriptedPeer
+
+    with Swarm(tmp_path, workers=1, broker={"liveness": 50}) as swarm:  # grace: 2 x 0.2 s x 50 = 20 s
+        swarm.start_broker()
+        worker = ScriptedPeer(swarm.root, "worker-1", swarm.endpoint)
+        try:
+            worker.send(p.Hello(role="worker", slots=1, credit=1, kinds=["echo"]))
+            assert isinstance(worker.recv(10.0).message, p.Welcome)
+            wait_until(lambda: any(w["peer_id"] == "worker-1" for w in json.loads(run_ccsq(
+                capsys, "status", "--config", swarm.configs["admin"], "--json")[1])["peers"]), 30, "worker seen")
+        finally:
+            worker.close()
+        swarm.procs.stop("broker")
+        t0 = time.monotonic()
+        swarm.start_broker()
+        doc = tmp_path / "doc.txt"
+        doc.write_text("hello")
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "classify", doc)
+        assert rc == 0 and "serves kind 'classify'" in err, err
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "echo", doc)
+        assert rc == 0 and "serves kind" not in err, err
+        assert time.monotonic() - t0 < 20.0  # both answered inside the old grace period
