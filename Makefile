@@ -12,11 +12,11 @@ $(VENV)/bin/python:
 	$(PIP) install -q --upgrade pip setuptools wheel
 
 $(VENV)/.installed-cpu: $(VENV)/bin/python setup.cfg pyproject.toml
-	$(PIP) install -q -e '.[cpu]'
+	$(PIP) install -q -e '.[cpu,console]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-cpu
-	$(PIP) install -q -e '.[cpu,test]'
+	$(PIP) install -q -e '.[cpu,console,test]'
 	touch $@
 
 ## make demo: OCR every bundled page through broker + 2 workers + completion service (SQLite)

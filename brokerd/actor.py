@@ -109,6 +109,11 @@ class Batch:
             self.crash_points.append(name)
 
 
+#: Kinds whose worker said HELLO within this long before a broker start count as served
+#: at once after it (meta ``w:<kind>``), instead of waiting two liveness windows.
+KINDS_SERVED_MEMORY_S = 86400.0
+
+
 def wall_ms() -> int:
     return int(time.time() * 1000)
 
@@ -159,6 +164,8 @@ class Broker:
         self._reject_logged: dict[tuple[bytes | str, str], float] = {}
         self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
         self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
+        self._kinds_unsaved: set[str] = set()  # kinds of HELLOs not yet noted in the ledger (meta w:<kind>)
+        self._kinds_recorded = False  # the ledger named kinds served recently: no grace after start needed
         self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
         self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
         self._stopping = False
@@ -198,6 +205,9 @@ class Broker:
                 self.leases.add(item_id, token, worker, expires)
             states, counters = view.states(), view.counters()
             self.peers.draining = set(view.draining())
+            recent = view.kinds_served(wall_ms() - int(KINDS_SERVED_MEMORY_S * 1000))
+            self._kinds_seen.update(dict.fromkeys(recent, True))
+            self._kinds_recorded = bool(recent)
         log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"],
                  draining=sorted(self.peers.draining))
 
@@ -381,8 +391,8 @@ class Broker:
         start (workers are still reconnecting)."""
         if "unserved_kinds" not in str(sess.info_hello.get("features", "")):
             return []
-        if time.monotonic() - self._started_mono < 2 * self.silence_s:
-            return []
+        if not self._kinds_recorded and time.monotonic() - self._started_mono < 2 * self.silence_s:
+            return []  # no record of recent workers (new ledger): they may still be reconnecting
         if "" in self._kinds_seen:  # a worker that takes every kind
             return []
         return sorted({it.kind for it in items} - self._kinds_seen.keys())
@@ -440,6 +450,7 @@ class Broker:
         released: list[p.LeaseRef] = []
         if env.role is p.Role.WORKER:
             self._kinds_seen.update(dict.fromkeys(sess.kinds or ("",), True))
+            self._kinds_unsaved.update(sess.kinds or ("",))
         if env.role in p.LEASE_HOLDER_ROLES:
             listed = set()
             for ref in hello.leases:
@@ -528,6 +539,9 @@ class Broker:
                 else:
                     self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
                     self._apply_deferred(txn, batch, deferred)
+                    if self._kinds_unsaved:  # a hint for the next start only: lost with an aborted turn, harmless
+                        txn.note_kinds_served(self._kinds_unsaved, wall_ms())
+                        self._kinds_unsaved = set()
                     self._apply_expiries(txn, batch, due)
                 backlog = False
                 if background and mode not in ("minimal", "acks"):

@@ -434,6 +434,20 @@ class LedgerView:
                 out.append(k[2:].decode())
         return out
 
+    def kinds_served(self, since_ms: int) -> set[str]:
+        """Kinds a worker served (HELLO) at or after ``since_ms`` (meta ``w:<kind>`` ->
+        ``>q`` ms of its last HELLO; ``""`` = a worker that takes every kind). Read at
+        broker start, so the unserved-kind hint needs no grace period after a restart."""
+        out: set[str] = set()
+        cur = self.txn.cursor(db=self.db["meta"])
+        if cur.set_range(b"w:"):
+            for k, v in cur.iternext():
+                if not k.startswith(b"w:"):
+                    break
+                if _q.unpack(v)[0] >= since_ms:
+                    out.add(k[2:].decode())
+        return out
+
     def state_count(self, state: str) -> int:
         return self.num(b"s:" + state.encode())
 
@@ -803,6 +817,12 @@ class LedgerTxn(LedgerView):
         else:
             self.txn.delete(key, db=self.db["meta"])
         self.changed = True
+
+    def note_kinds_served(self, kinds: set[str], now_ms: int) -> None:
+        """Record that a worker serving ``kinds`` said HELLO now (see :meth:`LedgerView.kinds_served`)."""
+        for kind in kinds:
+            self.txn.put(b"w:" + kind.encode(), _q.pack(now_ms), db=self.db["meta"])
+        self.changed = self.changed or bool(kinds)
 
     def count_reject(self, code: str, n: int = 1) -> None:
         self._add(b"r:" + code.encode(), n)

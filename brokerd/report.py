@@ -73,9 +73,12 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 for w in gaps.WINDOWS
             ]
             report: dict[str, Any] = {
+                # deprecated (kept for old readers): the flow counters and two states at top
+                # level, where "completed" is a counter, not the state; read "counters" and "states"
                 **counters,
                 "ready": states["ready"],
                 "leased": states["leased"],
+                "deprecated_keys": sorted({*counters, "ready", "leased"}),
                 "counters": counters,
                 "states": states,
                 "balanced": counters["received"] == sum(states.values()),

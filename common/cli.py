@@ -128,7 +128,7 @@ def init_swarm(
     write(
         "producer.toml",
         {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
-         **curve_lines("producer-1"), **(producer or {})},
+         "default_kind": handler, **curve_lines("producer-1"), **(producer or {})},
     )
     write(
         "completion.toml",
@@ -186,6 +186,16 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _peer_id_arg(text: str) -> str:
+    """``--id``: a safe peer id (it names files under --out and a [peers.<id>] table), else exit 2."""
+    from ccsq.common.keys import check_peer_id
+
+    try:
+        return check_peer_id(text, where="--id")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # --- ccsq submit ----------------------------------------------------------------------
 def _param(text: str) -> tuple[str, object]:
     """``K=V`` for ``--param``: V as int, float, true/false, else the string."""
@@ -222,6 +232,10 @@ def _submit_state(r) -> str:
     """The state column of a submit without --wait."""
     return "spooled" if r.spooled else ("duplicate" if r.duplicate else "submitted")
 
+#: ``ccsq submit`` without an outbox: connects refused (nothing listens) this long mean
+#: "broker down" at once; a broker that accepts but answers slowly gets --connect-timeout-s.
+SUBMIT_REFUSED_GRACE_S = 1.5
+
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     import time
@@ -240,10 +254,17 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                              deadline_ts=deadline_ts, timeout_s=args.submit_timeout_s)
 
     with Client.from_config_file(args.config) as client:
-        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s):
+        if args.kind is None:  # the swarm's kind (init writes its --handler), else the historical default
+            args.kind = client.config.default_kind or "ocr"
+        if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s,
+                                                                      refused_grace_s=SUBMIT_REFUSED_GRACE_S):
+            problem = client.connect_problem()
+            if problem and problem.startswith("CURVE mismatch"):
+                raise ConfigError(problem)
             raise BrokerUnavailable(
-                f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: "
-                f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
+                (f"{problem}: " if problem else
+                 f"the broker at {client.config.broker_endpoint} did not answer within {args.connect_timeout_s:g} s: ")
+                + f"start ccsq-brokerd (systemctl start ccsq-brokerd) or fix broker_endpoint in {args.config} "
                 "(or set outbox_dir there to spool while it is down)"
             )
         with _progress(len(items) > 1 and not args.json) as bar:
@@ -272,7 +293,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
             return ExitCode.TEMPFAIL
         unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
         for kind in unserved:
-            print(f"ccsq submit: warning: no worker seen by the broker since it started serves kind {kind!r}: the items wait in "
+            print(f"ccsq submit: warning: no worker seen by the broker recently (since it started, or in the day before) serves "
+                  f"kind {kind!r}: the items wait in "
                   "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
                   "handler's name; `ccsq status` lists them)", file=sys.stderr)
         out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
@@ -507,13 +529,53 @@ def _when(key: str, value: object) -> object:
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+#: States in which an item's ``error``/``error_message`` is history, not its present:
+#: the fields stay in the ledger (what the last failed attempt said) and ``items show``
+#: labels them "last error (attempt N)"; only dead/expired items show them as the error.
+FAILED_STATES = ("dead", "expired")
+
+
+def _item_rows(doc: dict) -> list[tuple[str, object]]:
+    """The rows of ``items show`` (text): times as ISO dates, 0 (unset) times as "-",
+    ``max_attempts`` 0 as the broker default, an error of an earlier attempt labelled so."""
+    rec = doc["item"]
+    stale = rec.get("state") not in FAILED_STATES
+    rows: list[tuple[str, object]] = []
+    for k, v in rec.items():
+        if k.endswith(("_ms", "_ts")) and v in (0, None):
+            v = "-"
+        elif k == "max_attempts" and v == 0:
+            default = doc.get("default_max_attempts")
+            v = f"broker default ({default})" if default else "broker default (max_attempts in brokerd.toml)"
+        elif k in ("error", "error_message") and stale:
+            if not v:
+                continue
+            k = "last error" if k == "error" else "last error msg"
+            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "last error" else v
+        else:
+            v = _when(k, v)
+        rows.append((k, v))
+    return rows
+
+
+def _broker_max_attempts(admin_config: str | None) -> int | None:
+    """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
+    max_attempts 0 means), or None when there is none to read."""
+    from ccsq.common.config import BrokerConfig, load
+
+    try:
+        return load(BrokerConfig, Path(admin_config).with_name("brokerd.toml")).max_attempts if admin_config else None
+    except Exception:  # noqa: BLE001 - only a label
+        return None
+
+
 def _cmd_items_show(args: argparse.Namespace) -> int:
     doc = _read_query(args, "items_show", {"item_id": args.item_id})
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        for k, v in doc["item"].items():
-            print(f"{k:>16}  {_when(k, v)}")
+        for k, v in _item_rows({**doc, "default_max_attempts": _broker_max_attempts(_admin_settings(args).config_path)}):
+            print(f"{k:>16}  {v}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
     return ExitCode.OK
@@ -743,7 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")
     p.add_argument("--out", required=True, help="directory for <id>.key and <id>.pub")
-    p.add_argument("--id", required=True, help="peer id")
+    p.add_argument("--id", required=True, type=_peer_id_arg,
+                   help="peer id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     p.add_argument("--role", default="worker", choices=["broker", "worker", "producer", "completion", "admin", "relay"])
     p.add_argument("--curve", action="store_true", help="create a ZeroMQ CURVE key pair (transport encryption) instead")
     p.set_defaults(func=_cmd_keygen)
@@ -751,7 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit files as items (claim check) and optionally wait",
                        epilog=SUBMIT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_arg(p, "producer")
-    p.add_argument("--kind", default="ocr", help="item kind (default %(default)s)")
+    p.add_argument("--kind", default=None, help="item kind (default: default_kind in producer.toml, which `ccsq init` "
+                                                "sets to its --handler; else ocr)")
     p.add_argument("--wait", action="store_true",
                    help="wait until every item is acknowledged (exit 4 on timeout, 5 if one ends dead or expired)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait: give up after this (default %(default)s)")
@@ -759,8 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an item parameter for the handler (repeatable; numbers and true/false are typed)")
     p.add_argument("--priority", type=int, default=0, help="higher is dispatched first (default %(default)s)")
     p.add_argument("--deadline-s", type=float, help="the items expire if not completed within this many seconds")
-    p.add_argument("--connect-timeout-s", type=float, default=3.0,
-                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s)")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0,
+                   help="without an outbox: exit 69 when the broker does not answer within this (default %(default)s; "
+                        f"a refused connection, nothing listening, fails after {SUBMIT_REFUSED_GRACE_S:g} s)")
     p.add_argument("--submit-timeout-s", type=float, default=60.0,
                    help="how long one file's SUBMIT is retried on QUEUE_FULL/DISK_FULL or silence before exit 75/69 "
                         "(default %(default)s)")

@@ -62,6 +62,10 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         from ccsq.common.endpoints import check_endpoint
 
         check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
+    if f.name in ("peer_id", "broker_id") and value:
+        from ccsq.common.keys import check_peer_id
+
+        check_peer_id(value, where=key)
     return value
 
 
@@ -222,6 +226,7 @@ class ProducerConfig(PeerSettings):
     s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
     s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
+    default_kind: str = opt("", doc="item kind of `ccsq submit` without --kind ('' = ocr; `ccsq init` writes its --handler)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import base64
 import binascii
 import dataclasses
 import os
+import re
 import stat
 import tomllib
 from pathlib import Path
@@ -54,8 +55,11 @@ def public_key_b64(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
 def write_keypair(directory: Path, peer_id: str) -> tuple[Path, Path]:
     """Create ``DIR/<peer_id>.key`` (0600) and ``DIR/<peer_id>.pub``; returns both paths.
 
-    Refuses to overwrite an existing private key (ConfigError)."""
+    Refuses to overwrite an existing private key, and a peer id that is not
+    :data:`PEER_ID_RE` (it could name a path outside ``directory``) (ConfigError)."""
     from cryptography.hazmat.primitives import serialization
+
+    check_peer_id(peer_id)
 
     directory.mkdir(parents=True, exist_ok=True)
     priv_path = directory / f"{peer_id}.key"
@@ -129,6 +133,20 @@ class AuthorizedKeys:
         return len(self._peers)
 
 
+#: A peer id: a letter or digit, then up to 63 letters, digits, '.', '_' or '-'. It names
+#: key files (``keys/<id>.key``) and TOML tables (``[peers.<id>]``), so nothing else is allowed.
+PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_peer_id(peer_id: str, *, where: str = "peer id") -> str:
+    """Return ``peer_id`` when it is a safe peer id (:data:`PEER_ID_RE`), else raise
+    ConfigError naming ``where`` and the allowed characters."""
+    if not isinstance(peer_id, str) or not PEER_ID_RE.fullmatch(peer_id):
+        raise ConfigError(f"{where}: {peer_id!r} is not a valid peer id: use 1-64 letters, digits, '.', '_' or '-', "
+                          "starting with a letter or digit (it names key files and [peers.<id>] tables)")
+    return peer_id
+
+
 def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
     try:
         doc = tomllib.loads(path.read_text())
@@ -142,6 +160,7 @@ def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
     peers: dict[str, PeerKey] = {}
     for peer_id, entry in doc.get("peers", {}).items():
         where = f"{path}: peers.{peer_id}"
+        check_peer_id(peer_id, where=f"{path}: [peers]")
         if not isinstance(entry, dict) or not {"role", "public_key"} <= set(entry) <= {"role", "public_key", "curve_public_key"}:
             raise ConfigError(f"{where}: needs the keys role and public_key (and optionally curve_public_key)")
         try:
@@ -181,6 +200,7 @@ def write_curve_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     Raises ConfigError if the secret exists or libzmq lacks CURVE."""
     import zmq
 
+    check_peer_id(name, where="CURVE key name")
     if not zmq.has("curve"):
         raise ConfigError("this libzmq has no CURVE support; install pyzmq wheels (bundled libsodium)")
     directory.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,11 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
         entry = f'[peers.{peer}] role = "{role}" public_key = "<this peer\'s public key>"'
     if refusal.code == p.REJECT_UNKNOWN_SENDER:
         fix = f"add to the broker's authorized_keys: {entry}; then reload the broker (SIGHUP) and start this peer again"
+    elif refusal.code == p.REJECT_BAD_SIGNATURE and (owner := _key_owner(settings)) not in (None, peer):
+        # another peer's key: registering it for this peer too would let that peer act as this one
+        own = Path(settings.private_key).with_name(f"{peer}.key")
+        fix = (f"this is {owner}'s key ({settings.private_key}); use {own}: set private_key = \"{own}\" in "
+               f"{settings.config_path or 'its config'} (do not list {owner}'s public key for {peer!r})")
     elif refusal.code == p.REJECT_BAD_SIGNATURE:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
                f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
@@ -83,6 +88,24 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
     return f"the broker refused peer {peer!r} ({refusal.code}: {refusal.message}); {fix}"
 
 
+def _key_owner(settings: PeerSettings) -> str | None:
+    """The peer id whose public key in this peer's copy of authorized_keys matches this
+    peer's private key (None when none does or a file cannot be read: only a hint)."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+
+        raw = serialization.Encoding.Raw
+        mine = load_private_key(Path(settings.private_key)).public_key().public_bytes(raw, serialization.PublicFormat.Raw)
+        keys = AuthorizedKeys(Path(settings.authorized_keys))
+        for pid in keys.ids():
+            entry = keys.get(pid)
+            if entry is not None and entry.public_key.public_bytes(raw, serialization.PublicFormat.Raw) == mine:
+                return pid
+    except Exception:  # noqa: BLE001 - only a hint
+        return None
+    return None
+
+
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish
 #: before closing the socket under them.
 SESSION_TEARDOWN_S = 1.0
@@ -101,6 +124,22 @@ class LinkLost(Exception):
 CURVE_FAILED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+#: ZeroMQ connection events watched on every link while it waits for WELCOME: a refused
+#: TCP/IPC connect (CONNECT_RETRIED before any CONNECTED: nothing listens, fail fast) and a
+#: ZMTP security-mechanism mismatch (curve on one side only: say so, not "broker down").
+CONNECT_EVENTS = CURVE_FAILED_EVENTS | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+def curve_mismatch_hint(settings: PeerSettings) -> str:
+    """One sentence for a ZMTP mechanism mismatch: which side has CURVE on, and the fix."""
+    where = settings.config_path or "this peer's config"
+    if settings.curve:
+        return (f"CURVE mismatch: this peer has curve = true but the broker at {settings.broker_endpoint} runs without "
+                f"CURVE: set curve = true in the broker's brokerd.toml (docs/security.md), or curve = false in {where}")
+    return (f"CURVE mismatch: the broker at {settings.broker_endpoint} requires CURVE (curve = true) but {where} has "
+            "curve = false: set curve = true there with broker_curve_public_key and curve_secret_key "
+            "(`ccsq init` writes them; docs/security.md)")
 
 
 def peer_curve_secret(settings: PeerSettings) -> bytes:
@@ -187,6 +226,9 @@ class BrokerLink:
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
         self.replaced = False  # set when the broker says a newer session took our peer id
+        self.connect_problem: str | None = None  # why the last attempts got no WELCOME (refused, CURVE mismatch)
+        self.refused_since_mono: float | None = None  # connects refused (nothing listens) without a break since then
+        self.curve_mismatch = False  # the last handshake failed: CURVE on one side only (connect_problem says which)
         self.refused = None
         self._hello_role = ""
         self._outbox = asyncio.Queue()
@@ -245,10 +287,9 @@ class BrokerLink:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
-        monitor = None
         if self._curve_server_key is not None:
             curve_client_setup(sock, self._curve_server_key, self._curve_secret)
-            monitor = sock.get_monitor_socket(CURVE_FAILED_EVENTS)
+        monitor = sock.get_monitor_socket(CONNECT_EVENTS)
         sock.connect(self.settings.broker_endpoint)
         self.codec.new_session()
         self._outbox = asyncio.Queue()
@@ -307,11 +348,35 @@ class BrokerLink:
         hello = asyncio.ensure_future(self._handshake(sock))
         failed = asyncio.ensure_future(monitor.recv_multipart())
         try:
-            await asyncio.wait({hello, failed}, return_when=asyncio.FIRST_COMPLETED)
-            if hello.done():
-                return hello.result()
-            event = parse_monitor_message(failed.result())
+            while True:
+                await asyncio.wait({hello, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if hello.done():
+                    self.connect_problem = None
+                    self.refused_since_mono = None
+                    self.curve_mismatch = False
+                    return hello.result()
+                event = parse_monitor_message(failed.result())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    self.refused_since_mono = None  # something listens; WELCOME may still be slow
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                    if self.refused_since_mono is None:
+                        self.refused_since_mono = time.monotonic()
+                    self.connect_problem = f"connection to {self.settings.broker_endpoint} refused (nothing listens there)"
+                else:
+                    break
+                failed = asyncio.ensure_future(monitor.recv_multipart())
             name = getattr(event["event"], "name", str(event["event"]))
+            if (event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+                hint = curve_mismatch_hint(self.settings)
+                if self.connect_problem != hint:
+                    self.log.error("curve_mismatch", endpoint=self.settings.broker_endpoint, curve=self.settings.curve,
+                                   hint=hint)
+                self.connect_problem = hint
+                self.curve_mismatch = True
+                raise LinkLost(hint)
+            if self._curve_secret is None:
+                raise LinkLost(f"handshake with {self.settings.broker_endpoint} failed ({name})")
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
                 # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
                 self.refused = self.last_refusal = p.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "

@@ -224,6 +224,13 @@ class Console:
         return resp
 
     def _login_redirect(self, request: Request) -> Response:
+        """Browsers go to /login; a client that sent ``Authorization`` (a script with a
+        wrong or unknown token) gets 401 with ``WWW-Authenticate: Bearer`` (RFC 6750)."""
+        if request.headers.get("authorization") is not None:
+            log.warning("console_bearer_refused", remote=_remote(request))
+            resp = PlainTextResponse("unknown or malformed bearer token\n", status_code=401, headers={
+                "WWW-Authenticate": 'Bearer realm="ccsq console", error="invalid_token"'})
+            return self._finish(resp, None)
         nxt = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return self._finish(RedirectResponse(f"/login?next={quote(nxt)}", status_code=303), None)
 
@@ -401,6 +408,8 @@ class Console:
     async def _action_form(self, request: Request) -> tuple[Viewer | None, str | None, dict[str, str], Response | None]:
         viewer, new_sid = self._who(request)
         if viewer is None:
+            if request.headers.get("authorization") is not None:
+                return None, None, {}, self._login_redirect(request)  # 401 + WWW-Authenticate
             return None, None, {}, self._finish(PlainTextResponse("sign in first (/login)\n", status_code=401), None)
         form = {k: str(v) for k, v in (await request.form()).items()}
         origin = request.headers.get("origin")

@@ -89,7 +89,7 @@ class Receipt:
     key: str
     duplicate: bool = False
     spooled: bool = False
-    #: no worker seen by the broker since it started serves this item's kind: it waits
+    #: no worker seen by the broker recently (since it started, or noted in its ledger the day before) serves this item's kind: it waits
     #: in ``ready`` until one connects (False when unknown: spooled, or an older broker)
     unserved: bool = False
 
@@ -313,14 +313,23 @@ class AsyncClient:
         if refusal is not None and refusal.code in PEER_REFUSED_CODES:
             raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)
 
-    async def wait_connected(self, timeout_s: float) -> bool:
+    async def wait_connected(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` for a session with the broker: True when connected,
         False when the broker did not answer in time (down, or the endpoint is wrong).
         Raises Unauthorized as soon as the broker refuses this peer (unknown id, wrong
-        key, wrong role), normally well within a second."""
-        return await self._wait_ready(timeout_s)
+        key, wrong role), normally well within a second. ``refused_grace_s``: return
+        False early once every connect was refused (nothing listens at the endpoint) for
+        this many seconds, or at once on a CURVE mismatch (curve on one side only); a
+        broker that accepts the connection but answers slowly still gets the whole
+        ``timeout_s``. :meth:`connect_problem` then says why."""
+        return await self._wait_ready(timeout_s, refused_grace_s=refused_grace_s)
 
-    async def _wait_ready(self, timeout_s: float) -> bool:
+    async def connect_problem(self) -> str | None:
+        """Why the link has no session yet, when known: ``"connection to ... refused ..."``
+        or a CURVE mismatch with its fix; None otherwise (e.g. a silent broker)."""
+        return self._require_link().connect_problem
+
+    async def _wait_ready(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
         """True once a session is up; False after ``timeout_s``; Unauthorized as soon as
         the broker refuses our HELLO for good."""
         link = self._require_link()
@@ -329,6 +338,10 @@ class AsyncClient:
             self._check_refused(link)
             left = deadline - time.monotonic()
             if left <= 0:
+                return False
+            since = link.refused_since_mono
+            if refused_grace_s is not None and (
+                    link.curve_mismatch or (since is not None and time.monotonic() - since >= refused_grace_s)):
                 return False
             try:
                 await asyncio.wait_for(link.ready.wait(), timeout=min(left, 0.05))
@@ -570,7 +583,7 @@ class AsyncClient:
         outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline, unserved) for f in frames))
         if unserved:
             self.log.info("kind_not_served", kinds=sorted(unserved),
-                             hint="no worker seen by the broker since it started serves these kinds; the items wait in ready")
+                             hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
         for done, unconfirmed, err in outcomes:
             results.update(done)
             if unconfirmed:
@@ -776,9 +789,13 @@ class Client:
         """True while a session with the broker is up."""
         return self._async.connected
 
-    def wait_connected(self, timeout_s: float) -> bool:
+    def wait_connected(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
         """See :meth:`AsyncClient.wait_connected`."""
-        return self._call(self._async.wait_connected(timeout_s))
+        return self._call(self._async.wait_connected(timeout_s, refused_grace_s=refused_grace_s))
+
+    def connect_problem(self) -> str | None:
+        """See :meth:`AsyncClient.connect_problem`."""
+        return self._call(self._async.connect_problem())
 
     def outbox_count(self) -> int:
         """Items still in the local outbox (0 without one)."""

@@ -321,7 +321,12 @@ def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         anon = opener()
         code, _, headers = get(anon, "/dlq")
         assert code == 303 and headers["location"].startswith("/login")
-        assert get(anon, "/", {"Authorization": "Bearer alice-admin-token-012345678X"})[0] == 303
+        # a script with a wrong token (or another scheme) gets 401 + WWW-Authenticate, not a redirect to /login
+        for authz in ("Bearer alice-admin-token-012345678X", "Bearer ", "Basic YWxpY2U6eA=="):
+            code, _, headers = get(anon, "/dlq", {"Authorization": authz})
+            assert code == 401 and headers["www-authenticate"].startswith("Bearer realm="), (authz, code)
+        code, _, headers = post(anon, "/confirm", {"action": "dlq_purge", "target": item}, {"Authorization": "Bearer nope"})
+        assert code == 401 and "invalid_token" in headers["www-authenticate"]
         assert get(anon, "/", {"Authorization": "Bearer alice-admin-token-0123456789"})[0] == 200
         assert post(anon, "/login", {"token": "wrong-token-0123456789"})[0] == 401
         assert post(anon, "/confirm", {"action": "dlq_purge", "target": item})[0] == 401

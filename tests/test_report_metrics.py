@@ -148,7 +148,13 @@ def test_metrics_scrape_series_and_html_report(tmp_path: Path, capsys) -> None:
         assert "BALANCED" in text and "G10" in text and "stalled" in text and "acknowledged 5" in text
         assert not any(a.get("src", "").startswith("http") or a.get("href", "").startswith("http") for _, a in doc.tags)
         assert cli.main(["gap-report", "--config", str(config), "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["queues"][0]["kind"] == "echo"
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["queues"][0]["kind"] == "echo"
+        # grouped: flow counters under "counters", states under "states"; the old top-level keys stay (deprecated)
+        assert rep["counters"]["received"] == 7 and rep["states"]["ready"] == 2 and rep["states"]["acknowledged"] == 5
+        assert set(rep["deprecated_keys"]) == set(rep["counters"]) | {"ready", "leased"}
+        assert all(rep[k] == (rep["counters"] | {"ready": rep["states"]["ready"], "leased": rep["states"]["leased"]})[k]
+                   for k in rep["deprecated_keys"])
     finally:
         for sp in peers:
             sp.close()
