@@ -315,10 +315,11 @@ def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, d
     kind, minus the items of that kind already waiting (this swarm's own work first)."""
     out = {}
     for kind in kinds:
-        free = sum(s.credit for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
+        takers = [s for s in worker_sessions if s.healthy and s.peer_id not in draining and (not s.kinds or kind in s.kinds)]
+        free = sum(s.credit for s in takers)
         ready = kind_states.get(kind, {}).get(p.ItemState.READY.value, 0)
         out[CAP_PREFIX + kind] = max(0, free - ready)
-        out[WORKERS_PREFIX + kind] = sum(1 for s in worker_sessions if s.healthy and s.peer_id not in draining and s.accepts(kind))
+        out[WORKERS_PREFIX + kind] = len(takers)
     return out
 
 

@@ -49,10 +49,7 @@ class _W:
     peer_id: str
     credit: int
     kinds: tuple = ()
-    healthy: bool = True
-
-    def accepts(self, kind: str) -> bool:
-        return not self.kinds or kind in self.kinds
+    healthy: bool = True  # the fields of brokerd.peers.Session that capacity() reads, nothing more
 
 
 def test_capacity_is_free_worker_credit_minus_own_backlog() -> None:
