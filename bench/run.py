@@ -9,7 +9,9 @@ Benchmarks (see docs/benchmarks.md for what each measures and the latest figures
    CPU per job of every process; every ccsq daemon is profiled with py-spy in a
    separate run (6: the broker's fdatasync calls are traced with strace);
 5. worker overhead on real OCR inference (broker + worker vs a bare loop);
-4, 2, 3. ledger growth, heartbeat lag under backlog, restart recovery (one fill).
+4, 2, 3. ledger growth, heartbeat lag under backlog, restart recovery (one fill);
+federation: a backlog of --fed-n items spilled through a relay to an idle swarm,
+items/s across the link vs inside one swarm, relay CPU per item (bench/federation.py).
 
 Each prints a rich table and writes ``bench/out/<name>.json``. Peers are started
 privately on loopback; when missing they are installed (root) or the command to
@@ -230,23 +232,24 @@ BENCHES = {"pipeline": bench_pipeline, "ocr": bench_ocr, "backlog": bench_backlo
 
 
 def bench_federation(args: argparse.Namespace) -> dict[str, Any]:
-    """Opt-in (``--only federation``): a backlog of --n items spilled through a relay (bench/federation.py)."""
+    """A backlog of --fed-n items spilled through a relay to an idle swarm (bench/federation.py)."""
     from bench import federation
 
-    res = federation.run(args.n, 2)
-    print_table(f"federation: {args.n:,} items, 2 workers", ["one swarm items/s", "across a link items/s",
-                "spill time s", "relay CPU ms/item"],
-                [[res["one_swarm_items_per_s"], res["across_link_items_per_s"], res["spill_time_s"],
-                  res["relay_cpu_ms_per_item"]]])
+    res = federation.run(args.fed_n, 2)
+    res["link_vs_one_swarm"] = round(res["across_link_items_per_s"] / max(res["one_swarm_items_per_s"], 1e-9), 2)
+    print_table(f"federation: {args.fed_n:,} items, 2 workers", ["one swarm items/s", "across a link items/s",
+                "link / one swarm", "spill time s", "relay CPU ms/item"],
+                [[res["one_swarm_items_per_s"], res["across_link_items_per_s"], res["link_vs_one_swarm"],
+                  res["spill_time_s"], res["relay_cpu_ms_per_item"]]])
     return res
 
 
-BENCHES["federation"] = bench_federation  # not in the default --only list (docs/federation.md, "Measured")
+BENCHES["federation"] = bench_federation  # in the default run with --fed-n (docs/federation.md, "Measured")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="pipeline,ocr,backlog", help="comma list of: " + ", ".join(BENCHES))
+    ap.add_argument("--only", default="pipeline,ocr,backlog,federation", help="comma list of: " + ", ".join(BENCHES))
     ap.add_argument("--n", type=int, default=20_000, help="jobs per pipeline run (issue: 100,000)")
     ap.add_argument("--batch", type=int, default=100, help="jobs per producer batch (one durable confirm)")
     ap.add_argument("--window", type=int, default=8, help="producer batches in flight")
@@ -258,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--handler-threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = default)")
     ap.add_argument("--sizes", default="10000,100000,1000000", help="backlog checkpoints (issue: 10k, 100k, 1M, 5M)")
     ap.add_argument("--lag-s", type=float, default=10.0, help="seconds of heartbeat probing while draining")
+    ap.add_argument("--fed-n", type=int, default=2_000, help="items spilled through a relay (issue: 10,000)")
     args = ap.parse_args(argv)
     args.peers = [s for s in args.peers.split(",") if s]
     args.sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -339,8 +339,9 @@ class NetNs:
     def __exit__(self, *exc: object) -> None:
         self.net.destroy()
 
-    def cut(self, host: str) -> None:
-        self.net[host].cut("link")
+    def cut(self, host: str, how: str = "link") -> None:
+        """``how="link"``: the cable pulled; ``how="iptables"``: DROP rules inside the host (see :meth:`Host.cut`)."""
+        self.net[host].cut(how)
 
     def restore(self, host: str) -> None:
         self.net[host].restore()

@@ -82,3 +82,15 @@ def test_ccsq_kill_run_smoke(tmp_path: Path) -> None:
     assert kill["worker_killed"] == "worker-1" and kill["killed_at_landed"] == 90
     assert kill["lost"] == 0 and kill["doubled"] == 0, kill
     assert "worker-1" not in res["cpu_s"]  # a killed process's CPU is not comparable
+
+
+@pytest.mark.timeout(60)
+def test_federation_bench_smoke() -> None:
+    """The federation figure of ``make bench`` (bench/federation.py) with a tiny backlog:
+    both runs drain, the link balances, every figure is there and positive."""
+    from bench import federation
+
+    res = federation.run(20, 1)
+    assert res["link_balanced"] is True
+    assert res["one_swarm_items_per_s"] > 0 and res["across_link_items_per_s"] > 0
+    assert res["spill_time_s"] > 0 and res["relay_cpu_ms_per_item"] > 0

@@ -1,21 +1,33 @@
-"""Federation across real network links: each swarm and the relay in its own network
-namespace (``tests/fed_netns.py``: veth pairs, created and removed here; needs root and
-iproute2, as in CI). The same cases run on loopback in ``tests/test_federation.py``;
-without namespaces this file is skipped.
+"""Federation across real network links: each swarm and the relay on its own host, a
+network namespace of ``tests/netns.py`` (one bridge, created and removed here; needs
+root, iproute2 and, for the DROP cut, iptables, as in CI). The same cases run on
+loopback in ``tests/test_federation.py``; without namespaces this file is skipped.
 
-The relay's link to the upstream is cut (veth down) for longer than the lease, then
-restored: the items it held run at home, its late results are fenced, and every item
-lands once.
+Two cuts longer than the lease (3 s), then restored; this kernel has no netem:
+
+* the upstream host's cable pulled (veth down): the items the relay held run at home,
+  their late results are fenced;
+* ``iptables`` DROP rules inside the relay's host (both links silent, no carrier lost):
+  the relay's leases expire upstream (F1) and, once restored, it takes them again and
+  resubmits them downstream, where the origin key makes each a dedup hit, not a
+  second item.
+
+Either way every item lands once in a's results, each swarm's gap report and the
+link's ``ccsq federation report`` balance.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from ccsq.common.procs import bin_path
 from tests.fedswarm import FedPair, submit_in
-from tests.fed_netns import NetNs, netns_available
+from tests.netns import NetNs, netns_available
 from tests.swarm import wait_until
 
 pytestmark = [pytest.mark.timeout(180),
@@ -26,20 +38,47 @@ def _windows(pair: FedPair) -> dict[str, int]:
     return {w["id"]: w["count"] for w in pair.a.report()["windows"]}
 
 
+def _start(pair: FedPair) -> None:
+    pair.a.start_broker()
+    pair.a.start_completion()  # a runs no worker: its backlog can only drain through the relay
+    pair.b.start_broker()
+    pair.b.start_completion()
+    pair.b.start_worker(1)
+    pair.start_relay()
+    pair.wait_connected()
+
+
+def _books_balance(pair: FedPair, items: list[str]) -> dict:
+    """The link drained and balanced (report and CLI), each item once in a's results,
+    both swarms' gap reports balanced; returns the link's report."""
+
+    def drained():
+        r = pair.report()
+        return r if r["links"][0]["in_flight"] == 0 else None
+
+    fed = wait_until(drained, 60, "the link drained")
+    assert fed["balanced"] is True, fed
+    cli = subprocess.run([bin_path("ccsq"), "federation", "report", "--config", str(pair.relay_cfg), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stdout + cli.stderr  # exit 3 when the link does not balance
+    assert json.loads(cli.stdout)["balanced"] is True
+    rows = pair.a.results()
+    assert sorted(r["item_id"] for r in rows) == sorted(items)  # each item landed once, in a
+    rep_a, rep_b = pair.a.report(), pair.b.report()
+    assert rep_a["balanced"] and rep_b["balanced"], (rep_a, rep_b)
+    assert rep_a["received"] == rep_a["acknowledged"] == len(items)
+    assert rep_b["received"] == rep_b["acknowledged"]  # the relay acknowledged every result it took
+    return fed
+
+
 def test_link_cut_longer_than_the_lease_across_namespaces(tmp_path: Path) -> None:
     with NetNs() as net, FedPair(tmp_path, handler="sleep", kinds=("sleep",), net=net) as pair:
-        pair.a.start_broker()
-        pair.a.start_completion()
-        pair.b.start_broker()
-        pair.b.start_completion()
-        pair.b.start_worker(1)
-        pair.start_relay()
-        pair.wait_connected()
-        # 1. across the veths, b's idle GPU drains a's backlog (a runs no worker)
+        _start(pair)
+        # 1. across the hosts, b's idle GPU drains a's backlog (a runs no worker)
         first = submit_in(pair.a, 4, 0.05, "drain")
         pair.a.wait_acknowledged(4, timeout_s=60)
         assert pair.counters()["returned"] == 4
-        # 2. items running in b when the relay's link to a goes down for longer than the lease
+        # 2. items running in b when a's cable is pulled for longer than the lease
         second = submit_in(pair.a, 2, 2.0, "cut")
         wait_until(lambda: pair.counters()["submitted"] >= 5, 30, "a long item submitted downstream")
         net.cut("a")
@@ -51,18 +90,25 @@ def test_link_cut_longer_than_the_lease_across_namespaces(tmp_path: Path) -> Non
             net.restore("a")
         fenced = wait_until(lambda: c if (c := pair.counters())["fenced"] >= 1 else None, 60, "a late result fenced")
         assert fenced["fenced"] >= 1
-
-        def drained():
-            r = pair.report()
-            return r if r["links"][0]["in_flight"] == 0 else None
-
-        fed = wait_until(drained, 60, "the link drained")
-        assert fed["balanced"] is True, fed
-        rows = pair.a.results()
-        assert sorted(r["item_id"] for r in rows) == sorted(first + second)  # each item landed once, in a
-        rep_a, rep_b = pair.a.report(), pair.b.report()
-        assert rep_a["balanced"] and rep_b["balanced"]
-        assert rep_a["received"] == rep_a["acknowledged"] == 6
-        assert rep_b["received"] == rep_b["acknowledged"]  # the relay acknowledged every result it took
+        _books_balance(pair, first + second)
         w = _windows(pair)
         assert w["G4"] >= 1 and w["F2"] >= 1, w
+
+
+def test_relay_host_dropped_by_iptables_longer_than_the_lease(tmp_path: Path) -> None:
+    with NetNs() as net, FedPair(tmp_path, handler="sleep", kinds=("sleep",), net=net) as pair:
+        if not net.net["r"].iptables_usable():
+            reason = "iptables is missing or does not work in a namespace here"
+            pytest.fail(f"{reason} (CI is set)") if os.environ.get("CI") else pytest.skip(reason)
+        _start(pair)
+        items = submit_in(pair.a, 3, 1.5, "drop")  # b's one worker runs them one after another
+        wait_until(lambda: pair.counters()["submitted"] >= 1, 30, "an item submitted downstream")
+        net.cut("r", how="iptables")  # the relay hears neither broker; nobody loses carrier
+        try:
+            wait_until(lambda: _windows(pair)["F1"] >= 1, 30, "the relay's lease to expire in a (F1)")
+        finally:
+            net.restore("r")
+        pair.a.wait_acknowledged(3, timeout_s=90)  # a has no worker: everything came back through the relay
+        fed = _books_balance(pair, items)
+        assert fed["links"][0]["counters"]["returned"] >= 3, fed["links"][0]["counters"]
+        assert _windows(pair)["F1"] >= 1

@@ -25,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma-separated fault kinds to use (of {','.join(FAULTS)})")
     ap.add_argument("--dir", default="", help="run directory (default: a temporary one, removed when all is well)")
     ap.add_argument("--quiet", action="store_true", help="print only the summary and violations")
+    ap.add_argument("--federation", action="store_true",
+                    help="two swarms and a relay (tests/chaos/federation.py): kills, freezes; same invariants across both")
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix=f"ccsq-chaos-{seed}-"))
+    if args.federation:
+        return _federation(args, seed, root)
     faults = dict(FAULTS)
     if args.only:
         want = {k.strip() for k in args.only.split(",") if k.strip()}
@@ -42,6 +46,23 @@ def main(argv: list[str] | None = None) -> int:
                                     workers=args.workers, handler=args.handler, sleep_max_s=args.sleep_max_s,
                                     fault_interval_s=args.fault_interval_s,
                                     settle_timeout_s=args.settle_timeout_s, faults=faults, verbose=not args.quiet))
+    if result.ok and not args.dir:
+        clean(root)
+    elif not result.ok:
+        print(f"chaos: run directory kept for inspection: {root}", flush=True)
+    return 0 if result.ok else 1
+
+
+def _federation(args: argparse.Namespace, seed: int, root: Path) -> int:
+    from tests.chaos.federation import run_federation_chaos
+
+    print(f"chaos --federation: seed={seed} dir={root} (replay: python -m tests.chaos --federation --seed {seed} "
+          f"--duration-s {args.duration_s:g})", flush=True)
+    result = run_federation_chaos(root, seed, args.duration_s, settle_timeout_s=args.settle_timeout_s,
+                                  verbose=not args.quiet)
+    for v in result.violations:
+        print(f"VIOLATION {v}", flush=True)
+    print(result.line(seed), flush=True)
     if result.ok and not args.dir:
         clean(root)
     elif not result.ok:
