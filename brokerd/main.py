@@ -34,7 +34,7 @@ from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode, PortInUse, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -186,16 +186,10 @@ def _free_bytes(path: Path) -> int | None:
 
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: (notifier.stopping(), broker.stop()))
-    loop.add_signal_handler(signal.SIGHUP, broker.reload_keys)
-    watchdog = asyncio.create_task(watchdog_task(notifier))
-    notifier.ready(f"serving on {endpoint}")
-    try:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, broker.reload_keys)
+    async with stop_signals_and_watchdog(notifier, lambda _sig: (notifier.stopping(), broker.stop())):
+        notifier.ready(f"serving on {endpoint}")
         await broker.run()
-    finally:
-        watchdog.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:

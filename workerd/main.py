@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 
 import structlog
@@ -31,7 +30,7 @@ from ccsq.common.config import WorkerConfig
 from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.workerd.handlers import load_handler
 from ccsq.workerd.journal import Journal, JournalCorrupt, JournalLocked
 from ccsq.workerd.worker import Worker
@@ -45,23 +44,15 @@ def _die(code: ExitCode, reason: str) -> int:
 
 
 async def _serve(worker: Worker, notifier: Notifier) -> None:
-    loop = asyncio.get_running_loop()
-
     def on_signal(signame: str) -> None:
         log.info("stop_requested", signal=signame)
         notifier.stopping(f"draining (drain_timeout_s={worker.cfg.drain_timeout_s})")
         notifier.extend_timeout(worker.cfg.drain_timeout_s + 10.0)
         worker.request_stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig.name)
-    watchdog = asyncio.create_task(watchdog_task(notifier, healthy=lambda: worker.gate.lost < worker.gate.slots))
-    try:
+    async with stop_signals_and_watchdog(notifier, on_signal, healthy=lambda: worker.gate.lost < worker.gate.slots):
         await worker.run(on_ready=lambda: notifier.ready(
             f"handler {worker.handler.name} on {worker.handler.provider}, broker {worker.cfg.broker_endpoint}"))
-    finally:
-        watchdog.cancel()
-        await asyncio.gather(watchdog, return_exceptions=True)
 
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
