@@ -9,7 +9,6 @@ least one token (``--token``, the environment variable ``CCSQ_CONSOLE_TOKEN``, o
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 import structlog
 
 from ccsq.common.config import AdminConfig
+from ccsq.common.endpoints import is_loopback_host
 from ccsq.common.errors import ConfigError, ExitCode
 
 DEFAULT_LISTEN = "127.0.0.1:8750"
@@ -46,13 +46,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback = is_loopback_host  # the one loopback check (common/endpoints.py)
 
 
 def load_tokens(path: str | Path) -> list:
