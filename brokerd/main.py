@@ -12,7 +12,6 @@ table full at start, 78 map full, 80 corrupt or unreadable file).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import os
@@ -30,6 +29,7 @@ from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_fr
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode, PortInUse, ledger_failure
@@ -193,10 +193,7 @@ async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ccsq-brokerd", description="ccsq broker daemon")
-    parser.add_argument("--config", required=True, help="path of brokerd.toml")
-    args = parser.parse_args(argv)
-    sys.exit(run(args.config))
+    sys.exit(run(config_path_from_argv("ccsq-brokerd", "ccsq broker daemon", "path of brokerd.toml", argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

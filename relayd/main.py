@@ -7,13 +7,13 @@ Exit codes (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
 import structlog
 
 from ccsq.common import log as logsetup
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.errors import ConfigError, ExitCode
 from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
@@ -60,10 +60,7 @@ def run(config_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ccsq-relayd", description="ccsq federation relay (docs/federation.md)")
-    parser.add_argument("--config", required=True, help="path of relayd.toml")
-    args = parser.parse_args(argv)
-    sys.exit(run(args.config))
+    sys.exit(run(config_path_from_argv("ccsq-relayd", "ccsq federation relay (docs/federation.md)", "path of relayd.toml", argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

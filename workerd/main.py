@@ -16,7 +16,6 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -27,6 +26,7 @@ from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
@@ -57,11 +57,9 @@ async def _serve(worker: Worker, notifier: Notifier) -> None:
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """Run the daemon; returns (exit code, whether inference threads are still stuck)."""
-    parser = argparse.ArgumentParser(prog="ccsq-workerd", description="ccsq worker daemon (one per GPU)")
-    parser.add_argument("--config", required=True, help="path of workerd-N.toml")
-    args = parser.parse_args(argv)
+    config_path = config_path_from_argv("ccsq-workerd", "ccsq worker daemon (one per GPU)", "path of workerd-N.toml", argv)
     try:
-        cfg = cfgmod.load(WorkerConfig, args.config)
+        cfg = cfgmod.load(WorkerConfig, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
