@@ -12,7 +12,6 @@ table full at start, 78 map full, 80 corrupt or unreadable file).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import os
@@ -30,11 +29,12 @@ from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_fr
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common import log as logsetup
 from ccsq.common.config import BrokerConfig, load
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.endpoints import bind_error, check_bind_local
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import ConfigError, ExitCode, PortInUse, ledger_failure
 from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -186,23 +186,14 @@ def _free_bytes(path: Path) -> int | None:
 
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: (notifier.stopping(), broker.stop()))
-    loop.add_signal_handler(signal.SIGHUP, broker.reload_keys)
-    watchdog = asyncio.create_task(watchdog_task(notifier))
-    notifier.ready(f"serving on {endpoint}")
-    try:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, broker.reload_keys)
+    async with stop_signals_and_watchdog(notifier, lambda _sig: (notifier.stopping(), broker.stop())):
+        notifier.ready(f"serving on {endpoint}")
         await broker.run()
-    finally:
-        watchdog.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ccsq-brokerd", description="ccsq broker daemon")
-    parser.add_argument("--config", required=True, help="path of brokerd.toml")
-    args = parser.parse_args(argv)
-    sys.exit(run(args.config))
+    sys.exit(run(config_path_from_argv("ccsq-brokerd", "ccsq broker daemon", "path of brokerd.toml", argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

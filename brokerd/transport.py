@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import structlog
 import zmq
 
 from ccsq.common import protocol as p
+from ccsq.common.endpoints import is_loopback_host
 from ccsq.common.envelope import EnvelopeCodec
 from ccsq.common.errors import CcsqError, ConfigError
 from ccsq.common.keys import curve_server_setup
@@ -62,13 +62,7 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return True
     if not endpoint.startswith("tcp://"):
         return False
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(urlsplit(endpoint).hostname or "")
 
 
 class EndpointInUse(CcsqError):

@@ -98,15 +98,22 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
     return cls(**kwargs)
 
 
+def read_toml(path: Path, what: str = "config file", writer: str = "`ccsq init DIR`") -> dict[str, Any]:
+    """The parsed TOML document at ``path``; ConfigError naming the file when it is missing
+    ("<what> <path> not found (<writer> writes one)"; no hint when ``writer`` is "") or
+    not valid TOML."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found" + (f" ({writer} writes one)" if writer else "")) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load(cls: type[T], path: str | Path) -> T:
     """Load a TOML file into ``cls``; raises ConfigError with the file name on any problem."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found (`ccsq init DIR` writes one)") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    data = read_toml(path)
     if "config_path" in {f.name for f in dataclasses.fields(cls)}:  # type: ignore[arg-type]
         data = dict(data)
         if "config_path" in data:

@@ -166,3 +166,14 @@ def default_bind(endpoint: str) -> str:
     if host == "*" or _is_wildcard_or_ip_local(host):
         return ""
     return f"tcp://0.0.0.0:{port}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` (a name or an IPv4/IPv6 address, no brackets) can only be
+    reached from this host: ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ccsq.common import protocol as p
+from ccsq.common.config import read_toml
 from ccsq.common.errors import ConfigError, DecodeError
 from ccsq.common.keys import _unb64, load_private_key
 
@@ -89,12 +89,7 @@ class TrustedSwarms:
         self.reload()
 
     def reload(self) -> None:
-        try:
-            doc = tomllib.loads(self.path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"trusted swarms file {self.path} not found (`ccsq init-relay` writes one)") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{self.path}: invalid TOML: {exc}") from None
+        doc = read_toml(self.path, "trusted swarms file", "`ccsq init-relay`")
         unknown = set(doc) - {"swarms"}
         if unknown:
             raise ConfigError(f"{self.path}: unknown top-level key(s) {sorted(unknown)}; only [swarms.<id>] tables")

@@ -21,12 +21,12 @@ import dataclasses
 import os
 import re
 import stat
-import tomllib
 from pathlib import Path
 
 import tomli_w
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ccsq.common.config import read_toml
 from ccsq.common.errors import ConfigError
 from ccsq.common.protocol import Role
 
@@ -148,12 +148,7 @@ def check_peer_id(peer_id: str, *, where: str = "peer id") -> str:
 
 
 def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
-    try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"authorized keys file {path} not found (`ccsq init` writes one)") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    doc = read_toml(path, "authorized keys file", "`ccsq init`")
     unknown = set(doc) - {"peers"}
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}; only [peers.<id>] tables are allowed")

@@ -32,9 +32,11 @@ itself, so a blocked loop stops them and systemd restarts the process)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
-from collections.abc import Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -194,3 +196,22 @@ async def watchdog_task(notifier: Notifier, healthy: Callable[[], bool] | None =
         else:
             log.warning("watchdog_skipped", reason="unhealthy")
         await asyncio.sleep(interval_s)
+
+
+@contextlib.asynccontextmanager
+async def stop_signals_and_watchdog(
+    notifier: Notifier, on_stop: Callable[[str], None], healthy: Callable[[], bool] | None = None
+) -> AsyncIterator[None]:
+    """The serving boilerplate of every daemon: while the block runs, SIGTERM and SIGINT
+    call ``on_stop(signal name)`` (which tells systemd STOPPING and asks the daemon to
+    stop) and :func:`watchdog_task` pings systemd (``healthy`` as there). On exit the
+    watchdog task is cancelled and awaited. Must be entered on the running event loop."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop, sig.name)
+    watchdog = asyncio.create_task(watchdog_task(notifier, healthy), name="systemd-watchdog")
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)

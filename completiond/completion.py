@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from ccsq.common.faults import crash_point
 from ccsq.common.log import configure
 from ccsq.common.backoff import backoff_delay_s
 from ccsq.common.peer import BrokerLink
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.completiond.resultsdb import (
     ResultRow,
     ResultsDB,
@@ -391,20 +390,14 @@ def _redact(url: str) -> str:
 async def _serve(service: CompletionService) -> None:
     notifier = service.notifier
 
-    def on_signal() -> None:
+    def on_signal(_signame: str) -> None:
         notifier.stopping("finishing the current batch")
         service.request_stop()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    watchdog = asyncio.create_task(watchdog_task(notifier), name="completion-watchdog")
-    # ready = serving: neither the broker nor the database has to be up (both are retried)
-    notifier.ready(f"results to {_redact(service.db.url)}")
-    try:
+    async with stop_signals_and_watchdog(notifier, on_signal):
+        # ready = serving: neither the broker nor the database has to be up (both are retried)
+        notifier.ready(f"results to {_redact(service.db.url)}")
         await service.run()
-    finally:
-        watchdog.cancel()
 
 
 def main(config_path: str | Path) -> int:

@@ -93,9 +93,24 @@ class ResultsDB(abc.ABC):
     def interrupt(self) -> None:
         """Abort a statement running on the DB thread (call from any thread)."""
 
-    @abc.abstractmethod
     def reset(self) -> None:
         """Drop the connection after an error (the next call reconnects)."""
+        with self._lock:
+            con, self._con = self._con, None
+        if con is not None:
+            con.close()
+
+    def _adopt(self, con: Any, init: Callable[[Any], None]) -> None:
+        """Run ``init(con)`` (the schema) on a new connection; close it and re-raise when
+        that fails, else make it the connection (under the lock: :meth:`interrupt` reads
+        it from another thread). Subclasses set ``_con`` (None) and ``_lock``."""
+        try:
+            init(con)
+        except BaseException:
+            con.close()
+            raise
+        with self._lock:
+            self._con = con
 
     def close(self) -> None:
         self.reset()
@@ -282,15 +297,13 @@ class SqliteResults(ResultsDB):
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         con = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
-        try:
+
+        def init(con: sqlite3.Connection) -> None:
             con.execute("PRAGMA journal_mode=WAL")
             con.execute("PRAGMA synchronous=FULL")
             con.executescript(_SQLITE_SCHEMA)
-        except BaseException:
-            con.close()
-            raise
-        with self._lock:
-            self._con = con
+
+        self._adopt(con, init)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -348,11 +361,6 @@ class SqliteResults(ResultsDB):
             if self._con is not None:
                 self._con.interrupt()
 
-    def reset(self) -> None:
-        with self._lock:
-            con, self._con = self._con, None
-        if con is not None:
-            con.close()
 
 
 _PG_SCHEMA = """
@@ -426,16 +434,14 @@ class PostgresResults(ResultsDB):
         # cannot hold with SQLSTATE 22P05 (a data error), instead of the driver raising UnicodeEncodeError
         con = self._psycopg.connect(self.url, autocommit=False, connect_timeout=max(1, int(self.connect_timeout_s)),
                                     client_encoding="utf8")
-        try:
+
+        def init(con: Any) -> None:
             with con.transaction():
                 con.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_SCHEMA_LOCK,))
                 for stmt in filter(str.strip, _PG_SCHEMA.split(";")):
                     con.execute(stmt)
-        except BaseException:
-            con.close()
-            raise
-        with self._lock:
-            self._con = con
+
+        self._adopt(con, init)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -482,11 +488,6 @@ class PostgresResults(ResultsDB):
             except self._psycopg.Error:
                 pass  # nothing running, or the server is gone: the write fails by itself
 
-    def reset(self) -> None:
-        with self._lock:
-            con, self._con = self._con, None
-        if con is not None:
-            con.close()
 
 
 def _pg_values(row: ResultRow) -> tuple:

@@ -9,18 +9,17 @@ least one token (``--token``, the environment variable ``CCSQ_CONSOLE_TOKEN``, o
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
 import socket
 import stat
-import tomllib
 from pathlib import Path
 
 import structlog
 
-from ccsq.common.config import AdminConfig
+from ccsq.common.config import AdminConfig, read_toml
+from ccsq.common.endpoints import is_loopback_host
 from ccsq.common.errors import ConfigError, ExitCode
 
 DEFAULT_LISTEN = "127.0.0.1:8750"
@@ -46,13 +45,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback = is_loopback_host  # the one loopback check (common/endpoints.py)
 
 
 def load_tokens(path: str | Path) -> list:
@@ -61,13 +54,8 @@ def load_tokens(path: str | Path) -> list:
     from ccsq.console.app import ROLES
 
     path = Path(path)
-    try:
-        st = path.stat()
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"console_tokens file {path} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    data = read_toml(path, "console_tokens file", writer="")
+    st = path.stat()
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}")
     unknown = set(data) - {"tokens"}

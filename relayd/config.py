@@ -22,10 +22,9 @@ the file and the key; relative paths are relative to the file. Example::
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
-from ccsq.common.config import PeerSettings, from_mapping, opt
+from ccsq.common.config import PeerSettings, from_mapping, opt, read_toml
 from ccsq.common.errors import ConfigError
 from ccsq.common.metrics import parse_listen
 
@@ -104,12 +103,7 @@ class RelayConfig:
 def load_relay_config(path: str | Path) -> RelayConfig:
     """Load ``relayd.toml``; ConfigError (exit 78) naming the file and key on any problem."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found (`ccsq init-relay` writes one)") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    data = read_toml(path, writer="`ccsq init-relay`")
     base = path.resolve().parent
     raw_links = data.pop("links", None)
     if "config_path" in data:

@@ -31,7 +31,6 @@ on the same directory gets :class:`~ccsq.workerd.journal.JournalLocked`).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import sqlite3
 import time
@@ -41,7 +40,8 @@ from pathlib import Path
 import msgpack
 
 from ccsq.common import protocol as p
-from ccsq.common.errors import JournalCorrupt, JournalLocked
+from ccsq.common.errors import JournalCorrupt, JournalLocked  # noqa: F401 (JournalLocked: raised by open)
+from ccsq.common.journal import open_locked_sqlite
 
 Key = tuple[str, int]  # (up_item, token)
 
@@ -133,20 +133,10 @@ class RelayJournal:
 
     @classmethod
     def open(cls, journal_dir: str | Path) -> RelayJournal:
-        directory = Path(journal_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise JournalLocked(f"relay journal {directory} is in use by another ccsq-relayd") from None
-        db = sqlite3.connect(directory / "relay.sqlite3", isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        for stmt in _SCHEMA:
-            db.execute(stmt)
-        return cls(directory / "relay.sqlite3", db, lock_fd)
+        path, db, lock_fd = open_locked_sqlite(
+            journal_dir, "relay.sqlite3", _SCHEMA, f"relay journal {Path(journal_dir)} is in use by another ccsq-relayd"
+        )
+        return cls(path, db, lock_fd)
 
     @classmethod
     def open_readonly(cls, journal_dir: str | Path) -> RelayJournal:

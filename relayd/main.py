@@ -7,16 +7,15 @@ Exit codes (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
 import sys
 
 import structlog
 
 from ccsq.common import log as logsetup
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.errors import ConfigError, ExitCode, PortInUse
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
 from ccsq.common.errors import JournalCorrupt, JournalLocked
@@ -30,15 +29,8 @@ def _die(code: ExitCode, reason: str) -> int:
 
 
 async def _serve(relay, notifier: Notifier) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: (notifier.stopping(), relay.request_stop()))
-    watchdog = asyncio.create_task(watchdog_task(notifier))
-    try:
+    async with stop_signals_and_watchdog(notifier, lambda _sig: (notifier.stopping(), relay.request_stop())):
         await relay.run(on_ready=lambda: notifier.ready(f"{len(relay.links)} link(s)"))
-    finally:
-        watchdog.cancel()
-        await asyncio.gather(watchdog, return_exceptions=True)
 
 
 def run(config_path: str) -> int:
@@ -74,10 +66,7 @@ def run(config_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ccsq-relayd", description="ccsq federation relay (docs/federation.md)")
-    parser.add_argument("--config", required=True, help="path of relayd.toml")
-    args = parser.parse_args(argv)
-    sys.exit(run(args.config))
+    sys.exit(run(config_path_from_argv("ccsq-relayd", "ccsq federation relay (docs/federation.md)", "path of relayd.toml", argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import fcntl
 import os
 import sqlite3
 import time
@@ -39,6 +38,7 @@ import msgpack
 
 from ccsq.common import protocol as p
 from ccsq.common.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
+from ccsq.common.journal import open_locked_sqlite
 
 Key = tuple[str, int]
 Op = tuple[str, list]  # (name, rows): see Journal.apply
@@ -108,19 +108,10 @@ class Journal:
     @classmethod
     def open(cls, journal_dir: str | Path) -> Journal:
         """Open (create) the journal in ``journal_dir``; raises JournalLocked if in use."""
-        directory = Path(journal_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise JournalLocked(f"journal {directory} is in use by another ccsq-workerd (one journal_dir per worker)") from None
-        path = directory / "journal.sqlite3"
-        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute(_SCHEMA)
+        path, db, lock_fd = open_locked_sqlite(
+            journal_dir, "journal.sqlite3", [_SCHEMA],
+            f"journal {Path(journal_dir)} is in use by another ccsq-workerd (one journal_dir per worker)",
+        )
         return cls(path, db, lock_fd)
 
     def close(self) -> None:

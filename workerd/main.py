@@ -16,10 +16,8 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import signal
 import sys
 
 import structlog
@@ -28,10 +26,11 @@ from ccsq.common import config as cfgmod
 from ccsq.common import log as logsetup
 from ccsq.common.claimstore import open_configured_store
 from ccsq.common.config import WorkerConfig
+from ccsq.common.daemon import config_path_from_argv
 from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.metrics import parse_listen
 from ccsq.common.peer import make_codec
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.workerd.handlers import load_handler
 from ccsq.workerd.journal import Journal, JournalCorrupt, JournalLocked
 from ccsq.workerd.worker import Worker
@@ -45,32 +44,22 @@ def _die(code: ExitCode, reason: str) -> int:
 
 
 async def _serve(worker: Worker, notifier: Notifier) -> None:
-    loop = asyncio.get_running_loop()
-
     def on_signal(signame: str) -> None:
         log.info("stop_requested", signal=signame)
         notifier.stopping(f"draining (drain_timeout_s={worker.cfg.drain_timeout_s})")
         notifier.extend_timeout(worker.cfg.drain_timeout_s + 10.0)
         worker.request_stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig.name)
-    watchdog = asyncio.create_task(watchdog_task(notifier, healthy=lambda: worker.gate.lost < worker.gate.slots))
-    try:
+    async with stop_signals_and_watchdog(notifier, on_signal, healthy=lambda: worker.gate.lost < worker.gate.slots):
         await worker.run(on_ready=lambda: notifier.ready(
             f"handler {worker.handler.name} on {worker.handler.provider}, broker {worker.cfg.broker_endpoint}"))
-    finally:
-        watchdog.cancel()
-        await asyncio.gather(watchdog, return_exceptions=True)
 
 
 def run(argv: list[str] | None = None) -> tuple[int, bool]:
     """Run the daemon; returns (exit code, whether inference threads are still stuck)."""
-    parser = argparse.ArgumentParser(prog="ccsq-workerd", description="ccsq worker daemon (one per GPU)")
-    parser.add_argument("--config", required=True, help="path of workerd-N.toml")
-    args = parser.parse_args(argv)
+    config_path = config_path_from_argv("ccsq-workerd", "ccsq worker daemon (one per GPU)", "path of workerd-N.toml", argv)
     try:
-        cfg = cfgmod.load(WorkerConfig, args.config)
+        cfg = cfgmod.load(WorkerConfig, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
