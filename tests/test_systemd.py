@@ -269,9 +269,22 @@ def test_recover_timer_fires_once_and_rearms() -> None:
     assert value(timer, "Timer", "RemainAfterElapse") == "no"
 
 
+def _visible_root() -> Path:
+    """A fresh directory where the units could see a venv: not under /home, /root, /run/user,
+    /tmp or /var/tmp (install.sh refuses those), wherever this checkout happens to live
+    (CI clones it under /tmp). Skipped only where no such place is writable."""
+    hidden = ("/home/", "/root/", "/run/user/", "/tmp/", "/var/tmp/")
+    for base in ("/opt", "/srv", "/var/lib", str(REPO)):
+        real = os.path.realpath(base) + "/"
+        if real.startswith(hidden) or not os.access(base, os.W_OK):
+            continue
+        return Path(tempfile.mkdtemp(prefix=".ccsq-test-venv-", dir=base))
+    pytest.skip("no writable directory the units could see (/opt, /srv, /var/lib, the checkout): run as root")
+
+
 # --- install.sh -----------------------------------------------------------------------
 def test_install_dry_run_changes_nothing() -> None:
-    root = Path(tempfile.mkdtemp(prefix=".test-venv-", dir=REPO))  # not under /tmp: the units must see it
+    root = _visible_root()
     try:
         venv = _fake_venv(root, "/usr/bin")
         done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(venv)],
@@ -322,7 +335,7 @@ def _fake_venv(root: Path, base_home: str) -> Path:
 @pytest.mark.parametrize("base_home", ["/root/.pyenv/versions/3.11.7/bin", "/home/dev/.local/python/bin", "/tmp/py/bin"])
 def test_install_refuses_a_venv_whose_base_python_the_units_cannot_see(base_home: str) -> None:
     # the venv itself must lie where the units can see it (not under tmp_path, which is in /tmp)
-    root = Path(tempfile.mkdtemp(prefix=".test-venv-", dir=REPO))
+    root = _visible_root()
     try:
         venv = _fake_venv(root, base_home)
         done = subprocess.run(["sh", str(UNIT_DIR / "install.sh"), "--dry-run", "--venv", str(venv)],
