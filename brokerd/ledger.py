@@ -1428,7 +1428,7 @@ def reader_report(ledger: Ledger, view: LedgerView, now_ms: int, *, warn_age_s: 
 
 
 _REFUSE_MESSAGES = {
-    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes reached): retry with backoff or spool",
+    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: result_reserve_bytes): retry with backoff or spool",
     "DISK_FULL": "the broker's disk is nearly full (min_free_disk_bytes): retry with backoff or spool",
 }
 
