@@ -301,7 +301,7 @@ def test_items_from_a_producer_host_are_acknowledged_and_the_books_balance(clust
 
 
 def test_stranger_without_an_authorized_curve_key_is_dropped_at_the_handshake(cluster):
-    """A client with a CURVE key the broker does not list never gets a session, and a junk
+    """Case C09 across hosts: a client with a CURVE key the broker does not list never gets a session, and a junk
     flood over such connections does not make the broker hold memory."""
     stranger = cluster.net["stranger"]
     sdir = cluster.root / "stranger"
@@ -355,7 +355,7 @@ def test_stranger_without_an_authorized_curve_key_is_dropped_at_the_handshake(cl
 
 
 def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
-    """gpu-2's cable is pulled while it holds leases, for longer than lease_ttl_s: its leases
+    """Cases C02 and C04 across hosts: gpu-2's cable is pulled while it holds leases, for longer than lease_ttl_s: its leases
     expire (G2) and the items run on gpu-1; once the cable is back the worker resumes, its late
     results are fenced (G4) or accepted (G8) by the ledger's rule, and nothing is lost or doubled."""
     first = cluster.produce(20, 0.3, "cut")["ids"]

@@ -76,7 +76,7 @@ def curve_swarm(tmp_path):
 
 
 def test_stranger_is_dropped_at_the_handshake_and_costs_no_memory(curve_swarm):
-    """A CURVE client whose key is not listed gets HANDSHAKE_FAILED_AUTH (ZAP 400);
+    """Case C09: a CURVE client whose key is not listed gets HANDSHAKE_FAILED_AUTH (ZAP 400);
     the 64 MiB it tries to send never reach the broker (RSS stays flat), the
     refusal is counted and logged; an authorized peer (the producer library)
     still submits."""

@@ -219,6 +219,8 @@ def _why_no_box() -> str | None:
 
 @pytest.mark.timeout(600)
 def test_the_units_under_a_real_systemd(wheel_venv: Path, tmp_path: Path) -> None:
+    """Case C11 (restart loop) and C02 (a SIGSTOPped broker) under the host's real systemd:
+    the box's checks a-g and x (tests/systemd_box/box.sh) must all pass."""
     why = _why_no_box()
     if why:
         pytest.skip(why)
