@@ -657,14 +657,19 @@ class Broker:
             msg = env.message
             if isinstance(msg, p.Submit):
                 results = []
+                # items not yet completed (ready + leased): read once per frame, then counted here
+                pending = 0 if refuse else (txn.state_count(p.ItemState.READY.value)
+                                            + txn.state_count(p.ItemState.LEASED.value))
                 for item in msg.items:
                     cost = _blob_size(item.payload) + ITEM_RECORD_BYTES
-                    refusal = refuse or self._admission_refusal(txn, admitted + cost)
+                    refusal = refuse or self._admission_refusal(pending, admitted + cost)
                     if sess.role is p.Role.RELAY:
                         r = self._submit_relayed(txn, batch, sess, item, now_ms, refusal)
                     else:
                         r = txn.submit(item, now_ms, refuse=refusal)
-                    admitted += cost if r.item_id and not r.duplicate else 0
+                    if r.item_id and not r.duplicate:  # a new ready item
+                        admitted += cost
+                        pending += 1
                     results.append(r)
                 batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
                 if any(r.item_id and not r.duplicate for r in results):
@@ -719,12 +724,11 @@ class Broker:
         if admitted:
             batch.effects.append(lambda n=admitted: setattr(self, "_admitted_bytes", self._admitted_bytes + n))
 
-    def _admission_refusal(self, txn: LedgerTxn, cost: int) -> str:
+    def _admission_refusal(self, pending: int, cost: int) -> str:
         """"QUEUE_FULL" when one more item of ``cost`` bytes (plus this turn's earlier ones)
-        would leave no room for the results of the items already accepted; see
-        the config's ``result_reserve_bytes``. "" otherwise."""
-        pending = txn.state_count(p.ItemState.READY.value) + txn.state_count(p.ItemState.LEASED.value) + 1
-        need = self._used_bytes + self._admitted_bytes + cost + pending * self.cfg.result_reserve_bytes
+        would leave no room for the results of the ``pending`` items already accepted and not
+        completed, and its own; see the config's ``result_reserve_bytes``. "" otherwise."""
+        need = self._used_bytes + self._admitted_bytes + cost + (pending + 1) * self.cfg.result_reserve_bytes
         return "QUEUE_FULL" if need > SOFT_FULL_FRACTION * self.ledger.max_map_size_bytes else ""
 
     def _apply_deferred(self, txn: LedgerTxn, batch: Batch, deferred: list[tuple[str, str, int, str]]) -> None:
