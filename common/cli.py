@@ -259,7 +259,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         if not client.config.outbox_dir and not client.wait_connected(args.connect_timeout_s,
                                                                       refused_grace_s=SUBMIT_REFUSED_GRACE_S):
             problem = client.connect_problem()
-            if problem and problem.startswith("CURVE mismatch"):
+            if problem and problem.startswith(("CURVE mismatch", "CURVE handshake")):  # configuration, not a down broker
                 raise ConfigError(problem)
             raise BrokerUnavailable(
                 (f"{problem}: " if problem else

@@ -228,7 +228,7 @@ class BrokerLink:
         self.replaced = False  # set when the broker says a newer session took our peer id
         self.connect_problem: str | None = None  # why the last attempts got no WELCOME (refused, CURVE mismatch)
         self.refused_since_mono: float | None = None  # connects refused (nothing listens) without a break since then
-        self.curve_mismatch = False  # the last handshake failed: CURVE on one side only (connect_problem says which)
+        self.curve_mismatch = False  # the last CURVE handshake failed: CURVE on one side only or a wrong key (connect_problem says which)
         self.refused = None
         self._hello_role = ""
         self._outbox = asyncio.Queue()
@@ -385,6 +385,13 @@ class BrokerLink:
                 self.log.error("broker_refused_peer", code=CURVE_REFUSED, message=self.refused.message,
                                fix=refusal_fix(self.settings, self._hello_role, self.refused))
                 raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} refused (ZAP): {CURVE_REFUSED}")
+            # libzmq often reports a mechanism mismatch as NO_DETAIL too (the plain broker closes
+            # first): name both causes, each a configuration fix, never "broker down"
+            self.connect_problem = (
+                f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): either a "
+                + curve_mismatch_hint(self.settings)
+                + f"; or broker_curve_public_key ({self.settings.broker_curve_public_key}) is not the broker's key")
+            self.curve_mismatch = True
             self.log.error(
                 "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
                 broker_curve_public_key=self.settings.broker_curve_public_key,
