@@ -23,6 +23,7 @@ so a SIGKILL anywhere resumes every item after a restart. Crash points (tests):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -166,6 +167,14 @@ class LinkRunner:
         for t in new:
             self.rows[(t.item_id, t.token)] = Row(self.name, t.item_id, t.token, t.kind, LEASED, t)
         crash_point("relay.after_lease_journaled")
+        if self.broken:
+            # credit granted before the link broke is still being spent upstream: give each
+            # such lease straight back (released, uncounted) instead of running it downstream
+            # again, where its result would be refused once more and bounce (the loop seen
+            # when the upstream does not trust the downstream's proofs)
+            self._fail([p.TaskFailure(t.item_id, t.token, p.FailReason.RELEASED.value, True, self.broken)
+                        for t in new], "released")
+            return
         if unsigned:
             self._fail([p.TaskFailure(t.item_id, t.token, p.FailReason.RELEASED.value, True, "upstream did not sign")
                         for t in unsigned if (t.item_id, t.token) in self.rows], "refused")
@@ -334,9 +343,26 @@ class LinkRunner:
             self.journal.mark_submitted(self.name, up_item, res.item_id, res.duplicate)
             for r in rows:
                 r.state, r.down_item = SUBMITTED, res.item_id
+            if res.duplicate:
+                self._reuse_result(up_item, res.item_id, rows)
         if refused:
             self._fail(refused, "forged_rejected" if self.broken else "refused")
         crash_point("relay.after_submit_ack")
+
+    def _reuse_result(self, up_item: str, down_item: str, rows: list[Row]) -> None:
+        """The upstream leased an item again while an earlier lease of it already holds the
+        downstream's result (the downstream delivered it once, to that row; it will not
+        deliver it again before our ACK): report that result under the new tokens too,
+        instead of waiting for a delivery that never comes while extending the lease."""
+        done = next((r.report for r in self._rows_of(up_item)
+                     if r.state in (RESULTED, RETURNED) and isinstance(r.report, p.TaskResult)), None)
+        if done is None:
+            return
+        reports = [(dataclasses.replace(done, token=r.token), down_item) for r in rows]
+        self.journal.store_results(self.name, reports)
+        for (rep, _), r in zip(reports, rows):
+            r.state, r.report = RESULTED, rep
+        self._send_up([rep for rep, _ in reports], p.Complete)
 
     async def _on_result(self, deliveries: list[p.Delivery]) -> None:
         reports: list[tuple[p.TaskResult, str]] = []

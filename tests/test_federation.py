@@ -181,7 +181,11 @@ def test_misconfigured_trust_gives_work_back_not_dead_letters(tmp_path: Path) ->
         wait_until(lambda: pair.procs.procs["relay"].count("link_refused_by_upstream") >= 1, 30, "the relay to stop pulling")
         pair.a.start_worker(1)
         c = _assert_landed_once(pair, 2)
-        assert c["proof_rejected"] >= 1 and c["returned"] == 0, c
+        # once broken, leases still arriving on credit granted earlier are given straight
+        # back: no item runs downstream a second time only to be refused again (a bounce loop
+        # that could hold an item between the swarms past any deadline)
+        assert 1 <= c["proof_rejected"] <= 2 and c["returned"] == 0, c
+        assert c["leased"] == c["ended_acked"] + c["ended_failed"] + c["ended_released"], c
         rep_a = pair.a.report()
         assert rep_a["dead"] == 0 and rep_a["rejects"].get("RESULT_REJECTED", 0) >= 1
 

@@ -204,3 +204,81 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     finally:
         server.shutdown()
         journal.close()
+
+
+# --- the link's state machine, driven directly (real journal, scripted brokers) ---------
+def _scripted_link(tmp_path: Path):
+    """A LinkRunner over a real relay journal whose two broker sessions are READY and
+    record what the relay sends (the scripted upstream and downstream brokers)."""
+    from ccsq.common.peer import LinkState
+    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay import LinkRunner
+    from tests.fedswarm import FedPair
+
+    pair = FedPair(tmp_path)
+    rcfg = load_relay_config(pair.relay_cfg)
+    journal = RelayJournal.open(tmp_path / "journal")
+    runner = LinkRunner(rcfg, rcfg.links[0], journal)
+    sent: dict[str, list] = {"up": [], "down": []}
+    for side, link in (("up", runner.up), ("down", runner.down)):
+        link.state = LinkState.READY
+        link.send = lambda msg, side=side: sent[side].append(msg) or True
+    return runner, journal, sent
+
+
+def _task(token: int) -> p.Task:
+    import msgpack
+
+    origin = msgpack.packb({"swarm": "a", "item_id": "item-1", "priority": 0, "max_attempts": 3})
+    return p.Task("item-1", token, "echo", p.Blob("0" * 64, 2, b"hi"), {}, 1, origin=origin, origin_sig=b"s" * 64)
+
+
+def test_upstream_leases_again_while_the_result_waits_for_ack(tmp_path: Path) -> None:
+    """The upstream leases an item again (its first lease expired) while the relay still
+    holds the downstream's result under the first token: the downstream answers the new
+    SUBMIT as a dedup hit and never delivers the result a second time, so the relay must
+    report the result it has under the new token, not wait for it (and extend the lease)
+    forever. Seen as a CI flake: an item stuck between two swarms."""
+    import asyncio
+
+    runner, journal, sent = _scripted_link(tmp_path)
+    asyncio.run(runner._on_dispatch([_task(1)]))
+    submit = sent["down"][-1]
+    assert isinstance(submit, p.Submit) and len(submit.items) == 1
+    key = submit.items[0].key
+    runner._on_submit_ack([p.SubmitResult(key, "down-1")])
+    result = p.Blob("1" * 64, 2, b"ok")
+    asyncio.run(runner._on_result([p.Delivery("down-1", key, "echo", result, {}, 1, "echo", "1", 0.0,
+                                              proof=b"proof", proof_sig=b"sig")]))
+    first = [m for m in sent["up"] if isinstance(m, p.Complete)]
+    assert first and first[-1].results[0].token == 1
+    # the upstream re-leases (token 2) before the first COMPLETE is confirmed
+    asyncio.run(runner._on_dispatch([_task(2)]))
+    runner._on_submit_ack([p.SubmitResult(key, "down-1", duplicate=True)])
+    completes = [r for m in sent["up"] if isinstance(m, p.Complete) for r in m.results]
+    assert [r.token for r in completes] == [1, 2], completes
+    assert completes[1].result == result and completes[1].proof == b"proof"
+    # the upstream fences token 1 and accepts token 2: the downstream item is ACKed once
+    runner._on_complete_ack([p.ItemOutcome("item-1", 1, p.Outcome.FENCED.value),
+                             p.ItemOutcome("item-1", 2, p.Outcome.ACCEPTED.value)])
+    acks = [m for m in sent["down"] if isinstance(m, p.Ack)]
+    assert acks and acks[-1].item_ids == ["down-1"]
+    runner._on_ack_ok({"down-1"})
+    assert runner.rows == {}
+    c = journal.counters(runner.name)
+    assert c["leased"] == 2 and c["ended_acked"] == 2 and c["returned"] == 1 and c["fenced"] == 1, c
+    journal.close()
+
+
+def test_leases_arriving_after_the_link_broke_go_straight_back(tmp_path: Path) -> None:
+    """Once the upstream has refused the downstream's proofs, leases still arriving on
+    credit granted earlier are released at once (uncounted), never submitted downstream."""
+    import asyncio
+
+    runner, journal, sent = _scripted_link(tmp_path)
+    runner.broken = "upstream rejected the downstream's result proofs"
+    asyncio.run(runner._on_dispatch([_task(5)]))
+    assert not any(isinstance(m, p.Submit) for m in sent["down"])
+    fails = [f for m in sent["up"] if isinstance(m, p.Fail) for f in m.failures]
+    assert [(f.token, f.reason) for f in fails] == [(5, p.FailReason.RELEASED.value)]
+    journal.close()
