@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.ccsq_pipeline import AckCounter, check_alive, start_swarm
 from bench.common import ROOT
-from ccsq.common.procs import wait_until
+from ccsq.common.tools.procs import wait_until
 
 DOCS = ROOT / "examples" / "documents"
 BATCHED = 4  # max_batch of the batched run
@@ -37,7 +37,7 @@ def pages(n: int) -> list[Path]:
 
 
 def bare(files: list[Path], handler_threads: int, provider: str = "cpu") -> dict[str, Any]:
-    from ccsq.common.config import WorkerConfig
+    from ccsq.common.wire.config import WorkerConfig
     from ccsq.workerd.ocr import OcrHandler
 
     handler = OcrHandler(WorkerConfig(handler="ocr", handler_threads=handler_threads, provider=provider))

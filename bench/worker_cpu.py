@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: Path | None = None) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from ccsq.common import protocol as p
+    from ccsq.common.wire import protocol as p
     from tests.test_worker_daemon import WorkerBroker, Workers, task, wait_until
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -38,7 +38,7 @@ def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: 
             if profile is not None:
                 import subprocess
 
-                from ccsq.common.procs import bin_path
+                from ccsq.common.tools.procs import bin_path
 
                 spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(proc.pid), "-r", "250", "--format", "raw",
                                         "-o", str(profile), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL,

@@ -28,17 +28,18 @@ import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
-from ccsq.common import federation as fed
+from ccsq.common.wire import federation as fed
 from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.peers import LeaseTimers, PeerStatus, PeerTable, Session
-from ccsq.common import protocol as p
-from ccsq.common.config import BrokerConfig
-from ccsq.common.envelope import Envelope
-from ccsq.common.errors import ConfigError, DecodeError
-from ccsq.common.faults import crash_point
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.config import BrokerConfig
+from ccsq.common.wire.envelope import Envelope
+from ccsq.common.wire.errors import ConfigError, DecodeError
+from ccsq.common.runtime.faults import crash_point
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -717,7 +718,7 @@ class Broker:
                         if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
                             log.info("item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]
-                for chunk in _chunks(statuses, _status_size, self._reply_budget(), 1 << 16):
+                for chunk in split_frames(statuses, size_of=_status_size, budget_bytes=self._reply_budget(), max_items=1 << 16) or [[]]:
                     batch.replies.append((rid, p.StatusReply(msg.req, chunk)))
             elif isinstance(msg, p.Admin):
                 batch.replies.append((rid, self.admin.handle(txn, batch, sess, msg)))
@@ -817,7 +818,7 @@ class Broker:
                 continue
             batch.crash("broker.after_lease_commit")
             batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
-            for chunk in _chunks(tasks, _task_size, self._reply_budget(), self.cfg.max_batch_items):
+            for chunk in split_frames(tasks, size_of=_task_size, budget_bytes=self._reply_budget(), max_items=self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Dispatch(chunk)))
         at = 0.0 if exhausted else next_at
         batch.effects.append(lambda: setattr(self, "_dispatch_at_mono", at))
@@ -879,7 +880,7 @@ class Broker:
                     txn.note_redelivery(item_id, now_ms, why)
                 deliveries.append(txn.delivery(item_id, redelivery))
             batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
-            for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
+            for chunk in split_frames(deliveries, size_of=_delivery_size, budget_bytes=self._reply_budget(), max_items=self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Result(chunk)))
         batch.effects.append(lambda: setattr(self, "_deliver_possible", more or more_routed))
         batch.effects.append(lambda f=floor, g=self._delivery_floor_resets: self._advance_delivery_floor(f, g))
@@ -982,7 +983,7 @@ class Broker:
                     hb = p.Heartbeat(info=caps[sess.peer_id]) if sess.peer_id in caps else p.Heartbeat()
                     self._try_send(sess, hb, queue_on_again=False)
 
-    # --- federation (common/federation.py, docs/federation.md) ---
+    # --- federation (common/wire/federation.py, docs/federation.md) ---
     def _relays(self, side: str) -> list[Session]:
         return [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
 
@@ -1063,7 +1064,7 @@ class Broker:
             if not deliveries:
                 continue
             batch.effects.append(lambda s=sess, ds=deliveries: self._delivered(s, ds))
-            for chunk in _chunks(deliveries, _delivery_size, self._reply_budget(), self.cfg.max_batch_items):
+            for chunk in split_frames(deliveries, size_of=_delivery_size, budget_bytes=self._reply_budget(), max_items=self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, p.Result(chunk)))
         return more
 
@@ -1105,22 +1106,6 @@ def _op_items(msg: p.Message) -> int:
             return max(1, len(v))
     return 1
 
-
-def _chunks(items: list, size_of: Callable[[object], int], budget_bytes: int, max_items: int) -> list[list]:
-    """Split ``items`` into lists that stay under ``budget_bytes`` (estimated) and ``max_items``."""
-    out: list[list] = []
-    cur: list = []
-    size = 0
-    for it in items:
-        n = size_of(it)
-        if cur and (size + n > budget_bytes or len(cur) >= max_items):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur or not out:
-        out.append(cur)
-    return out
 
 
 def _blob_size(b: p.Blob | None) -> int:

@@ -6,7 +6,7 @@ a JSON-like document; the reply is ``AdminReply(req, ok, body=msgpack(doc))``.
 Unknown commands and bad arguments give ``ok=False`` with ``error``. To add a
 command, add a method and list it in :attr:`AdminCommands.COMMANDS`.
 
-Commands (arguments are scalars, see :class:`ccsq.common.protocol.Admin`):
+Commands (arguments are scalars, see :class:`ccsq.common.wire.protocol.Admin`):
 
 - ``status``: peers (slots, credit, leases, draining), backlog per kind and state,
   oldest ready item, counters, balance, gap counts, ledger use.
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from ccsq.brokerd.ledger import reader_report
-from ccsq.common import protocol as p
-from ccsq.common.errors import CcsqError
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import CcsqError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch, Broker

@@ -31,10 +31,10 @@ import lmdb
 import msgpack
 
 from ccsq.brokerd import gaps
-from ccsq.common import protocol as p
-from ccsq.common.backoff import backoff_delay_s
-from ccsq.common.errors import CcsqError, ExitCode, ledger_failure
-from ccsq.common.policy import FAIL_POLICY, fail_rule
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.wire.errors import CcsqError, ExitCode, ledger_failure
+from ccsq.common.wire.policy import FAIL_POLICY, fail_rule
 
 S = p.ItemState
 STATES: tuple[str, ...] = tuple(s.value for s in S)
@@ -120,7 +120,7 @@ class ReadersFull(LedgerError):
     transaction cannot start. Transient (exit 75): the broker logs it and goes on."""
 
     code = "LEDGER_READERS_FULL"
-    exit_code = ExitCode.LEDGER_LOCKED
+    exit_code = ExitCode.TEMPFAIL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,13 +169,13 @@ def ready_key(kind: str, priority: int, not_before_ms: int, seq: int) -> bytes:
 
 def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
     """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based), in ms:
-    :func:`ccsq.common.backoff.backoff_delay_s` (the one backoff) with the ledger's seeded rng."""
+    :func:`ccsq.common.wire.backoff.backoff_delay_s` (the one backoff) with the ledger's seeded rng."""
     return int(backoff_delay_s(attempt - 1, policy.retry_backoff_base_s, policy.retry_backoff_max_s, rng) * 1000)
 
 
 def validate_submit_item(item: p.SubmitItem) -> str:
     """Return "" when ``item`` is acceptable, else a human reason (answered as MALFORMED).
-    The rule lives in :func:`ccsq.common.protocol.submit_item_problem` (shared with the producer)."""
+    The rule lives in :func:`ccsq.common.wire.protocol.submit_item_problem` (shared with the producer)."""
     return p.submit_item_problem(item)
 
 
@@ -910,7 +910,7 @@ class LedgerTxn(LedgerView):
         """Create one item (or answer a duplicate). ``refuse`` is an error code
         (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
         ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
-        and the relay its result goes back to (common/federation.py)."""
+        and the relay its result goes back to (common/wire/federation.py)."""
         policy = self.ledger.policy
         why = validate_submit_item(item)
         if why:
@@ -1086,7 +1086,7 @@ class LedgerTxn(LedgerView):
     def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
         """Record a failure report. Returns an :class:`Outcome` value.
 
-        The reason's rule comes from the one failure policy (:data:`ccsq.common.policy.FAIL_POLICY`;
+        The reason's rule comes from the one failure policy (:data:`ccsq.common.wire.policy.FAIL_POLICY`;
         the wire's ``retryable`` only for a reason this version does not know).
         ``released``: back to ready now, attempt not counted. ``store_unavailable``:
         ready after a backoff, attempt not counted. Retryable: ready after backoff

@@ -1,12 +1,12 @@
 """``ccsq-brokerd --config DIR/brokerd.toml``: the broker daemon's entry point.
 
-Exit codes (:class:`~ccsq.common.errors.ExitCode`): 0 after SIGTERM/SIGINT;
+Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`): 0 after SIGTERM/SIGINT;
 ``CONFIG`` (78) for a bad config, a missing or too-open key file, a bind endpoint
 that is not an address of this host (one line on
-stderr; systemd must not restart); ``LEDGER_LOCKED`` (75) when another broker
+stderr; systemd must not restart); ``TEMPFAIL`` (75) when another broker
 holds the ledger lock or the endpoint is taken (transient: restart later); an
 LMDB error exits with the code and sentence of
-:func:`~ccsq.common.errors.ledger_failure` (74 disk full / I/O error, 75 reader
+:func:`~ccsq.common.wire.errors.ledger_failure` (74 disk full / I/O error, 75 reader
 table full at start, 78 map full, 80 corrupt or unreadable file).
 """
 
@@ -27,14 +27,14 @@ import zmq
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
-from ccsq.common import log as logsetup
-from ccsq.common.config import BrokerConfig, load
-from ccsq.common.daemon import config_path_from_argv
-from ccsq.common.endpoints import bind_error, check_bind_local
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ConfigError, ExitCode, PortInUse, ledger_failure
-from ccsq.common.keys import AuthorizedKeys, load_curve_secret, load_private_key
-from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.runtime import log as logsetup
+from ccsq.common.wire.config import BrokerConfig, load
+from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.wire.endpoints import bind_error, check_bind_local
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, ledger_failure
+from ccsq.common.wire.keys import AuthorizedKeys, load_curve_secret, load_private_key
+from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -82,7 +82,7 @@ def run(config_path: str) -> int:
         check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
         check_exposure(cfg, authorized, config_path)
         if cfg.trusted_swarms:  # federation trust file: refused at start, not at the first relayed item
-            from ccsq.common.federation import TrustedSwarms
+            from ccsq.common.wire.federation import TrustedSwarms
 
             TrustedSwarms(Path(cfg.trusted_swarms))
         notifier = Notifier.from_env()
@@ -98,7 +98,7 @@ def run(config_path: str) -> int:
     try:
         lock_fd = acquire_lock(lock_path)
     except LedgerLocked as exc:
-        return _fail(ExitCode.LEDGER_LOCKED, str(exc))
+        return _fail(ExitCode.TEMPFAIL, str(exc))
     try:
         return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret)
     finally:
@@ -130,7 +130,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                               curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
-        return _fail(ExitCode.LEDGER_LOCKED, str(exc))
+        return _fail(ExitCode.TEMPFAIL, str(exc))
     except zmq.ZMQError as exc:  # e.g. "No such device": a host name that is not this host's (exit 78, not a restart loop)
         ledger.close()
         err = bind_error(cfg.bind or cfg.endpoint, exc.errno, exc.strerror, where=_bind_key(cfg))

@@ -14,7 +14,7 @@ import enum
 import heapq
 import time
 
-from ccsq.common import protocol as p
+from ccsq.common.wire import protocol as p
 
 
 class PeerStatus(enum.Enum):

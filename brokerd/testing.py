@@ -22,9 +22,9 @@ from typing import Any
 import tomli_w
 import zmq
 
-from ccsq.common import protocol as p
-from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.keys import AuthorizedKeys, load_private_key, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, write_authorized_keys, write_keypair
 
 
 def make_swarm(root: Path, peers: dict[str, str], **broker_overrides: Any) -> Path:

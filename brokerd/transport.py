@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 import structlog
 import zmq
 
-from ccsq.common import protocol as p
-from ccsq.common.endpoints import is_loopback_host
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import CcsqError, ConfigError
-from ccsq.common.keys import curve_server_setup
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.endpoints import is_loopback_host
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import CcsqError, ConfigError
+from ccsq.common.wire.keys import curve_server_setup
 
 SENT = "sent"
 AGAIN = "again"
@@ -86,7 +86,7 @@ def check_exposure(cfg, authorized, config_path: str) -> None:
     malformed ``metrics_listen``. ``cfg`` is a BrokerConfig, ``authorized`` its
     AuthorizedKeys."""
     from ccsq.brokerd.metrics import broker_listen
-    from ccsq.common.metrics import parse_listen
+    from ccsq.common.runtime.metrics import parse_listen
 
     bound = getattr(cfg, "bind", "") or cfg.endpoint  # what the ROUTER binds (bind, else endpoint)
     if not cfg.curve and not cfg.allow_insecure_bind and not is_loopback_endpoint(bound):

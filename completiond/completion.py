@@ -33,16 +33,16 @@ from pathlib import Path
 
 import structlog
 
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore, open_configured_store
-from ccsq.common.config import CompletionConfig, load
-from ccsq.common.envelope import Envelope
-from ccsq.common.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, PortInUse, StoreUnavailable
-from ccsq.common.faults import crash_point
-from ccsq.common.log import configure
-from ccsq.common.backoff import backoff_delay_s
-from ccsq.common.peer import BrokerLink
-from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.wire import protocol as p
+from ccsq.common.storage.claimstore import ClaimStore, open_configured_store
+from ccsq.common.wire.config import CompletionConfig, load
+from ccsq.common.wire.envelope import Envelope
+from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, PortInUse, StoreUnavailable
+from ccsq.common.runtime.faults import crash_point
+from ccsq.common.runtime.log import configure
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.link.peer import BrokerLink
+from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.completiond.resultsdb import (
     ResultRow,
     ResultsDB,
@@ -415,7 +415,7 @@ def main(config_path: str | Path) -> int:
         return ExitCode.CONFIG
     except StoreUnavailable as exc:
         print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
-        return ExitCode.LEDGER_LOCKED
+        return ExitCode.TEMPFAIL
     except PortInUse as exc:
         print(f"ccsq completion: transient: {exc}", file=sys.stderr)
         return ExitCode.TEMPFAIL
@@ -428,7 +428,7 @@ def main(config_path: str | Path) -> int:
         if metrics is not None:
             metrics.shutdown()
     if service.link.refused is not None:
-        from ccsq.common.peer import refusal_fix
+        from ccsq.common.link.peer import refusal_fix
 
         print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
         return ExitCode.UNAUTHORIZED

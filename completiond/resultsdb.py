@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

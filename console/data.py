@@ -1,10 +1,10 @@
 """Where the console's numbers come from.
 
-Online: one short admin session per page (:func:`ccsq.common.admin_client._with_broker`,
+Online: one short admin session per page (:func:`ccsq.common.tools.admin_client._with_broker`,
 the same request tracker as ``ccsq status``), one at a time (a second session
 under the same peer id would replace the first). Offline (the broker gave no
 WELCOME within ``connect_timeout_s``): the read-only commands answer from the
-ledger with :func:`ccsq.common.admin_client.offline`, the code path of
+ledger with :func:`ccsq.common.tools.admin_client.offline`, the code path of
 ``ccsq status --offline``. The chart series, the drain forecast and the recent
 gap events come from :func:`ccsq.brokerd.report.load_report`, the code path of
 ``ccsq gap-report``, whether the broker runs or not.
@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ccsq.common import admin_client
-from ccsq.common.admin_client import AdminSession
-from ccsq.common.config import AdminConfig
-from ccsq.common.errors import BrokerUnavailable, CcsqError
+from ccsq.common.tools import admin_client
+from ccsq.common.tools.admin_client import AdminSession
+from ccsq.common.wire.config import AdminConfig
+from ccsq.common.wire.errors import BrokerUnavailable, CcsqError
 
 T = TypeVar("T")
 #: After the broker did not answer, pages read the ledger for this long before trying it again.
@@ -42,9 +42,9 @@ class Source:
     """The broker (an admin peer) and the ledger (read-only) behind the console.
 
     ``settings``: the console's ``admin.toml``. Methods raise
-    :class:`~ccsq.common.errors.BrokerUnavailable` (commands that need the broker),
-    :class:`~ccsq.common.errors.AdminFailed` (the broker, or the ledger, said no)
-    and :class:`~ccsq.common.errors.CcsqError` subclasses (ledger not readable).
+    :class:`~ccsq.common.wire.errors.BrokerUnavailable` (commands that need the broker),
+    :class:`~ccsq.common.wire.errors.AdminFailed` (the broker, or the ledger, said no)
+    and :class:`~ccsq.common.wire.errors.CcsqError` subclasses (ledger not readable).
     """
 
     def __init__(self, settings: AdminConfig, *, down_retry_s: float = DOWN_RETRY_S) -> None:

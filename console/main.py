@@ -4,7 +4,7 @@ Safe by default: it listens on the loopback address; any other address needs at
 least one token (``--token``, the environment variable ``CCSQ_CONSOLE_TOKEN``, or
 ``console_tokens`` in admin.toml: a TOML file of ``[tokens.NAME]`` tables with
 ``token`` and ``role`` = "admin" | "viewer", mode 0600). Refused at start with
-:class:`~ccsq.common.errors.ConfigError` (exit 78) otherwise.
+:class:`~ccsq.common.wire.errors.ConfigError` (exit 78) otherwise.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import structlog
 
-from ccsq.common.config import AdminConfig, read_toml
-from ccsq.common.endpoints import is_loopback_host
-from ccsq.common.errors import ConfigError, ExitCode
+from ccsq.common.wire.config import AdminConfig, read_toml
+from ccsq.common.wire.endpoints import is_loopback_host
+from ccsq.common.wire.errors import ConfigError, ExitCode
 
 DEFAULT_LISTEN = "127.0.0.1:8750"
 TOKEN_ENV = "CCSQ_CONSOLE_TOKEN"
@@ -45,7 +45,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-is_loopback = is_loopback_host  # the one loopback check (common/endpoints.py)
+is_loopback = is_loopback_host  # the one loopback check (common/wire/endpoints.py)
 
 
 def load_tokens(path: str | Path) -> list:
@@ -115,7 +115,7 @@ def run(settings: AdminConfig, *, listen: str | None = None, token: str | None =
         raise ConfigError(f"ccsq console needs {', '.join(missing)}: pip install 'ccsq[console]'")
     import uvicorn
 
-    from ccsq.common import log as logsetup
+    from ccsq.common.runtime import log as logsetup
 
     logsetup.configure("json" if settings.log_format == "auto" else settings.log_format, level=logging.INFO)
     # one admin session per page: its link's open/close lines would drown the console's own
@@ -132,7 +132,7 @@ def run(settings: AdminConfig, *, listen: str | None = None, token: str | None =
     except OSError as exc:
         sock.close()
         log.error("console_listen_failed", listen=f"{host}:{port}", error=str(exc))
-        return ExitCode.LEDGER_LOCKED  # port busy (transient) or address not here
+        return ExitCode.TEMPFAIL  # port busy (transient) or address not here
     log.info("console_started", listen=f"{host}:{port}", url=f"http://{host}:{port}/", tokens=len(console.auth.tokens),
              broker=settings.broker_endpoint, data_dir=settings.data_dir, peer=settings.peer_id)
     config = uvicorn.Config(console.app, log_level="warning", access_log=False, lifespan="on", server_header=False)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     """``ccsq-console ARGS`` = ``ccsq console ARGS`` (a console script for service managers)."""
     import sys
 
-    from ccsq.common.cli import main as ccsq_main
+    from ccsq.common.tools.cli import main as ccsq_main
 
     return ccsq_main(["console", *(sys.argv[1:] if argv is None else argv)])
 

@@ -44,10 +44,11 @@ from typing import Any, BinaryIO, Union
 
 import msgpack
 
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore, open_store
-from ccsq.common.config import ProducerConfig, load
-from ccsq.common.errors import (
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.frames import split_frames
+from ccsq.common.storage.claimstore import ClaimStore, open_store
+from ccsq.common.wire.config import ProducerConfig, load
+from ccsq.common.wire.errors import (
     BrokerUnavailable,
     CcsqError,
     InvalidRequest,
@@ -55,11 +56,11 @@ from ccsq.common.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from ccsq.common.faults import crash_point
-from ccsq.common.log import get_logger
-from ccsq.common.backoff import backoff_delay_s
-from ccsq.common.peer import BrokerLink, refusal_fix
-from ccsq.common.policy import PEER_REFUSED_CODES, refusal_error, refusal_retryable
+from ccsq.common.runtime.faults import crash_point
+from ccsq.common.runtime.log import get_logger
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.link.peer import BrokerLink, refusal_fix
+from ccsq.common.wire.policy import PEER_REFUSED_CODES, refusal_error, refusal_retryable
 from ccsq.producer.outbox import Outbox
 
 log = get_logger("ccsq.producer")
@@ -429,25 +430,15 @@ class AsyncClient:
             await asyncio.sleep(delay)
 
     def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
-        """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept)."""
-        frames: list[list[p.SubmitItem]] = []
-        cur: list[p.SubmitItem] = []
-        size = 0
-        for item in items:
-            n = _item_size(item)
-            if n > self._frame_budget:
-                raise PayloadTooLarge(
-                    f"item {item.key[:16]}... is {n} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
-                    "lower inline_max_bytes or shrink params"
-                )
-            if cur and (size + n > self._frame_budget or len(cur) >= _MAX_ITEMS_PER_FRAME):
-                frames.append(cur)
-                cur, size = [], 0
-            cur.append(item)
-            size += n
-        if cur:
-            frames.append(cur)
-        return frames
+        """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
+        that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
+        return split_frames(items, size_of=_item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
+                            too_large=self._too_large)
+
+    def _too_large(self, item: p.SubmitItem, size_bytes: int) -> PayloadTooLarge:
+        return PayloadTooLarge(
+            f"item {item.key[:16]}... is {size_bytes} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
+            "lower inline_max_bytes or shrink params")
 
     # --- building items ---
     async def _make_item(

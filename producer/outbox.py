@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgpack
 
-from ccsq.common import protocol as p
+from ccsq.common.wire import protocol as p
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (
@@ -51,7 +51,7 @@ def _unpack(raw: bytes) -> p.SubmitItem:
 
 
 class Outbox:
-    """Durable FIFO of :class:`~ccsq.common.protocol.SubmitItem` keyed by idempotency key.
+    """Durable FIFO of :class:`~ccsq.common.wire.protocol.SubmitItem` keyed by idempotency key.
 
     ``path`` is the directory; the database is ``path/outbox.sqlite3``.
     """

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ccsq.common.errors import ExitCode
+from ccsq.common.wire.errors import ExitCode
 
 
 def _cmd_init_relay(args: argparse.Namespace) -> int:

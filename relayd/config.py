@@ -1,7 +1,7 @@
 """``relayd.toml``: the relay's identity and journal, and one ``[[links]]`` table per link.
 
-Loaded like every other ccsq config (:mod:`ccsq.common.config`): unknown keys, wrong
-types and out-of-range values raise :class:`~ccsq.common.errors.ConfigError` naming
+Loaded like every other ccsq config (:mod:`ccsq.common.wire.config`): unknown keys, wrong
+types and out-of-range values raise :class:`~ccsq.common.wire.errors.ConfigError` naming
 the file and the key; relative paths are relative to the file. Example::
 
     peer_id = "relay-1"
@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ccsq.common.config import PeerSettings, from_mapping, opt, read_toml
-from ccsq.common.errors import ConfigError
-from ccsq.common.metrics import parse_listen
+from ccsq.common.wire.config import PeerSettings, from_mapping, opt, read_toml
+from ccsq.common.wire.errors import ConfigError
+from ccsq.common.runtime.metrics import parse_listen
 
 
 MAX_KINDS_PER_LINK = 100

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ccsq.common.config import describe
+from ccsq.common.wire.config import describe
 from ccsq.relayd.config import LinkConfig, RelayConfig
 
 BEGIN = "<!-- relay-keys:begin (generated from ccsq.relayd.config; tests/test_federation_units.py checks it) -->"

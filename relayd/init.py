@@ -20,8 +20,8 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import ConfigError
-from ccsq.common.keys import (load_private_key, parse_authorized_keys, public_key_b64, write_authorized_keys,
+from ccsq.common.wire.errors import ConfigError
+from ccsq.common.wire.keys import (load_private_key, parse_authorized_keys, public_key_b64, write_authorized_keys,
                               write_curve_keypair, write_keypair)
 
 

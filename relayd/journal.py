@@ -39,9 +39,9 @@ from pathlib import Path
 
 import msgpack
 
-from ccsq.common import protocol as p
-from ccsq.common.errors import JournalCorrupt, JournalLocked  # noqa: F401 (JournalLocked: raised by open)
-from ccsq.common.journal import open_locked_sqlite
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import JournalCorrupt, JournalLocked  # noqa: F401 (JournalLocked: raised by open)
+from ccsq.common.storage.journal import open_locked_sqlite
 
 Key = tuple[str, int]  # (up_item, token)
 

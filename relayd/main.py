@@ -1,8 +1,8 @@
 """``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
 
-Exit codes (:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
+Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
 0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
-75 LEDGER_LOCKED (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
+75 TEMPFAIL (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import sys
 
 import structlog
 
-from ccsq.common import log as logsetup
-from ccsq.common.daemon import config_path_from_argv
-from ccsq.common.errors import ConfigError, ExitCode, PortInUse
-from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.runtime import log as logsetup
+from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse
+from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
-from ccsq.common.errors import JournalCorrupt, JournalLocked
+from ccsq.common.wire.errors import JournalCorrupt, JournalLocked
 
 log = structlog.get_logger("ccsq.relayd.main")
 
@@ -43,7 +43,7 @@ def run(config_path: str) -> int:
     try:
         journal = RelayJournal.open(cfg.journal_dir)
     except JournalLocked as exc:
-        return _die(ExitCode.LEDGER_LOCKED, str(exc))
+        return _die(ExitCode.TEMPFAIL, str(exc))
     try:
         from ccsq.relayd.metrics import start_relay_metrics
         from ccsq.relayd.relay import Relay

@@ -1,4 +1,4 @@
-"""Relay metrics (``metrics_listen`` in relayd.toml), served by :mod:`ccsq.common.metrics`.
+"""Relay metrics (``metrics_listen`` in relayd.toml), served by :mod:`ccsq.common.runtime.metrics`.
 
 Nothing here runs per item: the link counters and the in-flight rows are read
 from the relay's journal (one read-only SQLite connection, two grouped SELECTs,
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ccsq.common.metrics import start_exporter
-from ccsq.common.peer import LinkState
+from ccsq.common.runtime.metrics import start_exporter
+from ccsq.common.link.peer import LinkState
 from ccsq.relayd.journal import COUNTERS, FAILING, LEASED, RESULTED, RETURNED, SUBMITTED
 
 if TYPE_CHECKING:  # pragma: no cover

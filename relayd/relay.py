@@ -1,7 +1,7 @@
 """The relay: moves items from an upstream swarm to a downstream swarm's idle GPUs and
 their results back, one :class:`LinkRunner` per ``[[links]]`` table (docs/federation.md).
 
-Per link, two sessions (:class:`~ccsq.common.peer.BrokerLink`, role ``relay``):
+Per link, two sessions (:class:`~ccsq.common.link.peer.BrokerLink`, role ``relay``):
 
 * **upstream** (``relay_side = upstream``): the relay holds leases like a worker. It
   grants credit only while the downstream reports free worker capacity for the link's
@@ -30,14 +30,15 @@ from collections.abc import Callable
 import msgpack
 import structlog
 
-from ccsq.common.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
+from ccsq.common.wire.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
                                     WORKERS_PREFIX, origin_key)
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore, open_store
-from ccsq.common.envelope import Envelope
-from ccsq.common.errors import PayloadMissing
-from ccsq.common.faults import crash_point
-from ccsq.common.peer import BrokerLink, LinkState
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.frames import split_frames
+from ccsq.common.storage.claimstore import ClaimStore, open_store
+from ccsq.common.wire.envelope import Envelope
+from ccsq.common.wire.errors import PayloadMissing
+from ccsq.common.runtime.faults import crash_point
+from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.relayd.config import LinkConfig, RelayConfig
 from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
 
@@ -244,8 +245,7 @@ class LinkRunner:
         if not reports or not self._ready(self.up):
             return
         now = time.monotonic()
-        for i in range(0, len(reports), MAX_ITEMS_PER_FRAME):
-            chunk = reports[i:i + MAX_ITEMS_PER_FRAME]
+        for chunk in split_frames(reports, max_items=MAX_ITEMS_PER_FRAME):
             self.up.send(cls(chunk))
             for r in chunk:
                 self._sent[(r.item_id, r.token)] = now
@@ -312,8 +312,7 @@ class LinkRunner:
         if not rows or not self._ready(self.down):
             return
         now = time.monotonic()
-        for i in range(0, len(rows), MAX_ITEMS_PER_FRAME):
-            chunk = rows[i:i + MAX_ITEMS_PER_FRAME]
+        for chunk in split_frames(rows, max_items=MAX_ITEMS_PER_FRAME):
             # one SubmitItem per upstream item (two leases of one item are one downstream item)
             items = {r.up_item: submit_item(r.task) for r in chunk}
             self.down.send(p.Submit(self._next_req(), list(items.values())))
@@ -461,8 +460,8 @@ class LinkRunner:
             return
         self._last_status = now
         ids = sorted({r.down_item for r in self.rows.values() if r.state == SUBMITTED and r.down_item})
-        for i in range(0, len(ids), MAX_ITEMS_PER_FRAME):
-            self.down.send(p.Status(self._next_req(), ids[i:i + MAX_ITEMS_PER_FRAME]))
+        for chunk in split_frames(ids, max_items=MAX_ITEMS_PER_FRAME):
+            self.down.send(p.Status(self._next_req(), chunk))
 
     def _downstream_outage(self) -> None:
         """The downstream is unreachable: give the leases we have not submitted back to

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import zmq
 
-from ccsq.common import protocol as p
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import DecodeError
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 
 def make_pki(root: Path, peers: dict[str, str]) -> Path:

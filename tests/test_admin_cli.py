@@ -1,7 +1,7 @@
 """Admin commands of the ``ccsq`` CLI against a real broker (tests/swarm.py).
 
 ``ccsq status``, ``items show``, ``dlq list|replay|purge``, ``drain`` and
-``reconcile`` run in-process through :func:`ccsq.common.cli.main` (the same
+``reconcile`` run in-process through :func:`ccsq.common.tools.cli.main` (the same
 code path as the console script) and talk to a real ``ccsq-brokerd`` over the
 signed protocol; the offline path reads the same ledger read-only.
 """
@@ -15,9 +15,9 @@ import pytest
 
 from ccsq.brokerd.admin import LEDGER_STATUS_KEYS
 from ccsq.brokerd.report import iter_blob_refs
-from ccsq.common import cli
-from ccsq.common.claimstore import open_store
-from ccsq.common.errors import ExitCode
+from ccsq.common.tools import cli
+from ccsq.common.storage.claimstore import open_store
+from ccsq.common.wire.errors import ExitCode
 from tests.swarm import Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(90)

@@ -50,7 +50,7 @@ def test_gpu_check_refuses_without_a_gpu(tmp_path: Path) -> None:
     import shutil
     import subprocess
 
-    from ccsq.common.errors import ExitCode
+    from ccsq.common.wire.errors import ExitCode
 
     root = Path(__file__).resolve().parent.parent
     if shutil.which("nvidia-smi"):

@@ -23,9 +23,9 @@ import tomli_w
 
 from ccsq.brokerd.report import load_report, render_text
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common import protocol as p
-from ccsq.common.errors import ExitCode
-from ccsq.common.faults import env_for
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ExitCode
+from ccsq.common.runtime.faults import env_for
 
 PEERS = {
     "prod": "producer",
@@ -349,7 +349,7 @@ STOPPED_PRODUCER = r"""
 import hashlib, json, sys
 from pathlib import Path
 from ccsq.brokerd.testing import ScriptedPeer
-from ccsq.common import protocol as p
+from ccsq.common.wire import protocol as p
 
 root, endpoint, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 peer = ScriptedPeer(root, "prod", endpoint, rcvhwm=2)
@@ -449,7 +449,7 @@ def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
     import urllib.request
 
     from ccsq.brokerd.actor import TURN_ITEM_BUDGET
-    from ccsq.common.procs import free_tcp_port
+    from ccsq.common.tools.procs import free_tcp_port
 
     port = free_tcp_port()
     b = h.start(metrics_port=port)
@@ -662,10 +662,10 @@ def test_sigterm_says_bye_and_exits_zero(h):
 
 def test_second_broker_exits_ledger_locked(h):
     """C11: a second broker on a locked ledger, or on a taken endpoint, exits with
-    the transient LEDGER_LOCKED code and a one-line reason."""
+    the transient TEMPFAIL code and a one-line reason."""
     b = h.start()
     second = BrokerProcess(h.config).start(wait=False)
-    assert second.wait(20) == ExitCode.LEDGER_LOCKED
+    assert second.wait(20) == ExitCode.TEMPFAIL
     assert "lock" in "".join(second.lines)
     other = h.root / "other"
     other.mkdir()
@@ -674,7 +674,7 @@ def test_second_broker_exits_ledger_locked(h):
                authorized_keys=str(h.root / "authorized_keys.toml"))
     (other / "brokerd.toml").write_text(tomli_w.dumps(cfg))
     third = BrokerProcess(other / "brokerd.toml").start(wait=False)
-    assert third.wait(20) == ExitCode.LEDGER_LOCKED
+    assert third.wait(20) == ExitCode.TEMPFAIL
     assert "in use" in "".join(third.lines)
 
 
@@ -728,7 +728,7 @@ def test_frozen_broker_keeps_sessions_and_leases(h):
 
 def test_sighup_reloads_authorized_keys(h):
     """SIGHUP re-reads authorized_keys: a peer added afterwards can connect."""
-    from ccsq.common.keys import write_keypair
+    from ccsq.common.wire.keys import write_keypair
 
     b = h.start()
     _priv, pub = write_keypair(h.root / "keys", "late")

@@ -27,7 +27,7 @@ import tomli_w
 import tomllib
 
 from ccsq.brokerd.ledger import Ledger, data_paths
-from ccsq.common.faults import env_for
+from ccsq.common.runtime.faults import env_for
 from tests.swarm import Swarm, wait_until
 
 
@@ -337,7 +337,7 @@ def test_two_live_workers_with_one_peer_id_the_replaced_one_stops(tmp_path: Path
     import tomli_w
     import tomllib
 
-    from ccsq.common.procs import bin_path
+    from ccsq.common.tools.procs import bin_path
 
     with Swarm(tmp_path / "s") as swarm:
         swarm.start_broker()

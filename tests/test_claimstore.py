@@ -9,10 +9,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from ccsq.common.claimstore import FileStore, open_store, sha256_hex
-from ccsq.common.errors import ConfigError, PayloadMissing
-from ccsq.common.protocol import Blob
-from ccsq.common.reconcile import reconcile
+from ccsq.common.storage.claimstore import FileStore, open_store, sha256_hex
+from ccsq.common.wire.errors import ConfigError, PayloadMissing
+from ccsq.common.wire.protocol import Blob
+from ccsq.common.tools.reconcile import reconcile
 
 BUCKET = "ccsq-test"
 

@@ -17,12 +17,12 @@ import msgpack
 import pytest
 import zmq
 
-from ccsq.common import cli
-from ccsq.common import protocol as p
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import ExitCode, Unauthorized
-from ccsq.common.keys import AuthorizedKeys, load_private_key, write_keypair
-from ccsq.common.procs import bin_path
+from ccsq.common.tools import cli
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import ExitCode, Unauthorized
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, write_keypair
+from ccsq.common.tools.procs import bin_path
 from tests.swarm import Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -260,7 +260,7 @@ def test_library_logs_through_standard_logging(tmp_path: Path) -> None:
 def test_curve_peer_outside_the_allow_list_is_refused_with_the_line_to_add(tmp_path: Path, capsys) -> None:
     """With CURVE, a peer whose CURVE key the broker's allow-list lacks (ZAP 400) stops
     at once too: Unauthorized / exit 77 with the curve_public_key line to add."""
-    from ccsq.common.keys import write_curve_keypair
+    from ccsq.common.wire.keys import write_curve_keypair
     from ccsq.producer.client import Client
 
     curve = {"curve": True}
@@ -357,9 +357,9 @@ def test_peer_ids_are_validated_everywhere(tmp_path: Path, capsys, bad: str) -> 
     a config (exit 78, a sentence naming the file and the allowed characters)."""
     import tomli_w
 
-    from ccsq.common.config import PeerSettings, load
-    from ccsq.common.errors import ConfigError
-    from ccsq.common.keys import parse_authorized_keys
+    from ccsq.common.wire.config import PeerSettings, load
+    from ccsq.common.wire.errors import ConfigError
+    from ccsq.common.wire.keys import parse_authorized_keys
 
     out = tmp_path / "out" / "keys"
     with pytest.raises(SystemExit) as exc:

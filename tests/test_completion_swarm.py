@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ccsq.common.faults import env_for
+from ccsq.common.runtime.faults import env_for
 from tests.pg import pg_database, pg_server  # noqa: F401 (fixtures)
 from tests.swarm import Swarm, wait_until
 
@@ -68,7 +68,7 @@ def _completed_with_result_blob(swarm, root):
     up to state completed, with no completion service yet; returns (blob path, bytes)."""
     import os
 
-    from ccsq.common.claimstore import sha256_hex
+    from ccsq.common.storage.claimstore import sha256_hex
     from tests.swarm import wait_until
 
     payload = os.urandom(40_000)
@@ -167,7 +167,7 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
 
     import subprocess
 
-    from ccsq.common.procs import bin_path
+    from ccsq.common.tools.procs import bin_path
 
     root = tmp_path / "s"
     with Swarm(root, broker={"max_attempts": 2}, producer={"inline_max_bytes": 0}) as swarm:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from ccsq.common import config as cfgmod
-from ccsq.common.cli import main as ccsq_main
-from ccsq.common.endpoints import bind_error, check_bind_local, check_endpoint, default_bind
-from ccsq.common.errors import ConfigError, ExitCode
-from ccsq.common.procs import bin_path, free_tcp_port, wait_until
+from ccsq.common.wire import config as cfgmod
+from ccsq.common.tools.cli import main as ccsq_main
+from ccsq.common.wire.endpoints import bind_error, check_bind_local, check_endpoint, default_bind
+from ccsq.common.wire.errors import ConfigError, ExitCode
+from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
 from tests.swarm import Swarm
 
 
@@ -138,7 +138,7 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     # any file a config names travels with it (a model file here), with its mode
     import shutil
 
-    from ccsq.common.hosts import write_host_layout
+    from ccsq.common.tools.hosts import write_host_layout
 
     shutil.rmtree(hosts)
     (root / "models").mkdir()
@@ -167,7 +167,7 @@ def test_wrong_store_root_is_refused_at_start_by_worker_completion_and_producer(
         assert "claim_store" in res.stderr and "does not exist" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not gone.exists() and not gone.parent.exists()  # nobody created it
     # nor later: a root that vanishes while a daemon runs is an I/O error, not a new empty store
-    from ccsq.common.claimstore import open_store
+    from ccsq.common.storage.claimstore import open_store
 
     store = open_store(f"file://{gone}", create=False)
     with pytest.raises(FileNotFoundError):
@@ -267,7 +267,7 @@ def test_s3_keys_and_start_up_check(tmp_path: Path, moto_endpoint: str) -> None:
         ({"claim_store": "s3://no-such-bucket/ocr", **keys}, creds, ExitCode.CONFIG, "does not exist"),
         ({"claim_store": "s3://pages/ocr", **keys, "s3_profile": "gpu"}, creds, ExitCode.CONFIG, "s3_profile"),
         ({"claim_store": "s3://pages/ocr", **keys, "s3_profile": "", "s3_endpoint_url": f"http://127.0.0.1:{free_tcp_port()}"}, creds,
-         ExitCode.LEDGER_LOCKED, "does not answer"),
+         ExitCode.TEMPFAIL, "does not answer"),
     ]
     for changes, env, code, why in cases:
         _edit(conf, **changes)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ccsq.common.config import README_BEGIN, README_END, markdown_reference
+from ccsq.common.wire.config import README_BEGIN, README_END, markdown_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_readme_config_reference_is_current() -> None:
     text = (ROOT / "README.md").read_text()
     block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
-    assert block == markdown_reference().strip(), "run: python -m ccsq.common.config --write README.md"
+    assert block == markdown_reference().strip(), "run: python -m ccsq.common.wire.config --write README.md"
 
 
 def test_readme_shows_the_two_commands_first() -> None:

@@ -1,7 +1,7 @@
 """End to end with real processes: broker, workers, completion service, producer.
 
 Every crash point of the six-operation pipeline is tried here with a real
-SIGKILL (armed through ``ccsq.common.faults``), and each time the item must
+SIGKILL (armed through ``ccsq.common.runtime.faults``), and each time the item must
 land in the results table exactly once with a balanced ledger.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.faults import env_for
+from ccsq.common.runtime.faults import env_for
 from tests.swarm import Swarm, wait_until
 
 DOCS = Path(__file__).resolve().parent.parent / "examples" / "documents"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.procs import bin_path
+from ccsq.common.tools.procs import bin_path
 from tests.fedswarm import FedPair, submit_in
 from tests.netns import NetNs, netns_available
 from tests.swarm import wait_until

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from ccsq.common import federation as fed
+from ccsq.common.wire import federation as fed
 from ccsq.brokerd.report import load_report
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm
-from ccsq.common import protocol as p
-from ccsq.common.keys import load_private_key, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.keys import load_private_key, write_keypair
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,9 +28,9 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-from ccsq.common import federation as fed  # noqa: E402
-from ccsq.common import protocol as p  # noqa: E402
-from ccsq.common.errors import ConfigError  # noqa: E402
+from ccsq.common.wire import federation as fed  # noqa: E402
+from ccsq.common.wire import protocol as p  # noqa: E402
+from ccsq.common.wire.errors import ConfigError  # noqa: E402
 from ccsq.relayd.config import load_relay_config  # noqa: E402
 
 
@@ -105,9 +105,9 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     relay peers authorized, and a relayd.toml that loads."""
     import tomllib
 
-    from ccsq.common.federation import TrustedSwarms
-    from ccsq.common.cli import main
-    from ccsq.common.keys import parse_authorized_keys
+    from ccsq.common.wire.federation import TrustedSwarms
+    from ccsq.common.tools.cli import main
+    from ccsq.common.wire.keys import parse_authorized_keys
 
     assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
     assert main(["init", str(tmp_path / "site-b"), "--endpoint", "tcp://127.0.0.1:5602", "--workers", "1"]) == 0
@@ -130,8 +130,8 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
 def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
     """A HELLO from a socket its peer gave up on (hello timeout) that reaches the broker
     after the peer's next session opened must not replace that live session."""
-    from ccsq.common.envelope import ReplayGuard
-    from ccsq.common.errors import AuthError
+    from ccsq.common.wire.envelope import ReplayGuard
+    from ccsq.common.wire.errors import AuthError
 
     guard = ReplayGuard()
     guard.check("relay-x", 2, 1, True, 2_000)
@@ -153,7 +153,7 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     import tomli_w
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ccsq.common.cli import main
+    from ccsq.common.tools.cli import main
     from ccsq.relayd.journal import RelayJournal
     from ccsq.relayd.metrics import start_relay_metrics
     from ccsq.relayd.relay import Relay
@@ -210,7 +210,7 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
 def _scripted_link(tmp_path: Path):
     """A LinkRunner over a real relay journal whose two broker sessions are READY and
     record what the relay sends (the scripted upstream and downstream brokers)."""
-    from ccsq.common.peer import LinkState
+    from ccsq.common.link.peer import LinkState
     from ccsq.relayd.journal import RelayJournal
     from ccsq.relayd.relay import LinkRunner
     from tests.fedswarm import FedPair

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common import protocol as p
-from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import DecodeError
-from ccsq.common.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
+from ccsq.common.wire.errors import DecodeError
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 CI_EXAMPLES = int(os.environ.get("CCSQ_FUZZ_EXAMPLES", "200"))
 SOAK_EXAMPLES = int(os.environ.get("CCSQ_FUZZ_EXAMPLES", "20000"))

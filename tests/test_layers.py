@@ -1,8 +1,9 @@
 """The layer rule of docs/architecture.md, enforced on the source (``ast``, no imports run).
 
 Layers (read from the doc's "Layers" list, so the page and this test cannot drift):
-1 wire, 2 link and storage (modules of ``common/``), 3 daemons and the library (package
-folders), 4 operator tools (``common/`` modules and the console). A module may import its
+1 wire (``common/wire/``), 2 runtime, link and storage (``common/runtime/``, ``common/link/``,
+``common/storage/``), 3 daemons and the library (package folders), 4 operator tools
+(``common/tools/`` and the console). A module may import its
 own layer and the layers below; a layer-3 package never imports another layer-3 package;
 layer 4 may import anything. Exceptions are listed below, each with its reason.
 Also: no module cites the first contract's file, which is not in the repository.
@@ -20,11 +21,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 #: Imports that break the rule on purpose: (importing module, imported module) -> why.
 #: Each is written down in docs/architecture.md ("Layers" and "Known debts").
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    # Known debt: the `ccsq-completiond` console script is exactly `ccsq completion` (one parser,
-    # one default config, one set of exit codes), so it calls the operator CLI (layer 4).
-    ("ccsq.completiond.main", "ccsq.common.cli"): "console-script shim",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: The read-only exception of layer 3 ("the operator tools and the console read the ledger
 #: through brokerd/ledger.py and brokerd/report.py"): every reader of it sits on layer 4 today,
 #: where any import is allowed; a daemon (layer 3) reading the ledger would need a row in
@@ -33,22 +30,22 @@ READ_ONLY_LEDGER = frozenset({"ccsq.brokerd.ledger", "ccsq.brokerd.report"})
 
 
 def _layers_from_doc() -> tuple[dict[str, int], dict[str, int]]:
-    """(``common`` module name -> layer, package folder -> layer) from the doc's numbered list."""
+    """(``common`` sub-package -> layer, package folder -> layer) from the doc's numbered list."""
     text = ARCHITECTURE.read_text()
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     items = re.split(r"\n(?=\d\. \*\*)", section)
-    modules: dict[str, int] = {}
+    subpackages: dict[str, int] = {}
     folders: dict[str, int] = {}
     for item in items:
         m = re.match(r"(\d)\. \*\*", item)
         if not m:
             continue
         layer = int(m.group(1))
-        for name in re.findall(r"`common/(\w+)\.py`", item):
-            modules.setdefault(name, layer)
+        for name in re.findall(r"`common/(\w+)/`", item):
+            subpackages.setdefault(name, layer)
         for name in re.findall(r"`(\w+)/`", item):
             folders.setdefault(name, layer)
-    return modules, folders
+    return subpackages, folders
 
 
 def _packages() -> dict[str, Path]:
@@ -82,8 +79,9 @@ def _ccsq_imports(path: Path, module: str) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             if not base.startswith("ccsq"):
                 continue
-            for alias in node.names:  # `from ccsq.common import protocol` names a module
-                found.add(f"{base}.{alias.name}" if base.count(".") == 1 or base == "ccsq" else base)
+            found.add(base)
+            for alias in node.names:  # `from ccsq.common.wire import protocol` names a module
+                found.add(f"{base}.{alias.name}")
     return found
 
 
@@ -92,13 +90,13 @@ def _layer_of(module: str, common_layers: dict[str, int], folder_layers: dict[st
     if len(parts) < 2:
         return None
     if parts[1] == "common":
-        return common_layers.get(parts[2]) if len(parts) > 2 else 1
+        return common_layers.get(parts[2]) if len(parts) > 2 else 1  # by sub-package
     return folder_layers.get(parts[1])
 
 
 def test_every_import_follows_the_layer_rule() -> None:
     common_layers, folder_layers = _layers_from_doc()
-    assert {"errors", "protocol", "peer", "cli"} <= set(common_layers), "docs/architecture.md lost its layer list"
+    assert {"wire", "runtime", "link", "storage", "tools"} <= set(common_layers), "docs/architecture.md lost its layer list"
     problems: list[str] = []
     for package, folder in _packages().items():
         if package != "common" and package not in folder_layers:

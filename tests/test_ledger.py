@@ -11,7 +11,7 @@ import pytest
 
 from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, backoff_ms
-from ccsq.common import protocol as p
+from ccsq.common.wire import protocol as p
 
 S = p.ItemState
 

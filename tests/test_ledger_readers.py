@@ -27,9 +27,9 @@ import tomli_w
 from ccsq.brokerd.ledger import Ledger, ReadersFull, data_paths, parse_readers
 from ccsq.brokerd.report import iter_blob_refs, load_report
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common import protocol as p
-from ccsq.common.errors import ExitCode, ledger_failure
-from ccsq.common.procs import free_tcp_port
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ExitCode, ledger_failure
+from ccsq.common.tools.procs import free_tcp_port
 
 FARM = Path(__file__).resolve().parent / "ledger_reader_farm.py"
 PEERS = {"prod": "producer", "w": "worker", "comp": "completion", "adm": "admin", "cli": "admin"}
@@ -149,7 +149,7 @@ def farms():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ccsq.common.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def _admin_toml(sw: Swarm) -> Path:
@@ -171,7 +171,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _gap_report(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ccsq.common.cli", "gap-report", "--config", str(config), "--json"],
+    return subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "gap-report", "--config", str(config), "--json"],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -185,7 +185,7 @@ def test_parse_readers_of_lmdb_text() -> None:
 
 def test_every_lmdb_error_has_its_own_sentence() -> None:
     cases = {
-        lmdb.ReadersFullError("mdb_txn_begin"): (ExitCode.LEDGER_LOCKED, "reader table is full"),
+        lmdb.ReadersFullError("mdb_txn_begin"): (ExitCode.TEMPFAIL, "reader table is full"),
         lmdb.MapFullError("mdb_put"): (ExitCode.CONFIG, "max_map_size_bytes"),
         lmdb.DiskError("mdb_txn_commit"): (ExitCode.LEDGER_IO, "disk holding the ledger is full"),
         OSError(28, "No space left on device"): (ExitCode.LEDGER_IO, "ENOSPC"),
@@ -193,7 +193,7 @@ def test_every_lmdb_error_has_its_own_sentence() -> None:
         lmdb.CorruptedError("mdb_get"): (ExitCode.LEDGER_CORRUPT, "corrupt"),
         lmdb.InvalidError("mdb_env_open"): (ExitCode.LEDGER_CORRUPT, "not a ledger this LMDB can read"),
         lmdb.VersionMismatchError("mdb_env_open"): (ExitCode.LEDGER_CORRUPT, "another LMDB version"),
-        lmdb.LockError("mdb_env_open"): (ExitCode.LEDGER_LOCKED, "locked by another process"),
+        lmdb.LockError("mdb_env_open"): (ExitCode.TEMPFAIL, "locked by another process"),
         lmdb.Error("mdb_env_open: Permission denied"): (ExitCode.CONFIG, "permission denied"),
     }
     sentences = set()
@@ -243,7 +243,7 @@ def test_a_transaction_that_finds_the_table_full_clears_dead_readers_and_names_l
         ok, full, _ = farm.open(8)
         assert (ok, full) == (8, 0)
         out = _tool(d)  # live readers hold every slot: a clear error, no disk advice
-        assert out["type"] == "ReadersFull" and out["exit_code"] == ExitCode.LEDGER_LOCKED, out
+        assert out["type"] == "ReadersFull" and out["exit_code"] == ExitCode.TEMPFAIL, out
         assert "reader table is full" in out["error"] and "free disk" not in out["error"]
         with pytest.raises(ReadersFull):
             led.read()
@@ -266,7 +266,7 @@ def test_gap_report_exit_code_when_the_reader_table_is_full_of_live_readers(tmp_
         # the broker holds an idle slot of its own: at most 7 of the farm get one
         assert ok >= 6
         done = _gap_report(cfg)
-        assert done.returncode == ExitCode.LEDGER_LOCKED, done.stderr
+        assert done.returncode == ExitCode.TEMPFAIL, done.stderr
         assert "reader table is full" in done.stderr and "free disk" not in done.stderr
         assert b.proc.poll() is None  # the broker does not care
         farm.kill()
@@ -460,7 +460,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         t.start()
         wait_for(lambda: len(submitted) >= 50, 30, 0.01, "submits before the backup")
         dest = tmp_path / "backup-1"
-        done = subprocess.run([sys.executable, "-m", "ccsq.common.cli", "backup", "--config", str(sw.config), str(dest), "--json"],
+        done = subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "backup", "--config", str(sw.config), str(dest), "--json"],
                               capture_output=True, text=True, timeout=120)
         wait_for(lambda: len(submitted) >= 100, 30, 0.01, "submits after the backup")
         stop.set()
@@ -470,7 +470,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         assert out["balanced"] and out["received"] >= 650 and (dest / "data.mdb").is_file() and not (dest / "lock.mdb").exists()
         assert out["bytes"] <= out["source_bytes"]
         # a second backup into a non-empty directory is refused (usage), nothing overwritten
-        again = subprocess.run([sys.executable, "-m", "ccsq.common.cli", "backup", "--config", str(sw.config), str(dest)],
+        again = subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "backup", "--config", str(sw.config), str(dest)],
                                capture_output=True, text=True, timeout=60)
         assert again.returncode == ExitCode.USAGE and "not empty" in again.stderr
         # the swap (docs/ledger.md, Backups): stop, move the copy into place, start
@@ -613,7 +613,7 @@ def test_a_file_that_is_not_a_ledger_exits_80_with_its_own_sentence(tmp_path) ->
 
 def test_console_overview_shows_the_oldest_reader(tmp_path) -> None:
     """The console's overview renders the reader report of the status reply."""
-    from ccsq.common.config import AdminConfig, load
+    from ccsq.common.wire.config import AdminConfig, load
     from ccsq.console.app import Auth, Console, Viewer
     from ccsq.console.data import Source
 
@@ -623,7 +623,7 @@ def test_console_overview_shows_the_oldest_reader(tmp_path) -> None:
                "stale_cleared": 4, "last_txnid": 900, "warn_age_s": 300.0, "readers": [],
                "oldest": {"pid": 4242, "thread": "7f", "txnid": 100, "lag_txns": 800, "age_s": 612.0, "age_at_least": False,
                           "pinned_bytes": 37 * MIB, "pinned_upper_bound": False, "self": False}}
-    from ccsq.common.admin_client import offline
+    from ccsq.common.tools.admin_client import offline
 
     Ledger(data_paths(tmp_path / "broker-data")[0], map_size_bytes=1 << 22).close()
     status = offline(tmp_path / "broker-data", "status")  # a real reply, with a real (quiet) reader report

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ccsq.brokerd.ledger import Ledger, Policy
-from ccsq.common import protocol as p
+from ccsq.common.wire import protocol as p
 
 MAX_ATTEMPTS = 3
 RETENTION_S = 5.0

@@ -36,8 +36,8 @@ import tomli_w
 
 from ccsq.brokerd.ledger import Ledger, data_paths
 from ccsq.brokerd.report import load_report
-from ccsq.common.keys import write_curve_keypair, write_keypair
-from ccsq.common.procs import ProcessGroup, bin_path, wait_until
+from ccsq.common.wire.keys import write_curve_keypair, write_keypair
+from ccsq.common.tools.procs import ProcessGroup, bin_path, wait_until
 from tests.netns import Network, netns_module, remove_stale, require_netns  # noqa: F401 (netns_module: fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ print(json.dumps({"ids": ids, "states": states}))
 # What the stranger runs: a ccsq client with keys the broker does not list.
 STRANGER = r"""
 import json, logging, sys
-from ccsq.common.errors import BrokerUnavailable, Unauthorized
+from ccsq.common.wire.errors import BrokerUnavailable, Unauthorized
 from ccsq.producer import Client
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 try:

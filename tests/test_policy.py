@@ -1,4 +1,4 @@
-"""The one failure policy and the one backoff (common/policy.py, common/backoff.py):
+"""The one failure policy and the one backoff (common/wire/policy.py, common/wire/backoff.py):
 the table covers every reason, the worker's wire flag and the ledger's decision both
 follow it, and refusal codes map to typed errors. Real LMDB files, no processes."""
 
@@ -9,10 +9,10 @@ import random
 import pytest
 
 from ccsq.brokerd.ledger import Policy, backoff_ms
-from ccsq.common import errors
-from ccsq.common import protocol as p
-from ccsq.common.backoff import backoff_delay_s
-from ccsq.common.policy import FAIL_POLICY, PEER_REFUSED_CODES, fail_rule, refusal_error, refusal_retryable, task_failure
+from ccsq.common.wire import errors
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.wire.policy import FAIL_POLICY, PEER_REFUSED_CODES, fail_rule, refusal_error, refusal_retryable, task_failure
 from tests import test_ledger as tl  # its helpers (a module alias, so pytest does not collect its tests twice)
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.claimstore import FileStore
-from ccsq.common.errors import QueueFull
-from ccsq.common.faults import env_for
-from ccsq.common.reconcile import reconcile
+from ccsq.common.storage.claimstore import FileStore
+from ccsq.common.wire.errors import QueueFull
+from ccsq.common.runtime.faults import env_for
+from ccsq.common.tools.reconcile import reconcile
 from tests.swarm import Swarm, wait_until
 
 
@@ -126,8 +126,8 @@ def test_broker_killed_after_submit_commit_resubmit_returns_the_same_item(tmp_pa
 
 
 def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> None:
-    from ccsq.common.config import ProducerConfig, load
-    from ccsq.common.errors import Unauthorized
+    from ccsq.common.wire.config import ProducerConfig, load
+    from ccsq.common.wire.errors import Unauthorized
     from ccsq.producer import Client
 
     with Swarm(tmp_path / "s") as swarm:
@@ -170,8 +170,8 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
 
     import pytest
 
-    from ccsq.common import protocol as p
-    from ccsq.common.errors import InvalidRequest
+    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire.errors import InvalidRequest
     from ccsq.brokerd.ledger import validate_submit_item
     from tests.swarm import Swarm
 
@@ -198,7 +198,7 @@ def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_emp
     import sqlite3
     import subprocess
 
-    from ccsq.common.procs import bin_path
+    from ccsq.common.tools.procs import bin_path
     from tests.swarm import Swarm, wait_until
 
     with Swarm(tmp_path / "s", producer={"outbox_dir": "outbox", "submit_timeout_s": 1.0}) as swarm:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccsq.common.procs import bin_path, free_tcp_port, wait_until
+from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
 from ccsq.relayd.init import init_relay
 from tests.swarm import Swarm
 
@@ -179,8 +179,8 @@ def test_every_dashboard_query_runs_on_a_real_prometheus(tmp_path):
 def test_metrics_listen_is_validated(tmp_path):
     """A malformed metrics_listen is refused at start (exit 78) naming the key; the
     loopback default stays when only a port is given."""
-    from ccsq.common.errors import ConfigError
-    from ccsq.common.metrics import parse_listen
+    from ccsq.common.wire.errors import ConfigError
+    from ccsq.common.runtime.metrics import parse_listen
 
     assert parse_listen("", where="x") is None
     assert parse_listen("9464", where="x") == ("127.0.0.1", 9464)
@@ -192,7 +192,7 @@ def test_metrics_listen_is_validated(tmp_path):
             parse_listen(bad, where="workerd-1.toml: metrics_listen")
     swarm = Swarm(tmp_path / "swarm", workers=1, worker={"metrics_listen": "0.0.0.0:not-a-port"},
                   completion={"metrics_listen": "nowhere:"})
-    from ccsq.common.procs import bin_path
+    from ccsq.common.tools.procs import bin_path
 
     for argv in ([bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
                  [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
@@ -207,7 +207,7 @@ def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     broker, a worker, the completion service and a relay (real processes)."""
     import socket
 
-    from ccsq.common.procs import bin_path
+    from ccsq.common.tools.procs import bin_path
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -236,10 +236,10 @@ def test_worker_store_errors_and_build_info_are_counted(tmp_path):
 
     from prometheus_client import generate_latest
 
-    from ccsq.common import protocol as p
-    from ccsq.common.claimstore import open_store
-    from ccsq.common.errors import PayloadMissing
-    from ccsq.common.metrics import BuildInfo
+    from ccsq.common.wire import protocol as p
+    from ccsq.common.storage.claimstore import open_store
+    from ccsq.common.wire.errors import PayloadMissing
+    from ccsq.common.runtime.metrics import BuildInfo
     from ccsq.workerd.metrics import CountingStore, WorkerStats
 
     stats = WorkerStats("worker-1")

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ccsq.common import protocol as p
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.errors import AuthError, ConfigError, DecodeError
-from ccsq.common.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import AuthError, ConfigError, DecodeError
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 BLOB = p.Blob(sha256="ab" * 32, size=3, inline=b"abc")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from ccsq.common import protocol as p
-from ccsq.common.envelope import EnvelopeCodec, ReplayGuard
-from ccsq.common.errors import AuthError, DecodeError
-from ccsq.common.keys import AuthorizedKeys, PeerKey, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec, ReplayGuard
+from ccsq.common.wire.errors import AuthError, DecodeError
+from ccsq.common.wire.keys import AuthorizedKeys, PeerKey, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 LIMIT = 64 * 1024
 

@@ -19,10 +19,10 @@ import msgpack
 import pytest
 
 from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common import protocol as p
-from ccsq.common.errors import ExitCode
-from ccsq.common.keys import write_keypair
-from ccsq.common.procs import bin_path
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ExitCode
+from ccsq.common.wire.keys import write_keypair
+from ccsq.common.tools.procs import bin_path
 
 PEERS = {"prod": "producer", "prod2": "producer", "wA": "worker", "adm": "admin"}
 LIMIT = 65536  # max_frame_bytes of these brokers
@@ -278,7 +278,7 @@ def test_daemon_refuses_group_readable_key(tmp_path, daemon):
     """Every daemon refuses to start with a group/world-readable private key:
     exit 78 (CONFIG) and one line naming the file and the fix (the broker's case
     is in tests/test_broker.py::test_bad_config_exits_config)."""
-    from ccsq.common.cli import init_swarm
+    from ccsq.common.tools.cli import init_swarm
 
     configs = init_swarm(tmp_path / "swarm", endpoint="tcp://127.0.0.1:9", workers=1)
     key = tmp_path / "swarm" / "keys" / ("worker-1.key" if daemon == "workerd" else "completion-1.key")

@@ -14,10 +14,10 @@ import tomli_w
 import tomllib
 
 from ccsq.brokerd.testing import ScriptedPeer
-from ccsq.common import protocol as p
-from ccsq.common.errors import ConfigError, ExitCode
-from ccsq.common.keys import load_curve_public, load_curve_secret, write_curve_keypair
-from ccsq.common.procs import bin_path
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ConfigError, ExitCode
+from ccsq.common.wire.keys import load_curve_public, load_curve_secret, write_curve_keypair
+from ccsq.common.tools.procs import bin_path
 from tests.swarm import Swarm
 
 CURVE = {"curve": True}

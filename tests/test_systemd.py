@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.cli import init_swarm
-from ccsq.common.errors import ExitCode
-from ccsq.common.procs import ProcessGroup, free_tcp_port, wait_until
+from ccsq.common.tools.cli import init_swarm
+from ccsq.common.wire.errors import ExitCode
+from ccsq.common.tools.procs import ProcessGroup, free_tcp_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT_DIR = REPO / "systemd"
@@ -157,7 +157,7 @@ def test_restart_prevent_exit_status_is_the_permanent_exit_codes(name: str) -> N
     codes = {int(c) for v in values(u, "Service", "RestartPreventExitStatus") for c in v.split()}
     ledger = {ExitCode.LEDGER_CORRUPT} if name == "ccsq-brokerd.service" else set()  # only the broker has the ledger
     assert codes == {ExitCode.UNAUTHORIZED, ExitCode.CONFIG, ExitCode.GPU_UNAVAILABLE} | ledger
-    assert ExitCode.LEDGER_LOCKED not in codes  # transient: must restart
+    assert ExitCode.TEMPFAIL not in codes  # transient: must restart
     assert value(u, "Service", "Restart") == "on-failure"
     assert value(u, "Service", "RestartSec") == "2"
 
@@ -472,7 +472,7 @@ def test_units_start_notify_and_stop_cleanly_as_written(tmp_path: Path) -> None:
                     wait_until(lambda: listener.seen("READY", "1", pid), 5.0, f"{proc_name}: READY=1")
                 except TimeoutError:
                     pytest.fail(f"{unit_name}: the main process never sent READY=1 on $NOTIFY_SOCKET (Type=notify "
-                                f"needs it; see ccsq.common.systemd). Got {listener.drain()}; log:\n{group.tail(proc_name)}")
+                                f"needs it; see ccsq.common.runtime.systemd). Got {listener.drain()}; log:\n{group.tail(proc_name)}")
             for proc_name, unit_name, _, _ in _DAEMONS:
                 pid = group.procs[proc_name].popen.pid
                 listener = listeners[proc_name]
@@ -480,7 +480,7 @@ def test_units_start_notify_and_stop_cleanly_as_written(tmp_path: Path) -> None:
                     wait_until(lambda: listener.seen("WATCHDOG", "1", pid), 5.0, f"{proc_name}: WATCHDOG=1")
                 except TimeoutError:
                     pytest.fail(f"{unit_name}: no WATCHDOG=1 from the main process (WatchdogSec= would kill it; "
-                                f"run ccsq.common.systemd.watchdog_task). Got {listener.drain()}")
+                                f"run ccsq.common.runtime.systemd.watchdog_task). Got {listener.drain()}")
             # stop in reverse order (peers first, broker last), as systemctl stop would
             for proc_name, unit_name, _, _ in reversed(_DAEMONS):
                 group.signal(proc_name, signal.SIGTERM)

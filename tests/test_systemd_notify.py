@@ -1,4 +1,4 @@
-"""ccsq.common.systemd: sd_notify datagrams on real AF_UNIX sockets, and the event-loop watchdog."""
+"""ccsq.common.runtime.systemd: sd_notify datagrams on real AF_UNIX sockets, and the event-loop watchdog."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.errors import ConfigError
-from ccsq.common.systemd import Notifier, watchdog_task
+from ccsq.common.wire.errors import ConfigError
+from ccsq.common.runtime.systemd import Notifier, watchdog_task
 
 
 def _listen(path: Path) -> socket.socket:

@@ -17,10 +17,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import FileStore, sha256_hex
-from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, HandlerError, PermanentHandlerError
+from ccsq.common.wire import protocol as p
+from ccsq.common.storage.claimstore import FileStore, sha256_hex
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import ConfigError, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import EchoHandler, SleepHandler, load_handler

@@ -27,12 +27,12 @@ import pytest
 import tomli_w
 import zmq
 
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import sha256_hex
-from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import DecodeError, ExitCode
-from ccsq.common.faults import env_for
-from ccsq.common.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire import protocol as p
+from ccsq.common.storage.claimstore import sha256_hex
+from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
+from ccsq.common.wire.errors import DecodeError, ExitCode
+from ccsq.common.runtime.faults import env_for
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 from ccsq.workerd.journal import Journal
 
 T = TypeVar("T")
@@ -503,11 +503,11 @@ def test_config_errors_exit_78_with_one_line(workers: Workers, tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_second_worker_on_the_same_journal_exits_75(broker: WorkerBroker, workers: Workers) -> None:
-    """One journal_dir per worker: a second process on it exits LEDGER_LOCKED (transient, restartable)."""
+    """One journal_dir per worker: a second process on it exits TEMPFAIL (transient, restartable)."""
     first = workers.start()
     broker.wait_for(p.Hello)
     second = workers.start()
-    assert second.wait(20) == ExitCode.LEDGER_LOCKED
+    assert second.wait(20) == ExitCode.TEMPFAIL
     assert first.poll() is None
 
 
@@ -516,7 +516,7 @@ def test_large_payload_and_result_travel_through_the_claim_store(broker: WorkerB
                                                                  tmp_path: Path) -> None:
     """A payload held by reference is fetched from the claim store; a result over
     16 KiB is stored there and reported by reference; one up to 16 KiB travels inline."""
-    from ccsq.common.claimstore import FileStore
+    from ccsq.common.storage.claimstore import FileStore
 
     store = FileStore(tmp_path / "blobs")
     big, small = os.urandom(20_000), os.urandom(16_384)

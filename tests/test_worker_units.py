@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common import protocol as p
-from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, GpuUnavailable, HandlerError, PermanentHandlerError
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import ConfigError, GpuUnavailable, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.handlers import EchoHandler, FailHandler, SleepHandler, load_handler
 from ccsq.workerd.journal import EntryState, Journal, JournalLocked
@@ -60,7 +60,7 @@ def test_semaphore_survives_1000_randomly_cancelled_tasks() -> None:
 
 # --- the journal ---------------------------------------------------------------------
 def _result(item_id: str, token: int, data: bytes = b"out") -> p.TaskResult:
-    from ccsq.common.claimstore import sha256_hex
+    from ccsq.common.storage.claimstore import sha256_hex
 
     return p.TaskResult(item_id, token, p.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
 

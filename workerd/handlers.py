@@ -5,7 +5,7 @@ A handler is a class with ``name``, ``version``, ``max_batch`` (1),
 worker process, may be slow), ``provider`` / ``cpu_fallback`` /
 ``provider_reason`` after ``load()``, and ``run(payload: bytes, params: dict)
 -> bytes`` (called in an inference thread, never on the event loop). A
-handler raises :class:`~ccsq.common.errors.PermanentHandlerError` for input
+handler raises :class:`~ccsq.common.wire.errors.PermanentHandlerError` for input
 that can never succeed (dead-lettered at once) and anything else for a
 retryable failure.
 
@@ -48,8 +48,8 @@ import time
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
-from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, HandlerError, PermanentHandlerError
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import ConfigError, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 
 ENTRY_POINT_GROUP = "ccsq.handlers"

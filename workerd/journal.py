@@ -36,9 +36,9 @@ from pathlib import Path
 
 import msgpack
 
-from ccsq.common import protocol as p
-from ccsq.common.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
-from ccsq.common.journal import open_locked_sqlite
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
+from ccsq.common.storage.journal import open_locked_sqlite
 
 Key = tuple[str, int]
 Op = tuple[str, list]  # (name, rows): see Journal.apply

@@ -2,7 +2,7 @@
 
 Start order: config -> journal lock -> handler load and provider check ->
 journal recovery -> READY=1 (systemd) -> serve. Exit codes
-(:class:`~ccsq.common.errors.ExitCode`), each with a one-line reason on stderr:
+(:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
 
     0   stopped by SIGTERM/SIGINT after draining
     78  CONFIG: invalid config, keys, handler name or missing model files; a claim
@@ -10,7 +10,7 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
     75  the claim store does not answer at start (transient: restarted)
     79  GPU_UNAVAILABLE: provider cuda/tensorrt required and not usable (case C10);
         set allow_cpu_fallback = true to run on CPU and say so in HELLO
-    75  LEDGER_LOCKED: another ccsq-workerd holds this journal_dir (transient)
+    75  TEMPFAIL: another ccsq-workerd holds this journal_dir (transient)
     1   FAILURE: a bug; systemd restarts the worker
 """
 
@@ -22,15 +22,15 @@ import sys
 
 import structlog
 
-from ccsq.common import config as cfgmod
-from ccsq.common import log as logsetup
-from ccsq.common.claimstore import open_configured_store
-from ccsq.common.config import WorkerConfig
-from ccsq.common.daemon import config_path_from_argv
-from ccsq.common.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
-from ccsq.common.metrics import parse_listen
-from ccsq.common.peer import make_codec
-from ccsq.common.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.wire import config as cfgmod
+from ccsq.common.runtime import log as logsetup
+from ccsq.common.storage.claimstore import open_configured_store
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.wire.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
+from ccsq.common.runtime.metrics import parse_listen
+from ccsq.common.link.peer import make_codec
+from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.workerd.handlers import load_handler
 from ccsq.workerd.journal import Journal, JournalCorrupt, JournalLocked
 from ccsq.workerd.worker import Worker
@@ -72,7 +72,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     try:
         journal = Journal.open(cfg.journal_dir)
     except JournalLocked as exc:
-        return _die(ExitCode.LEDGER_LOCKED, str(exc)), False
+        return _die(ExitCode.TEMPFAIL, str(exc)), False
     except OSError as exc:
         return _die(ExitCode.CONFIG, f"journal_dir {cfg.journal_dir}: {exc}"), False
     try:
@@ -81,7 +81,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         handler.load()
     except StoreUnavailable as exc:
         journal.close()
-        return _die(ExitCode.LEDGER_LOCKED, f"claim store unavailable (transient, restart later): {exc}"), False
+        return _die(ExitCode.TEMPFAIL, f"claim store unavailable (transient, restart later): {exc}"), False
     except GpuUnavailable as exc:
         log.error("gpu_unavailable", provider=cfg.provider, reason=str(exc))
         journal.close()

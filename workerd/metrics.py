@@ -1,4 +1,4 @@
-"""Worker metrics (``metrics_listen`` in workerd-N.toml), served by :mod:`ccsq.common.metrics`.
+"""Worker metrics (``metrics_listen`` in workerd-N.toml), served by :mod:`ccsq.common.runtime.metrics`.
 
 Nothing here runs per item unless noted: histograms are observed once per
 batch (handler) and once per journal group commit; gauges are read from the
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from ccsq.common.errors import PayloadMissing
-from ccsq.common.metrics import start_exporter
+from ccsq.common.wire.errors import PayloadMissing
+from ccsq.common.runtime.metrics import start_exporter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.workerd.worker import Worker

@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, PermanentHandlerError
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import ConfigError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.handlers import Handler
 

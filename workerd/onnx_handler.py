@@ -17,7 +17,7 @@ arbitrary file). Sessions are created once per model file (lazily for the
 others) and shared by the slots (``InferenceSession.run`` is thread safe).
 
 Checks before inference, against the model's signature, each failing the item
-with :class:`~ccsq.common.errors.PermanentHandlerError` (dead-lettered at once:
+with :class:`~ccsq.common.wire.errors.PermanentHandlerError` (dead-lettered at once:
 retrying cannot help): payload not a msgpack map of well-formed tensors;
 missing or unknown input names; dtype different from the input's element
 type; rank different; a fixed dimension different; a symbolic dimension
@@ -48,8 +48,8 @@ from typing import Any
 
 import msgpack
 
-from ccsq.common.config import WorkerConfig
-from ccsq.common.errors import ConfigError, HandlerError, PermanentHandlerError
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import ConfigError, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.handlers import Handler
 

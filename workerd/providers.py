@@ -12,7 +12,7 @@ inference without anyone noticing. The check here therefore looks twice:
 ``onnxruntime.get_available_providers()`` (is the provider compiled in?) and
 ``session.get_providers()`` on a real session (did it actually load?). For a
 GPU declaration the first provider of the session must be a GPU provider of
-the requested chain; otherwise :class:`~ccsq.common.errors.GpuUnavailable` is
+the requested chain; otherwise :class:`~ccsq.common.wire.errors.GpuUnavailable` is
 raised with the reason, unless ``allow_cpu_fallback`` is set, in which case the
 report says ``cpu_fallback=True`` (the worker puts that into its HELLO and logs
 ``gpu_fallback_to_cpu``).
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import structlog
 
-from ccsq.common.errors import GpuUnavailable
+from ccsq.common.wire.errors import GpuUnavailable
 
 log = structlog.get_logger("ccsq.workerd.providers")
 

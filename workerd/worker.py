@@ -1,7 +1,7 @@
 """The worker's session: leases in, inference under the GPU semaphore, reports out.
 
 One :class:`Worker` owns, on one event loop: the broker link (a
-:class:`~ccsq.common.peer.BrokerLink`), the held jobs, the reports waiting for
+:class:`~ccsq.common.link.peer.BrokerLink`), the held jobs, the reports waiting for
 the broker's confirmation, the credit it has granted, and the journal (whose
 calls all run on one dedicated thread). Inference runs on a thread pool of
 ``slots`` threads, never on the loop, so heartbeats keep flowing while a model
@@ -48,7 +48,7 @@ gives back an item the broker still considers alive. Reporting ``cancelled``
 or ``timeout`` instead would count a failed attempt and could dead-letter
 the item rather than expire it.
 
-Crash points (:mod:`ccsq.common.faults`): ``worker.after_infer`` fires when the
+Crash points (:mod:`ccsq.common.runtime.faults`): ``worker.after_infer`` fires when the
 handler has returned, before anything is stored (a restart re-runs nothing
 and the lease expires); ``worker.after_result_stored`` fires once the result
 is in the claim store AND in the journal, before COMPLETE (a restart resends it).
@@ -65,7 +65,7 @@ backend down, also when storing a result) -> ``store_unavailable`` (requeued
 after a backoff without counting the attempt: only the broker's reconcile,
 gap G7, dead-letters a payload as missing) and the worker reports itself
 unhealthy (no new DISPATCH) for 1, 2, 4 ... 60 s; the worker keeps running.
-Which reason is retryable is the one table ``ccsq.common.policy.FAIL_POLICY``.
+Which reason is retryable is the one table ``ccsq.common.wire.policy.FAIL_POLICY``.
 A batch runs under the strictest ``max_runtime_s`` of its items (times the
 batch size when the handler has no batched path and runs the items in turn);
 on overrun every item of the batch is reported ``timeout``.
@@ -126,14 +126,15 @@ from typing import Any, TypeVar
 
 import structlog
 
-from ccsq.common import protocol as p
-from ccsq.common.claimstore import ClaimStore
-from ccsq.common.config import WorkerConfig
-from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import ConfigError, HandlerError, PayloadMissing, PermanentHandlerError
-from ccsq.common.faults import crash_point
-from ccsq.common.peer import BrokerLink, LinkState
-from ccsq.common.policy import task_failure
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.frames import split_frames
+from ccsq.common.storage.claimstore import ClaimStore
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
+from ccsq.common.wire.errors import ConfigError, HandlerError, PayloadMissing, PermanentHandlerError
+from ccsq.common.runtime.faults import crash_point
+from ccsq.common.link.peer import BrokerLink, LinkState
+from ccsq.common.wire.policy import task_failure
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import Handler
@@ -150,6 +151,14 @@ LAG_WARN_MS = 250.0  # log loop_lag when one wake-up is later than this
 ACK_WAIT_ON_STOP_S = 2.0  # at shutdown, wait this long for outstanding confirmations
 GPU_MEM_POLL_S = 10.0  # how often GPU free memory is sampled (GPU providers only)
 REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
+MAX_REPORTS_PER_FRAME = 256
+
+
+def _report_size(pd: "Pending") -> int:
+    """Estimated encoded bytes of one COMPLETE/FAIL record (inline result bytes counted)."""
+    rep = pd.report
+    return REPORT_OVERHEAD_BYTES + len(getattr(rep, "message", "")) + (
+        rep.result.size if isinstance(rep, p.TaskResult) and rep.result.inline is not None else 0)
 JOURNAL_WINDOW_S = 0.001  # journal group commit: writes within this window share one fsync
 STORE_UNHEALTHY_MAX_S = 60.0  # cap of the time a worker reports itself unhealthy after claim-store failures
 
@@ -344,8 +353,8 @@ class Worker:
                 self.fatal = link_task.exception()
                 self.log.error("broker_link_crashed", exc_info=self.fatal)
             elif link_task in done and self.link.refused is not None:
-                from ccsq.common.errors import Unauthorized
-                from ccsq.common.peer import refusal_fix
+                from ccsq.common.wire.errors import Unauthorized
+                from ccsq.common.link.peer import refusal_fix
 
                 self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
@@ -744,7 +753,7 @@ class Worker:
 
     @staticmethod
     def _failure(job: Job, reason: p.FailReason, message: str) -> p.TaskFailure:
-        """A FAIL entry; ``retryable`` comes from the one failure policy (:mod:`ccsq.common.policy`)."""
+        """A FAIL entry; ``retryable`` comes from the one failure policy (:mod:`ccsq.common.wire.policy`)."""
         return task_failure(job.task.item_id, job.task.token, reason, message)
 
     async def _report(self, job: Job, report: p.TaskResult | p.TaskFailure) -> None:
@@ -833,22 +842,8 @@ class Worker:
                     pd.sent_mono = now
 
     def _chunks(self, pends: list[Pending]) -> list[list[Pending]]:
-        budget = max(4096, self.cfg.max_frame_bytes // 2)
-        chunks: list[list[Pending]] = []
-        cur: list[Pending] = []
-        used = 0
-        for pd in pends:
-            rep = pd.report
-            size = REPORT_OVERHEAD_BYTES + len(getattr(rep, "message", "")) + (
-                rep.result.size if isinstance(rep, p.TaskResult) and rep.result.inline is not None else 0)
-            if cur and (used + size > budget or len(cur) >= 256):
-                chunks.append(cur)
-                cur, used = [], 0
-            cur.append(pd)
-            used += size
-        if cur:
-            chunks.append(cur)
-        return chunks
+        return split_frames(pends, size_of=_report_size, budget_bytes=max(4096, self.cfg.max_frame_bytes // 2),
+                            max_items=MAX_REPORTS_PER_FRAME)
 
     def _on_acks(self, outcomes: list[p.ItemOutcome], kind: type) -> None:
         forget: list[Key] = []

@@ -33,7 +33,7 @@ import msgpack
 
 from ccsq.brokerd.ledger import STATES, Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
-from ccsq.common.procs import Proc
+from ccsq.common.tools.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}
 REFUSED_KEY_SUFFIX = "37"  # the chaos run's results-table rule refuses these keys (gap G12)

@@ -38,8 +38,8 @@ import tomli_w
 
 from ccsq.brokerd.ledger import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
-from ccsq.common.faults import env_for
-from ccsq.common.procs import Proc
+from ccsq.common.runtime.faults import env_for
+from ccsq.common.tools.procs import Proc
 from tests.chaos.checks import REFUSED_KEY_SUFFIX, EventLog, Verdict, check
 from tests.chaos.hostile import HostilePeer
 from tests.chaos.producer import key_for, payload_for, read_progress
@@ -415,7 +415,7 @@ class ChaosRun:
         or a broker that does not answer, waits for the next run."""
         import subprocess
 
-        from ccsq.common.procs import bin_path
+        from ccsq.common.tools.procs import bin_path
 
         if self.blob_outage:
             return

@@ -17,9 +17,9 @@ import msgpack
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ccsq.common import protocol as p
-from ccsq.common.envelope import EnvelopeCodec
-from ccsq.common.keys import AuthorizedKeys, load_private_key
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
 
 KINDS = ("random", "wrong_key", "unknown_sender", "oversized", "replay", "forged_origin", "stale", "hostile_msgpack",
          "bad_version", "garbage_signature")

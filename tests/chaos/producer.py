@@ -22,8 +22,8 @@ from pathlib import Path
 
 import structlog
 
-from ccsq.common import log as logsetup
-from ccsq.common.errors import RetryableError
+from ccsq.common.runtime import log as logsetup
+from ccsq.common.wire.errors import RetryableError
 from ccsq.producer.client import Client
 
 BATCH_ITEMS = 10

@@ -29,12 +29,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ccsq.common import protocol as p
-from ccsq.common.backoff import backoff_delay_s
-from ccsq.common.config import PeerSettings
-from ccsq.common.envelope import Envelope, EnvelopeCodec
-from ccsq.common.errors import ConfigError, DecodeError
-from ccsq.common.keys import (
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.wire.config import PeerSettings
+from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
+from ccsq.common.wire.errors import ConfigError, DecodeError
+from ccsq.common.wire.keys import (
     AuthorizedKeys,
     curve_client_setup,
     load_curve_public,
@@ -42,20 +42,20 @@ from ccsq.common.keys import (
     load_private_key,
     public_key_b64,
 )
-from ccsq.common.log import get_logger
-from ccsq.common.policy import CURVE_REFUSED, PEER_REFUSED_CODES
+from ccsq.common.runtime.log import get_logger
+from ccsq.common.wire.policy import CURVE_REFUSED, PEER_REFUSED_CODES
 
 log = get_logger("ccsq.peer")
 
 #: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
 #: until an operator changes authorized_keys (and restarts this peer).
-#: (The table lives in the one failure policy, :mod:`ccsq.common.policy`.)
+#: (The table lives in the one failure policy, :mod:`ccsq.common.wire.policy`.)
 REFUSED_CODES = PEER_REFUSED_CODES
 
 
 def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
     """One sentence: why the broker refused this peer and what to change (for logs,
-    :class:`~ccsq.common.errors.Unauthorized` and the CLI)."""
+    :class:`~ccsq.common.wire.errors.Unauthorized` and the CLI)."""
     peer = settings.peer_id
     try:
         entry = f'[peers.{peer}] role = "{role}" public_key = "{public_key_b64(load_private_key(Path(settings.private_key)))}"'

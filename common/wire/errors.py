@@ -19,7 +19,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad command line
     CONFIG = 78  # EX_CONFIG: invalid config / keys / permissions; do not restart
     GPU_UNAVAILABLE = 79  # a GPU was required but the provider cannot load (case C10)
-    LEDGER_LOCKED = 75  # EX_TEMPFAIL: ledger or port busy; transient, restart later
+    TEMPFAIL = 75  # EX_TEMPFAIL: transient: a ledger/journal lock or port held by another process, a claim store down at start, QUEUE_FULL at submit; restart or retry later
     LEDGER_IO = 74  # EX_IOERR: a ledger write failed (disk full, I/O error); nothing unconfirmed was acknowledged
     UNBALANCED = 3  # gap-report: accounting does not balance
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
@@ -30,7 +30,6 @@ class ExitCode(enum.IntEnum):
     DEAD = 5  # submit --wait: some item ended dead or expired (it will not complete without `ccsq dlq replay`)
     LEDGER_CORRUPT = 80  # the ledger file is corrupt, not LMDB, or of another LMDB version: restore a backup; do not restart
     CANTCREAT = 73  # EX_CANTCREAT: an output file or directory named on the command line cannot be created
-    TEMPFAIL = 75  # EX_TEMPFAIL (alias): a transient refusal (submit got QUEUE_FULL, a port busy): retry later
 
 
 class CcsqError(Exception):
@@ -67,7 +66,7 @@ class NoInput(PermanentError):
 class DecodeError(PermanentError):
     """Bytes from the wire could not be turned into a valid message.
 
-    ``code`` is one of the ``REJECT_*`` reasons in :mod:`ccsq.common.protocol`.
+    ``code`` is one of the ``REJECT_*`` reasons in :mod:`ccsq.common.wire.protocol`.
     """
 
     code = "MALFORMED"
@@ -166,11 +165,11 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
     """The exit code and one sentence (cause and fix) for an LMDB error ``exc`` that
     stopped ``doing`` on the ledger at ``path``. Classifies by the py-lmdb exception
     class name (no lmdb import here) and, for plain ``lmdb.Error``/``OSError``, by the
-    errno text: ReadersFullError -> LEDGER_LOCKED (75, transient), MapFullError ->
+    errno text: ReadersFullError -> TEMPFAIL (75, transient), MapFullError ->
     CONFIG (78: raise max_map_size_bytes), ENOSPC -> LEDGER_IO (74: free space), EIO ->
     LEDGER_IO (74: check the disk), Corrupted/Invalid/VersionMismatch/BadChecksum/
     PageNotFound/Panic/Incompatible -> LEDGER_CORRUPT (80: restore a backup),
-    LockError -> LEDGER_LOCKED (75); EACCES -> CONFIG (78); anything else -> LEDGER_IO (74). ``free_bytes``: free
+    LockError -> TEMPFAIL (75); EACCES -> CONFIG (78); anything else -> LEDGER_IO (74). ``free_bytes``: free
     space on the ledger's filesystem when known; an EIO there with less than
     :data:`FULL_DISK_MARGIN_BYTES` free is a full disk (LMDB turns the short write of a
     full disk into EIO)."""
@@ -178,7 +177,7 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
     text = str(exc)
     where = f"{doing} on {path}"
     if name == "ReadersFullError":
-        return ExitCode.LEDGER_LOCKED, (
+        return ExitCode.TEMPFAIL, (
             f"{where}: the LMDB reader table is full (MDB_READERS_FULL): live processes hold every reader slot "
             "(stale slots of dead processes were cleared); stop the stray readers listed by `ccsq status` "
             "(readers) or raise max_readers, then retry. This is not a disk problem")
@@ -213,7 +212,7 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
             f"{where}: permission denied (EACCES): this user cannot open the ledger files; fix their owner and mode "
             "(the broker's user owns data_dir), or run as that user")
     if name == "LockError":
-        return ExitCode.LEDGER_LOCKED, (
+        return ExitCode.TEMPFAIL, (
             f"{where}: the ledger's lock file is locked by another process (EAGAIN): transient, retry later")
     return ExitCode.LEDGER_IO, f"{where}: ledger error ({name}: {text}); nothing unconfirmed was acknowledged: restart"
 

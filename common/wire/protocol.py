@@ -4,10 +4,10 @@ Every message is a frozen dataclass with a ``TYPE``. A message body is a
 msgpack map whose keys are exactly the dataclass's field names; nested records
 (items, leases, blobs) are maps too. :func:`decode_body` checks the key set and
 every value's type strictly, so nothing malformed is half-applied: either the
-whole message decodes or :class:`~ccsq.common.errors.DecodeError` is raised
+whole message decodes or :class:`~ccsq.common.wire.errors.DecodeError` is raised
 with one of the ``REJECT_*`` codes.
 
-Framing and signatures live in :mod:`ccsq.common.envelope`.
+Framing and signatures live in :mod:`ccsq.common.wire.envelope`.
 (Design after zguide's MDP constants module and nats.py's protocol package.)
 """
 
@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Union
 
-from ccsq.common.errors import DecodeError
+from ccsq.common.wire.errors import DecodeError
 
 PROTOCOL_VERSION = 1
 

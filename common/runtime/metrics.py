@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from ccsq.common.errors import ConfigError, PortInUse
+from ccsq.common.wire.errors import ConfigError, PortInUse
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,12 +1,12 @@
 """Claim stores: where payloads and large results live, addressed by SHA-256.
 
-The broker only ever holds a reference (:class:`~ccsq.common.protocol.Blob`).
+The broker only ever holds a reference (:class:`~ccsq.common.wire.protocol.Blob`).
 ``file://PATH`` is the default (local disk or a shared mount); ``s3://bucket/prefix``
-is provided by :mod:`ccsq.common.s3store` (extra ``s3``).
+is provided by :mod:`ccsq.common.storage.s3store` (extra ``s3``).
 
 Writes are atomic (temporary name, fsync, rename, fsync of the directory) and
 idempotent (same content, same name); reads verify the digest, so a torn or
-tampered blob is reported as :class:`~ccsq.common.errors.PayloadMissing`.
+tampered blob is reported as :class:`~ccsq.common.wire.errors.PayloadMissing`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ccsq.common.errors import ConfigError, PayloadMissing, StoreUnavailable
-from ccsq.common.protocol import Blob
+from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailable
+from ccsq.common.wire.protocol import Blob
 
 
 def sha256_hex(data: bytes) -> str:
@@ -210,7 +210,7 @@ def open_store(uri: str, base_dir: str | Path | None = None, *, create: bool = T
         return FileStore(path, create=create)
     if uri.startswith("s3://"):
         try:
-            from ccsq.common.s3store import S3Store
+            from ccsq.common.storage.s3store import S3Store
         except ImportError as exc:
             raise ConfigError(f"claim store {uri}: install the s3 extra (pip install 'ccsq[s3]'): {exc}") from None
         opts = {k: v for k, v in (s3 or {}).items() if v}

@@ -10,7 +10,7 @@ Authorized keys (TOML)::
     curve_public_key = "Z85.." # optional: the peer's ZeroMQ CURVE public key (40 chars);
                                # a broker with curve = true admits exactly these (ZAP)
 
-Errors: :class:`~ccsq.common.errors.ConfigError` naming the file and the fix.
+Errors: :class:`~ccsq.common.wire.errors.ConfigError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 import tomli_w
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ccsq.common.config import read_toml
-from ccsq.common.errors import ConfigError
-from ccsq.common.protocol import Role
+from ccsq.common.wire.config import read_toml
+from ccsq.common.wire.errors import ConfigError
+from ccsq.common.wire.protocol import Role
 
 
 def _b64(raw: bytes) -> str:

@@ -4,7 +4,7 @@ status, items, dlq, drain, reconcile, completion-script).
 ``--config`` defaults to ``$CCSQ_CONFIG/<name>.toml`` (or ``/etc/ccsq/<name>.toml``):
 :func:`default_config`. Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
 host without onnxruntime can still run the broker-side commands.
-Exit codes are :class:`ccsq.common.errors.ExitCode` values.
+Exit codes are :class:`ccsq.common.wire.errors.ExitCode` values.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import (
+from ccsq.common.runtime.daemon import CONFIG_DIR, CONFIG_ENV, default_config
+from ccsq.common.wire.errors import (
     AdminFailed,
     BrokerUnavailable,
     CantCreate,
@@ -27,7 +28,7 @@ from ccsq.common.errors import (
     QueueFull,
     Unauthorized,
 )
-from ccsq.common.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
+from ccsq.common.wire.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
 
 
 # --- ccsq init ------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def init_swarm(
     from ccsq.brokerd.transport import is_loopback_endpoint
 
     directory = directory.resolve()
-    from ccsq.common.endpoints import check_endpoint
+    from ccsq.common.wire.endpoints import check_endpoint
 
     check_endpoint(endpoint, bind=not bind, where="--endpoint")
     if bind:
@@ -151,7 +152,7 @@ def init_swarm(
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from ccsq.common.endpoints import default_bind
+    from ccsq.common.wire.endpoints import default_bind
 
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
     try:
@@ -163,7 +164,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if bind:
         print(f"the broker binds {bind}; peers connect to {args.endpoint}")
     if args.hosts:
-        from ccsq.common.hosts import render_layout, write_host_layout
+        from ccsq.common.tools.hosts import render_layout, write_host_layout
 
         print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
     return ExitCode.OK
@@ -171,7 +172,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
     if args.curve:
-        from ccsq.common.keys import write_curve_keypair
+        from ccsq.common.wire.keys import write_curve_keypair
 
         secret, public = write_curve_keypair(Path(args.out), args.id)
         print(f"CURVE secret key {secret} (mode 0600)\nCURVE public key {public}: {public.read_text().strip()}")
@@ -188,7 +189,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _peer_id_arg(text: str) -> str:
     """``--id``: a safe peer id (it names files under --out and a [peers.<id>] table), else exit 2."""
-    from ccsq.common.keys import check_peer_id
+    from ccsq.common.wire.keys import check_peer_id
 
     try:
         return check_peer_id(text, where="--id")
@@ -351,7 +352,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 # --- ccsq gap-report ------------------------------------------------------------------
 def _cmd_gap_report(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import load_report, render_text
-    from ccsq.common.config import BrokerConfig, load
+    from ccsq.common.wire.config import BrokerConfig, load
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
@@ -379,8 +380,8 @@ def _name_unserved_queues(report: dict, admin_path: Path) -> None:
     stalled = [q for q in report.get("queues", []) if q.get("verdict") == "stalled"]
     if not stalled or not admin_path.is_file():
         return
-    from ccsq.common.admin_client import with_broker
-    from ccsq.common.config import AdminConfig, load
+    from ccsq.common.tools.admin_client import with_broker
+    from ccsq.common.wire.config import AdminConfig, load
 
     async def status(session) -> dict:
         return await session.call("status", timeout_s=2.0)
@@ -398,7 +399,7 @@ def _name_unserved_queues(report: dict, admin_path: Path) -> None:
 
 # --- admin commands: status, items show, dlq, drain --------------------------------------
 def _admin_settings(args: argparse.Namespace):
-    from ccsq.common.config import AdminConfig, load
+    from ccsq.common.wire.config import AdminConfig, load
 
     return load(AdminConfig, args.config)
 
@@ -410,7 +411,7 @@ def _admin_mode(args: argparse.Namespace) -> str:
 def _read_query(args: argparse.Namespace, command: str, params: dict | None = None) -> dict:
     """Run a read-only admin ``command`` (status, items_show, dlq_list) against the
     broker, or against the ledger when it does not answer or with --offline."""
-    from ccsq.common.admin_client import run_command
+    from ccsq.common.tools.admin_client import run_command
 
     settings = _admin_settings(args)
     mode = _admin_mode(args)
@@ -561,7 +562,7 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
 def _broker_max_attempts(admin_config: str | None) -> int | None:
     """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
     max_attempts 0 means), or None when there is none to read."""
-    from ccsq.common.config import BrokerConfig, load
+    from ccsq.common.wire.config import BrokerConfig, load
 
     try:
         return load(BrokerConfig, Path(admin_config).with_name("brokerd.toml")).max_attempts if admin_config else None
@@ -595,7 +596,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
 
 def _cmd_dlq_change(args: argparse.Namespace) -> int:
     """dlq replay / dlq purge: item ids, or --all (in calls of up to 1000)."""
-    from ccsq.common.admin_client import with_broker
+    from ccsq.common.tools.admin_client import with_broker
 
     if bool(args.item_ids) == bool(args.all):
         raise ConfigError(f"dlq {args.action}: give item ids or --all (not both)")
@@ -637,7 +638,7 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
 def _cmd_drain(args: argparse.Namespace) -> int:
     import time
 
-    from ccsq.common.admin_client import with_broker
+    from ccsq.common.tools.admin_client import with_broker
 
     async def go(session) -> dict:
         import asyncio
@@ -668,15 +669,15 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 # --- ccsq reconcile ---------------------------------------------------------------------
 def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
-    from ccsq.common.claimstore import open_store
-    from ccsq.common.config import AdminConfig, BrokerConfig, load
-    from ccsq.common.reconcile import ReconcileReport, reconcile
+    from ccsq.common.storage.claimstore import open_store
+    from ccsq.common.wire.config import AdminConfig, BrokerConfig, load
+    from ccsq.common.tools.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
     s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
     store_uri, base, where = args.store, Path(args.config).resolve().parent, "--store"
     if not store_uri:  # the broker has no claim store of its own: the producer's next to brokerd.toml
-        from ccsq.common.config import ProducerConfig
+        from ccsq.common.wire.config import ProducerConfig
 
         producer_path = base / "producer.toml"
         if not producer_path.is_file():
@@ -700,7 +701,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     out["leased_missing"] = sorted({m.item_id for m in report.missing if m.state != "ready"})
     status = ExitCode.OK
     if args.apply and ready_missing:
-        from ccsq.common.admin_client import with_broker
+        from ccsq.common.tools.admin_client import with_broker
 
         admin_path = Path(args.admin_config) if args.admin_config else Path(args.config).resolve().parent / "admin.toml"
         settings = load(AdminConfig, admin_path)
@@ -737,7 +738,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
-    from ccsq.completiond.completion import main as completion_main
+    from ccsq.completiond.completion import main as completion_main  # = ccsq-completiond
 
     return completion_main(args.config)
 
@@ -749,7 +750,7 @@ def _cmd_backup(args: argparse.Namespace) -> int:
     import time
 
     from ccsq.brokerd.ledger import Ledger, data_paths
-    from ccsq.common.config import BrokerConfig, load
+    from ccsq.common.wire.config import BrokerConfig, load
 
     cfg = load(BrokerConfig, args.config)
     ledger_dir, _lock = data_paths(Path(cfg.data_dir))
@@ -945,9 +946,6 @@ examples:
 #: shtab.FILE (file-name completion), without importing shtab for every command.
 FILE_COMPLETION = {"bash": "_shtab_compgen_files", "zsh": "_files", "tcsh": "f"}
 
-#: The config file each command reads when --config is not given.
-CONFIG_ENV = "CCSQ_CONFIG"
-CONFIG_DIR = Path("/etc/ccsq")
 
 
 def _version() -> str:
@@ -966,19 +964,6 @@ def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
                              f"${CONFIG_ENV} when it is a file, else {CONFIG_DIR}/{name}.toml)",
                         ).complete = FILE_COMPLETION  # type: ignore[attr-defined]
     parser.set_defaults(config_name=name)
-
-
-def default_config(name: str) -> str:
-    """The config file for a command that reads ``<name>.toml`` when --config is left out:
-    ``$CCSQ_CONFIG/<name>.toml`` (a directory, e.g. the one ``ccsq init`` wrote),
-    ``$CCSQ_CONFIG`` (a file), else ``/etc/ccsq/<name>.toml``."""
-    import os
-
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        path = Path(env)
-        return str(path / f"{name}.toml") if path.is_dir() else str(path)
-    return str(CONFIG_DIR / f"{name}.toml")
 
 
 def _cmd_completion_script(args: argparse.Namespace) -> int:
@@ -1009,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 
-        from ccsq.common import log as logsetup
+        from ccsq.common.runtime import log as logsetup
 
         logsetup.configure("auto", level=logging.WARNING)
         logging.getLogger("ccsq.peer").addFilter(_not_refusal)  # the command prints the refusal as a sentence

@@ -12,7 +12,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from ccsq.common.errors import JournalLocked
+from ccsq.common.wire.errors import JournalLocked
 
 
 def open_locked_sqlite(directory: str | Path, filename: str, schema: Iterable[str], in_use: str) -> tuple[Path, sqlite3.Connection, int]:

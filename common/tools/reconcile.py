@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterable
 
 
-from ccsq.common.claimstore import ClaimStore
-from ccsq.common.protocol import ItemState
-from ccsq.common.log import get_logger
+from ccsq.common.storage.claimstore import ClaimStore
+from ccsq.common.wire.protocol import ItemState
+from ccsq.common.runtime.log import get_logger
 
 log = get_logger("ccsq.reconcile")
 

@@ -33,10 +33,10 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ccsq.common import protocol as p
-from ccsq.common.config import read_toml
-from ccsq.common.errors import ConfigError, DecodeError
-from ccsq.common.keys import _unb64, load_private_key
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.config import read_toml
+from ccsq.common.wire.errors import ConfigError, DecodeError
+from ccsq.common.wire.keys import _unb64, load_private_key
 
 #: SubmitResult.error for a relayed item whose origin does not verify (also the reject counter's name).
 ORIGIN_REJECTED = "ORIGIN_REJECTED"

@@ -1,13 +1,13 @@
 """The one failure policy of ccsq (wire layer: imports only ``protocol`` and ``errors``).
 
-One table says, for each :class:`~ccsq.common.protocol.FailReason`, whether the item may
+One table says, for each :class:`~ccsq.common.wire.protocol.FailReason`, whether the item may
 run again, whether the failed attempt counts toward ``max_attempts``, and whether it is
 dead-lettered at once. The worker fills ``TaskFailure.retryable`` from it (kept on the
 wire: older brokers read it), the ledger decides from it (``LedgerTxn.fail``,
 ``_store_unavailable``, ``expire_lease``), and nobody else picks a ``retryable`` flag.
 
 A second table maps a broker refusal code (a ``SubmitResult.error``, or the ERROR
-that refuses a HELLO) to the typed exception of :mod:`ccsq.common.errors`, whose type
+that refuses a HELLO) to the typed exception of :mod:`ccsq.common.wire.errors`, whose type
 (:class:`RetryableError` / :class:`PermanentError`) says whether to retry.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ccsq.common import protocol as p
-from ccsq.common.errors import ERRORS_BY_CODE, CcsqError, PermanentError, RetryableError, Unauthorized
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ERRORS_BY_CODE, CcsqError, PermanentError, RetryableError, Unauthorized
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tomli_w
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError
 
 ETC = "/etc/ccsq"
 STATE = "/var/lib/ccsq"

@@ -1,7 +1,7 @@
 """TOML configuration loaded into frozen dataclasses that refuse typos.
 
 Unknown keys, wrong types and out-of-range values raise
-:class:`~ccsq.common.errors.ConfigError` naming the file and the key. Relative
+:class:`~ccsq.common.wire.errors.ConfigError` naming the file and the key. Relative
 paths are resolved against the config file's directory, so a swarm directory
 written by ``ccsq init`` can be moved as a whole. Durations carry their unit
 in the key name (``lease_ttl_s``).
@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ T = TypeVar("T")
 def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "",
         endpoint: str = "") -> Any:
     """A config field: default, inclusive range, whether it is a filesystem path, allowed values;
-    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.endpoints`)."""
+    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.wire.endpoints`)."""
     return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc,
                                                         "endpoint": endpoint})
 
@@ -59,11 +59,11 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
     if md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
-        from ccsq.common.endpoints import check_endpoint
+        from ccsq.common.wire.endpoints import check_endpoint
 
         check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
     if f.name in ("peer_id", "broker_id") and value:
-        from ccsq.common.keys import check_peer_id
+        from ccsq.common.wire.keys import check_peer_id
 
         check_peer_id(value, where=key)
     return value
@@ -283,7 +283,7 @@ def markdown_reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-README_BEGIN = "<!-- config-keys:begin (generated: python -m ccsq.common.config --write README.md) -->"
+README_BEGIN = "<!-- config-keys:begin (generated: python -m ccsq.common.wire.config --write README.md) -->"
 README_END = "<!-- config-keys:end -->"
 
 
@@ -298,7 +298,7 @@ def write_reference(readme: Path) -> bool:
     return new != text
 
 
-if __name__ == "__main__":  # python -m ccsq.common.config [--write README.md]
+if __name__ == "__main__":  # python -m ccsq.common.wire.config [--write README.md]
     import sys
 
     if len(sys.argv) == 3 and sys.argv[1] == "--write":

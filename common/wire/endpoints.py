@@ -12,7 +12,7 @@ Two kinds of endpoint appear in ccsq's configs:
 
 :func:`check_endpoint` gives the syntax check, :func:`check_bind_local` the locality
 check (it resolves a host name), :func:`bind_error` turns a ZeroMQ bind error into
-a sentence. All raise or return :class:`~ccsq.common.errors.ConfigError` text that
+a sentence. All raise or return :class:`~ccsq.common.wire.errors.ConfigError` text that
 names the file, the key and the fix.
 """
 
@@ -23,7 +23,7 @@ import ipaddress
 import re
 import socket
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError
 
 SCHEMES = ("tcp", "ipc")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")

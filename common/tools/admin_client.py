@@ -1,13 +1,13 @@
 """The admin side of ``ccsq status / items / dlq / drain / reconcile``.
 
-Online: a :class:`~ccsq.common.peer.BrokerLink` with role ``admin`` sends
+Online: a :class:`~ccsq.common.link.peer.BrokerLink` with role ``admin`` sends
 ``Admin(req, command, args)`` and waits for the ``AdminReply`` with the same
 ``req``. Offline (``--offline``, or the broker gave no WELCOME within
 ``connect_timeout_s``): the read-only commands (``status``, ``items_show``,
 ``dlq_list``) read one snapshot of the ledger directly, with the same functions
 the broker uses (:mod:`ccsq.brokerd.admin`), so both paths answer the same.
 Commands that change state need the running broker (only its actor writes the
-ledger) and raise :class:`~ccsq.common.errors.BrokerUnavailable` offline.
+ledger) and raise :class:`~ccsq.common.wire.errors.BrokerUnavailable` offline.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ccsq.common import protocol as p
-from ccsq.common.config import AdminConfig
-from ccsq.common.envelope import Envelope
-from ccsq.common.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.config import AdminConfig
+from ccsq.common.wire.envelope import Envelope
+from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -73,7 +73,7 @@ class AdminSession:
 
 
 async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Awaitable[T]], connect_timeout_s: float) -> T:
-    from ccsq.common.peer import BrokerLink
+    from ccsq.common.link.peer import BrokerLink
 
     session = AdminSession()
     link = BrokerLink(settings, hello=lambda: p.Hello(role=p.Role.ADMIN.value), on_message=session.on_message)
@@ -86,7 +86,7 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         finally:
             ready.cancel()
         if link.refused is not None:
-            from ccsq.common.peer import refusal_fix
+            from ccsq.common.link.peer import refusal_fix
 
             raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
         if not link.ready.is_set():
@@ -143,7 +143,7 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
             if command == "status":
                 from ccsq.brokerd.ledger import reader_report
 
-                from ccsq.common.config import BrokerConfig
+                from ccsq.common.wire.config import BrokerConfig
 
                 readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
                 return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}

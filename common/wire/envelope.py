@@ -11,7 +11,7 @@ first, then only the six header fields with hard msgpack limits, version,
 sender lookup, signature; after that (the sender is authenticated) type, role,
 staleness, replay, and last the body, parsed with the same limits and checked
 against the strict schema. Every rejection is a
-:class:`~ccsq.common.errors.DecodeError` whose ``code`` is a ``REJECT_*`` reason.
+:class:`~ccsq.common.wire.errors.DecodeError` whose ``code`` is a ``REJECT_*`` reason.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ccsq.common import protocol as p
-from ccsq.common.errors import AuthError, DecodeError
-from ccsq.common.keys import AuthorizedKeys
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import AuthError, DecodeError
+from ccsq.common.wire.keys import AuthorizedKeys
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

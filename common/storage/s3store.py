@@ -6,7 +6,7 @@ already there answers 412 PreconditionFailed, which counts as success, and the
 object's LastModified is refreshed (copy onto itself) so that ``reconcile``'s
 grace period protects a blob that a producer is about to reference again.
 Reads verify the SHA-256, so a torn or tampered object is
-:class:`~ccsq.common.errors.PayloadMissing`.
+:class:`~ccsq.common.wire.errors.PayloadMissing`.
 
 The endpoint comes from the config key ``s3_endpoint_url``, else
 ``CCSQ_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL`` (default: AWS); the region from
@@ -28,9 +28,9 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
-from ccsq.common.claimstore import ClaimStore, sha256_hex
-from ccsq.common.errors import ConfigError, PayloadMissing, StoreUnavailable
-from ccsq.common.log import get_logger
+from ccsq.common.storage.claimstore import ClaimStore, sha256_hex
+from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailable
+from ccsq.common.runtime.log import get_logger
 
 log = get_logger("ccsq.s3store")
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ccsq.common.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError
 
 log = structlog.get_logger("ccsq.systemd")
 

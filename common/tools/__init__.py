@@ -1,0 +1,3 @@
+"""Layer 4: operator tools: the ``ccsq`` command (:mod:`.cli`), the admin client, reconcile,
+``ccsq init --hosts``, and the process supervisor used by the demo and the tests. May import
+any daemon package; nothing below imports it."""
