@@ -209,7 +209,7 @@ def test_accounting_samples_are_a_bounded_ring(tmp_path: Path, monkeypatch) -> N
     only when the interval passed and the counters changed."""
     from ccsq.brokerd import ledger as lg
 
-    monkeypatch.setattr(lg, "SAMPLES_KEPT", 4)
+    monkeypatch.setattr(lg.rules, "SAMPLES_KEPT", 4)
     led = lg.Ledger(tmp_path / "l", map_size_bytes=1 << 22)
     try:
         t = 1_000_000
