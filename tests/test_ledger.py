@@ -10,7 +10,9 @@ import lmdb
 import pytest
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, backoff_ms
+from ccsq.brokerd.ledger import maintenance
+from ccsq.brokerd.ledger.rules import backoff_ms
+from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy
 from ccsq.common.wire import protocol as p
 
 S = p.ItemState
@@ -201,7 +203,7 @@ def test_attempts_survive_reopen_and_dead_letter_worker_lost(tmp_path):
 def test_deadline_expiry_scan(ledger):
     (a, b) = submit(ledger, item("a", deadline_ts=5.0), item("b", deadline_ts=50.0))
     txn = ledger.begin()
-    txn.expire_deadlines(6_000, 100)
+    maintenance.expire_deadlines(txn, 6_000, 100)
     txn.commit()
     with ledger.read() as v:
         assert v.get(a.item_id)["state"] == S.EXPIRED.value and v.get(b.item_id)["state"] == S.READY.value
@@ -222,8 +224,8 @@ def test_ack_idempotent_and_purge_keeps_counts(tmp_path):
     assert txn.ack("missing", 3_000) is None
     txn.commit()
     txn = led.begin()
-    assert txn.purge(3_500, 100) == 0  # retention not reached
-    assert txn.purge(10_000, 100) == 2  # the item and its idempotency key
+    assert maintenance.purge(txn, 3_500, 100) == 0  # retention not reached
+    assert maintenance.purge(txn, 10_000, 100) == 2  # the item and its idempotency key
     txn.commit()
     with led.read() as v:
         assert v.get(r.item_id) is None and v.item_status(r.item_id).state == "unknown"
@@ -240,7 +242,7 @@ def test_events_are_trimmed_per_window(ledger, monkeypatch):
         txn.event(gaps.G2_LEASE_EXPIRED, f"i{i}", 1_000 + i, "x")
     txn.commit()
     txn = ledger.begin()
-    txn.purge(2_000, 1000)
+    maintenance.purge(txn, 2_000, 1000)
     txn.commit()
     with ledger.read() as v:
         recent = v.recent_events(gaps.G2_LEASE_EXPIRED, 100)
