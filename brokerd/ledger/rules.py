@@ -126,6 +126,7 @@ class LedgerTxn(LedgerView):
         self._add(key, 1)
         return v
 
+    # --- bookkeeping beside the items: drains, kinds served, rejects, gap events, history ---
     def set_draining(self, worker: str, on: bool) -> None:
         """Record (``on``) or clear a drain of ``worker`` (see :meth:`LedgerView.draining`)."""
         key = sc.drain_key(worker)
@@ -154,10 +155,11 @@ class LedgerTxn(LedgerView):
     def note_history(self, now_ms: int, live_pages: int) -> bool:
         """Record this commit in the commit history (``h:`` + >Q txnid -> [ts_ms,
         last_pgno, live_pages]) when the newest entry is :data:`HISTORY_INTERVAL_MS`
-        old; entries older than :data:`HISTORY_KEEP_MS` go. A reader's snapshot age and
-        the pages it pins are estimated from it (:func:`~ccsq.brokerd.ledger.maintenance.reader_report`). Entries above
-        this transaction's id (a restored, compacted copy restarts the ids) are
-        dropped first. True if written; call only in a transaction that commits."""
+        old; entries older than :data:`HISTORY_KEEP_MS` go. A reader's snapshot age
+        and the pages it pins are estimated from it
+        (:func:`~ccsq.brokerd.ledger.maintenance.reader_report`). Entries above this
+        transaction's id (a restored, compacted copy restarts the ids) are dropped
+        first. True if written; call only in a transaction that commits."""
         meta = self.db["meta"]
         txnid = self.txn.id()
         cur = self.txn.cursor(db=meta)
