@@ -10,7 +10,7 @@ import lmdb
 import pytest
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import maintenance
+from ccsq.brokerd.ledger import maintenance, schema
 from ccsq.brokerd.ledger.rules import backoff_ms
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy
 from ccsq.common.wire import protocol as p
@@ -314,4 +314,50 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
         assert v.counter("fenced_completions") == 2 and v.counter("fenced_failures") == 1
         assert v.gap_counts()[gaps.G8_LATE_RESULT_ACCEPTED] == 1
         assert any("reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
+    check_balance(ledger)
+
+
+def _rewrite_record(led: Ledger, item_id: str, **fields) -> None:
+    """Write an item record as an older broker left it (raw msgpack, fields set or, with None, removed)."""
+    with led.env.begin(write=True) as raw:
+        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]))
+        for name, value in fields.items():
+            if value is None:
+                rec.pop(name, None)
+            else:
+                rec[name] = value
+        raw.put(item_id.encode(), schema.pack_item(rec), db=led.db["items"])
+
+
+def test_records_of_older_brokers_keep_their_token_holder(ledger):
+    """``worker`` now names the holder of the latest token after the lease ends; records an
+    older broker wrote (``worker`` cleared, the holder in ``token_worker``; or neither field
+    kept) are still fenced by their holder, and a new lease drops ``token_worker``."""
+    submit(ledger, item("a"), item("b"), item("c"))
+    ta, tb, tc = lease_all(ledger, worker="w1")
+    txn = ledger.begin()
+    for t in (ta, tb):
+        txn.expire_lease(t.item_id, t.token, 3_000)
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(ta.item_id)["worker"] == "w1" and "token_worker" not in v.get(ta.item_id)  # kept, one field
+    _rewrite_record(ledger, ta.item_id, worker="", token_worker="w1")  # the layout before: ready, holder aside
+    _rewrite_record(ledger, tc.item_id, token_worker=None)  # the layout before token_worker: leased, worker only
+    txn = ledger.begin()
+    for t in (ta, tc):
+        forged = p.TaskResult(t.item_id, t.token, blob(b"forged"), "echo", "1")
+        assert txn.complete(forged, 3_100, "w2") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(p.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    txn.commit()
+    _rewrite_record(ledger, tb.item_id, worker="", token_worker="w1")
+    (tb2,) = lease_all(ledger, worker="w2", now_ms=4_000)
+    with ledger.read() as v:
+        assert v.get(ta.item_id)["worker_done"] == "w1" and v.get(tc.item_id)["worker_done"] == "w1"
+        assert v.get(tb.item_id)["worker"] == "w2" and "token_worker" not in v.get(tb.item_id)
+        assert any("leased to w1, reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
+    txn = ledger.begin()
+    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == p.Outcome.ACCEPTED.value
+    txn.commit()
     check_balance(ledger)

@@ -255,7 +255,7 @@ class LedgerTxn(LedgerView):
         attempt), at least ``min_delay_ms`` from now."""
         attempt = rec["attempt"] if backoff_attempt is None else backoff_attempt
         nb = now_ms + max(min_delay_ms, backoff_ms(attempt, self.ledger.policy, self.ledger.rng))
-        self._transition(rec, S.READY.value, nb_ms=nb, worker="", lease_expires_ms=0)
+        self._transition(rec, S.READY.value, nb_ms=nb, lease_expires_ms=0)
 
     # --- SUBMIT ---
     def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
@@ -337,9 +337,9 @@ class LedgerTxn(LedgerView):
             self.expire(rec, now_ms, "deadline passed while ready")
             return None
         token = self.next_num(sc.NEXT_TOKEN)
+        rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
         self._transition(
             rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
-            token_worker=worker,  # kept after the lease ends: only its holder may report under this token
         )
         self.bump("routed")
         return p.Task(
@@ -359,7 +359,7 @@ class LedgerTxn(LedgerView):
         rec = self.get(item_id)
         if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
             return False
-        self._transition(rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, worker="", lease_expires_ms=0)
+        self._transition(rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, lease_expires_ms=0)
         self.bump("released")
         return True
 
@@ -412,7 +412,7 @@ class LedgerTxn(LedgerView):
                 handler=res.handler,
                 handler_version=res.handler_version,
                 runtime_s=res.runtime_s,
-                worker_done=rec["worker"] or rec.get("token_worker") or sender,
+                worker_done=sc.token_holder(rec) or sender,
                 lease_expires_ms=0,
             )
             self.bump("completed")
@@ -425,7 +425,7 @@ class LedgerTxn(LedgerView):
             gaps.G4_FENCED_COMPLETION,
             res.item_id,
             now_ms,
-            f"token {res.token} was leased to {rec.get('token_worker')}, reported by {sender}; result discarded"
+            f"token {res.token} was leased to {sc.token_holder(rec)}, reported by {sender}; result discarded"
             if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
         )
         return p.Outcome.FENCED.value
@@ -458,7 +458,7 @@ class LedgerTxn(LedgerView):
         if f.reason == p.FailReason.RELEASED.value:
             attempt = rec["attempt"] if rule.counts_attempt else max(rec["attempt"] - 1, 0)
             self._transition(
-                rec, S.READY.value, attempt=attempt, nb_ms=now_ms, worker="", lease_expires_ms=0
+                rec, S.READY.value, attempt=attempt, nb_ms=now_ms, lease_expires_ms=0
             )
             self.bump("released")
             return p.Outcome.ACCEPTED.value
@@ -537,7 +537,7 @@ class LedgerTxn(LedgerView):
         if rec is None or rec["state"] != S.DEAD.value:
             return False
         was = f"{rec.get('error', '')} after attempt {rec['attempt']}"
-        self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="", worker="")
+        self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="")
         self.bump("replayed")
         self.event(gaps.G10_DEAD_LETTER_REPLAYED, item_id, now_ms, f"replayed by {who} (was dead: {was})")
         return True

@@ -226,10 +226,13 @@ class Item(TypedDict, total=False):
     (not-before: arrival or retry backoff, part of the ready key), ``seq``
     (arrival), ``created_ms``, ``error`` (last failure or dead/expired reason).
 
-    ``worker``: the worker holding the lease ("" otherwise); ``token_worker``: the
-    worker the latest ``token`` was leased to, kept after the lease ends so that a
-    late report under that token is honoured only from its holder (records written
-    before that field fall back to ``worker``: :func:`token_holder`).
+    ``worker``: the worker the latest ``token`` was leased to ("" before the first
+    lease). It stays after the lease ends (requeue, release, expiry, dead letter,
+    replay), so that a report under that token is honoured only from its holder;
+    whether the lease is live is the ``state``. Records written before this rule
+    cleared ``worker`` when the lease ended and kept the holder in ``token_worker``
+    (and older ones had neither): read the holder with :func:`token_holder`; a new
+    lease drops ``token_worker``.
 
     Later fields: ``lease_expires_ms`` (informational), ``fail_token`` (token of
     the last accepted FAIL: its replay is a duplicate), ``error_message``,
@@ -251,7 +254,7 @@ class Item(TypedDict, total=False):
     attempt: int
     token: int
     worker: str
-    token_worker: str
+    token_worker: str  # read only (records written before ``worker`` was kept): see above
     nb_ms: int
     seq: int
     created_ms: int
