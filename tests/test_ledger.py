@@ -12,7 +12,7 @@ import pytest
 from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import maintenance, schema
 from ccsq.brokerd.ledger.rules import backoff_ms
-from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy
+from ccsq.brokerd.ledger.store import FULL_MODES, Ledger, LedgerError, Policy
 from ccsq.common.wire import protocol as p
 
 S = p.ItemState
@@ -361,3 +361,32 @@ def test_records_of_older_brokers_keep_their_token_holder(ledger):
     assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == p.Outcome.ACCEPTED.value
     txn.commit()
     check_balance(ledger)
+
+
+def test_transact_grows_a_full_map_then_sheds_work(tmp_path):
+    """Ledger.transact: a step that hits MDB_MAP_FULL is run again in a fresh transaction,
+    first after doubling the map, then (at the maximum) in each smaller mode; nothing of an
+    aborted run is kept, and a step that never fits gets None."""
+    led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=2 << 20)
+    runs = []
+
+    def step(size_by_mode):
+        def run(txn, mode):
+            runs.append((mode, led.map_size_bytes()))
+            txn.submit(item(f"{mode}{len(runs)}"), 1_000)
+            txn.txn.put(b"test-filler", b"y" * size_by_mode.get(mode, 0), db=led.db["meta"])  # ~1.5 MiB: needs the grown map
+            txn.commit()
+            return len(runs)
+        return run
+
+    assert led.transact(step({"normal": 1_500_000})) == ("normal", 2)
+    assert runs == [("normal", 1 << 20), ("normal", 2 << 20)]  # grown once, same mode
+    runs.clear()
+    assert led.transact(step({"normal": 3 << 20, "refuse": 3 << 20, "minimal": 3 << 20})) == ("acks", 4)
+    assert runs == [(mode, 2 << 20) for mode in FULL_MODES]  # at the maximum: one smaller mode per run
+    runs.clear()
+    assert led.transact(step({mode: 3 << 20 for mode in FULL_MODES})) == ("acks", None)
+    assert [m for m, _ in runs] == list(FULL_MODES)
+    with led.read() as v:
+        assert v.counter("received") == 2 and v.balanced()  # one item per committed run, none from aborted ones
+    led.close()

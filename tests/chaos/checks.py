@@ -31,7 +31,8 @@ from typing import Any
 
 import msgpack
 
-from ccsq.brokerd.ledger import STATES, Ledger, LedgerError, data_paths
+from ccsq.brokerd.ledger.schema import STATES
+from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.tools.procs import Proc
 
