@@ -29,8 +29,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
+from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.schema import STATES
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
@@ -65,7 +64,7 @@ class EventLog:
                     window, _, n = k.partition(b"\0")
                     key = (window.decode(), _Q.unpack(n)[0])
                     if key not in self.events:
-                        self.events[key] = msgpack.unpackb(v, raw=False)
+                        self.events[key] = schema.unpack(v)
         finally:
             ledger.close()
 
@@ -93,7 +92,7 @@ def ledger_items(data_dir: Path) -> list[dict]:
     ledger = Ledger(ledger_dir, readonly=True)
     try:
         with ledger.read() as view:
-            return [msgpack.unpackb(v, raw=False) for _, v in view.txn.cursor(db=view.db["items"])]
+            return [schema.unpack_item(v) for _, v in view.txn.cursor(db=view.db["items"])]
     finally:
         ledger.close()
 
