@@ -196,6 +196,12 @@ def event_key(window: str, n: int) -> bytes:
     return event_prefix(window) + _Q.pack(n)
 
 
+def parse_event_key(key: bytes) -> tuple[str, int]:
+    """``(window, n)`` of an :func:`event_key`."""
+    window, _, n = key.partition(b"\0")
+    return window.decode(), _Q.unpack(n)[0]
+
+
 # --- values ---
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)

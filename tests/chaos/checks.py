@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sqlite3
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,6 @@ from ccsq.common.tools.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}
 REFUSED_KEY_SUFFIX = "37"  # the chaos run's results-table rule refuses these keys (gap G12)
-_Q = struct.Struct(">Q")
 
 
 class EventLog:
@@ -61,8 +59,7 @@ class EventLog:
             with ledger.read() as view:
                 self.totals = view.gap_counts()
                 for k, v in view.txn.cursor(db=view.db["events"]):
-                    window, _, n = k.partition(b"\0")
-                    key = (window.decode(), _Q.unpack(n)[0])
+                    key = schema.parse_event_key(k)
                     if key not in self.events:
                         self.events[key] = schema.unpack(v)
         finally:
