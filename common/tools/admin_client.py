@@ -25,7 +25,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import AdminConfig
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
+from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -132,23 +132,20 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
     if command not in READ_ONLY:
         raise BrokerUnavailable(f"{command!r} changes the ledger, so it needs the running broker (only the broker writes the ledger)")
     args = args or {}
-    try:
-        with offline_view(data_dir) as view:
-            if command == "status":
-                from ccsq.brokerd.ledger import reader_report
+    with offline_view(data_dir) as view:  # the ledger queries raise AdminFailed themselves
+        if command == "status":
+            from ccsq.brokerd.ledger import reader_report
 
-                from ccsq.common.wire.config import BrokerConfig
+            from ccsq.common.wire.config import BrokerConfig
 
-                readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
-                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
-            if command == "items_show":
-                item_id = args.get("item_id")
-                if not isinstance(item_id, str) or not item_id:
-                    raise admin.AdminError("argument 'item_id' (a non-empty string) is required")
-                return {"source": OFFLINE, **admin.item_doc(view, item_id), "lease_in_memory": None}
-            return {"source": OFFLINE, **admin.dlq_doc(view, admin.limit_arg(args))}
-    except admin.AdminError as exc:
-        raise AdminFailed(str(exc)) from None
+            readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
+            return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
+        if command == "items_show":
+            item_id = args.get("item_id")
+            if not isinstance(item_id, str) or not item_id:
+                raise AdminFailed("argument 'item_id' (a non-empty string) is required")
+            return {"source": OFFLINE, **admin.item_doc(view, item_id), "lease_in_memory": None}
+        return {"source": OFFLINE, **admin.dlq_doc(view, admin.limit_arg(args))}
 
 
 def run_command(settings: AdminConfig, command: str, args: dict | None = None, *, mode: str = "auto") -> dict[str, Any]:
