@@ -32,20 +32,16 @@ Guarantees
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Union
-
-import msgpack
+from typing import Any
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
-from ccsq.common.storage.claimstore import ClaimStore, open_store
+from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import (
     BrokerUnavailable,
@@ -55,18 +51,16 @@ from ccsq.common.wire.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from ccsq.common.runtime.faults import crash_point
 from ccsq.common.runtime.log import get_logger
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.link.peer import BrokerLink, refusal_fix
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.policy import refusal_error, refusal_final, refusal_retryable
+from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size  # noqa: F401 (public here too)
 from ccsq.producer.outbox import Outbox
 from ccsq.producer.replay import OutboxReplay
 
 log = get_logger("ccsq.producer")
-
-Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
 #: States after which an item will not change any more ("unknown": purged or never existed).
 DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
@@ -96,63 +90,6 @@ class Receipt:
     unserved: bool = False
 
 
-def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
-    """Deterministic bytes for a params map (sorted keys, msgpack)."""
-    return msgpack.packb(sorted(params.items()), use_bin_type=True)
-
-
-def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
-    """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
-    h = hashlib.sha256()
-    h.update(payload_sha256.encode("ascii"))
-    h.update(b"\0")
-    h.update(kind.encode("utf-8"))
-    h.update(b"\0")
-    h.update(canonical_params(params))
-    return h.hexdigest()
-
-
-def _read_payload(payload: Payload) -> bytes:
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        return bytes(payload)
-    if isinstance(payload, (str, Path)):
-        try:
-            return Path(payload).read_bytes()
-        except OSError as exc:
-            raise InvalidRequest(f"payload file {payload}: {exc.strerror or exc}") from None
-    if hasattr(payload, "read"):
-        data = payload.read()
-        if not isinstance(data, (bytes, bytearray)):
-            raise InvalidRequest("payload file object must be opened in binary mode ('rb')")
-        return bytes(data)
-    raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
-
-
-def _check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
-    params = dict(params or {})
-    if len(params) > p.MAX_MAP_LEN:
-        raise InvalidRequest(f"params has {len(params)} keys; at most {p.MAX_MAP_LEN}")
-    for k, v in params.items():
-        if not isinstance(k, str):
-            raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, (str, int, float, bool, bytes, type(None))):
-            raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
-    return params
-
-
-def _item_size(item: p.SubmitItem) -> int:
-    """The msgpack size of ``item`` in a SUBMIT (bytes), without packing its inline payload:
-    the rest of the item is packed with ``inline`` as nil (1 byte), which then counts as
-    a bin of ``n`` bytes (a 2, 3 or 5 byte header + n)."""
-    body = p.encode_body(item)
-    inline = item.payload.inline
-    if inline is None:
-        return len(msgpack.packb(body, use_bin_type=True))
-    body["payload"]["inline"] = None  # encode_body made fresh maps: the item is not touched
-    n = len(inline)
-    return len(msgpack.packb(body, use_bin_type=True)) - 1 + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) + n
-
-
 class AsyncClient:
     """Producer client for asyncio code. Use ``async with AsyncClient(cfg) as c:``.
 
@@ -163,8 +100,7 @@ class AsyncClient:
     # --- configuration ---
     config: ProducerConfig
     # --- owned resources ---
-    _store: ClaimStore
-    _store_exec: concurrent.futures.ThreadPoolExecutor  # the claim store is used from one thread
+    _items: ItemBuilder  # the claim store (used from one thread) and the item rule
     _replay: OutboxReplay | None  # the outbox and its flusher (``outbox_dir`` set)
     _link: BrokerLink | None
     _tasks: list[asyncio.Task]
@@ -177,12 +113,12 @@ class AsyncClient:
             base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
         s3 = {k: getattr(config, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
         where = f"{config.config_path}: claim_store" if config.config_path else "claim_store"
-        self._store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
+        store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
         try:
-            self._store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
+            store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
         except StoreUnavailable as exc:  # unreachable right now: submit retries / spools; say so once
             log.warning("claim_store_unavailable", error=str(exc))
-        self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
+        self._items = ItemBuilder(store, config.inline_max_bytes)
         self._link = None
         self._tasks = []
         self._requests = RequestTracker()
@@ -268,7 +204,7 @@ class AsyncClient:
         if self._replay is not None:
             self._replay.close()
             self._replay = None
-        self._store_exec.shutdown(wait=True)
+        self._items.close()
 
     @property
     def connected(self) -> bool:
@@ -420,51 +356,13 @@ class AsyncClient:
     def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
         """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
         that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
-        return split_frames(items, size_of=_item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
+        return split_frames(items, size_of=item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
                             too_large=self._too_large)
 
     def _too_large(self, item: p.SubmitItem, size_bytes: int) -> PayloadTooLarge:
         return PayloadTooLarge(
             f"item {item.key[:16]}... is {size_bytes} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
             "lower inline_max_bytes or shrink params")
-
-    # --- building items ---
-    async def _make_item(
-        self,
-        payload: Payload,
-        kind: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        key: str | None = None,
-        priority: int = 0,
-        deadline_ts: float | None = None,
-        max_attempts: int | None = None,
-        max_runtime_s: float | None = None,
-    ) -> p.SubmitItem:
-        if not isinstance(kind, str) or not kind:
-            raise InvalidRequest("kind must be a non-empty string")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise InvalidRequest("key must be a non-empty string (or None to derive it)")
-        if max_attempts is not None and max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
-        if max_runtime_s is not None and max_runtime_s <= 0:
-            raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
-        params = _check_params(params)
-        fields = dict(kind=kind, params=params, priority=int(priority),
-                      deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                      max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-        problem = p.submit_fields_problem(key=key, **fields)  # before the blob is written: bad input leaves no orphan
-        if problem:
-            raise InvalidRequest(problem)
-        data = _read_payload(payload)
-        if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
-            blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
-        else:
-            loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
-        if blob.inline is None:
-            crash_point("producer.after_blob_put")
-        return p.SubmitItem(key=key or derive_key(blob.sha256, kind, params), payload=blob, **fields)
 
     # --- public API ---
     async def submit(
@@ -488,7 +386,7 @@ class AsyncClient:
         Raises QueueFull, DiskFull, BrokerUnavailable (retryable), Unauthorized,
         PayloadTooLarge, InvalidRequest or another PermanentError the broker names.
         """
-        item = await self._make_item(
+        item = await self._items.build(
             payload, kind, params=params, key=key, priority=priority, deadline_ts=deadline_ts,
             max_attempts=max_attempts, max_runtime_s=max_runtime_s,
         )
@@ -510,9 +408,9 @@ class AsyncClient:
                     payload, kind = spec.pop("payload"), spec.pop("kind")
                 except KeyError as exc:
                     raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
-                built.append(await self._make_item(payload, kind, **spec))
+                built.append(await self._items.build(payload, kind, **spec))
             elif isinstance(spec, tuple) and len(spec) in (2, 3):
-                built.append(await self._make_item(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
+                built.append(await self._items.build(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
             else:
                 raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
         return await self._submit_items(built, timeout_s)

@@ -12,7 +12,7 @@ import pytest
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable
-from ccsq.producer.client import _item_size
+from ccsq.producer.items import item_size
 
 
 def test_ids_resolve_once_and_late_replies_are_dropped() -> None:
@@ -56,5 +56,5 @@ def test_item_size_is_the_packed_size_without_packing_the_payload(inline_len: in
     data = None if inline_len is None else b"x" * inline_len
     blob = p.Blob("a" * 64, 7 if data is None else len(data), data)
     item = p.SubmitItem("k" * 70, "ocr", blob, params={"lang": "en", "dpi": 300, "z": 1.5}, priority=-3, deadline_ts=1e9)
-    assert _item_size(item) == len(msgpack.packb(p.encode_body(item), use_bin_type=True))
+    assert item_size(item) == len(msgpack.packb(p.encode_body(item), use_bin_type=True))
     assert item.payload.inline == data  # sizing left the item as it was
