@@ -10,7 +10,6 @@ ones go to the claim store first (claim check). The idempotency key is
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import hashlib
 from collections.abc import Mapping
@@ -125,11 +124,7 @@ class ItemBuilder:
         if problem:
             raise InvalidRequest(problem)
         data = read_payload(payload)
-        if self.store.inline_without_io(len(data), self.inline_max_bytes):
-            blob = self.store.put_blob(data, self.inline_max_bytes)  # a hash, no I/O: no thread hop
-        else:
-            blob = await asyncio.get_running_loop().run_in_executor(self._exec, self.store.put_blob, data,
-                                                                    self.inline_max_bytes)
+        blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
         if blob.inline is None:
             crash_point("producer.after_blob_put")
         return p.SubmitItem(key=key or derive_key(blob.sha256, kind, params), payload=blob, **fields)

@@ -12,18 +12,36 @@ tampered blob is reported as :class:`~ccsq.common.wire.errors.PayloadMissing`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 
 from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailable
-from ccsq.common.wire.protocol import Blob
+from ccsq.common.wire.protocol import Blob, FailReason
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def store_failure(exc: BaseException) -> FailReason | None:
+    """The one rule for claim-store errors, used by every reader and writer of blobs:
+
+    * :class:`PayloadMissing` (the blob is absent, or its digest or size does not match)
+      -> ``PAYLOAD_MISSING``: the reference is bad; retrying reads the same bytes.
+    * :class:`StoreUnavailable` or any other ``OSError`` (endpoint down, I/O error on a
+      mount, permissions changed under a running daemon) -> ``STORE_UNAVAILABLE``: the
+      store's fault, not the item's; try again later, no attempt counted.
+    * anything else -> ``None`` (not a store error: let it propagate)."""
+    if isinstance(exc, PayloadMissing):
+        return FailReason.PAYLOAD_MISSING
+    if isinstance(exc, (StoreUnavailable, OSError)):
+        return FailReason.STORE_UNAVAILABLE
+    return None
 
 
 class ClaimStore(abc.ABC):
@@ -64,6 +82,21 @@ class ClaimStore(abc.ABC):
         their event loop instead of hopping to an I/O thread."""
         cls = type(self)
         return size_bytes <= inline_max_bytes and cls.put_blob is ClaimStore.put_blob and cls.get_blob is ClaimStore.get_blob
+
+    async def aput_blob(self, data: bytes, inline_max_bytes: int, executor: Executor | None = None) -> Blob:
+        """:meth:`put_blob` from an event loop: on the loop when it does no I/O (an inline
+        blob, see :meth:`inline_without_io`), else in ``executor`` (None: the loop's default)."""
+        if self.inline_without_io(len(data), inline_max_bytes):
+            return self.put_blob(data, inline_max_bytes)
+        return await asyncio.get_running_loop().run_in_executor(executor, self.put_blob, data, inline_max_bytes)
+
+    async def aget_blob(self, blob: Blob, executor: Executor | None = None) -> bytes:
+        """:meth:`get_blob` from an event loop: on the loop for an inline blob of a store
+        whose reads are the base class's (a digest check, no I/O), else in ``executor``.
+        Errors as :meth:`get_blob` (classify them with :func:`store_failure`)."""
+        if blob.inline is not None and type(self).get_blob is ClaimStore.get_blob:
+            return self.get_blob(blob)
+        return await asyncio.get_running_loop().run_in_executor(executor, self.get_blob, blob)
 
     def put_blob(self, data: bytes, inline_max_bytes: int) -> Blob:
         """Make a Blob: inline when ``len(data) <= inline_max_bytes``, else stored here."""
