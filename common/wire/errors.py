@@ -276,7 +276,9 @@ class JournalLocked(RetryableError):
     code = "JOURNAL_LOCKED"
 
 
-class JournalCorrupt(RetryableError):
-    """A journal row could not be decoded; the message names the row. Move the journal aside to start clean."""
+class JournalCorrupt(PermanentError):
+    """A journal row could not be decoded; the message names the row. Permanent: a restart
+    reads the same row (the daemon exits 78, CONFIG, and is not restarted); move the journal
+    aside to start clean."""
 
     code = "JOURNAL_CORRUPT"
