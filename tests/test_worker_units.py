@@ -100,14 +100,14 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     async def main() -> GroupCommit:
         gc = GroupCommit(j, pool, window_s=0.001)
         await asyncio.gather(
-            gc.write("hold", [("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
-            gc.write("started", [("a", 1), ("b", 2)]),
-            gc.write("record", [(_result("a", 1), "echo")]),
-            gc.write("record", [(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
-            gc.write("forget", [("a", 1)]),
+            gc.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
+            gc.started([("a", 1), ("b", 2)]),
+            gc.record([(_result("a", 1), "echo")]),
+            gc.record([(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
+            gc.forget([("a", 1)]),
         )
         assert (gc.commits, gc.ops) == (1, 5)
-        results = await asyncio.gather(gc.write("forget", [("b", 2)]), gc.write("bogus", []), return_exceptions=True)
+        results = await asyncio.gather(gc.forget([("b", 2)]), gc.write("bogus", []), return_exceptions=True)
         assert isinstance(results[0], ValueError) and isinstance(results[1], ValueError)
         await gc.drain()
         return gc

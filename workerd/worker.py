@@ -404,10 +404,10 @@ class Worker:
             if report is None:  # held, never started: give it back without costing an attempt
                 report = task_failure(e.item_id, e.token, p.FailReason.RELEASED,
                                       "worker restarted before starting the job")
-                await self._jw.write("record", [(report, e.kind)])
+                await self._jw.record([(report, e.kind)])
             self._pending[(e.item_id, e.token)] = Pending(report)
         if lost:
-            await self._jw.write("forget", lost)
+            await self._jw.forget(lost)
         self._pending_changed()
         if entries:
             self.log.info("journal_recovered", **counts)
@@ -531,7 +531,7 @@ class Worker:
             new.append(job)
         if not new:
             return
-        hold = asyncio.ensure_future(self._jw.write("hold", [(j.task.item_id, j.task.token, j.task.kind) for j in new]))
+        hold = asyncio.ensure_future(self._jw.hold([(j.task.item_id, j.task.token, j.task.kind) for j in new]))
         for job in new:
             if self._draining:
                 coro = self._report_after(hold, job, self._failure(job, p.FailReason.RELEASED, "worker is shutting down"))
@@ -646,7 +646,7 @@ class Worker:
                 run.append(job)
         if not run:
             return
-        await self._jw.write("started", [j.key for j in run])
+        await self._jw.started([j.key for j in run])
         if self.cfg.log_each_job:
             for job in run:
                 t = job.task
@@ -761,7 +761,7 @@ class Worker:
         if job.released:
             await self._forget_released(job)
             return
-        await self._jw.write("record", [(report, job.task.kind)])
+        await self._jw.record([(report, job.task.kind)])
         if isinstance(report, p.TaskResult):
             crash_point("worker.after_result_stored")
         if job.released:  # released while the record was written
@@ -795,7 +795,7 @@ class Worker:
     async def _forget_released(self, job: Job) -> None:
         self.log.info("job_dropped", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
         self._jobs.pop(job.key, None)
-        await self._jw.write("forget", [job.key])
+        await self._jw.forget([job.key])
         self._credit_changed()
 
     def _give_back(self, job: Job, why: str) -> None:
@@ -860,7 +860,7 @@ class Worker:
             elif o.outcome not in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
                 self.log.info("report_confirmed", item_id=o.item_id, token=o.token, outcome=o.outcome)
         if forget:
-            self._spawn(self._jw.write("forget", forget), "journal-forget")
+            self._spawn(self._jw.forget(forget), "journal-forget")
             self._pending_changed()
 
     def _pending_changed(self) -> None:
