@@ -1,6 +1,6 @@
 """Worker parts without processes: the GPU semaphore, the journal, the claim store's health,
-the one failure policy, provider
-resolution (case C10), the built-in handlers and the OCR handler on a real page."""
+the one failure policy, provider resolution (case C10), the built-in handlers and the OCR
+handler on a real page."""
 
 from __future__ import annotations
 
