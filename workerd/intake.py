@@ -132,7 +132,7 @@ class Intake:
             self._claims.trouble(str(exc))
             await self._fail(job, p.FailReason.STORE_UNAVAILABLE, f"payload not in this worker's claim store: {exc}"[:1000])
             return
-        except Exception as exc:  # any other claim-store error (I/O, backend): this attempt failed, retry later
+        except Exception as exc:  # any other claim-store error (I/O, backend): requeued, the attempt not counted
             self._log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
             self._claims.trouble(repr(exc))
             await self._fail(job, p.FailReason.STORE_UNAVAILABLE, f"could not fetch payload: {exc!r}"[:1000])

@@ -203,7 +203,7 @@ class Reports:
             return
         try:
             blob = await self._claims.put_result(data)
-        except Exception as exc:  # any claim-store backend error: the attempt failed, retry elsewhere
+        except Exception as exc:  # any claim-store backend error: requeued (attempt not counted), run elsewhere
             self._log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             self._claims.trouble(repr(exc))
             await self.report(job, failure(job.key, p.FailReason.STORE_UNAVAILABLE,
