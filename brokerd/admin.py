@@ -37,7 +37,7 @@ import msgpack
 
 from ccsq.brokerd.ledger import reader_report
 from ccsq.common.wire import protocol as p
-from ccsq.common.wire.errors import CcsqError
+from ccsq.common.wire.errors import AdminFailed
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch, Broker
@@ -52,10 +52,9 @@ LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "b
                       "dead_listed", "draining")
 
 
-class AdminError(CcsqError):
-    """A bad admin request; the message says which argument."""
-
-    code = "ADMIN"
+#: A bad admin request (the message says which argument): the one class of the exception
+#: tree, :class:`~ccsq.common.wire.errors.AdminFailed`, under the name the commands use.
+AdminError = AdminFailed
 
 
 # --- ledger queries (online inside the broker's transaction, offline on a read snapshot) ---
