@@ -210,8 +210,8 @@ class LinkRunner:
             try:
                 data = await self.up_store.aget_blob(t.payload)
                 await asyncio.to_thread(self.down_store.put, data)
-            except (PayloadMissing, OSError) as exc:
-                failures.append(task_failure(t.item_id, t.token, store_failure(exc), str(exc)[:300]))
+            except Exception as exc:  # any store error; a stored blob missing in our view is the store's problem (G7)
+                failures.append(task_failure(t.item_id, t.token, store_failure(exc, t.payload), str(exc)[:300]))
                 continue
             self.journal.set_copied(self.name, [(t.item_id, t.token)], t.payload.sha256)
             if (t.item_id, t.token) in self.rows:

@@ -187,8 +187,8 @@ def test_file_store_down_at_start_fails_per_operation_not_at_construction(tmp_pa
 
 
 def test_one_rule_for_store_errors_and_async_get_put(tmp_path) -> None:
-    """store_failure: a bad reference is PAYLOAD_MISSING, an unreachable store
-    STORE_UNAVAILABLE, anything else not a store error; aput_blob/aget_blob round-trip
+    """store_failure: bad inline bytes are PAYLOAD_MISSING, a stored blob missing in our
+    view or an unreachable store STORE_UNAVAILABLE; aput_blob/aget_blob round-trip
     inline and stored blobs from an event loop (stored ones through the executor)."""
     import asyncio
 
@@ -196,10 +196,10 @@ def test_one_rule_for_store_errors_and_async_get_put(tmp_path) -> None:
     from ccsq.common.wire.errors import PayloadMissing, StoreUnavailable
     from ccsq.common.wire.protocol import Blob, FailReason
 
-    assert store_failure(PayloadMissing("x")) is FailReason.PAYLOAD_MISSING
+    assert store_failure(PayloadMissing("x"), Blob("0" * 64, 1, b"y")) is FailReason.PAYLOAD_MISSING  # inline: the item's
+    assert store_failure(PayloadMissing("x"), Blob("0" * 64, 1, None)) is FailReason.STORE_UNAVAILABLE  # our view (G7)
     assert store_failure(StoreUnavailable("x")) is FailReason.STORE_UNAVAILABLE
     assert store_failure(PermissionError(13, "denied")) is FailReason.STORE_UNAVAILABLE
-    assert store_failure(ValueError("x")) is None
 
     store = FileStore(tmp_path / "blobs")
 

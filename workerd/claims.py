@@ -18,7 +18,6 @@ store answers resets the sequence (:meth:`Claims.fetched`).
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Callable
@@ -66,19 +65,15 @@ class Claims:
         self._log = log
 
     async def fetch(self, ref: p.BlobRef) -> bytes:
-        """The payload's bytes, SHA-256 verified. Raises PayloadMissing (absent, corrupt,
-        inline bytes that do not match) or the backend's error."""
-        if ref.inline is not None and self.store.inline_without_io(len(ref.inline), INLINE_RESULT_MAX_BYTES):
-            return self.store.get_blob(ref)  # inline: a hash check, no I/O, no thread hop
-        return await asyncio.get_running_loop().run_in_executor(self._io_pool, self.store.get_blob, ref)
+        """The payload's bytes, SHA-256 verified (inline ones on the loop, stored ones in
+        the I/O threads). Raises PayloadMissing (absent, corrupt, inline bytes that do not
+        match) or the backend's error; what it means: :func:`store_failure`."""
+        return await self.store.aget_blob(ref, self._io_pool)
 
     async def put_result(self, data: bytes) -> p.BlobRef:
         """A reference to ``data``: inline up to ``INLINE_RESULT_MAX_BYTES``, else stored.
         Raises the backend's error."""
-        if self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES):
-            return self.store.put_blob(data, INLINE_RESULT_MAX_BYTES)  # inline: a hash, no I/O, no thread hop
-        return await asyncio.get_running_loop().run_in_executor(
-            self._io_pool, self.store.put_blob, data, INLINE_RESULT_MAX_BYTES)
+        return await self.store.aput_blob(data, INLINE_RESULT_MAX_BYTES, self._io_pool)
 
     @property
     def ok(self) -> bool:

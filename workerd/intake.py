@@ -35,6 +35,7 @@ from typing import Any
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.storage.claimstore import store_failure
 from ccsq.common.wire.errors import PayloadMissing, PermanentHandlerError
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
@@ -123,19 +124,16 @@ class Intake:
         inline = task.payload.inline
         try:
             job.payload = await self._claims.fetch(task.payload)
-        except PayloadMissing as exc:
-            if inline is not None:  # the bytes came with the item and do not match: the item's fault
-                await self._fail(job, p.FailReason.PAYLOAD_MISSING, str(exc))
+        except Exception as exc:  # any claim-store error: what it means is store_failure's one rule
+            reason = store_failure(exc, task.payload)
+            if reason is p.FailReason.PAYLOAD_MISSING:  # inline bytes that do not match: the item's fault
+                await self._fail(job, reason, str(exc))
                 return
-            # absent or corrupt in OUR view of the store: this worker's problem until the broker's
-            # reconcile confirms the blob gone (G7); requeued without counting the attempt
-            self._claims.trouble(str(exc))
-            await self._fail(job, p.FailReason.STORE_UNAVAILABLE, f"payload not in this worker's claim store: {exc}"[:1000])
-            return
-        except Exception as exc:  # any other claim-store error (I/O, backend): requeued, the attempt not counted
+            # absent or corrupt in OUR view of the store, an I/O or backend error: this worker's
+            # problem (unhealthy for a pause); requeued without counting the attempt
             self._log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
-            self._claims.trouble(repr(exc))
-            await self._fail(job, p.FailReason.STORE_UNAVAILABLE, f"could not fetch payload: {exc!r}"[:1000])
+            self._claims.trouble(str(exc) if isinstance(exc, PayloadMissing) else repr(exc))
+            await self._fail(job, reason, f"could not fetch payload from this worker's claim store: {exc!r}"[:1000])
             return
         if inline is None:
             self._claims.fetched()  # the store produced a blob: healthy at the next heartbeat

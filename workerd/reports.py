@@ -52,6 +52,7 @@ from typing import Any, cast
 
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.runtime.faults import crash_point
+from ccsq.common.storage.claimstore import store_failure
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
@@ -206,8 +207,7 @@ class Reports:
         except Exception as exc:  # any claim-store backend error: requeued (attempt not counted), run elsewhere
             self._log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             self._claims.trouble(repr(exc))
-            await self.report(job, failure(job.key, p.FailReason.STORE_UNAVAILABLE,
-                                           f"could not store result: {exc!r}"[:1000]))
+            await self.report(job, failure(job.key, store_failure(exc), f"could not store result: {exc!r}"[:1000]))
             return
         result = p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, str(self.handler.version),
                               round(outcome.runtime_s, 6))

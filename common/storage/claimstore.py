@@ -24,24 +24,29 @@ from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailabl
 from ccsq.common.wire.protocol import Blob, FailReason
 
 
+#: Inline blobs up to this size are digest-checked on the caller's event loop (tens of µs);
+#: larger ones go to the executor so a heartbeat never waits behind a hash.
+HASH_ON_LOOP_MAX_BYTES = 65536
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def store_failure(exc: BaseException) -> FailReason | None:
-    """The one rule for claim-store errors, used by every reader and writer of blobs:
+def store_failure(exc: BaseException, blob: Blob | None = None) -> FailReason:
+    """The one rule for what a claim-store error means for the item, used by every reader
+    and writer of blobs (worker, relay):
 
-    * :class:`PayloadMissing` (the blob is absent, or its digest or size does not match)
-      -> ``PAYLOAD_MISSING``: the reference is bad; retrying reads the same bytes.
-    * :class:`StoreUnavailable` or any other ``OSError`` (endpoint down, I/O error on a
-      mount, permissions changed under a running daemon) -> ``STORE_UNAVAILABLE``: the
-      store's fault, not the item's; try again later, no attempt counted.
-    * anything else -> ``None`` (not a store error: let it propagate)."""
-    if isinstance(exc, PayloadMissing):
+    * :class:`PayloadMissing` for bytes that came inline with the item (``blob.inline``)
+      -> ``PAYLOAD_MISSING``: the item itself is bad (dead-lettered at once).
+    * :class:`PayloadMissing` for a stored blob -> ``STORE_UNAVAILABLE``: absent or corrupt
+      in THIS reader's view of the store (a missing mount, a lagging replica) is the
+      store's problem, not the item's, until ``ccsq reconcile`` confirms the blob gone (G7).
+    * anything else (:class:`StoreUnavailable`, an ``OSError``, a backend's error while
+      writing a result) -> ``STORE_UNAVAILABLE``: try again later, no attempt counted."""
+    if isinstance(exc, PayloadMissing) and blob is not None and blob.inline is not None:
         return FailReason.PAYLOAD_MISSING
-    if isinstance(exc, (StoreUnavailable, OSError)):
-        return FailReason.STORE_UNAVAILABLE
-    return None
+    return FailReason.STORE_UNAVAILABLE
 
 
 class ClaimStore(abc.ABC):
@@ -91,10 +96,12 @@ class ClaimStore(abc.ABC):
         return await asyncio.get_running_loop().run_in_executor(executor, self.put_blob, data, inline_max_bytes)
 
     async def aget_blob(self, blob: Blob, executor: Executor | None = None) -> bytes:
-        """:meth:`get_blob` from an event loop: on the loop for an inline blob of a store
-        whose reads are the base class's (a digest check, no I/O), else in ``executor``.
-        Errors as :meth:`get_blob` (classify them with :func:`store_failure`)."""
-        if blob.inline is not None and type(self).get_blob is ClaimStore.get_blob:
+        """:meth:`get_blob` from an event loop: on the loop for an inline blob of at most
+        ``HASH_ON_LOOP_MAX_BYTES`` of a store whose reads are the base class's (a digest
+        check, no I/O), else in ``executor``. Errors as :meth:`get_blob` (what they mean for
+        the item: :func:`store_failure`)."""
+        if (blob.inline is not None and len(blob.inline) <= HASH_ON_LOOP_MAX_BYTES
+                and type(self).get_blob is ClaimStore.get_blob):
             return self.get_blob(blob)
         return await asyncio.get_running_loop().run_in_executor(executor, self.get_blob, blob)
 
