@@ -1,19 +1,28 @@
 """The broker actor: the one asyncio task that owns the ledger and the peer table.
 
-One *turn* of the loop:
+One *turn* of the loop (:meth:`Broker.turn`):
 
-1. drain every readable frame from the ROUTER (up to a budget) and verify it;
-2. apply session messages (HELLO, HEARTBEAT, CREDIT, BYE) to the peer table at once;
-3. apply ledger messages (SUBMIT, COMPLETE, FAIL, ACK, STATUS, ADMIN) plus the
+1. drain every readable frame from the ROUTER (up to a budget) and verify it
+   (:meth:`Broker._decode`);
+2. apply session messages (HELLO, HEARTBEAT, CREDIT, BYE) to the peer table at once
+   (``brokerd/sessions.py``);
+3. apply ledger messages (SUBMIT, COMPLETE, FAIL, ACK, STATUS, CANCEL, ADMIN) plus the
    background slices (deferred releases, due lease expiries, deadline and purge
-   scans, dispatch, result delivery) in ONE write transaction with ONE fsync;
-4. after the commit: crash points, in-memory effects, then the replies.
+   scans, dispatch, result delivery) in ONE write transaction with ONE fsync
+   (:meth:`Broker._transact` -> :meth:`Broker._apply_ops`);
+4. after the commit: crash points, in-memory effects (lease timers, deliveries in
+   flight, credit, wake-ups, log lines), then the replies (``brokerd/outbound.py``).
 
-Step 3 is a pure function of the ledger and the inputs: all in-memory effects
-and replies are collected in a :class:`Batch` and only applied after commit,
-so a full map (``lmdb.MapFullError``) aborts and retries the whole step after
-growing the map, or with SUBMITs refused (QUEUE_FULL) at the maximum size.
-Nothing is half-applied and nothing is confirmed before it is durable.
+Step 3 reads the actor's in-memory state and leaves it as it found it: in-memory
+effects, replies and log lines are collected in a :class:`Batch` and applied only
+after commit, so a full map (``lmdb.MapFullError``) can abort and retry the whole
+step after growing the map, or with SUBMITs refused (QUEUE_FULL) at the maximum
+size. Nothing is half-applied and nothing is confirmed before it is durable. What
+step 3 does change at once are hints that hold whether or not it commits: the
+federation route of a relayed item's result and "delivery possible" with it (the
+delivery checks the ledger state), the ledger measurements of ``_ledger_stats``
+(pages in use, reader report), and the worker kinds written for the next start
+(``_kinds_unsaved``: lost with an aborted turn, harmless).
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from ccsq.common.wire import federation as fed
 from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
+from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
-from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, status_size, task_size
+from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
 from ccsq.brokerd.sessions import Sessions
 from ccsq.common.wire import protocol as p
@@ -57,7 +67,6 @@ MAX_BYTES_PER_TURN = 512 * 1024  # decoding (signature over the body, msgpack) c
 TURN_ITEM_BUDGET = 256
 CARRY_MAX_ITEMS = 4 * TURN_ITEM_BUDGET  # above this many carried, read only a trickle (ZeroMQ queues the rest)
 TRICKLE_FRAMES, TRICKLE_BYTES = 16, 16 * 1024  # ... enough for heartbeats and HELLOs, less than a turn applies
-LEASE_BUDGET_CHECK_EVERY = 32  # leases between two looks at the dispatch slice's clock
 COMMIT_DELAY_S = 0.001  # after a turn that committed peer frames, gather this long before the next turn
 BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
@@ -138,6 +147,7 @@ class Broker:
     peers: PeerTable
     leases: LeaseTimers
     epoch: int
+    dispatcher: Dispatcher  # ready items to lease holders with credit
     delivery: DeliveryTracker  # results sent and not yet acknowledged, redeliveries owed
     sessions: Sessions  # HELLO, HEARTBEAT, CREDIT, BYE, liveness
     outbound: Outbound  # every frame the actor sends
@@ -173,11 +183,9 @@ class Broker:
         self._last_turn_mono = self._started_mono
         now = time.monotonic()
         self._next_background_mono = now
-        self._dispatch_at_mono = now  # when a dispatch pass may find work (inf: nothing until an event); _dispatch_from
         self._committed_ops = 0  # peer ledger messages the last turn committed (commit delay)
         self._disk_checked_mono = 0.0
         self._disk_full = False
-        self._rr = 0  # round-robin start among workers (advanced after each commit that dispatched)
         self._used_bytes = ledger.used_bytes()  # pages in use, refreshed by _ledger_stats in a turn's txn
         self._admitted_bytes = 0  # admission cost of items committed since _used_bytes was measured
         self.ledger_full_since_ms = 0  # wall ms when a turn last found the ledger full at max size (0: not full)
@@ -188,6 +196,7 @@ class Broker:
         self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
+        self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget)
         self.delivery = DeliveryTracker(self.epoch, self.fed, cfg.max_batch_items, self.outbound.reply_budget)
         self.sessions = Sessions(cfg, self.epoch, self.peers, self.leases, self.delivery, self.outbound, self.stats,
                                  defer=self._defer, wake_dispatch=self._wake_dispatch, worker_kinds=self._worker_hello,
@@ -262,7 +271,7 @@ class Broker:
             return 0.0
         wake = min(self.sessions.next_wake_mono(), self._next_background_mono)
         if self._workers_with_credit():
-            wake = min(wake, self._dispatch_at_mono)
+            wake = min(wake, self.dispatcher.at_mono)
         if self.delivery.possible and any(s.credit > 0 for s in self._result_takers()):
             return 0.0
         due = self.leases.next_due_mono()
@@ -428,7 +437,7 @@ class Broker:
         due = self.leases.next_due_mono()
         if due is not None and due <= now:
             return True
-        if now >= self._dispatch_at_mono and self._workers_with_credit():
+        if now >= self.dispatcher.at_mono and self._workers_with_credit():
             return True
         return self.delivery.possible and any(s.credit > 0 for s in self._result_takers())
 
@@ -694,76 +703,15 @@ class Broker:
         if due:
             batch.effects.append(self._wake_dispatch)
 
-    # --- dispatch (pull: only to workers with credit) ---
+    # --- dispatch (brokerd/dispatch.py) ---
     def _workers_with_credit(self) -> list[Session]:
-        return [
-            s
-            for s in self.peers.sessions(p.Role.WORKER) + self._relays(fed.UPSTREAM)
-            if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining
-        ]
-
-    def _dispatch_from(self, at_mono: float) -> None:
-        """The one setter of ``_dispatch_at_mono``: the next dispatch pass runs at or after
-        ``at_mono`` (0.0: the next turn; inf: not until an event wakes it)."""
-        self._dispatch_at_mono = at_mono
+        return self.dispatcher.takers()
 
     def _wake_dispatch(self) -> None:
-        self._dispatch_from(0.0)
-
-    def _advance_round_robin(self) -> None:
-        self._rr += 1
+        self.dispatcher.wake()
 
     def _dispatch(self, txn: LedgerTxn, batch: Batch, now: float) -> None:
-        if now < self._dispatch_at_mono:
-            return
-        workers = self._workers_with_credit()
-        if not workers:
-            return
-        if txn.state_count(p.ItemState.READY.value) == 0:
-            batch.effects.append(lambda: self._dispatch_from(float("inf")))
-            return
-        budget_end = time.monotonic() + self.cfg.slice_budget_ms / 1000.0
-        k = self._rr % len(workers)
-        workers = workers[k:] + workers[:k]
-        batch.effects.append(self._advance_round_robin)  # after commit: a retried step starts at the same worker
-        now_ms = wall_ms()
-        ttl_ms = int(self.lease_ttl_s * 1000)
-        next_at = float("inf")
-        exhausted = False
-        for sess in workers:
-            if time.monotonic() > budget_end:
-                exhausted = True
-                break
-            limit = min(sess.credit, self.cfg.max_batch_items)
-            relay = sess.role is p.Role.RELAY  # never an item that came by relay (max_hops); signed
-            ids, hint = (fed.scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
-                         else txn.scan_ready(list(sess.kinds) or None, limit, now_ms))
-            if hint is not None:
-                next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
-            tasks = []
-            for n, item_id in enumerate(ids):
-                if n % LEASE_BUDGET_CHECK_EVERY == LEASE_BUDGET_CHECK_EVERY - 1 and time.monotonic() > budget_end:
-                    exhausted = True  # the slice's time is up: the next turn goes on
-                    break
-                task = txn.lease(item_id, sess.peer_id, now_ms, ttl_ms)
-                if task is not None:
-                    tasks.append(self.fed.sign_task(txn, task, self.cfg.max_attempts) if relay else task)
-            if len(ids) == limit and sess.credit > len(tasks):
-                exhausted = True  # some were expired or more may be waiting
-            if not tasks:
-                continue
-            batch.crash("broker.after_lease_commit")
-            batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
-            for chunk in split_frames(tasks, size_of=task_size, budget_bytes=self.outbound.reply_budget(), max_items=self.cfg.max_batch_items):
-                batch.replies.append((sess.routing_id, p.Dispatch(chunk)))
-        at = 0.0 if exhausted else next_at
-        batch.effects.append(lambda: self._dispatch_from(at))
-
-    def _leased(self, sess: Session, tasks: list[p.Task]) -> None:
-        expires = time.monotonic() + self.lease_ttl_s
-        for t in tasks:
-            self.leases.add(t.item_id, t.token, sess.peer_id, expires)
-        sess.credit -= len(tasks)
+        self.dispatcher.plan(txn, batch, now, wall_ms())
 
     # --- result delivery (brokerd/delivery.py) ---
     def _wake_delivery(self) -> None:
