@@ -41,6 +41,7 @@ from ccsq.common.wire import federation as fed
 from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
+from ccsq.brokerd.intake import Intake
 from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
@@ -51,7 +52,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
 from ccsq.common.wire.config import BrokerConfig
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import ConfigError, DecodeError
+from ccsq.common.wire.errors import ConfigError
 from ccsq.common.runtime.faults import crash_point
 
 log = structlog.get_logger("ccsq.brokerd")
@@ -71,8 +72,6 @@ COMMIT_DELAY_S = 0.001  # after a turn that committed peer frames, gather this l
 BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
-REJECT_LOG_INTERVAL_S = 10.0
-REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all peers together
 DISK_CHECK_INTERVAL_S = 1.0
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
@@ -92,17 +91,6 @@ LEDGER_FULL_ADVICE = ("the ledger is full at max_map_size_bytes: raise max_map_s
 #: transaction at most this often; the hot path opens no read transaction of its own.
 LEDGER_STATS_INTERVAL_S = 0.1
 READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged again at most this often
-#: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR.
-POST_VERIFY_CODES = frozenset(
-    {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
-)
-#: Refusals an unauthenticated sender may get (rate-limited; nothing but the id it claimed).
-STRANGER_ANSWERS = {
-    p.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
-    p.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
-}
-STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
-STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
 
 @dataclasses.dataclass
@@ -147,6 +135,7 @@ class Broker:
     peers: PeerTable
     leases: LeaseTimers
     epoch: int
+    intake: Intake  # verifies every frame; counts, logs and answers refusals
     dispatcher: Dispatcher  # ready items to lease holders with credit
     delivery: DeliveryTracker  # results sent and not yet acknowledged, redeliveries owed
     sessions: Sessions  # HELLO, HEARTBEAT, CREDIT, BYE, liveness
@@ -167,17 +156,11 @@ class Broker:
         self.deferred = []
         self._carry: list[tuple[int, bytes, Session, Envelope]] = []  # (items, op): beyond the last turn's budget
         self._carry_items = 0
-        self.rejects = collections.Counter()
         self.snapshot: dict = {}  # read by the metrics thread (brokerd/metrics.py)
         self.stats = BrokerStats()  # live instruments (histograms, counters), thread-safe
-        self._rejects_unsaved: collections.Counter = collections.Counter()
-        self._reject_logged: dict[tuple[bytes | str, str], float] = {}
-        self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
         self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
         self._kinds_unsaved: set[str] = set()  # kinds of HELLOs not yet noted in the ledger (meta w:<kind>)
         self._kinds_recorded = False  # the ledger named kinds served recently: no grace after start needed
-        self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
-        self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
         self._stopping = False
         self._started_mono = time.monotonic()
         self._last_turn_mono = self._started_mono
@@ -196,11 +179,14 @@ class Broker:
         self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
+        self.intake = Intake(self.codec, self.peers, self.outbound, self._end_session)
+        self.rejects = self.intake.rejects  # (the same counters: the metrics and admin read them here)
+        self._rejects_unsaved = self.intake.unsaved  # written to the ledger and cleared by _transact
         self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget)
         self.delivery = DeliveryTracker(self.epoch, self.fed, cfg.max_batch_items, self.outbound.reply_budget)
         self.sessions = Sessions(cfg, self.epoch, self.peers, self.leases, self.delivery, self.outbound, self.stats,
                                  defer=self._defer, wake_dispatch=self._wake_dispatch, worker_kinds=self._worker_hello,
-                                 count_reject=self._count_reject, heartbeat_info=self._relay_capacity)
+                                 count_reject=self.intake.count_reject, heartbeat_info=self._relay_capacity)
         self.admin = AdminCommands(self._admin_view())
         self._recover()
         if self.fed.enabled:
@@ -327,61 +313,9 @@ class Broker:
         log.warning("broker_stalled", stalled_s=round(gap, 3), peers=len(self.peers), leases=len(self.leases))
         return now
 
-    # --- decoding and the one disconnect rule ---
+    # --- decoding (brokerd/intake.py) ---
     def _decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
-        rid = raw[0]
-        sess = self.peers.by_routing(rid)
-        try:
-            return rid, self.codec.decode(raw[1:], bound_sender=sess.peer_id if sess else None)
-        except DecodeError as exc:
-            self._count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
-            if sess is not None or exc.code in POST_VERIFY_CODES:
-                self.outbound.send_raw(rid, p.Error(exc.code, str(exc)[:300]))
-            elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
-                # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)
-                self.outbound.send_raw(rid, p.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
-            if sess is not None:
-                self._end_session(sess, f"invalid envelope: {exc.code}")
-            return None
-
-    def _count_reject(self, code: str, reason: str, peer: str | None, rid: bytes, now: float) -> None:
-        """Count a refused frame (metric ccsq_frames_rejected, persisted) and log it at most
-        once per REJECT_LOG_INTERVAL_S per claimed peer id (per connection when none)."""
-        self.rejects[code] += 1
-        self._rejects_unsaved[code] += 1
-        key = (peer or rid, code)
-        if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
-            if now - self._reject_window_mono >= REJECT_LOG_INTERVAL_S:  # a new window for all peers together
-                if self._reject_lines_dropped:
-                    log.warning("frame_rejected_suppressed", lines=self._reject_lines_dropped,
-                                interval_s=REJECT_LOG_INTERVAL_S, limit=REJECT_LOG_LINES_PER_INTERVAL)
-                self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = now, 0, 0
-            if self._reject_window_lines >= REJECT_LOG_LINES_PER_INTERVAL:  # many ids: a flood, not a peer
-                self._reject_lines_dropped += 1
-                return
-            self._reject_window_lines += 1
-            if len(self._reject_logged) > 10_000:
-                self._reject_logged.clear()
-            self._reject_logged[key] = now
-            log.warning("frame_rejected", code=code, reason=reason, peer=peer)
-
-    def _may_answer_stranger(self, sender: str, now: float) -> bool:
-        """Whether an unauthenticated sender may get its refusal now: at most once per
-        STRANGER_ANSWER_INTERVAL_S per claimed id, and STRANGER_ANSWERS_PER_S for all
-        strangers together (token bucket), so a flood costs the broker no more than its frames."""
-        last = self._stranger_answered.get(sender)
-        if last is not None and now - last < STRANGER_ANSWER_INTERVAL_S:
-            return False
-        elapsed = now - self._stranger_tokens_mono
-        self._stranger_tokens = min(STRANGER_ANSWERS_PER_S, self._stranger_tokens + elapsed * STRANGER_ANSWERS_PER_S)
-        self._stranger_tokens_mono = now
-        if self._stranger_tokens < 1.0:
-            return False
-        self._stranger_tokens -= 1.0
-        if len(self._stranger_answered) > 10_000:
-            self._stranger_answered.clear()
-        self._stranger_answered[sender] = now
-        return True
+        return self.intake.decode(raw, now)
 
     def _unserved(self, sess: Session, items: list[p.SubmitItem]) -> list[str]:
         """Kinds of ``items`` that no worker connected since the broker started serves, for a
