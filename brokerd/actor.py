@@ -38,7 +38,6 @@ import structlog
 
 from ccsq.brokerd import transport as tp
 from ccsq.common.wire import federation as fed
-from ccsq.brokerd import gaps
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
 from ccsq.brokerd.intake import Intake
@@ -47,6 +46,7 @@ from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes,
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
+from ccsq.brokerd.relaying import Relaying, relay_sessions
 from ccsq.brokerd.sessions import Sessions
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
@@ -135,6 +135,7 @@ class Broker:
     peers: PeerTable
     leases: LeaseTimers
     epoch: int
+    relaying: Relaying  # what relays bring in (origins, proofs, F1-F4), what they are told
     intake: Intake  # verifies every frame; counts, logs and answers refusals
     dispatcher: Dispatcher  # ready items to lease holders with credit
     delivery: DeliveryTracker  # results sent and not yet acknowledged, redeliveries owed
@@ -184,9 +185,10 @@ class Broker:
         self._rejects_unsaved = self.intake.unsaved  # written to the ledger and cleared by _transact
         self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget)
         self.delivery = DeliveryTracker(self.epoch, self.fed, cfg.max_batch_items, self.outbound.reply_budget)
+        self.relaying = Relaying(self.fed, self.peers, self.codec.authorized, ledger, self.delivery, self.rejects)
         self.sessions = Sessions(cfg, self.epoch, self.peers, self.leases, self.delivery, self.outbound, self.stats,
                                  defer=self._defer, wake_dispatch=self._wake_dispatch, worker_kinds=self._worker_hello,
-                                 count_reject=self.intake.count_reject, heartbeat_info=self._relay_capacity)
+                                 count_reject=self.intake.count_reject, heartbeat_info=self.relaying.heartbeat_info)
         self.admin = AdminCommands(self._admin_view())
         self._recover()
         if self.fed.enabled:
@@ -379,7 +381,7 @@ class Broker:
         """Completion services, and downstream relays while a routed result waits for one."""
         takers = self.peers.sessions(p.Role.COMPLETION)
         if self.fed.routed_all:
-            takers += [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == fed.DOWNSTREAM]
+            takers += relay_sessions(self.peers, fed.DOWNSTREAM)
         return takers
 
     def _transact(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> None:
@@ -526,7 +528,7 @@ class Broker:
                     cost = blob_size(item.payload) + ITEM_RECORD_BYTES
                     refusal = refuse or self._admission_refusal(open_items, admitted + cost)
                     if sess.role is p.Role.RELAY:
-                        r = self._submit_relayed(txn, batch, sess, item, now_ms, refusal)
+                        r = self.relaying.submit(txn, batch, sess, item, now_ms, refusal)
                     else:
                         r = txn.submit(item, now_ms, refuse=refusal)
                     if r.item_id and not r.duplicate:  # a new ready item
@@ -540,7 +542,7 @@ class Broker:
             elif isinstance(msg, p.Complete):
                 outcomes = []
                 for r in msg.results:
-                    outcome = self._complete_relayed(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY \
+                    outcome = self.relaying.complete(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY \
                         else txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
                     if self.fed.enabled and outcome == p.Outcome.ACCEPTED.value:
@@ -612,7 +614,7 @@ class Broker:
             elif op == "expire":
                 holder = (txn.get(item_id) or {}).get("worker", "")
                 new = txn.expire_lease(item_id, token, now_ms, why)
-                self._note_relay_lease_lost(txn, item_id, holder, now_ms, new)
+                self.relaying.note_lease_lost(txn, item_id, holder, now_ms, new)
                 if new:
                     batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                     batch.log("info", "lease_expired", item=item_id, token=token, why=why, now=new)
@@ -627,7 +629,7 @@ class Broker:
         now_ms = wall_ms()
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
-            self._note_relay_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
+            self.relaying.note_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 batch.log("info", "lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
@@ -659,7 +661,7 @@ class Broker:
         now_ms = wall_ms()
         more_routed = False
         if self.fed.routed_all:
-            more_routed = self.delivery.plan_routed(txn, batch, self._relays(fed.DOWNSTREAM), self._delivered, now_ms)
+            more_routed = self.delivery.plan_routed(txn, batch, relay_sessions(self.peers, fed.DOWNSTREAM), self._delivered, now_ms)
         takers = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.unsent]
         if not takers:
             if self.fed.routed_all:
@@ -687,81 +689,6 @@ class Broker:
         """Unsent messages to peers whose pipe has room again, then liveness and heartbeats."""
         self.outbound.flush()
         self.sessions.tick(now)
-
-
-    # --- federation (common/wire/federation.py, docs/federation.md) ---
-    def _relays(self, side: str) -> list[Session]:
-        return [s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
-
-    def _reject_counted(self, txn: LedgerTxn, batch: Batch, code: str, peer: str, item: str, why: str) -> None:
-        txn.count_reject(code)
-        batch.effects.append(lambda: self.rejects.update([code]))
-        batch.log("warning", "relayed_rejected", code=code, peer=peer, item=item[:120], reason=why[:300])
-
-    def _submit_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
-                        refuse: str) -> p.SubmitResult:
-        """A relay's SUBMIT: only items whose origin signature verifies; the item records its
-        origin and the relay, and its idempotency key is the origin (a resubmission is G9)."""
-        origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
-        if origin is None:
-            self._reject_counted(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
-            txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
-            return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
-        res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
-        if res.duplicate and (txn.get(res.item_id) or {}).get("origin") != origin:
-            # a producer took this origin key first: never hand the relay someone else's item
-            why = f"key {item.key[:120]} belongs to an item that did not come by relay"
-            self._reject_counted(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
-            return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
-        if res.duplicate:
-            txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
-            if (txn.get(res.item_id) or {}).get("state") == p.ItemState.ACKNOWLEDGED.value:
-                # the upstream leased it again after an earlier relay took this result home and
-                # it was fenced there: deliver the (still stored) result once more (G3)
-                self.fed.route(sess.peer_id, res.item_id)
-                self.delivery.set_possible(True)  # at once, like the route: this turn's _deliver may take it
-        return res
-
-    def _complete_relayed(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
-        """A relay's COMPLETE counts only with the downstream broker's valid proof."""
-        why = fed.check_proof(r, self.fed.trust, self.fed.swarm_id)
-        if why:
-            self._reject_counted(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
-            return p.Outcome.REJECTED.value
-        before = txn.get(r.item_id) or {}
-        outcome = txn.complete(r, now_ms, sess.peer_id)
-        if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
-            txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
-        return outcome
-
-    def _note_relay_lease_lost(self, txn: LedgerTxn, item_id: str, holder: str, now_ms: int, new_state: str) -> None:
-        key = self.codec.authorized.get(holder)
-        if new_state and key is not None and key.role is p.Role.RELAY:
-            txn.event(gaps.F1_RELAY_LEASE_LOST, item_id, now_ms, f"lease of relay {holder}: item now {new_state}")
-
-    def _relay_capacity(self) -> dict[str, dict]:
-        """Heartbeat.info per relay session: to downstream relays the free worker capacity of
-        their kinds; to upstream relays of policy ``deadline`` whether this swarm's drain
-        forecast misses a kind's nearest deadline (recomputed at most every 5 s)."""
-        relays = self._relays(fed.DOWNSTREAM)
-        pressed = [s for s in self._relays(fed.UPSTREAM) if s.info_hello.get(fed.POLICY) == "deadline"]
-        if not relays and not pressed:
-            return {}
-        out = {}
-        with self.ledger.read() as view:
-            kind_states = view.kind_states()
-            workers = self.peers.sessions(p.Role.WORKER)
-            out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
-            if pressed:
-                now = time.monotonic()
-                cached = getattr(self, "_fed_forecast", None)
-                if cached is None or now - cached[0] >= 5.0:
-                    from ccsq.brokerd.report import queue_forecast
-
-                    cached = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(), wall_ms()))
-                    self._fed_forecast = cached
-                out.update({s.peer_id: fed.deadline_pressure(cached[1], s.kinds) for s in pressed})
-        return out
 
 
 def _op_items(msg: p.Message) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ccsq.brokerd.outbound import task_size
+from ccsq.brokerd.relaying import relay_sessions
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
@@ -62,8 +63,7 @@ class Dispatcher:
 
     def takers(self) -> list[Session]:
         """Workers and upstream relays that may get a DISPATCH now."""
-        holders = self.peers.sessions(p.Role.WORKER) + [
-            s for s in self.peers.sessions(p.Role.RELAY) if fed.relay_side(s) == fed.UPSTREAM]
+        holders = self.peers.sessions(p.Role.WORKER) + relay_sessions(self.peers, fed.UPSTREAM)
         return [s for s in holders
                 if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining]
 
