@@ -95,7 +95,9 @@ READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged agai
 
 @dataclasses.dataclass
 class Batch:
-    """What one transaction will do once it has committed."""
+    """What one transaction does once it has committed, in this order: crash points
+    (named, for the tests), in-memory effects and log lines, replies. Nothing in it
+    happens if the transaction aborts."""
 
     replies: list[tuple[bytes, p.Message]] = dataclasses.field(default_factory=list)
     effects: list[Callable[[], None]] = dataclasses.field(default_factory=list)
