@@ -144,7 +144,7 @@ class Broker:
     sessions: Sessions  # HELLO, HEARTBEAT, CREDIT, BYE, liveness
     outbound: Outbound  # every frame the actor sends
     deferred: list[tuple[str, str, int, str]]  # (op, item_id, token, why) for the next transaction
-    rejects: collections.Counter  # DecodeError code -> count (since start)
+    rejects: collections.Counter  # refusal code -> frames and relayed items refused since start (the intake's)
 
     def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.Transport) -> None:
         self.cfg = cfg
