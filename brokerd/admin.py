@@ -60,7 +60,6 @@ LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "b
 
 #: A bad admin request (the message says which argument): the one class of the exception
 #: tree, :class:`~ccsq.common.wire.errors.AdminFailed`, under the name the commands use.
-AdminError = AdminFailed
 
 
 # --- ledger queries (online inside the broker's transaction, offline on a read snapshot) ---
@@ -86,11 +85,11 @@ def ledger_status(view: LedgerView) -> dict[str, Any]:
 
 
 def item_doc(view: LedgerView, item_id: str) -> dict[str, Any]:
-    """``{"item": record}`` for ``items show``; AdminError if there is no such item
+    """``{"item": record}`` for ``items show``; AdminFailed if there is no such item
     (never submitted, or purged)."""
     rec = view.get(item_id)
     if rec is None:
-        raise AdminError(f"no item {item_id!r} in the ledger (never submitted, or purged after retention)")
+        raise AdminFailed(f"no item {item_id!r} in the ledger (never submitted, or purged after retention)")
     return {"item": rec}
 
 
@@ -103,7 +102,7 @@ def dlq_doc(view: LedgerView, limit: int) -> dict[str, Any]:
 def limit_arg(args: dict, default: int = 100) -> int:
     limit = args.get("limit", default)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_ITEMS_PER_COMMAND:
-        raise AdminError(f"limit must be an integer 1..{MAX_ITEMS_PER_COMMAND}")
+        raise AdminFailed(f"limit must be an integer 1..{MAX_ITEMS_PER_COMMAND}")
     return limit
 
 
@@ -140,7 +139,7 @@ class AdminCommands:
             return p.AdminReply(msg.req, False, error=f"unknown command {msg.command!r}; known: {list(self.COMMANDS)}")
         try:
             doc = getattr(self, f"cmd_{msg.command}")(txn, batch, sess, msg.args)
-        except AdminError as exc:
+        except AdminFailed as exc:
             return p.AdminReply(msg.req, False, error=str(exc))
         body = msgpack.packb(doc, use_bin_type=True)
         if len(body) > self.broker.reply_budget():
@@ -236,7 +235,7 @@ class AdminCommands:
         if (key is None or key.role is not p.Role.WORKER) and not (undo and worker in b.peers.draining):
             what = ("no peer of that id in the authorized keys" if key is None
                     else f"the authorized keys list it as a {key.role.value}, not a worker")
-            raise AdminError(f"unknown worker {worker!r}: {what} "
+            raise AdminFailed(f"unknown worker {worker!r}: {what} "
                              f"(known workers: {', '.join(self._worker_ids()) or 'none'})")
         txn.set_draining(worker, not undo)  # durable: a restarted broker keeps the drain
         batch.effects.append(lambda: b.set_draining(worker, not undo))
@@ -254,10 +253,10 @@ class AdminCommands:
         else:
             ids = [_str_arg(args, "item_id")]
         if not ids or len(ids) > MAX_ITEMS_PER_COMMAND:
-            raise AdminError(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
+            raise AdminFailed(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
         reason = args.get("reason", "operator")
         if reason not in DEAD_LETTER_REASONS:
-            raise AdminError(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
+            raise AdminFailed(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
         message = str(args.get("message", ""))[:300] or f"dead-lettered by {sess.peer_id}"
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
@@ -277,7 +276,7 @@ class AdminCommands:
 def _str_arg(args: dict, name: str) -> str:
     v = args.get(name)
     if not isinstance(v, str) or not v:
-        raise AdminError(f"argument {name!r} (a non-empty string) is required")
+        raise AdminFailed(f"argument {name!r} (a non-empty string) is required")
     return v
 
 

@@ -97,7 +97,7 @@ class DiskFull(RetryableError):
 class AdminFailed(PermanentError):
     """The broker refused an admin command (unknown item or worker, bad argument);
     the message is the broker's reason. One class on both sides: the broker's commands
-    and the offline ledger reads raise it (``brokerd/admin.py`` names it ``AdminError``),
+    and the offline ledger reads raise it,
     the admin client raises it for a refused reply. The CLI exits with ExitCode.REFUSED."""
 
     code = "ADMIN"
