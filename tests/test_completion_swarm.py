@@ -186,7 +186,7 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
         shutil.move(blobs, root / "blobs-away")
         blobs.write_bytes(b"the store is down")
         drain("--undo")
-        # the worker reports itself unhealthy for 1, 2, 4 ... s after each episode: fewer fetches than before
+        # the worker reports itself unhealthy for 1-2, 1-3, 1-5 ... s after each episode: fewer fetches than before
         wait_until(lambda: worker.count("payload_fetch_failed") >= 4, 60, "fetches failing during the outage")
         rep = swarm.report()
         assert rep["dead"] == 0 and rep["acknowledged"] == 0 and worker.running

@@ -2,7 +2,7 @@
 in the ledger, and ``ccsq gap-report --html`` (parsed back: inline SVG + numbers).
 
 A real ``ccsq-brokerd`` with ``metrics_port`` set, driven by scripted peers
-(brokerd/testing.py) so the flow is exact: 5 items submitted, dispatched,
+(tests/broker_harness.py) so the flow is exact: 5 items submitted, dispatched,
 completed and acknowledged; 2 more of another kind left ready with a deadline.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ccsq.brokerd.report import load_report, queue_forecast, render_html
-from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.tools import cli
 from ccsq.common.wire import protocol as p
 from ccsq.common.tools.procs import free_tcp_port

@@ -497,6 +497,9 @@ class ChaosRun:
         for name in list(self.armed):
             self.say(f"disarming {name} ({self.armed[name]})")
             self._kill(name)
+            proc = self._proc(name)
+            if proc is not None and not proc.running and proc.popen.returncode == -signal.SIGKILL:
+                self.killed.add(name)  # it died at that crash point just now (not yet seen by _supervise): ours
             self.armed.pop(name)
             self.env.pop(name, None)
         self.down.clear()
