@@ -33,7 +33,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import lmdb
 import structlog
 
 from ccsq.brokerd import transport as tp
@@ -43,6 +42,7 @@ from ccsq.brokerd.delivery import DeliveryTracker
 from ccsq.brokerd.intake import Intake
 from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
+from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
@@ -393,52 +393,43 @@ class Broker:
         due = self.leases.pop_due(now, SLICE_ENTRIES)
         background = now >= self._next_background_mono
         refuse = self._submit_refusal(ops, now)
-        mode = "normal"
-        batch = None
-        committed = False
-        for _ in range(8):
+
+        def step(txn: LedgerTxn, mode: str) -> tuple[Batch, bool]:
+            # one run of the turn's ledger work; the ledger runs it again after growing a full map or in a smaller mode
             batch = Batch()
-            txn = self.ledger.begin()
-            try:
-                if mode == "acks":  # at the max size even without growth: only what keeps delivery moving
-                    self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (p.Ack, p.Status))], "QUEUE_FULL")
-                else:
-                    self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
-                    self._apply_deferred(txn, batch, deferred)
-                    if self._kinds_unsaved:  # a hint for the next start only: lost with an aborted turn, harmless
-                        txn.note_kinds_served(self._kinds_unsaved, wall_ms())
-                        self._kinds_unsaved = set()
-                    self._apply_expiries(txn, batch, due)
-                backlog = False
-                if background and mode not in ("minimal", "acks"):
-                    backlog = txn.expire_deadlines(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
-                    backlog = txn.purge(wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
-                    txn.append_sample(wall_ms(), self.cfg.accounting_sample_interval_s)
-                if mode not in ("minimal", "acks"):
-                    self._dispatch(txn, batch, now)
-                    self._deliver(txn, batch)
-                for code, n in self._rejects_unsaved.items():
-                    txn.count_reject(code, n)
-                if (background or now >= self._ledger_stats_due_mono) and mode != "acks":
-                    self._ledger_stats(txn, now, background)
-                if txn.changed:
-                    t0, records = time.perf_counter(), txn.records
-                    txn.commit()
-                    self.stats.committed(records, time.perf_counter() - t0)
-                    self._committed_ops = len(ops)
-                else:
-                    txn.abort()
-                committed = True
-                break
-            except lmdb.MapFullError:
+            if mode == "acks":  # at the max size even without growth: only what keeps delivery moving
+                self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (p.Ack, p.Status))], "QUEUE_FULL")
+            else:
+                self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
+                self._apply_deferred(txn, batch, deferred)
+                if self._kinds_unsaved:  # a hint for the next start only: lost with an aborted turn, harmless
+                    txn.note_kinds_served(self._kinds_unsaved, wall_ms())
+                    self._kinds_unsaved = set()
+                self._apply_expiries(txn, batch, due)
+            backlog = False
+            if background and mode not in ("minimal", "acks"):
+                backlog = maintenance.expire_deadlines(txn, wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
+                backlog = maintenance.purge(txn, wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
+                maintenance.append_sample(txn, wall_ms(), self.cfg.accounting_sample_interval_s)
+            if mode not in ("minimal", "acks"):
+                self._dispatch(txn, batch, now)
+                self._deliver(txn, batch)
+            for code, n in self._rejects_unsaved.items():
+                txn.count_reject(code, n)
+            if (background or now >= self._ledger_stats_due_mono) and mode != "acks":
+                self._ledger_stats(txn, now, background)
+            if txn.changed:
+                t0, records = time.perf_counter(), txn.records
+                txn.commit()
+                self.stats.committed(records, time.perf_counter() - t0)
+                self._committed_ops = len(ops)
+            else:
                 txn.abort()
-                if self.ledger.grow_map():
-                    log.info("ledger_map_grown", map_size_bytes=self.ledger.map_size_bytes())
-                    continue
-                if mode == "acks":
-                    break
-                mode = {"normal": "refuse", "refuse": "minimal"}.get(mode, "acks")
-                log.warning("ledger_map_full", mode=mode, map_size_bytes=self.ledger.map_size_bytes())
+            return batch, backlog
+
+        mode, done = self.ledger.transact(step)
+        committed = done is not None
+        batch, backlog = done or (Batch(), False)  # (unused when nothing committed: it returns below)
         if mode == "acks" or not committed:
             # Still full with only completions, failures and acks: those did not fit, so they
             # are unanswered (peers resend them); acks and status were committed alone when

@@ -147,7 +147,7 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
     g12 = next(w for w in report["windows"] if w["id"] == "G12")
     assert g12["count"] == 1 and g12["recent"][0]["item_id"] == bad and "poisoned result refused" in g12["recent"][0]["detail"]
     assert report["counters"]["quarantined"] == 1
-    from ccsq.brokerd.ledger import Ledger, data_paths
+    from ccsq.brokerd.ledger.store import Ledger, data_paths
 
     ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
     try:

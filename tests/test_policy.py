@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from ccsq.brokerd.ledger import Policy, backoff_ms
+from ccsq.brokerd.ledger.rules import backoff_ms
+from ccsq.brokerd.ledger.store import Policy
 from ccsq.common.wire import errors
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.backoff import backoff_delay_s

@@ -36,7 +36,7 @@ from typing import Any
 
 import tomli_w
 
-from ccsq.brokerd.ledger import Ledger, LedgerError, data_paths
+from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.runtime.faults import env_for
 from ccsq.common.tools.procs import Proc
