@@ -409,10 +409,12 @@ class ChaosRun:
         # workers give such an item back uncounted (store_unavailable); only reconcile dead-letters it (G7)
         self.at(1.0, "reconcile", self._reconcile)
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, force: bool = False) -> None:
         """What the operator does when workers report payloads missing: ``ccsq reconcile
         --apply`` (orphans kept: a long grace). Best effort: a ready item leased meanwhile,
-        or a broker that does not answer, waits for the next run."""
+        or a broker that does not answer, waits for the next run. ``force``: when the only
+        items left open are ones whose payload the harness deleted, reconcile rightly refuses
+        ("holds none of the payloads": a wrong --store?); the operator who knows adds --force."""
         import subprocess
 
         from ccsq.common.tools.procs import bin_path
@@ -420,7 +422,8 @@ class ChaosRun:
         if self.blob_outage:
             return
         res = subprocess.run([bin_path("ccsq"), "reconcile", "--config", str(self.swarm.configs["brokerd"]),
-                              "--store", "file://blobs", "--grace-s", "86400", "--apply", "--json"],
+                              "--store", "file://blobs", "--grace-s", "86400", "--apply", "--json",
+                              *(["--force"] if force else [])],
                              capture_output=True, text=True, timeout=60)
         try:
             doc = json.loads(res.stdout)
@@ -528,7 +531,7 @@ class ChaosRun:
                     self.say(f"settled: {last}")
                     return
                 if self.deleted_payload_keys and open_items and time.monotonic() >= next_reconcile:
-                    self._reconcile()  # deleted payloads: their items wait for reconcile (G7)
+                    self._reconcile(force=True)  # deleted payloads: their items wait for reconcile (G7)
                     next_reconcile = time.monotonic() + 3.0
             time.sleep(0.2)  # polling the ledger for a condition, with a deadline
         self.say(f"NOT SETTLED after {self.opts.settle_timeout_s}s: {last}")
