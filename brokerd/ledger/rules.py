@@ -310,8 +310,15 @@ class LedgerTxn(LedgerView):
         }
         if origin:
             rec["origin"], rec["reply_to"] = origin, reply_to
-        self.txn.put(item_id.encode(), sc.pack(sc.blob_to_wire(item.payload)), db=self.db["payloads"])
-        self._put(rec)
+        iid = item_id.encode()
+        payloads, items = self.db["payloads"], self.db["items"]
+        blob = sc.pack_blob(item.payload, compress=True)
+        # ids only grow: append (full pages, not half-split ones); out of order it falls back
+        self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
+        packed = sc.pack_item(rec)
+        self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
+        self.changed = True
+        self.records += 1
         self._index_add(rec)
         self._add(sc.state_key(S.READY.value), 1)
         self._add(sc.kind_state_key(item.kind, S.READY.value), 1)
@@ -400,7 +407,7 @@ class LedgerTxn(LedgerView):
             return p.Outcome.DUPLICATE.value
         late = st == S.READY.value and rec["token"] == res.token and res.token != 0
         if ((st == S.LEASED.value and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
-            self.txn.put(res.item_id.encode(), sc.pack(sc.blob_to_wire(res.result)), db=self.db["results"])
+            self.txn.put(res.item_id.encode(), sc.pack_blob(res.result), db=self.db["results"])
             cseq = self.next_num(sc.NEXT_CSEQ)
             self._transition(
                 rec,

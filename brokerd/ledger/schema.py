@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from typing import Any, TypedDict
 
+import lz4.block
 import msgpack
 
 from ccsq.common.wire import protocol as p
@@ -219,6 +220,48 @@ def blob_from_wire(d: dict) -> p.Blob:
     return p.Blob(d["sha256"], d["size"], d.get("inline"))
 
 
+# --- blobs (``payloads``, ``results``) ---
+# Format 1 (before issue 15): the map ``{sha256: hex str, size, inline}``.
+# Format 2: the array ``[sha256 (32 raw bytes), size, inline]``, or, for an inline
+# payload that LZ4 shrinks by at least an eighth, ``[sha256, size, lz4 block, 1]``
+# (``lz4.block`` without the size header: ``size`` is the length). Both are read.
+#: Inline payloads shorter than this are stored as they are (LZ4 could not win much).
+COMPRESS_MIN_BYTES = 128
+_LZ4 = 1
+
+
+def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
+    """The ``payloads``/``results`` value of ``blob`` (format 2). ``compress``: store
+    an inline payload LZ4-compressed when that saves at least an eighth."""
+    inline = blob.inline
+    sha = bytes.fromhex(blob.sha256)
+    if compress and inline is not None and len(inline) >= COMPRESS_MIN_BYTES:
+        packed = lz4.block.compress(inline, mode="fast", acceleration=4, store_size=False)
+        if len(packed) <= len(inline) - (len(inline) >> 3):
+            return msgpack.packb([sha, blob.size, packed, _LZ4], use_bin_type=True)
+    return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
+
+
+def unpack_blob(raw: bytes) -> p.Blob:
+    """A blob value of either format."""
+    v = msgpack.unpackb(raw, raw=False)
+    if isinstance(v, dict):  # format 1
+        return p.Blob(v["sha256"], v["size"], v.get("inline"))
+    inline = v[2]
+    if len(v) > 3 and v[3] == _LZ4:
+        inline = lz4.block.decompress(inline, uncompressed_size=v[1])
+    return p.Blob(v[0].hex(), v[1], inline)
+
+
+def blob_ref(raw: bytes) -> str | None:
+    """The sha256 of a claim-store reference (hex), or None for an inline blob (either
+    format; nothing decompressed)."""
+    v = msgpack.unpackb(raw, raw=False)
+    if isinstance(v, dict):
+        return v["sha256"] if v.get("inline") is None else None
+    return v[0].hex() if v[2] is None else None
+
+
 class Item(TypedDict, total=False):
     """The item record (``items`` sub-database), a msgpack map; see docs/ledger.md.
 
@@ -283,12 +326,54 @@ class Item(TypedDict, total=False):
     reply_to: str
 
 
+# Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
+# long field names, ``id`` included. Format 2: a map with the one-letter names below,
+# without ``id`` (the record's key) and without the submit fields that hold their
+# default (:data:`_DEFAULTS`); a field without a short name keeps its long one. A
+# format 2 record never has an ``id`` key, so ``"id" in map`` tells the formats apart.
+_SHORT: dict[str, str] = {
+    "key": "k", "kind": "K", "params": "p", "priority": "P", "deadline_ms": "D", "max_attempts": "M",
+    "max_runtime_s": "R", "state": "s", "attempt": "a", "token": "t", "worker": "w", "token_worker": "W",
+    "nb_ms": "n", "seq": "S", "created_ms": "c", "error": "e", "error_message": "E", "lease_expires_ms": "l",
+    "fail_token": "f", "ended_ms": "x", "cseq": "q", "completed_token": "T", "completed_ms": "C",
+    "completed_epoch": "h", "handler": "H", "handler_version": "V", "runtime_s": "r", "worker_done": "d",
+    "acked_ms": "A", "quarantined": "Q", "origin": "o", "reply_to": "y",
+}
+_LONG: dict[str, str] = {v: k for k, v in _SHORT.items()}
+#: Fields every record has from SUBMIT on, with the value format 2 leaves out.
+_DEFAULTS: dict[str, Any] = {
+    "params": {}, "priority": 0, "deadline_ms": None, "max_attempts": 0, "max_runtime_s": 0.0,
+    "attempt": 0, "token": 0, "worker": "", "error": "",
+}
+_SHORT_DEFAULTS = {_SHORT[k]: v for k, v in _DEFAULTS.items()}
+_ABSENT = object()
+
+
 def pack_item(rec: Item) -> bytes:
-    return pack(rec)
+    """The ``items`` value of ``rec`` (format 2; ``rec["id"]`` is the key, not stored)."""
+    out = {}
+    for k, v in rec.items():
+        if k == "id":
+            continue
+        s = _SHORT.get(k, k)
+        d = _SHORT_DEFAULTS.get(s, _ABSENT)
+        if d is _ABSENT or v != d or type(v) is not type(d):
+            out[s] = v
+    return msgpack.packb(out, use_bin_type=True)
 
 
-def unpack_item(raw: bytes) -> Item:
-    return unpack(raw)
+def unpack_item(raw: bytes, item_id: str = "") -> Item:
+    """An item record of either format; ``item_id`` (the key) fills ``id`` of a format 2
+    record ("" when not given: callers that need only other fields)."""
+    d = msgpack.unpackb(raw, raw=False)
+    if "id" in d:  # format 1
+        return d
+    rec: dict[str, Any] = {"id": item_id}
+    rec.update(_DEFAULTS)
+    rec["params"] = {}
+    for k, v in d.items():
+        rec[_LONG.get(k, k)] = v
+    return rec  # type: ignore[return-value]
 
 
 def token_holder(rec: Item) -> str:
