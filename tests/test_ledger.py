@@ -393,9 +393,9 @@ def test_transact_grows_a_full_map_then_sheds_work(tmp_path):
 
 
 def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger):
-    """Issue 15: item records are written with one-letter field names and without their
-    defaults, blobs as ``[sha, size, inline]`` (an inline payload LZ4-compressed when that
-    pays). Records and blobs an older broker wrote (long-named maps) read the same, move on
+    """Issue 15: item records are written as an array of their core fields plus a map of
+    the rest (no ``id``), blobs as ``[sha, size, inline]`` (an inline payload LZ4-compressed
+    when that pays). Records and blobs an older broker wrote (long-named maps) read the same, move on
     through every transition, and a claim-check reference is listed from either format."""
     import msgpack
 

@@ -10,6 +10,7 @@ changes the file format: existing ledger files must stay readable.
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Any, TypedDict
 
@@ -327,52 +328,42 @@ class Item(TypedDict, total=False):
 
 
 # Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
-# long field names, ``id`` included. Format 2: a map with the one-letter names below,
-# without ``id`` (the record's key) and without the submit fields that hold their
-# default (:data:`_DEFAULTS`); a field without a short name keeps its long one. A
-# format 2 record never has an ``id`` key, so ``"id" in map`` tells the formats apart.
-_SHORT: dict[str, str] = {
-    "key": "k", "kind": "K", "params": "p", "priority": "P", "deadline_ms": "D", "max_attempts": "M",
-    "max_runtime_s": "R", "state": "s", "attempt": "a", "token": "t", "worker": "w", "token_worker": "W",
-    "nb_ms": "n", "seq": "S", "created_ms": "c", "error": "e", "error_message": "E", "lease_expires_ms": "l",
-    "fail_token": "f", "ended_ms": "x", "cseq": "q", "completed_token": "T", "completed_ms": "C",
-    "completed_epoch": "h", "handler": "H", "handler_version": "V", "runtime_s": "r", "worker_done": "d",
-    "acked_ms": "A", "quarantined": "Q", "origin": "o", "reply_to": "y",
+# long field names, ``id`` included. Format 2: the array of the fields every record has
+# from SUBMIT on (:data:`ITEM_CORE`, in that order), then a map of the other fields
+# present (long names); no ``id`` (it is the record's key). A map is format 1, an
+# array format 2: :func:`unpack_item` reads both.
+ITEM_CORE: tuple[str, ...] = (
+    "key", "kind", "params", "priority", "deadline_ms", "max_attempts", "max_runtime_s", "state",
+    "attempt", "token", "worker", "nb_ms", "seq", "created_ms", "error",
+)
+_core_of = operator.itemgetter(*ITEM_CORE)
+_NOT_EXTRA = frozenset(ITEM_CORE) | {"id"}
+#: What a format-1 record written before a core field existed reads as (old ones lack ``worker``).
+_CORE_DEFAULTS: dict[str, Any] = {
+    "params": {}, "priority": 0, "max_attempts": 0, "max_runtime_s": 0.0, "attempt": 0, "token": 0,
+    "worker": "", "error": "",
 }
-_LONG: dict[str, str] = {v: k for k, v in _SHORT.items()}
-#: Fields every record has from SUBMIT on, with the value format 2 leaves out.
-_DEFAULTS: dict[str, Any] = {
-    "params": {}, "priority": 0, "deadline_ms": None, "max_attempts": 0, "max_runtime_s": 0.0,
-    "attempt": 0, "token": 0, "worker": "", "error": "",
-}
-_SHORT_DEFAULTS = {_SHORT[k]: v for k, v in _DEFAULTS.items()}
-_ABSENT = object()
 
 
 def pack_item(rec: Item) -> bytes:
     """The ``items`` value of ``rec`` (format 2; ``rec["id"]`` is the key, not stored)."""
-    out = {}
-    for k, v in rec.items():
-        if k == "id":
-            continue
-        s = _SHORT.get(k, k)
-        d = _SHORT_DEFAULTS.get(s, _ABSENT)
-        if d is _ABSENT or v != d or type(v) is not type(d):
-            out[s] = v
-    return msgpack.packb(out, use_bin_type=True)
+    try:
+        core = _core_of(rec)
+    except KeyError:  # a format-1 record from before one of the core fields
+        core = tuple(rec.get(f, _CORE_DEFAULTS.get(f)) for f in ITEM_CORE)
+    extra = rec.keys() - _NOT_EXTRA
+    return msgpack.packb((*core, {k: rec[k] for k in extra} if extra else {}), use_bin_type=True)
 
 
 def unpack_item(raw: bytes, item_id: str = "") -> Item:
-    """An item record of either format; ``item_id`` (the key) fills ``id`` of a format 2
+    """An item record of either format; ``item_id`` (the key) fills ``id`` of a format-2
     record ("" when not given: callers that need only other fields)."""
-    d = msgpack.unpackb(raw, raw=False)
-    if "id" in d:  # format 1
-        return d
+    v = msgpack.unpackb(raw, raw=False)
+    if type(v) is dict:  # format 1
+        return v  # type: ignore[return-value]
     rec: dict[str, Any] = {"id": item_id}
-    rec.update(_DEFAULTS)
-    rec["params"] = {}
-    for k, v in d.items():
-        rec[_LONG.get(k, k)] = v
+    rec.update(zip(ITEM_CORE, v))
+    rec.update(v[len(ITEM_CORE)])
     return rec  # type: ignore[return-value]
 
 
