@@ -94,12 +94,27 @@ def counter_key(name: str) -> bytes:
     return COUNTER + name.encode()
 
 
+_state_keys: dict[str, bytes] = {}
+_kind_state_keys: dict[tuple[str, str], bytes] = {}
+_KEYS_KEPT = 4096  # memo of the per-state count keys (four of them per transition); cleared when this big
+
+
 def state_key(state: str) -> bytes:
-    return STATE + state.encode()
+    k = _state_keys.get(state)
+    if k is None:
+        if len(_state_keys) >= _KEYS_KEPT:
+            _state_keys.clear()
+        k = _state_keys[state] = STATE + state.encode()
+    return k
 
 
 def kind_state_key(kind: str, state: str) -> bytes:
-    return KIND_STATE + kind.encode() + b"\0" + state.encode()
+    k = _kind_state_keys.get((kind, state))
+    if k is None:
+        if len(_kind_state_keys) >= _KEYS_KEPT:
+            _kind_state_keys.clear()
+        k = _kind_state_keys[(kind, state)] = KIND_STATE + kind.encode() + b"\0" + state.encode()
+    return k
 
 
 def parse_kind_state(key: bytes) -> tuple[str, str]:
@@ -243,15 +258,27 @@ def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
     return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
 
 
+_new_blob = object.__new__
+_set = object.__setattr__
+
+
 def unpack_blob(raw: bytes) -> p.Blob:
-    """A blob value of either format."""
+    """A blob value of either format. A format-2 blob was checked when it came in (the
+    sha256 is 32 bytes by construction): built without :class:`~ccsq.common.wire.protocol.Blob`'s
+    checks again."""
     v = msgpack.unpackb(raw, raw=False)
     if isinstance(v, dict):  # format 1
         return p.Blob(v["sha256"], v["size"], v.get("inline"))
     inline = v[2]
     if len(v) > 3 and v[3] == _LZ4:
         inline = lz4.block.decompress(inline, uncompressed_size=v[1])
-    return p.Blob(v[0].hex(), v[1], inline)
+    if len(v[0]) != 32 or (inline is not None and len(inline) != v[1]):
+        return p.Blob(v[0].hex(), v[1], inline)  # (cannot happen; the checks say what is wrong)
+    b = _new_blob(p.Blob)
+    _set(b, "sha256", v[0].hex())
+    _set(b, "size", v[1])
+    _set(b, "inline", inline)
+    return b
 
 
 def blob_ref(raw: bytes) -> str | None:

@@ -248,8 +248,11 @@ class LedgerView:
                 break
         return out, next_cseq
 
-    def delivery(self, item_id: str, redelivery: bool) -> p.Delivery:
-        rec = self.get(item_id)
+    def delivery(self, item_id: str, redelivery: bool, rec: Item | None = None) -> p.Delivery:
+        """The RESULT record of completed ``item_id``; ``rec``: its record when the caller
+        has just read it in this transaction (not read again)."""
+        if rec is None:
+            rec = self.get(item_id)
         if rec is None:
             raise LedgerError(f"completed index points at missing item {item_id}")
         result = self.result(item_id)
