@@ -73,6 +73,12 @@ class LedgerTxn(LedgerView):
         self._dirty: set[bytes] = set()
         self.changed = False
         self.records = 0  # item records written (group-commit size, exported as a metric)
+        # Records and payloads this transaction wrote, by item id: a lease right after its
+        # SUBMIT, a delivery right after its COMPLETE (same turn) reads them from here,
+        # not from LMDB. Gone with the transaction; purges evict (:meth:`forget`).
+        self._recs: dict[str, Item] = {}
+        self._payloads: dict[str, p.Blob] = {}
+        self._results: dict[str, p.Blob] = {}
 
     def __exit__(self, *exc: object) -> None:
         if self.txn is not None:
@@ -195,8 +201,29 @@ class LedgerTxn(LedgerView):
         return True
 
     # --- records and indexes ---
+    def get(self, item_id: str) -> Item | None:
+        """As :meth:`LedgerView.get`; a record this transaction wrote comes from memory (a
+        copy: callers change the record they get, then write it)."""
+        rec = self._recs.get(item_id)
+        return dict(rec) if rec is not None else super().get(item_id)  # type: ignore[return-value]
+
+    def payload(self, item_id: str) -> p.Blob:
+        blob = self._payloads.get(item_id)
+        return blob if blob is not None else super().payload(item_id)
+
+    def result(self, item_id: str) -> p.Blob | None:
+        blob = self._results.get(item_id)
+        return blob if blob is not None else super().result(item_id)
+
+    def forget(self, item_id: str) -> None:
+        """The item's record, payload and result were deleted in this transaction (purges)."""
+        self._recs.pop(item_id, None)
+        self._payloads.pop(item_id, None)
+        self._results.pop(item_id, None)
+
     def _put(self, rec: Item) -> None:
         self.txn.put(rec["id"].encode(), sc.pack_item(rec), db=self.db["items"])
+        self._recs[rec["id"]] = rec
         self.changed = True
         self.records += 1
 
@@ -324,6 +351,7 @@ class LedgerTxn(LedgerView):
         self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
         packed = sc.pack_item(rec)
         self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
+        self._recs[item_id], self._payloads[item_id] = rec, item.payload
         self.changed = True
         self.records += 1
         self._index_add(rec)
@@ -415,6 +443,7 @@ class LedgerTxn(LedgerView):
         late = st == _READY and rec["token"] == res.token and res.token != 0
         if ((st == _LEASED and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
             self.txn.put(res.item_id.encode(), sc.pack_blob(res.result), db=self.db["results"])
+            self._results[res.item_id] = res.result
             cseq = self.next_num(sc.NEXT_CSEQ)
             self._transition(
                 rec,
@@ -576,6 +605,7 @@ class LedgerTxn(LedgerView):
         self.txn.delete(iid, db=self.db["dead"])
         for name in ("items", "payloads", "results"):
             self.txn.delete(iid, db=self.db[name])
+        self.forget(item_id)
         kb = rec["key"].encode()
         raw = self.txn.get(kb, db=self.db["keys"])
         if raw is not None and sc.unpack(raw)[0] == item_id:
