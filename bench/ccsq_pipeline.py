@@ -125,8 +125,8 @@ def latencies_ms(root: Path, facts: dict[str, int] | None = None) -> list[float]
     rerun = 0
     try:
         with ledger.read() as view:
-            for _k, raw in view.txn.cursor(db=view.db["items"]):
-                rec = schema.unpack_item(raw)  # either record format (issue 15)
+            for k, raw in view.txn.cursor(db=view.db["items"]):
+                rec = schema.unpack_item(raw, k.decode())  # either record format (issue 15)
                 t = rec.get("params", {}).get("t")
                 rerun += rec.get("attempt", 0) > 1
                 if rec.get("acked_ms") and isinstance(t, float):

@@ -320,7 +320,7 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
 def _rewrite_record(led: Ledger, item_id: str, **fields) -> None:
     """Write an item record as an older broker left it (raw msgpack, fields set or, with None, removed)."""
     with led.env.begin(write=True) as raw:
-        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]))
+        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]), item_id)
         for name, value in fields.items():
             if value is None:
                 rec.pop(name, None)

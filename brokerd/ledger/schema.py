@@ -382,9 +382,9 @@ def pack_item(rec: Item) -> bytes:
     return msgpack.packb((*core, {k: rec[k] for k in extra} if extra else {}), use_bin_type=True)
 
 
-def unpack_item(raw: bytes, item_id: str = "") -> Item:
-    """An item record of either format; ``item_id`` (the key) fills ``id`` of a format-2
-    record ("" when not given: callers that need only other fields)."""
+def unpack_item(raw: bytes, item_id: str) -> Item:
+    """An item record of either format; ``item_id`` (its key in ``items``) fills ``id``
+    of a format-2 record."""
     v = msgpack.unpackb(raw, raw=False)
     if type(v) is dict:  # format 1
         return v  # type: ignore[return-value]
