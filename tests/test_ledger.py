@@ -432,3 +432,24 @@ def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger
         assert a["state"] == "acknowledged" and a["worker_done"] == "w1" and a["acked_ms"] == 3_100 and a["attempt"] == 1
         assert v.item_status(ra.item_id).result == blob(b"r")
     check_balance(ledger)
+
+
+def test_records_a_transaction_wrote_read_back_from_memory_and_purges_forget_them(ledger):
+    """A write transaction hands out the records, payloads and results it wrote without an
+    LMDB read (issue 15), as copies (a caller's change is not written until it puts the
+    record), and a purge in the same transaction forgets them."""
+    txn = ledger.begin()
+    rid = txn.submit(item("a"), 1_000).item_id
+    assert txn.payload(rid) == blob(b"a")
+    rec = txn.get(rid)
+    rec["state"] = "dead"  # not written: the transaction's copy stays as it was put
+    assert txn.get(rid)["state"] == "ready" and txn.get(rid)["id"] == rid
+    task = txn.lease(rid, "w1", 2_000, 30_000)
+    assert task.payload == blob(b"a") and txn.get(rid)["worker"] == "w1"
+    assert txn.dead_letter(rid, task.token, "fatal", "boom", 2_100)
+    assert txn.purge_dead(rid, 2_200)
+    assert txn.get(rid) is None and txn.result(rid) is None
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(rid) is None
+    check_balance(ledger)
