@@ -18,7 +18,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import InvalidRequest, PayloadTooLarge
 from ccsq.common.wire.frames import split_frames
 from ccsq.producer.client import AsyncClient
-from ccsq.producer.items import ItemBuilder, derive_key, item_size, item_size_bound
+from ccsq.producer.items import ItemBuilder, canonical_params, derive_key, item_size, item_size_bound
 
 
 @pytest.mark.parametrize(("args", "key"), [
@@ -127,3 +127,10 @@ def test_build_many_refuses_bad_input_before_writing_its_blob(tmp_path: Path, sp
         assert len(blobs) == 1  # the good item before the bad one wrote its blob; nothing after it ran
     finally:
         b.close()
+
+
+def test_canonical_params_after_a_refused_value_are_the_plain_packb_bytes() -> None:
+    with pytest.raises(OverflowError):
+        canonical_params({"a": 1 << 70, "b": "x" * 50})  # half packed when refused: the packer must start clean
+    for params in ({"t": 1.5}, {}, {"b": b"\x00", "a": "\u00e9", "n": None, "i": -1, "f": True}):
+        assert canonical_params(params) == msgpack.packb(sorted(params.items()), use_bin_type=True)
