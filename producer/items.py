@@ -47,6 +47,8 @@ def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -
 
 
 def read_payload(payload: Payload) -> bytes:
+    if type(payload) is bytes:  # the usual case: already immutable bytes, nothing to copy or check
+        return payload
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
     if isinstance(payload, (str, Path)):
