@@ -6,7 +6,7 @@ SUBMIT_ACK). CPU is this process's user + system time (``resource.getrusage``, e
 the event loop and ZeroMQ's I/O thread) around the submits, after one warm-up window. Used to
 A/B producer changes on a shared machine.
 
-    python -m bench.producer_cpu [--n 20000] [--repeat 3] [--profile FILE.prof]
+    python -m bench.producer_cpu [--n 20000] [--repeat 3] [--outbox] [--profile FILE.prof]
 """
 
 from __future__ import annotations
@@ -75,14 +75,18 @@ async def _measure(producer_toml: Path, n: int, repeat: int, batch: int, window:
 
 
 def run(n: int = 20000, repeat: int = 3, batch: int = 100, window: int = 8,
-        profile: Path | None = None) -> dict[str, object]:
-    """Start broker + 1 worker, then measure ``repeat`` producer runs of ``n`` jobs each;
+        profile: Path | None = None, outbox: bool = False) -> dict[str, object]:
+    """Start broker + 1 worker, then measure ``repeat`` producer runs of ``n`` jobs each
+    (``outbox``: with ``outbox_dir`` set, as a producer that spools while the broker is away);
     returns every run's figures and the median CPU µs per job."""
     from bench.ccsq_pipeline import start_swarm
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "swarm"
         procs, configs = start_swarm(root, workers=1, start_completion=False)
+        if outbox:
+            with configs["producer"].open("a") as f:
+                f.write(f'outbox_dir = "{root / "outbox"}"\n')
         try:
             runs = asyncio.run(_measure(configs["producer"], n, repeat, batch, window, profile))
         finally:
@@ -95,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.producer_cpu", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000, help="jobs per measured run")
     ap.add_argument("--repeat", type=int, default=3, help="measured runs (the median is reported)")
+    ap.add_argument("--outbox", action="store_true", help="the producer with outbox_dir set")
     ap.add_argument("--profile", type=Path, help="cProfile the measured runs into this file (slower: A/B without it)")
     args = ap.parse_args(argv)
-    out = run(args.n, args.repeat, profile=args.profile)
+    out = run(args.n, args.repeat, profile=args.profile, outbox=args.outbox)
     print(json.dumps(out))
     if args.profile:
         import pstats

@@ -431,7 +431,7 @@ class AsyncClient:
         spool instead (the outbox is not empty, or no session within ``submit_timeout_s``).
         Without an outbox, raises BrokerUnavailable when no session comes in ``timeout_s``."""
         if self._replay is not None:
-            if await self._replay.outbox.count() > 0 or not await self._wait_ready(self.config.submit_timeout_s):
+            if not await self._replay.is_empty() or not await self._wait_ready(self.config.submit_timeout_s):
                 return None
             return time.monotonic() + self.config.submit_timeout_s
         deadline = time.monotonic() + timeout_s

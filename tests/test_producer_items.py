@@ -134,3 +134,40 @@ def test_canonical_params_after_a_refused_value_are_the_plain_packb_bytes() -> N
         canonical_params({"a": 1 << 70, "b": "x" * 50})  # half packed when refused: the packer must start clean
     for params in ({"t": 1.5}, {}, {"b": b"\x00", "a": "\u00e9", "n": None, "i": -1, "f": True}):
         assert canonical_params(params) == msgpack.packb(sorted(params.items()), use_bin_type=True)
+
+
+def test_outbox_emptiness_is_known_without_a_query_only_until_the_next_spool(tmp_path: Path) -> None:
+    import logging
+
+    from ccsq.producer.outbox import Outbox
+    from ccsq.producer.replay import OutboxReplay
+
+    async def confirm_all(items: list[p.SubmitItem], _deadline: float):
+        return {it.key: p.SubmitResult(it.key, f"id-{it.key}") for it in items}, [], None
+
+    async def main() -> None:
+        outbox = Outbox(tmp_path / "outbox")
+        replay = OutboxReplay(outbox, send_frame=confirm_all, first_frame=lambda items: items, submit_timeout_s=1.0,
+                              retry_base_s=0.01, backoff_cap_s=0.1, log=logging.getLogger("test"))
+        ready = asyncio.Event()  # no session yet: the flusher waits
+        flusher = asyncio.create_task(replay.run(ready))
+        try:
+            assert await replay.is_empty() and not replay._known_empty  # asked the database
+            item = p.SubmitItem("k1", "echo", p.Blob("e" * 64, 1, b"x"))
+            await replay.spool([item], reason="test")
+            assert not await replay.is_empty()
+            ready.set()
+            for _ in range(500):
+                if replay._known_empty:
+                    break
+                await asyncio.sleep(0.01)
+            assert replay._known_empty and await replay.is_empty() and await outbox.count() == 0
+            spooling = asyncio.create_task(replay.spool([item], reason="test"))
+            await asyncio.sleep(0)  # spool() has begun: the verdict is dropped before its write lands
+            assert not replay._known_empty
+            await spooling
+        finally:
+            flusher.cancel()
+            replay.close()
+
+    asyncio.run(main())
