@@ -104,6 +104,24 @@ def test_results_land_once_then_ack_within_credit(env) -> None:
     assert r7["landed_ts"] >= r7["completed_ts"] - 1
 
 
+def test_a_result_frame_larger_than_batch_max_is_split_into_transactions_and_acks(env) -> None:
+    """RESULT frames are queued whole and cut at ``batch_max``: one frame of 64 results with
+    ``batch_max = 8`` lands as transactions (and ACKs) of at most 8, each result once, and the
+    credit comes back so that the next frames follow."""
+    e = env(credit=64, batch_max=8, batch_wait_ms=50.0)
+    e.start()
+    for n in range(150):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 150, 30, "150 results acknowledged")
+    with e.broker.lock:
+        sizes = [len(ids) for _, ids in e.broker.acks]
+    assert max(sizes) <= 8 and sum(sizes) == 150 and len(sizes) >= 150 // 8
+    assert set(e.broker.ack_count.values()) == {1}
+    assert e.broker.max_in_flight > 8  # the broker did send frames larger than a batch
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 150 and {r["deliveries"] for r in rows.values()} == {1}
+
+
 def test_killed_between_commit_and_ack_lands_once_and_counts_the_redelivery(env) -> None:
     """Crash between steps 5 and 6 (docs/architecture.md hops 7-8, gap G3): the first batch is
     committed but never acknowledged; after a restart the broker redelivers it and the
