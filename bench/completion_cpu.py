@@ -8,6 +8,12 @@ Used to A/B completion changes on a shared machine, where the whole pipeline's f
 move with the neighbours' load.
 
     python -m bench.completion_cpu [--n 20000] [--database postgresql://...] [--profile FILE]
+    python -m bench.completion_cpu --phases [--n 20000]
+
+``--phases`` splits the same work in one process, without sockets or threads: CPU per
+result (user / system, from ``getrusage``) of verifying and decoding the RESULT frames
+(the envelope codec), of the service's ``_resolve`` (rows from deliveries) and of
+``ResultsDB.land`` (SQLite, 256 rows per transaction), and of encoding the ACKs.
 """
 
 from __future__ import annotations
@@ -34,9 +40,7 @@ def _user_sys_s(pid: int) -> tuple[float, float]:
 def run(n: int = 20_000, *, credit: int = 512, database: str = "sqlite:///results.db",
         profile: Path | None = None) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from ccsq.common.storage.claimstore import sha256_hex
     from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
-    from ccsq.common.wire import protocol as p
     from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,14 +55,7 @@ def run(n: int = 20_000, *, credit: int = 512, database: str = "sqlite:///result
             proc = procs.start("completion", [bin_path("ccsq"), "completion", "--config", str(config)],
                                ready_event="broker_link_ready")
             pid = proc.popen.pid
-            now = time.time()
-            deliveries = []
-            for i in range(n):
-                data = claim_ref(i)
-                deliveries.append(p.Delivery(
-                    item_id=f"i{i:09d}", key=hashlib.sha256(b"k%d" % i).hexdigest(), kind="echo",
-                    result=p.Blob(sha256_hex(data), len(data), data), params={"t": now}, attempt=1,
-                    handler="echo", handler_version="1", completed_ts=now))
+            deliveries = _deliveries(n)
             if profile is not None:
                 import subprocess
 
@@ -86,12 +83,81 @@ def run(n: int = 20_000, *, credit: int = 512, database: str = "sqlite:///result
             "sys_us_per_result": round(1e6 * (us1[1] - us0[1]) / n, 1)}
 
 
+def _deliveries(n: int) -> list:
+    from ccsq.common.storage.claimstore import sha256_hex
+    from ccsq.common.wire import protocol as p
+
+    now = time.time()
+    out = []
+    for i in range(n):
+        data = claim_ref(i)
+        out.append(p.Delivery(
+            item_id=f"i{i:09d}", key=hashlib.sha256(b"k%d" % i).hexdigest(), kind="echo",
+            result=p.Blob(sha256_hex(data), len(data), data), params={"t": now}, attempt=1,
+            handler="echo", handler_version="1", completed_ts=now))
+    return out
+
+
+def phases(n: int = 20_000, batch: int = 256) -> dict[str, dict[str, float]]:
+    """CPU µs per result of each step of the service's path, in this process (see the module doc)."""
+    import asyncio
+    import resource
+
+    sys.path.insert(0, str(ROOT))
+    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire.config import CompletionConfig, load
+    from ccsq.common.wire.envelope import EnvelopeCodec
+    from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
+    from ccsq.completiond.completion import CompletionService
+    from tests.scripted_broker import make_pki, write_config
+
+    def now() -> tuple[float, float]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_pki(root, {"broker": "broker", "completion-1": "completion"})
+        keys = AuthorizedKeys(root / "authorized_keys.toml")
+        broker = EnvelopeCodec("broker", load_private_key(root / "keys" / "broker.key"), keys)
+        ds = _deliveries(n)
+        frames = [broker.encode(p.Result(deliveries=ds[k:k + batch])) for k in range(0, n, batch)]
+        config = load(CompletionConfig, write_config(root, "completion", "completion-1", "tcp://127.0.0.1:9"))
+        svc = CompletionService(config)
+        codec = EnvelopeCodec("completion-1", load_private_key(root / "keys" / "completion-1.key"), keys,
+                              require_hello=False)
+        try:
+            t = [now()]
+            msgs = [codec.decode(f, bound_sender="broker").message for f in frames]
+            t.append(now())
+            rows = [asyncio.run(svc._resolve([(0, m.deliveries)]))[0] for m in msgs]
+            t.append(now())
+            for r in rows:
+                svc.db.land(r)
+            t.append(now())
+            for r in rows:
+                codec.encode(p.Ack(item_ids=sorted({x[0] for x in r}), quarantined=[]))
+            t.append(now())
+        finally:
+            svc.db.close()
+            svc._db_exec.shutdown()
+            svc._io_exec.shutdown()
+    names = ["decode RESULT (verify + codec)", "_resolve (rows)", "land (SQLite)", "encode ACK"]
+    return {name: {"user_us": round(1e6 * (t[i + 1][0] - t[i][0]) / n, 1),
+                   "sys_us": round(1e6 * (t[i + 1][1] - t[i][1]) / n, 1)} for i, name in enumerate(names)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.completion_cpu", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--database", default="sqlite:///results.db", help="the service's database URL")
     ap.add_argument("--profile", type=Path, help="record the service with py-spy (raw) into this file")
+    ap.add_argument("--phases", action="store_true", help="CPU per result of each step, in this process")
     args = ap.parse_args(argv)
+    if args.phases:
+        for name, cpu in phases(args.n).items():
+            print(f"  {name:32} user {cpu['user_us']:6.1f}  sys {cpu['sys_us']:6.1f} µs per result")
+        return 0
     print(run(args.n, database=args.database, profile=args.profile))
     if args.profile:
         from bench.profile import top
