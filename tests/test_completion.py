@@ -459,3 +459,21 @@ def test_a_redelivery_refused_only_as_an_update_is_not_quarantined(tmp_path: Pat
         ("item-00000", 1), ("item-00001", 1), ("item-00002", 1)]
     assert con.execute("SELECT count(*) FROM results_quarantine").fetchone() == (0,)
     con.close()
+
+
+@pytest.mark.postgres
+def test_postgres_params_with_a_nul_land_as_an_escaped_literal(pg_database) -> None:  # noqa: F811
+    """JSONB cannot hold \\u0000: such params land with the escape kept as text, not refused,
+    and plain rows in the same batch (a plain tuple is a row too) land as they are."""
+    from ccsq.completiond.resultsdb import PostgresResults, params_to_json
+
+    nul = _row(0, "a")._replace(params_json=params_to_json({"s": "x\0y"}))
+    plain = tuple(_row(1, "b"))
+    db = PostgresResults(pg_database)
+    try:
+        assert db.land([nul, plain]) == []
+    finally:
+        db.close()
+    with psycopg.connect(pg_database) as con:
+        rows = dict(con.execute("SELECT item_id, params FROM results").fetchall())
+    assert rows == {"item-00000": {"s": "x\\u0000y"}, "item-00001": {"n": 1}}
