@@ -30,7 +30,7 @@ import zmq
 
 from bench.ccsq_pipeline import acknowledged, check_alive, start_swarm
 from bench.common import claim_ref, disk_bytes, dist, hist_delta, hist_summary, rss_bytes, rss_split_bytes, scrape_histograms
-from ccsq.brokerd.testing import ScriptedPeer
+from tests.broker_harness import ScriptedPeer
 from ccsq.common.wire import protocol as p
 from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
 

@@ -30,19 +30,25 @@ same answer by construction (tests/test_admin_cli.py checks it).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from ccsq.brokerd.ledger import reader_report
 from ccsq.common.wire import protocol as p
-from ccsq.common.wire.errors import CcsqError
+from ccsq.common.wire.errors import AdminFailed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ccsq.brokerd.actor import Batch, Broker
-    from ccsq.brokerd.ledger import LedgerTxn, LedgerView
-    from ccsq.brokerd.peers import Session
+    import collections
+
+    from ccsq.brokerd.actor import Batch
+    from ccsq.brokerd.ledger import Ledger, LedgerTxn, LedgerView
+    from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
+    from ccsq.common.wire.config import BrokerConfig
+    from ccsq.common.wire.keys import AuthorizedKeys
 
 LEASES_LISTED_PER_PEER = 100
 MAX_ITEMS_PER_COMMAND = 1000  # keeps one admin command within the actor's turn budget and one frame
@@ -52,10 +58,8 @@ LEDGER_STATUS_KEYS = ("ledger_id", "epoch", "counters", "states", "balanced", "b
                       "dead_listed", "draining")
 
 
-class AdminError(CcsqError):
-    """A bad admin request; the message says which argument."""
-
-    code = "ADMIN"
+#: A bad admin request (the message says which argument): the one class of the exception
+#: tree, :class:`~ccsq.common.wire.errors.AdminFailed`, under the name the commands use.
 
 
 # --- ledger queries (online inside the broker's transaction, offline on a read snapshot) ---
@@ -81,11 +85,11 @@ def ledger_status(view: LedgerView) -> dict[str, Any]:
 
 
 def item_doc(view: LedgerView, item_id: str) -> dict[str, Any]:
-    """``{"item": record}`` for ``items show``; AdminError if there is no such item
+    """``{"item": record}`` for ``items show``; AdminFailed if there is no such item
     (never submitted, or purged)."""
     rec = view.get(item_id)
     if rec is None:
-        raise AdminError(f"no item {item_id!r} in the ledger (never submitted, or purged after retention)")
+        raise AdminFailed(f"no item {item_id!r} in the ledger (never submitted, or purged after retention)")
     return {"item": rec}
 
 
@@ -98,14 +102,36 @@ def dlq_doc(view: LedgerView, limit: int) -> dict[str, Any]:
 def limit_arg(args: dict, default: int = 100) -> int:
     limit = args.get("limit", default)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_ITEMS_PER_COMMAND:
-        raise AdminError(f"limit must be an integer 1..{MAX_ITEMS_PER_COMMAND}")
+        raise AdminFailed(f"limit must be an integer 1..{MAX_ITEMS_PER_COMMAND}")
     return limit
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerView:
+    """What admin commands may read and do of the broker actor, and nothing else (the
+    actor builds it: ``Broker._admin_view``). ``peers`` and ``leases`` are for reading;
+    the drain set changes through ``set_draining(worker, draining)`` only, after commit."""
+
+    cfg: BrokerConfig
+    endpoint: str
+    ledger: Ledger
+    peers: PeerTable
+    leases: LeaseTimers
+    authorized: AuthorizedKeys
+    rejects: collections.Counter  # refused frames by code, since start
+    reply_budget: Callable[[], int]  # bytes one reply frame may carry
+    uptime_s: Callable[[], float]
+    send_counts: Callable[[], dict[str, int]]  # {"again", "unroutable"}: sends the transport could not make
+    ledger_full_since_ms: Callable[[], int]  # 0: not full
+    deliveries_in_flight: Callable[..., int]  # (peer_id=None) -> results sent, not yet acknowledged
+    wake_dispatch: Callable[[], None]
+    set_draining: Callable[[str, bool], None]
 
 
 class AdminCommands:
     COMMANDS = ("status", "items_show", "dlq_list", "dlq_replay", "dlq_purge", "drain", "dead_letter")
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: BrokerView) -> None:
         self.broker = broker
 
     def handle(self, txn: LedgerTxn, batch: Batch, sess: Session, msg: p.Admin) -> p.AdminReply:
@@ -113,10 +139,10 @@ class AdminCommands:
             return p.AdminReply(msg.req, False, error=f"unknown command {msg.command!r}; known: {list(self.COMMANDS)}")
         try:
             doc = getattr(self, f"cmd_{msg.command}")(txn, batch, sess, msg.args)
-        except AdminError as exc:
+        except AdminFailed as exc:
             return p.AdminReply(msg.req, False, error=str(exc))
         body = msgpack.packb(doc, use_bin_type=True)
-        if len(body) > self.broker._reply_budget():  # noqa: SLF001 - the actor's frame budget
+        if len(body) > self.broker.reply_budget():
             return p.AdminReply(msg.req, False, error=f"reply of {len(body)} bytes is over the frame limit: ask for fewer (--limit)")
         return p.AdminReply(msg.req, True, body=body)
 
@@ -145,8 +171,8 @@ class AdminCommands:
                         {"item_id": lz.item_id, "token": lz.token, "expires_in_s": round(lz.expires_mono - now, 3)}
                         for lz in held[:LEASES_LISTED_PER_PEER]
                     ],
-                    "in_flight": len(s.in_flight),
-                    "pending_sends": len(s.pending),
+                    "in_flight": b.deliveries_in_flight(s.peer_id),
+                    "pending_sends": len(s.unsent),
                     "connected_s": round(now - s.connected_mono, 3),
                     "last_seen_s": round(now - s.last_recv_mono, 3),
                 }
@@ -156,21 +182,21 @@ class AdminCommands:
             **ledger_status(txn),
             "broker": {
                 "peer_id": b.cfg.peer_id,
-                "endpoint": b.transport.endpoint,
-                "uptime_s": round(now - b._started_mono, 3),  # noqa: SLF001 - the actor's own field
+                "endpoint": b.endpoint,
+                "uptime_s": round(b.uptime_s(), 3),
             },
             "peers": peers,
             "rejects": dict(b.rejects),
-            "send": {"again": b.transport.sent_again, "unroutable": b.transport.sent_unroutable},
+            "send": b.send_counts(),
             "ledger": {
                 "map_size_bytes": b.ledger.map_size_bytes(),
                 "max_map_size_bytes": b.ledger.max_map_size_bytes,
                 "used_bytes": b.ledger.used_bytes(txn.txn),
-                "full_since_ms": b.ledger_full_since_ms,  # 0: not full; else completions may not fit
-                **({"full_advice": _ledger_full_advice()} if b.ledger_full_since_ms else {}),
+                "full_since_ms": b.ledger_full_since_ms(),  # 0: not full; else completions may not fit
+                **({"full_advice": _ledger_full_advice()} if b.ledger_full_since_ms() else {}),
             },
             "leases_in_memory": len(b.leases),
-            "in_flight_deliveries": len(b.delivered),
+            "in_flight_deliveries": b.deliveries_in_flight(),
             "readers": reader_report(b.ledger, txn, int(time.time() * 1000), warn_age_s=b.cfg.reader_warn_age_s),
         }
 
@@ -190,7 +216,7 @@ class AdminCommands:
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.replay_dead(i, now_ms, who=sess.peer_id)]
         if done:
-            batch.effects.append(self.broker._wake_dispatch)  # noqa: SLF001
+            batch.effects.append(self.broker.wake_dispatch)
         return {"replayed": done, "not_dead": [i for i in ids if i not in done], "more": more,
                 "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
 
@@ -205,17 +231,14 @@ class AdminCommands:
         worker = _str_arg(args, "worker")
         undo = args.get("undo", False) is True
         b = self.broker
-        key = b.codec.authorized.get(worker)
+        key = b.authorized.get(worker)
         if (key is None or key.role is not p.Role.WORKER) and not (undo and worker in b.peers.draining):
             what = ("no peer of that id in the authorized keys" if key is None
                     else f"the authorized keys list it as a {key.role.value}, not a worker")
-            raise AdminError(f"unknown worker {worker!r}: {what} "
+            raise AdminFailed(f"unknown worker {worker!r}: {what} "
                              f"(known workers: {', '.join(self._worker_ids()) or 'none'})")
         txn.set_draining(worker, not undo)  # durable: a restarted broker keeps the drain
-        if undo:
-            batch.effects.append(lambda: (b.peers.draining.discard(worker), b._wake_dispatch()))  # noqa: SLF001
-        else:
-            batch.effects.append(lambda: b.peers.draining.add(worker))
+        batch.effects.append(lambda: b.set_draining(worker, not undo))
         s = b.peers.get(worker)
         return {
             "worker": worker,
@@ -230,17 +253,17 @@ class AdminCommands:
         else:
             ids = [_str_arg(args, "item_id")]
         if not ids or len(ids) > MAX_ITEMS_PER_COMMAND:
-            raise AdminError(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
+            raise AdminFailed(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
         reason = args.get("reason", "operator")
         if reason not in DEAD_LETTER_REASONS:
-            raise AdminError(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
+            raise AdminFailed(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
         message = str(args.get("message", ""))[:300] or f"dead-lettered by {sess.peer_id}"
         now_ms = int(time.time() * 1000)
         done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
         return {"dead": done, "not_ready": [i for i in ids if i not in done], "reason": reason}
 
     def _worker_ids(self) -> list[str]:
-        authorized = self.broker.codec.authorized
+        authorized = self.broker.authorized
         return sorted(i for i in authorized.ids() if authorized.get(i).role is p.Role.WORKER)[:20]
 
     def _dead_ids(self, txn: LedgerTxn, args: dict) -> tuple[list[str], bool]:
@@ -253,7 +276,7 @@ class AdminCommands:
 def _str_arg(args: dict, name: str) -> str:
     v = args.get(name)
     if not isinstance(v, str) or not v:
-        raise AdminError(f"argument {name!r} (a non-empty string) is required")
+        raise AdminFailed(f"argument {name!r} (a non-empty string) is required")
     return v
 
 

@@ -25,7 +25,7 @@ import uvloop
 import zmq
 
 from ccsq.brokerd.actor import Broker
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
+from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy, data_paths, disk_free_bytes
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.wire.config import BrokerConfig, load

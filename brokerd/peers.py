@@ -44,10 +44,8 @@ class Session:
     done: int = 0
     info: dict = dataclasses.field(default_factory=dict)  # HELLO info, updated by heartbeats
     info_hello: dict = dataclasses.field(default_factory=dict)  # HELLO info as sent
-    # --- unsent replies (messages) while the peer's pipe is full (HWM) ---
-    pending: collections.deque = dataclasses.field(default_factory=collections.deque)
-    # --- completion service: item ids delivered to this session and not yet acknowledged ---
-    in_flight: set[str] = dataclasses.field(default_factory=set)
+    # --- messages not yet sent while the peer's pipe is full (HWM); brokerd/outbound.py ---
+    unsent: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class PeerTable:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import COUNTERS, STATES, Ledger, data_paths
+from ccsq.brokerd.ledger.schema import COUNTERS, STATES
+from ccsq.brokerd.ledger.store import Ledger, data_paths
 
 RECENT_EVENTS = 10
 PAGE_ENTRIES = 1000  # entries read per (fresh, short) read transaction when paging

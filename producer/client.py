@@ -32,21 +32,16 @@ Guarantees
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import hashlib
-import itertools
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Union
-
-import msgpack
+from typing import Any
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
-from ccsq.common.storage.claimstore import ClaimStore, open_store
+from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import (
     BrokerUnavailable,
@@ -56,16 +51,16 @@ from ccsq.common.wire.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from ccsq.common.runtime.faults import crash_point
 from ccsq.common.runtime.log import get_logger
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.link.peer import BrokerLink, refusal_fix
-from ccsq.common.wire.policy import PEER_REFUSED_CODES, refusal_error, refusal_retryable
+from ccsq.common.link.requests import RequestTracker
+from ccsq.common.wire.policy import refusal_error, refusal_final, refusal_retryable
+from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size  # noqa: F401 (public here too)
 from ccsq.producer.outbox import Outbox
+from ccsq.producer.replay import OutboxReplay
 
 log = get_logger("ccsq.producer")
-
-Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
 #: States after which an item will not change any more ("unknown": purged or never existed).
 DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
@@ -95,62 +90,6 @@ class Receipt:
     unserved: bool = False
 
 
-def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
-    """Deterministic bytes for a params map (sorted keys, msgpack)."""
-    return msgpack.packb(sorted(params.items()), use_bin_type=True)
-
-
-def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
-    """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
-    h = hashlib.sha256()
-    h.update(payload_sha256.encode("ascii"))
-    h.update(b"\0")
-    h.update(kind.encode("utf-8"))
-    h.update(b"\0")
-    h.update(canonical_params(params))
-    return h.hexdigest()
-
-
-def _read_payload(payload: Payload) -> bytes:
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        return bytes(payload)
-    if isinstance(payload, (str, Path)):
-        try:
-            return Path(payload).read_bytes()
-        except OSError as exc:
-            raise InvalidRequest(f"payload file {payload}: {exc.strerror or exc}") from None
-    if hasattr(payload, "read"):
-        data = payload.read()
-        if not isinstance(data, (bytes, bytearray)):
-            raise InvalidRequest("payload file object must be opened in binary mode ('rb')")
-        return bytes(data)
-    raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
-
-
-def _check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
-    params = dict(params or {})
-    if len(params) > p.MAX_MAP_LEN:
-        raise InvalidRequest(f"params has {len(params)} keys; at most {p.MAX_MAP_LEN}")
-    for k, v in params.items():
-        if not isinstance(k, str):
-            raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, (str, int, float, bool, bytes, type(None))):
-            raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
-    return params
-
-
-def _item_size(item: p.SubmitItem) -> int:
-    return len(msgpack.packb(p.encode_body(item), use_bin_type=True))
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A request waiting for its reply (re-sent on every new session until answered)."""
-
-    msg: p.Submit | p.Status
-    future: asyncio.Future
-
-
 class AsyncClient:
     """Producer client for asyncio code. Use ``async with AsyncClient(cfg) as c:``.
 
@@ -161,15 +100,12 @@ class AsyncClient:
     # --- configuration ---
     config: ProducerConfig
     # --- owned resources ---
-    _store: ClaimStore
-    _store_exec: concurrent.futures.ThreadPoolExecutor  # the claim store is used from one thread
-    _outbox: Outbox | None
+    _items: ItemBuilder  # the claim store (used from one thread) and the item rule
+    _replay: OutboxReplay | None  # the outbox and its flusher (``outbox_dir`` set)
     _link: BrokerLink | None
     _tasks: list[asyncio.Task]
     # --- request state (event loop only) ---
-    _pending: dict[int, _Pending]
-    _reqs: itertools.count
-    _flush_wakeup: asyncio.Event | None
+    _requests: RequestTracker[p.Submit | p.Status | p.Cancel, p.Message]
 
     def __init__(self, config: ProducerConfig, *, base_dir: str | Path | None = None) -> None:
         self.config = config
@@ -177,20 +113,23 @@ class AsyncClient:
             base_dir = Path(config.config_path).parent if config.config_path else Path.cwd()
         s3 = {k: getattr(config, f"s3_{k}", "") for k in ("endpoint_url", "region", "profile")}
         where = f"{config.config_path}: claim_store" if config.config_path else "claim_store"
-        self._store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
+        store = open_store(config.claim_store, base_dir=base_dir, create=False, s3=s3, where=where)
         try:
-            self._store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
+            store.check(where)  # a wrong root, bucket or credential: ConfigError now, not at the first submit
         except StoreUnavailable as exc:  # unreachable right now: submit retries / spools; say so once
             log.warning("claim_store_unavailable", error=str(exc))
-        self._store_exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
-        self._outbox = Outbox(config.outbox_dir) if config.outbox_dir else None
+        self._items = ItemBuilder(store, config.inline_max_bytes)
         self._link = None
         self._tasks = []
-        self._pending = {}
-        self._reqs = itertools.count(1)
-        self._flush_wakeup = None
+        self._requests = RequestTracker()
         self._frame_budget = config.max_frame_bytes - _ENVELOPE_OVERHEAD_BYTES
         self.log = log.bind(peer=config.peer_id)
+        self._replay = None
+        if config.outbox_dir:
+            self._replay = OutboxReplay(
+                Outbox(config.outbox_dir), send_frame=self._submit_confirmed, first_frame=lambda items: self._frames(items)[0],
+                submit_timeout_s=config.submit_timeout_s, retry_base_s=_RETRY_BASE_S * 4,
+                backoff_cap_s=config.reconnect_backoff_max_s, log=self.log)
 
     @classmethod
     def from_config_file(cls, path: str | Path) -> AsyncClient:
@@ -218,9 +157,8 @@ class AsyncClient:
         link_task = asyncio.create_task(self._link.run(), name="producer-link")
         link_task.add_done_callback(self._link_ended)
         self._tasks.append(link_task)
-        if self._outbox is not None:
-            self._flush_wakeup = asyncio.Event()
-            flusher = asyncio.create_task(self._flusher(), name="producer-outbox-flusher")
+        if self._replay is not None:
+            flusher = asyncio.create_task(self._replay.run(self._link.ready), name="producer-outbox-flusher")
             flusher.add_done_callback(self._flusher_done)
             self._tasks.append(flusher)
 
@@ -228,10 +166,8 @@ class AsyncClient:
         """The link stopped for good: if the broker refused us, every waiting request fails now."""
         if self._link is None or self._link.refused is None:
             return
-        err = Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code)
-        for pend in self._pending.values():
-            if not pend.future.done():
-                pend.future.set_exception(err)
+        self._requests.fail_all(
+            Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code))
 
     def _flusher_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -244,7 +180,7 @@ class AsyncClient:
         connected, the outbox gets a bounded chance (``submit_timeout_s``, at most
         5 s) to drain first, so confirmed items are removed rather than re-sent
         by the next run."""
-        if self._outbox is not None and self._link is not None and self._link.ready.is_set():
+        if self._replay is not None and self._link is not None and self._link.ready.is_set():
             try:
                 await self.flush(timeout_s=min(self.config.submit_timeout_s, 5.0))
             except BrokerUnavailable:
@@ -264,14 +200,11 @@ class AsyncClient:
             except asyncio.CancelledError:
                 pass
         self._tasks.clear()
-        for pend in self._pending.values():
-            if not pend.future.done():
-                pend.future.set_exception(BrokerUnavailable("client closed before the broker answered"))
-        self._pending.clear()
-        if self._outbox is not None:
-            self._outbox.close()
-            self._outbox = None
-        self._store_exec.shutdown(wait=True)
+        self._requests.fail_all(BrokerUnavailable("client closed before the broker answered"))
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
+        self._items.close()
 
     @property
     def connected(self) -> bool:
@@ -282,9 +215,7 @@ class AsyncClient:
     def _on_message(self, env: Any) -> None:
         msg = env.message
         if isinstance(msg, (p.SubmitAck, p.StatusReply)):
-            pend = self._pending.get(msg.req)
-            if pend is not None and not pend.future.done():
-                pend.future.set_result(msg)
+            self._requests.resolve(msg.req, msg)
         elif isinstance(msg, p.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
         else:
@@ -292,15 +223,11 @@ class AsyncClient:
 
     def _on_connect(self, welcome: p.Welcome) -> None:
         assert self._link is not None
-        resent = 0
-        for pend in self._pending.values():
-            if not pend.future.done():
-                self._link.send(pend.msg)
-                resent += 1
+        resent = self._requests.resend_all(self._link.send)
         if resent:
             self.log.info("pending_requests_resent", count=resent)
-        if self._flush_wakeup is not None:
-            self._flush_wakeup.set()
+        if self._replay is not None:
+            self._replay.wakeup.set()
 
     # --- request/reply with retries ---
     def _require_link(self) -> BrokerLink:
@@ -311,7 +238,7 @@ class AsyncClient:
     def _check_refused(self, link: BrokerLink) -> None:
         """Raise Unauthorized (naming the fix) once the broker refused this peer for good."""
         refusal = link.refused or link.last_refusal
-        if refusal is not None and refusal.code in PEER_REFUSED_CODES:
+        if refusal is not None and refusal_final(refusal.code):
             raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)
 
     async def wait_connected(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
@@ -357,10 +284,9 @@ class AsyncClient:
         on every reconnect, with capped jittered backoff, until ``deadline_mono``
         (then BrokerUnavailable)."""
         link = self._require_link()
-        req = next(self._reqs)
+        req = self._requests.next_id()
         msg = build(req)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending[req] = _Pending(msg, fut)
+        fut = self._requests.register(req, msg)
         attempt = 0
         try:
             link.send(msg)  # if not connected, on_connect sends it
@@ -385,9 +311,7 @@ class AsyncClient:
                     pass
                 link.send(msg)
         finally:
-            self._pending.pop(req, None)
-            if not fut.done():
-                fut.cancel()
+            self._requests.discard(req)
 
     async def _submit_confirmed(
         self, items: list[p.SubmitItem], deadline_mono: float, unserved: set[str] | None = None
@@ -432,70 +356,13 @@ class AsyncClient:
     def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
         """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
         that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
-        return split_frames(items, size_of=_item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
+        return split_frames(items, size_of=item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
                             too_large=self._too_large)
 
     def _too_large(self, item: p.SubmitItem, size_bytes: int) -> PayloadTooLarge:
         return PayloadTooLarge(
             f"item {item.key[:16]}... is {size_bytes} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
             "lower inline_max_bytes or shrink params")
-
-    # --- building items ---
-    async def _make_item(
-        self,
-        payload: Payload,
-        kind: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        key: str | None = None,
-        priority: int = 0,
-        deadline_ts: float | None = None,
-        max_attempts: int | None = None,
-        max_runtime_s: float | None = None,
-    ) -> p.SubmitItem:
-        if not isinstance(kind, str) or not kind:
-            raise InvalidRequest("kind must be a non-empty string")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise InvalidRequest("key must be a non-empty string (or None to derive it)")
-        if max_attempts is not None and max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
-        if max_runtime_s is not None and max_runtime_s <= 0:
-            raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
-        params = _check_params(params)
-        # bytes that travel inline are never written anywhere: check the final item instead of a
-        # probe (one SubmitItem and Blob per item less; same rule, same error)
-        inline_bytes = isinstance(payload, (bytes, bytearray)) and self._store.inline_without_io(
-            len(payload), self.config.inline_max_bytes)
-        if not inline_bytes:
-            probe = p.SubmitItem(key=key or "derived", kind=kind, payload=p.Blob("0" * 64, 0), params=params,
-                                 priority=int(priority), deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                                 max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-            problem = p.submit_item_problem(probe)  # before the blob is written: bad input leaves no orphan
-            if problem:
-                raise InvalidRequest(problem)
-        data = _read_payload(payload)
-        if self._store.inline_without_io(len(data), self.config.inline_max_bytes):
-            blob = self._store.put_blob(data, self.config.inline_max_bytes)  # a hash, no I/O: no thread hop
-        else:
-            loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(self._store_exec, self._store.put_blob, data, self.config.inline_max_bytes)
-        if blob.inline is None:
-            crash_point("producer.after_blob_put")
-        item = p.SubmitItem(
-            key=key or derive_key(blob.sha256, kind, params),
-            kind=kind,
-            payload=blob,
-            params=params,
-            priority=int(priority),
-            deadline_ts=None if deadline_ts is None else float(deadline_ts),
-            max_attempts=int(max_attempts or 0),
-            max_runtime_s=float(max_runtime_s or 0.0),
-        )
-        if inline_bytes:
-            problem = p.submit_item_problem(item)
-            if problem:
-                raise InvalidRequest(problem)
-        return item
 
     # --- public API ---
     async def submit(
@@ -519,7 +386,7 @@ class AsyncClient:
         Raises QueueFull, DiskFull, BrokerUnavailable (retryable), Unauthorized,
         PayloadTooLarge, InvalidRequest or another PermanentError the broker names.
         """
-        item = await self._make_item(
+        item = await self._items.build(
             payload, kind, params=params, key=key, priority=priority, deadline_ts=deadline_ts,
             max_attempts=max_attempts, max_runtime_s=max_runtime_s,
         )
@@ -541,126 +408,83 @@ class AsyncClient:
                     payload, kind = spec.pop("payload"), spec.pop("kind")
                 except KeyError as exc:
                     raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
-                built.append(await self._make_item(payload, kind, **spec))
+                built.append(await self._items.build(payload, kind, **spec))
             elif isinstance(spec, tuple) and len(spec) in (2, 3):
-                built.append(await self._make_item(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
+                built.append(await self._items.build(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
             else:
                 raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
         return await self._submit_items(built, timeout_s)
 
     async def _submit_items(self, items: list[p.SubmitItem], timeout_s: float) -> list[Receipt]:
+        """Send ``items`` (one per key reaches the broker) in few frames until confirmed, or
+        spool them; receipts in input order. Raises the first error that left an item
+        neither confirmed nor spooled, or the first permanent refusal."""
         if not items:
             return []
-        requested = items
-        items = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
-        frames = self._frames(items)
+        unique = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
+        frames = self._frames(unique)  # PayloadTooLarge before anything is sent or spooled
         self._check_refused(self._require_link())  # refused for good: spooling would only hide it
-        spooled: list[p.SubmitItem] = []
-        results: dict[str, p.SubmitResult] = {}
-        errors: list[CcsqError] = []
-        if self._outbox is not None:
-            if await self._outbox.count() > 0 or not await self._wait_ready(self.config.submit_timeout_s):
-                await self._spool(items, reason="outbox_not_empty_or_broker_unreachable")
-                return [Receipt(item_id="", key=it.key, spooled=True) for it in requested]
-            deadline = time.monotonic() + self.config.submit_timeout_s
-        else:
-            deadline = time.monotonic() + timeout_s
-            if not await self._wait_ready(timeout_s):
-                raise BrokerUnavailable(
-                    f"no session with the broker at {self.config.broker_endpoint} within {timeout_s}s; "
-                    "check that ccsq-brokerd runs and the endpoint is right (or set outbox_dir to spool)"
-                )
-        unserved: set[str] = set()
-        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline, unserved) for f in frames))
+        deadline = await self._direct_deadline(timeout_s)
+        if deadline is None:
+            assert self._replay is not None
+            await self._replay.spool(unique, reason="outbox_not_empty_or_broker_unreachable")
+            return [Receipt(item_id="", key=it.key, spooled=True) for it in items]
+        results, unconfirmed, unserved = await self._send_frames(frames, deadline)
         if unserved:
             self.log.info("kind_not_served", kinds=sorted(unserved),
-                             hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
-        for done, unconfirmed, err in outcomes:
+                          hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
+        if self._replay is not None and unconfirmed:
+            await self._replay.spool(unconfirmed, reason="not_confirmed_in_time")
+        return _receipts(items, results, {it.key for it in unconfirmed}, unserved)
+
+    async def _direct_deadline(self, timeout_s: float) -> float | None:
+        """When to give up sending directly (monotonic seconds), once a session is up; None:
+        spool instead (the outbox is not empty, or no session within ``submit_timeout_s``).
+        Without an outbox, raises BrokerUnavailable when no session comes in ``timeout_s``."""
+        if self._replay is not None:
+            if await self._replay.outbox.count() > 0 or not await self._wait_ready(self.config.submit_timeout_s):
+                return None
+            return time.monotonic() + self.config.submit_timeout_s
+        deadline = time.monotonic() + timeout_s
+        if not await self._wait_ready(timeout_s):
+            raise BrokerUnavailable(
+                f"no session with the broker at {self.config.broker_endpoint} within {timeout_s}s; "
+                "check that ccsq-brokerd runs and the endpoint is right (or set outbox_dir to spool)"
+            )
+        return deadline
+
+    async def _send_frames(self, frames: list[list[p.SubmitItem]], deadline_mono: float
+                           ) -> tuple[dict[str, p.SubmitResult], list[p.SubmitItem], set[str]]:
+        """Send every frame at once, each until confirmed or ``deadline_mono``. Returns
+        ``(results by key, unconfirmed items, kinds no worker serves)``; without an outbox
+        an unconfirmed item raises its frame's error (BrokerUnavailable, QueueFull...)."""
+        unserved: set[str] = set()
+        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline_mono, unserved) for f in frames))
+        results: dict[str, p.SubmitResult] = {}
+        unconfirmed: list[p.SubmitItem] = []
+        errors: list[CcsqError] = []
+        for done, left, err in outcomes:
             results.update(done)
-            if unconfirmed:
-                if self._outbox is not None:
-                    spooled.extend(unconfirmed)
-                else:
-                    errors.append(err or BrokerUnavailable("broker did not confirm in time"))
-        if spooled:
-            await self._spool(spooled, reason="not_confirmed_in_time")
-        if errors:
+            unconfirmed.extend(left)
+            if left:
+                errors.append(err or BrokerUnavailable("broker did not confirm in time"))
+        if errors and self._replay is None:
             raise errors[0]
-        receipts: list[Receipt] = []
-        spooled_keys = {it.key for it in spooled}
-        seen: set[str] = set()
-        for item in requested:
-            repeat = item.key in seen
-            seen.add(item.key)
-            if item.key in spooled_keys:
-                receipts.append(Receipt(item_id="", key=item.key, spooled=True))
-                continue
-            res = results[item.key]
-            if res.error:
-                raise refusal_error(res.error, res.message or f"broker refused item {item.key}")
-            receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat,
-                                    unserved=item.kind in unserved))
-        return receipts
-
-    async def _spool(self, items: list[p.SubmitItem], reason: str) -> None:
-        """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
-        assert self._outbox is not None and self._flush_wakeup is not None
-        new = await self._outbox.add(items)
-        self._flush_wakeup.set()
-        self.log.info("submit_spooled", items=len(items), new=new, reason=reason)
-
-    async def _flusher(self) -> None:
-        """Send spooled items in order whenever the broker is connected; remove each after its ACK."""
-        assert self._outbox is not None and self._flush_wakeup is not None and self._link is not None
-        attempt = 0
-        while True:
-            await self._link.ready.wait()
-            batch = await self._outbox.peek(_MAX_ITEMS_PER_FRAME)
-            if not batch:
-                self._flush_wakeup.clear()
-                if await self._outbox.count() == 0:
-                    await self._flush_wakeup.wait()
-                continue
-            items = self._frames([it for _, it in batch])[0]
-            deadline = time.monotonic() + self.config.submit_timeout_s
-            done, unconfirmed, err = await self._submit_confirmed(items, deadline)
-            accepted = [k for k, r in done.items() if not r.error]
-            if accepted:
-                await self._outbox.remove(accepted)
-            for item in items:
-                res = done.get(item.key)
-                if res is not None and res.error:
-                    await self._outbox.reject(item, res.error, res.message)
-                    self.log.error("outbox_item_rejected", key=item.key, code=res.error, message=res.message)
-            self.log.info("outbox_flushed", sent=len(items), confirmed=len(accepted), left_unconfirmed=len(unconfirmed))
-            if unconfirmed:
-                delay = backoff_delay_s(attempt, _RETRY_BASE_S * 4, self.config.reconnect_backoff_max_s)
-                attempt += 1
-                self.log.info("outbox_flush_retry", code=err.code if err else "", in_s=round(delay, 3))
-                await asyncio.sleep(delay)
-            else:
-                attempt = 0
+        return results, unconfirmed, unserved
 
     async def flush(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """Wait until the outbox is empty (every spooled item confirmed or rejected).
         Raises BrokerUnavailable after ``timeout_s``. No-op without an outbox."""
-        if self._outbox is None:
-            return
-        deadline = time.monotonic() + timeout_s
-        delay = 0.01
-        while await self._outbox.count() > 0:
-            if time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"outbox not empty after {timeout_s}s ({await self._outbox.count()} items left)")
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 0.25)
+        if self._replay is not None:
+            await self._replay.flush(timeout_s)
 
     async def outbox_rejected(self) -> list[tuple[str, str, str]]:
         """``(key, error code, message)`` of spooled items the broker refused for good."""
-        return [] if self._outbox is None else await self._outbox.rejected()
+        return [] if self._replay is None else await self._replay.outbox.rejected()
 
     async def outbox_count(self) -> int:
         """Items still in the local outbox (0 without one)."""
-        return 0 if self._outbox is None else await self._outbox.count()
+        return 0 if self._replay is None else await self._replay.outbox.count()
 
     async def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
         """Current state of each item: ``{item_id: ItemStatus}`` (state "unknown" if the
@@ -718,6 +542,26 @@ class AsyncClient:
         for i in ids:
             last.setdefault(i, p.ItemStatus(item_id=i, state=UNANSWERED_STATE))
         return last
+
+
+def _receipts(requested: list[p.SubmitItem], results: dict[str, p.SubmitResult], spooled_keys: set[str],
+              unserved: set[str]) -> list[Receipt]:
+    """One receipt per requested item, in order (a repeated key is a duplicate of the first);
+    raises the typed error of the first item the broker refused for good."""
+    receipts: list[Receipt] = []
+    seen: set[str] = set()
+    for item in requested:
+        repeat = item.key in seen
+        seen.add(item.key)
+        if item.key in spooled_keys:
+            receipts.append(Receipt(item_id="", key=item.key, spooled=True))
+            continue
+        res = results[item.key]
+        if res.error:
+            raise refusal_error(res.error, res.message or f"broker refused item {item.key}")
+        receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat,
+                                unserved=item.kind in unserved))
+    return receipts
 
 
 class Client:

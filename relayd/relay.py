@@ -34,11 +34,12 @@ from ccsq.common.wire.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, OR
                                     WORKERS_PREFIX, origin_key)
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
-from ccsq.common.storage.claimstore import ClaimStore, open_store
+from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
 from ccsq.common.wire.errors import PayloadMissing
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.link.peer import BrokerLink, LinkState
+from ccsq.common.wire.policy import task_failure
 from ccsq.relayd.config import LinkConfig, RelayConfig
 from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
 
@@ -48,6 +49,15 @@ TICK_S = 0.1
 #: SUBMIT errors after which the item is simply tried again later (nothing is wrong with it).
 RETRY_LATER = frozenset({"QUEUE_FULL", "DISK_FULL"})
 MAX_ITEMS_PER_FRAME = 128
+
+
+def _reason(error: str) -> p.FailReason:
+    """The downstream's dead-letter reason as ours (a reason this version does not know:
+    handler_error, whose rule is then the upstream's FAIL_POLICY)."""
+    try:
+        return p.FailReason(error)
+    except ValueError:
+        return p.FailReason.HANDLER_ERROR
 
 
 def _origin_fields(task: p.Task) -> dict:
@@ -173,11 +183,11 @@ class LinkRunner:
             # such lease straight back (released, uncounted) instead of running it downstream
             # again, where its result would be refused once more and bounce (the loop seen
             # when the upstream does not trust the downstream's proofs)
-            self._fail([p.TaskFailure(t.item_id, t.token, p.FailReason.RELEASED.value, True, self.broken)
+            self._fail([task_failure(t.item_id, t.token, p.FailReason.RELEASED, self.broken)
                         for t in new], "released")
             return
         if unsigned:
-            self._fail([p.TaskFailure(t.item_id, t.token, p.FailReason.RELEASED.value, True, "upstream did not sign")
+            self._fail([task_failure(t.item_id, t.token, p.FailReason.RELEASED, "upstream did not sign")
                         for t in unsigned if (t.item_id, t.token) in self.rows], "refused")
         if self.down_store is not None:
             await self._copy_payloads([t for t in new if t.payload.inline is None])
@@ -198,13 +208,10 @@ class LinkRunner:
         failures = []
         for t in tasks:
             try:
-                data = await asyncio.to_thread(self.up_store.get_blob, t.payload)
+                data = await self.up_store.aget_blob(t.payload)
                 await asyncio.to_thread(self.down_store.put, data)
-            except PayloadMissing as exc:
-                failures.append(p.TaskFailure(t.item_id, t.token, p.FailReason.PAYLOAD_MISSING.value, False, str(exc)[:300]))
-                continue
-            except OSError as exc:
-                failures.append(p.TaskFailure(t.item_id, t.token, p.FailReason.STORE_UNAVAILABLE.value, True, str(exc)[:300]))
+            except Exception as exc:  # any store error; a stored blob missing in our view is the store's problem (G7)
+                failures.append(task_failure(t.item_id, t.token, store_failure(exc, t.payload), str(exc)[:300]))
                 continue
             self.journal.set_copied(self.name, [(t.item_id, t.token)], t.payload.sha256)
             if (t.item_id, t.token) in self.rows:
@@ -228,7 +235,7 @@ class LinkRunner:
             # instead of expiring into dead letters (best effort: if lost, the lease expires)
             self.broken = "upstream rejected the downstream's result proofs (check trusted_swarms on both brokers)"
             self.log.error("link_refused_by_upstream", items=len(rejected), reason=self.broken)
-            self._send_up([p.TaskFailure(o.item_id, o.token, p.FailReason.RELEASED.value, True, self.broken)
+            self._send_up([task_failure(o.item_id, o.token, p.FailReason.RELEASED, self.broken)
                            for o in rejected], p.Fail)
         crash_point("relay.after_complete_ack")
         self._ack({self.rows[(o.item_id, o.token)].down_item for o in mine})
@@ -332,11 +339,11 @@ class LinkRunner:
                 if res.error == ORIGIN_REJECTED:
                     self.broken = f"downstream refused our origin: {res.message}"
                     self.log.error("link_refused_by_downstream", item=up_item, reason=res.message[:300])
-                    reason, retryable = p.FailReason.RELEASED.value, True
+                    reason = p.FailReason.RELEASED
                 else:
                     self.log.warning("downstream_refused_item", item=up_item, error=res.error, message=res.message[:300])
-                    reason, retryable = p.FailReason.HANDLER_ERROR.value, True
-                refused += [p.TaskFailure(r.up_item, r.token, reason, retryable, f"downstream {res.error}: {res.message}"[:500])
+                    reason = p.FailReason.HANDLER_ERROR
+                refused += [task_failure(r.up_item, r.token, reason, f"downstream {res.error}: {res.message}"[:500])
                             for r in rows]
                 continue
             self.journal.mark_submitted(self.name, up_item, res.item_id, res.duplicate)
@@ -377,7 +384,7 @@ class LinkRunner:
             result = d.result
             if self.up_store is not None and result.inline is None:
                 try:
-                    data = await asyncio.to_thread(self.down_store.get_blob, result)
+                    data = await self.down_store.aget_blob(result)
                     await asyncio.to_thread(self.up_store.put, data)
                 except (PayloadMissing, OSError) as exc:
                     self.log.warning("result_copy_failed", item=d.item_id, error=str(exc)[:300])
@@ -434,13 +441,13 @@ class LinkRunner:
         for st in items:
             rows = [r for r in self.rows.values() if r.down_item == st.item_id and r.state == SUBMITTED]
             if st.state == p.ItemState.DEAD.value:
-                failures += [p.TaskFailure(r.up_item, r.token, st.error or p.FailReason.HANDLER_ERROR.value, False,
+                failures += [task_failure(r.up_item, r.token, _reason(st.error),
                                            f"dead in the downstream swarm ({st.error})") for r in rows]
             elif st.state == p.ItemState.EXPIRED.value:
-                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.HANDLER_ERROR.value, True,
+                failures += [task_failure(r.up_item, r.token, p.FailReason.HANDLER_ERROR,
                                            "deadline expired in the downstream swarm") for r in rows]
             elif st.state == "unknown":
-                failures += [p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True,
+                failures += [task_failure(r.up_item, r.token, p.FailReason.RELEASED,
                                            "the downstream swarm no longer knows the item") for r in rows]
         if failures:
             self._fail(failures, "failed_down")
@@ -478,7 +485,7 @@ class LinkRunner:
         give_back = [r for r in self.rows.values() if r.state == LEASED and not r.lost]
         if give_back and self._ready(self.up):
             self.log.warning("downstream_unreachable_release", items=len(give_back))
-            self._fail([p.TaskFailure(r.up_item, r.token, p.FailReason.RELEASED.value, True, "downstream unreachable")
+            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, "downstream unreachable")
                         for r in give_back], "released")
 
     async def tick(self) -> None:

@@ -109,6 +109,8 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         # ... and commands that change state refuse (only the broker writes the ledger)
         assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.UNAVAILABLE
         assert ccsq(capsys, "drain", "worker-1", "--config", admin)[0] == ExitCode.UNAVAILABLE
+        # an unknown item read offline is refused by the ledger query itself: the same AdminFailed, exit 65
+        assert ccsq(capsys, "items", "show", "no-such-item", "--config", admin, "--offline")[0] == ExitCode.REFUSED
 
 
 def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -> None:

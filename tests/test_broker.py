@@ -22,7 +22,7 @@ import pytest
 import tomli_w
 
 from ccsq.brokerd.report import load_report, render_text
-from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.runtime.faults import env_for
@@ -348,7 +348,7 @@ def test_full_producer_channel_delays_never_drops(h, ipc_dir):
 STOPPED_PRODUCER = r"""
 import hashlib, json, sys
 from pathlib import Path
-from ccsq.brokerd.testing import ScriptedPeer
+from tests.broker_harness import ScriptedPeer
 from ccsq.common.wire import protocol as p
 
 root, endpoint, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
@@ -383,7 +383,8 @@ def test_sigstopped_producer_process_gets_every_reply_after_sigcont(h, ipc_dir, 
     adm.hello("admin")
     out = tmp_path / "acks.json"
     proc = subprocess.Popen([sys.executable, "-c", STOPPED_PRODUCER, str(h.root), b.endpoint, str(out)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # tests.broker_harness
     try:
         assert proc.stdout.readline().strip() == "sent"
         # every SUBMIT has left the process (ZeroMQ's I/O thread stops with it): then stop it

@@ -26,7 +26,7 @@ import pytest
 import tomli_w
 import tomllib
 
-from ccsq.brokerd.ledger import Ledger, data_paths
+from ccsq.brokerd.ledger.store import Ledger, data_paths
 from ccsq.common.runtime.faults import env_for
 from tests.swarm import Swarm, wait_until
 

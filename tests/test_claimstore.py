@@ -184,3 +184,31 @@ def test_file_store_down_at_start_fails_per_operation_not_at_construction(tmp_pa
     blocker.unlink()  # the store comes back
     digest = store.put(b"payload")
     assert store.get(digest) == b"payload"
+
+
+def test_one_rule_for_store_errors_and_async_get_put(tmp_path) -> None:
+    """store_failure: bad inline bytes are PAYLOAD_MISSING, a stored blob missing in our
+    view or an unreachable store STORE_UNAVAILABLE; aput_blob/aget_blob round-trip
+    inline and stored blobs from an event loop (stored ones through the executor)."""
+    import asyncio
+
+    from ccsq.common.storage.claimstore import FileStore, store_failure
+    from ccsq.common.wire.errors import PayloadMissing, StoreUnavailable
+    from ccsq.common.wire.protocol import Blob, FailReason
+
+    assert store_failure(PayloadMissing("x"), Blob("0" * 64, 1, b"y")) is FailReason.PAYLOAD_MISSING  # inline: the item's
+    assert store_failure(PayloadMissing("x"), Blob("0" * 64, 1, None)) is FailReason.STORE_UNAVAILABLE  # our view (G7)
+    assert store_failure(StoreUnavailable("x")) is FailReason.STORE_UNAVAILABLE
+    assert store_failure(PermissionError(13, "denied")) is FailReason.STORE_UNAVAILABLE
+
+    store = FileStore(tmp_path / "blobs")
+
+    async def run() -> None:
+        small = await store.aput_blob(b"tiny", 64)
+        big = await store.aput_blob(b"b" * 1000, 64)
+        assert small.inline == b"tiny" and big.inline is None
+        assert await store.aget_blob(small) == b"tiny" and await store.aget_blob(big) == b"b" * 1000
+        with pytest.raises(PayloadMissing):
+            await store.aget_blob(Blob("0" * 64, 3, None))
+
+    asyncio.run(run())

@@ -413,7 +413,7 @@ def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path
     """The broker keeps the kinds its workers served (HELLO) in the ledger (meta w:<kind>),
     so right after a restart, within what used to be a silent grace of two liveness
     windows, `ccsq submit` of a kind no recent worker served warns, and a served kind does not."""
-    from ccsq.brokerd.testing import ScriptedPeer
+    from tests.broker_harness import ScriptedPeer
 
     with Swarm(tmp_path, workers=1, broker={"liveness": 50}) as swarm:  # grace: 2 x 0.2 s x 50 = 20 s
         swarm.start_broker()

@@ -147,7 +147,7 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
     g12 = next(w for w in report["windows"] if w["id"] == "G12")
     assert g12["count"] == 1 and g12["recent"][0]["item_id"] == bad and "poisoned result refused" in g12["recent"][0]["detail"]
     assert report["counters"]["quarantined"] == 1
-    from ccsq.brokerd.ledger import Ledger, data_paths
+    from ccsq.brokerd.ledger.store import Ledger, data_paths
 
     ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
     try:
@@ -186,7 +186,7 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
         shutil.move(blobs, root / "blobs-away")
         blobs.write_bytes(b"the store is down")
         drain("--undo")
-        # the worker reports itself unhealthy for 1, 2, 4 ... s after each episode: fewer fetches than before
+        # the worker reports itself unhealthy for 1-2, 1-3, 1-5 ... s after each episode: fewer fetches than before
         wait_until(lambda: worker.count("payload_fetch_failed") >= 4, 60, "fetches failing during the outage")
         rep = swarm.report()
         assert rep["dead"] == 0 and rep["acknowledged"] == 0 and worker.running

@@ -31,16 +31,17 @@ def _assert_exactly_once(swarm: Swarm, n: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_ocr_pages_end_to_end(tmp_path: Path) -> None:
-    """Three real corpus pages through real processes; ground-truth lines land in the results table."""
+    """Two real corpus pages through real processes; ground-truth lines land in the results
+    table (the demo runs all 54; test_worker_units runs the smallest page through the handler)."""
     truth = json.loads((DOCS / "ground_truth.json").read_text())
-    pages = [DOCS / name for name in sorted(truth)[:3]]
+    pages = [DOCS / name for name in sorted(truth)[:2]]
     with Swarm(tmp_path / "s", workers=1, handler="ocr", broker={"lease_ttl_s": 30.0},
                worker={"handler_threads": 1, "kinds": ["ocr"]}) as swarm:
         swarm.start_all(workers=1)
         with swarm.client() as client:
             receipts = [client.submit(page, "ocr", params={"name": page.name}) for page in pages]
-        assert len({r.item_id for r in receipts}) == 3
-        _assert_exactly_once(swarm, 3)
+        assert len({r.item_id for r in receipts}) == 2
+        _assert_exactly_once(swarm, 2)
         for row in swarm.results():
             name = json.loads(row["params"])["name"]
             text = json.loads(row["result_text"])["text"]

@@ -244,7 +244,9 @@ def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
         assert c["fenced"] == 1 and c["returned"] == 0, c
         assert [r["item_id"] for r in pair.a.results()] == [receipt.item_id]
         w = {x["id"]: x["count"] for x in pair.a.report()["windows"]}
-        assert w["G2"] >= 1 and w["F1"] >= 1 and w["G4"] == 1 and w["F2"] == 1, w
+        # G4/F2 count fenced COMPLETE frames: the relay resends its report until the upstream
+        # confirms it, so under load the one stale result may be fenced (and counted) twice
+        assert w["G2"] >= 1 and w["F1"] >= 1 and 1 <= w["G4"] <= 2 and 1 <= w["F2"] <= 2 and w["G4"] == w["F2"], w
         rep_b = pair.b.report()
         assert rep_b["received"] == rep_b["acknowledged"] == 1  # the relay acknowledged the fenced result
 

@@ -10,7 +10,9 @@ import lmdb
 import pytest
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import Ledger, LedgerError, Policy, backoff_ms
+from ccsq.brokerd.ledger import maintenance, schema
+from ccsq.brokerd.ledger.rules import backoff_ms
+from ccsq.brokerd.ledger.store import FULL_MODES, Ledger, LedgerError, Policy
 from ccsq.common.wire import protocol as p
 
 S = p.ItemState
@@ -201,7 +203,7 @@ def test_attempts_survive_reopen_and_dead_letter_worker_lost(tmp_path):
 def test_deadline_expiry_scan(ledger):
     (a, b) = submit(ledger, item("a", deadline_ts=5.0), item("b", deadline_ts=50.0))
     txn = ledger.begin()
-    txn.expire_deadlines(6_000, 100)
+    maintenance.expire_deadlines(txn, 6_000, 100)
     txn.commit()
     with ledger.read() as v:
         assert v.get(a.item_id)["state"] == S.EXPIRED.value and v.get(b.item_id)["state"] == S.READY.value
@@ -222,8 +224,8 @@ def test_ack_idempotent_and_purge_keeps_counts(tmp_path):
     assert txn.ack("missing", 3_000) is None
     txn.commit()
     txn = led.begin()
-    assert txn.purge(3_500, 100) == 0  # retention not reached
-    assert txn.purge(10_000, 100) == 2  # the item and its idempotency key
+    assert maintenance.purge(txn, 3_500, 100) == 0  # retention not reached
+    assert maintenance.purge(txn, 10_000, 100) == 2  # the item and its idempotency key
     txn.commit()
     with led.read() as v:
         assert v.get(r.item_id) is None and v.item_status(r.item_id).state == "unknown"
@@ -240,7 +242,7 @@ def test_events_are_trimmed_per_window(ledger, monkeypatch):
         txn.event(gaps.G2_LEASE_EXPIRED, f"i{i}", 1_000 + i, "x")
     txn.commit()
     txn = ledger.begin()
-    txn.purge(2_000, 1000)
+    maintenance.purge(txn, 2_000, 1000)
     txn.commit()
     with ledger.read() as v:
         recent = v.recent_events(gaps.G2_LEASE_EXPIRED, 100)
@@ -313,3 +315,78 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
         assert v.gap_counts()[gaps.G8_LATE_RESULT_ACCEPTED] == 1
         assert any("reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
     check_balance(ledger)
+
+
+def _rewrite_record(led: Ledger, item_id: str, **fields) -> None:
+    """Write an item record as an older broker left it (raw msgpack, fields set or, with None, removed)."""
+    with led.env.begin(write=True) as raw:
+        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]))
+        for name, value in fields.items():
+            if value is None:
+                rec.pop(name, None)
+            else:
+                rec[name] = value
+        raw.put(item_id.encode(), schema.pack_item(rec), db=led.db["items"])
+
+
+def test_records_of_older_brokers_keep_their_token_holder(ledger):
+    """``worker`` now names the holder of the latest token after the lease ends; records an
+    older broker wrote (``worker`` cleared, the holder in ``token_worker``; or neither field
+    kept) are still fenced by their holder, and a new lease drops ``token_worker``."""
+    submit(ledger, item("a"), item("b"), item("c"))
+    ta, tb, tc = lease_all(ledger, worker="w1")
+    txn = ledger.begin()
+    for t in (ta, tb):
+        txn.expire_lease(t.item_id, t.token, 3_000)
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(ta.item_id)["worker"] == "w1" and "token_worker" not in v.get(ta.item_id)  # kept, one field
+    _rewrite_record(ledger, ta.item_id, worker="", token_worker="w1")  # the layout before: ready, holder aside
+    _rewrite_record(ledger, tc.item_id, token_worker=None)  # the layout before token_worker: leased, worker only
+    txn = ledger.begin()
+    for t in (ta, tc):
+        forged = p.TaskResult(t.item_id, t.token, blob(b"forged"), "echo", "1")
+        assert txn.complete(forged, 3_100, "w2") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(p.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    txn.commit()
+    _rewrite_record(ledger, tb.item_id, worker="", token_worker="w1")
+    (tb2,) = lease_all(ledger, worker="w2", now_ms=4_000)
+    with ledger.read() as v:
+        assert v.get(ta.item_id)["worker_done"] == "w1" and v.get(tc.item_id)["worker_done"] == "w1"
+        assert v.get(tb.item_id)["worker"] == "w2" and "token_worker" not in v.get(tb.item_id)
+        assert any("leased to w1, reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
+    txn = ledger.begin()
+    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == p.Outcome.FENCED.value
+    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == p.Outcome.ACCEPTED.value
+    txn.commit()
+    check_balance(ledger)
+
+
+def test_transact_grows_a_full_map_then_sheds_work(tmp_path):
+    """Ledger.transact: a step that hits MDB_MAP_FULL is run again in a fresh transaction,
+    first after doubling the map, then (at the maximum) in each smaller mode; nothing of an
+    aborted run is kept, and a step that never fits gets None."""
+    led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=2 << 20)
+    runs = []
+
+    def step(size_by_mode):
+        def run(txn, mode):
+            runs.append((mode, led.map_size_bytes()))
+            txn.submit(item(f"{mode}{len(runs)}"), 1_000)
+            txn.txn.put(b"test-filler", b"y" * size_by_mode.get(mode, 0), db=led.db["meta"])  # ~1.5 MiB: needs the grown map
+            txn.commit()
+            return len(runs)
+        return run
+
+    assert led.transact(step({"normal": 1_500_000})) == ("normal", 2)
+    assert runs == [("normal", 1 << 20), ("normal", 2 << 20)]  # grown once, same mode
+    runs.clear()
+    assert led.transact(step({"normal": 3 << 20, "refuse": 3 << 20, "minimal": 3 << 20})) == ("acks", 4)
+    assert runs == [(mode, 2 << 20) for mode in FULL_MODES]  # at the maximum: one smaller mode per run
+    runs.clear()
+    assert led.transact(step({mode: 3 << 20 for mode in FULL_MODES})) == ("acks", None)
+    assert [m for m, _ in runs] == list(FULL_MODES)
+    with led.read() as v:
+        assert v.counter("received") == 2 and v.balanced()  # one item per committed run, none from aborted ones
+    led.close()

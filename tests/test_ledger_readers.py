@@ -24,9 +24,10 @@ import lmdb
 import pytest
 import tomli_w
 
-from ccsq.brokerd.ledger import Ledger, ReadersFull, data_paths, parse_readers
+from ccsq.brokerd.ledger.maintenance import parse_readers
+from ccsq.brokerd.ledger.store import Ledger, ReadersFull, data_paths
 from ccsq.brokerd.report import iter_blob_refs, load_report
-from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode, ledger_failure
 from ccsq.common.tools.procs import free_tcp_port
@@ -214,7 +215,7 @@ def test_every_lmdb_error_has_its_own_sentence() -> None:
 
 _TOOL = """
 import json, sys
-from ccsq.brokerd.ledger import Ledger, LedgerError
+from ccsq.brokerd.ledger.store import Ledger, LedgerError
 try:
     led = Ledger(sys.argv[1], readonly=True)
 except LedgerError as exc:

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ccsq.brokerd.ledger import Ledger, Policy
+from ccsq.brokerd.ledger import maintenance
+from ccsq.brokerd.ledger.store import Ledger, Policy
 from ccsq.common.wire import protocol as p
 
 MAX_ATTEMPTS = 3
@@ -146,7 +147,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def purge(self) -> None:
         self.now_ms += int(RETENTION_S * 1000) + 1
         txn = self.ledger.begin()
-        txn.purge(self.now_ms, 10_000)
+        maintenance.purge(txn, self.now_ms, 10_000)
         txn.commit()
         self.purged |= set(self._ids("acknowledged"))
 

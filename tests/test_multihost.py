@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from ccsq.brokerd.ledger import Ledger, data_paths
+from ccsq.brokerd.ledger.store import Ledger, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.wire.keys import write_curve_keypair, write_keypair
 from ccsq.common.tools.procs import ProcessGroup, bin_path, wait_until

@@ -8,11 +8,13 @@ import random
 
 import pytest
 
-from ccsq.brokerd.ledger import Policy, backoff_ms
+from ccsq.brokerd.ledger.rules import backoff_ms
+from ccsq.brokerd.ledger.store import Policy
 from ccsq.common.wire import errors
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.backoff import backoff_delay_s
-from ccsq.common.wire.policy import FAIL_POLICY, PEER_REFUSED_CODES, fail_rule, refusal_error, refusal_retryable, task_failure
+from ccsq.common.wire.policy import (FAIL_POLICY, PEER_REFUSED_CODES, fail_rule, refusal_error, refusal_final, refusal_retryable,
+                                     task_failure)
 from tests import test_ledger as tl  # its helpers (a module alias, so pytest does not collect its tests twice)
 
 
@@ -65,3 +67,6 @@ def test_refusal_codes_map_to_error_types():
     for code in PEER_REFUSED_CODES:
         err = refusal_error(code, "m")
         assert isinstance(err, errors.Unauthorized) and err.code == code
+        assert refusal_final(code) and not refusal_retryable(code)
+    # the link and the producer stop for good on the type, not on a list of their own
+    assert not any(refusal_final(c) for c in ("QUEUE_FULL", "DISK_FULL", "MALFORMED", p.REJECT_NO_SESSION, "NEW"))

@@ -172,7 +172,6 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
 
     from ccsq.common.wire import protocol as p
     from ccsq.common.wire.errors import InvalidRequest
-    from ccsq.brokerd.ledger import validate_submit_item
     from tests.swarm import Swarm
 
     with Swarm(tmp_path / "s") as swarm:
@@ -186,8 +185,8 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
         assert swarm.report()["received"] == 1
         assert not list((tmp_path / "s" / "blobs").glob("??/??/*"))  # nothing written for refused input
     blob = p.Blob("0" * 64, 0, b"")
-    assert "finite" in validate_submit_item(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
-    assert "control" in validate_submit_item(p.SubmitItem("k\x00", "echo", blob))
+    assert "finite" in p.submit_item_problem(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
+    assert "control" in p.submit_item_problem(p.SubmitItem("k\x00", "echo", blob))
 
 
 def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_empty(tmp_path) -> None:

@@ -2,7 +2,7 @@
 in the ledger, and ``ccsq gap-report --html`` (parsed back: inline SVG + numbers).
 
 A real ``ccsq-brokerd`` with ``metrics_port`` set, driven by scripted peers
-(brokerd/testing.py) so the flow is exact: 5 items submitted, dispatched,
+(tests/broker_harness.py) so the flow is exact: 5 items submitted, dispatched,
 completed and acknowledged; 2 more of another kind left ready with a deadline.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ccsq.brokerd.report import load_report, queue_forecast, render_html
-from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.tools import cli
 from ccsq.common.wire import protocol as p
 from ccsq.common.tools.procs import free_tcp_port
@@ -184,13 +184,13 @@ def test_queue_forecast_against_the_nearest_deadline() -> None:
 
 
 def cli_counters() -> tuple[str, ...]:
-    from ccsq.brokerd.ledger import COUNTERS
+    from ccsq.brokerd.ledger.schema import COUNTERS
 
     return COUNTERS
 
 
 def states() -> tuple[str, ...]:
-    from ccsq.brokerd.ledger import STATES
+    from ccsq.brokerd.ledger.schema import STATES
 
     return STATES
 
@@ -207,21 +207,22 @@ def test_gap_register_doc_and_code_list_the_same_windows() -> None:
 def test_accounting_samples_are_a_bounded_ring(tmp_path: Path, monkeypatch) -> None:
     """The ledger keeps at most SAMPLES_KEPT samples, newest kept; a sample is written
     only when the interval passed and the counters changed."""
-    from ccsq.brokerd import ledger as lg
+    from ccsq.brokerd.ledger import maintenance, schema
+    from ccsq.brokerd.ledger.store import Ledger
 
-    monkeypatch.setattr(lg, "SAMPLES_KEPT", 4)
-    led = lg.Ledger(tmp_path / "l", map_size_bytes=1 << 22)
+    monkeypatch.setattr(schema, "SAMPLES_KEPT", 4)
+    led = Ledger(tmp_path / "l", map_size_bytes=1 << 22)
     try:
         t = 1_000_000
         for i in range(7):
             with led.begin() as txn:
                 txn.submit(p.SubmitItem(f"k{i}", "echo", blob(b"x%d" % i)), t + i * 1000)
-                assert txn.append_sample(t + i * 1000, interval_s=1.0)
+                assert maintenance.append_sample(txn, t + i * 1000, interval_s=1.0)
                 txn.commit()
         with led.begin() as txn:
-            assert not txn.append_sample(t + 7000, interval_s=1.0)  # counters unchanged
+            assert not maintenance.append_sample(txn, t + 7000, interval_s=1.0)  # counters unchanged
             txn.submit(p.SubmitItem("k7", "echo", blob(b"x7")), t + 7000)
-            assert not txn.append_sample(t + 7500, interval_s=2.0)  # too soon after the last (t + 6000)
+            assert not maintenance.append_sample(txn, t + 7500, interval_s=2.0)  # too soon after the last (t + 6000)
             txn.abort()
         with led.read() as view:
             got = view.samples()

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from ccsq.brokerd.testing import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.wire.keys import write_keypair

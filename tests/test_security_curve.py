@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 import tomllib
 
-from ccsq.brokerd.testing import ScriptedPeer
+from tests.broker_harness import ScriptedPeer
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ConfigError, ExitCode
 from ccsq.common.wire.keys import load_curve_public, load_curve_secret, write_curve_keypair

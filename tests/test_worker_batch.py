@@ -347,9 +347,10 @@ def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: Worke
 def test_group_commit_merges_adjacent_ops_of_one_name() -> None:
     """The group commit applies adjacent same-name ops as one op (one executemany), rows in
     order, without touching the callers' lists; different names keep their order."""
-    from ccsq.workerd.journal import _merge_adjacent
+    from ccsq.workerd.journal import OpKind, _merge_adjacent
 
+    record, forget = OpKind.RECORD, OpKind.FORGET
     a, b = [("x", 1)], [("y", 2)]
-    merged = _merge_adjacent([("record", a), ("record", b), ("forget", [("x", 1)]), ("record", [("z", 3)])])
-    assert merged == [("record", [("x", 1), ("y", 2)]), ("forget", [("x", 1)]), ("record", [("z", 3)])]
+    merged = _merge_adjacent([(record, a), (record, b), (forget, [("x", 1)]), (record, [("z", 3)])])
+    assert merged == [(record, [("x", 1), ("y", 2)]), (forget, [("x", 1)]), (record, [("z", 3)])]
     assert a == [("x", 1)] and b == [("y", 2)]

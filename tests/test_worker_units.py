@@ -1,5 +1,6 @@
-"""Worker parts without processes: the GPU semaphore, the journal, provider
-resolution (case C10), the built-in handlers and the OCR handler on a real page."""
+"""Worker parts without processes: the GPU semaphore, the journal, the claim store's health,
+the one failure policy, provider resolution (case C10), the built-in handlers and the OCR
+handler on a real page."""
 
 from __future__ import annotations
 
@@ -100,14 +101,14 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     async def main() -> GroupCommit:
         gc = GroupCommit(j, pool, window_s=0.001)
         await asyncio.gather(
-            gc.write("hold", [("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
-            gc.write("started", [("a", 1), ("b", 2)]),
-            gc.write("record", [(_result("a", 1), "echo")]),
-            gc.write("record", [(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
-            gc.write("forget", [("a", 1)]),
+            gc.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
+            gc.started([("a", 1), ("b", 2)]),
+            gc.record([(_result("a", 1), "echo")]),
+            gc.record([(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
+            gc.forget([("a", 1)]),
         )
         assert (gc.commits, gc.ops) == (1, 5)
-        results = await asyncio.gather(gc.write("forget", [("b", 2)]), gc.write("bogus", []), return_exceptions=True)
+        results = await asyncio.gather(gc.forget([("b", 2)]), gc.write("bogus", []), return_exceptions=True)
         assert isinstance(results[0], ValueError) and isinstance(results[1], ValueError)
         await gc.drain()
         return gc
@@ -118,6 +119,67 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     assert by_key == {("b", 2): EntryState.FAILED, ("c", 3): EntryState.HELD}  # b's forget rolled back
     pool.shutdown()
     j.close()
+
+
+# --- the claim store's health, and failures through the one policy -----------------------
+def test_unhealthy_pause_is_a_floor_plus_the_one_backoff() -> None:
+    """The pause after the n-th claim-store episode in a row: never under 1 s, never over
+    60 s, 1 s plus exactly the one backoff's draw (full jitter: it varies)."""
+    from ccsq.common.wire.backoff import backoff_delay_s
+    from ccsq.workerd.claims import unhealthy_pause_s
+
+    for streak in range(1, 12):
+        a, b = random.Random(streak), random.Random(streak)
+        pauses = [unhealthy_pause_s(streak, a) for _ in range(200)]
+        assert pauses == [1.0 + backoff_delay_s(streak - 1, 1.0, 59.0, b) for _ in range(200)]
+        assert all(1.0 <= x <= min(60.0, 1.0 + 2 ** (streak - 1)) for x in pauses), streak
+        assert max(pauses) - min(pauses) > 0.5 * min(59.0, 2 ** (streak - 1)), streak
+    assert max(unhealthy_pause_s(40) for _ in range(200)) <= 60.0
+
+
+def test_claim_store_trouble_is_one_episode_until_the_pause_ends() -> None:
+    """A failure turns the worker unhealthy and says so once per episode; the rest of a
+    batch failing within the pause counts failures, not episodes; a fetch resets the streak."""
+    import structlog
+
+    from ccsq.workerd.claims import Claims
+
+    said: list[int] = []
+    claims = Claims(None, None, on_unhealthy=lambda: said.append(1), log=structlog.get_logger("test"))  # type: ignore[arg-type]
+    assert claims.ok and claims.info() == {"store_ok": True, "store_failures": 0}
+    claims.trouble("blob absent")
+    claims.trouble("blob absent too")
+    assert (len(said), claims.failures, claims.streak, claims.ok) == (1, 2, 1, False)
+    assert claims.info() == {"store_ok": False, "store_failures": 2, "store_error": "blob absent too"}
+    claims._bad_until_mono = 0.0  # the pause is over (1-2 s): the next failure is a new episode
+    claims.trouble("again")
+    assert (len(said), claims.streak) == (2, 2)
+    claims.fetched()
+    claims._bad_until_mono = 0.0
+    claims.trouble("after a good fetch")
+    assert (len(said), claims.streak) == (3, 1)
+
+
+def test_workerd_makes_every_failure_through_the_policy() -> None:
+    """The worker names a reason only: no TaskFailure is built in workerd/ except by
+    ``jobs.failure``, which is ``policy.task_failure`` (retryable from FAIL_POLICY)."""
+    import ast
+
+    from ccsq.common.wire.policy import FAIL_POLICY
+    from ccsq.workerd.jobs import failure
+
+    root = Path(__file__).resolve().parent.parent / "workerd"
+    calls: dict[str, list[str]] = {}
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in ("TaskFailure", "task_failure"):
+                    calls.setdefault(name, []).append(path.name)
+    assert "TaskFailure" not in calls and calls["task_failure"] == ["jobs.py"], calls
+    for reason, rule in FAIL_POLICY.items():
+        f = failure(("i", 3), reason, "m")
+        assert (f.item_id, f.token, f.reason, f.retryable, f.message) == ("i", 3, reason.value, rule.retryable, "m")
 
 
 # --- providers (C10) -----------------------------------------------------------------------

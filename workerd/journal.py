@@ -41,7 +41,19 @@ from ccsq.common.wire.errors import DecodeError, JournalCorrupt, JournalLocked  
 from ccsq.common.storage.journal import open_locked_sqlite
 
 Key = tuple[str, int]
-Op = tuple[str, list]  # (name, rows): see Journal.apply
+
+
+class OpKind(str, enum.Enum):
+    """The four journal writes (rows of :meth:`Journal.apply`); call them through the typed
+    methods :meth:`Journal.hold` ... :meth:`GroupCommit.forget`, never by name."""
+
+    HOLD = "hold"  # rows (item_id, token, kind): new leases, state held
+    STARTED = "started"  # rows key: held -> started
+    RECORD = "record"  # rows (report, kind): upsert finished / failed with the report
+    FORGET = "forget"  # rows key: delete (confirmed, or released by the broker)
+
+
+Op = tuple[OpKind, list]  # (kind, rows): see Journal.apply
 
 
 class EntryState(str, enum.Enum):
@@ -121,52 +133,31 @@ class Journal:
     # --- writes (each call one transaction, fsynced) ---
     def hold(self, leases: list[tuple[str, int, str]]) -> None:
         """Record newly dispatched leases ``(item_id, token, kind)`` in state held."""
-        self.apply([("hold", leases)])
+        self.apply([(OpKind.HOLD, leases)])
 
     def mark_started(self, *keys: Key) -> None:
         """The handler is about to run these leases (one batch: one transaction)."""
-        self.apply([("started", list(keys))])
+        self.apply([(OpKind.STARTED, list(keys))])
 
     def record(self, report: p.TaskResult | p.TaskFailure, kind: str = "") -> None:
         """Store a finished result or a decided failure (upsert), before it is sent."""
-        self.apply([("record", [(report, kind)])])
+        self.apply([(OpKind.RECORD, [(report, kind)])])
 
     def forget(self, keys: list[Key]) -> None:
         """Delete rows (confirmed by the broker, or released by it)."""
         if keys:
-            self.apply([("forget", list(keys))])
+            self.apply([(OpKind.FORGET, list(keys))])
 
     def apply(self, ops: list[Op]) -> None:
         """Apply several writes, in order, in ONE transaction (one fsync): the
-        group commit of :class:`GroupCommit`. Each op is ``("hold", [(item_id,
-        token, kind)])``, ``("started", [key])``, ``("record", [(report, kind)])``
-        or ``("forget", [key])``. All or nothing: on an error nothing is written."""
+        group commit of :class:`GroupCommit`. Each op is ``(OpKind.HOLD, [(item_id,
+        token, kind)])``, ``(OpKind.STARTED, [key])``, ``(OpKind.RECORD, [(report,
+        kind)])`` or ``(OpKind.FORGET, [key])``. All or nothing: on an error (ValueError
+        for an unknown op) nothing is written."""
         now = time.time()
         with self._tx():
-            for op, args in ops:
-                if op == "hold":
-                    self._db.executemany(
-                        "INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, NULL, ?)",
-                        [(i, t, k, EntryState.HELD.value, now) for i, t, k in args],
-                    )
-                elif op == "started":
-                    self._db.executemany(
-                        "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
-                        [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in args],
-                    )
-                elif op == "record":
-                    self._db.executemany(
-                        "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?) "
-                        "ON CONFLICT (item_id, token) DO UPDATE SET state = excluded.state, "
-                        "report = excluded.report, updated_ts = excluded.updated_ts",
-                        [(r.item_id, r.token, kind,
-                          (EntryState.FINISHED if isinstance(r, p.TaskResult) else EntryState.FAILED).value,
-                          encode_report(r), now) for r, kind in args],
-                    )
-                elif op == "forget":
-                    self._db.executemany("DELETE FROM entries WHERE item_id = ? AND token = ?", list(args))
-                else:
-                    raise ValueError(f"unknown journal op {op!r}")
+            for op, rows in ops:
+                _APPLY[OpKind(op)](self._db, now, rows)
 
     # --- reads ---
     def entries(self) -> list[JournalEntry]:
@@ -188,6 +179,40 @@ class Journal:
         return _Tx(self._db)
 
 
+def _apply_hold(db: sqlite3.Connection, now: float, leases: list[tuple[str, int, str]]) -> None:
+    db.executemany("INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, NULL, ?)",
+                   [(i, t, k, EntryState.HELD.value, now) for i, t, k in leases])
+
+
+def _apply_started(db: sqlite3.Connection, now: float, keys: list[Key]) -> None:
+    db.executemany(
+        "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
+        [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in keys],
+    )
+
+
+def _apply_record(db: sqlite3.Connection, now: float, reports: list[tuple[p.TaskResult | p.TaskFailure, str]]) -> None:
+    db.executemany(
+        "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (item_id, token) DO UPDATE SET state = excluded.state, "
+        "report = excluded.report, updated_ts = excluded.updated_ts",
+        [(r.item_id, r.token, kind, (EntryState.FINISHED if isinstance(r, p.TaskResult) else EntryState.FAILED).value,
+          encode_report(r), now) for r, kind in reports],
+    )
+
+
+def _apply_forget(db: sqlite3.Connection, now: float, keys: list[Key]) -> None:
+    db.executemany("DELETE FROM entries WHERE item_id = ? AND token = ?", list(keys))
+
+
+_APPLY: dict[OpKind, Callable[[sqlite3.Connection, float, list], None]] = {
+    OpKind.HOLD: _apply_hold,
+    OpKind.STARTED: _apply_started,
+    OpKind.RECORD: _apply_record,
+    OpKind.FORGET: _apply_forget,
+}
+
+
 class _Tx:
     """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error)."""
 
@@ -204,8 +229,8 @@ class _Tx:
 class GroupCommit:
     """Group commit of one worker's journal writes (used from one event loop).
 
-    :meth:`write` queues an op (see :meth:`Journal.apply`) and returns once it
-    is durable. Ops queued while a commit is running, or within ``window_s``
+    :meth:`hold`, :meth:`started`, :meth:`record` and :meth:`forget` queue a write
+    (see :meth:`Journal.apply`) and return once it is durable. Ops queued while a commit is running, or within ``window_s``
     seconds (monotonic) of the first one, go into the NEXT commit together:
     one SQLite transaction, one fsync, ops applied in the order queued. An
     error fails every op of that commit (nothing of it was written).
@@ -230,11 +255,28 @@ class GroupCommit:
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
-    async def write(self, name: str, rows: list) -> None:
-        """Queue ``(name, rows)`` and wait until it is committed (raises the commit's error)."""
+    async def hold(self, leases: list[tuple[str, int, str]]) -> None:
+        """Newly dispatched leases ``(item_id, token, kind)``, state held (DISPATCH)."""
+        await self.write(OpKind.HOLD, leases)
+
+    async def started(self, keys: list[Key]) -> None:
+        """Held -> started: the handler is about to run these (one batch)."""
+        await self.write(OpKind.STARTED, keys)
+
+    async def record(self, reports: list[tuple[p.TaskResult | p.TaskFailure, str]]) -> None:
+        """``(report, kind)`` rows: a finished result or a decided failure, before it is sent."""
+        await self.write(OpKind.RECORD, reports)
+
+    async def forget(self, keys: list[Key]) -> None:
+        """Delete rows: confirmed by the broker, released by it, or lost in a crash."""
+        await self.write(OpKind.FORGET, keys)
+
+    async def write(self, op: OpKind, rows: list) -> None:
+        """Queue ``(op, rows)`` and wait until it is committed (raises the commit's error;
+        an unknown ``op`` fails its whole commit with ValueError). Prefer the typed methods."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.append(((name, rows), fut))
+        self._queue.append(((op, rows), fut))
         if self._flusher is None or self._flusher.done():
             self._flusher = loop.create_task(self._flush(), name="journal-group-commit")
         await fut
@@ -270,7 +312,7 @@ class GroupCommit:
 
 
 def _merge_adjacent(ops: list[Op]) -> list[Op]:
-    """Adjacent ops of the same name as one op (their rows in order): one ``executemany``
+    """Adjacent ops of the same kind as one op (their rows in order): one ``executemany``
     for the ~64 per-job ``record`` writes of a batch instead of 64. Same rows, same order,
     same single transaction."""
     out: list[Op] = []

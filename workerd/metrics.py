@@ -107,8 +107,8 @@ class _WorkerCollector:
             ("ccsq_worker_gpu_slots", "concurrent handler calls allowed (slots)", gate.slots),
             ("ccsq_worker_gpu_busy_slots", "handler calls running now", gate.busy),
             ("ccsq_worker_gpu_lost_slots", "slots held by an inference thread that overran its limit", gate.lost),
-            ("ccsq_worker_jobs", "leases this worker holds (fetching, queued, running, reporting)", len(w._jobs)),
-            ("ccsq_worker_unconfirmed_reports", "results/failures the broker has not confirmed yet", len(w._pending)),
+            ("ccsq_worker_jobs", "leases this worker holds (fetching, queued, running, reporting)", len(w.jobs)),
+            ("ccsq_worker_unconfirmed_reports", "results/failures the broker has not confirmed yet", len(w.reports.unconfirmed)),
         ):
             g = GaugeMetricFamily(name, help_, labels=["worker"])
             g.add_metric(wid, float(value))
@@ -124,8 +124,8 @@ def start_worker_metrics(worker: Worker, listen: str, *, where: str) -> Any:
     stats = WorkerStats(worker.cfg.peer_id)
     stats.registry.register(_WorkerCollector(worker, worker.cfg.peer_id))  # type: ignore[arg-type]
     server = start_exporter(stats.registry, listen, process="workerd", where=where)
-    worker.observe_batch = stats.batch
-    worker._jw.observe_commit = stats.journal_commit  # the journal's group commit (once per commit)
+    worker.lanes.observe_batch = stats.batch
+    worker.journal_writer.observe_commit = stats.journal_commit  # the journal's group commit (once per commit)
     worker.store = CountingStore(worker.store, stats)
     worker.metrics_stats = stats  # type: ignore[attr-defined]
     return server

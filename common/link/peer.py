@@ -43,14 +43,9 @@ from ccsq.common.wire.keys import (
     public_key_b64,
 )
 from ccsq.common.runtime.log import get_logger
-from ccsq.common.wire.policy import CURVE_REFUSED, PEER_REFUSED_CODES
+from ccsq.common.wire.policy import CURVE_REFUSED, refusal_final
 
 log = get_logger("ccsq.peer")
-
-#: Codes with which the broker refuses our HELLO for good: reconnecting cannot help
-#: until an operator changes authorized_keys (and restarts this peer).
-#: (The table lives in the one failure policy, :mod:`ccsq.common.wire.policy`.)
-REFUSED_CODES = PEER_REFUSED_CODES
 
 
 def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
@@ -190,7 +185,7 @@ class BrokerLink:
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
     replaced: bool  # another live process took our peer id: the link stopped for good
-    refused: p.Error | None  # the broker refused this peer for good (REFUSED_CODES): the link stopped
+    refused: p.Error | None  # the broker refused this peer for good (policy.refusal_final): the link stopped
     _outbox: asyncio.Queue[p.Message]
 
     def __init__(
@@ -437,7 +432,7 @@ class BrokerLink:
                 return
             if isinstance(msg, p.Error):
                 self.last_refusal = msg
-                if msg.code in REFUSED_CODES:
+                if refusal_final(msg.code):  # by error type (Unauthorized), the one failure policy
                     # for good: reconnecting cannot help until authorized_keys changes
                     self.refused = msg
                     self._stopping = True

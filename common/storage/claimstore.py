@@ -12,18 +12,41 @@ tampered blob is reported as :class:`~ccsq.common.wire.errors.PayloadMissing`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 
 from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailable
-from ccsq.common.wire.protocol import Blob
+from ccsq.common.wire.protocol import Blob, FailReason
+
+
+#: Inline blobs up to this size are digest-checked on the caller's event loop (tens of µs);
+#: larger ones go to the executor so a heartbeat never waits behind a hash.
+HASH_ON_LOOP_MAX_BYTES = 65536
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def store_failure(exc: BaseException, blob: Blob | None = None) -> FailReason:
+    """The one rule for what a claim-store error means for the item, used by every reader
+    and writer of blobs (worker, relay):
+
+    * :class:`PayloadMissing` for bytes that came inline with the item (``blob.inline``)
+      -> ``PAYLOAD_MISSING``: the item itself is bad (dead-lettered at once).
+    * :class:`PayloadMissing` for a stored blob -> ``STORE_UNAVAILABLE``: absent or corrupt
+      in THIS reader's view of the store (a missing mount, a lagging replica) is the
+      store's problem, not the item's, until ``ccsq reconcile`` confirms the blob gone (G7).
+    * anything else (:class:`StoreUnavailable`, an ``OSError``, a backend's error while
+      writing a result) -> ``STORE_UNAVAILABLE``: try again later, no attempt counted."""
+    if isinstance(exc, PayloadMissing) and blob is not None and blob.inline is not None:
+        return FailReason.PAYLOAD_MISSING
+    return FailReason.STORE_UNAVAILABLE
 
 
 class ClaimStore(abc.ABC):
@@ -64,6 +87,23 @@ class ClaimStore(abc.ABC):
         their event loop instead of hopping to an I/O thread."""
         cls = type(self)
         return size_bytes <= inline_max_bytes and cls.put_blob is ClaimStore.put_blob and cls.get_blob is ClaimStore.get_blob
+
+    async def aput_blob(self, data: bytes, inline_max_bytes: int, executor: Executor | None = None) -> Blob:
+        """:meth:`put_blob` from an event loop: on the loop when it does no I/O (an inline
+        blob, see :meth:`inline_without_io`), else in ``executor`` (None: the loop's default)."""
+        if self.inline_without_io(len(data), inline_max_bytes):
+            return self.put_blob(data, inline_max_bytes)
+        return await asyncio.get_running_loop().run_in_executor(executor, self.put_blob, data, inline_max_bytes)
+
+    async def aget_blob(self, blob: Blob, executor: Executor | None = None) -> bytes:
+        """:meth:`get_blob` from an event loop: on the loop for an inline blob of at most
+        ``HASH_ON_LOOP_MAX_BYTES`` of a store whose reads are the base class's (a digest
+        check, no I/O), else in ``executor``. Errors as :meth:`get_blob` (what they mean for
+        the item: :func:`store_failure`)."""
+        if (blob.inline is not None and len(blob.inline) <= HASH_ON_LOOP_MAX_BYTES
+                and type(self).get_blob is ClaimStore.get_blob):
+            return self.get_blob(blob)
+        return await asyncio.get_running_loop().run_in_executor(executor, self.get_blob, blob)
 
     def put_blob(self, data: bytes, inline_max_bytes: int) -> Blob:
         """Make a Blob: inline when ``len(data) <= inline_max_bytes``, else stored here."""

@@ -23,8 +23,9 @@ import msgpack
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import AdminConfig
+from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized  # noqa: F401 (AdminFailed: re-exported)
+from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -37,36 +38,29 @@ class AdminSession:
 
     def __init__(self) -> None:
         self.link: Any = None
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._req = 0
+        self._requests: RequestTracker[p.Admin, p.AdminReply] = RequestTracker()
 
     def on_message(self, env: Envelope) -> None:
         msg = env.message
         if isinstance(msg, p.AdminReply):
-            fut = self._waiting.pop(msg.req, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self._requests.resolve(msg.req, msg)
         elif isinstance(msg, p.Error):
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(AdminFailed(f"{msg.code}: {msg.message}"))
-            self._waiting.clear()
+            self._requests.fail_all(AdminFailed(f"{msg.code}: {msg.message}"))
 
     async def call(self, command: str, args: dict | None = None, timeout_s: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         """Run one command; returns the reply document. Raises AdminFailed (the broker
         said no), BrokerUnavailable (session lost or no reply within ``timeout_s``)."""
-        self._req += 1
-        req = self._req
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting[req] = fut
+        req = self._requests.next_id()
+        fut = self._requests.register(req)
         if not self.link.send(p.Admin(req, command, dict(args or {}))):
-            self._waiting.pop(req, None)
+            self._requests.discard(req)
             raise BrokerUnavailable("the broker session ended before the command was sent; run it again")
         try:
             reply: p.AdminReply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            self._waiting.pop(req, None)
             raise BrokerUnavailable(f"no reply to {command!r} within {timeout_s:.0f}s; check `ccsq status`") from None
+        finally:
+            self._requests.discard(req)
         if not reply.ok:
             raise AdminFailed(reply.error)
         return msgpack.unpackb(reply.body, raw=False)
@@ -138,23 +132,20 @@ def offline(data_dir: str | Path, command: str, args: dict | None = None) -> dic
     if command not in READ_ONLY:
         raise BrokerUnavailable(f"{command!r} changes the ledger, so it needs the running broker (only the broker writes the ledger)")
     args = args or {}
-    try:
-        with offline_view(data_dir) as view:
-            if command == "status":
-                from ccsq.brokerd.ledger import reader_report
+    with offline_view(data_dir) as view:  # the ledger queries raise AdminFailed themselves
+        if command == "status":
+            from ccsq.brokerd.ledger import reader_report
 
-                from ccsq.common.wire.config import BrokerConfig
+            from ccsq.common.wire.config import BrokerConfig
 
-                readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
-                return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
-            if command == "items_show":
-                item_id = args.get("item_id")
-                if not isinstance(item_id, str) or not item_id:
-                    raise admin.AdminError("argument 'item_id' (a non-empty string) is required")
-                return {"source": OFFLINE, **admin.item_doc(view, item_id), "lease_in_memory": None}
-            return {"source": OFFLINE, **admin.dlq_doc(view, admin.limit_arg(args))}
-    except admin.AdminError as exc:
-        raise AdminFailed(str(exc)) from None
+            readers = reader_report(view.ledger, view, int(time.time() * 1000), warn_age_s=BrokerConfig.reader_warn_age_s)
+            return {"source": OFFLINE, **admin.ledger_status(view), "peers": [], "readers": readers}
+        if command == "items_show":
+            item_id = args.get("item_id")
+            if not isinstance(item_id, str) or not item_id:
+                raise AdminFailed("argument 'item_id' (a non-empty string) is required")
+            return {"source": OFFLINE, **admin.item_doc(view, item_id), "lease_in_memory": None}
+        return {"source": OFFLINE, **admin.dlq_doc(view, admin.limit_arg(args))}
 
 
 def run_command(settings: AdminConfig, command: str, args: dict | None = None, *, mode: str = "auto") -> dict[str, Any]:

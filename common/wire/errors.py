@@ -96,7 +96,9 @@ class DiskFull(RetryableError):
 
 class AdminFailed(PermanentError):
     """The broker refused an admin command (unknown item or worker, bad argument);
-    the message is the broker's reason. The CLI exits with ExitCode.REFUSED."""
+    the message is the broker's reason. One class on both sides: the broker's commands
+    and the offline ledger reads raise it,
+    the admin client raises it for a refused reply. The CLI exits with ExitCode.REFUSED."""
 
     code = "ADMIN"
 
@@ -274,7 +276,9 @@ class JournalLocked(RetryableError):
     code = "JOURNAL_LOCKED"
 
 
-class JournalCorrupt(RetryableError):
-    """A journal row could not be decoded; the message names the row. Move the journal aside to start clean."""
+class JournalCorrupt(PermanentError):
+    """A journal row could not be decoded; the message names the row. Permanent: a restart
+    reads the same row (the daemon exits 78, CONFIG, and is not restarted); move the journal
+    aside to start clean."""
 
     code = "JOURNAL_CORRUPT"

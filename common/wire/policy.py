@@ -84,3 +84,10 @@ def refusal_retryable(code: str) -> bool:
     """True when a broker refusal ``code`` is worth retrying later (its type is a
     :class:`RetryableError`: QUEUE_FULL, DISK_FULL)."""
     return isinstance(refusal_error(code, ""), RetryableError)
+
+
+def refusal_final(code: str) -> bool:
+    """True when a broker refusal ``code`` refuses this peer for good (its type is
+    :class:`Unauthorized`): reconnecting cannot help until an operator changes
+    authorized_keys, so the link stops and waiting requests fail at once."""
+    return isinstance(refusal_error(code, ""), Unauthorized)

@@ -269,21 +269,31 @@ def submit_item_problem(item: SubmitItem) -> str:
     results database can never store, so one bad item cannot wedge the
     completion service later: control characters (NUL...) in ``key``/``kind``,
     NUL in param keys or strings, and non-finite floats (NaN, +-Infinity are
-    not JSON) in ``params``, ``deadline_ts`` or ``max_runtime_s``.
+    not JSON) in ``params``, ``deadline_ts`` or ``max_runtime_s``. The payload is
+    not part of the rule (:func:`submit_fields_problem` is the same rule on the fields).
     """
-    if not item.kind or len(item.kind) > MAX_KIND_LEN or _has_control(item.kind):
+    return submit_fields_problem(kind=item.kind, key=item.key, priority=item.priority, max_attempts=item.max_attempts,
+                                 max_runtime_s=item.max_runtime_s, deadline_ts=item.deadline_ts, params=item.params)
+
+
+def submit_fields_problem(*, kind: str, key: str | None, priority: int, max_attempts: int, max_runtime_s: float,
+                          deadline_ts: float | None, params: Params) -> str:
+    """:func:`submit_item_problem` on the fields of a SubmitItem before it exists, so the
+    producer checks an item once, before its payload is written to the claim store.
+    ``key`` None: derived from the payload later (64 hex chars, always acceptable)."""
+    if not kind or len(kind) > MAX_KIND_LEN or _has_control(kind):
         return f"kind must be 1..{MAX_KIND_LEN} chars without control characters"
-    if not item.key or len(item.key.encode()) > MAX_KEY_BYTES or _has_control(item.key):
+    if key is not None and (not key or len(key.encode()) > MAX_KEY_BYTES or _has_control(key)):
         return f"key must be 1..{MAX_KEY_BYTES} bytes without control characters"
-    if not PRIO_MIN <= item.priority <= PRIO_MAX:
+    if not PRIO_MIN <= priority <= PRIO_MAX:
         return "priority out of the 32-bit signed range"
-    if not 0 <= item.max_attempts <= 1000:
+    if not 0 <= max_attempts <= 1000:
         return "max_attempts must be 0..1000"
-    if not (math.isfinite(item.max_runtime_s) and item.max_runtime_s >= 0):
+    if not (math.isfinite(max_runtime_s) and max_runtime_s >= 0):
         return "max_runtime_s must be a finite number >= 0"
-    if item.deadline_ts is not None and not math.isfinite(item.deadline_ts):
+    if deadline_ts is not None and not math.isfinite(deadline_ts):
         return "deadline_ts must be a finite UNIX time"
-    for k, v in item.params.items():
+    for k, v in params.items():
         if "\0" in k:
             return f"params key {k!r} contains NUL"
         if isinstance(v, float) and not math.isfinite(v):

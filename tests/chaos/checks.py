@@ -25,19 +25,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sqlite3
-import struct
 from pathlib import Path
 from typing import Any
 
-import msgpack
-
-from ccsq.brokerd.ledger import STATES, Ledger, LedgerError, data_paths
+from ccsq.brokerd.ledger import schema
+from ccsq.brokerd.ledger.schema import STATES
+from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.tools.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}
 REFUSED_KEY_SUFFIX = "37"  # the chaos run's results-table rule refuses these keys (gap G12)
-_Q = struct.Struct(">Q")
 
 
 class EventLog:
@@ -61,10 +59,9 @@ class EventLog:
             with ledger.read() as view:
                 self.totals = view.gap_counts()
                 for k, v in view.txn.cursor(db=view.db["events"]):
-                    window, _, n = k.partition(b"\0")
-                    key = (window.decode(), _Q.unpack(n)[0])
+                    key = schema.parse_event_key(k)
                     if key not in self.events:
-                        self.events[key] = msgpack.unpackb(v, raw=False)
+                        self.events[key] = schema.unpack(v)
         finally:
             ledger.close()
 
@@ -92,7 +89,7 @@ def ledger_items(data_dir: Path) -> list[dict]:
     ledger = Ledger(ledger_dir, readonly=True)
     try:
         with ledger.read() as view:
-            return [msgpack.unpackb(v, raw=False) for _, v in view.txn.cursor(db=view.db["items"])]
+            return [schema.unpack_item(v) for _, v in view.txn.cursor(db=view.db["items"])]
     finally:
         ledger.close()
 

@@ -1,0 +1,207 @@
+"""Result delivery: the one owner of what the broker has sent and not yet had acknowledged.
+
+A completed item's result goes to a completion service (or, for an item a relay
+submitted, back to that relay) in ``RESULT`` frames, within the receiver's credit.
+Until the receiver ACKs it the item is *in flight*; if the receiver's session ends
+first, the item becomes deliverable again and its next delivery is a *redelivery*
+(gap G3, counted in the ledger with ``note_redelivery``).
+
+:class:`DeliveryTracker` owns all in-memory delivery state (the ledger owns the
+durable part: the completed index and each record's ``completed_epoch``):
+
+- in flight: item id -> the peer it was sent to, and per peer its item ids;
+- redeliver: item ids whose next delivery is a redelivery;
+- the scan floor: every completed-index entry below ``floor_cseq`` is in flight, so
+  a scan starts there instead of skipping every in-flight item again; a session end
+  resets it to 0 (its items are deliverable again), and a scan that began before a
+  reset may not raise it (``generation`` tells);
+- ``possible``: whether a delivery pass may find work (False until an event).
+
+Planning (:meth:`DeliveryTracker.plan`, :meth:`plan_routed`) runs inside the actor's
+transaction and only reads the tracker; what changes it is queued on the
+:class:`~ccsq.brokerd.actor.Batch` and applied after commit (:meth:`sent`,
+:meth:`advance_floor`, :meth:`set_possible`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ccsq.brokerd.outbound import delivery_size
+from ccsq.brokerd.peers import PeerStatus
+from ccsq.common.wire import federation as fed
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.frames import split_frames
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ccsq.brokerd.actor import Batch
+    from ccsq.brokerd.ledger import LedgerTxn
+    from ccsq.brokerd.peers import Session
+
+DELIVER_PER_TURN = 128  # results sent to completion services in one turn
+
+
+class DeliveryTracker:
+    """Deliveries in flight (sent, not acknowledged), redeliveries owed, the scan floor."""
+
+    def __init__(self, epoch: int, fed_state: fed.Federation, max_batch_items: int,
+                 reply_budget: Callable[[], int]) -> None:
+        self.epoch = epoch  # a result completed under an older epoch may have been delivered
+        self.fed = fed_state
+        self.max_batch_items = max_batch_items
+        self.reply_budget = reply_budget  # bytes a RESULT frame may carry
+        self._sent_to: dict[str, str] = {}  # item id -> peer id (in flight)
+        self._by_peer: dict[str, set[str]] = {}  # peer id -> item ids in flight to it
+        self._redeliver: set[str] = set()
+        self._floor_cseq = 0
+        self._floor_generation = 0  # bumped by every reset of the floor
+        self._possible = True
+
+    # --- queries ---
+    @property
+    def possible(self) -> bool:
+        """Whether a delivery pass may find work (set by :meth:`set_possible` only)."""
+        return self._possible
+
+    def count(self, peer_id: str | None = None) -> int:
+        """Deliveries in flight, all or to ``peer_id``."""
+        if peer_id is None:
+            return len(self._sent_to)
+        return len(self._by_peer.get(peer_id, ()))
+
+    def redelivery(self, item_id: str, rec: dict | None, why: str) -> tuple[bool, str]:
+        """Whether the next delivery of ``item_id`` is a redelivery (G3) and why: its last
+        receiver's session ended before ACK (``why``), or it completed under an older
+        broker epoch (it may have been delivered before the restart)."""
+        if item_id in self._redeliver:
+            return True, why
+        if rec is not None and rec.get("completed_epoch", self.epoch) < self.epoch:
+            return True, "completed before a broker restart: may have been delivered"
+        return False, why
+
+    # --- changes (the actor calls these outside a transaction, or after its commit) ---
+    def set_possible(self, possible: bool) -> None:
+        """The one setter of :attr:`possible`."""
+        self._possible = possible
+
+    def sent(self, sess: Session, deliveries: list[p.Delivery]) -> bool:
+        """After commit: ``deliveries`` went to ``sess``. False (and nothing in flight) when
+        the session ended between the scan and the commit: the items are then owed a
+        redelivery."""
+        if sess.status is PeerStatus.GONE:
+            self._redeliver.update(d.item_id for d in deliveries)
+            self._reset_floor()
+            self.set_possible(True)
+            return False
+        held = self._by_peer.setdefault(sess.peer_id, set())
+        for d in deliveries:
+            self._sent_to[d.item_id] = sess.peer_id
+            self._redeliver.discard(d.item_id)
+            held.add(d.item_id)
+        return True
+
+    def acknowledged(self, item_id: str) -> None:
+        """After commit: ``item_id`` was acknowledged; nothing more is owed for it."""
+        peer = self._sent_to.pop(item_id, None)
+        self._redeliver.discard(item_id)
+        if peer is not None:
+            held = self._by_peer.get(peer)
+            if held is not None:
+                held.discard(item_id)
+                if not held:
+                    del self._by_peer[peer]
+
+    def session_ended(self, peer_id: str) -> None:
+        """The session of ``peer_id`` ended: its unacknowledged deliveries are owed a
+        redelivery (G3) and deliverable again."""
+        held = self._by_peer.pop(peer_id, set())
+        for item_id in held:
+            if self._sent_to.get(item_id) == peer_id:
+                del self._sent_to[item_id]
+                self._redeliver.add(item_id)
+                self._reset_floor()
+        if held:
+            self.set_possible(True)
+
+    def advance_floor(self, cseq: int, generation: int) -> None:
+        """After commit: entries below ``cseq`` are all in flight, unless the floor was
+        reset since the scan (generation) and made some deliverable again."""
+        if generation == self._floor_generation:
+            self._floor_cseq = max(self._floor_cseq, cseq)
+
+    def _reset_floor(self) -> None:
+        self._floor_cseq = 0
+        self._floor_generation += 1
+
+    # --- planning (inside the transaction: reads only; changes go on the batch) ---
+    def plan(self, txn: LedgerTxn, batch: Batch, takers: list[Session], on_sent: Callable[[Session, list[p.Delivery]], None],
+             now_ms: int) -> bool:
+        """Results for completion services ``takers`` (connected, with credit, nothing
+        unsent), oldest completion first, up to :data:`DELIVER_PER_TURN`; replies and
+        ``on_sent`` go on ``batch``. Returns whether more may be waiting."""
+        planned: set[str] = set()
+        more = False
+        floor = self._floor_cseq
+        budget = DELIVER_PER_TURN
+        routed = self.fed.routed_all  # results of relayed items go to their relay only
+        for sess in takers:
+            limit = min(sess.credit, self.max_batch_items, budget)
+            if limit <= 0:
+                more = True
+                break
+            ids, floor = txn.completed_ids(lambda i: i in self._sent_to or i in planned or i in routed, limit, floor)
+            if len(ids) == limit:
+                more = True
+            if not ids:
+                continue
+            budget -= len(ids)
+            deliveries = []
+            for item_id in ids:
+                planned.add(item_id)
+                redelivery, why = self.redelivery(item_id, txn.get(item_id), "completion session ended before ACK")
+                if redelivery:
+                    txn.note_redelivery(item_id, now_ms, why)
+                deliveries.append(txn.delivery(item_id, redelivery))
+            self._queue(batch, sess, deliveries, on_sent)
+        batch.effects.append(lambda f=floor, g=self._floor_generation: self.advance_floor(f, g))
+        return more
+
+    def plan_routed(self, txn: LedgerTxn, batch: Batch, relays: list[Session],
+                    on_sent: Callable[[Session, list[p.Delivery]], None], now_ms: int) -> bool:
+        """Completed relayed items to the downstream ``relays`` that submitted them (when
+        connected with credit and nothing unsent; kept otherwise), each with this
+        broker's signed proof. Returns whether more are waiting."""
+        more = False
+        for sess in relays:
+            ids = self.fed.routed.get(sess.peer_id)
+            if not ids or sess.credit <= 0 or sess.unsent:
+                continue
+            limit = min(sess.credit, self.max_batch_items)
+            todo = [i for i in ids if i not in self._sent_to]
+            if len(todo) > limit:
+                more, todo = True, todo[:limit]
+            deliveries = []
+            for item_id in todo:
+                rec = txn.get(item_id)
+                if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
+                    batch.effects.append(lambda i=item_id: self.fed.unroute(i))
+                    continue
+                if rec["state"] == p.ItemState.ACKNOWLEDGED.value:  # its upstream leased the item again
+                    redelivery, why = True, "acknowledged result asked for again by a relay (its upstream leased the item again)"
+                else:
+                    redelivery, why = self.redelivery(item_id, rec, "relay session ended before ACK")
+                if redelivery:
+                    txn.note_redelivery(item_id, now_ms, why)
+                deliveries.append(self.fed.sign_delivery(rec, txn.delivery(item_id, redelivery)))
+            if deliveries:
+                self._queue(batch, sess, deliveries, on_sent)
+        return more
+
+    def _queue(self, batch: Batch, sess: Session, deliveries: list[p.Delivery],
+               on_sent: Callable[[Session, list[p.Delivery]], None]) -> None:
+        batch.effects.append(lambda s=sess, ds=deliveries: on_sent(s, ds))
+        for chunk in split_frames(deliveries, size_of=delivery_size, budget_bytes=self.reply_budget(),
+                                  max_items=self.max_batch_items):
+            batch.replies.append((sess.routing_id, p.Result(chunk)))
+

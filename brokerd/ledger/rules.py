@@ -1,0 +1,573 @@
+"""The state transitions of items: :class:`LedgerTxn`, the one write transaction of a
+broker turn (docs/ledger.md, "Transitions and their rules").
+
+Every state change runs inside a :class:`LedgerTxn`, which keeps the counters, the
+per-state counts, the state indexes and the gap-register events in step with the
+item records, so that the balance
+
+    received == ready + leased + completed + acknowledged + dead + expired
+
+holds at every commit. Times are wall-clock milliseconds (they must survive
+restarts); the broker keeps its monotonic lease timers in memory. Which failure
+retries, counts an attempt or dead-letters at once is the one failure policy
+(:data:`ccsq.common.wire.policy.FAIL_POLICY`); retry delays are the one backoff
+(:func:`ccsq.common.wire.backoff.backoff_delay_s`). Only the broker's actor opens one.
+The background slices (deadline expiry, purges, samples) are in
+:mod:`ccsq.brokerd.ledger.maintenance`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+from ccsq.brokerd import gaps
+from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger.schema import Item
+from ccsq.brokerd.ledger.view import LedgerView
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.wire.policy import FAIL_POLICY, fail_rule
+
+if TYPE_CHECKING:
+    from ccsq.brokerd.ledger.store import Ledger, Policy
+
+S = p.ItemState
+
+#: Shortest wait before an item whose worker could not reach the claim store is ready again.
+STORE_RETRY_MIN_MS = 1000
+#: Commit history in meta (``h:`` + >Q txnid): at most one entry a second, kept an hour
+#: (<= 3600 entries, ~100 KiB): how old a reader's snapshot is and what it pins.
+HISTORY_INTERVAL_MS = 1000
+HISTORY_KEEP_MS = 3600 * 1000
+
+_REFUSE_MESSAGES = {
+    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: result_reserve_bytes): retry with backoff or spool",
+    "DISK_FULL": "the broker's disk is nearly full (min_free_disk_bytes): retry with backoff or spool",
+}
+
+
+def backoff_ms(attempt: int, policy: Policy, rng: random.Random) -> int:
+    """Full-jitter exponential backoff for the retry after attempt ``attempt`` (1-based), in ms:
+    :func:`ccsq.common.wire.backoff.backoff_delay_s` (the one backoff) with the ledger's seeded rng."""
+    return int(backoff_delay_s(attempt - 1, policy.retry_backoff_base_s, policy.retry_backoff_max_s, rng) * 1000)
+
+
+class LedgerTxn(LedgerView):
+    """One write transaction. Every mutation of item state goes through here.
+
+    Use :meth:`commit` or :meth:`abort` exactly once. Methods take ``now_ms``
+    (wall clock, milliseconds) so tests can drive time.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__(ledger, write=True)
+        self._nums: dict[bytes, int] = {}
+        self._dirty: set[bytes] = set()
+        self.changed = False
+        self.records = 0  # item records written (group-commit size, exported as a metric)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.txn is not None:
+            self.abort()
+
+    def commit(self) -> None:
+        """Write the counters and commit (fsync). Raises MapFullError (txn aborted) on a full map."""
+        meta = self.db["meta"]
+        try:
+            for key in self._dirty:
+                self.txn.put(key, sc.pack_num(self._nums[key]), db=meta)
+            self.txn.commit()
+        except BaseException:
+            self.txn.abort()
+            self.txn = None
+            raise
+        self.txn = None
+
+    def abort(self) -> None:
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
+
+    # --- numbers ---
+    def num(self, key: bytes) -> int:
+        if key in self._nums:
+            return self._nums[key]
+        v = super().num(key)
+        self._nums[key] = v
+        return v
+
+    def _add(self, key: bytes, delta: int) -> None:
+        self._nums[key] = self.num(key) + delta
+        self._dirty.add(key)
+        self.changed = True
+
+    def bump(self, name: str, delta: int = 1) -> None:
+        self._add(sc.counter_key(name), delta)
+
+    def kind_states(self) -> dict[str, dict[str, int]]:
+        """As :meth:`LedgerView.kind_states`, including this transaction's changes."""
+        out = super().kind_states()
+        for key in self._dirty:
+            if key.startswith(sc.KIND_STATE):
+                kind, state = sc.parse_kind_state(key)
+                per = out.setdefault(kind, {})
+                if self._nums[key]:
+                    per[state] = self._nums[key]
+                else:
+                    per.pop(state, None)
+                if not per:
+                    del out[kind]
+        return out
+
+    def next_num(self, key: bytes) -> int:
+        """Increment the meta sequence ``key`` (``schema.NEXT_SEQ``...) and return its new value."""
+        v = self.num(key) + 1
+        self._add(key, 1)
+        return v
+
+    # --- bookkeeping beside the items: drains, kinds served, rejects, gap events, history ---
+    def set_draining(self, worker: str, on: bool) -> None:
+        """Record (``on``) or clear a drain of ``worker`` (see :meth:`LedgerView.draining`)."""
+        key = sc.drain_key(worker)
+        if on:
+            self.txn.put(key, b"", db=self.db["meta"])
+        else:
+            self.txn.delete(key, db=self.db["meta"])
+        self.changed = True
+
+    def note_kinds_served(self, kinds: set[str], now_ms: int) -> None:
+        """Record that a worker serving ``kinds`` said HELLO now (see :meth:`LedgerView.kinds_served`)."""
+        for kind in kinds:
+            self.txn.put(sc.served_key(kind), sc.pack_num(now_ms), db=self.db["meta"])
+        self.changed = self.changed or bool(kinds)
+
+    def count_reject(self, code: str, n: int = 1) -> None:
+        self._add(sc.reject_key(code), n)
+
+    def event(self, window: str, item_id: str, now_ms: int, detail: str) -> None:
+        """Append a gap-register event and bump the window's count."""
+        n = self.num(sc.gap_key(window)) + 1
+        self._add(sc.gap_key(window), 1)
+        ev = {"window": window, "item_id": item_id, "ts": now_ms / 1000.0, "detail": detail}
+        self.txn.put(sc.event_key(window, n), sc.pack(ev), db=self.db["events"])
+
+    def note_history(self, now_ms: int, live_pages: int) -> bool:
+        """Record this commit in the commit history (``h:`` + >Q txnid -> [ts_ms,
+        last_pgno, live_pages]) when the newest entry is :data:`HISTORY_INTERVAL_MS`
+        old; entries older than :data:`HISTORY_KEEP_MS` go. A reader's snapshot age
+        and the pages it pins are estimated from it
+        (:func:`~ccsq.brokerd.ledger.maintenance.reader_report`). Entries above this
+        transaction's id (a restored, compacted copy restarts the ids) are dropped
+        first. True if written; call only in a transaction that commits."""
+        meta = self.db["meta"]
+        txnid = self.txn.id()
+        cur = self.txn.cursor(db=meta)
+        stale = []
+        if cur.set_range(sc.history_key(txnid)):
+            for k in cur.iternext(keys=True, values=False):
+                if not k.startswith(sc.HISTORY):
+                    break
+                stale.append(k)
+        for k in stale:
+            self.txn.delete(k, db=meta)
+        last = self.history_at_or_before(txnid)
+        if last is not None and now_ms - last[1][0] < HISTORY_INTERVAL_MS:
+            return False
+        old = []
+        if cur.set_range(sc.HISTORY):
+            for k, v in cur:
+                if not k.startswith(sc.HISTORY) or len(old) >= 16 or sc.unpack(v)[0] >= now_ms - HISTORY_KEEP_MS:
+                    break
+                old.append(k)
+        for k in old:
+            self.txn.delete(k, db=meta)
+        info = self.ledger.env.info()
+        self.txn.put(sc.history_key(txnid), sc.pack([now_ms, info["last_pgno"], live_pages]), db=meta)
+        self.changed = True
+        return True
+
+    # --- records and indexes ---
+    def _put(self, rec: Item) -> None:
+        self.txn.put(rec["id"].encode(), sc.pack_item(rec), db=self.db["items"])
+        self.changed = True
+        self.records += 1
+
+    def _index_remove(self, rec: Item) -> None:
+        st, iid = rec["state"], rec["id"].encode()
+        if st == S.READY.value:
+            self.txn.delete(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self.db["ready"])
+        elif st == S.LEASED.value:
+            self.txn.delete(iid, db=self.db["leased"])
+        elif st == S.COMPLETED.value:
+            self.txn.delete(sc.seq_key(rec["cseq"]), db=self.db["completed"])
+        elif st == S.DEAD.value:
+            self.txn.delete(iid, db=self.db["dead"])
+        elif st == S.ACKNOWLEDGED.value:
+            self.txn.delete(sc.timed_key(rec["acked_ms"], iid), db=self.db["acked"])
+
+    def _index_add(self, rec: Item) -> None:
+        st, iid = rec["state"], rec["id"].encode()
+        if st == S.READY.value:
+            self.txn.put(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self.db["ready"])
+        elif st == S.LEASED.value:
+            self.txn.put(iid, sc.pack([rec["token"], rec["worker"]]), db=self.db["leased"])
+        elif st == S.COMPLETED.value:
+            self.txn.put(sc.seq_key(rec["cseq"]), iid, db=self.db["completed"])
+        elif st == S.DEAD.value:
+            self.txn.put(iid, b"", db=self.db["dead"])
+        elif st == S.ACKNOWLEDGED.value:
+            self.txn.put(sc.timed_key(rec["acked_ms"], iid), b"", db=self.db["acked"])
+
+    def _transition(self, rec: Item, new_state: str, **updates: Any) -> None:
+        """Move ``rec`` to ``new_state`` applying ``updates``; keeps indexes and counts in step."""
+        old = rec["state"]
+        self._index_remove(rec)
+        rec.update(updates)
+        rec["state"] = new_state
+        self._index_add(rec)
+        if old != new_state:
+            self._add(sc.state_key(old), -1)
+            self._add(sc.state_key(new_state), 1)
+            self._add(sc.kind_state_key(rec["kind"], old), -1)
+            self._add(sc.kind_state_key(rec["kind"], new_state), 1)
+        self._put(rec)
+
+    def _max_attempts(self, rec: Item) -> int:
+        return rec["max_attempts"] or self.ledger.policy.max_attempts
+
+    def _deadline_passed(self, rec: Item, now_ms: int) -> bool:
+        return rec.get("deadline_ms") is not None and rec["deadline_ms"] <= now_ms
+
+    def expire(self, rec: Item, now_ms: int, why: str) -> None:
+        """Move ``rec`` (ready or leased) to ``expired``: its deadline passed (G6)."""
+        self._transition(rec, S.EXPIRED.value, error="deadline", ended_ms=now_ms)
+        self.bump("expired")
+        self.event(gaps.G6_DEADLINE_EXPIRED, rec["id"], now_ms, why)
+
+    def _dead(self, rec: Item, now_ms: int, reason: str, message: str) -> None:
+        self._transition(rec, S.DEAD.value, error=reason, error_message=message[:500], ended_ms=now_ms)
+        self.bump("dead")
+        self.event(gaps.G7_DEAD_LETTERED, rec["id"], now_ms, f"{reason} after attempt {rec['attempt']}: {message[:200]}")
+
+    def _requeue(self, rec: Item, now_ms: int, *, min_delay_ms: int = 0, backoff_attempt: int | None = None) -> None:
+        """Ready again after the backoff of ``backoff_attempt`` (default: the item's
+        attempt), at least ``min_delay_ms`` from now."""
+        attempt = rec["attempt"] if backoff_attempt is None else backoff_attempt
+        nb = now_ms + max(min_delay_ms, backoff_ms(attempt, self.ledger.policy, self.ledger.rng))
+        self._transition(rec, S.READY.value, nb_ms=nb, lease_expires_ms=0)
+
+    # --- SUBMIT ---
+    def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
+               reply_to: str = "") -> p.SubmitResult:
+        """Create one item (or answer a duplicate). ``refuse`` is an error code
+        (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
+        ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
+        and the relay its result goes back to (common/wire/federation.py)."""
+        policy = self.ledger.policy
+        why = p.submit_item_problem(item)
+        if why:
+            return p.SubmitResult(item.key, "", error="MALFORMED", message=why)
+        kb = item.key.encode()
+        raw = self.txn.get(kb, db=self.db["keys"])
+        window_ms = int(policy.dedup_window_s * 1000)
+        stale_key = None
+        if raw is not None:
+            item_id, created_ms = sc.unpack(raw)
+            if now_ms - created_ms <= window_ms:
+                self.bump("duplicate_submits")
+                self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
+                return p.SubmitResult(item.key, item_id, duplicate=True)
+            stale_key = (item_id, created_ms)
+        if refuse:
+            return p.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
+        if policy.max_ready_items and self.state_count(S.READY.value) >= policy.max_ready_items:
+            return p.SubmitResult(
+                item.key, "", error="QUEUE_FULL", message=f"{policy.max_ready_items} items ready (max_ready_items)"
+            )
+        if item.deadline_ts is not None and item.deadline_ts * 1000 <= now_ms:
+            return p.SubmitResult(item.key, "", error="DEADLINE_EXCEEDED", message="deadline_ts is already past")
+        seq = self.next_num(sc.NEXT_SEQ)
+        item_id = f"{self.ledger.ledger_id}{seq:012x}"
+        deadline_ms = int(item.deadline_ts * 1000) if item.deadline_ts is not None else None
+        rec: Item = {
+            "id": item_id,
+            "key": item.key,
+            "kind": item.kind,
+            "params": item.params,
+            "priority": item.priority,
+            "deadline_ms": deadline_ms,
+            "max_attempts": item.max_attempts,
+            "max_runtime_s": item.max_runtime_s,
+            "state": S.READY.value,
+            "attempt": 0,
+            "token": 0,
+            "worker": "",
+            "nb_ms": now_ms,
+            "seq": seq,
+            "created_ms": now_ms,
+            "error": "",
+        }
+        if origin:
+            rec["origin"], rec["reply_to"] = origin, reply_to
+        self.txn.put(item_id.encode(), sc.pack(sc.blob_to_wire(item.payload)), db=self.db["payloads"])
+        self._put(rec)
+        self._index_add(rec)
+        self._add(sc.state_key(S.READY.value), 1)
+        self._add(sc.kind_state_key(item.kind, S.READY.value), 1)
+        self.bump("received")
+        self.txn.put(kb, sc.pack([item_id, now_ms]), db=self.db["keys"])
+        self.txn.put(sc.timed_key(now_ms, kb), b"", db=self.db["keytime"])
+        if deadline_ms is not None:
+            self.txn.put(sc.timed_key(deadline_ms, item_id.encode()), b"", db=self.db["deadline"])
+        if stale_key is not None:
+            self.event(
+                gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} (window passed)"
+            )
+        return p.SubmitResult(item.key, item_id)
+
+    # --- LEASE ---
+    def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> p.Task | None:
+        """Lease a ready item to ``worker`` with a fresh fencing token; None if it is
+        not ready (or its deadline passed: then it is expired here)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.READY.value:
+            return None
+        if self._deadline_passed(rec, now_ms):
+            self.expire(rec, now_ms, "deadline passed while ready")
+            return None
+        token = self.next_num(sc.NEXT_TOKEN)
+        rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
+        self._transition(
+            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
+        )
+        self.bump("routed")
+        return p.Task(
+            item_id=item_id,
+            token=token,
+            kind=rec["kind"],
+            payload=self.payload(item_id),
+            params=rec["params"],
+            attempt=rec["attempt"],
+            max_runtime_s=rec["max_runtime_s"],
+            deadline_ts=rec["deadline_ms"] / 1000.0 if rec["deadline_ms"] is not None else None,
+        )
+
+    def release(self, item_id: str, token: int, now_ms: int) -> bool:
+        """Give a lease back without counting the attempt (never sent, or the worker
+        released it). True if it was leased with ``token``."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return False
+        self._transition(rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, lease_expires_ms=0)
+        self.bump("released")
+        return True
+
+    def expire_lease(self, item_id: str, token: int, now_ms: int, why: str = "lease expired") -> str:
+        """A lease ran out: requeue with backoff, or dead-letter (worker_lost) after
+        max attempts, or expire past the deadline. Returns the new state, or "" if
+        the lease was not current (nothing done)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return ""
+        worker = rec["worker"]
+        if FAIL_POLICY[p.FailReason.WORKER_LOST].dead_letters_at_once or rec["attempt"] >= self._max_attempts(rec):
+            self._dead(rec, now_ms, p.FailReason.WORKER_LOST.value, f"{why} on {worker}")
+            return S.DEAD.value
+        if self._deadline_passed(rec, now_ms):
+            self.expire(rec, now_ms, f"{why} on {worker} after the deadline")
+            return S.EXPIRED.value
+        self._requeue(rec, now_ms)
+        self.bump("retried")
+        self.event(gaps.G2_LEASE_EXPIRED, item_id, now_ms, f"{why}: token {token} on {worker}, attempt {rec['attempt']}")
+        return S.READY.value
+
+    # --- COMPLETE / FAIL ---
+    def complete(self, res: p.TaskResult, now_ms: int, sender: str = "") -> str:
+        """Record a result. Returns an :class:`Outcome` value.
+
+        Rule for late results: accepted if the item is leased with this token,
+        or if its lease with this token expired and nobody leased it since
+        (state ready, same token: the same work, G8 event). A replay of an
+        accepted result is ``duplicate``; any other token is ``fenced`` (G4).
+        ``sender``: the reporting peer; a token is honoured only from the worker
+        it was leased to (another peer quoting it is ``fenced``, G4)."""
+        rec = self.get(res.item_id)
+        if rec is None:
+            return p.Outcome.UNKNOWN.value
+        st = rec["state"]
+        if st in (S.COMPLETED.value, S.ACKNOWLEDGED.value) and rec.get("completed_token") == res.token:
+            return p.Outcome.DUPLICATE.value
+        late = st == S.READY.value and rec["token"] == res.token and res.token != 0
+        if ((st == S.LEASED.value and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
+            self.txn.put(res.item_id.encode(), sc.pack(sc.blob_to_wire(res.result)), db=self.db["results"])
+            cseq = self.next_num(sc.NEXT_CSEQ)
+            self._transition(
+                rec,
+                S.COMPLETED.value,
+                cseq=cseq,
+                completed_token=res.token,
+                completed_ms=now_ms,
+                completed_epoch=self.epoch(),
+                handler=res.handler,
+                handler_version=res.handler_version,
+                runtime_s=res.runtime_s,
+                worker_done=sc.token_holder(rec) or sender,
+                lease_expires_ms=0,
+            )
+            self.bump("completed")
+            if late:
+                self.bump("late_results_accepted")
+                self.event(gaps.G8_LATE_RESULT_ACCEPTED, res.item_id, now_ms, f"token {res.token} after its lease expired")
+            return p.Outcome.ACCEPTED.value
+        self.bump("fenced_completions")
+        self.event(
+            gaps.G4_FENCED_COMPLETION,
+            res.item_id,
+            now_ms,
+            f"token {res.token} was leased to {sc.token_holder(rec)}, reported by {sender}; result discarded"
+            if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
+        )
+        return p.Outcome.FENCED.value
+
+    @staticmethod
+    def _not_holder(rec: Item, sender: str) -> bool:
+        """True when ``sender`` is known and is not the worker the item's current token was leased to."""
+        holder = sc.token_holder(rec)
+        return bool(sender and holder and sender != holder)
+
+    def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
+        """Record a failure report. Returns an :class:`Outcome` value.
+
+        The reason's rule comes from the one failure policy (:data:`ccsq.common.wire.policy.FAIL_POLICY`;
+        the wire's ``retryable`` only for a reason this version does not know).
+        ``released``: back to ready now, attempt not counted. ``store_unavailable``:
+        ready after a backoff, attempt not counted. Retryable: ready after backoff
+        unless attempts are exhausted (dead) or the deadline passed (expired).
+        Dead-lettered at once (fatal, payload_missing): dead with ``reason``."""
+        rec = self.get(f.item_id)
+        if rec is None:
+            return p.Outcome.UNKNOWN.value
+        if rec["state"] != S.LEASED.value or rec["token"] != f.token or self._not_holder(rec, sender):
+            if rec.get("fail_token") == f.token and not self._not_holder(rec, sender):
+                return p.Outcome.DUPLICATE.value
+            self.bump("fenced_failures")
+            return p.Outcome.FENCED.value
+        rec["fail_token"] = f.token
+        rule = fail_rule(f.reason, f.retryable)
+        if f.reason == p.FailReason.RELEASED.value:
+            attempt = rec["attempt"] if rule.counts_attempt else max(rec["attempt"] - 1, 0)
+            self._transition(
+                rec, S.READY.value, attempt=attempt, nb_ms=now_ms, lease_expires_ms=0
+            )
+            self.bump("released")
+            return p.Outcome.ACCEPTED.value
+        if f.reason == p.FailReason.STORE_UNAVAILABLE.value:
+            return self._store_unavailable(rec, now_ms, f.message)
+        self.bump("failed")
+        reason = f.reason or p.FailReason.HANDLER_ERROR.value
+        if rule.dead_letters_at_once:
+            self._dead(rec, now_ms, reason, f.message)
+        elif rec["attempt"] >= self._max_attempts(rec):
+            self._dead(rec, now_ms, reason, f.message)
+        elif self._deadline_passed(rec, now_ms):
+            self.expire(rec, now_ms, f"failed ({reason}) after the deadline")
+        else:
+            rec["error"] = reason
+            self._requeue(rec, now_ms)
+            self.bump("retried")
+        return p.Outcome.ACCEPTED.value
+
+    def _store_unavailable(self, rec: Item, now_ms: int, message: str) -> str:
+        """The worker could not reach the claim store: not the item's fault, so the
+        attempt is not counted (no dead letter however long the outage lasts); the
+        item is ready again after a backoff of at least :data:`STORE_RETRY_MIN_MS`, or
+        expires if its deadline passed."""
+        self.bump("failed")
+        if not FAIL_POLICY[p.FailReason.STORE_UNAVAILABLE].counts_attempt:
+            rec["attempt"] = max(rec["attempt"] - 1, 0)
+        if self._deadline_passed(rec, now_ms):
+            self.expire(rec, now_ms, f"claim store unavailable after the deadline: {message[:200]}")
+            return p.Outcome.ACCEPTED.value
+        rec["error"] = p.FailReason.STORE_UNAVAILABLE.value
+        self._requeue(rec, now_ms, min_delay_ms=STORE_RETRY_MIN_MS, backoff_attempt=rec["attempt"] + 1)
+        self.bump("retried")
+        return p.Outcome.ACCEPTED.value
+
+    # --- ACK ---
+    def ack(self, item_id: str, now_ms: int, quarantine_error: str = "") -> bool | None:
+        """Mark a completed item acknowledged. True: done now; False: it was already
+        acknowledged (idempotent); None: unknown / not completed.
+
+        ``quarantine_error``: the completion service stored the result in its
+        quarantine table, not its results table (counter ``quarantined``, gap G12)."""
+        rec = self.get(item_id)
+        if rec is None:
+            return None
+        if rec["state"] == S.ACKNOWLEDGED.value:
+            return False
+        if rec["state"] != S.COMPLETED.value:
+            return None
+        if quarantine_error:
+            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms, quarantined=quarantine_error[:500])
+            self.bump("quarantined")
+            self.event(gaps.G12_RESULT_QUARANTINED, item_id, now_ms, quarantine_error[:200])
+        else:
+            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms)
+        self.bump("acknowledged")
+        return True
+
+    def note_redelivery(self, item_id: str, now_ms: int, why: str) -> None:
+        self.bump("redelivered")
+        self.event(gaps.G3_RESULT_REDELIVERED, item_id, now_ms, why)
+
+    # --- dead letters ---
+    def dead_letter(self, item_id: str, token: int, reason: str, message: str, now_ms: int) -> bool:
+        """Dead-letter a leased item (e.g. it can never be dispatched). False if not leased with ``token``."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+            return False
+        self._dead(rec, now_ms, reason, message)
+        return True
+
+    def replay_dead(self, item_id: str, now_ms: int, who: str = "operator") -> bool:
+        """Make a dead item ready again with its attempt count reset (a fresh attempt
+        budget) and a G10 event. False if not dead."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.DEAD.value:
+            return False
+        was = f"{rec.get('error', '')} after attempt {rec['attempt']}"
+        self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="")
+        self.bump("replayed")
+        self.event(gaps.G10_DEAD_LETTER_REPLAYED, item_id, now_ms, f"replayed by {who} (was dead: {was})")
+        return True
+
+    def dead_letter_ready(self, item_id: str, reason: str, message: str, now_ms: int) -> bool:
+        """Dead-letter a *ready* item (operator or reconcile: e.g. ``payload_missing``).
+        False if it is not ready (a leased item's worker reports the failure itself)."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.READY.value:
+            return False
+        self._dead(rec, now_ms, reason, message)
+        return True
+
+    def purge_dead(self, item_id: str, now_ms: int, who: str = "operator") -> bool:
+        """Delete a dead item's record, payload and idempotency key (a resubmit then
+        makes a new item) with a G11 event. Like purged acknowledged items, it stays
+        counted in state ``dead`` so the balance holds. False if not dead."""
+        rec = self.get(item_id)
+        if rec is None or rec["state"] != S.DEAD.value:
+            return False
+        iid = item_id.encode()
+        self.txn.delete(iid, db=self.db["dead"])
+        for name in ("items", "payloads", "results"):
+            self.txn.delete(iid, db=self.db[name])
+        kb = rec["key"].encode()
+        raw = self.txn.get(kb, db=self.db["keys"])
+        if raw is not None and sc.unpack(raw)[0] == item_id:
+            self.txn.delete(kb, db=self.db["keys"])
+        self.bump("dead_purged")
+        self.event(gaps.G11_DEAD_LETTER_PURGED, item_id, now_ms, f"purged by {who} (dead: {rec.get('error', '')})")
+        return True
+
+    # --- accounting samples (a bounded ring in meta) ---

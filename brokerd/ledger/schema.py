@@ -1,0 +1,296 @@
+"""What the ledger stores and how, in one place: sub-databases, every key prefix and key
+builder, the item record (:class:`Item`) and the value packing (docs/ledger.md).
+
+Nothing here touches LMDB; the other modules of the package build every key through
+these functions, so the byte layout of a ledger file is read off this page. All values
+are msgpack (``use_bin_type=True``); ``>Q`` is an 8-byte big-endian unsigned integer,
+``>I`` 4 bytes, ``>q`` 8 bytes signed; keys sort bytewise. Changing anything here
+changes the file format: existing ledger files must stay readable.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, TypedDict
+
+import msgpack
+
+from ccsq.common.wire import protocol as p
+
+S = p.ItemState
+STATES: tuple[str, ...] = tuple(s.value for s in S)
+
+#: Flow counters (monotonic, in meta ``c:<name>``, changed in the same txn as the state).
+COUNTERS: tuple[str, ...] = (
+    "received",
+    "routed",
+    "completed",
+    "acknowledged",
+    "retried",
+    "failed",
+    "dead",
+    "expired",
+    "duplicate_submits",
+    "fenced_completions",
+    "fenced_failures",
+    "redelivered",
+    "released",
+    "late_results_accepted",
+    "purged",
+    "replayed",
+    "dead_purged",
+    "quarantined",
+)
+
+DB_NAMES = (
+    "items",  # item_id -> msgpack Item record
+    "payloads",  # item_id -> msgpack Blob
+    "results",  # item_id -> msgpack Blob
+    "ready",  # kind \0 >I prio_key >Q not_before_ms >Q seq -> item_id
+    "leased",  # item_id -> msgpack [token, worker]
+    "completed",  # >Q completion_seq -> item_id
+    "dead",  # item_id -> b""
+    "acked",  # >Q acked_ms + item_id -> b""
+    "deadline",  # >Q deadline_ms + item_id -> b""
+    "keys",  # idempotency key -> msgpack [item_id, created_ms]
+    "keytime",  # >Q created_ms + key -> b""
+    "events",  # window \0 >Q n -> msgpack event
+    "meta",  # counters, per-state counts, ids: the prefixes below
+)
+
+PRIO_MAX = p.PRIO_MAX
+_Q = struct.Struct(">Q")
+_q = struct.Struct(">q")
+_I = struct.Struct(">I")
+_READY = struct.Struct(">IQQ")
+
+# --- meta keys: a two-byte prefix, then the name ---
+#: ``m:<name>``: ledger-wide ids and sequences (``>q``, except ``m:ledger_id``: raw ASCII).
+META = b"m:"
+LEDGER_ID = META + b"ledger_id"  # 8 random hex chars made at creation; prefix of every item id
+EPOCH = META + b"epoch"  # +1 at every broker start
+NEXT_SEQ = META + b"next_seq"  # arrival sequence; item id = ledger id + %012x of it
+NEXT_TOKEN = META + b"next_token"  # fencing tokens (only ever increase, ledger-wide)
+NEXT_CSEQ = META + b"next_cseq"  # completion sequence (delivery order)
+SAMPLE_N = META + b"sample_n"  # accounting samples written so far
+COUNTER = b"c:"  # c:<counter> -> >q
+STATE = b"s:"  # s:<state> -> >q items in that state
+KIND_STATE = b"k:"  # k:<kind>\0<state> -> >q
+GAP = b"g:"  # g:<window> -> >q events ever recorded
+REJECT = b"r:"  # r:<reason> -> >q frames rejected
+DRAIN = b"d:"  # d:<worker> -> b"" (drained by an operator)
+SERVED = b"w:"  # w:<kind> -> >q ms of the last HELLO of a worker serving it
+SAMPLE = b"t:"  # t: + >I slot -> msgpack accounting sample (a ring)
+HISTORY = b"h:"  # h: + >Q txnid -> msgpack [ts_ms, last_pgno, live_pages]
+
+#: Accounting samples kept in meta (``t:`` + >I slot), a ring: ``ccsq gap-report --html``
+#: charts them. At the default 30 s interval this is 24 h (~1 MiB at most).
+SAMPLES_KEPT = 2880
+
+
+def counter_key(name: str) -> bytes:
+    return COUNTER + name.encode()
+
+
+def state_key(state: str) -> bytes:
+    return STATE + state.encode()
+
+
+def kind_state_key(kind: str, state: str) -> bytes:
+    return KIND_STATE + kind.encode() + b"\0" + state.encode()
+
+
+def parse_kind_state(key: bytes) -> tuple[str, str]:
+    """``(kind, state)`` of a :func:`kind_state_key`."""
+    kind, _, state = key[len(KIND_STATE):].decode().partition("\0")
+    return kind, state
+
+
+def gap_key(window: str) -> bytes:
+    return GAP + window.encode()
+
+
+def reject_key(code: str) -> bytes:
+    return REJECT + code.encode()
+
+
+def drain_key(worker: str) -> bytes:
+    return DRAIN + worker.encode()
+
+
+def served_key(kind: str) -> bytes:
+    return SERVED + kind.encode()
+
+
+def sample_key(n: int) -> bytes:
+    """The ring slot of accounting sample ``n`` (1-based)."""
+    return SAMPLE + _I.pack(n % SAMPLES_KEPT)
+
+
+def history_key(txnid: int) -> bytes:
+    return HISTORY + _Q.pack(txnid)
+
+
+def history_txnid(key: bytes) -> int:
+    return _Q.unpack(key[len(HISTORY):])[0]
+
+
+def pack_num(n: int) -> bytes:
+    """A meta integer (``>q``)."""
+    return _q.pack(n)
+
+
+def unpack_num(raw: bytes | None) -> int:
+    """A meta integer; 0 when absent."""
+    return _q.unpack(raw)[0] if raw else 0
+
+
+# --- index keys ---
+def ready_prefix(kind: str) -> bytes:
+    return kind.encode() + b"\0"
+
+
+def ready_key(kind: str, priority: int, not_before_ms: int, seq: int) -> bytes:
+    """Index key ordering ready items by priority desc, then not-before, then arrival."""
+    return ready_prefix(kind) + _READY.pack(PRIO_MAX - priority, not_before_ms, seq)
+
+
+def parse_ready(rest: bytes) -> tuple[int, int, int]:
+    """``(prio_key, not_before_ms, seq)`` of a ready key after its ``kind \\0`` prefix."""
+    return _READY.unpack(rest)
+
+
+def ready_bucket_after(prefix: bytes, prio_key: int) -> bytes:
+    """The first ready key of the next priority bucket after ``prio_key`` under ``prefix``."""
+    return prefix + _I.pack(prio_key + 1)
+
+
+#: The last priority bucket (lowest priority): there is no bucket after it.
+LAST_PRIO_KEY = 0xFFFFFFFF
+
+
+def seq_key(n: int) -> bytes:
+    """The ``completed`` index key (completion seq), and the ``>Q`` of an event number."""
+    return _Q.pack(n)
+
+
+def parse_seq(key: bytes) -> int:
+    return _Q.unpack(key)[0]
+
+
+def timed_key(ms: int, rest: bytes) -> bytes:
+    """``>Q ms`` + ``rest``: the ``acked``, ``deadline`` and ``keytime`` indexes."""
+    return _Q.pack(ms) + rest
+
+
+def parse_timed(key: bytes) -> tuple[int, bytes]:
+    """``(ms, rest)`` of a :func:`timed_key`."""
+    return _Q.unpack(key[:8])[0], key[8:]
+
+
+def event_prefix(window: str) -> bytes:
+    return window.encode() + b"\0"
+
+
+def event_key(window: str, n: int) -> bytes:
+    return event_prefix(window) + _Q.pack(n)
+
+
+def parse_event_key(key: bytes) -> tuple[str, int]:
+    """``(window, n)`` of an :func:`event_key`."""
+    window, _, n = key.partition(b"\0")
+    return window.decode(), _Q.unpack(n)[0]
+
+
+# --- values ---
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False)
+
+
+def blob_to_wire(blob: p.Blob) -> dict:
+    return {"sha256": blob.sha256, "size": blob.size, "inline": blob.inline}
+
+
+def blob_from_wire(d: dict) -> p.Blob:
+    return p.Blob(d["sha256"], d["size"], d.get("inline"))
+
+
+class Item(TypedDict, total=False):
+    """The item record (``items`` sub-database), a msgpack map; see docs/ledger.md.
+
+    Fields written at SUBMIT (always present): ``id`` (ledger id + ``%012x`` seq),
+    ``key`` (idempotency key), ``kind``, ``params`` (free-form scalars),
+    ``priority`` (higher first), ``deadline_ms`` (None: none; past it the item
+    expires instead of running), ``max_attempts`` (0: the broker's),
+    ``max_runtime_s`` (0: none), ``state`` (an ``ItemState`` value), ``attempt``
+    (leases so far; a released lease gives one back), ``token`` (fencing token of
+    the latest lease, 0: never leased), ``worker`` (see below), ``nb_ms``
+    (not-before: arrival or retry backoff, part of the ready key), ``seq``
+    (arrival), ``created_ms``, ``error`` (last failure or dead/expired reason).
+
+    ``worker``: the worker the latest ``token`` was leased to ("" before the first
+    lease). It stays after the lease ends (requeue, release, expiry, dead letter,
+    replay), so that a report under that token is honoured only from its holder;
+    whether the lease is live is the ``state``. Records written before this rule
+    cleared ``worker`` when the lease ended and kept the holder in ``token_worker``
+    (and older ones had neither): read the holder with :func:`token_holder`; a new
+    lease drops ``token_worker``.
+
+    Later fields: ``lease_expires_ms`` (informational), ``fail_token`` (token of
+    the last accepted FAIL: its replay is a duplicate), ``error_message``,
+    ``ended_ms`` (dead/expired), ``cseq`` / ``completed_token`` / ``completed_ms``
+    / ``completed_epoch`` / ``handler`` / ``handler_version`` / ``runtime_s`` /
+    ``worker_done`` (on completion), ``acked_ms`` and ``quarantined`` (on ACK),
+    ``origin`` / ``reply_to`` (a relayed item's verified origin and its relay).
+    """
+
+    id: str
+    key: str
+    kind: str
+    params: dict[str, Any]
+    priority: int
+    deadline_ms: int | None
+    max_attempts: int
+    max_runtime_s: float
+    state: str
+    attempt: int
+    token: int
+    worker: str
+    token_worker: str  # read only (records written before ``worker`` was kept): see above
+    nb_ms: int
+    seq: int
+    created_ms: int
+    error: str
+    error_message: str
+    lease_expires_ms: int
+    fail_token: int
+    ended_ms: int
+    cseq: int
+    completed_token: int
+    completed_ms: int
+    completed_epoch: int
+    handler: str
+    handler_version: str
+    runtime_s: float
+    worker_done: str
+    acked_ms: int
+    quarantined: str
+    origin: dict[str, Any]
+    reply_to: str
+
+
+def pack_item(rec: Item) -> bytes:
+    return pack(rec)
+
+
+def unpack_item(raw: bytes) -> Item:
+    return unpack(raw)
+
+
+def token_holder(rec: Item) -> str:
+    """The worker the item's latest token was leased to ("" if never leased)."""
+    return rec.get("token_worker") or rec.get("worker") or ""

@@ -1,0 +1,353 @@
+"""The ledger's LMDB environment: open, reader slots, size, growth, backup (docs/ledger.md).
+
+This is the only module that opens the LMDB env. :class:`Ledger` hands out the
+transactions: :meth:`Ledger.read` (a :class:`~ccsq.brokerd.ledger.view.LedgerView`
+snapshot) and :meth:`Ledger.begin` (a :class:`~ccsq.brokerd.ledger.rules.LedgerTxn`,
+the one write transaction of a broker turn); :meth:`Ledger.transact` runs a turn's
+step with the map-full rule (grow the map, else shed work, and run it again).
+
+Errors: ``lmdb.MapFullError`` propagates out of any write (:meth:`Ledger.transact`
+handles it); :class:`LedgerError` for a ledger that cannot be opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import lmdb
+import structlog
+
+from ccsq.brokerd.ledger import schema as sc
+from ccsq.common.wire.errors import CcsqError, ExitCode, ledger_failure
+
+if TYPE_CHECKING:
+    from ccsq.brokerd.ledger.rules import LedgerTxn
+    from ccsq.brokerd.ledger.view import LedgerView
+
+log = structlog.get_logger("ccsq.brokerd")
+T = TypeVar("T")
+
+#: The broker runs LMDB's reader check at least this often (stale slots of dead readers
+#: freed; in practice every 0.1 s while it commits); a process that finds the reader
+#: table full while opening waits longer than this.
+READER_CHECK_INTERVAL_S = 1.0
+READERS_FULL_WAIT_S = 3.0
+
+
+class LedgerError(CcsqError):
+    """The ledger cannot be opened or is inconsistent; the message says which file and why.
+    ``exit_code``: what a command or daemon stopped by it exits with (:func:`ledger_failure`)."""
+
+    code = "LEDGER"
+    exit_code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str = "", *, exit_code: ExitCode | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ReadersFull(LedgerError):
+    """Every LMDB reader slot is held by a live process (stale ones were cleared): a read
+    transaction cannot start. Transient (exit 75): the broker logs it and goes on."""
+
+    code = "LEDGER_READERS_FULL"
+    exit_code = ExitCode.TEMPFAIL
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Ledger-side policy (from BrokerConfig). Durations in seconds."""
+
+    max_attempts: int = 5
+    retry_backoff_base_s: float = 0.5
+    retry_backoff_max_s: float = 60.0
+    dedup_window_s: float = 7 * 86400.0
+    retention_s: float = 3600.0
+    max_ready_items: int = 0  # 0 = unlimited
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Policy:
+        return cls(
+            max_attempts=cfg.max_attempts,
+            retry_backoff_base_s=cfg.retry_backoff_base_s,
+            retry_backoff_max_s=cfg.retry_backoff_max_s,
+            dedup_window_s=cfg.dedup_window_s,
+            retention_s=cfg.retention_s,
+            max_ready_items=cfg.max_ready_items,
+        )
+
+
+#: What a turn still does when the map is full and cannot grow, in the order
+#: :meth:`Ledger.transact` falls back: everything; new items refused (QUEUE_FULL);
+#: without dispatch and background work; only ACK and STATUS.
+FULL_MODES = ("normal", "refuse", "minimal", "acks")
+#: Runs of one turn's step before :meth:`Ledger.transact` gives up (growths + fallbacks).
+TRANSACT_TRIES = 8
+
+
+class Ledger:
+    """The LMDB environment and its sub-databases.
+
+    ``path``: the ledger directory (created). ``map_size_bytes`` is the initial
+    map; :meth:`grow_map` doubles it up to ``max_map_size_bytes``. With
+    ``readonly=True`` (reports) nothing is created and the lock table is used,
+    so it is safe while a broker writes. Call :meth:`close` when done; never
+    fork with an open ledger.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        map_size_bytes: int = 1 << 30,
+        max_map_size_bytes: int = 64 << 30,
+        policy: Policy | None = None,
+        readonly: bool = False,
+        rng: random.Random | None = None,
+        max_readers: int = 126,
+    ) -> None:
+        self.path = Path(path)
+        self.stale_readers_cleared = 0  # stale reader slots this process cleared (LMDB reader check)
+        self.policy = policy or Policy()
+        self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
+        self.readonly = readonly
+        self.rng = rng or random.Random()
+        if readonly:
+            if not (self.path / "data.mdb").exists():
+                raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + READERS_FULL_WAIT_S
+        while True:
+            try:
+                self.env = self._open_env(map_size_bytes, readonly, max_readers)
+                break
+            except lmdb.ReadersFullError as exc:
+                # py-lmdb begins a read transaction while opening, so a process that
+                # does not have the env open yet cannot run the reader check itself:
+                # wait for the broker's (READER_CHECK_INTERVAL_S), then give up
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+            except lmdb.Error as exc:
+                code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+                raise LedgerError(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+        if not readonly:
+            self.clear_stale_readers()
+        try:
+            try:
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in sc.DB_NAMES}
+            except lmdb.ReadersFullError:  # open_db reads too: clear dead readers' slots, try again
+                self.clear_stale_readers()
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in sc.DB_NAMES}
+        except lmdb.ReadersFullError as exc:
+            self.env.close()
+            code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
+            raise ReadersFull(f"cannot open ledger {self.path}: {why}", exit_code=code) from None
+        except lmdb.Error as exc:
+            self.env.close()
+            raise LedgerError(f"ledger {self.path} lacks its sub-databases: {exc}") from None
+        except LedgerError:
+            self.env.close()
+            raise
+        self.ledger_id = ""
+        if not readonly:
+            with self.env.begin(write=True) as txn:
+                lid = txn.get(sc.LEDGER_ID, db=self.db["meta"])
+                if lid is None:
+                    lid = secrets.token_hex(4).encode()
+                    txn.put(sc.LEDGER_ID, lid, db=self.db["meta"])
+                self.ledger_id = lid.decode()
+        else:
+            try:
+                txn = self._begin()
+            except LedgerError:
+                self.env.close()
+                raise
+            try:
+                lid = txn.get(sc.LEDGER_ID, db=self.db["meta"])
+            finally:
+                txn.abort()
+            self.ledger_id = lid.decode() if lid else ""
+
+    # --- environment ---
+    def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:
+        return lmdb.open(
+            str(self.path),
+            map_size=map_size_bytes,
+            max_dbs=len(sc.DB_NAMES) + 2,
+            subdir=True,
+            readonly=readonly,
+            lock=True,
+            sync=True,
+            metasync=True,
+            writemap=False,
+            max_readers=max_readers,
+            create=not readonly,
+        )
+
+    def close(self) -> None:
+        self.env.close()
+
+    def begin(self) -> LedgerTxn:
+        """Open the write transaction of one batch (commit or abort it)."""
+        from ccsq.brokerd.ledger.rules import LedgerTxn  # rules builds on this module
+
+        return LedgerTxn(self)
+
+    def read(self) -> LedgerView:
+        """A read-only snapshot (use as a context manager)."""
+        from ccsq.brokerd.ledger.view import LedgerView  # the view builds on this module
+
+        return LedgerView(self)
+
+    def transact(self, step: Callable[[LedgerTxn, str], T]) -> tuple[str, T | None]:
+        """Run ``step(txn, mode)`` in a fresh write transaction; ``step`` commits or
+        aborts it (nothing is half-applied: it confirms nothing before the commit).
+
+        When a write or the commit hits ``MDB_MAP_FULL`` the transaction is aborted and
+        ``step`` runs again in a new one: after doubling the map (same ``mode``, log
+        ``ledger_map_grown``), else in the next of :data:`FULL_MODES` (log
+        ``ledger_map_full``), at most :data:`TRANSACT_TRIES` runs. Returns ``(mode,
+        step's value)``; the value is None when even ``"acks"`` did not fit (or the
+        tries ran out). Any other error aborts the transaction and propagates."""
+        mode = FULL_MODES[0]
+        for _ in range(TRANSACT_TRIES):
+            txn = self.begin()
+            try:
+                return mode, step(txn, mode)
+            except lmdb.MapFullError:
+                txn.abort()
+                if self.grow_map():
+                    log.info("ledger_map_grown", map_size_bytes=self.map_size_bytes())
+                    continue
+                if mode == FULL_MODES[-1]:
+                    break
+                mode = FULL_MODES[FULL_MODES.index(mode) + 1]
+                log.warning("ledger_map_full", mode=mode, map_size_bytes=self.map_size_bytes())
+            except BaseException:
+                txn.abort()
+                raise
+        return mode, None
+
+    def bump_epoch(self) -> int:
+        """Increment and return the broker epoch (once per broker start)."""
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(sc.EPOCH, db=self.db["meta"])
+            epoch = sc.unpack_num(raw) + 1
+            txn.put(sc.EPOCH, sc.pack_num(epoch), db=self.db["meta"])
+        return epoch
+
+    def map_size_bytes(self) -> int:
+        return self.env.info()["map_size"]
+
+    def used_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+        """Bytes of pages in use by all trees (freed pages, reused by LMDB, not counted).
+        Pass the open transaction when there is one (a thread holds one at a time)."""
+        psize = self.env.stat()["psize"]
+        pages = 0
+        own = txn is None
+        txn = txn or self._begin()
+        try:
+            for db in self.db.values():
+                st = txn.stat(db)
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        finally:
+            if own:
+                txn.abort()
+        main = self.env.stat()
+        pages += main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
+        return (pages + 4) * psize  # + 2 meta pages and the 2 roots of the free/main trees
+
+    def can_grow(self) -> bool:
+        return self.map_size_bytes() < self.max_map_size_bytes
+
+    def grow_map(self) -> bool:
+        """Double the map (capped at the max). Only with no transaction open. False if at max."""
+        cur = self.map_size_bytes()
+        if cur >= self.max_map_size_bytes:
+            return False
+        self.env.set_mapsize(min(cur * 2, self.max_map_size_bytes))
+        return True
+
+    # --- reader slots (see docs/ledger.md, "Readers and disk use") ---
+    def _begin(self, write: bool = False) -> lmdb.Transaction:
+        """``env.begin``; when no reader slot is free (``MDB_READERS_FULL``) clear the
+        slots of dead processes (LMDB's reader check) and try again. Raises
+        :class:`ReadersFull` when live processes hold every slot."""
+        for attempt in range(3):
+            try:
+                return self.env.begin(write=write)
+            except lmdb.ReadersFullError:
+                if self.clear_stale_readers() == 0 and attempt:
+                    break
+        code, why = ledger_failure(lmdb.ReadersFullError("mdb_txn_begin"), self.path, "a read transaction")
+        raise ReadersFull(f"{why} ({self.env.info()['max_readers']} slots)", exit_code=code)
+
+    def clear_stale_readers(self) -> int:
+        """LMDB's reader check: free the reader slots of processes that died holding
+        them. Returns how many were cleared (also added to :attr:`stale_readers_cleared`)."""
+        n = self.env.reader_check()
+        self.stale_readers_cleared += n
+        return n
+
+    def backup(self, dest: Path) -> dict[str, Any]:
+        """A consistent, compacting copy of the ledger into the new or empty directory
+        ``dest`` (``dest/data.mdb``; LMDB's ``mdb_env_copy2`` with ``MDB_CP_COMPACT``:
+        one read snapshot, free pages left out, pages renumbered). Safe while the
+        broker writes; the copy's snapshot pins history only while it runs. The file
+        is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
+        :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
+        dest = Path(dest)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            if any(dest.iterdir()):
+                raise LedgerError(f"backup destination {dest} is not empty: give a new or empty directory",
+                                  exit_code=ExitCode.USAGE)
+            txn = self._begin()
+            try:
+                last_txnid = txn.id()
+                self.env.copy(str(dest), compact=True, txn=txn)
+            finally:
+                txn.abort()
+            out = dest / "data.mdb"
+            fd = os.open(out, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dfd = os.open(dest, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except (lmdb.Error, OSError) as exc:
+            try:
+                free = disk_free_bytes(dest)
+            except OSError:
+                free = None
+            code, why = ledger_failure(exc, dest, "the backup", free_bytes=free)
+            raise LedgerError(why, exit_code=code) from None
+        return {"path": str(out), "bytes": out.stat().st_size, "source_bytes": (self.path / "data.mdb").stat().st_size,
+                "last_txnid": last_txnid}
+
+
+
+def data_paths(data_dir: Path) -> tuple[Path, Path]:
+    """(ledger directory, lock file) inside a broker's ``data_dir``."""
+    return data_dir / "ledger", data_dir / "broker.lock"
+
+
+def disk_free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,122 @@
+"""The broker's side of federation (docs/federation.md; the records, signatures and
+trust file are ``common/wire/federation.py``).
+
+A relay holds one session per side of its link: on the *upstream* broker it is leased
+work like a worker (``dispatch.py``); on the *downstream* broker it submits like a
+producer and gets the results back itself (``delivery.py`` ``plan_routed``). This
+module checks what a relay brings into this ledger (origin records of SUBMITs,
+downstream proofs of COMPLETEs), notes the federation gap events (F1-F4,
+``brokerd/gaps.py``) and computes the heartbeat info relays get (free capacity,
+deadline pressure). Everything here runs inside the actor's transaction; in-memory
+effects go on the :class:`~ccsq.brokerd.actor.Batch`, except the result routes
+(hints: delivery checks the ledger state).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from ccsq.brokerd import gaps
+from ccsq.common.wire import federation as fed
+from ccsq.common.wire import protocol as p
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ccsq.brokerd.actor import Batch
+    from ccsq.brokerd.delivery import DeliveryTracker
+    from ccsq.brokerd.ledger import Ledger, LedgerTxn
+    from ccsq.brokerd.peers import PeerTable, Session
+    from ccsq.common.wire.keys import AuthorizedKeys
+
+FORECAST_EVERY_S = 5.0  # deadline pressure for upstream relays is recomputed at most this often
+
+
+def relay_sessions(peers: PeerTable, side: str) -> list[Session]:
+    """Relay sessions on ``side`` (``fed.UPSTREAM``: this broker leases to them;
+    ``fed.DOWNSTREAM``: they submit here)."""
+    return [s for s in peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
+
+
+class Relaying:
+    """What relays bring into this broker's ledger, and what they are told."""
+
+    def __init__(self, fed_state: fed.Federation, peers: PeerTable, authorized: AuthorizedKeys, ledger: Ledger,
+                 delivery: DeliveryTracker, rejects: collections.Counter) -> None:
+        self.fed = fed_state
+        self.peers = peers
+        self.authorized = authorized
+        self.ledger = ledger
+        self.delivery = delivery
+        self.rejects = rejects  # the intake's counters (refused frames and items, by code)
+        self._forecast: tuple[float, dict] | None = None  # (monotonic when computed, queue forecast)
+
+    def submit(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
+               refuse: str) -> p.SubmitResult:
+        """A relay's SUBMIT: only items whose origin signature verifies; the item records its
+        origin and the relay, and its idempotency key is the origin (a resubmission is G9)."""
+        origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
+        if origin is None:
+            self._refused(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
+            txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
+        res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
+        if res.duplicate and (txn.get(res.item_id) or {}).get("origin") != origin:
+            # a producer took this origin key first: never hand the relay someone else's item
+            why = f"key {item.key[:120]} belongs to an item that did not come by relay"
+            self._refused(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
+            return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
+        if res.duplicate:
+            txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
+            if (txn.get(res.item_id) or {}).get("state") == p.ItemState.ACKNOWLEDGED.value:
+                # the upstream leased it again after an earlier relay took this result home and
+                # it was fenced there: deliver the (still stored) result once more (G3)
+                self.fed.route(sess.peer_id, res.item_id)
+                self.delivery.set_possible(True)  # at once, like the route: this turn's delivery may take it
+        return res
+
+    def complete(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
+        """A relay's COMPLETE counts only with the downstream broker's valid proof."""
+        why = fed.check_proof(r, self.fed.trust, self.fed.swarm_id)
+        if why:
+            self._refused(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
+            return p.Outcome.REJECTED.value
+        before = txn.get(r.item_id) or {}
+        outcome = txn.complete(r, now_ms, sess.peer_id)
+        if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
+            txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
+        return outcome
+
+    def note_lease_lost(self, txn: LedgerTxn, item_id: str, holder: str, now_ms: int, new_state: str) -> None:
+        """Gap F1 when a lease that ended (``new_state``: "" if it did not) was a relay's."""
+        key = self.authorized.get(holder)
+        if new_state and key is not None and key.role is p.Role.RELAY:
+            txn.event(gaps.F1_RELAY_LEASE_LOST, item_id, now_ms, f"lease of relay {holder}: item now {new_state}")
+
+    def heartbeat_info(self) -> dict[str, dict]:
+        """Heartbeat.info per relay session: to downstream relays the free worker capacity of
+        their kinds; to upstream relays of policy ``deadline`` whether this swarm's drain
+        forecast misses a kind's nearest deadline (recomputed at most every FORECAST_EVERY_S)."""
+        relays = relay_sessions(self.peers, fed.DOWNSTREAM)
+        pressed = [s for s in relay_sessions(self.peers, fed.UPSTREAM) if s.info_hello.get(fed.POLICY) == "deadline"]
+        if not relays and not pressed:
+            return {}
+        with self.ledger.read() as view:
+            kind_states = view.kind_states()
+            workers = self.peers.sessions(p.Role.WORKER)
+            out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
+            if pressed:
+                now = time.monotonic()
+                if self._forecast is None or now - self._forecast[0] >= FORECAST_EVERY_S:
+                    from ccsq.brokerd.report import queue_forecast
+
+                    self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
+                                                          int(time.time() * 1000)))
+                out.update({s.peer_id: fed.deadline_pressure(self._forecast[1], s.kinds) for s in pressed})
+        return out
+
+    def _refused(self, txn: LedgerTxn, batch: Batch, code: str, peer: str, item: str, why: str) -> None:
+        """A relayed item or result refused: counted in the ledger and (after commit) in memory."""
+        txn.count_reject(code)
+        batch.effects.append(lambda: self.rejects.update([code]))
+        batch.log("warning", "relayed_rejected", code=code, peer=peer, item=item[:120], reason=why[:300])

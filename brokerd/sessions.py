@@ -1,0 +1,219 @@
+"""Sessions: HELLO/WELCOME, HEARTBEAT, CREDIT, BYE and liveness, applied to the peer
+table at once (no ledger writes; the actor's turn calls :meth:`Sessions.receive` for
+every verified frame).
+
+A session begins with HELLO (a new HELLO of the same peer id replaces the old
+session) and ends by the one disconnect rule (silent for ``heartbeat_interval_s x
+liveness``, an invalid envelope, an unroutable socket or an overfull send queue),
+by BYE, or by replacement; :meth:`Sessions.end` is the one place it ends. A lease
+holder's HELLO lists the leases it still holds: those the broker knows are resumed,
+the rest released, and leases the broker knows but the peer did not list expire.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ccsq.brokerd.peers import PeerStatus, Session
+from ccsq.common.wire import protocol as p
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ccsq.brokerd.delivery import DeliveryTracker
+    from ccsq.brokerd.metrics import BrokerStats
+    from ccsq.brokerd.outbound import Outbound
+    from ccsq.brokerd.peers import LeaseTimers, PeerTable
+    from ccsq.common.wire.config import BrokerConfig
+    from ccsq.common.wire.envelope import Envelope
+
+log = structlog.get_logger("ccsq.brokerd")
+
+SESSION_TYPES = (p.Hello, p.Heartbeat, p.Credit, p.Bye)
+MAX_CREDIT = 1 << 20
+
+
+class Sessions:
+    """The session rules of the broker actor over its peer table.
+
+    Collaborators: ``leases`` (resumed at HELLO, extended by heartbeats), ``delivery``
+    (a session's unacknowledged deliveries when it ends), ``outbound`` (WELCOME, errors,
+    heartbeats). Callbacks into the actor: ``defer(op, item_id, token, why)`` queues a
+    lease expiry for the next transaction, ``wake_dispatch()``, ``worker_kinds(kinds)``
+    (a worker said HELLO), ``count_reject(code, reason, peer, rid, now)``,
+    ``heartbeat_info()`` (peer id -> Heartbeat.info to send, for relays)."""
+
+    def __init__(self, cfg: BrokerConfig, epoch: int, peers: PeerTable, leases: LeaseTimers, delivery: DeliveryTracker,
+                 outbound: Outbound, stats: BrokerStats, *, defer: Callable[[str, str, int, str], None],
+                 wake_dispatch: Callable[[], None], worker_kinds: Callable[[tuple[str, ...]], None],
+                 count_reject: Callable[[str, str, str | None, bytes, float], None],
+                 heartbeat_info: Callable[[], dict[str, dict]]) -> None:
+        self.cfg = cfg
+        self.hb_s = cfg.heartbeat_interval_s
+        self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
+        self.lease_ttl_s = cfg.lease_ttl_s
+        self.epoch = epoch
+        self.peers = peers
+        self.leases = leases
+        self.delivery = delivery
+        self.outbound = outbound
+        self.stats = stats
+        self._defer = defer
+        self._wake_dispatch = wake_dispatch
+        self._worker_kinds = worker_kinds
+        self._count_reject = count_reject
+        self._heartbeat_info = heartbeat_info
+        now = time.monotonic()
+        self._next_hb_mono = now + self.hb_s
+        self._next_liveness_mono = now + self.hb_s / 2
+
+    # --- inbound ---
+    def receive(self, rid: bytes, env: Envelope, now: float) -> Session | None:
+        """Apply a verified frame's session part. Returns the sender's session when the
+        message is for the ledger; None when it was a session message or refused."""
+        if isinstance(env.message, p.Hello):
+            self._on_hello(rid, env, now)
+            return None
+        sess = self.peers.by_routing(rid)
+        if sess is None or sess.peer_id != env.sender:
+            self.outbound.send_raw(rid, p.Error(p.REJECT_NO_SESSION, "no session: reconnect and send HELLO", env.seq))
+            return None
+        sess.last_recv_mono = now
+        msg = env.message
+        if isinstance(msg, p.Heartbeat):
+            self._on_heartbeat(sess, msg, env.ts_ms, now)
+        elif isinstance(msg, p.Credit):
+            self._on_credit(sess, msg, env.seq)
+        elif isinstance(msg, p.Bye):
+            self.end(sess, f"bye: {msg.reason}")
+        else:
+            return sess
+        return None
+
+    def _on_hello(self, rid: bytes, env: Envelope, now: float) -> None:
+        hello: p.Hello = env.message  # type: ignore[assignment]
+        if hello.role != env.role.value:
+            why = f"authorized as {env.role.value}, HELLO says {hello.role}"
+            self._count_reject(p.REJECT_ROLE, why, env.sender, rid, now)
+            self.outbound.send_raw(rid, p.Error(p.REJECT_ROLE, why, env.seq))
+            return
+        self._replace(env.sender, rid)
+        sess = self._open(rid, env, hello)
+        if sess.role is p.Role.WORKER:
+            self._worker_kinds(sess.kinds or ("",))
+        resumed: list[p.LeaseRef] = []
+        released: list[p.LeaseRef] = []
+        if sess.role in p.LEASE_HOLDER_ROLES:
+            resumed, released = self._resume_leases(sess.peer_id, hello.leases, now)
+            self._wake_dispatch()
+        if sess.role in (p.Role.COMPLETION, p.Role.RELAY):
+            self.delivery.set_possible(True)
+        self.outbound.send(rid, p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released))
+        log.info("peer_connected", peer=sess.peer_id, role=sess.role.value, credit=sess.credit, kinds=list(sess.kinds),
+                 resumed=len(resumed), released=len(released), info=sess.info)
+
+    def _replace(self, peer_id: str, rid: bytes) -> None:
+        """End the current session of ``peer_id``, if any, before a new one begins."""
+        old = self.peers.get(peer_id)
+        if old is None:
+            return
+        if old.routing_id != rid:
+            # a reconnecting peer closed its old socket, so this reaches nobody; a second
+            # live process with the same peer id gets it and stops instead of fighting
+            self.outbound.send_raw(old.routing_id, p.Error(p.ERROR_REPLACED, f"a newer session of {peer_id} replaced this one"))
+        self.end(old, "replaced by a new session")
+
+    def _open(self, rid: bytes, env: Envelope, hello: p.Hello) -> Session:
+        sess = Session(
+            peer_id=env.sender,
+            role=env.role,
+            routing_id=rid,
+            session=env.session,
+            credit=max(0, min(hello.credit, MAX_CREDIT)),
+            slots=hello.slots,
+            kinds=tuple(hello.kinds),
+            info=dict(hello.info),
+            info_hello=dict(hello.info),
+        )
+        self.peers.add(sess)
+        return sess
+
+    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
+        """The leases a reconnecting holder lists: (resumed: the broker knows them with
+        that token, their expiry extended; released: the broker does not). Leases the
+        broker knows for it that it did not list expire in the next transaction."""
+        resumed, released = [], []
+        for ref in listed:
+            if self.leases.extend(ref.item_id, ref.token, peer_id, now + self.lease_ttl_s):
+                resumed.append(ref)
+            else:
+                released.append(ref)
+        names = {ref.item_id for ref in listed}
+        for lease in self.leases.held_by(peer_id):
+            if lease.item_id not in names:
+                self._defer("expire", lease.item_id, lease.token, "worker reconnected without it")
+        return resumed, released
+
+    def _on_heartbeat(self, sess: Session, msg: p.Heartbeat, ts_ms: int, now: float) -> None:
+        if sess.role not in p.LEASE_HOLDER_ROLES:
+            return
+        self.stats.heartbeat(ts_ms)
+        for ref in msg.leases:
+            self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
+        if msg.healthy and not sess.healthy:
+            self._wake_dispatch()
+        sess.healthy = msg.healthy
+        sess.busy, sess.done = msg.busy, msg.done
+        if len(sess.info) + len(msg.info) > 256:
+            sess.info = dict(sess.info_hello)
+        sess.info.update(msg.info)
+
+    def _on_credit(self, sess: Session, msg: p.Credit, seq: int) -> None:
+        if msg.credit <= 0:
+            self.outbound.send(sess.routing_id, p.Error(p.REJECT_MALFORMED, "credit must be > 0", seq))
+            return
+        sess.credit = min(sess.credit + msg.credit, MAX_CREDIT)
+        self._wake_dispatch()
+        self.delivery.set_possible(True)
+
+    # --- the end of a session ---
+    def end(self, sess: Session, reason: str) -> None:
+        """Remove a session (the one disconnect rule, BYE, or replacement). Its leases
+        stay until they expire; unsent DISPATCHes are released (never sent); its
+        unacknowledged deliveries become deliverable again (G3)."""
+        ended_before = sess.status is PeerStatus.GONE
+        if self.peers.get(sess.peer_id) is sess:
+            self.peers.remove(sess.peer_id)
+        sess.status = PeerStatus.GONE
+        self.outbound.drop_unsent(sess)
+        if not ended_before:  # (a later session of the same peer id may have deliveries in flight)
+            self.delivery.session_ended(sess.peer_id)
+        log.info("peer_disconnected", peer=sess.peer_id, role=sess.role.value, reason=reason)
+
+    # --- timers ---
+    def next_wake_mono(self) -> float:
+        return min(self._next_hb_mono, self._next_liveness_mono)
+
+    def tick(self, now: float) -> None:
+        """Liveness (end silent sessions) and heartbeats to every peer, when due."""
+        if now >= self._next_liveness_mono:
+            self._next_liveness_mono = now + min(self.hb_s / 2, 0.25)
+            for sess in list(self.peers.by_id.values()):
+                if now - sess.last_recv_mono > self.silence_s:
+                    self.end(sess, f"silent for {now - sess.last_recv_mono:.2f}s")
+        if now >= self._next_hb_mono:
+            self._next_hb_mono = now + self.hb_s
+            infos = self._heartbeat_info()
+            for sess in list(self.peers.by_id.values()):
+                self.outbound.offer(sess, p.Heartbeat(info=infos[sess.peer_id]) if sess.peer_id in infos else p.Heartbeat())
+
+    def excuse_stall(self, gap_s: float) -> None:
+        """The actor itself did not run for ``gap_s``: peers were not silent, it was."""
+        for sess in self.peers.by_id.values():
+            sess.last_recv_mono += gap_s
+
+    def bye_all(self, reason: str) -> None:
+        for s in self.peers.sessions():
+            self.outbound.send_raw(s.routing_id, p.Bye(reason=reason))

@@ -1,0 +1,96 @@
+"""The broker's delivery tracker (brokerd/delivery.py) on a real LMDB ledger, without a
+broker process: what is in flight, what is owed a redelivery (G3), and the scan floor."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from ccsq.brokerd.actor import Batch
+from ccsq.brokerd.delivery import DeliveryTracker
+from ccsq.brokerd.ledger import Ledger, Policy
+from ccsq.brokerd.peers import PeerStatus, Session
+from ccsq.common.wire import federation as fed
+from ccsq.common.wire import protocol as p
+
+
+def blob(data: bytes) -> p.Blob:
+    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(), rng=random.Random(7))
+    txn = led.begin()
+    for n in range(5):
+        txn.submit(p.SubmitItem(f"k{n}", "echo", blob(b"x%d" % n)), 1_000)
+    ids, _ = txn.scan_ready(None, 10, 2_000)
+    for t in [txn.lease(i, "w1", 2_000, 5_000) for i in ids]:
+        txn.complete(p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1")
+    txn.commit()
+    yield led
+    led.close()
+
+
+def tracker(ledger: Ledger) -> DeliveryTracker:
+    with ledger.read() as view:
+        epoch = view.epoch()
+    return DeliveryTracker(epoch, fed.Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
+
+
+def completion(peer: str = "c1", credit: int = 3) -> Session:
+    return Session(peer_id=peer, role=p.Role.COMPLETION, routing_id=peer.encode(), session=1, credit=credit)
+
+
+def plan(ledger: Ledger, tr: DeliveryTracker, *takers: Session) -> tuple[Batch, bool]:
+    """One planning pass in its own transaction, committed, effects applied (as the actor does)."""
+    batch = Batch()
+    txn = ledger.begin()
+    more = tr.plan(txn, batch, list(takers), lambda s, ds: tr.sent(s, ds), 4_000)
+    txn.commit()
+    for fn in batch.effects:
+        fn()
+    return batch, more
+
+
+def delivered(batch: Batch) -> list[p.Delivery]:
+    return [d for _, msg in batch.replies for d in msg.deliveries]
+
+
+def test_in_flight_until_acknowledged_and_a_lost_session_owes_redeliveries(ledger):
+    tr = tracker(ledger)
+    c1 = completion(credit=3)
+    first, more = plan(ledger, tr, c1)
+    assert len(delivered(first)) == 3 and more and not any(d.redelivery for d in delivered(first))
+    assert tr.count() == 3 and tr.count("c1") == 3
+    txn = ledger.begin()
+    assert txn.ack(delivered(first)[0].item_id, 5_000)
+    txn.commit()
+    tr.acknowledged(delivered(first)[0].item_id)
+    assert tr.count("c1") == 2
+    second, _ = plan(ledger, tr, completion("c2", credit=10))  # only the two never sent
+    assert len(delivered(second)) == 2 and not {d.item_id for d in delivered(second)} & {d.item_id for d in delivered(first)}
+    tr.session_ended("c1")  # its two unacknowledged deliveries are deliverable again, as redeliveries
+    assert tr.count("c1") == 0 and tr.possible
+    third, _ = plan(ledger, tr, completion("c3", credit=10))
+    assert sorted(d.item_id for d in delivered(third)) == sorted(d.item_id for d in delivered(first)[1:])
+    assert all(d.redelivery for d in delivered(third))
+    with ledger.read() as view:
+        assert view.counters()["redelivered"] == 2
+
+
+def test_a_session_gone_before_commit_gets_nothing_in_flight_and_a_stale_scan_keeps_the_floor(ledger):
+    tr = tracker(ledger)
+    gone = completion(credit=5)
+    batch = Batch()
+    txn = ledger.begin()
+    tr.plan(txn, batch, [gone], lambda s, ds: tr.sent(s, ds), 4_000)
+    txn.commit()
+    gone.status = PeerStatus.GONE  # the session ended between the scan and the commit
+    for fn in batch.effects:  # the floor raise planned by this (stale) scan comes last
+        fn()
+    assert tr.count() == 0 and tr.possible
+    again, _ = plan(ledger, tr, completion("c2", credit=10))  # the floor was not raised past them
+    assert len(delivered(again)) == 5 and all(d.redelivery for d in delivered(again))

@@ -1,0 +1,74 @@
+"""What the worker's parts hand each other: a held lease (:class:`Job`), the verdict of
+its run (:class:`RunOutcome`), and the one way a failure report is made (:func:`failure`).
+
+A job lives in the intake's table (``Intake.jobs``, :mod:`ccsq.workerd.intake`) from
+DISPATCH until its report is journaled (:mod:`ccsq.workerd.reports`); its
+``state`` says where it is::
+
+    HOLDING -> FETCHING -> QUEUED -> RUNNING -> REPORTING
+    (intake: journal, claim store, batch queue)  (lanes)  (reports)
+
+The worker names a failure's reason and nothing else: ``retryable`` (kept on the wire
+for older brokers) follows from the reason through the one failure policy,
+:func:`ccsq.common.wire.policy.task_failure` / ``FAIL_POLICY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.policy import task_failure
+from ccsq.workerd.journal import Key
+
+__all__ = ["Job", "JobState", "Key", "RunOutcome", "failure"]
+
+
+class JobState(enum.Enum):
+    HOLDING = "holding"  # journal write of the lease in progress
+    FETCHING = "fetching"  # payload being fetched (prefetch)
+    QUEUED = "queued"  # waiting for a slot
+    RUNNING = "running"  # handler running in a thread
+    REPORTING = "reporting"  # outcome decided, being stored/journaled
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A lease this worker holds and has not reported yet."""
+
+    task: p.Task
+    state: JobState = JobState.HOLDING
+    released: bool = False  # the broker took it back: finish quietly, never report
+    runner: asyncio.Task | None = None
+    clock_offset_s: float = 0.0  # broker wall clock - ours, as seen in the DISPATCH envelope
+    payload: bytes | None = None  # fetched and verified (prefetch); dropped once run
+    outcome: asyncio.Future | None = None  # resolved by the lane with a RunOutcome
+
+    def deadline_passed(self, now_wall_s: float) -> bool:
+        """Whether ``deadline_ts`` has passed by the broker's clock (estimated)."""
+        return self.task.deadline_ts is not None and now_wall_s + self.clock_offset_s >= self.task.deadline_ts
+
+    @property
+    def key(self) -> Key:
+        return (self.task.item_id, self.task.token)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """What a lane tells a job about its run: exactly one of the fields is set
+    (``data`` may be b""): the result, the error, the overrun limit, or skipped."""
+
+    data: bytes | None = None
+    error: BaseException | None = None
+    runtime_s: float = 0.0  # wall seconds of the handler call (the whole batch)
+    timeout_s: float = 0.0  # > 0: the batch overran this max_runtime_s
+    skipped: str = ""  # not run: why (deadline passed)
+
+
+def failure(key: Key, reason: p.FailReason, message: str) -> p.TaskFailure:
+    """The FAIL entry of lease ``key`` = (item_id, token) for ``reason``; ``retryable``
+    comes from the one failure policy (:mod:`ccsq.common.wire.policy`). Every failure the
+    worker reports is made here (tests/test_policy.py checks that workerd/ builds no other)."""
+    return task_failure(key[0], key[1], reason, message)

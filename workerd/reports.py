@@ -1,0 +1,352 @@
+"""Reports: a run's outcome -> journaled report -> COMPLETE / FAIL -> confirmation -> forget;
+and the credit granted back.
+
+Order per item: result in the claim store -> journal "finished" / "failed" (fsync)
+-> crash point ``worker.after_result_stored`` -> COMPLETE / FAIL -> credit back ->
+COMPLETE_ACK / FAIL_ACK (any outcome) -> forget (journal row deleted). Until the
+broker confirms it, a report is *unconfirmed* (:attr:`Reports.unconfirmed`): it is
+listed in HELLO and heartbeats, re-sent on every new session and on a timer (every
+2 x heartbeat interval; the broker treats replays idempotently), and kept in the
+journal for the next start.
+
+Group commit (throughput): the reports journaled in one commit of the
+:class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
+together: one COMPLETE (and one FAIL) frame for all of them (split by the one frame
+splitter, :func:`ccsq.common.wire.frames.split_frames`), then one CREDIT.
+
+The failure decision (:meth:`Reports.finish`): the worker names a reason, and
+``retryable`` follows from it (:func:`ccsq.workerd.jobs.failure`, the one failure
+policy ``ccsq.common.wire.policy.FAIL_POLICY``):
+
+- ``PermanentHandlerError`` -> ``fatal``; any other handler exception, or a handler
+  that returns something other than bytes -> ``handler_error`` (message = repr);
+- over ``max_runtime_s`` -> ``timeout``; deadline passed before the start -> ``released``;
+- a result the claim store cannot store -> ``store_unavailable`` (requeued without
+  counting the attempt) and the worker turns unhealthy (:mod:`ccsq.workerd.claims`).
+
+Crash points (:mod:`ccsq.common.runtime.faults`): ``worker.after_infer`` fires when the
+handler has returned, before anything is stored (a restart re-runs nothing and the
+lease expires); ``worker.after_result_stored`` fires once the result is in the claim
+store AND in the journal, before COMPLETE (a restart resends it).
+
+A lease the broker released (WELCOME ``released``) is never reported once released
+before its report is journaled: its row is forgotten. A report already journaled is
+still replayed even if released: the broker confirms it (``fenced`` if the lease moved
+on, which its gap register records, case C04), and dropping a finished result would
+throw real work away.
+
+Credit rule (:class:`Credit`): outstanding credit = ``slots x max_batch + prefetch``
+(minus ``max_batch`` per lost slot), so every lane can fill a whole batch and still
+have ``prefetch`` items fetched and verified for the next one. The HELLO grants that
+minus the leases held; each DISPATCHed task consumes one; after reports are sent the
+missing credit is granted back in one batched ``Credit(n)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
+
+from ccsq.common.link.peer import BrokerLink, LinkState
+from ccsq.common.runtime.faults import crash_point
+from ccsq.common.storage.claimstore import store_failure
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.config import WorkerConfig
+from ccsq.common.wire.errors import PermanentHandlerError
+from ccsq.common.wire.frames import split_frames
+from ccsq.workerd.claims import Claims
+from ccsq.workerd.handlers import Handler
+from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
+from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
+
+REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
+MAX_REPORTS_PER_FRAME = 256
+
+Report = p.TaskResult | p.TaskFailure
+Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
+
+
+@dataclasses.dataclass(eq=False)
+class Unconfirmed:
+    """A report (result or failure) the broker has not confirmed yet."""
+
+    report: Report
+    sent_mono: float | None = None  # last send (monotonic s); None = not sent this session
+
+
+def _report_size(u: Unconfirmed) -> int:
+    """Estimated encoded bytes of one COMPLETE/FAIL record (inline result bytes counted)."""
+    rep = u.report
+    return REPORT_OVERHEAD_BYTES + len(getattr(rep, "message", "")) + (
+        rep.result.size if isinstance(rep, p.TaskResult) and rep.result.inline is not None else 0)
+
+
+class Credit:
+    """The credit this worker has granted the broker in this session (see module doc).
+
+    ``available()`` = capacity (less lost slots) minus the leases held; ``draining()``
+    True stops all grants. :meth:`changed` grants what is missing at the end of the
+    loop tick, in one CREDIT.
+    """
+
+    granted: int  # credit the broker holds from us in this session
+    loop: asyncio.AbstractEventLoop | None  # set while serving; None: grant nothing
+
+    def __init__(self, link: BrokerLink, available: Callable[[], int], draining: Callable[[], bool], log: Any) -> None:
+        self.granted = 0
+        self.loop = None
+        self._link = link
+        self._available = available
+        self._draining = draining
+        self._log = log
+        self._flush_scheduled = False
+
+    def hello(self) -> int:
+        """The credit a new session's HELLO grants (the broker forgets the old one)."""
+        self.granted = 0 if self._draining() else max(0, self._available())
+        return self.granted
+
+    def dispatched(self, n: int) -> None:
+        """The broker used ``n`` credit (one DISPATCH)."""
+        self.granted -= n
+        if self.granted < 0:
+            self._log.warning("credit_overrun", extra_tasks=-self.granted)
+            self.granted = 0
+
+    def session_lost(self) -> None:
+        self.granted = 0
+
+    def changed(self) -> None:
+        """Capacity or holdings changed: grant what is missing at the end of this tick."""
+        if not self._flush_scheduled and self.loop is not None:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Grant what is missing from capacity, in one CREDIT (batches several completions)."""
+        self._flush_scheduled = False
+        if self._draining() or self._link.state is not LinkState.READY:
+            return
+        want = self._available() - self.granted
+        if want > 0 and self._link.send(p.Credit(credit=want)):
+            self.granted += want
+
+
+class Reports:
+    """The reports of one worker, from a run's outcome to the broker's confirmation.
+
+    ``held`` is the worker's table of held jobs (the intake adds them): a job leaves it here, when its report
+    is journaled (it becomes unconfirmed) or it is forgotten released. ``poke()`` tells
+    the lanes that fewer items are held. ``loop`` is set while serving (None: send at
+    once, for unit use).
+    """
+
+    unconfirmed: dict[Key, Unconfirmed]  # reports journaled and not confirmed yet
+    all_confirmed: asyncio.Event  # set while unconfirmed is empty
+    done: int  # results reported
+    failed: int  # failures reported
+    loop: asyncio.AbstractEventLoop | None
+
+    def __init__(self, cfg: WorkerConfig, handler: Handler, claims: Claims, link: BrokerLink, jw: GroupCommit,
+                 held: dict[Key, Job], credit: Credit, *, poke: Callable[[], None], spawn: Spawn, log: Any) -> None:
+        self.cfg = cfg
+        self.handler = handler
+        self.unconfirmed = {}
+        self.all_confirmed = asyncio.Event()
+        self.all_confirmed.set()
+        self.done = 0
+        self.failed = 0
+        self.loop = None
+        self._claims = claims
+        self._link = link
+        self._jw = jw
+        self._held = held
+        self._credit = credit
+        self._poke = poke
+        self._spawn = spawn
+        self._log = log
+        self._unsent: list[Key] = []  # reports to send at the end of this loop tick
+
+    async def recover(self, entries: list[JournalEntry]) -> None:
+        """Turn the journal's rows into unconfirmed reports (worker module doc: Restart)."""
+        lost: list[Key] = []
+        for e in entries:
+            report = e.report
+            if e.state is EntryState.STARTED:
+                self._log.warning("job_lost_in_crash", item_id=e.item_id, token=e.token, kind=e.kind)
+                lost.append((e.item_id, e.token))
+                continue
+            if report is None:  # held, never started: give it back without costing an attempt
+                report = failure((e.item_id, e.token), p.FailReason.RELEASED, "worker restarted before starting the job")
+                await self._jw.record([(report, e.kind)])
+            self.unconfirmed[(e.item_id, e.token)] = Unconfirmed(report)
+        if lost:
+            await self._jw.forget(lost)
+        self._unconfirmed_changed()
+
+    # --- outcome -> report --------------------------------------------------------------
+    async def finish(self, job: Job, outcome: RunOutcome) -> None:
+        """Name the outcome's failure reason, or store the result; then :meth:`report` it."""
+        why = self._failure_reason(outcome)
+        if why is not None:
+            if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
+                self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
+                               error=repr(outcome.error))
+            await self.report(job, failure(job.key, *why))
+            return
+        data = cast(bytes, outcome.data)  # _failure_reason named anything else
+        crash_point("worker.after_infer")
+        if job.released:
+            await self.forget_released(job)
+            return
+        try:
+            blob = await self._claims.put_result(data)
+        except Exception as exc:  # any claim-store backend error: requeued (attempt not counted), run elsewhere
+            self._log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
+            self._claims.trouble(repr(exc))
+            await self.report(job, failure(job.key, store_failure(exc), f"could not store result: {exc!r}"[:1000]))
+            return
+        result = p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, str(self.handler.version),
+                              round(outcome.runtime_s, 6))
+        await self.report(job, result)
+
+    @staticmethod
+    def _failure_reason(outcome: RunOutcome) -> tuple[p.FailReason, str] | None:
+        """The reason (and message) a run failed, or None for a result to store."""
+        if outcome.skipped:
+            return p.FailReason.RELEASED, outcome.skipped
+        if outcome.timeout_s > 0:
+            return p.FailReason.TIMEOUT, f"exceeded max_runtime_s={outcome.timeout_s}"
+        exc = outcome.error
+        if isinstance(exc, PermanentHandlerError):
+            return p.FailReason.FATAL, str(exc)
+        if exc is not None:
+            return p.FailReason.HANDLER_ERROR, repr(exc)[:1000]
+        if not isinstance(outcome.data, bytes):
+            return p.FailReason.HANDLER_ERROR, f"handler returned {type(outcome.data).__name__}, expected bytes"
+        return None
+
+    async def report(self, job: Job, report: Report) -> None:
+        """Journal the report (fsync), then send it and grant credit back."""
+        if job.released:
+            await self.forget_released(job)
+            return
+        await self._jw.record([(report, job.task.kind)])
+        if isinstance(report, p.TaskResult):
+            crash_point("worker.after_result_stored")
+        if job.released:  # released while the record was written
+            await self.forget_released(job)
+            return
+        key = job.key
+        self._held.pop(key, None)
+        self.unconfirmed[key] = Unconfirmed(report)
+        self._unconfirmed_changed()
+        if isinstance(report, p.TaskResult):
+            self.done += 1
+            if self.cfg.log_each_job:
+                self._log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
+                               result_bytes=report.result.size)
+        else:
+            self.failed += 1
+            self._log.info("job_failed", item_id=key[0], token=key[1], reason=report.reason,
+                           retryable=report.retryable, message=report.message[:200])
+        self._queue_send(key)
+        self._credit.changed()
+        self._poke()
+
+    async def forget_released(self, job: Job) -> None:
+        """The broker took the lease back: drop the job and its journal row, unreported."""
+        self._log.info("job_dropped", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
+        self._held.pop(job.key, None)
+        await self._jw.forget([job.key])
+        self._credit.changed()
+
+    # --- sending and confirmations ------------------------------------------------------
+    def _queue_send(self, key: Key) -> None:
+        """Send this report at the end of the loop tick, with every other report
+        journaled in the same group commit: one COMPLETE and one FAIL frame."""
+        if self.loop is None:  # not serving (unit use): send at once
+            self.send([key])
+            return
+        if not self._unsent:
+            self.loop.call_soon(self._flush_unsent)
+        self._unsent.append(key)
+
+    def _flush_unsent(self) -> None:
+        keys, self._unsent = self._unsent, []
+        self.send(keys)
+
+    def send(self, keys: list[Key]) -> None:
+        """Send the unconfirmed reports of ``keys`` (others are skipped), when the session is up."""
+        if self._link.state is not LinkState.READY:
+            return
+        results: list[Unconfirmed] = []
+        failures: list[Unconfirmed] = []
+        for key in keys:
+            u = self.unconfirmed.get(key)
+            if u is not None:
+                (results if isinstance(u.report, p.TaskResult) else failures).append(u)
+        now = time.monotonic()
+        if results and not self.cfg.log_each_job:  # per report frame instead of job_completed per item
+            self._log.info("results_reported", items=len(results), done=self.done)
+        for chunk in self._chunks(results):
+            if self._link.send(p.Complete(results=[u.report for u in chunk])):  # type: ignore[misc]
+                for u in chunk:
+                    u.sent_mono = now
+        for chunk in self._chunks(failures):
+            if self._link.send(p.Fail(failures=[u.report for u in chunk])):  # type: ignore[misc]
+                for u in chunk:
+                    u.sent_mono = now
+
+    def _chunks(self, reports: list[Unconfirmed]) -> list[list[Unconfirmed]]:
+        return split_frames(reports, size_of=_report_size, budget_bytes=max(4096, self.cfg.max_frame_bytes // 2),
+                            max_items=MAX_REPORTS_PER_FRAME)
+
+    def on_acks(self, outcomes: list[p.ItemOutcome], kind: type) -> None:
+        """COMPLETE_ACK (``kind`` TaskResult) / FAIL_ACK (TaskFailure): forget what is confirmed."""
+        forget: list[Key] = []
+        for o in outcomes:
+            key = (o.item_id, o.token)
+            u = self.unconfirmed.get(key)
+            if u is None or not isinstance(u.report, kind):
+                self._log.debug("confirmation_for_unknown_report", item_id=o.item_id, token=o.token, outcome=o.outcome)
+                continue
+            del self.unconfirmed[key]
+            forget.append(key)
+            if o.outcome == p.Outcome.FENCED.value:
+                self._log.warning("report_fenced", item_id=o.item_id, token=o.token)
+            elif o.outcome not in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+                self._log.info("report_confirmed", item_id=o.item_id, token=o.token, outcome=o.outcome)
+        if forget:
+            self._spawn(self._jw.forget(forget), "journal-forget")
+            self._unconfirmed_changed()
+
+    def session_started(self) -> None:
+        """A new session: send every unconfirmed report again."""
+        self.send(list(self.unconfirmed))
+
+    def session_lost(self) -> None:
+        for u in self.unconfirmed.values():
+            u.sent_mono = None
+
+    async def resend_loop(self) -> None:
+        """Every 2 x heartbeat interval, re-send reports not (re)sent for that long."""
+        while True:
+            interval_s = 2 * self._link.heartbeat_interval_s
+            await asyncio.sleep(interval_s)
+            if self._link.state is not LinkState.READY:
+                continue
+            now = time.monotonic()
+            stale = [k for k, u in self.unconfirmed.items() if u.sent_mono is None or now - u.sent_mono >= interval_s]
+            if stale:
+                self._log.info("reports_resent", count=len(stale))
+                self.send(stale)
+
+    def _unconfirmed_changed(self) -> None:
+        if self.unconfirmed:
+            self.all_confirmed.clear()
+        else:
+            self.all_confirmed.set()
