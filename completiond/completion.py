@@ -260,39 +260,37 @@ class CompletionService:
 
     async def _resolve(self, groups: list[tuple[int, Sequence[p.Delivery]]]) -> tuple[list[tuple], list[p.Delivery]]:
         """One row per delivery (a tuple in the column order of :class:`ResultRow`), the
-        result bytes read and verified (inline: on the loop, no I/O; by reference: from
-        the claim store, off the loop); deliveries whose result is missing or corrupt are
+        result bytes read and verified (:meth:`ClaimStore.aget_blob`: an inline result on
+        the loop, a stored one off it); deliveries whose result is missing or corrupt are
         returned separately (never acknowledged)."""
         rows: list[tuple] = []
         missing: list[p.Delivery] = []
-        get_blob = self.store.get_blob
+        read = self._read_blob
         landed_ts = time.time()  # one database transaction: one landing time
         for _, ds in groups:
             for d in ds:
-                blob = d.result
                 try:
-                    # inline: no I/O, verifies the digest; by reference: the claim store, off the loop
-                    data = get_blob(blob) if blob.inline is not None else await self._read_blob(d)
+                    data = await read(d)
                 except PayloadMissing as exc:
-                    self.log.error("result_missing", item_id=d.item_id, sha256=blob.sha256, error=str(exc))
+                    self.log.error("result_missing", item_id=d.item_id, sha256=d.result.sha256, error=str(exc))
                     missing.append(d)
                     continue
                 except _Stopping:
                     return rows, missing + [d]  # stopping while the claim store fails: d is not acknowledged
-                rows.append((d.item_id, d.key, d.kind, params_to_json(d.params), data, blob.sha256, text_or_none(data),
-                             d.attempt, d.handler, d.handler_version, d.completed_ts, landed_ts))
+                rows.append((d.item_id, d.key, d.kind, params_to_json(d.params), data, d.result.sha256,
+                             text_or_none(data), d.attempt, d.handler, d.handler_version, d.completed_ts, landed_ts))
         return rows, missing
 
     async def _read_blob(self, d: p.Delivery) -> bytes:
-        """The result of ``d`` from the claim store. An unreachable or failing store (not
-        "absent": that is PayloadMissing) is read again with backoff, never ACKed without
-        the result; raises _Stopping when asked to stop meanwhile."""
-        loop = asyncio.get_running_loop()
+        """The result of ``d``, digest verified. A store that is unreachable or failing
+        (not "absent": that is PayloadMissing) is read again with backoff: the result
+        waits safely in the broker and is never ACKed without it; raises _Stopping when
+        asked to stop meanwhile."""
         attempt = 0
         while True:
             try:
-                return await loop.run_in_executor(self._io_exec, self.store.get_blob, d.result)
-            except OSError as exc:
+                return await self.store.aget_blob(d.result, self._io_exec)
+            except (OSError, StoreUnavailable) as exc:
                 delay_s = backoff_delay_s(attempt, 0.05, self.config.backoff_max_s)
                 attempt += 1
                 self.log.warning("result_read_failed", item_id=d.item_id, error=str(exc), retry_in_s=round(delay_s, 3))

@@ -480,3 +480,37 @@ def test_postgres_params_with_a_nul_land_as_an_escaped_literal(pg_database) -> N
     with psycopg.connect(pg_database) as con:
         rows = dict(con.execute("SELECT item_id, params FROM results").fetchall())
     assert rows == {"item-00000": {"s": "x\\u0000y"}, "item-00001": {"n": 1}}
+
+
+def test_an_unreachable_claim_store_is_read_again_not_fatal(tmp_path: Path) -> None:
+    """A result stored by reference while the store is unreachable (S3: StoreUnavailable,
+    a mount: OSError) is read again with backoff until it comes, as the same row."""
+    import asyncio
+
+    from ccsq.common.wire.config import CompletionConfig, load
+    from ccsq.common.wire.errors import StoreUnavailable
+    from ccsq.completiond.completion import CompletionService
+
+    class Flaky(FileStore):
+        failures = [StoreUnavailable("endpoint down"), OSError("mount gone")]
+
+        def get(self, sha256: str) -> bytes:
+            if self.failures:
+                raise self.failures.pop(0)
+            return super().get(sha256)
+
+    e = Env(tmp_path)
+    try:
+        store = Flaky(tmp_path / "blobs")
+        d = delivery(3, result=b"stored by reference", store=store)
+        svc = CompletionService(load(CompletionConfig, e.config), store=store)
+        try:
+            rows, missing = asyncio.run(svc._resolve([(1, [d])]))
+        finally:
+            svc.db.close()
+            svc._io_exec.shutdown()
+            svc._db_exec.shutdown()
+        assert missing == [] and not Flaky.failures
+        assert [(r[0], r[4]) for r in rows] == [("item-00003", b"stored by reference")]
+    finally:
+        e.close()
