@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from ccsq.common.tools import cli
+from ccsq.common.tools import admin_cmds, cli
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ExitCode, Unauthorized
@@ -383,11 +383,11 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
     ``items show`` labels it "last error (an earlier attempt ...)"; a dead item's error stays "error"."""
     rec = {"id": "x", "state": "acknowledged", "attempt": 2, "error": "handler_failed", "error_message": "boom",
            "lease_expires_ms": 0, "max_attempts": 0, "created_ms": 1_700_000_000_000}
-    rows = dict(cli._item_rows({"item": rec, "default_max_attempts": 5}))
+    rows = dict(admin_cmds._item_rows({"item": rec, "default_max_attempts": 5}))
     assert "error" not in rows and rows["last error"].startswith("handler_failed (an earlier attempt; the item is acknowledged")
     assert rows["last error msg"] == "boom" and rows["lease_expires_ms"] == "-" and rows["max_attempts"] == "broker default (5)"
     assert rows["created_ms"].startswith("2023-11-14T")
-    rows = dict(cli._item_rows({"item": {**rec, "state": "dead"}}))
+    rows = dict(admin_cmds._item_rows({"item": {**rec, "state": "dead"}}))
     assert rows["error"] == "handler_failed" and "last error" not in rows
     assert rows["max_attempts"] == "broker default (max_attempts in brokerd.toml)"
 
