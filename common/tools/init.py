@@ -1,6 +1,10 @@
 """``ccsq init`` and ``ccsq keygen``: a ready-to-run swarm directory, and one peer's keys.
 
-:func:`init_swarm` is also the tests', the benches' and the demo's way to a swarm.
+:func:`init_swarm` is also the tests', the benches' and the demo's way to a swarm. It is
+cut into one function per file it writes: :func:`_write_keys` (every peer's Ed25519 and
+CURVE key pairs, ``authorized_keys.toml``), then the configs (:func:`_broker_config`,
+:func:`_worker_config`, :func:`_producer_config`, :func:`_completion_config`,
+:func:`_admin_config`), each a dict that ``tomli_w`` writes in its key order.
 """
 
 from __future__ import annotations
@@ -57,6 +61,30 @@ def init_swarm(
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
+    _write_keys(directory, workers)
+    (directory / "blobs").mkdir(exist_ok=True)
+    common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
+    # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
+    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
+    written: dict[str, Path] = {}
+
+    def write(name: str, doc: dict) -> None:
+        path = directory / name
+        path.write_text(tomli_w.dumps(doc))
+        written[name.removesuffix(".toml")] = path
+
+    write("brokerd.toml", _broker_config(endpoint, bind, curve_on, broker))
+    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
+        write(f"workerd-{i - 1}.toml", _worker_config(i, common, handler, curve_on, worker))
+    write("producer.toml", _producer_config(common, handler, curve_on, producer))
+    write("completion.toml", _completion_config(common, curve_on, completion))
+    write("admin.toml", _admin_config(common, curve_on, broker))
+    return written
+
+
+def _write_keys(directory: Path, workers: int) -> None:
+    """Every peer's Ed25519 and CURVE key pairs under ``keys/``, and ``authorized_keys.toml``
+    listing them with their roles (the CURVE keys are the broker's ZAP allow-list)."""
     keys_dir = directory / "keys"
     peers = {"broker": "broker", "producer-1": "producer", "completion-1": "completion", "admin": "admin"}
     peers.update({f"worker-{i}": "worker" for i in range(1, workers + 1)})
@@ -66,71 +94,65 @@ def init_swarm(
         _, curve_pub = write_curve_keypair(keys_dir, peer_id)  # CURVE: the broker's ZAP allow-list (docs/security.md)
         authorized[peer_id] = (role, public_key_b64(load_private_key(priv)), curve_pub.read_text().strip())
     write_authorized_keys(directory / "authorized_keys.toml", authorized)
-    (directory / "blobs").mkdir(exist_ok=True)
-    common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
-    # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
-    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
 
-    def curve_lines(peer_id: str) -> dict:
-        return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
-    written: dict[str, Path] = {}
 
-    def write(name: str, doc: dict) -> None:
-        path = directory / name
-        path.write_text(tomli_w.dumps(doc))
-        written[name.removesuffix(".toml")] = path
+def _curve_lines(peer_id: str, curve_on: bool) -> dict:
+    """A connecting peer's CURVE keys (its secret key, the broker's public key)."""
+    return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
 
-    write(
-        "brokerd.toml",
-        {
-            "peer_id": "broker",
-            "private_key": "keys/broker.key",
-            "authorized_keys": "authorized_keys.toml",
-            "endpoint": endpoint,
-            **({"bind": bind} if bind else {}),
-            "data_dir": "broker-data",
-            "curve": curve_on,
-            "curve_secret_key": "keys/broker.curve.key",
-            **(broker or {}),
-        },
-    )
-    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
-        write(
-            f"workerd-{i - 1}.toml",
-            {
-                "peer_id": f"worker-{i}",
-                "private_key": f"keys/worker-{i}.key",
-                **common,
-                "handler": handler,
-                "claim_store": "file://blobs",
-                "journal_dir": f"worker-{i}-journal",
-                **curve_lines(f"worker-{i}"),
-                **(worker or {}),
-            },
-        )
-    write(
-        "producer.toml",
-        {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
-         "default_kind": handler, **curve_lines("producer-1"), **(producer or {})},
-    )
-    write(
-        "completion.toml",
-        {
-            "peer_id": "completion-1",
-            "private_key": "keys/completion-1.key",
-            **common,
-            "claim_store": "file://blobs",
-            "database": "sqlite:///results.db",
-            **curve_lines("completion-1"),
-            **(completion or {}),
-        },
-    )
-    write(
-        "admin.toml",
-        {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data"),
-         **curve_lines("admin")},
-    )
-    return written
+
+def _broker_config(endpoint: str, bind: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``brokerd.toml``: the ledger in ``broker-data/``."""
+    return {
+        "peer_id": "broker",
+        "private_key": "keys/broker.key",
+        "authorized_keys": "authorized_keys.toml",
+        "endpoint": endpoint,
+        **({"bind": bind} if bind else {}),
+        "data_dir": "broker-data",
+        "curve": curve_on,
+        "curve_secret_key": "keys/broker.curve.key",
+        **(overrides or {}),
+    }
+
+
+def _worker_config(i: int, common: dict, handler: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``workerd-<i-1>.toml``: peer ``worker-<i>``, its journal in ``worker-<i>-journal/``."""
+    return {
+        "peer_id": f"worker-{i}",
+        "private_key": f"keys/worker-{i}.key",
+        **common,
+        "handler": handler,
+        "claim_store": "file://blobs",
+        "journal_dir": f"worker-{i}-journal",
+        **_curve_lines(f"worker-{i}", curve_on),
+        **(overrides or {}),
+    }
+
+
+def _producer_config(common: dict, handler: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``producer.toml``: ``default_kind`` is the workers' handler."""
+    return {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
+            "default_kind": handler, **_curve_lines("producer-1", curve_on), **(overrides or {})}
+
+
+def _completion_config(common: dict, curve_on: bool, overrides: dict | None) -> dict:
+    """``completion.toml``: results into ``results.db`` (SQLite)."""
+    return {
+        "peer_id": "completion-1",
+        "private_key": "keys/completion-1.key",
+        **common,
+        "claim_store": "file://blobs",
+        "database": "sqlite:///results.db",
+        **_curve_lines("completion-1", curve_on),
+        **(overrides or {}),
+    }
+
+
+def _admin_config(common: dict, curve_on: bool, broker: dict | None) -> dict:
+    """``admin.toml``: the broker's ``data_dir`` too (read-only commands read the ledger when it is down)."""
+    return {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data"),
+            **_curve_lines("admin", curve_on)}
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
