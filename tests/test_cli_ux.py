@@ -392,6 +392,36 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
     assert rows["max_attempts"] == "broker default (max_attempts in brokerd.toml)"
 
 
+#: The ``ccsq`` command line: every subcommand (and the sub-subcommands), as users type them.
+SUBCOMMANDS = ["init", "keygen", "submit", "completion", "gap-report", "status", "items", "dlq", "drain", "reconcile",
+               "init-relay", "federation", "backup", "console", "completion-script"]
+NESTED = {"items": ["show"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
+
+
+def test_every_subcommand_is_parsed_runs_a_command_and_completes(capsys) -> None:
+    """The command line split over several modules (issue 13) stays whole: each subcommand
+    and sub-subcommand is in the parser with a command function, and the bash completion
+    script lists them all."""
+    import argparse
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    top = subparsers(cli.build_parser())
+    assert list(top) == SUBCOMMANDS
+    for name, sub in top.items():
+        if name in NESTED:
+            assert list(subparsers(sub)) == NESTED[name]
+            assert all(callable(leaf.get_default("func")) for leaf in subparsers(sub).values()), name
+        else:
+            assert callable(sub.get_default("func")), name
+    rc, out, _ = run_ccsq(capsys, "completion-script", "bash")
+    assert rc == 0
+    assert f"_shtab_ccsq_subparsers=({' '.join(SUBCOMMANDS)})" in out
+    for name, leaves in NESTED.items():
+        assert f"_shtab_ccsq_{name}_subparsers=({' '.join(leaves)})" in out
+
+
 def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys) -> None:
     """`ccsq init --handler sleep` writes default_kind = "sleep" in producer.toml; a plain
     `ccsq submit` (no --kind) queues items of that kind, not "ocr"."""
