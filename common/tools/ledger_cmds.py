@@ -1,7 +1,8 @@
 """The commands that read the ledger file itself: ``ccsq gap-report`` (the accounting and
 every at-least-once window, :mod:`ccsq.brokerd.report`), ``ccsq reconcile`` (the ledger
 against the claim store, :mod:`ccsq.common.tools.reconcile`) and ``ccsq backup`` (a
-consistent hot copy). Read-only, short transactions; safe while the broker runs.
+consistent hot copy). They open the ledger read-only (short transactions), safe while the
+broker runs; ``reconcile --apply`` changes it only through the broker (admin ``dead_letter``).
 """
 
 from __future__ import annotations
