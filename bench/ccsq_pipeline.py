@@ -24,7 +24,7 @@ import lmdb
 from bench.common import claim_ref, cpu_s, disk_bytes, hist_summary, pipeline_record, rss_bytes, scrape_histograms
 from bench.driver import produce
 from ccsq.brokerd.ledger.store import Ledger, data_paths
-from ccsq.common.tools.cli import init_swarm
+from ccsq.common.tools.init import init_swarm
 from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 
 #: Worker/completion tuning used by the benchmark (stated in docs/benchmarks.md).
