@@ -29,7 +29,7 @@ from ccsq.common.tools.admin_cmds import (
     _cmd_status,
     admin_settings,
 )
-from ccsq.common.tools.init import _cmd_init, _cmd_keygen, init_swarm  # noqa: F401 - init_swarm: the old import path
+from ccsq.common.tools.init import _cmd_init, _cmd_keygen
 from ccsq.common.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
 from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_submit, _param
 from ccsq.common.wire.errors import (
