@@ -38,7 +38,7 @@ class JobState(enum.Enum):
     REPORTING = "reporting"  # outcome decided, being stored/journaled
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Job:
     """A lease this worker holds and has not reported yet."""
 
@@ -60,7 +60,7 @@ class Job:
         return (self.task.item_id, self.task.token)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: a frozen init costs ~2 us, one per item
 class RunOutcome:
     """What a lane tells a job about its run: exactly one of the fields is set
     (``data`` may be b""): the result, the error, the overrun limit, or skipped."""

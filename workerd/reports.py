@@ -62,6 +62,8 @@ from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
 from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
 
+_FENCED = p.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
+_CONFIRMED_QUIETLY = frozenset((p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value))
 REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
 MAX_REPORTS_PER_FRAME = 256
 
@@ -69,7 +71,7 @@ Report = p.TaskResult | p.TaskFailure
 Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Unconfirmed:
     """A report (result or failure) the broker has not confirmed yet."""
 
@@ -386,12 +388,12 @@ class Reports:
                 continue
             del self.unconfirmed[key]
             forget.append(key)
-            if o.outcome == p.Outcome.FENCED.value:
+            if o.outcome == _FENCED:
                 self._log.warning("report_fenced", item_id=o.item_id, token=o.token)
-            elif o.outcome not in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+            elif o.outcome not in _CONFIRMED_QUIETLY:
                 self._log.info("report_confirmed", item_id=o.item_id, token=o.token, outcome=o.outcome)
         if forget:
-            self._spawn(self._jw.forget(forget), "journal-forget")
+            self._spawn(self._jw.forget(forget, lazy=True), "journal-forget")  # rides with the next commit
             self._unconfirmed_changed()
 
     def session_started(self) -> None:
