@@ -7,7 +7,12 @@ COMPLETE_ACK / FAIL_ACK (any outcome) -> forget (journal row deleted). Until the
 broker confirms it, a report is *unconfirmed* (:attr:`Reports.unconfirmed`): it is
 listed in HELLO and heartbeats, re-sent on every new session and on a timer (every
 2 x heartbeat interval; the broker treats replays idempotently), and kept in the
-journal for the next start.
+journal for the next start. The deletion of a confirmed report's row is a lazy
+journal write (:class:`~ccsq.workerd.journal.GroupCommit`): it rides with the next commit.
+
+Per batch, not per item: a lane hands :meth:`Reports.finish_many` the outcomes of a
+whole batch (one task); their reports are journaled in one write
+(:meth:`Reports.report_many`) and sent in one frame.
 
 Group commit (throughput): the reports journaled in one commit of the
 :class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
