@@ -87,10 +87,17 @@ CREATE TABLE IF NOT EXISTS entries (
 """
 
 
+_COMPLETE_BODY = p.encode_body(p.Complete(results=[]))  # the bodies around one report (field order kept)
+_FAIL_BODY = p.encode_body(p.Fail(failures=[]))
+
+
 def encode_report(report: p.TaskResult | p.TaskFailure) -> bytes:
-    """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``."""
-    msg: p.Message = p.Complete(results=[report]) if isinstance(report, p.TaskResult) else p.Fail(failures=[report])
-    return msgpack.packb(p.encode_body(msg), use_bin_type=True)
+    """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``: the same
+    bytes as ``packb(encode_body(Complete(results=[report])))`` without building the
+    message (one row per item: ~2 us less each)."""
+    if isinstance(report, p.TaskResult):
+        return msgpack.packb({**_COMPLETE_BODY, "results": [p.encode_body(report)]}, use_bin_type=True)
+    return msgpack.packb({**_FAIL_BODY, "failures": [p.encode_body(report)]}, use_bin_type=True)
 
 
 def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure:
