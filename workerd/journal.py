@@ -334,6 +334,9 @@ class GroupCommit:
             await asyncio.sleep(0)  # one loop tick: the writes of this tick go together
         while self._queue and self._eager > 0:  # only lazy ops left: they wait for company
             batch, self._queue, self._eager = self._queue, [], 0
+            if self._lazy_timer is not None:  # its lazy ops go now
+                self._lazy_timer.cancel()
+                self._lazy_timer = None
             t0 = time.perf_counter()
             try:
                 await loop.run_in_executor(self._executor, self.journal.apply, _merge_adjacent([op for op, _ in batch]))
