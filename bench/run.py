@@ -21,6 +21,7 @@ install them is printed. ``--only`` picks benchmarks, ``--n`` etc. resize them.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -32,7 +33,8 @@ from bench import backlog, ccsq_pipeline, ocr_overhead, peer_pipeline, servers
 from bench.common import OUT_DIR, console, dist, machine, print_table, verdict, write_json
 from bench.profile import top
 
-WORK = Path("/tmp/ccsq-bench")
+#: scratch directory of the runs (``CCSQ_BENCH_WORK``: another one, so that two checkouts can bench at once)
+WORK = Path(os.environ.get("CCSQ_BENCH_WORK", "/tmp/ccsq-bench"))
 
 
 def _fsync_stats(trace: Path, jobs: int) -> dict[str, Any]:

@@ -25,10 +25,11 @@ Run it with ``ccsq completion --config completion.toml`` (:func:`main`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -77,7 +78,8 @@ class CompletionService:
     _db_exec: concurrent.futures.ThreadPoolExecutor  # the only thread that touches ``db``
     _io_exec: concurrent.futures.ThreadPoolExecutor  # claim-store reads
     # --- state (event loop only) ---
-    _incoming: asyncio.Queue[tuple[int, p.Delivery]]  # (session number, delivery)
+    _incoming: collections.deque[tuple[int, Sequence[p.Delivery]]]  # (session number, a RESULT's deliveries)
+    _arrived: asyncio.Event  # set when a RESULT is appended to ``_incoming``
     _ack_msg: p.Ack | None  # the ACK in flight (re-sent on reconnect); None: none
     _ack_ids: frozenset[str]  # its item ids (empty: none)
     _ack_ok: asyncio.Event
@@ -105,7 +107,8 @@ class CompletionService:
         self.quarantined = 0
         self._ack_ids = frozenset()
         self._ack_msg = None
-        self._incoming = asyncio.Queue()
+        self._incoming = collections.deque()
+        self._arrived = asyncio.Event()
         # deliveries whose result blob was missing: item_id -> (session, delivery, retry_at_mono, attempt);
         # re-read with backoff so a restored blob lands without a restart
         self._parked: dict[str, tuple[int, p.Delivery, float, int]] = {}
@@ -149,11 +152,11 @@ class CompletionService:
     def _on_message(self, env: Envelope) -> None:
         msg = env.message
         if isinstance(msg, p.Result):
-            session = self.link.sessions
-            for d in msg.deliveries:
-                self._incoming.put_nowait((session, d))
+            if msg.deliveries:  # kept as the frame's list: no per-result queue entry
+                self._incoming.append((self.link.sessions, msg.deliveries))
+                self._arrived.set()
         elif isinstance(msg, p.AckOk):
-            if self._ack_ids and self._ack_ids & (set(msg.item_ids) | set(msg.unknown)):
+            if self._ack_ids and not (self._ack_ids.isdisjoint(msg.item_ids) and self._ack_ids.isdisjoint(msg.unknown)):
                 if msg.unknown:
                     self.log.info("ack_unknown_items", count=len(msg.unknown))
                 self._ack_ok.set()
@@ -170,11 +173,13 @@ class CompletionService:
     async def _pump(self) -> None:
         while not self._stop.is_set():
             fresh = await self._gather()
-            batch = fresh + self._due_parked()  # parked retries already gave their credit back
-            if not batch:
+            due = self._due_parked()  # parked retries already gave their credit back
+            if not fresh and not due:
                 continue
-            rows, missing = await self._resolve([d for _, d in batch])
-            self._park(batch, missing)
+            groups = fresh + [(sess, (d,)) for sess, d in due]
+            rows, missing = await self._resolve(groups)
+            if missing or self._parked:
+                self._park(groups, missing)
             quarantined: list[tuple[ResultRow, str]] = []
             if rows:
                 landed = await self._land(rows)
@@ -183,17 +188,19 @@ class CompletionService:
                 quarantined = landed
             crash_point("completion.after_db_commit")
             if rows:
-                await self._ack(sorted({r.item_id for r in rows}),
-                                [p.Quarantined(r.item_id, error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
+                await self._ack(sorted({r[0] for r in rows}),
+                                [p.Quarantined(r[0], error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
             self._grant(fresh, missing)
 
-    def _park(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
+    def _park(self, groups: list[tuple[int, Sequence[p.Delivery]]], missing: list[p.Delivery]) -> None:
         """Remember deliveries whose result blob is missing (never ACKed); forget landed ones."""
-        sessions = {d.item_id: sess for sess, d in batch}
         missing_ids = {d.item_id for d in missing}
-        for _, d in batch:
-            if d.item_id not in missing_ids:
-                self._parked.pop(d.item_id, None)
+        sessions: dict[str, int] = {}
+        for sess, ds in groups:
+            for d in ds:
+                sessions[d.item_id] = sess
+                if d.item_id not in missing_ids:
+                    self._parked.pop(d.item_id, None)
         for d in missing:
             attempt = self._parked.get(d.item_id, (0, d, 0.0, 0))[3]
             retry_at = time.monotonic() + backoff_delay_s(attempt, _PARK_BASE_S, self.config.backoff_max_s)
@@ -202,6 +209,8 @@ class CompletionService:
     def _due_parked(self) -> list[tuple[int, p.Delivery]]:
         """Parked deliveries due for another read. Ones from an ended session are
         dropped: the broker redelivers them to the new session itself (G3)."""
+        if not self._parked:
+            return []
         now = time.monotonic()
         due = []
         for item_id, (sess, d, retry_at, _) in list(self._parked.items()):
@@ -211,81 +220,88 @@ class CompletionService:
                 due.append((sess, d))
         return due
 
-    async def _gather(self) -> list[tuple[int, p.Delivery]]:
-        """Up to ``batch_max`` deliveries: wait for the first, then at most
-        ``batch_wait_ms``; returns early (possibly empty) when a parked delivery is due."""
-        stop_wait = asyncio.ensure_future(self._stop.wait())
-        get = asyncio.ensure_future(self._incoming.get())
-        wake_s = min((r for _, _, r, _ in self._parked.values()), default=None)
-        try:
-            await asyncio.wait({stop_wait, get}, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=None if wake_s is None else max(0.0, wake_s - time.monotonic()))
-        finally:
-            stop_wait.cancel()
-            if not get.done():
-                get.cancel()
-        if not get.done() or get.cancelled():
-            return []
-        batch = [get.result()]
+    async def _gather(self) -> list[tuple[int, Sequence[p.Delivery]]]:
+        """Up to ``batch_max`` deliveries as ``(session, deliveries)`` groups (whole RESULT
+        frames, the last one split when it does not fit): wait for the first, then at most
+        ``batch_wait_ms`` for more; returns early (possibly empty) when a parked delivery
+        is due or when asked to stop."""
+        if not self._incoming:
+            self._arrived.clear()
+            stop_wait = asyncio.ensure_future(self._stop.wait())
+            arrived = asyncio.ensure_future(self._arrived.wait())
+            wake_s = min((r for _, _, r, _ in self._parked.values()), default=None)
+            try:
+                await asyncio.wait({stop_wait, arrived}, return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=None if wake_s is None else max(0.0, wake_s - time.monotonic()))
+            finally:
+                stop_wait.cancel()
+                arrived.cancel()
+            if not self._incoming:
+                return []
+        groups: list[tuple[int, Sequence[p.Delivery]]] = []
+        room = self.config.batch_max
         deadline = time.monotonic() + self.config.batch_wait_ms / 1000.0
-        while len(batch) < self.config.batch_max:
-            try:
-                batch.append(self._incoming.get_nowait())
-                continue
-            except asyncio.QueueEmpty:
-                pass
+        while True:
+            while self._incoming and room > 0:
+                sess, ds = self._incoming.popleft()
+                if len(ds) > room:
+                    self._incoming.appendleft((sess, ds[room:]))
+                    ds = ds[:room]
+                groups.append((sess, ds))
+                room -= len(ds)
             left = deadline - time.monotonic()
-            if left <= 0:
-                break
+            if room <= 0 or left <= 0:
+                return groups
+            self._arrived.clear()
             try:
-                batch.append(await asyncio.wait_for(self._incoming.get(), timeout=left))
+                await asyncio.wait_for(self._arrived.wait(), timeout=left)
             except asyncio.TimeoutError:
-                break
-        return batch
+                return groups
 
-    async def _resolve(self, deliveries: list[p.Delivery]) -> tuple[list[ResultRow], list[p.Delivery]]:
-        """Result bytes for each delivery (claim store read off the loop); deliveries whose
-        result is missing or corrupt are returned separately (never acknowledged)."""
-        loop = asyncio.get_running_loop()
-        rows: list[ResultRow] = []
+    async def _resolve(self, groups: list[tuple[int, Sequence[p.Delivery]]]) -> tuple[list[tuple], list[p.Delivery]]:
+        """One row per delivery (a tuple in the column order of :class:`ResultRow`), the
+        result bytes read and verified (:meth:`ClaimStore.aget_blob`: an inline result on
+        the loop, a stored one off it); deliveries whose result is missing or corrupt are
+        returned separately (never acknowledged)."""
+        rows: list[tuple] = []
         missing: list[p.Delivery] = []
-        for d in deliveries:
-            attempt = 0
-            while True:
+        read = self._read_blob
+        landed_ts = time.time()  # one database transaction: one landing time
+        for _, ds in groups:
+            for d in ds:
                 try:
-                    if d.result.inline is not None:
-                        data = self.store.get_blob(d.result)  # no I/O; verifies the inline digest
-                    else:
-                        data = await loop.run_in_executor(self._io_exec, self.store.get_blob, d.result)
-                    break
+                    data = await read(d)
                 except PayloadMissing as exc:
                     self.log.error("result_missing", item_id=d.item_id, sha256=d.result.sha256, error=str(exc))
-                    data = None
-                    break
-                except OSError as exc:
-                    # the claim store is unreachable or failing (not "absent"): the result waits
-                    # safely in the broker; back off and read again, never ACK without it
-                    delay_s = backoff_delay_s(attempt, 0.05, self.config.backoff_max_s)
-                    attempt += 1
-                    self.log.warning("result_read_failed", item_id=d.item_id, error=str(exc), retry_in_s=round(delay_s, 3))
-                    try:
-                        await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
-                        return rows, missing + [d]  # stopping: nothing of it is acknowledged
-                    except asyncio.TimeoutError:
-                        continue
-            if data is None:
-                missing.append(d)
-                continue
-            rows.append(ResultRow(
-                item_id=d.item_id, idem_key=d.key, kind=d.kind, params_json=params_to_json(d.params),
-                result=data, result_sha256=d.result.sha256, result_text=text_or_none(data), attempt=d.attempt,
-                handler=d.handler, handler_version=d.handler_version, completed_ts=d.completed_ts,
-                landed_ts=time.time(),
-            ))
+                    missing.append(d)
+                    continue
+                except _Stopping:
+                    return rows, missing + [d]  # stopping while the claim store fails: d is not acknowledged
+                rows.append((d.item_id, d.key, d.kind, params_to_json(d.params), data, d.result.sha256,
+                             text_or_none(data), d.attempt, d.handler, d.handler_version, d.completed_ts, landed_ts))
         return rows, missing
 
-    async def _land(self, rows: list[ResultRow]) -> list[tuple[ResultRow, str]] | None:
-        """Write ``rows`` (:meth:`ResultsDB.land`), retrying with backoff until it commits.
+    async def _read_blob(self, d: p.Delivery) -> bytes:
+        """The result of ``d``, digest verified. A store that is unreachable or failing
+        (not "absent": that is PayloadMissing) is read again with backoff: the result
+        waits safely in the broker and is never ACKed without it; raises _Stopping when
+        asked to stop meanwhile."""
+        attempt = 0
+        while True:
+            try:
+                return await self.store.aget_blob(d.result, self._io_exec)
+            except (OSError, StoreUnavailable) as exc:
+                delay_s = backoff_delay_s(attempt, 0.05, self.config.backoff_max_s)
+                attempt += 1
+                self.log.warning("result_read_failed", item_id=d.item_id, error=str(exc), retry_in_s=round(delay_s, 3))
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay_s)
+                    raise _Stopping
+                except asyncio.TimeoutError:
+                    continue
+
+    async def _land(self, rows: list[tuple]) -> list[tuple[ResultRow, str]] | None:
+        """Write ``rows`` (:class:`ResultRow` tuples; :meth:`ResultsDB.land`), retrying with backoff until it commits.
         Returns the rows quarantined with their errors, or None only if asked to stop
         while the database is failing."""
         loop = asyncio.get_running_loop()
@@ -319,9 +335,9 @@ class CompletionService:
                                   attempts=attempt + 1)
                     self.notifier.status("serving: database recovered")
                     self.healthy = True
-                for row, why in quarantined:
-                    self.log.warning("result_quarantined", item_id=row.item_id, key=row.idem_key, kind=row.kind,
-                                     error=why[:500])
+                for row, why in quarantined:  # the exception path: one line per refused row
+                    item_id, key, kind = row[:3]
+                    self.log.warning("result_quarantined", item_id=item_id, key=key, kind=kind, error=why[:500])
                 self.quarantined += len(quarantined)
                 self.log.debug("batch_landed", items=len(rows), write_s=round(time.monotonic() - t0, 4))
                 return quarantined
@@ -370,12 +386,16 @@ class CompletionService:
             self._ack_ids = frozenset()
             self._ack_msg = None
 
-    def _grant(self, batch: list[tuple[int, p.Delivery]], missing: list[p.Delivery]) -> None:
+    def _grant(self, groups: list[tuple[int, Sequence[p.Delivery]]], missing: list[p.Delivery]) -> None:
         """Give back the credit these deliveries used, if they came in this session
         (a new session's HELLO already reset the credit)."""
-        current = sum(1 for session, _ in batch if session == self.link.sessions)
+        current = sum(len(ds) for session, ds in groups if session == self.link.sessions)
         if current and self.link.send(p.Credit(credit=current)):
             self.log.debug("credit_granted", credit=current, missing=len(missing))
+
+
+class _Stopping(Exception):
+    """Asked to stop while a result could not be read (the claim store is failing)."""
 
 
 def _redact(url: str) -> str:

@@ -46,7 +46,6 @@ from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import (
     BrokerUnavailable,
     CcsqError,
-    InvalidRequest,
     PayloadTooLarge,
     StoreUnavailable,
     Unauthorized,
@@ -56,7 +55,7 @@ from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.link.peer import BrokerLink, refusal_fix
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.policy import refusal_error, refusal_final, refusal_retryable
-from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size  # noqa: F401 (public here too)
+from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size, item_size_bound  # noqa: F401 (public here too)
 from ccsq.producer.outbox import Outbox
 from ccsq.producer.replay import OutboxReplay
 
@@ -336,7 +335,7 @@ class AsyncClient:
             last: p.SubmitResult | None = None
             for item in remaining:
                 res = by_key.get(item.key)
-                if res is None or refusal_retryable(res.error):
+                if res is None or (res.error and refusal_retryable(res.error)):
                     retry.append(item)
                     last = res or last
                 else:
@@ -356,6 +355,8 @@ class AsyncClient:
     def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
         """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
         that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
+        if len(items) <= _MAX_ITEMS_PER_FRAME and sum(map(item_size_bound, items)) <= self._frame_budget:
+            return [items]  # surely one frame (exact sizes are below the bounds): what split_frames gives
         return split_frames(items, size_of=item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
                             too_large=self._too_large)
 
@@ -400,19 +401,7 @@ class AsyncClient:
         Items confirmed before a permanent refusal stay submitted (resubmitting
         is a no-op); the first permanent refusal is raised after all frames finish.
         """
-        built: list[p.SubmitItem] = []
-        for spec in items:
-            if isinstance(spec, Mapping):
-                spec = dict(spec)
-                try:
-                    payload, kind = spec.pop("payload"), spec.pop("kind")
-                except KeyError as exc:
-                    raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
-                built.append(await self._items.build(payload, kind, **spec))
-            elif isinstance(spec, tuple) and len(spec) in (2, 3):
-                built.append(await self._items.build(spec[0], spec[1], params=spec[2] if len(spec) == 3 else None))
-            else:
-                raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
+        built = await self._items.build_many(items)
         return await self._submit_items(built, timeout_s)
 
     async def _submit_items(self, items: list[p.SubmitItem], timeout_s: float) -> list[Receipt]:
@@ -442,7 +431,7 @@ class AsyncClient:
         spool instead (the outbox is not empty, or no session within ``submit_timeout_s``).
         Without an outbox, raises BrokerUnavailable when no session comes in ``timeout_s``."""
         if self._replay is not None:
-            if await self._replay.outbox.count() > 0 or not await self._wait_ready(self.config.submit_timeout_s):
+            if not await self._replay.is_empty() or not await self._wait_ready(self.config.submit_timeout_s):
                 return None
             return time.monotonic() + self.config.submit_timeout_s
         deadline = time.monotonic() + timeout_s
@@ -459,7 +448,10 @@ class AsyncClient:
         ``(results by key, unconfirmed items, kinds no worker serves)``; without an outbox
         an unconfirmed item raises its frame's error (BrokerUnavailable, QueueFull...)."""
         unserved: set[str] = set()
-        outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline_mono, unserved) for f in frames))
+        if len(frames) == 1:  # the usual batch: no task for gather to wrap it in
+            outcomes = [await self._submit_confirmed(frames[0], deadline_mono, unserved)]
+        else:
+            outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline_mono, unserved) for f in frames))
         results: dict[str, p.SubmitResult] = {}
         unconfirmed: list[p.SubmitItem] = []
         errors: list[CcsqError] = []
@@ -549,18 +541,19 @@ def _receipts(requested: list[p.SubmitItem], results: dict[str, p.SubmitResult],
     """One receipt per requested item, in order (a repeated key is a duplicate of the first);
     raises the typed error of the first item the broker refused for good."""
     receipts: list[Receipt] = []
+    append = receipts.append
     seen: set[str] = set()
     for item in requested:
-        repeat = item.key in seen
-        seen.add(item.key)
-        if item.key in spooled_keys:
-            receipts.append(Receipt(item_id="", key=item.key, spooled=True))
+        key = item.key
+        if key in spooled_keys:
+            seen.add(key)
+            append(Receipt(item_id="", key=key, spooled=True))
             continue
-        res = results[item.key]
+        res = results[key]
         if res.error:
-            raise refusal_error(res.error, res.message or f"broker refused item {item.key}")
-        receipts.append(Receipt(item_id=res.item_id, key=item.key, duplicate=res.duplicate or repeat,
-                                unserved=item.kind in unserved))
+            raise refusal_error(res.error, res.message or f"broker refused item {key}")
+        append(Receipt(res.item_id, key, res.duplicate or key in seen, False, item.kind in unserved))
+        seen.add(key)
     return receipts
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Union
 
@@ -26,23 +27,28 @@ from ccsq.common.wire.errors import InvalidRequest
 Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 
 
+_packers = threading.local()
+
+
 def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
     """Deterministic bytes for a params map (sorted keys, msgpack)."""
-    return msgpack.packb(sorted(params.items()), use_bin_type=True)
+    try:
+        pack = _packers.pack
+    except AttributeError:  # one Packer per thread: the bytes of msgpack.packb(..., use_bin_type=True), half the cost
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack(sorted(params.items()))
 
 
 def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
     """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
-    h = hashlib.sha256()
-    h.update(payload_sha256.encode("ascii"))
-    h.update(b"\0")
-    h.update(kind.encode("utf-8"))
-    h.update(b"\0")
-    h.update(canonical_params(params))
-    return h.hexdigest()
+    # one hash call over the joined parts: the same bytes as feeding them one by one
+    return hashlib.sha256(b"".join((payload_sha256.encode("ascii"), b"\0", kind.encode("utf-8"), b"\0",
+                                    canonical_params(params)))).hexdigest()
 
 
 def read_payload(payload: Payload) -> bytes:
+    if type(payload) is bytes:  # the usual case: already immutable bytes, nothing to copy or check
+        return payload
     if isinstance(payload, (bytes, bytearray, memoryview)):
         return bytes(payload)
     if isinstance(payload, (str, Path)):
@@ -83,6 +89,30 @@ def item_size(item: p.SubmitItem) -> int:
     return len(msgpack.packb(body, use_bin_type=True)) - 1 + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) + n
 
 
+#: msgpack bytes of a SubmitItem map besides its variable values, over-counted: map headers,
+#: every field name (the two federation ones included), a 64-char sha256 string, the blob's
+#: ``size`` and the scalar fields at their widest (9 bytes), ``inline`` / ``deadline_ts`` nil
+_ITEM_FIXED_BOUND = 320  # counted: 252
+
+
+def item_size_bound(item: p.SubmitItem) -> int:
+    """An upper bound of :func:`item_size` (bytes) from lengths alone, nothing packed: every
+    string, bytes value and map at its widest header (5 bytes), every number at 9 bytes, a
+    string at 4 bytes per character unless ASCII. Lets the frame splitter skip exact sizing
+    when a whole batch surely fits one frame (``AsyncClient._frames``)."""
+    inline = item.payload.inline
+    key, kind = item.key, item.kind
+    n = (_ITEM_FIXED_BOUND + (len(key) if key.isascii() else 4 * len(key)) + (len(kind) if kind.isascii() else 4 * len(kind))
+         + len(item.origin) + len(item.origin_sig) + (0 if inline is None else len(inline)))
+    for k, v in item.params.items():
+        n += 14 + (len(k) if k.isascii() else 4 * len(k))  # key header 5, a number 9
+        if isinstance(v, str):
+            n += 5 + (len(v) if v.isascii() else 4 * len(v))
+        elif isinstance(v, bytes):
+            n += 5 + len(v)
+    return n
+
+
 class ItemBuilder:
     """Turns a caller's payload and options into one :class:`~ccsq.common.wire.protocol.SubmitItem`.
     ``store``: the claim store for payloads over ``inline_max_bytes`` (bytes)."""
@@ -108,27 +138,85 @@ class ItemBuilder:
         broker's rule), then read the payload, put it in the claim store when it is over
         ``inline_max_bytes``, and build the item. Raises InvalidRequest (bad input: nothing
         was written), StoreUnavailable (the claim store is unreachable)."""
-        if not isinstance(kind, str) or not kind:
-            raise InvalidRequest("kind must be a non-empty string")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise InvalidRequest("key must be a non-empty string (or None to derive it)")
-        if max_attempts is not None and max_attempts < 1:
-            raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
-        if max_runtime_s is not None and max_runtime_s <= 0:
-            raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
-        params = check_params(params)
-        fields = dict(kind=kind, params=params, priority=int(priority),
-                      deadline_ts=None if deadline_ts is None else float(deadline_ts),
-                      max_attempts=int(max_attempts or 0), max_runtime_s=float(max_runtime_s or 0.0))
-        problem = p.submit_fields_problem(key=key, **fields)  # before the blob is written: bad input leaves no orphan
-        if problem:
-            raise InvalidRequest(problem)
+        fields = _checked_fields(kind, params, key, priority, deadline_ts, max_attempts, max_runtime_s)
         data = read_payload(payload)
-        blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
-        if blob.inline is None:
-            crash_point("producer.after_blob_put")
-        return p.SubmitItem(key=key or derive_key(blob.sha256, kind, params), payload=blob, **fields)
+        if self.store.inline_without_io(len(data), self.inline_max_bytes):
+            blob = self.store.put_blob(data, self.inline_max_bytes)  # a digest, no I/O: no coroutine hop
+        else:
+            blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
+            if blob.inline is None:
+                crash_point("producer.after_blob_put")
+        return _item(fields, key, blob)
+
+    async def build_many(self, specs: Iterable[Any]) -> list[p.SubmitItem]:
+        """:meth:`build` for each of ``specs`` in order, each checked before its payload is
+        written, as a loop without a coroutine per tuple spec. A spec is ``(payload, kind)``,
+        ``(payload, kind, params)`` or a dict of :meth:`build`'s arguments (``payload``,
+        ``kind``, ``params``, ``key``...). Raises as :meth:`build` (items before the bad one
+        may have written their blobs), InvalidRequest for a malformed spec."""
+        built: list[p.SubmitItem] = []
+        inline_max = self.inline_max_bytes
+        store = self.store
+        for spec in specs:
+            if isinstance(spec, tuple) and len(spec) in (2, 3):
+                payload, kind = spec[0], spec[1]
+                fields = _checked_fields(kind, spec[2] if len(spec) == 3 else None, None, 0, None, None, None)
+                key = None
+            elif isinstance(spec, Mapping):  # any option: build's own keyword checks and errors
+                spec = dict(spec)
+                try:
+                    payload, kind = spec.pop("payload"), spec.pop("kind")
+                except KeyError as exc:
+                    raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
+                built.append(await self.build(payload, kind, **spec))
+                continue
+            else:
+                raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
+            data = read_payload(payload)
+            if store.inline_without_io(len(data), inline_max):
+                blob = store.put_blob(data, inline_max)
+            else:
+                blob = await store.aput_blob(data, inline_max, self._exec)
+                if blob.inline is None:
+                    crash_point("producer.after_blob_put")
+            built.append(_item(fields, key, blob))
+        return built
 
     def close(self) -> None:
         """Wait for a claim-store write in progress, then stop its thread."""
         self._exec.shutdown(wait=True)
+
+
+#: ``(kind, params, priority, deadline_ts, max_attempts, max_runtime_s)``, checked and normalised
+_Fields = tuple[str, dict, int, "float | None", int, float]
+
+
+def _checked_fields(kind: Any, params: Mapping[str, Any] | None, key: Any, priority: Any, deadline_ts: Any,
+                    max_attempts: Any, max_runtime_s: Any) -> _Fields:
+    """The caller's fields checked (InvalidRequest naming the problem) and normalised, before
+    any payload is read or written: the argument checks, :func:`check_params`, then the
+    broker's rule :func:`~ccsq.common.wire.protocol.submit_fields_problem`."""
+    if not isinstance(kind, str) or not kind:
+        raise InvalidRequest("kind must be a non-empty string")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise InvalidRequest("key must be a non-empty string (or None to derive it)")
+    if max_attempts is not None and max_attempts < 1:
+        raise InvalidRequest(f"max_attempts must be >= 1, got {max_attempts}")
+    if max_runtime_s is not None and max_runtime_s <= 0:
+        raise InvalidRequest(f"max_runtime_s must be > 0, got {max_runtime_s}")
+    params = check_params(params)
+    priority = int(priority)
+    deadline_ts = None if deadline_ts is None else float(deadline_ts)
+    max_attempts = int(max_attempts or 0)
+    max_runtime_s = float(max_runtime_s or 0.0)
+    problem = p.submit_fields_problem(kind=kind, key=key, params=params, priority=priority, deadline_ts=deadline_ts,
+                                      max_attempts=max_attempts, max_runtime_s=max_runtime_s)
+    if problem:  # before the blob is written: bad input leaves no orphan
+        raise InvalidRequest(problem)
+    return kind, params, priority, deadline_ts, max_attempts, max_runtime_s
+
+
+def _item(fields: _Fields, key: str | None, blob: p.Blob) -> p.SubmitItem:
+    kind, params, priority, deadline_ts, max_attempts, max_runtime_s = fields
+    return p.SubmitItem(key or derive_key(blob.sha256, kind, params), kind, blob, params, priority, deadline_ts,
+                        max_attempts, max_runtime_s, b"", b"")  # no origin (relay submissions only)

@@ -43,9 +43,19 @@ class OutboxReplay:
         self._backoff_cap_s = backoff_cap_s
         self.log = log
         self.wakeup = asyncio.Event()
+        self._spools = 0  # spool() calls so far: the flusher's emptiness verdict holds only if none came in between
+        self._known_empty = False  # the flusher counted 0 items and nothing was spooled since
+
+    async def is_empty(self) -> bool:
+        """True when the outbox holds no item. Answered without a database query once the
+        flusher has seen it empty and nothing was spooled since (the client asks on every
+        submission: an executor hop and a count per call otherwise)."""
+        return self._known_empty or await self.outbox.count() == 0
 
     async def spool(self, items: list[p.SubmitItem], reason: str) -> None:
         """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
+        self._spools += 1
+        self._known_empty = False
         new = await self.outbox.add(items)
         self.wakeup.set()
         self.log.info("submit_spooled", items=len(items), new=new, reason=reason)
@@ -59,7 +69,11 @@ class OutboxReplay:
             batch = await self.outbox.peek(PEEK_ITEMS)
             if not batch:
                 self.wakeup.clear()
+                spools = self._spools
                 if await self.outbox.count() == 0:
+                    # a spool() begun before the count queued its write ahead of it on the outbox's
+                    # one thread (so the count saw it); one begun since bumped ``_spools``
+                    self._known_empty = spools == self._spools
                     await self.wakeup.wait()
                 continue
             unconfirmed, err = await self._flush_frame(self._first_frame([it for _, it in batch]))

@@ -94,3 +94,15 @@ def test_federation_bench_smoke() -> None:
     assert res["link_balanced"] is True
     assert res["one_swarm_items_per_s"] > 0 and res["across_link_items_per_s"] > 0
     assert res["spill_time_s"] > 0 and res["relay_cpu_ms_per_item"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_completion_cpu_smoke() -> None:
+    """``python -m bench.completion_cpu``: one real completion service fed by the scripted
+    broker, every result acknowledged in ACKs of at most ``batch_max``; and its ``--phases``."""
+    from bench import completion_cpu
+
+    res = completion_cpu.run(300)
+    assert res["results"] == 300 and res["cpu_s"] >= 0 and res["results_per_s"] > 0 and res["ack_frames"] >= 2
+    steps = completion_cpu.phases(300)
+    assert len(steps) == 4 and all(v["user_us"] >= 0 and v["sys_us"] >= 0 for v in steps.values())

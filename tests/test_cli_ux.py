@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from ccsq.common.tools import cli
+from ccsq.common.tools import admin_cmds, cli
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ExitCode, Unauthorized
@@ -383,13 +383,43 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
     ``items show`` labels it "last error (an earlier attempt ...)"; a dead item's error stays "error"."""
     rec = {"id": "x", "state": "acknowledged", "attempt": 2, "error": "handler_failed", "error_message": "boom",
            "lease_expires_ms": 0, "max_attempts": 0, "created_ms": 1_700_000_000_000}
-    rows = dict(cli._item_rows({"item": rec, "default_max_attempts": 5}))
+    rows = dict(admin_cmds._item_rows({"item": rec, "default_max_attempts": 5}))
     assert "error" not in rows and rows["last error"].startswith("handler_failed (an earlier attempt; the item is acknowledged")
     assert rows["last error msg"] == "boom" and rows["lease_expires_ms"] == "-" and rows["max_attempts"] == "broker default (5)"
     assert rows["created_ms"].startswith("2023-11-14T")
-    rows = dict(cli._item_rows({"item": {**rec, "state": "dead"}}))
+    rows = dict(admin_cmds._item_rows({"item": {**rec, "state": "dead"}}))
     assert rows["error"] == "handler_failed" and "last error" not in rows
     assert rows["max_attempts"] == "broker default (max_attempts in brokerd.toml)"
+
+
+#: The ``ccsq`` command line: every subcommand (and the sub-subcommands), as users type them.
+SUBCOMMANDS = ["init", "keygen", "submit", "completion", "gap-report", "status", "items", "dlq", "drain", "reconcile",
+               "init-relay", "federation", "backup", "console", "completion-script"]
+NESTED = {"items": ["show"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
+
+
+def test_every_subcommand_is_parsed_runs_a_command_and_completes(capsys) -> None:
+    """The command line split over several modules (issue 13) stays whole: each subcommand
+    and sub-subcommand is in the parser with a command function, and the bash completion
+    script lists them all."""
+    import argparse
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    top = subparsers(cli.build_parser())
+    assert list(top) == SUBCOMMANDS
+    for name, sub in top.items():
+        if name in NESTED:
+            assert list(subparsers(sub)) == NESTED[name]
+            assert all(callable(leaf.get_default("func")) for leaf in subparsers(sub).values()), name
+        else:
+            assert callable(sub.get_default("func")), name
+    rc, out, _ = run_ccsq(capsys, "completion-script", "bash")
+    assert rc == 0
+    assert f"_shtab_ccsq_subparsers=({' '.join(SUBCOMMANDS)})" in out
+    for name, leaves in NESTED.items():
+        assert f"_shtab_ccsq_{name}_subparsers=({' '.join(leaves)})" in out
 
 
 def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys) -> None:

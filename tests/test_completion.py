@@ -104,6 +104,24 @@ def test_results_land_once_then_ack_within_credit(env) -> None:
     assert r7["landed_ts"] >= r7["completed_ts"] - 1
 
 
+def test_a_result_frame_larger_than_batch_max_is_split_into_transactions_and_acks(env) -> None:
+    """RESULT frames are queued whole and cut at ``batch_max``: one frame of 64 results with
+    ``batch_max = 8`` lands as transactions (and ACKs) of at most 8, each result once, and the
+    credit comes back so that the next frames follow."""
+    e = env(credit=64, batch_max=8, batch_wait_ms=50.0)
+    e.start()
+    for n in range(150):
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 150, 30, "150 results acknowledged")
+    with e.broker.lock:
+        sizes = [len(ids) for _, ids in e.broker.acks]
+    assert max(sizes) <= 8 and sum(sizes) == 150 and len(sizes) >= 150 // 8
+    assert set(e.broker.ack_count.values()) == {1}
+    assert e.broker.max_in_flight > 8  # the broker did send frames larger than a batch
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 150 and {r["deliveries"] for r in rows.values()} == {1}
+
+
 def test_killed_between_commit_and_ack_lands_once_and_counts_the_redelivery(env) -> None:
     """Crash between steps 5 and 6 (docs/architecture.md hops 7-8, gap G3): the first batch is
     committed but never acknowledged; after a restart the broker redelivers it and the
@@ -444,3 +462,55 @@ def test_a_redelivery_refused_only_as_an_update_is_not_quarantined(tmp_path: Pat
         ("item-00000", 1), ("item-00001", 1), ("item-00002", 1)]
     assert con.execute("SELECT count(*) FROM results_quarantine").fetchone() == (0,)
     con.close()
+
+
+@pytest.mark.postgres
+def test_postgres_params_with_a_nul_land_as_an_escaped_literal(pg_database) -> None:  # noqa: F811
+    """JSONB cannot hold \\u0000: such params land with the escape kept as text, not refused,
+    and plain rows in the same batch (a plain tuple is a row too) land as they are."""
+    from ccsq.completiond.resultsdb import PostgresResults, params_to_json
+
+    nul = _row(0, "a")._replace(params_json=params_to_json({"s": "x\0y"}))
+    plain = tuple(_row(1, "b"))
+    db = PostgresResults(pg_database)
+    try:
+        assert db.land([nul, plain]) == []
+    finally:
+        db.close()
+    with psycopg.connect(pg_database) as con:
+        rows = dict(con.execute("SELECT item_id, params FROM results").fetchall())
+    assert rows == {"item-00000": {"s": "x\\u0000y"}, "item-00001": {"n": 1}}
+
+
+def test_an_unreachable_claim_store_is_read_again_not_fatal(tmp_path: Path) -> None:
+    """A result stored by reference while the store is unreachable (S3: StoreUnavailable,
+    a mount: OSError) is read again with backoff until it comes, as the same row."""
+    import asyncio
+
+    from ccsq.common.wire.config import CompletionConfig, load
+    from ccsq.common.wire.errors import StoreUnavailable
+    from ccsq.completiond.completion import CompletionService
+
+    class Flaky(FileStore):
+        failures = [StoreUnavailable("endpoint down"), OSError("mount gone")]
+
+        def get(self, sha256: str) -> bytes:
+            if self.failures:
+                raise self.failures.pop(0)
+            return super().get(sha256)
+
+    e = Env(tmp_path)
+    try:
+        store = Flaky(tmp_path / "blobs")
+        d = delivery(3, result=b"stored by reference", store=store)
+        svc = CompletionService(load(CompletionConfig, e.config), store=store)
+        try:
+            rows, missing = asyncio.run(svc._resolve([(1, [d])]))
+        finally:
+            svc.db.close()
+            svc._io_exec.shutdown()
+            svc._db_exec.shutdown()
+        assert missing == [] and not Flaky.failures
+        assert [(r[0], r[4]) for r in rows] == [("item-00003", b"stored by reference")]
+    finally:
+        e.close()

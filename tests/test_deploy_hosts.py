@@ -201,8 +201,11 @@ def test_blob_missing_at_one_worker_is_requeued_uncounted_and_done_by_another(tm
 
         row = wait_until(lambda: (r := w2_row()) is not None and r["store_ok"] is False and r, 30, "status shows it")
         assert row["healthy"] is False and row["store_failures"] >= 1 and "not in" in row["store_error"]
-        text = _run([bin_path("ccsq"), "status", "--config", str(swarm.configs["admin"])]).stdout
-        assert "FAILING" in text and "worker-2: claim store failing" in text
+        # the plain view, within an unhealthy pause too (it lasts 1-2 s, then the worker tries
+        # the item again and fails again: a later pause, so wait for one)
+        wait_until(lambda: "FAILING" in (text := _run([bin_path("ccsq"), "status", "--config",
+                                                       str(swarm.configs["admin"])]).stdout)
+                   and "worker-2: claim store failing" in text, 30, "plain status shows it")
 
         def scrape() -> str:
             return urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()

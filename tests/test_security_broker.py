@@ -278,7 +278,7 @@ def test_daemon_refuses_group_readable_key(tmp_path, daemon):
     """Every daemon refuses to start with a group/world-readable private key:
     exit 78 (CONFIG) and one line naming the file and the fix (the broker's case
     is in tests/test_broker.py::test_bad_config_exits_config)."""
-    from ccsq.common.tools.cli import init_swarm
+    from ccsq.common.tools.init import init_swarm
 
     configs = init_swarm(tmp_path / "swarm", endpoint="tcp://127.0.0.1:9", workers=1)
     key = tmp_path / "swarm" / "keys" / ("worker-1.key" if daemon == "workerd" else "completion-1.key")

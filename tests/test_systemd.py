@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.cli import init_swarm
+from ccsq.common.tools.init import init_swarm
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.tools.procs import ProcessGroup, free_tcp_port, wait_until
 

@@ -121,6 +121,54 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     j.close()
 
 
+def test_journal_lazy_forget_rides_with_the_next_commit_or_its_timer(tmp_path: Path) -> None:
+    """A lazy forget (confirmed reports) starts no commit: it joins the next eager write,
+    else it is committed lazy_s later, and drain() commits what is still queued."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ccsq.workerd.journal import GroupCommit
+
+    j = Journal.open(tmp_path / "j")
+    pool = ThreadPoolExecutor(1)
+
+    async def main() -> None:
+        gc = GroupCommit(j, pool, window_s=0.001, lazy_s=30.0)
+        await gc.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")])
+        lazy = asyncio.ensure_future(gc.forget([("a", 1)], lazy=True))
+        await asyncio.sleep(0.05)
+        assert not lazy.done() and gc.commits == 1  # waits for company
+        await gc.started([("b", 2)])
+        await lazy
+        assert (gc.commits, gc.ops) == (2, 3)  # one commit for the started and the forget
+        gc.lazy_s = 0.01
+        await gc.forget([("b", 2)], lazy=True)  # alone: its timer commits it
+        assert gc.commits == 3
+        gc.lazy_s = 30.0
+        left = asyncio.ensure_future(gc.forget([("c", 3)], lazy=True))
+        await asyncio.sleep(0)
+        await gc.drain()
+        assert left.done() and gc.commits == 4
+
+    asyncio.run(main())
+    assert j.entries() == []
+    pool.shutdown()
+    j.close()
+
+
+def test_journal_report_rows_are_the_one_element_complete_and_fail_bodies() -> None:
+    """encode_report's shortcut writes exactly the bytes of the message it stands for."""
+    import msgpack
+
+    from ccsq.workerd.journal import decode_report, encode_report
+
+    res = _result("a", 1)
+    fail = p.TaskFailure("b", 2, "released", True, "bye")
+    for rep, msg, state in ((res, p.Complete(results=[res]), EntryState.FINISHED),
+                            (fail, p.Fail(failures=[fail]), EntryState.FAILED)):
+        assert encode_report(rep) == msgpack.packb(p.encode_body(msg), use_bin_type=True)
+        assert decode_report(state, encode_report(rep)) == rep
+
+
 # --- the claim store's health, and failures through the one policy -----------------------
 def test_unhealthy_pause_is_a_floor_plus_the_one_backoff() -> None:
     """The pause after the n-th claim-store episode in a row: never under 1 s, never over

@@ -75,6 +75,16 @@ class Claims:
         Raises the backend's error."""
         return await self.store.aput_blob(data, INLINE_RESULT_MAX_BYTES, self._io_pool)
 
+    def inline_without_io(self, data: bytes) -> bool:
+        """Would :meth:`put_result` keep ``data`` inline without any I/O (see
+        :meth:`~ccsq.common.storage.claimstore.ClaimStore.inline_without_io`)?"""
+        return self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES)
+
+    def put_inline(self, data: bytes) -> p.BlobRef:
+        """:meth:`put_result` of a result that :meth:`inline_without_io` says needs no I/O
+        (a SHA-256, on the caller's thread; never raises)."""
+        return self.store.put_blob(data, INLINE_RESULT_MAX_BYTES)
+
     @property
     def ok(self) -> bool:
         return time.monotonic() >= self._bad_until_mono

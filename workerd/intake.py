@@ -2,14 +2,16 @@
 
 For each new lease of a DISPATCH the intake makes a :class:`~ccsq.workerd.jobs.Job`
 in the worker's table of held jobs (the leases it holds and has not reported yet;
-:mod:`ccsq.workerd.reports` removes a job once its report is journaled) and starts the job's runner, one asyncio task that carries it to its report::
+:mod:`ccsq.workerd.reports` removes a job once its report is journaled) and starts ONE
+runner for the whole frame, an asyncio task that carries its jobs to the batch queue::
 
     journal "held" (one fsync for the whole DISPATCH, shared by its jobs)
-      -> fetch the payload from the claim check and verify its SHA-256
-         (prefetch: outside the slot, while the GPU runs earlier items)
+      -> fetch each payload from the claim check and verify its SHA-256
+         (inline ones on the loop, in turn; stored ones in the I/O threads, together;
+         prefetch: outside the slot, while the GPU runs earlier items)
       -> batch key (kind, handler.batch_key(params)) -> the lanes' batch queue
-      -> wait for the RunOutcome (:mod:`ccsq.workerd.lanes`)
-      -> Reports.finish (:mod:`ccsq.workerd.reports`)
+    the lanes run each batch and hand its RunOutcomes to Reports.finish_many
+    (:mod:`ccsq.workerd.lanes`, :mod:`ccsq.workerd.reports`): no task per job.
 
 Fetch failures name a reason, never a ``retryable`` flag (the one failure policy
 decides it): inline bytes that do not match their SHA-256 -> ``payload_missing``
@@ -68,14 +70,17 @@ class Intake:
         self._draining = draining
         self._spawn = spawn
         self._log = log
+        self._frames_in_flight = 0  # DISPATCH runners still bringing jobs to the batch queue
 
     def fetching(self) -> bool:
-        """Is a job on its way to the batch queue (being held or fetched)?"""
-        return any(j.state in (JobState.HOLDING, JobState.FETCHING) for j in self.jobs.values())
+        """Is a job on its way to the batch queue (being held or fetched)? O(1): a DISPATCH
+        frame's runner is still bringing its jobs there."""
+        return self._frames_in_flight > 0
 
     def on_dispatch(self, tasks: list[p.Task], clock_offset_s: float = 0.0) -> None:
-        """New leases: hold them all in one journal write, and start a runner for each."""
-        new: list[Job] = []
+        """New leases: hold them all in one journal write, and start ONE runner for the frame."""
+        new: list[tuple[Job, p.TaskFailure | None]] = []
+        draining = self._draining()
         for task in tasks:
             key = (task.item_id, task.token)
             if key in self.jobs or key in self._reports.unconfirmed:
@@ -83,103 +88,141 @@ class Intake:
                 continue
             job = Job(task, clock_offset_s=clock_offset_s)
             self.jobs[key] = job
-            new.append(job)
+            verdict = None
+            if draining:
+                verdict = failure(key, p.FailReason.RELEASED, "worker is shutting down")
+            elif task.kind not in self.kinds:
+                self._log.warning("unexpected_kind", item_id=task.item_id, kind=task.kind, kinds=self.kinds)
+                verdict = failure(key, p.FailReason.RELEASED, f"kind {task.kind!r} is not served here")
+            new.append((job, verdict))
         if not new:
             return
-        hold = asyncio.ensure_future(self._jw.hold([(j.task.item_id, j.task.token, j.task.kind) for j in new]))
-        for job in new:
-            if self._draining():
-                coro = self._report_after(hold, job, failure(job.key, p.FailReason.RELEASED, "worker is shutting down"))
-            elif job.task.kind not in self.kinds:
-                self._log.warning("unexpected_kind", item_id=job.task.item_id, kind=job.task.kind, kinds=self.kinds)
-                coro = self._report_after(
-                    hold, job, failure(job.key, p.FailReason.RELEASED, f"kind {job.task.kind!r} is not served here")
-                )
-            else:
-                coro = self._run_job(job, hold)
-            job.runner = self._spawn(coro, f"job-{job.task.item_id}")
+        hold = asyncio.ensure_future(self._jw.hold([(j.task.item_id, j.task.token, j.task.kind) for j, _ in new]))
+        self._frames_in_flight += 1
+        self._spawn(self._run_frame(new, hold), "dispatch")
         self._log.info("dispatched", tasks=len(new), held=len(self.jobs))
 
     @staticmethod
     async def _await_hold(hold: asyncio.Future) -> None:
         """Wait for the shared journal write of a DISPATCH without ever cancelling it
-        (a cancelled job must not cancel its siblings' hold)."""
+        (a cancelled waiter must not cancel the hold)."""
         await asyncio.wait({hold})
         hold.result()
 
-    async def _report_after(self, hold: asyncio.Future, job: Job, report: p.TaskFailure) -> None:
-        await self._await_hold(hold)
-        job.state = JobState.REPORTING
-        await self._reports.report(job, report)
-
-    async def _fail(self, job: Job, reason: p.FailReason, message: str) -> None:
-        job.state = JobState.REPORTING
-        await self._reports.report(job, failure(job.key, reason, message))
-
-    async def _run_job(self, job: Job, hold: asyncio.Future) -> None:
-        """One task: durable hold, fetch + verify (prefetch), batch queue, outcome, report."""
-        task = job.task
-        await self._await_hold(hold)
-        job.state = JobState.FETCHING
-        inline = task.payload.inline
+    async def _run_frame(self, jobs: list[tuple[Job, p.TaskFailure | None]], hold: asyncio.Future) -> None:
+        """The runner of one DISPATCH frame: durable hold, then each job to the batch queue
+        (inline payloads verified on the loop, stored ones fetched in the I/O threads, each
+        queued as soon as it arrives) or to its failure report. A job released or given back
+        meanwhile is left alone (whoever did that reports or forgets it)."""
         try:
-            job.payload = await self._claims.fetch(task.payload)
-        except Exception as exc:  # any claim-store error: what it means is store_failure's one rule
-            reason = store_failure(exc, task.payload)
-            if reason is p.FailReason.PAYLOAD_MISSING:  # inline bytes that do not match: the item's fault
-                await self._fail(job, reason, str(exc))
+            await self._await_hold(hold)
+            failed: list[tuple[Job, p.TaskFailure]] = []
+            stored: list[Job] = []
+            for job, verdict in jobs:
+                if job.released or job.state is not JobState.HOLDING:
+                    continue
+                if verdict is not None:
+                    failed.append((job, verdict))
+                    continue
+                job.state = JobState.FETCHING
+                if job.task.payload.inline is None:
+                    stored.append(job)
+                    continue
+                try:
+                    payload = await self._claims.fetch(job.task.payload)  # inline: on the loop, no hop
+                except Exception as exc:  # noqa: BLE001 - what it means: store_failure's one rule
+                    failed.append((job, self._fetch_failure(job, exc)))
+                    continue
+                self._queue(job, payload, failed)
+            if stored:
+                await asyncio.gather(*(self._fetch_stored(job) for job in stored))
+            if failed:
+                await self._fail_many(failed)
+        finally:
+            self._frames_in_flight -= 1
+            self._lanes.poke()  # whether more items can come may have changed
+
+    async def _fetch_stored(self, job: Job) -> None:
+        """Fetch one stored payload (I/O threads), then queue it or report its failure."""
+        failed: list[tuple[Job, p.TaskFailure]] = []
+        try:
+            payload = await self._claims.fetch(job.task.payload)
+        except Exception as exc:  # noqa: BLE001 - what it means: store_failure's one rule
+            if job.released or job.state is not JobState.FETCHING:
                 return
-            # absent or corrupt in OUR view of the store, an I/O or backend error: this worker's
-            # problem (unhealthy for a pause); requeued without counting the attempt
-            self._log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
-            self._claims.trouble(str(exc) if isinstance(exc, PayloadMissing) else repr(exc))
-            await self._fail(job, reason, f"could not fetch payload from this worker's claim store: {exc!r}"[:1000])
-            return
-        if inline is None:
+            failed.append((job, self._fetch_failure(job, exc)))
+        else:
+            if job.released or job.state is not JobState.FETCHING:
+                return
             self._claims.fetched()  # the store produced a blob: healthy at the next heartbeat
+            self._queue(job, payload, failed)
+        if failed:
+            await self._fail_many(failed)
+
+    def _fetch_failure(self, job: Job, exc: Exception) -> p.TaskFailure:
+        task = job.task
+        reason = store_failure(exc, task.payload)
+        if reason is p.FailReason.PAYLOAD_MISSING:  # inline bytes that do not match: the item's fault
+            return failure(job.key, reason, str(exc))
+        # absent or corrupt in OUR view of the store, an I/O or backend error: this worker's
+        # problem (unhealthy for a pause); requeued without counting the attempt
+        self._log.error("payload_fetch_failed", item_id=task.item_id, token=task.token, error=repr(exc))
+        self._claims.trouble(str(exc) if isinstance(exc, PayloadMissing) else repr(exc))
+        return failure(job.key, reason, f"could not fetch payload from this worker's claim store: {exc!r}"[:1000])
+
+    def _queue(self, job: Job, payload: bytes, failed: list[tuple[Job, p.TaskFailure]]) -> None:
+        """A fetched, verified job -> its batch key -> the batch queue (or a failure)."""
+        task = job.task
         try:
             key = (task.kind, self.handler.batch_key(dict(task.params)))
         except PermanentHandlerError as exc:
-            await self._fail(job, p.FailReason.FATAL, str(exc))
+            failed.append((job, failure(job.key, p.FailReason.FATAL, str(exc))))
             return
         except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
-            await self._fail(job, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])
+            failed.append((job, failure(job.key, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])))
             return
-        outcome = self._lanes.submit(key, job)
-        try:
-            result = await outcome
-        except asyncio.CancelledError:
-            self._lanes.withdraw(key, job)
-            raise
-        await self._reports.finish(job, result)
+        job.payload = payload
+        self._lanes.submit(key, job)
+
+    async def _fail_many(self, failed: list[tuple[Job, p.TaskFailure]]) -> None:
+        for job, _ in failed:
+            job.state = JobState.REPORTING
+        await self._reports.report_many(failed)
 
     def release(self, job: Job) -> None:
         """The broker says this lease is not ours any more."""
         self._log.info("job_released", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
         job.released = True
-        if job.state in _NOT_RUNNING and job.runner is not None:
-            job.runner.cancel()
+        if job.state in _NOT_RUNNING:
+            if job.state is JobState.QUEUED:
+                self._lanes.withdraw(job)
             self._spawn(self._reports.forget_released(job), "forget-released")
 
     def give_back(self, job: Job, why: str) -> None:
-        """Stop a job that has not finished and report it ``released`` (shutdown)."""
+        """Stop a job that has not finished and report it ``released`` (shutdown); the
+        outcome of a run in progress is discarded."""
+        if job.state is JobState.QUEUED:
+            self._lanes.withdraw(job)
         if job.runner is not None:
             job.runner.cancel()
+        job.given_back = True
         job.state = JobState.REPORTING
         job.runner = self._spawn(self._reports.report(job, failure(job.key, p.FailReason.RELEASED, why)), "give-back")
 
     async def give_back_all(self, drain_timeout_s: float) -> None:
         """Shutdown: give back the jobs not running; wait ``drain_timeout_s`` for the
-        running ones, then give those back too; wait (5 s) for their reports."""
+        running ones (their reports journaled), then give those back too; wait (5 s) for
+        every report."""
         for job in list(self.jobs.values()):
             if job.state in _NOT_RUNNING:
                 self.give_back(job, "worker is shutting down")
-        running = [j.runner for j in self.jobs.values() if j.state is JobState.RUNNING and j.runner is not None]
-        if running:
-            await asyncio.wait(running, timeout=drain_timeout_s)
+
+        def running() -> bool:
+            return any(j.state is JobState.RUNNING or (j.state is JobState.REPORTING and not j.given_back)
+                       for j in self.jobs.values())
+
+        await self._reports.wait_held(lambda: not running(), drain_timeout_s)
         for job in list(self.jobs.values()):
             if job.state is JobState.RUNNING:
                 self.give_back(job, f"not finished within drain_timeout_s={drain_timeout_s}")
-        reporting = [j.runner for j in self.jobs.values() if j.runner is not None]
-        if reporting:
-            await asyncio.wait(reporting, timeout=5.0)
+        await self._reports.wait_held(lambda: not self.jobs, 5.0)

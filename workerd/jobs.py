@@ -8,6 +8,9 @@ DISPATCH until its report is journaled (:mod:`ccsq.workerd.reports`); its
     HOLDING -> FETCHING -> QUEUED -> RUNNING -> REPORTING
     (intake: journal, claim store, batch queue)  (lanes)  (reports)
 
+No task or future per job: the intake runs one task per DISPATCH frame, a lane hands a
+whole batch's outcomes to ``Reports.finish_many`` (one task per batch).
+
 The worker names a failure's reason and nothing else: ``retryable`` (kept on the wire
 for older brokers) follows from the reason through the one failure policy,
 :func:`ccsq.common.wire.policy.task_failure` / ``FAIL_POLICY``.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+from collections.abc import Hashable
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.policy import task_failure
@@ -34,17 +38,18 @@ class JobState(enum.Enum):
     REPORTING = "reporting"  # outcome decided, being stored/journaled
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Job:
     """A lease this worker holds and has not reported yet."""
 
     task: p.Task
     state: JobState = JobState.HOLDING
     released: bool = False  # the broker took it back: finish quietly, never report
-    runner: asyncio.Task | None = None
+    given_back: bool = False  # reported released at shutdown: a run's outcome is discarded
+    runner: asyncio.Task | None = None  # its give-back report, once given back
     clock_offset_s: float = 0.0  # broker wall clock - ours, as seen in the DISPATCH envelope
     payload: bytes | None = None  # fetched and verified (prefetch); dropped once run
-    outcome: asyncio.Future | None = None  # resolved by the lane with a RunOutcome
+    batch_key: Hashable = None  # its group in the batch queue, once queued
 
     def deadline_passed(self, now_wall_s: float) -> bool:
         """Whether ``deadline_ts`` has passed by the broker's clock (estimated)."""
@@ -55,7 +60,7 @@ class Job:
         return (self.task.item_id, self.task.token)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: a frozen init costs ~2 us, one per item
 class RunOutcome:
     """What a lane tells a job about its run: exactly one of the fields is set
     (``data`` may be b""): the result, the error, the overrun limit, or skipped."""

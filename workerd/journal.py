@@ -87,10 +87,17 @@ CREATE TABLE IF NOT EXISTS entries (
 """
 
 
+_COMPLETE_BODY = p.encode_body(p.Complete(results=[]))  # the bodies around one report (field order kept)
+_FAIL_BODY = p.encode_body(p.Fail(failures=[]))
+
+
 def encode_report(report: p.TaskResult | p.TaskFailure) -> bytes:
-    """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``."""
-    msg: p.Message = p.Complete(results=[report]) if isinstance(report, p.TaskResult) else p.Fail(failures=[report])
-    return msgpack.packb(p.encode_body(msg), use_bin_type=True)
+    """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``: the same
+    bytes as ``packb(encode_body(Complete(results=[report])))`` without building the
+    message (one row per item: ~2 us less each)."""
+    if isinstance(report, p.TaskResult):
+        return msgpack.packb({**_COMPLETE_BODY, "results": [p.encode_body(report)]}, use_bin_type=True)
+    return msgpack.packb({**_FAIL_BODY, "failures": [p.encode_body(report)]}, use_bin_type=True)
 
 
 def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure:
@@ -235,6 +242,12 @@ class GroupCommit:
     one SQLite transaction, one fsync, ops applied in the order queued. An
     error fails every op of that commit (nothing of it was written).
 
+    A *lazy* write (``forget(..., lazy=True)``: rows of confirmed reports, whose
+    deletion nothing waits for) starts no commit of its own: it rides with the next
+    eager write, or is committed ``lazy_s`` seconds later if none comes (and by
+    :meth:`drain`). A crash before that only re-sends reports the broker already
+    confirmed (it answers them ``duplicate``).
+
     ``executor`` must be the single thread that every other journal call uses,
     so commits and reads stay in order. An op is applied even if its waiter is
     cancelled after queueing it (as a write handed to a thread always was).
@@ -246,14 +259,17 @@ class GroupCommit:
     ops: int  # ops in them
     observe_commit: Callable[[int, float], None] | None = None  # metrics hook: (ops, seconds) once per commit
 
-    def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.001) -> None:
+    def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.001, lazy_s: float = 0.05) -> None:
         self.journal = journal
         self.window_s = window_s
+        self.lazy_s = lazy_s
         self.commits = 0
         self.ops = 0
         self._executor = executor
         self._queue: list[tuple[Op, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
+        self._eager = 0  # eager ops in _queue (a commit is due for them)
+        self._lazy_timer: asyncio.TimerHandle | None = None
 
     async def hold(self, leases: list[tuple[str, int, str]]) -> None:
         """Newly dispatched leases ``(item_id, token, kind)``, state held (DISPATCH)."""
@@ -267,23 +283,47 @@ class GroupCommit:
         """``(report, kind)`` rows: a finished result or a decided failure, before it is sent."""
         await self.write(OpKind.RECORD, reports)
 
-    async def forget(self, keys: list[Key]) -> None:
-        """Delete rows: confirmed by the broker, released by it, or lost in a crash."""
-        await self.write(OpKind.FORGET, keys)
+    async def forget(self, keys: list[Key], *, lazy: bool = False) -> None:
+        """Delete rows: confirmed by the broker, released by it, or lost in a crash.
+        ``lazy``: start no commit for it (class doc)."""
+        await self.write(OpKind.FORGET, keys, lazy=lazy)
 
-    async def write(self, op: OpKind, rows: list) -> None:
+    async def write(self, op: OpKind, rows: list, *, lazy: bool = False) -> None:
         """Queue ``(op, rows)`` and wait until it is committed (raises the commit's error;
         an unknown ``op`` fails its whole commit with ValueError). Prefer the typed methods."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.append(((op, rows), fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = loop.create_task(self._flush(), name="journal-group-commit")
+        if lazy:
+            self._commit_later(loop)
+        else:
+            self._eager += 1
+            self._commit_soon(loop)
         await fut
 
+    def _commit_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = loop.create_task(self._flush(), name="journal-group-commit")
+
+    def _commit_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._lazy_timer is None:
+            self._lazy_timer = loop.call_later(self.lazy_s, self._lazy_due, loop)
+
+    def _lazy_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._lazy_timer = None
+        if self._queue:
+            self._eager += 1  # the lazy ops are due now: commit them even alone
+            self._commit_soon(loop)
+
     async def drain(self) -> None:
-        """Wait until every queued op is committed (or failed): call before closing."""
-        while self._flusher is not None and not self._flusher.done():
+        """Wait until every queued op (lazy ones too) is committed (or failed): call before closing."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._queue:
+                self._eager += 1
+                self._commit_soon(loop)
+            if self._flusher is None or self._flusher.done():
+                return
             await asyncio.wait({self._flusher})
 
     async def _flush(self) -> None:
@@ -292,8 +332,11 @@ class GroupCommit:
             await asyncio.sleep(self.window_s)
         else:
             await asyncio.sleep(0)  # one loop tick: the writes of this tick go together
-        while self._queue:
-            batch, self._queue = self._queue, []
+        while self._queue and self._eager > 0:  # only lazy ops left: they wait for company
+            batch, self._queue, self._eager = self._queue, [], 0
+            if self._lazy_timer is not None:  # its lazy ops go now
+                self._lazy_timer.cancel()
+                self._lazy_timer = None
             t0 = time.perf_counter()
             try:
                 await loop.run_in_executor(self._executor, self.journal.apply, _merge_adjacent([op for op, _ in batch]))
@@ -309,6 +352,8 @@ class GroupCommit:
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)
+        if self._queue:  # lazy ops only
+            self._commit_later(loop)
 
 
 def _merge_adjacent(ops: list[Op]) -> list[Op]:

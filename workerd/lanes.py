@@ -7,8 +7,9 @@ handler.batch_key(params))``), holds ONE slot of the semaphore
 and calls ``handler.run`` (one item) or ``handler.run_batch`` (several) in an
 inference thread, never on the loop, so heartbeats keep flowing while a model runs
 (case C06). ``max_batch`` = the config's, else the handler's (default 1);
-``max_wait_ms`` likewise. Each item's :class:`RunOutcome` resolves the future its job
-waits on; the job's runner turns it into a report (:mod:`ccsq.workerd.reports`).
+``max_wait_ms`` likewise. The :class:`RunOutcome` of every item of a batch goes, in
+one list, to ``on_outcomes`` (the worker hands it to ``Reports.finish_many``, one task
+per batch, :mod:`ccsq.workerd.reports`): no future or task per item.
 
 Deadline: an item whose ``deadline_ts`` has passed when its batch is about to start is
 not run (outcome ``skipped``, logged ``deadline_skipped``): it is given back
@@ -63,7 +64,8 @@ class Lanes:
     """The slots, the batch queue and the inference threads (see module doc).
 
     ``more_coming()`` tells the batch queue whether another item can arrive soon;
-    ``on_capacity_change()`` is called when a lost slot comes back (credit).
+    ``on_capacity_change()`` is called when a lost slot comes back (credit);
+    ``on_outcomes(pairs)`` gets ``(job, RunOutcome)`` for the items of a batch (once each).
     """
 
     gate: SlotGate
@@ -76,7 +78,8 @@ class Lanes:
     observe_batch: Callable[[int, float], None] | None = None  # metrics hook (workerd/metrics.py): once per handler call
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, jw: GroupCommit, log: Any, *,
-                 more_coming: Callable[[], bool], on_capacity_change: Callable[[], None]) -> None:
+                 more_coming: Callable[[], bool], on_capacity_change: Callable[[], None],
+                 on_outcomes: Callable[[list[tuple[Job, RunOutcome]]], None]) -> None:
         self.cfg = cfg
         self.handler = handler
         self.gate = SlotGate(cfg.slots)
@@ -89,6 +92,7 @@ class Lanes:
         self._jw = jw
         self._log = log
         self._on_capacity_change = on_capacity_change
+        self._on_outcomes = on_outcomes
         self._infer_pool = ThreadPoolExecutor(cfg.slots, thread_name_prefix="ccsq-infer")
         self._infer_futures: set[asyncio.Future] = set()
 
@@ -102,16 +106,15 @@ class Lanes:
         self._infer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the batch queue --------------------------------------------------------------
-    def submit(self, key: Hashable, job: Job) -> asyncio.Future:
-        """Queue a fetched job under batch ``key``; the future gets its RunOutcome."""
+    def submit(self, key: Hashable, job: Job) -> None:
+        """Queue a fetched job under batch ``key``; its RunOutcome goes to ``on_outcomes``."""
         job.state = JobState.QUEUED
-        job.outcome = asyncio.get_running_loop().create_future()
+        job.batch_key = key
         self.batches.put(key, job)
-        return job.outcome
 
-    def withdraw(self, key: Hashable, job: Job) -> None:
-        """Take a job that is still waiting out of the queue (cancelled)."""
-        self.batches.discard(key, job)
+    def withdraw(self, job: Job) -> None:
+        """Take a job that is still waiting out of the queue (released, given back)."""
+        self.batches.discard(job.batch_key, job)
 
     def poke(self) -> None:
         """Whether more items can come may have changed: look at waiting batches again."""
@@ -121,7 +124,7 @@ class Lanes:
     async def lane(self) -> None:
         while True:
             _, taken = await self.batches.take()
-            jobs = [j for j in taken if not j.released and j.outcome is not None and not j.outcome.done()]
+            jobs = [j for j in taken if not j.released and j.state is JobState.QUEUED]
             if not jobs:
                 continue
             for job in jobs:
@@ -129,24 +132,22 @@ class Lanes:
             async with self.gate.slot():
                 await self._run_batch(jobs)
 
-    @staticmethod
-    def _resolve(job: Job, outcome: RunOutcome) -> None:
-        if job.outcome is not None and not job.outcome.done():
-            job.outcome.set_result(outcome)
-        job.payload = None
-
     async def _run_batch(self, jobs: list[Job]) -> None:
         """Run one batch in an inference thread (the caller holds the slot)."""
         now_wall_s = time.time()
         run: list[Job] = []
+        skipped: list[tuple[Job, RunOutcome]] = []
         for job in jobs:
             if job.deadline_passed(now_wall_s):
                 self._log.info("deadline_skipped", item_id=job.task.item_id, token=job.task.token,
                                deadline_ts=job.task.deadline_ts)
                 job.state = JobState.REPORTING
-                self._resolve(job, RunOutcome(skipped=f"deadline_ts {job.task.deadline_ts} passed before the job started"))
+                job.payload = None
+                skipped.append((job, RunOutcome(skipped=f"deadline_ts {job.task.deadline_ts} passed before the job started")))
             else:
                 run.append(job)
+        if skipped:
+            self._on_outcomes(skipped)
         if not run:
             return
         await self._jw.started([j.key for j in run])
@@ -170,12 +171,15 @@ class Lanes:
         if len(outputs) != len(run):
             err = HandlerError(f"run_batch returned {len(outputs)} outputs for {len(run)} items")
             outputs = [err] * len(run)
+        pairs: list[tuple[Job, RunOutcome]] = []
         for job, out in zip(run, outputs):
             job.state = JobState.REPORTING
+            job.payload = None
             if isinstance(out, BaseException):
-                self._resolve(job, RunOutcome(error=out, runtime_s=runtime_s))
+                pairs.append((job, RunOutcome(error=out, runtime_s=runtime_s)))
             else:
-                self._resolve(job, RunOutcome(data=out, runtime_s=runtime_s))
+                pairs.append((job, RunOutcome(data=out, runtime_s=runtime_s)))
+        self._on_outcomes(pairs)
 
     def _log_start(self, run: list[Job]) -> None:
         if self.cfg.log_each_job:
@@ -204,10 +208,13 @@ class Lanes:
         """Give the batch its ``timeout`` outcome now; keep the slot (counted lost) until the thread returns."""
         self.gate.lost += 1
         try:
+            pairs: list[tuple[Job, RunOutcome]] = []
             for job in run:
                 job.state = JobState.REPORTING
+                job.payload = None
                 self._log.warning("job_timed_out", item_id=job.task.item_id, token=job.task.token, max_runtime_s=limit_s)
-                self._resolve(job, RunOutcome(timeout_s=limit_s))
+                pairs.append((job, RunOutcome(timeout_s=limit_s)))
+            self._on_outcomes(pairs)
             await asyncio.wait({fut})
             outcome = "error" if fut.exception() is not None else "result"
             for job in run:

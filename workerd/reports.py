@@ -7,7 +7,12 @@ COMPLETE_ACK / FAIL_ACK (any outcome) -> forget (journal row deleted). Until the
 broker confirms it, a report is *unconfirmed* (:attr:`Reports.unconfirmed`): it is
 listed in HELLO and heartbeats, re-sent on every new session and on a timer (every
 2 x heartbeat interval; the broker treats replays idempotently), and kept in the
-journal for the next start.
+journal for the next start. The deletion of a confirmed report's row is a lazy
+journal write (:class:`~ccsq.workerd.journal.GroupCommit`): it rides with the next commit.
+
+Per batch, not per item: a lane hands :meth:`Reports.finish_many` the outcomes of a
+whole batch (one task); their reports are journaled in one write
+(:meth:`Reports.report_many`) and sent in one frame.
 
 Group commit (throughput): the reports journaled in one commit of the
 :class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
@@ -62,6 +67,8 @@ from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
 from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
 
+_FENCED = p.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
+_CONFIRMED_QUIETLY = frozenset((p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value))
 REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
 MAX_REPORTS_PER_FRAME = 256
 
@@ -69,7 +76,7 @@ Report = p.TaskResult | p.TaskFailure
 Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Unconfirmed:
     """A report (result or failure) the broker has not confirmed yet."""
 
@@ -169,6 +176,8 @@ class Reports:
         self._spawn = spawn
         self._log = log
         self._unsent: list[Key] = []  # reports to send at the end of this loop tick
+        self._held_event = asyncio.Event()  # set when a job leaves the held table (wait_held)
+        self._handler_version = str(handler.version)
 
     async def recover(self, entries: list[JournalEntry]) -> None:
         """Turn the journal's rows into unconfirmed reports (worker module doc: Restart)."""
@@ -189,29 +198,58 @@ class Reports:
 
     # --- outcome -> report --------------------------------------------------------------
     async def finish(self, job: Job, outcome: RunOutcome) -> None:
-        """Name the outcome's failure reason, or store the result; then :meth:`report` it."""
-        why = self._failure_reason(outcome)
-        if why is not None:
-            if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
-                self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
-                               error=repr(outcome.error))
-            await self.report(job, failure(job.key, *why))
-            return
-        data = cast(bytes, outcome.data)  # _failure_reason named anything else
-        crash_point("worker.after_infer")
-        if job.released:
-            await self.forget_released(job)
-            return
+        """:meth:`finish_many` of one job."""
+        await self.finish_many([(job, outcome)])
+
+    async def finish_many(self, pairs: list[tuple[Job, RunOutcome]]) -> None:
+        """Name each outcome's failure reason, or store its result; then :meth:`report_many`
+        them all (one journal write). A job given back meanwhile is skipped (its
+        ``released`` report is on its way); one the broker released is forgotten."""
+        reports: list[tuple[Job, Report]] = []
+        dropped: list[Job] = []
+        big: list[tuple[Job, bytes, RunOutcome]] = []
+        for job, outcome in pairs:
+            if job.given_back:
+                continue
+            why = self._failure_reason(outcome)
+            if why is not None:
+                if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
+                    self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
+                                   error=repr(outcome.error))
+                reports.append((job, failure(job.key, *why)))
+                continue
+            data = cast(bytes, outcome.data)  # _failure_reason named anything else
+            crash_point("worker.after_infer")
+            if job.released:
+                dropped.append(job)
+            elif self._claims.inline_without_io(data):
+                reports.append((job, self._result(job, self._claims.put_inline(data), outcome)))
+            else:
+                big.append((job, data, outcome))
+        if big:  # results the claim store must write: in the I/O threads, together
+            for job, rep in await asyncio.gather(*(self._store(job, data, outcome) for job, data, outcome in big)):
+                if rep is None:
+                    dropped.append(job)
+                else:
+                    reports.append((job, rep))
+        if dropped:
+            await self.forget_released_many(dropped)
+        if reports:
+            await self.report_many(reports)
+
+    def _result(self, job: Job, blob: p.BlobRef, outcome: RunOutcome) -> p.TaskResult:
+        return p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version,
+                            round(outcome.runtime_s, 6))
+
+    async def _store(self, job: Job, data: bytes, outcome: RunOutcome) -> tuple[Job, Report | None]:
+        """Store one result in the claim store: its report, or None if released meanwhile."""
         try:
             blob = await self._claims.put_result(data)
         except Exception as exc:  # any claim-store backend error: requeued (attempt not counted), run elsewhere
             self._log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             self._claims.trouble(repr(exc))
-            await self.report(job, failure(job.key, store_failure(exc), f"could not store result: {exc!r}"[:1000]))
-            return
-        result = p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, str(self.handler.version),
-                              round(outcome.runtime_s, 6))
-        await self.report(job, result)
+            return job, failure(job.key, store_failure(exc), f"could not store result: {exc!r}"[:1000])
+        return job, (None if job.released else self._result(job, blob, outcome))
 
     @staticmethod
     def _failure_reason(outcome: RunOutcome) -> tuple[p.FailReason, str] | None:
@@ -230,39 +268,78 @@ class Reports:
         return None
 
     async def report(self, job: Job, report: Report) -> None:
-        """Journal the report (fsync), then send it and grant credit back."""
-        if job.released:
-            await self.forget_released(job)
+        """:meth:`report_many` of one report."""
+        await self.report_many([(job, report)])
+
+    async def report_many(self, reports: list[tuple[Job, Report]]) -> None:
+        """Journal the reports (one write, fsync), then send them (one frame each way at the
+        end of the loop tick) and grant credit back. Released jobs are forgotten instead."""
+        live = [(job, rep) for job, rep in reports if not job.released]
+        if len(live) < len(reports):
+            await self.forget_released_many([job for job, _ in reports if job.released])
+        if not live:
             return
-        await self._jw.record([(report, job.task.kind)])
-        if isinstance(report, p.TaskResult):
-            crash_point("worker.after_result_stored")
-        if job.released:  # released while the record was written
-            await self.forget_released(job)
-            return
-        key = job.key
-        self._held.pop(key, None)
-        self.unconfirmed[key] = Unconfirmed(report)
+        await self._jw.record([(rep, job.task.kind) for job, rep in live])
+        log_each = self.cfg.log_each_job
+        for job, rep in live:
+            if isinstance(rep, p.TaskResult):
+                crash_point("worker.after_result_stored")
+        released: list[Job] = []
+        for job, rep in live:
+            if job.released:  # released while the record was written
+                released.append(job)
+                continue
+            key = job.key
+            self._held.pop(key, None)
+            self.unconfirmed[key] = Unconfirmed(rep)
+            if isinstance(rep, p.TaskResult):
+                self.done += 1
+                if log_each:
+                    self._log.info("job_completed", item_id=key[0], token=key[1], runtime_s=rep.runtime_s,
+                                   result_bytes=rep.result.size)
+            else:
+                self.failed += 1
+                self._log.info("job_failed", item_id=key[0], token=key[1], reason=rep.reason,
+                               retryable=rep.retryable, message=rep.message[:200])
+            self._queue_send(key)
         self._unconfirmed_changed()
-        if isinstance(report, p.TaskResult):
-            self.done += 1
-            if self.cfg.log_each_job:
-                self._log.info("job_completed", item_id=key[0], token=key[1], runtime_s=report.runtime_s,
-                               result_bytes=report.result.size)
-        else:
-            self.failed += 1
-            self._log.info("job_failed", item_id=key[0], token=key[1], reason=report.reason,
-                           retryable=report.retryable, message=report.message[:200])
-        self._queue_send(key)
+        self._held_changed()
+        if released:
+            await self.forget_released_many(released)
         self._credit.changed()
         self._poke()
 
     async def forget_released(self, job: Job) -> None:
         """The broker took the lease back: drop the job and its journal row, unreported."""
-        self._log.info("job_dropped", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
-        self._held.pop(job.key, None)
-        await self._jw.forget([job.key])
+        await self.forget_released_many([job])
+
+    async def forget_released_many(self, jobs: list[Job]) -> None:
+        """:meth:`forget_released` of several jobs: one journal write."""
+        for job in jobs:
+            self._log.info("job_dropped", item_id=job.task.item_id, token=job.task.token, state=job.state.value)
+            self._held.pop(job.key, None)
+        self._held_changed()
+        await self._jw.forget([job.key for job in jobs])
         self._credit.changed()
+
+    async def wait_held(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until ``done()`` about the held jobs is true; it is
+        asked again whenever a job leaves the table. Returns its last answer."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not done():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            self._held_event.clear()
+            try:
+                await asyncio.wait_for(self._held_event.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                return done()
+        return True
+
+    def _held_changed(self) -> None:
+        self._held_event.set()
 
     # --- sending and confirmations ------------------------------------------------------
     def _queue_send(self, key: Key) -> None:
@@ -316,12 +393,12 @@ class Reports:
                 continue
             del self.unconfirmed[key]
             forget.append(key)
-            if o.outcome == p.Outcome.FENCED.value:
+            if o.outcome == _FENCED:
                 self._log.warning("report_fenced", item_id=o.item_id, token=o.token)
-            elif o.outcome not in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+            elif o.outcome not in _CONFIRMED_QUIETLY:
                 self._log.info("report_confirmed", item_id=o.item_id, token=o.token, outcome=o.outcome)
         if forget:
-            self._spawn(self._jw.forget(forget), "journal-forget")
+            self._spawn(self._jw.forget(forget, lazy=True), "journal-forget")  # rides with the next commit
             self._unconfirmed_changed()
 
     def session_started(self) -> None:

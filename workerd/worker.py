@@ -158,7 +158,8 @@ class Worker:
         self._host = socket.gethostname()
         self.claims = Claims(store, self._io_pool, on_unhealthy=lambda: self.link.send(self._heartbeat()), log=self.log)
         self.lanes = Lanes(cfg, handler, self.journal_writer, self.log, more_coming=self._more_coming,
-                           on_capacity_change=lambda: self.credit.changed())
+                           on_capacity_change=lambda: self.credit.changed(),
+                           on_outcomes=lambda pairs: self._spawn(self.reports.finish_many(pairs), "finish"))
         self.capacity = cfg.slots * self.lanes.max_batch + cfg.prefetch
         self.jobs = {}
         self.credit = Credit(self.link, available=lambda: self._capacity() - len(self.jobs),

@@ -1,0 +1,286 @@
+"""The admin commands: ``ccsq status`` (and its screen, :func:`render_status`,
+:func:`render_readers`), ``items show``, ``dlq list|replay|purge``, ``drain``.
+
+They talk to the broker as its admin peer (:mod:`ccsq.common.tools.admin_client`); the
+read-only ones (status, items show, dlq list) read the ledger directly when the broker does
+not answer, or with ``--offline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ccsq.common.tools.progress import progress
+from ccsq.common.wire.errors import ConfigError, ExitCode
+
+
+def admin_settings(args: argparse.Namespace):
+    """The ``AdminConfig`` of ``--config`` (admin.toml); also ``ccsq console``'s."""
+    from ccsq.common.wire.config import AdminConfig, load
+
+    return load(AdminConfig, args.config)
+
+
+def _admin_mode(args: argparse.Namespace) -> str:
+    return "offline" if getattr(args, "offline", False) else "auto"
+
+
+def _read_query(args: argparse.Namespace, command: str, params: dict | None = None) -> dict:
+    """Run a read-only admin ``command`` (status, items_show, dlq_list) against the
+    broker, or against the ledger when it does not answer or with --offline."""
+    from ccsq.common.tools.admin_client import run_command
+
+    settings = admin_settings(args)
+    mode = _admin_mode(args)
+    doc = run_command(settings, command, params, mode=mode)
+    if doc.get("source") != "broker" and mode != "offline":
+        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
+    return doc
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    doc = _read_query(args, "status")
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print(render_status(doc))
+    return ExitCode.OK
+
+
+def render_status(doc: dict, *, width: int = 120) -> str:
+    """The ``ccsq status`` screen: peers (slots, leases, draining), backlog per queue,
+    oldest ready item, balance."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    age = doc.get("oldest_ready_age_s")
+    listed = doc.get("dead_listed", doc.get("dead", 0))
+    purged = doc.get("dead", 0) - listed
+    dead_note = f"{listed}" + (f" (+{purged} purged)" if purged else "")
+    console.print(
+        f"ledger {doc.get('ledger_id', '')} epoch {doc.get('epoch', 0)} ({doc.get('source', '')}): "
+        f"{'balanced' if doc.get('balanced') else 'UNBALANCED'}; oldest ready item: "
+        f"{'none' if age is None else f'{age:.1f} s old'}; dead letters: {dead_note}"
+    )
+    if doc.get("source") == "broker":
+        pt = Table(title="peers")
+        for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
+            pt.add_column(col)
+        for peer in doc.get("peers", []):
+            kinds = ", ".join(peer.get("kinds") or []) or ("any" if peer["role"] == "worker" else "")
+            pt.add_row(
+                peer["peer_id"], peer["role"], kinds, str(peer["slots"]), str(peer["busy"]), str(peer["credit"]),
+                str(peer["leases"]), str(peer["done"]), "yes" if peer["healthy"] else "NO", _store_cell(peer),
+                "yes" if peer.get("draining") else "", f"{peer['last_seen_s']:.1f} s",
+            )
+        console.print(pt)
+        for peer in doc.get("peers", []):
+            if peer.get("store_ok") is False:
+                console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
+                              "(no new items until it reports healthy; docs/deployment.md)")
+    if (doc.get("ledger") or {}).get("full_since_ms"):
+        console.print(f"LEDGER FULL: {doc['ledger'].get('full_advice', 'raise max_map_size_bytes and restart ccsq-brokerd')}")
+    if doc.get("draining"):  # kept in the ledger: shown offline too
+        console.print("draining: " + ", ".join(doc["draining"]))
+    if doc.get("readers"):
+        console.print(render_readers(doc["readers"]))
+    bt = Table(title="backlog per queue (kind)")
+    bt.add_column("kind")
+    states = list(doc.get("states", {}))
+    for st in states:
+        bt.add_column(st, justify="right")
+    for kind, per in sorted(doc.get("backlog", {}).items()):
+        bt.add_row(kind, *(str(per.get(st, 0)) for st in states))
+    console.print(bt)
+    if doc.get("source") == "broker":
+        workers = [x for x in doc.get("peers", []) if x["role"] == "worker"]
+        for kind, per in sorted(doc.get("backlog", {}).items()):
+            if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
+                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
+    return buf.getvalue()
+
+
+def _store_cell(peer: dict) -> str:
+    """The ``store`` column: a worker's claim-store health and its store_unavailable count."""
+    if "store_ok" not in peer:
+        return ""
+    n = peer.get("store_failures", 0)
+    return ("ok" if peer["store_ok"] else "FAILING") + (f" ({n} failed)" if n else "")
+
+
+def render_readers(r: dict) -> str:
+    """One or two lines on the ledger's readers: slots, the oldest snapshot (pid,
+    commits behind, age, pages it pins) and disk use; WARNING past warn_age_s."""
+    mib = 1 << 20
+    line = (f"ledger readers: {r['slots']} of {r['max_readers']} slots, {r['snapshots']} snapshot(s); "
+            f"data.mdb {r['file_bytes'] / mib:.1f} MiB: live {r['live_bytes'] / mib:.1f} MiB, "
+            f"free or pinned {r['free_bytes'] / mib:.1f} MiB; stale slots cleared {r['stale_cleared']}")
+    old = r.get("oldest")
+    if old and old["lag_txns"]:
+        age = f"{'>= ' if old['age_at_least'] else ''}{old['age_s']:.1f} s"
+        pinned = f"{'<= ' if old['pinned_upper_bound'] else '~'}{old['pinned_bytes'] / mib:.1f} MiB"
+        warn = r.get("warn_age_s")
+        flag = "WARNING " if warn is not None and old["age_s"] >= warn and not old.get("self") else ""
+        line += (f"\n{flag}oldest reader: pid {old['pid']}{' (this command)' if old.get('self') else ''}, "
+                 f"snapshot {old['txnid']}, {old['lag_txns']} commits behind, {age} old, pins {pinned} "
+                 "(pages freed since cannot be reused while it reads; docs/ledger.md)")
+    return line
+
+
+def _when(key: str, value: object) -> object:
+    """Epoch-millisecond (``*_ms``) and epoch-second (``*_ts``) times as ISO 8601 UTC dates."""
+    import datetime
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return value
+    if key.endswith("_ms") and value > 1e11:
+        seconds = value / 1000.0
+    elif key.endswith("_ts") and value > 1e8:
+        seconds = float(value)
+    else:
+        return value
+    when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+#: States in which an item's ``error``/``error_message`` is history, not its present:
+#: the fields stay in the ledger (what the last failed attempt said) and ``items show``
+#: labels them "last error (attempt N)"; only dead/expired items show them as the error.
+FAILED_STATES = ("dead", "expired")
+
+
+def _item_rows(doc: dict) -> list[tuple[str, object]]:
+    """The rows of ``items show`` (text): times as ISO dates, 0 (unset) times as "-",
+    ``max_attempts`` 0 as the broker default, an error of an earlier attempt labelled so."""
+    rec = doc["item"]
+    stale = rec.get("state") not in FAILED_STATES
+    rows: list[tuple[str, object]] = []
+    for k, v in rec.items():
+        if k.endswith(("_ms", "_ts")) and v in (0, None):
+            v = "-"
+        elif k == "max_attempts" and v == 0:
+            default = doc.get("default_max_attempts")
+            v = f"broker default ({default})" if default else "broker default (max_attempts in brokerd.toml)"
+        elif k in ("error", "error_message") and stale:
+            if not v:
+                continue
+            k = "last error" if k == "error" else "last error msg"
+            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "last error" else v
+        else:
+            v = _when(k, v)
+        rows.append((k, v))
+    return rows
+
+
+def _broker_max_attempts(admin_config: str | None) -> int | None:
+    """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
+    max_attempts 0 means), or None when there is none to read."""
+    from ccsq.common.wire.config import BrokerConfig, load
+
+    try:
+        return load(BrokerConfig, Path(admin_config).with_name("brokerd.toml")).max_attempts if admin_config else None
+    except Exception:  # noqa: BLE001 - only a label
+        return None
+
+
+def _cmd_items_show(args: argparse.Namespace) -> int:
+    doc = _read_query(args, "items_show", {"item_id": args.item_id})
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        for k, v in _item_rows({**doc, "default_max_attempts": _broker_max_attempts(admin_settings(args).config_path)}):
+            print(f"{k:>16}  {v}")
+        if doc.get("lease_in_memory"):
+            print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
+    return ExitCode.OK
+
+
+def _cmd_dlq_list(args: argparse.Namespace) -> int:
+    doc = _read_query(args, "dlq_list", {"limit": args.limit})
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        for rec in doc["items"]:
+            print(f"{rec['id']}  {rec['kind']:12} attempt {rec['attempt']}  {rec.get('error', '')}: {rec.get('error_message', '')}")
+        purged = doc.get("purged", 0)
+        print(f"{len(doc['items'])} shown of {doc['total']} dead letters" + (f" (+{purged} purged)" if purged else ""))
+    return ExitCode.OK
+
+
+def _cmd_dlq_change(args: argparse.Namespace) -> int:
+    """dlq replay / dlq purge: item ids, or --all (in calls of up to 1000)."""
+    from ccsq.common.tools.admin_client import with_broker
+
+    if bool(args.item_ids) == bool(args.all):
+        raise ConfigError(f"dlq {args.action}: give item ids or --all (not both)")
+    command, key = ("dlq_replay", "replayed") if args.action == "replay" else ("dlq_purge", "purged")
+
+    async def go(session) -> dict:
+        done: list[str] = []
+        not_dead: list[str] = []
+        unknown: list[str] = []
+        with progress(not args.json) as bar:
+            task = bar.add_task(f"dlq {args.action}", total=None if args.all else len(args.item_ids)) if bar else None
+            if args.all:
+                while True:
+                    doc = await session.call(command, {"all": True})
+                    done += doc[key]
+                    if bar:
+                        bar.update(task, completed=len(done))
+                    if not doc["more"] or not doc[key]:
+                        break
+            else:
+                for item_id in args.item_ids:
+                    doc = await session.call(command, {"item_id": item_id})
+                    done += doc[key]
+                    unknown += doc.get("unknown", [])  # brokers before this field: unknown ids count as not dead
+                    not_dead += [i for i in doc["not_dead"] if i not in doc.get("unknown", [])]
+                    if bar:
+                        bar.advance(task)
+        return {key: done, "not_dead": not_dead, "unknown": unknown}
+
+    out = with_broker(admin_settings(args), go)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else "")
+              + (f"; unknown (no such item in the ledger): {', '.join(out['unknown'])}" if out["unknown"] else ""))
+    return ExitCode.OK if not out["not_dead"] and not out["unknown"] else ExitCode.REFUSED
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    import time
+
+    from ccsq.common.tools.admin_client import with_broker
+
+    async def go(session) -> dict:
+        import asyncio
+
+        doc = await session.call("drain", {"worker": args.worker, "undo": args.undo})
+        if args.wait and not args.undo:
+            deadline = time.monotonic() + args.timeout_s
+            with progress(not args.json and doc["leases"] > 0) as bar:
+                task = bar.add_task(f"{args.worker}: leases finished", total=doc["leases"]) if bar else None
+                start = doc["leases"]
+                while doc["leases"] > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    st = await session.call("status")
+                    doc["leases"] = next((x["leases"] for x in st["peers"] if x["peer_id"] == args.worker), 0)
+                    if bar:
+                        bar.update(task, completed=max(0, start - doc["leases"]))
+        return doc
+
+    doc = with_broker(admin_settings(args), go)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        state = "draining (no new items)" if doc["draining"] else "dispatching again"
+        print(f"{doc['worker']}: {state}; {'connected' if doc['connected'] else 'not connected'}; {doc['leases']} lease(s) held")
+    return ExitCode.INCOMPLETE if args.wait and not args.undo and doc["leases"] > 0 else ExitCode.OK

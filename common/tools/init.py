@@ -1,0 +1,191 @@
+"""``ccsq init`` and ``ccsq keygen``: a ready-to-run swarm directory, and one peer's keys.
+
+:func:`init_swarm` is also the tests', the benches' and the demo's way to a swarm. It is
+cut into one function per file it writes: :func:`_write_keys` (every peer's Ed25519 and
+CURVE key pairs, ``authorized_keys.toml``), then the configs (:func:`_broker_config`,
+:func:`_worker_config`, :func:`_producer_config`, :func:`_completion_config`,
+:func:`_admin_config`), each a dict that ``tomli_w`` writes in its key order.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import tomli_w
+
+from ccsq.common.wire.errors import CantCreate, ConfigError, ExitCode
+from ccsq.common.wire.keys import public_key_b64, load_private_key, write_authorized_keys, write_curve_keypair, write_keypair
+
+
+def init_swarm(
+    directory: Path,
+    *,
+    endpoint: str = "tcp://127.0.0.1:5555",
+    workers: int = 2,
+    handler: str = "echo",
+    broker: dict | None = None,
+    worker: dict | None = None,
+    producer: dict | None = None,
+    completion: dict | None = None,
+    bind: str = "",
+) -> dict[str, Path]:
+    """Write a ready-to-run swarm directory; returns ``{name: config path}``.
+
+    ``endpoint`` is what peers connect to; ``bind`` (optional) what the broker binds
+    when that differs (``tcp://0.0.0.0:5555`` behind ``tcp://gpu-broker.internal:5555``).
+
+    Layout (all state lives under ``directory``)::
+
+        brokerd.toml  workerd-0.toml ... workerd-<N-1>.toml  producer.toml  completion.toml
+        authorized_keys.toml  keys/<peer>.key (0600) keys/<peer>.pub
+        keys/<peer>.curve.key (0600) keys/<peer>.curve.pub (CURVE; curve = true when the endpoint is not loopback)
+        blobs/ (file claim store)  broker-data/ (ledger)  worker-N-journal/  results.db
+
+    Worker numbering: ``workerd-G.toml`` is named after the GPU index G (0-based, ``nvidia-smi``
+    order) that ``ccsq-workerd@G.service`` drives and reads as ``/etc/ccsq/workerd-G.toml``; the
+    peer inside is ``worker-<G+1>`` (worker-1..N, unique in the swarm: on another GPU host the
+    file for its GPU 0 holds another peer id). Keys ``workerd-0`` ... in the returned dict.
+
+    ``broker``/``worker``/``producer``/``completion`` override config keys.
+    Raises ConfigError if the directory already holds a swarm.
+    """
+    from ccsq.brokerd.transport import is_loopback_endpoint
+
+    directory = directory.resolve()
+    from ccsq.common.wire.endpoints import check_endpoint
+
+    check_endpoint(endpoint, bind=not bind, where="--endpoint")
+    if bind:
+        check_endpoint(bind, bind=True, where="--bind")
+    if (directory / "brokerd.toml").exists():
+        raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_keys(directory, workers)
+    (directory / "blobs").mkdir(exist_ok=True)
+    common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
+    # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
+    curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
+    written: dict[str, Path] = {}
+
+    def write(name: str, doc: dict) -> None:
+        path = directory / name
+        path.write_text(tomli_w.dumps(doc))
+        written[name.removesuffix(".toml")] = path
+
+    write("brokerd.toml", _broker_config(endpoint, bind, curve_on, broker))
+    for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
+        write(f"workerd-{i - 1}.toml", _worker_config(i, common, handler, curve_on, worker))
+    write("producer.toml", _producer_config(common, handler, curve_on, producer))
+    write("completion.toml", _completion_config(common, curve_on, completion))
+    write("admin.toml", _admin_config(common, curve_on, broker))
+    return written
+
+
+def _write_keys(directory: Path, workers: int) -> None:
+    """Every peer's Ed25519 and CURVE key pairs under ``keys/``, and ``authorized_keys.toml``
+    listing them with their roles (the CURVE keys are the broker's ZAP allow-list)."""
+    keys_dir = directory / "keys"
+    peers = {"broker": "broker", "producer-1": "producer", "completion-1": "completion", "admin": "admin"}
+    peers.update({f"worker-{i}": "worker" for i in range(1, workers + 1)})
+    authorized: dict[str, tuple[str, ...]] = {}
+    for peer_id, role in peers.items():
+        priv, _ = write_keypair(keys_dir, peer_id)
+        _, curve_pub = write_curve_keypair(keys_dir, peer_id)  # CURVE: the broker's ZAP allow-list (docs/security.md)
+        authorized[peer_id] = (role, public_key_b64(load_private_key(priv)), curve_pub.read_text().strip())
+    write_authorized_keys(directory / "authorized_keys.toml", authorized)
+
+
+def _curve_lines(peer_id: str, curve_on: bool) -> dict:
+    """A connecting peer's CURVE keys (its secret key, the broker's public key)."""
+    return {"curve": curve_on, "curve_secret_key": f"keys/{peer_id}.curve.key", "broker_curve_public_key": "keys/broker.curve.pub"}
+
+
+def _broker_config(endpoint: str, bind: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``brokerd.toml``: the ledger in ``broker-data/``."""
+    return {
+        "peer_id": "broker",
+        "private_key": "keys/broker.key",
+        "authorized_keys": "authorized_keys.toml",
+        "endpoint": endpoint,
+        **({"bind": bind} if bind else {}),
+        "data_dir": "broker-data",
+        "curve": curve_on,
+        "curve_secret_key": "keys/broker.curve.key",
+        **(overrides or {}),
+    }
+
+
+def _worker_config(i: int, common: dict, handler: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``workerd-<i-1>.toml``: peer ``worker-<i>``, its journal in ``worker-<i>-journal/``."""
+    return {
+        "peer_id": f"worker-{i}",
+        "private_key": f"keys/worker-{i}.key",
+        **common,
+        "handler": handler,
+        "claim_store": "file://blobs",
+        "journal_dir": f"worker-{i}-journal",
+        **_curve_lines(f"worker-{i}", curve_on),
+        **(overrides or {}),
+    }
+
+
+def _producer_config(common: dict, handler: str, curve_on: bool, overrides: dict | None) -> dict:
+    """``producer.toml``: ``default_kind`` is the workers' handler."""
+    return {"peer_id": "producer-1", "private_key": "keys/producer-1.key", **common, "claim_store": "file://blobs",
+            "default_kind": handler, **_curve_lines("producer-1", curve_on), **(overrides or {})}
+
+
+def _completion_config(common: dict, curve_on: bool, overrides: dict | None) -> dict:
+    """``completion.toml``: results into ``results.db`` (SQLite)."""
+    return {
+        "peer_id": "completion-1",
+        "private_key": "keys/completion-1.key",
+        **common,
+        "claim_store": "file://blobs",
+        "database": "sqlite:///results.db",
+        **_curve_lines("completion-1", curve_on),
+        **(overrides or {}),
+    }
+
+
+def _admin_config(common: dict, curve_on: bool, broker: dict | None) -> dict:
+    """``admin.toml``: the broker's ``data_dir`` too (read-only commands read the ledger when it is down)."""
+    return {"peer_id": "admin", "private_key": "keys/admin.key", **common, "data_dir": (broker or {}).get("data_dir", "broker-data"),
+            **_curve_lines("admin", curve_on)}
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    from ccsq.common.wire.endpoints import default_bind
+
+    bind = args.bind if args.bind is not None else default_bind(args.endpoint)
+    try:
+        written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+    except OSError as exc:
+        raise CantCreate.of("the swarm directory", args.dir, exc) from None
+    for name, path in written.items():
+        print(f"{name:14} {path}")
+    if bind:
+        print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    if args.hosts:
+        from ccsq.common.tools.hosts import render_layout, write_host_layout
+
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
+    return ExitCode.OK
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    if args.curve:
+        from ccsq.common.wire.keys import write_curve_keypair
+
+        secret, public = write_curve_keypair(Path(args.out), args.id)
+        print(f"CURVE secret key {secret} (mode 0600)\nCURVE public key {public}: {public.read_text().strip()}")
+        print("broker: curve = true, curve_secret_key = <secret path>; peers: curve = true, "
+              "curve_secret_key = <their secret path>, broker_curve_public_key = <the broker's public path>")
+        print(f'add to the [peers.{args.id}] entry of authorized_keys.toml (the broker admits only listed keys; '
+              f'SIGHUP reloads):\ncurve_public_key = "{public.read_text().strip()}"')
+        return ExitCode.OK
+    priv, pub = write_keypair(Path(args.out), args.id)
+    print(f"private key {priv} (mode 0600)\npublic key  {pub}: {pub.read_text().strip()}")
+    print(f'add to authorized_keys.toml:\n[peers.{args.id}]\nrole = "{args.role}"\npublic_key = "{pub.read_text().strip()}"')
+    return ExitCode.OK

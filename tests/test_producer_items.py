@@ -1,0 +1,173 @@
+"""The producer's batch paths (issue 15's CPU work) keep what they replaced: the idempotency
+key of an input never changes (existing ledgers dedup across versions), ``build_many`` builds
+the items ``build`` builds and refuses bad input the same way, and the one-frame shortcut of
+``AsyncClient._frames`` gives the frames the splitter gives. Pure, no sockets (fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import types
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from ccsq.common.storage.claimstore import open_store
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import InvalidRequest, PayloadTooLarge
+from ccsq.common.wire.frames import split_frames
+from ccsq.producer.client import AsyncClient
+from ccsq.producer.items import ItemBuilder, canonical_params, derive_key, item_size, item_size_bound
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    (("0" * 64, "echo", {}), "f10f63e1f4a2e7599839b6112d7e2728ea6954a80438b58fccf8398b7ab3493e"),
+    (("ab" * 32, "ocr", {"lang": "en", "dpi": 300, "z": 1.5, "b": b"\x00x", "n": None, "t": True, "u": "\u00e9\u6f22"}),
+     "2150031106ba736a76385be1dd52db037ea6ba11ab284fdc7442f39dfecc9afb"),
+    (("ab" * 32, "kind-\u00e9", {"t": 1764604800.123}), "7a63069c3564c748fa2ee7ed3370e45d2721bd176809ee2ec180d6b35e8c2ae0"),
+])
+def test_derived_keys_are_the_keys_of_earlier_versions(args: tuple, key: str) -> None:
+    assert derive_key(*args) == key  # computed by the version before issue 15's changes
+
+
+def _random_item(rng: random.Random) -> p.SubmitItem:
+    def text(n: int) -> str:
+        return "".join(rng.choice(["a", "Z", "9", "\u00e9", "\u6f22", "\U0001f600", "-"]) for _ in range(n))
+
+    def scalar() -> p.Scalar:
+        return rng.choice([None, True, False, rng.randint(-(1 << 63), (1 << 64) - 1), rng.random() * 1e300, -0.0,
+                           text(rng.choice([0, 5, 31, 32, 300])), bytes(rng.choice([0, 3, 255, 256, 70000]))])
+
+    inline = rng.choice([None, b"", b"x" * rng.choice([1, 255, 256, 65535, 65536, 200_000])])
+    blob = p.Blob("c" * 64, rng.randint(0, 1 << 40) if inline is None else len(inline), inline)
+    return p.SubmitItem(text(rng.randint(1, 400)), text(rng.randint(1, 128)), blob,
+                        params={text(rng.choice([1, 40, 300])): scalar() for _ in range(rng.randint(0, 20))},
+                        priority=rng.randint(p.PRIO_MIN, p.PRIO_MAX), deadline_ts=rng.choice([None, 1e9, -1.5]),
+                        max_attempts=rng.randint(0, 1000), max_runtime_s=rng.choice([0.0, 3.5]),
+                        origin=rng.choice([b"", b"o" * 300]), origin_sig=rng.choice([b"", b"s" * 64]))
+
+
+def test_item_size_bound_is_never_below_the_packed_size() -> None:
+    rng = random.Random(15)
+    for _ in range(400):
+        item = _random_item(rng)
+        exact = len(msgpack.packb(p.encode_body(item), use_bin_type=True))
+        assert item_size(item) == exact
+        assert exact <= item_size_bound(item) <= exact + 600 + 4 * (len(item.key) + len(item.kind)) + 20 * len(item.params) + \
+            4 * sum(len(k) + (len(v) if isinstance(v, str) else 0) for k, v in item.params.items())
+
+
+@pytest.mark.parametrize("budget", [300, 5_000, 150_000, 1 << 20])
+@pytest.mark.parametrize("count", [1, 99, 1000, 1001])
+def test_frames_are_what_the_splitter_gives(budget: int, count: int) -> None:
+    rng = random.Random(budget + count)
+    inlines = [b"y" * rng.choice([10, 1024]) for _ in range(count)]
+    items = [p.SubmitItem(f"{i:064x}", "echo", p.Blob("d" * 64, len(data), data), params={"t": 1.5})
+             for i, data in enumerate(inlines)]
+    client = types.SimpleNamespace(_frame_budget=budget, _too_large=lambda item, n: PayloadTooLarge(f"{n}"))
+    try:
+        expected = split_frames(items, size_of=item_size, budget_bytes=budget, max_items=1000,
+                                too_large=client._too_large)
+    except PayloadTooLarge:
+        with pytest.raises(PayloadTooLarge):
+            AsyncClient._frames(client, items)
+        return
+    assert AsyncClient._frames(client, items) == expected
+
+
+def _builder(tmp_path: Path) -> ItemBuilder:
+    return ItemBuilder(open_store(f"file://{tmp_path / 'store'}", base_dir=tmp_path, create=True), 64)
+
+
+def test_build_many_builds_what_build_builds(tmp_path: Path) -> None:
+    b = _builder(tmp_path)
+    big = b"B" * 1000  # over inline_max_bytes: to the claim store
+    specs = [(b"doc", "echo"), (big, "ocr", {"lang": "en"}), {"payload": b"x", "kind": "echo", "key": "k1", "priority": 3},
+             (bytearray(b"doc"), "echo", {})]
+
+    async def main() -> None:
+        many = await b.build_many(specs)
+        one = [await b.build(s[0], s[1], params=s[2] if len(s) == 3 else None) if isinstance(s, tuple)
+               else await b.build(**s) for s in specs]
+        assert many == one
+        assert many[1].payload.inline is None and b.store.exists(many[1].payload.sha256)
+        assert many[0].key == many[3].key == derive_key(many[0].payload.sha256, "echo", {})
+        assert many[2].key == "k1" and many[2].priority == 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(("spec", "error", "match"), [
+    ((b"x",), InvalidRequest, "tuples or dicts"),
+    ({"kind": "echo"}, InvalidRequest, "needs 'payload'"),
+    ((b"x", ""), InvalidRequest, "kind must be a non-empty string"),
+    ((b"x", "echo", {"n": float("nan")}), InvalidRequest, "not a finite number"),
+    ((b"x", "echo", {1: "a"}), InvalidRequest, "must be a string"),
+    ((b"x", "e\0cho"), InvalidRequest, "control characters"),
+    (("/nonexistent/file", "echo"), InvalidRequest, "payload file"),
+    ({"payload": b"x", "kind": "echo", "max_attempts": 0}, InvalidRequest, "max_attempts"),
+    ({"payload": b"x", "kind": "echo", "colour": 1}, TypeError, "colour"),
+])
+def test_build_many_refuses_bad_input_before_writing_its_blob(tmp_path: Path, spec: object, error: type,
+                                                              match: str) -> None:
+    b = _builder(tmp_path)
+    big = b"G" * 1000
+
+    async def main() -> None:
+        with pytest.raises(error, match=match):
+            await b.build_many([(big, "echo"), spec, (b"H" * 1000, "echo")])
+
+    try:
+        asyncio.run(main())
+        blobs = {sha for sha, _ in b.store.list()}
+        assert len(blobs) == 1  # the good item before the bad one wrote its blob; nothing after it ran
+    finally:
+        b.close()
+
+
+def test_canonical_params_after_a_refused_value_are_the_plain_packb_bytes() -> None:
+    with pytest.raises(OverflowError):
+        canonical_params({"a": 1 << 70, "b": "x" * 50})  # half packed when refused: the packer must start clean
+    for params in ({"t": 1.5}, {}, {"b": b"\x00", "a": "\u00e9", "n": None, "i": -1, "f": True}):
+        assert canonical_params(params) == msgpack.packb(sorted(params.items()), use_bin_type=True)
+
+
+def test_outbox_emptiness_is_known_without_a_query_only_until_the_next_spool(tmp_path: Path) -> None:
+    import logging
+
+    from ccsq.producer.outbox import Outbox
+    from ccsq.producer.replay import OutboxReplay
+
+    async def confirm_all(items: list[p.SubmitItem], _deadline: float):
+        return {it.key: p.SubmitResult(it.key, f"id-{it.key}") for it in items}, [], None
+
+    async def main() -> None:
+        outbox = Outbox(tmp_path / "outbox")
+        replay = OutboxReplay(outbox, send_frame=confirm_all, first_frame=lambda items: items, submit_timeout_s=1.0,
+                              retry_base_s=0.01, backoff_cap_s=0.1, log=logging.getLogger("test"))
+        ready = asyncio.Event()  # no session yet: the flusher waits
+        flusher = asyncio.create_task(replay.run(ready))
+        try:
+            assert await replay.is_empty() and not replay._known_empty  # asked the database
+            item = p.SubmitItem("k1", "echo", p.Blob("e" * 64, 1, b"x"))
+            await replay.spool([item], reason="test")
+            assert not await replay.is_empty()
+            ready.set()
+            for _ in range(500):
+                if replay._known_empty:
+                    break
+                await asyncio.sleep(0.01)
+            assert replay._known_empty and await replay.is_empty() and await outbox.count() == 0
+            spooling = asyncio.create_task(replay.spool([item], reason="test"))
+            await asyncio.sleep(0)  # spool() has begun: the verdict is dropped before its write lands
+            assert not replay._known_empty
+            await spooling
+        finally:
+            flusher.cancel()
+            replay.close()
+
+    asyncio.run(main())
