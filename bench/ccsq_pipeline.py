@@ -23,6 +23,7 @@ import lmdb
 
 from bench.common import claim_ref, cpu_s, disk_bytes, hist_summary, pipeline_record, rss_bytes, scrape_histograms
 from bench.driver import produce
+from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.store import Ledger, data_paths
 from ccsq.common.tools.init import init_swarm
 from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
@@ -119,14 +120,13 @@ def latencies_ms(root: Path, facts: dict[str, int] | None = None) -> list[float]
     ``facts``, when given, receives ``rerun`` (items leased more than once), ``redelivered``
     (results delivered to the completion service again, gap G3) and ``acknowledged``."""
     ledger = Ledger(data_paths(root / "broker-data")[0], readonly=True)
-    import msgpack
 
     out: list[float] = []
     rerun = 0
     try:
         with ledger.read() as view:
-            for _k, raw in view.txn.cursor(db=view.db["items"]):
-                rec = msgpack.unpackb(raw, raw=False)
+            for k, raw in view.txn.cursor(db=view.db["items"]):
+                rec = schema.unpack_item(raw, k.decode())  # either record format (issue 15)
                 t = rec.get("params", {}).get("t")
                 rerun += rec.get("attempt", 0) > 1
                 if rec.get("acked_ms") and isinstance(t, float):

@@ -159,10 +159,11 @@ class DeliveryTracker:
             deliveries = []
             for item_id in ids:
                 planned.add(item_id)
-                redelivery, why = self.redelivery(item_id, txn.get(item_id), "completion session ended before ACK")
+                rec = txn.get(item_id)
+                redelivery, why = self.redelivery(item_id, rec, "completion session ended before ACK")
                 if redelivery:
                     txn.note_redelivery(item_id, now_ms, why)
-                deliveries.append(txn.delivery(item_id, redelivery))
+                deliveries.append(txn.delivery(item_id, redelivery, rec))
             self._queue(batch, sess, deliveries, on_sent)
         batch.effects.append(lambda f=floor, g=self._floor_generation: self.advance_floor(f, g))
         return more
@@ -193,7 +194,7 @@ class DeliveryTracker:
                     redelivery, why = self.redelivery(item_id, rec, "relay session ended before ACK")
                 if redelivery:
                     txn.note_redelivery(item_id, now_ms, why)
-                deliveries.append(self.fed.sign_delivery(rec, txn.delivery(item_id, redelivery)))
+                deliveries.append(self.fed.sign_delivery(rec, txn.delivery(item_id, redelivery, rec)))
             if deliveries:
                 self._queue(batch, sess, deliveries, on_sent)
         return more

@@ -320,7 +320,7 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
 def _rewrite_record(led: Ledger, item_id: str, **fields) -> None:
     """Write an item record as an older broker left it (raw msgpack, fields set or, with None, removed)."""
     with led.env.begin(write=True) as raw:
-        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]))
+        rec = schema.unpack_item(raw.get(item_id.encode(), db=led.db["items"]), item_id)
         for name, value in fields.items():
             if value is None:
                 rec.pop(name, None)
@@ -390,3 +390,66 @@ def test_transact_grows_a_full_map_then_sheds_work(tmp_path):
     with led.read() as v:
         assert v.counter("received") == 2 and v.balanced()  # one item per committed run, none from aborted ones
     led.close()
+
+
+def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger):
+    """Issue 15: item records are written as an array of their core fields plus a map of
+    the rest (no ``id``), blobs as ``[sha, size, inline]`` (an inline payload LZ4-compressed
+    when that pays). Records and blobs an older broker wrote (long-named maps) read the same, move on
+    through every transition, and a claim-check reference is listed from either format."""
+    import msgpack
+
+    ref = b"s3://bucket/payloads/000000000001.png#" + b"x" * 990
+    data = p.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref)
+    claim = p.Blob(hashlib.sha256(b"big").hexdigest(), 1 << 20, None)
+    (ra, rb, rc) = submit(ledger, p.SubmitItem("a", "echo", data), p.SubmitItem("b", "echo", claim), item("c", params={"n": 1}))
+    with ledger.env.begin() as raw:
+        rec2 = raw.get(ra.item_id.encode(), db=ledger.db["items"])
+        blob2 = raw.get(ra.item_id.encode(), db=ledger.db["payloads"])
+    assert len(rec2) < 80 and len(blob2) < 200  # format 1: ~210 and ~1,130 bytes
+    # the same items as a format-1 broker wrote them
+    with ledger.env.begin(write=True) as raw:
+        for r, b in ((ra, data), (rb, claim)):
+            rec = schema.unpack_item(raw.get(r.item_id.encode(), db=ledger.db["items"]), r.item_id)
+            raw.put(r.item_id.encode(), msgpack.packb(dict(rec), use_bin_type=True), db=ledger.db["items"])
+            raw.put(r.item_id.encode(), msgpack.packb(schema.blob_to_wire(b), use_bin_type=True), db=ledger.db["payloads"])
+    with ledger.read() as v:
+        a, c = v.get(ra.item_id), v.get(rc.item_id)
+        assert v.payload(ra.item_id) == data and v.payload(rb.item_id) == claim
+        assert a["id"] == ra.item_id and a["state"] == "ready" and a["deadline_ms"] is None and a["worker"] == ""
+        assert c["id"] == rc.item_id and c["params"] == {"n": 1} and c["max_runtime_s"] == 0.0 and c["attempt"] == 0
+        assert set(a) == set(c) and "completed_token" not in c
+        assert [(i, sha) for i, _state, sha in v.blob_refs()] == [(rb.item_id, claim.sha256)]
+    tasks = {t.item_id: t for t in lease_all(ledger)}
+    assert tasks[ra.item_id].payload == data and tasks[rb.item_id].payload == claim
+    txn = ledger.begin()
+    for t in tasks.values():
+        assert txn.complete(p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1") == p.Outcome.ACCEPTED.value
+        assert txn.ack(t.item_id, 3_100) is True
+    txn.commit()
+    with ledger.read() as v:
+        a = v.get(ra.item_id)
+        assert a["state"] == "acknowledged" and a["worker_done"] == "w1" and a["acked_ms"] == 3_100 and a["attempt"] == 1
+        assert v.item_status(ra.item_id).result == blob(b"r")
+    check_balance(ledger)
+
+
+def test_records_a_transaction_wrote_read_back_from_memory_and_purges_forget_them(ledger):
+    """A write transaction hands out the records, payloads and results it wrote without an
+    LMDB read (issue 15), as copies (a caller's change is not written until it puts the
+    record), and a purge in the same transaction forgets them."""
+    txn = ledger.begin()
+    rid = txn.submit(item("a"), 1_000).item_id
+    assert txn.payload(rid) == blob(b"a")
+    rec = txn.get(rid)
+    rec["state"] = "dead"  # not written: the transaction's copy stays as it was put
+    assert txn.get(rid)["state"] == "ready" and txn.get(rid)["id"] == rid
+    task = txn.lease(rid, "w1", 2_000, 30_000)
+    assert task.payload == blob(b"a") and txn.get(rid)["worker"] == "w1"
+    assert txn.dead_letter(rid, task.token, "fatal", "boom", 2_100)
+    assert txn.purge_dead(rid, 2_200)
+    assert txn.get(rid) is None and txn.result(rid) is None
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(rid) is None
+    check_balance(ledger)

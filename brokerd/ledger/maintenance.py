@@ -64,6 +64,7 @@ def purge_acknowledged(txn: LedgerTxn, now_ms: int, limit: int) -> int:
         txn.txn.delete(k, db=txn.db["acked"])
         for name in ("items", "payloads", "results"):
             txn.txn.delete(iid, db=txn.db[name])
+        txn.forget(iid.decode())
         txn.bump("purged")
     return len(todo)
 

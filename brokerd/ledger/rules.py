@@ -33,6 +33,13 @@ if TYPE_CHECKING:
     from ccsq.brokerd.ledger.store import Ledger, Policy
 
 S = p.ItemState
+# the states as plain strings: an enum's ``.value`` is a property read, several per transition
+_ACKNOWLEDGED = S.ACKNOWLEDGED.value
+_COMPLETED = S.COMPLETED.value
+_DEAD = S.DEAD.value
+_EXPIRED = S.EXPIRED.value
+_LEASED = S.LEASED.value
+_READY = S.READY.value
 
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
 STORE_RETRY_MIN_MS = 1000
@@ -66,6 +73,12 @@ class LedgerTxn(LedgerView):
         self._dirty: set[bytes] = set()
         self.changed = False
         self.records = 0  # item records written (group-commit size, exported as a metric)
+        # Records and payloads this transaction wrote, by item id: a lease right after its
+        # SUBMIT, a delivery right after its COMPLETE (same turn) reads them from here,
+        # not from LMDB. Gone with the transaction; purges evict (:meth:`forget`).
+        self._recs: dict[str, Item] = {}
+        self._payloads: dict[str, p.Blob] = {}
+        self._results: dict[str, p.Blob] = {}
 
     def __exit__(self, *exc: object) -> None:
         if self.txn is not None:
@@ -188,35 +201,56 @@ class LedgerTxn(LedgerView):
         return True
 
     # --- records and indexes ---
+    def get(self, item_id: str) -> Item | None:
+        """As :meth:`LedgerView.get`; a record this transaction wrote comes from memory (a
+        copy: callers change the record they get, then write it)."""
+        rec = self._recs.get(item_id)
+        return dict(rec) if rec is not None else super().get(item_id)  # type: ignore[return-value]
+
+    def payload(self, item_id: str) -> p.Blob:
+        blob = self._payloads.get(item_id)
+        return blob if blob is not None else super().payload(item_id)
+
+    def result(self, item_id: str) -> p.Blob | None:
+        blob = self._results.get(item_id)
+        return blob if blob is not None else super().result(item_id)
+
+    def forget(self, item_id: str) -> None:
+        """The item's record, payload and result were deleted in this transaction (purges)."""
+        self._recs.pop(item_id, None)
+        self._payloads.pop(item_id, None)
+        self._results.pop(item_id, None)
+
     def _put(self, rec: Item) -> None:
         self.txn.put(rec["id"].encode(), sc.pack_item(rec), db=self.db["items"])
+        self._recs[rec["id"]] = rec
         self.changed = True
         self.records += 1
 
     def _index_remove(self, rec: Item) -> None:
         st, iid = rec["state"], rec["id"].encode()
-        if st == S.READY.value:
+        if st == _READY:
             self.txn.delete(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self.db["ready"])
-        elif st == S.LEASED.value:
+        elif st == _LEASED:
             self.txn.delete(iid, db=self.db["leased"])
-        elif st == S.COMPLETED.value:
+        elif st == _COMPLETED:
             self.txn.delete(sc.seq_key(rec["cseq"]), db=self.db["completed"])
-        elif st == S.DEAD.value:
+        elif st == _DEAD:
             self.txn.delete(iid, db=self.db["dead"])
-        elif st == S.ACKNOWLEDGED.value:
+        elif st == _ACKNOWLEDGED:
             self.txn.delete(sc.timed_key(rec["acked_ms"], iid), db=self.db["acked"])
 
     def _index_add(self, rec: Item) -> None:
         st, iid = rec["state"], rec["id"].encode()
-        if st == S.READY.value:
+        if st == _READY:
             self.txn.put(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self.db["ready"])
-        elif st == S.LEASED.value:
+        elif st == _LEASED:
             self.txn.put(iid, sc.pack([rec["token"], rec["worker"]]), db=self.db["leased"])
-        elif st == S.COMPLETED.value:
+        elif st == _COMPLETED:
             self.txn.put(sc.seq_key(rec["cseq"]), iid, db=self.db["completed"])
-        elif st == S.DEAD.value:
+        elif st == _DEAD:
             self.txn.put(iid, b"", db=self.db["dead"])
-        elif st == S.ACKNOWLEDGED.value:
+        elif st == _ACKNOWLEDGED:
             self.txn.put(sc.timed_key(rec["acked_ms"], iid), b"", db=self.db["acked"])
 
     def _transition(self, rec: Item, new_state: str, **updates: Any) -> None:
@@ -241,12 +275,12 @@ class LedgerTxn(LedgerView):
 
     def expire(self, rec: Item, now_ms: int, why: str) -> None:
         """Move ``rec`` (ready or leased) to ``expired``: its deadline passed (G6)."""
-        self._transition(rec, S.EXPIRED.value, error="deadline", ended_ms=now_ms)
+        self._transition(rec, _EXPIRED, error="deadline", ended_ms=now_ms)
         self.bump("expired")
         self.event(gaps.G6_DEADLINE_EXPIRED, rec["id"], now_ms, why)
 
     def _dead(self, rec: Item, now_ms: int, reason: str, message: str) -> None:
-        self._transition(rec, S.DEAD.value, error=reason, error_message=message[:500], ended_ms=now_ms)
+        self._transition(rec, _DEAD, error=reason, error_message=message[:500], ended_ms=now_ms)
         self.bump("dead")
         self.event(gaps.G7_DEAD_LETTERED, rec["id"], now_ms, f"{reason} after attempt {rec['attempt']}: {message[:200]}")
 
@@ -255,7 +289,7 @@ class LedgerTxn(LedgerView):
         attempt), at least ``min_delay_ms`` from now."""
         attempt = rec["attempt"] if backoff_attempt is None else backoff_attempt
         nb = now_ms + max(min_delay_ms, backoff_ms(attempt, self.ledger.policy, self.ledger.rng))
-        self._transition(rec, S.READY.value, nb_ms=nb, lease_expires_ms=0)
+        self._transition(rec, _READY, nb_ms=nb, lease_expires_ms=0)
 
     # --- SUBMIT ---
     def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
@@ -281,7 +315,7 @@ class LedgerTxn(LedgerView):
             stale_key = (item_id, created_ms)
         if refuse:
             return p.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
-        if policy.max_ready_items and self.state_count(S.READY.value) >= policy.max_ready_items:
+        if policy.max_ready_items and self.state_count(_READY) >= policy.max_ready_items:
             return p.SubmitResult(
                 item.key, "", error="QUEUE_FULL", message=f"{policy.max_ready_items} items ready (max_ready_items)"
             )
@@ -299,7 +333,7 @@ class LedgerTxn(LedgerView):
             "deadline_ms": deadline_ms,
             "max_attempts": item.max_attempts,
             "max_runtime_s": item.max_runtime_s,
-            "state": S.READY.value,
+            "state": _READY,
             "attempt": 0,
             "token": 0,
             "worker": "",
@@ -310,11 +344,19 @@ class LedgerTxn(LedgerView):
         }
         if origin:
             rec["origin"], rec["reply_to"] = origin, reply_to
-        self.txn.put(item_id.encode(), sc.pack(sc.blob_to_wire(item.payload)), db=self.db["payloads"])
-        self._put(rec)
+        iid = item_id.encode()
+        payloads, items = self.db["payloads"], self.db["items"]
+        blob = sc.pack_blob(item.payload, compress=True)
+        # ids only grow: append (full pages, not half-split ones); out of order it falls back
+        self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
+        packed = sc.pack_item(rec)
+        self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
+        self._recs[item_id], self._payloads[item_id] = rec, item.payload
+        self.changed = True
+        self.records += 1
         self._index_add(rec)
-        self._add(sc.state_key(S.READY.value), 1)
-        self._add(sc.kind_state_key(item.kind, S.READY.value), 1)
+        self._add(sc.state_key(_READY), 1)
+        self._add(sc.kind_state_key(item.kind, _READY), 1)
         self.bump("received")
         self.txn.put(kb, sc.pack([item_id, now_ms]), db=self.db["keys"])
         self.txn.put(sc.timed_key(now_ms, kb), b"", db=self.db["keytime"])
@@ -331,7 +373,7 @@ class LedgerTxn(LedgerView):
         """Lease a ready item to ``worker`` with a fresh fencing token; None if it is
         not ready (or its deadline passed: then it is expired here)."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.READY.value:
+        if rec is None or rec["state"] != _READY:
             return None
         if self._deadline_passed(rec, now_ms):
             self.expire(rec, now_ms, "deadline passed while ready")
@@ -339,7 +381,7 @@ class LedgerTxn(LedgerView):
         token = self.next_num(sc.NEXT_TOKEN)
         rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
         self._transition(
-            rec, S.LEASED.value, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
+            rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
         )
         self.bump("routed")
         return p.Task(
@@ -357,9 +399,9 @@ class LedgerTxn(LedgerView):
         """Give a lease back without counting the attempt (never sent, or the worker
         released it). True if it was leased with ``token``."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+        if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return False
-        self._transition(rec, S.READY.value, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, lease_expires_ms=0)
+        self._transition(rec, _READY, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, lease_expires_ms=0)
         self.bump("released")
         return True
 
@@ -368,19 +410,19 @@ class LedgerTxn(LedgerView):
         max attempts, or expire past the deadline. Returns the new state, or "" if
         the lease was not current (nothing done)."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+        if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return ""
         worker = rec["worker"]
         if FAIL_POLICY[p.FailReason.WORKER_LOST].dead_letters_at_once or rec["attempt"] >= self._max_attempts(rec):
             self._dead(rec, now_ms, p.FailReason.WORKER_LOST.value, f"{why} on {worker}")
-            return S.DEAD.value
+            return _DEAD
         if self._deadline_passed(rec, now_ms):
             self.expire(rec, now_ms, f"{why} on {worker} after the deadline")
-            return S.EXPIRED.value
+            return _EXPIRED
         self._requeue(rec, now_ms)
         self.bump("retried")
         self.event(gaps.G2_LEASE_EXPIRED, item_id, now_ms, f"{why}: token {token} on {worker}, attempt {rec['attempt']}")
-        return S.READY.value
+        return _READY
 
     # --- COMPLETE / FAIL ---
     def complete(self, res: p.TaskResult, now_ms: int, sender: str = "") -> str:
@@ -396,15 +438,16 @@ class LedgerTxn(LedgerView):
         if rec is None:
             return p.Outcome.UNKNOWN.value
         st = rec["state"]
-        if st in (S.COMPLETED.value, S.ACKNOWLEDGED.value) and rec.get("completed_token") == res.token:
+        if st in (_COMPLETED, _ACKNOWLEDGED) and rec.get("completed_token") == res.token:
             return p.Outcome.DUPLICATE.value
-        late = st == S.READY.value and rec["token"] == res.token and res.token != 0
-        if ((st == S.LEASED.value and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
-            self.txn.put(res.item_id.encode(), sc.pack(sc.blob_to_wire(res.result)), db=self.db["results"])
+        late = st == _READY and rec["token"] == res.token and res.token != 0
+        if ((st == _LEASED and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
+            self.txn.put(res.item_id.encode(), sc.pack_blob(res.result), db=self.db["results"])
+            self._results[res.item_id] = res.result
             cseq = self.next_num(sc.NEXT_CSEQ)
             self._transition(
                 rec,
-                S.COMPLETED.value,
+                _COMPLETED,
                 cseq=cseq,
                 completed_token=res.token,
                 completed_ms=now_ms,
@@ -448,7 +491,7 @@ class LedgerTxn(LedgerView):
         rec = self.get(f.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
-        if rec["state"] != S.LEASED.value or rec["token"] != f.token or self._not_holder(rec, sender):
+        if rec["state"] != _LEASED or rec["token"] != f.token or self._not_holder(rec, sender):
             if rec.get("fail_token") == f.token and not self._not_holder(rec, sender):
                 return p.Outcome.DUPLICATE.value
             self.bump("fenced_failures")
@@ -458,7 +501,7 @@ class LedgerTxn(LedgerView):
         if f.reason == p.FailReason.RELEASED.value:
             attempt = rec["attempt"] if rule.counts_attempt else max(rec["attempt"] - 1, 0)
             self._transition(
-                rec, S.READY.value, attempt=attempt, nb_ms=now_ms, lease_expires_ms=0
+                rec, _READY, attempt=attempt, nb_ms=now_ms, lease_expires_ms=0
             )
             self.bump("released")
             return p.Outcome.ACCEPTED.value
@@ -504,16 +547,16 @@ class LedgerTxn(LedgerView):
         rec = self.get(item_id)
         if rec is None:
             return None
-        if rec["state"] == S.ACKNOWLEDGED.value:
+        if rec["state"] == _ACKNOWLEDGED:
             return False
-        if rec["state"] != S.COMPLETED.value:
+        if rec["state"] != _COMPLETED:
             return None
         if quarantine_error:
-            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms, quarantined=quarantine_error[:500])
+            self._transition(rec, _ACKNOWLEDGED, acked_ms=now_ms, quarantined=quarantine_error[:500])
             self.bump("quarantined")
             self.event(gaps.G12_RESULT_QUARANTINED, item_id, now_ms, quarantine_error[:200])
         else:
-            self._transition(rec, S.ACKNOWLEDGED.value, acked_ms=now_ms)
+            self._transition(rec, _ACKNOWLEDGED, acked_ms=now_ms)
         self.bump("acknowledged")
         return True
 
@@ -525,7 +568,7 @@ class LedgerTxn(LedgerView):
     def dead_letter(self, item_id: str, token: int, reason: str, message: str, now_ms: int) -> bool:
         """Dead-letter a leased item (e.g. it can never be dispatched). False if not leased with ``token``."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.LEASED.value or rec["token"] != token:
+        if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return False
         self._dead(rec, now_ms, reason, message)
         return True
@@ -534,10 +577,10 @@ class LedgerTxn(LedgerView):
         """Make a dead item ready again with its attempt count reset (a fresh attempt
         budget) and a G10 event. False if not dead."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.DEAD.value:
+        if rec is None or rec["state"] != _DEAD:
             return False
         was = f"{rec.get('error', '')} after attempt {rec['attempt']}"
-        self._transition(rec, S.READY.value, attempt=0, nb_ms=now_ms, error="")
+        self._transition(rec, _READY, attempt=0, nb_ms=now_ms, error="")
         self.bump("replayed")
         self.event(gaps.G10_DEAD_LETTER_REPLAYED, item_id, now_ms, f"replayed by {who} (was dead: {was})")
         return True
@@ -546,7 +589,7 @@ class LedgerTxn(LedgerView):
         """Dead-letter a *ready* item (operator or reconcile: e.g. ``payload_missing``).
         False if it is not ready (a leased item's worker reports the failure itself)."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.READY.value:
+        if rec is None or rec["state"] != _READY:
             return False
         self._dead(rec, now_ms, reason, message)
         return True
@@ -556,12 +599,13 @@ class LedgerTxn(LedgerView):
         makes a new item) with a G11 event. Like purged acknowledged items, it stays
         counted in state ``dead`` so the balance holds. False if not dead."""
         rec = self.get(item_id)
-        if rec is None or rec["state"] != S.DEAD.value:
+        if rec is None or rec["state"] != _DEAD:
             return False
         iid = item_id.encode()
         self.txn.delete(iid, db=self.db["dead"])
         for name in ("items", "payloads", "results"):
             self.txn.delete(iid, db=self.db[name])
+        self.forget(item_id)
         kb = rec["key"].encode()
         raw = self.txn.get(kb, db=self.db["keys"])
         if raw is not None and sc.unpack(raw)[0] == item_id:

@@ -10,9 +10,11 @@ changes the file format: existing ledger files must stay readable.
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Any, TypedDict
 
+import lz4.block
 import msgpack
 
 from ccsq.common.wire import protocol as p
@@ -92,12 +94,27 @@ def counter_key(name: str) -> bytes:
     return COUNTER + name.encode()
 
 
+_state_keys: dict[str, bytes] = {}
+_kind_state_keys: dict[tuple[str, str], bytes] = {}
+_KEYS_KEPT = 4096  # memo of the per-state count keys (four of them per transition); cleared when this big
+
+
 def state_key(state: str) -> bytes:
-    return STATE + state.encode()
+    k = _state_keys.get(state)
+    if k is None:
+        if len(_state_keys) >= _KEYS_KEPT:
+            _state_keys.clear()
+        k = _state_keys[state] = STATE + state.encode()
+    return k
 
 
 def kind_state_key(kind: str, state: str) -> bytes:
-    return KIND_STATE + kind.encode() + b"\0" + state.encode()
+    k = _kind_state_keys.get((kind, state))
+    if k is None:
+        if len(_kind_state_keys) >= _KEYS_KEPT:
+            _kind_state_keys.clear()
+        k = _kind_state_keys[(kind, state)] = KIND_STATE + kind.encode() + b"\0" + state.encode()
+    return k
 
 
 def parse_kind_state(key: bytes) -> tuple[str, str]:
@@ -219,6 +236,60 @@ def blob_from_wire(d: dict) -> p.Blob:
     return p.Blob(d["sha256"], d["size"], d.get("inline"))
 
 
+# --- blobs (``payloads``, ``results``) ---
+# Format 1 (before issue 15): the map ``{sha256: hex str, size, inline}``.
+# Format 2: the array ``[sha256 (32 raw bytes), size, inline]``, or, for an inline
+# payload that LZ4 shrinks by at least an eighth, ``[sha256, size, lz4 block, 1]``
+# (``lz4.block`` without the size header: ``size`` is the length). Both are read.
+#: Inline payloads shorter than this are stored as they are (LZ4 could not win much).
+COMPRESS_MIN_BYTES = 128
+_LZ4 = 1
+
+
+def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
+    """The ``payloads``/``results`` value of ``blob`` (format 2). ``compress``: store
+    an inline payload LZ4-compressed when that saves at least an eighth."""
+    inline = blob.inline
+    sha = bytes.fromhex(blob.sha256)
+    if compress and inline is not None and len(inline) >= COMPRESS_MIN_BYTES:
+        packed = lz4.block.compress(inline, mode="fast", acceleration=4, store_size=False)
+        if len(packed) <= len(inline) - (len(inline) >> 3):
+            return msgpack.packb([sha, blob.size, packed, _LZ4], use_bin_type=True)
+    return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
+
+
+_new_blob = object.__new__
+_set = object.__setattr__
+
+
+def unpack_blob(raw: bytes) -> p.Blob:
+    """A blob value of either format. A format-2 blob was checked when it came in (the
+    sha256 is 32 bytes by construction): built without :class:`~ccsq.common.wire.protocol.Blob`'s
+    checks again."""
+    v = msgpack.unpackb(raw, raw=False)
+    if isinstance(v, dict):  # format 1
+        return p.Blob(v["sha256"], v["size"], v.get("inline"))
+    inline = v[2]
+    if len(v) > 3 and v[3] == _LZ4:
+        inline = lz4.block.decompress(inline, uncompressed_size=v[1])
+    if len(v[0]) != 32 or (inline is not None and len(inline) != v[1]):
+        return p.Blob(v[0].hex(), v[1], inline)  # (cannot happen; the checks say what is wrong)
+    b = _new_blob(p.Blob)
+    _set(b, "sha256", v[0].hex())
+    _set(b, "size", v[1])
+    _set(b, "inline", inline)
+    return b
+
+
+def blob_ref(raw: bytes) -> str | None:
+    """The sha256 of a claim-store reference (hex), or None for an inline blob (either
+    format; nothing decompressed)."""
+    v = msgpack.unpackb(raw, raw=False)
+    if isinstance(v, dict):
+        return v["sha256"] if v.get("inline") is None else None
+    return v[0].hex() if v[2] is None else None
+
+
 class Item(TypedDict, total=False):
     """The item record (``items`` sub-database), a msgpack map; see docs/ledger.md.
 
@@ -283,12 +354,44 @@ class Item(TypedDict, total=False):
     reply_to: str
 
 
+# Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
+# long field names, ``id`` included. Format 2: the array of the fields every record has
+# from SUBMIT on (:data:`ITEM_CORE`, in that order), then a map of the other fields
+# present (long names); no ``id`` (it is the record's key). A map is format 1, an
+# array format 2: :func:`unpack_item` reads both.
+ITEM_CORE: tuple[str, ...] = (
+    "key", "kind", "params", "priority", "deadline_ms", "max_attempts", "max_runtime_s", "state",
+    "attempt", "token", "worker", "nb_ms", "seq", "created_ms", "error",
+)
+_core_of = operator.itemgetter(*ITEM_CORE)
+_NOT_EXTRA = frozenset(ITEM_CORE) | {"id"}
+#: What a format-1 record written before a core field existed reads as (old ones lack ``worker``).
+_CORE_DEFAULTS: dict[str, Any] = {
+    "params": {}, "priority": 0, "max_attempts": 0, "max_runtime_s": 0.0, "attempt": 0, "token": 0,
+    "worker": "", "error": "",
+}
+
+
 def pack_item(rec: Item) -> bytes:
-    return pack(rec)
+    """The ``items`` value of ``rec`` (format 2; ``rec["id"]`` is the key, not stored)."""
+    try:
+        core = _core_of(rec)
+    except KeyError:  # a format-1 record from before one of the core fields
+        core = tuple(rec.get(f, _CORE_DEFAULTS.get(f)) for f in ITEM_CORE)
+    extra = rec.keys() - _NOT_EXTRA
+    return msgpack.packb((*core, {k: rec[k] for k in extra} if extra else {}), use_bin_type=True)
 
 
-def unpack_item(raw: bytes) -> Item:
-    return unpack(raw)
+def unpack_item(raw: bytes, item_id: str) -> Item:
+    """An item record of either format; ``item_id`` (its key in ``items``) fills ``id``
+    of a format-2 record."""
+    v = msgpack.unpackb(raw, raw=False)
+    if type(v) is dict:  # format 1
+        return v  # type: ignore[return-value]
+    rec: dict[str, Any] = {"id": item_id}
+    rec.update(zip(ITEM_CORE, v))
+    rec.update(v[len(ITEM_CORE)])
+    return rec  # type: ignore[return-value]
 
 
 def token_holder(rec: Item) -> str:

@@ -146,14 +146,14 @@ class LedgerView:
     # --- items ---
     def get(self, item_id: str) -> Item | None:
         raw = self.txn.get(item_id.encode(), db=self.db["items"])
-        return sc.unpack_item(raw) if raw is not None else None
+        return sc.unpack_item(raw, item_id) if raw is not None else None
 
     def payload(self, item_id: str) -> p.Blob:
-        return sc.blob_from_wire(sc.unpack(self.txn.get(item_id.encode(), db=self.db["payloads"])))
+        return sc.unpack_blob(self.txn.get(item_id.encode(), db=self.db["payloads"]))
 
     def result(self, item_id: str) -> p.Blob | None:
         raw = self.txn.get(item_id.encode(), db=self.db["results"])
-        return sc.blob_from_wire(sc.unpack(raw)) if raw is not None else None
+        return sc.unpack_blob(raw) if raw is not None else None
 
     def item_status(self, item_id: str) -> p.ItemStatus:
         rec = self.get(item_id)
@@ -168,12 +168,12 @@ class LedgerView:
         items = self.db["items"]
         for name in ("payloads", "results"):
             for k, v in self.txn.cursor(db=self.db[name]):
-                b = sc.unpack(v)
-                if b.get("inline") is not None:
+                sha = sc.blob_ref(v)
+                if sha is None:
                     continue
                 raw = self.txn.get(k, db=items)
-                state = sc.unpack_item(raw)["state"] if raw is not None else "unknown"
-                yield k.decode(), state, b["sha256"]
+                state = sc.unpack_item(raw, k.decode())["state"] if raw is not None else "unknown"
+                yield k.decode(), state, sha
 
     def leased_items(self) -> Iterator[tuple[str, int, str]]:
         """(item_id, token, worker) of every leased item (restart recovery)."""
@@ -248,8 +248,11 @@ class LedgerView:
                 break
         return out, next_cseq
 
-    def delivery(self, item_id: str, redelivery: bool) -> p.Delivery:
-        rec = self.get(item_id)
+    def delivery(self, item_id: str, redelivery: bool, rec: Item | None = None) -> p.Delivery:
+        """The RESULT record of completed ``item_id``; ``rec``: its record when the caller
+        has just read it in this transaction (not read again)."""
+        if rec is None:
+            rec = self.get(item_id)
         if rec is None:
             raise LedgerError(f"completed index points at missing item {item_id}")
         result = self.result(item_id)
@@ -332,9 +335,9 @@ class LedgerView:
         while ok and seen < limit:
             k, v = cur.key(), cur.value()
             last, seen = k, seen + 1
-            b = sc.unpack(v)
-            if b.get("inline") is None:
+            sha = sc.blob_ref(v)
+            if sha is not None:
                 raw = self.txn.get(k, db=items)
-                out.append((k.decode(), sc.unpack_item(raw)["state"] if raw is not None else "unknown", b["sha256"]))
+                out.append((k.decode(), sc.unpack_item(raw, k.decode())["state"] if raw is not None else "unknown", sha))
             ok = cur.next()
         return out, (last if ok else None)

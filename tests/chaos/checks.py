@@ -89,7 +89,7 @@ def ledger_items(data_dir: Path) -> list[dict]:
     ledger = Ledger(ledger_dir, readonly=True)
     try:
         with ledger.read() as view:
-            return [schema.unpack_item(v) for _, v in view.txn.cursor(db=view.db["items"])]
+            return [schema.unpack_item(v, k.decode()) for k, v in view.txn.cursor(db=view.db["items"])]
     finally:
         ledger.close()
 
