@@ -89,6 +89,16 @@ class Receipt:
     unserved: bool = False
 
 
+def _whole_status(request: Any, parts: list[p.StatusReply]) -> p.StatusReply | None:
+    """The STATUS_REPLY frames of one STATUS / CANCEL merged, once they answer every id
+    asked (in the order asked); None while some are still to come."""
+    by_id = {st.item_id: st for part in parts for st in part.items}
+    asked = list(getattr(request, "item_ids", None) or ())
+    if any(i not in by_id for i in asked):
+        return None
+    return p.StatusReply(parts[0].req, [by_id[i] for i in asked] if asked else list(by_id.values()))
+
+
 class AsyncClient:
     """Producer client for asyncio code. Use ``async with AsyncClient(cfg) as c:``.
 
@@ -213,8 +223,10 @@ class AsyncClient:
     # --- link callbacks ---
     def _on_message(self, env: Any) -> None:
         msg = env.message
-        if isinstance(msg, (p.SubmitAck, p.StatusReply)):
+        if isinstance(msg, p.SubmitAck):
             self._requests.resolve(msg.req, msg)
+        elif isinstance(msg, p.StatusReply):  # the broker splits a large answer over several frames
+            self._requests.add_part(msg.req, msg, _whole_status)
         elif isinstance(msg, p.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
         else:

@@ -234,3 +234,19 @@ def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_emp
         assert spooled() == 0
         rep = swarm.report()
         assert rep["received"] == rep["acknowledged"] == 3 and rep["balanced"]
+
+
+def test_wait_on_results_larger_than_one_status_frame(tmp_path: Path) -> None:
+    """STATUS_REPLY of 120 items with 12 KB inline results is split by the broker over
+    several frames (its frame budget); wait() and status() merge them: every item is
+    acknowledged, none reported "unknown" (a tester saw 'unknown' and exit 4 for 215 of 300)."""
+    with Swarm(tmp_path / "s", producer={"inline_max_bytes": 16384}) as swarm:
+        swarm.start_all(workers=1)
+        with swarm.client() as client:
+            receipts = client.submit_many([(os.urandom(12000), "echo", {"i": i}) for i in range(120)])
+            ids = [r.item_id for r in receipts]
+            done = client.wait(ids, timeout_s=90)
+            states = client.status(ids)
+    assert {s.state for s in done.values()} == {"acknowledged"}, {s.state for s in done.values()}
+    assert len(states) == 120 and all(states[i].state == "acknowledged" for i in ids)
+    assert all(states[i].result is not None and states[i].result.size == 12000 for i in ids)

@@ -58,3 +58,24 @@ def test_item_size_is_the_packed_size_without_packing_the_payload(inline_len: in
     item = p.SubmitItem("k" * 70, "ocr", blob, params={"lang": "en", "dpi": 300, "z": 1.5}, priority=-3, deadline_ts=1e9)
     assert item_size(item) == len(msgpack.packb(p.encode_body(item), use_bin_type=True))
     assert item.payload.inline == data  # sizing left the item as it was
+
+
+def test_a_reply_split_over_frames_completes_once_whole() -> None:
+    """add_part keeps each frame; the wait ends when ``complete`` says the parts answer it."""
+    import asyncio
+
+    from ccsq.common.link.requests import RequestTracker
+
+    def complete(msg, parts):
+        got = [x for part in parts for x in part]
+        return got if set(msg) <= set(got) else None
+
+    async def run() -> None:
+        t: RequestTracker[list, list] = RequestTracker()
+        req = t.next_id()
+        fut = t.register(req, ["a", "b", "c"])
+        assert t.add_part(req, ["a"], complete) and not fut.done()
+        assert t.add_part(req, ["b", "c"], complete) and fut.done() and fut.result() == ["a", "b", "c"]
+        assert not t.add_part(req, ["c"], complete) and len(t) == 0  # late frame: nothing waits
+
+    asyncio.run(run())

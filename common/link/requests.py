@@ -9,6 +9,10 @@ SUBMIT / STATUS / CANCEL, the admin tools' ADMIN) keeps them here, on its event 
     ... reply = await fut ...             # on_message: tracker.resolve(reply.req, reply)
     tracker.discard(req)                  # done waiting (answered, timed out, cancelled)
 
+A reply the peer may split over several frames with the same ``req`` (the broker's
+STATUS_REPLY under its frame budget) goes through :meth:`add_part` with a ``complete``
+function that merges the parts once they answer the whole request.
+
 ``fail_all(exc)`` ends every wait at once (the session is refused for good, or the client
 closes); ``resend_all(send)`` hands the still-unanswered messages to a new session.
 Not thread-safe: use it from the one event loop that owns the link.
@@ -29,6 +33,7 @@ R = TypeVar("R")  # the reply a future resolves to
 class _Waiting(Generic[M, R]):
     msg: M | None
     future: asyncio.Future[R]
+    parts: list[R] = dataclasses.field(default_factory=list)  # frames of a reply split by the peer
 
 
 class RequestTracker(Generic[M, R]):
@@ -65,6 +70,21 @@ class RequestTracker(Generic[M, R]):
         if w is None or w.future.done():
             return False
         w.future.set_result(reply)
+        return True
+
+    def add_part(self, req: int, part: R, complete: Callable[[M | None, list[R]], R | None]) -> bool:
+        """Keep ``part``, one frame of the reply to ``req``; when ``complete(msg, parts)``
+        returns a reply (the parts answer the whole request), complete the wait with it and
+        forget ``req``. False when nothing waits for ``req``. Parts of a re-sent request's
+        second answer are merged the same way (``complete`` must tolerate repeats)."""
+        w = self._waiting.get(req)
+        if w is None or w.future.done():
+            return False
+        w.parts.append(part)
+        whole = complete(w.msg, w.parts)
+        if whole is not None:
+            del self._waiting[req]
+            w.future.set_result(whole)
         return True
 
     def discard(self, req: int) -> None:
