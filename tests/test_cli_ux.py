@@ -465,3 +465,31 @@ def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path
         rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "echo", doc)
         assert rc == 0 and "serves kind" not in err, err
         assert time.monotonic() - t0 < 20.0  # both answered inside the old grace period
+
+
+def test_a_worker_pinning_another_broker_key_stops_and_loses_nothing(tmp_path: Path) -> None:
+    """A worker whose authorized_keys holds another public key for the broker (another
+    swarm's file, or a broker key rotated without this host) exits 77 within seconds,
+    naming the file and the fix, instead of reconnecting forever while the broker leases
+    it items that then die as worker_lost (a fresh-clone tester lost good work this way)."""
+    with Swarm(tmp_path, workers=1, broker={"max_attempts": 2}) as swarm:
+        swarm.start_broker()
+        swarm.start_completion()
+        keys = tmp_path / "keys"
+        _, pub = write_keypair(keys, "other-broker")
+        text = (swarm.root / "authorized_keys.toml").read_text()
+        real = re.search(r'\[peers\.broker\]\s*role = "broker"\s*public_key = "([^"]+)"', text).group(1)
+        other = (tmp_path / "other_authorized_keys.toml")
+        other.write_text(text.replace(real, pub.read_text().strip()))
+        cfg = peer_config(swarm, "workerd-0", "w-otherkeys", authorized_keys=str(other), journal_dir="j-other")
+        with swarm.client() as client:
+            ids = [client.submit(f"page {i}".encode(), "echo").item_id for i in range(5)]
+        t0 = time.monotonic()
+        proc = subprocess.run([bin_path("ccsq-workerd"), "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == ExitCode.UNAUTHORIZED, (proc.returncode, proc.stderr[-2000:])
+        assert time.monotonic() - t0 < 15
+        assert "other_authorized_keys.toml" in proc.stderr and "does not match" in proc.stderr, proc.stderr[-2000:]
+        swarm.start_worker(1)  # the right worker runs them all
+        rep = swarm.wait_acknowledged(5, timeout_s=60)
+    assert rep["dead"] == 0 and rep["balanced"], rep
+    assert len(ids) == 5

@@ -43,7 +43,7 @@ from ccsq.common.wire.keys import (
     public_key_b64,
 )
 from ccsq.common.runtime.log import get_logger
-from ccsq.common.wire.policy import CURVE_REFUSED, refusal_final
+from ccsq.common.wire.policy import BROKER_KEY_MISMATCH, CURVE_REFUSED, refusal_final
 
 log = get_logger("ccsq.peer")
 
@@ -75,6 +75,11 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
             curve_pub = "<this peer's CURVE public key>"
         fix = (f'add curve_public_key = "{curve_pub}" to [peers.{peer}] in the broker\'s authorized_keys.toml, then '
                "reload the broker (SIGHUP) and start this peer again")
+    elif refusal.code == BROKER_KEY_MISMATCH:
+        return (f"the broker at {settings.broker_endpoint} answered as someone this peer does not trust "
+                f"({refusal.message}): its public key (or broker_id = {settings.broker_id!r}) in "
+                f"{settings.authorized_keys or 'authorized_keys'} does not match the running broker's; copy the "
+                "broker's authorized_keys.toml (or its [peers.<broker_id>] entry) to this host, then start this peer again")
     elif refusal.code == p.REJECT_ROLE:
         fix = (f"peer id {peer!r} is authorized for another role than {role!r}: "
                f"use the id and key of a peer with role {role!r}, or change its role in the broker's authorized_keys")
@@ -420,7 +425,17 @@ class BrokerLink:
                 raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=left)
             except asyncio.TimeoutError:
                 raise LinkLost("no WELCOME within hello_timeout_s") from None
-            env = self._decode(raw)
+            try:
+                env = self.codec.decode(raw, bound_sender=self.settings.broker_id)
+            except DecodeError as exc:
+                if exc.code in (p.REJECT_BAD_SIGNATURE, p.REJECT_UNKNOWN_SENDER, p.REJECT_FORGED_ORIGIN):
+                    # the answer to our HELLO is not from the broker we pin: for good (a session
+                    # would take leases whose every message we then refuse)
+                    self.refused = self.last_refusal = p.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")
+                    self._stopping = True
+                    self.log.error("broker_key_mismatch", code=exc.code, message=str(exc)[:300],
+                                   fix=refusal_fix(self.settings, self._hello_role, self.refused))
+                raise LinkLost(f"invalid envelope from broker: {exc.code}: {exc}") from None
             msg = env.message
             if isinstance(msg, p.Welcome):
                 self._welcome = msg

@@ -66,8 +66,12 @@ def task_failure(item_id: str, token: int, reason: p.FailReason, message: str = 
 #: The ERROR codes with which a broker refuses a HELLO for good: reconnecting cannot
 #: help until an operator changes authorized_keys (and restarts the peer).
 CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed with status 400
+#: not a wire code either: the broker's answer to our HELLO is not signed by the key (or the
+#: broker id) this peer pins in its authorized_keys: a wrong file, or a broker key rotated
+#: without this host; reconnecting cannot help, and a session would only lose leases
+BROKER_KEY_MISMATCH = "BROKER_KEY_MISMATCH"
 PEER_REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                                p.REJECT_FORGED_ORIGIN, CURVE_REFUSED})
+                                p.REJECT_FORGED_ORIGIN, CURVE_REFUSED, BROKER_KEY_MISMATCH})
 
 
 def refusal_error(code: str, message: str) -> CcsqError:
