@@ -82,7 +82,7 @@ def test_c01_dispatch_to_a_departed_worker_is_kept_ready_for_a_live_one(tmp_path
     no attempt counted; a live worker started later gets it; acknowledged once.
     (The first half, 50 replies to a stopped producer, is
     tests/test_broker.py::test_full_producer_channel_delays_never_drops.)"""
-    with Swarm(tmp_path / "s", workers=2, broker={"heartbeat_interval_s": 30.0, "liveness": 2}) as swarm:
+    with Swarm(tmp_path / "s", workers=2, broker={"heartbeat_interval_s": 30.0, "liveness": 2, "lease_ttl_s": 90.0}) as swarm:
         swarm.start_broker()
         swarm.start_worker(1)
         swarm.start_completion()

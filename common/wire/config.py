@@ -95,7 +95,11 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
             value = str((base_dir / value).resolve()) if not Path(value).is_absolute() else value
         kwargs[name] = value
     kwargs.setdefault("config_path", "") if "config_path" in fields else None
-    return cls(**kwargs)
+    obj = cls(**kwargs)
+    problem = obj.cross_check() if hasattr(obj, "cross_check") else ""
+    if problem:
+        raise ConfigError(f"{where}: {problem}")
+    return obj
 
 
 def read_toml(path: Path, what: str = "config file", writer: str = "`ccsq init DIR`") -> dict[str, Any]:
@@ -165,7 +169,7 @@ class BrokerConfig:
     data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
     heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
     liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
-    lease_ttl_s: float = opt(30.0, min=0.1, max=86400.0, doc="a lease not extended by heartbeats expires after this")
+    lease_ttl_s: float = opt(30.0, min=0.1, max=86400.0, doc="a lease not extended by heartbeats expires after this (at least heartbeat_interval_s, else refused at start; keep it >= 3 heartbeats)")
     max_attempts: int = opt(5, min=1, max=1000, doc="default attempts before an item is dead-lettered")
     retry_backoff_base_s: float = opt(0.5, min=0.0, max=3600.0, doc="first retry delay (doubles per attempt, jittered)")
     retry_backoff_max_s: float = opt(60.0, min=0.0, max=86400.0, doc="cap of the retry delay")
@@ -195,6 +199,15 @@ class BrokerConfig:
     swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
     trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
     config_path: str = ""
+
+    def cross_check(self) -> str:
+        """A problem between keys (checked when the file is loaded), or ""."""
+        if self.lease_ttl_s < self.heartbeat_interval_s:
+            return (f"lease_ttl_s = {self.lease_ttl_s} is shorter than heartbeat_interval_s = {self.heartbeat_interval_s}: "
+                    "every lease would expire before the heartbeat that extends it, and every job would be run again "
+                    f"and dead-lettered as worker_lost; set lease_ttl_s to at least {3 * self.heartbeat_interval_s:g} "
+                    "(3 heartbeats; the default is 30) or lower heartbeat_interval_s")
+        return ""
 
 
 @dataclasses.dataclass(frozen=True)
