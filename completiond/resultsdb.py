@@ -352,7 +352,6 @@ class SqliteResults(ResultsDB):
         return isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError, RowsIgnored))
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         return sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
 
     def _init_schema(self, con: sqlite3.Connection) -> None:
@@ -521,6 +520,11 @@ def open_results_db(url: str, base_dir: str | Path, *, timeout_s: float = 5.0) -
         path = Path(raw)
         if not path.is_absolute():
             path = Path(base_dir).resolve() / path
+        if not path.parent.is_dir():
+            # a typo must not send acknowledged results to a file nobody reads: the directory
+            # is never created here (the database file in it is), like the claim store's root
+            raise ConfigError(f"database {url!r}: directory {path.parent} does not exist; create it (the "
+                              "completion service creates the database file, never its directory) or fix the path")
         return SqliteResults(path, busy_timeout_s=timeout_s)
     if url.startswith(("postgresql://", "postgres://")):
         return PostgresResults(url, connect_timeout_s=timeout_s)

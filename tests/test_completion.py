@@ -239,6 +239,16 @@ def test_bad_database_url_is_a_config_error(env, how: str) -> None:
     assert "mysql://nope" in e.procs.tail("completion") and proc.starts == 1
 
 
+def test_results_database_in_a_missing_directory_is_a_config_error(env, tmp_path: Path) -> None:
+    """A typo in the database path must not create a directory and acknowledge results into
+    a file nobody reads: exit 78 naming the URL and the directory."""
+    missing = tmp_path / "no-such-dir" / "r.db"
+    e = env(database=f"sqlite:///{missing}")
+    e.procs.start("completion", [bin_path("ccsq-completiond"), "--config", str(e.config)])
+    assert e.procs.wait_exit("completion", timeout_s=20) == 78
+    assert "does not exist" in e.procs.tail("completion") and not missing.parent.exists()
+
+
 def test_sd_notify_ready_watchdog_and_stopping(env, tmp_path: Path) -> None:
     """Under systemd (Type=notify, WatchdogSec=): READY=1 once serving (broker and database
     need not be up), WATCHDOG=1 pings from the event loop, STOPPING=1 on SIGTERM."""
