@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ccsq.brokerd.peers import PeerStatus, Session
+from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,7 +102,8 @@ class Sessions:
             return
         self._replace(env.sender, rid)
         sess = self._open(rid, env, hello)
-        if sess.role is p.Role.WORKER:
+        if sess.role is p.Role.WORKER or (sess.role is p.Role.RELAY and hello.info.get(fed.RELAY_SIDE) == fed.UPSTREAM):
+            # a relay's upstream side takes work of its kinds like a worker (another swarm runs it)
             self._worker_kinds(sess.kinds or ("",))
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []

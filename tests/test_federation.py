@@ -229,8 +229,19 @@ def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
         pair.b.start_completion()
         pair.b.start_worker(1)
         pair.start_relay()
+        pair.wait_connected()
+
+        def a_uptime_s() -> float:
+            out = subprocess.run([bin_path("ccsq"), "status", "--json", "--config", str(pair.a.configs["admin"])],
+                                 capture_output=True, text=True, timeout=30).stdout
+            return json.loads(out)["broker"]["uptime_s"] if out.strip() else 0.0
+
+        # past the broker's start-up grace, so "no worker serves kind" is really judged: the
+        # relay's upstream side serves the kind for a (b's GPU runs it), a has no worker
+        wait_until(lambda: a_uptime_s() > 3.0, 30, "a's broker past its start-up grace")
         with pair.a.client() as client:
             receipt = client.submit(b"slow", "sleep", params={"seconds": 1.0})
+        assert not receipt.unserved  # a relay taking the kind counts as serving it
         wait_until(lambda: pair.counters()["submitted"] == 1, 30, "the item submitted downstream")
         pair.procs.signal("relay", signal.SIGSTOP)
         try:
