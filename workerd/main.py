@@ -64,11 +64,15 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}"), False
     logsetup.configure(cfg.log_format)
+
+    def in_file(exc: Exception) -> str:  # name the file when the message does not (keys, handler, model)
+        return f"config error: {exc}" if cfg.config_path in str(exc) else f"config error: {cfg.config_path}: {exc}"
+
     try:
         codec = make_codec(cfg)  # keys and authorized_keys, before any slow model load
         parse_listen(cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
-        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+        return _die(ExitCode.CONFIG, in_file(exc)), False
     try:
         journal = Journal.open(cfg.journal_dir)
     except JournalLocked as exc:
@@ -88,7 +92,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         return _die(ExitCode.GPU_UNAVAILABLE, str(exc)), False
     except ConfigError as exc:
         journal.close()
-        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+        return _die(ExitCode.CONFIG, in_file(exc)), False
     if handler.cpu_fallback:
         log.warning("gpu_fallback_to_cpu", requested=cfg.provider, provider=handler.provider, reason=handler.provider_reason)
     log.info(
@@ -102,7 +106,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         metrics = start_worker_metrics(worker, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
         journal.close()
-        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+        return _die(ExitCode.CONFIG, in_file(exc)), False
     except PortInUse as exc:
         journal.close()
         return _die(ExitCode.TEMPFAIL, f"transient: {exc}"), False
