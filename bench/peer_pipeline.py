@@ -54,7 +54,7 @@ SYSTEMS = ("redis", "rabbit", "celery", "dramatiq")
 JOBS, RESULTS = "jobs", "results"
 WORKER_BATCH = 64  # jobs taken per read (Redis COUNT / RabbitMQ prefetch)
 COMPLETION_BATCH = 256  # results per SQLite transaction (ccsq completion: batch_max 256)
-COMPLETION_WAIT_MS = 20.0  # gather a batch this long (ccsq completion: batch_wait_ms 20)
+COMPLETION_WAIT_MS = 0.0  # gather what has arrived (ccsq completion: batch_wait_ms 0, its default since 2026-12-01)
 
 
 # --- Redis Streams ------------------------------------------------------------------

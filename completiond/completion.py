@@ -1,8 +1,9 @@
 """The completion service: results from the broker into a database, then ACK.
 
 A peer with role ``completion``. The broker sends RESULT frames (at most the
-credit granted); for each batch (up to ``batch_max`` results, gathered for at
-most ``batch_wait_ms``) the service
+credit granted); for each batch (up to ``batch_max`` results: what arrived while
+the previous transaction ran, plus what arrives within ``batch_wait_ms``, 0 by default)
+the service
 
 1. resolves each result (inline, or from the claim store, digest verified),
 2. writes the batch in ONE database transaction (idempotent upsert by item id);

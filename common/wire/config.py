@@ -257,7 +257,7 @@ class CompletionConfig(PeerSettings):
     database: str = opt("sqlite:///results.db", doc="sqlite:///PATH or postgresql://... DSN")
     credit: int = opt(64, min=1, max=65536, doc="results in flight from the broker")
     batch_max: int = opt(256, min=1, max=2048, doc="most results in one database transaction (and one ACK)")
-    batch_wait_ms: float = opt(20.0, min=0.0, max=10000.0, doc="how long to gather a batch")
+    batch_wait_ms: float = opt(0.0, min=0.0, max=10000.0, doc="how long to wait for more results once one arrived (0 = land what has arrived: results arriving during a transaction form the next batch; raise it for fewer, larger transactions at the cost of latency)")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
