@@ -53,3 +53,12 @@ def top(path: Path, limit: int = 15) -> dict[str, list[tuple[str, float]]]:
         "inclusive": [(f, round(100.0 * c / total, 1)) for f, c in incl_c.most_common(limit)],
         "samples": [("total", total)],
     }
+
+
+def print_top(path, n: int = 30) -> None:
+    """Print the ``n`` hottest functions of a py-spy raw profile, self and inclusive (%)."""
+    t = top(path, n)
+    for kind in ("self", "inclusive"):
+        print(kind)
+        for f, pct in t[kind]:
+            print(f"  {pct:5.1f} {f}")

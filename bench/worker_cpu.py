@@ -73,13 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(run(args.rounds, log_each_job=args.log_each_job, profile=args.profile))
     if args.profile:
-        from bench.profile import top
+        from bench.profile import print_top
 
-        t = top(args.profile, 30)
-        for kind in ("self", "inclusive"):
-            print(kind)
-            for f, pct in t[kind]:
-                print(f"  {pct:5.1f} {f}")
+        print_top(args.profile)
     return 0
 
 
