@@ -23,9 +23,11 @@ $(VENV)/.installed-test: $(VENV)/.installed-cpu
 demo: $(VENV)/.installed-cpu
 	$(PY) examples/demo.py
 
-## make test: the whole suite (what CI runs)
+## make test: the whole suite (what CI runs); two pytest workers (most tests wait on real
+## processes, so two run well on 2 cores); PYTEST_WORKERS=0 runs it in one process
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(VENV)/bin/pytest -q -m "not soak" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "not soak" $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS)) $(PYTEST_ARGS)
 
 ## make chaos: the long fault-injection run (tests/chaos); replay or resize with CHAOS_ARGS="--seed N --duration-s S"
 CHAOS_ARGS ?= --duration-s 1800
