@@ -233,7 +233,7 @@ class ScriptedPeer:
         self.req += 1
         return self.req
 
-    def admin_status(self, timeout_s: float = 5.0) -> dict:
+    def admin_status(self, timeout_s: float = 20.0) -> dict:
         import msgpack
 
         req = self.next_req()

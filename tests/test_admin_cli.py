@@ -41,6 +41,13 @@ def fast_admin(swarm: Swarm) -> Path:
     return path
 
 
+def patient_admin(swarm: Swarm) -> Path:
+    """admin.toml that waits long for the broker (commands that need it, on a loaded machine)."""
+    path = swarm.configs["admin"]
+    path.write_text(path.read_text() + "connect_timeout_s = 15.0\nhello_timeout_s = 10.0\n")
+    return path
+
+
 def ledger_part(doc: dict) -> dict:
     return {k: doc[k] for k in LEDGER_STATUS_KEYS}
 
@@ -116,7 +123,7 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
 def test_drain_stops_dispatch_to_a_worker_until_undone(tmp_path: Path, capsys) -> None:
     """ccsq drain WORKER: no new DISPATCH to it (its credit stays unused); --undo resumes."""
     with Swarm(tmp_path, workers=1) as swarm:
-        admin = fast_admin(swarm)
+        admin = patient_admin(swarm)  # every online call must reach the broker; offline ones say --offline
         swarm.start_broker()
         swarm.start_worker(1)
         rc, out = ccsq(capsys, "drain", "worker-1", "--wait", "--timeout-s", "10", "--config", admin, "--json")
