@@ -34,18 +34,21 @@ def ccsq(capsys, *argv: str) -> tuple[int, dict | str]:
         return rc, out
 
 
+def _admin_timeouts(swarm: Swarm, connect_s: float, hello_s: float) -> Path:
+    path = swarm.configs["admin"]
+    lines = [ln for ln in path.read_text().splitlines() if ln.split("=")[0].strip() not in ("connect_timeout_s", "hello_timeout_s")]
+    path.write_text("\n".join(lines) + f"\nconnect_timeout_s = {connect_s}\nhello_timeout_s = {hello_s}\n")
+    return path
+
+
 def fast_admin(swarm: Swarm) -> Path:
     """admin.toml with a short connect timeout (the offline fallback is then quick)."""
-    path = swarm.configs["admin"]
-    path.write_text(path.read_text() + "connect_timeout_s = 0.5\nhello_timeout_s = 0.5\n")
-    return path
+    return _admin_timeouts(swarm, 0.5, 0.5)
 
 
 def patient_admin(swarm: Swarm) -> Path:
     """admin.toml that waits long for the broker (commands that need it, on a loaded machine)."""
-    path = swarm.configs["admin"]
-    path.write_text(path.read_text() + "connect_timeout_s = 15.0\nhello_timeout_s = 10.0\n")
-    return path
+    return _admin_timeouts(swarm, 15.0, 10.0)
 
 
 def ledger_part(doc: dict) -> dict:
@@ -56,7 +59,7 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
     """reconcile (dry run, then --apply through the broker), dlq list/replay/purge with
     their gap events, and the same answer for status/items/dlq list online and offline."""
     with Swarm(tmp_path, workers=0, producer={"inline_max_bytes": 0}) as swarm:
-        admin = fast_admin(swarm)
+        admin = patient_admin(swarm)  # online answers while the broker runs; fast fallback once it is stopped
         brokerd = swarm.configs["brokerd"]
         swarm.start_broker()
         with swarm.client() as client:
@@ -109,6 +112,7 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         assert rep["balanced"] and rep["dead_purged"] == 1 and rep["replayed"] == 1
         _, online = ccsq(capsys, "status", "--config", admin, "--json")
         swarm.procs.stop("broker")
+        fast_admin(swarm)
 
         # broker stopped: read-only commands fall back to the ledger by themselves ...
         rc, fallback = ccsq(capsys, "status", "--config", admin, "--json")
