@@ -140,13 +140,22 @@ class ItemBuilder:
         was written), StoreUnavailable (the claim store is unreachable)."""
         fields = _checked_fields(kind, params, key, priority, deadline_ts, max_attempts, max_runtime_s)
         data = read_payload(payload)
-        if self.store.inline_without_io(len(data), self.inline_max_bytes):
-            blob = self.store.put_blob(data, self.inline_max_bytes)  # a digest, no I/O: no coroutine hop
-        else:
-            blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
-            if blob.inline is None:
-                crash_point("producer.after_blob_put")
+        blob = self._blob_now(data) or await self._blob_stored(data)
         return _item(fields, key, blob)
+
+    def _blob_now(self, data: bytes) -> p.Blob | None:
+        """The payload's blob when making it needs no I/O (inline: a digest, so no coroutine
+        hop), else None: then await :meth:`_blob_stored`."""
+        if self.store.inline_without_io(len(data), self.inline_max_bytes):
+            return self.store.put_blob(data, self.inline_max_bytes)
+        return None
+
+    async def _blob_stored(self, data: bytes) -> p.Blob:
+        """The payload put in the claim store (in the store's thread)."""
+        blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
+        if blob.inline is None:
+            crash_point("producer.after_blob_put")
+        return blob
 
     async def build_many(self, specs: Iterable[Any]) -> list[p.SubmitItem]:
         """:meth:`build` for each of ``specs`` in order, each checked before its payload is
@@ -155,8 +164,6 @@ class ItemBuilder:
         ``kind``, ``params``, ``key``...). Raises as :meth:`build` (items before the bad one
         may have written their blobs), InvalidRequest for a malformed spec."""
         built: list[p.SubmitItem] = []
-        inline_max = self.inline_max_bytes
-        store = self.store
         for spec in specs:
             if isinstance(spec, tuple) and len(spec) in (2, 3):
                 payload, kind = spec[0], spec[1]
@@ -173,12 +180,7 @@ class ItemBuilder:
             else:
                 raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
             data = read_payload(payload)
-            if store.inline_without_io(len(data), inline_max):
-                blob = store.put_blob(data, inline_max)
-            else:
-                blob = await store.aput_blob(data, inline_max, self._exec)
-                if blob.inline is None:
-                    crash_point("producer.after_blob_put")
+            blob = self._blob_now(data) or await self._blob_stored(data)
             built.append(_item(fields, key, blob))
         return built
 

@@ -496,8 +496,9 @@ def test_a_worker_pinning_another_broker_key_stops_and_loses_nothing(tmp_path: P
 
 
 def test_a_lease_shorter_than_the_heartbeat_is_refused_at_start(tmp_path: Path) -> None:
-    """lease_ttl_s under heartbeat_interval_s would expire every lease before a heartbeat
-    could extend it (a tester's jobs all ended dead as worker_lost): exit 78 naming both keys."""
+    """C03 (lease shorter than the job) from the configuration side: lease_ttl_s under
+    heartbeat_interval_s would expire every lease before a heartbeat could extend it (a
+    tester's jobs all ended dead as worker_lost): exit 78 naming both keys."""
     with Swarm(tmp_path, workers=0, broker={"lease_ttl_s": 1.0, "heartbeat_interval_s": 5.0}) as swarm:
         proc = subprocess.run([bin_path("ccsq-brokerd"), "--config", str(swarm.configs["brokerd"])],
                               capture_output=True, text=True, timeout=60)

@@ -425,17 +425,7 @@ class BrokerLink:
                 raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=left)
             except asyncio.TimeoutError:
                 raise LinkLost("no WELCOME within hello_timeout_s") from None
-            try:
-                env = self.codec.decode(raw, bound_sender=self.settings.broker_id)
-            except DecodeError as exc:
-                if exc.code in (p.REJECT_BAD_SIGNATURE, p.REJECT_UNKNOWN_SENDER, p.REJECT_FORGED_ORIGIN):
-                    # the answer to our HELLO is not from the broker we pin: for good (a session
-                    # would take leases whose every message we then refuse)
-                    self.refused = self.last_refusal = p.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")
-                    self._stopping = True
-                    self.log.error("broker_key_mismatch", code=exc.code, message=str(exc)[:300],
-                                   fix=refusal_fix(self.settings, self._hello_role, self.refused))
-                raise LinkLost(f"invalid envelope from broker: {exc.code}: {exc}") from None
+            env = self._decode(raw, answer_to_hello=True)
             msg = env.message
             if isinstance(msg, p.Welcome):
                 self._welcome = msg
@@ -457,10 +447,17 @@ class BrokerLink:
                     self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
 
-    def _decode(self, raw: list[bytes]) -> Envelope:
+    def _decode(self, raw: list[bytes], *, answer_to_hello: bool = False) -> Envelope:
         try:
             return self.codec.decode(raw, bound_sender=self.settings.broker_id)
         except DecodeError as exc:
+            if answer_to_hello and exc.code in (p.REJECT_BAD_SIGNATURE, p.REJECT_UNKNOWN_SENDER, p.REJECT_FORGED_ORIGIN):
+                # the answer to our HELLO is not from the broker we pin: for good (a session
+                # would take leases whose every message we then refuse)
+                self.refused = self.last_refusal = p.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")
+                self._stopping = True
+                self.log.error("broker_key_mismatch", code=exc.code, message=str(exc)[:300],
+                               fix=refusal_fix(self.settings, self._hello_role, self.refused))
             # one disconnect rule: an invalid envelope from the broker ends the session
             raise LinkLost(f"invalid envelope from broker: {exc.code}: {exc}") from None
 

@@ -100,8 +100,7 @@ class ClaimStore(abc.ABC):
         ``HASH_ON_LOOP_MAX_BYTES`` of a store whose reads are the base class's (a digest
         check, no I/O), else in ``executor``. Errors as :meth:`get_blob` (what they mean for
         the item: :func:`store_failure`)."""
-        if (blob.inline is not None and len(blob.inline) <= HASH_ON_LOOP_MAX_BYTES
-                and type(self).get_blob is ClaimStore.get_blob):
+        if blob.inline is not None and self.inline_without_io(len(blob.inline), HASH_ON_LOOP_MAX_BYTES):
             return self.get_blob(blob)
         return await asyncio.get_running_loop().run_in_executor(executor, self.get_blob, blob)
 
