@@ -97,9 +97,15 @@ def test_broker_with_a_remote_name_as_endpoint_exits_78_then_starts_with_bind(tm
     _edit(conf, endpoint=f"tcp://gpu-broker.internal:{port}", bind=f"tcp://127.0.0.1:{port}")
     proc = subprocess.Popen([bin_path("ccsq-brokerd"), "--config", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    import threading
+
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
         wait_until(lambda: (root / "broker-data" / "endpoint").exists(), 20, "broker bound")
         assert (root / "broker-data" / "endpoint").read_text().strip() == f"tcp://127.0.0.1:{port}"
+        # SIGTERM once it serves (its stop handler is installed then; the endpoint file is written before)
+        wait_until(lambda: any("broker_started" in ln for ln in list(lines)), 20, "broker serving")
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0
