@@ -209,7 +209,7 @@ class ItemBuilder:
         for spec in specs:
             if isinstance(spec, tuple) and len(spec) in (2, 3):
                 payload, kind = spec[0], spec[1]
-                kind, params = _checked_fields(kind, spec[2] if len(spec) == 3 else None, None, 0, None, None, None)[:2]
+                params = _checked_tuple_fields(kind, spec[2] if len(spec) == 3 else None)
             elif isinstance(spec, Mapping):  # any option: build's own keyword checks and errors
                 spec = dict(spec)
                 try:
@@ -267,6 +267,20 @@ def _checked_fields(kind: Any, params: Mapping[str, Any] | None, key: Any, prior
     if problem:  # before the blob is written: bad input leaves no orphan
         raise InvalidRequest(problem)
     return kind, params, priority, deadline_ts, max_attempts, max_runtime_s
+
+
+def _checked_tuple_fields(kind: Any, params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
+    """:func:`_checked_fields` for a ``(payload, kind[, params])`` spec (no key, every option at
+    its default): the same checks, errors and order on the two fields there are; returns
+    the checked params (a copy)."""
+    if not isinstance(kind, str) or not kind:
+        raise InvalidRequest("kind must be a non-empty string")
+    params = check_params(params)
+    problem = p.submit_fields_problem(kind=kind, key=None, params=params, priority=0, deadline_ts=None,
+                                      max_attempts=0, max_runtime_s=0.0)
+    if problem:  # before the blob is written: bad input leaves no orphan
+        raise InvalidRequest(problem)
+    return params
 
 
 def _item(fields: _Fields, key: str | None, blob: p.Blob) -> p.SubmitItem:
