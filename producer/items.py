@@ -98,6 +98,9 @@ def read_payload(payload: Payload) -> bytes:
     raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
 
 
+_SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
+
+
 def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     params = dict(params or {})
     if len(params) > p.MAX_MAP_LEN:
@@ -105,7 +108,7 @@ def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     for k, v in params.items():
         if not isinstance(k, str):
             raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, (str, int, float, bool, bytes, type(None))):
+        if not isinstance(v, _SCALAR_TYPES):
             raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
     return params
 
