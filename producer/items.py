@@ -56,8 +56,11 @@ def unchecked_constructor(cls: type, names: tuple[str, ...]) -> Any:
     makes (equal, hashed and encoded the same). When ``cls``'s fields are not exactly
     ``names`` (a changed wire record), ``cls`` itself: correct, just not faster."""
     setters = [getattr(cls, n, None) for n in names]
-    if (tuple(f.name for f in dataclasses.fields(cls)) != names
-            or not all(isinstance(s, types.MemberDescriptorType) for s in setters)):
+    try:
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    except TypeError:  # no longer a dataclass
+        return cls
+    if fields != names or not all(isinstance(s, types.MemberDescriptorType) for s in setters):
         return cls
     ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
     ns.update({f"_set_{n}": s.__set__ for n, s in zip(names, setters)})

@@ -196,6 +196,7 @@ def test_unchecked_constructors_make_the_objects_the_classes_make() -> None:
         fast.key = "other"  # still frozen
     # a record whose fields are not the ones named (a changed wire record): the class itself, checks and all
     assert unchecked_constructor(p.Blob, ("sha256", "size")) is p.Blob
+    assert unchecked_constructor(tuple, ("a",)) is tuple  # not a dataclass at all
     with pytest.raises(p.DecodeError):
         unchecked_constructor(p.Blob, ("sha256", "size"))("not hex", 1, b"x")
 
@@ -224,7 +225,9 @@ def test_build_many_tuple_path_builds_what_build_builds_at_the_inline_limit(tmp_
             assert item.payload.inline == (data if len(data) <= 64 else None)
             assert item.key == derive_key(item.payload.sha256, spec[1], spec[2] if len(spec) == 3 else {})
             assert p.submit_item_problem(item) == ""
-            p.Blob(item.payload.sha256, item.payload.size, item.payload.inline)  # passes the record's own checks
+            # what the records' own __init__ (and any check it runs) makes of the same values
+            assert p.Blob(item.payload.sha256, item.payload.size, item.payload.inline) == item.payload
+            assert p.SubmitItem(*(getattr(item, f.name) for f in dataclasses.fields(p.SubmitItem))) == item
         assert b.store.exists(many[2].payload.sha256) and b.store.exists(many[5].payload.sha256)
         params = {"t": 1}
         item = (await b.build_many([(b"x", "echo", params)]))[0]
