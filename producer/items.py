@@ -78,9 +78,18 @@ _submit_item = unchecked_constructor(p.SubmitItem, ("key", "kind", "payload", "p
 
 def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
     """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
-    # one hash call over the joined parts: the same bytes as feeding them one by one
-    return hashlib.sha256(b"".join((payload_sha256.encode("ascii"), b"\0", kind.encode("utf-8"), b"\0",
-                                    canonical_params(params)))).hexdigest()
+    return _key(payload_sha256, _kind_part(kind), canonical_params(params))
+
+
+def _kind_part(kind: str) -> bytes:
+    """``kind``'s bytes in :func:`derive_key`'s input (between the two NULs)."""
+    return b"\0" + kind.encode("utf-8") + b"\0"
+
+
+def _key(payload_sha256: str, kind_part: bytes, canonical: bytes) -> str:
+    """:func:`derive_key` from its parts: one hash call over the joined bytes (the same bytes
+    as feeding them one by one), so the same keys as every earlier version."""
+    return hashlib.sha256(payload_sha256.encode("ascii") + kind_part + canonical).hexdigest()
 
 
 def read_payload(payload: Payload) -> bytes:
@@ -208,8 +217,6 @@ class ItemBuilder:
         may have written their blobs), InvalidRequest for a malformed spec."""
         built: list[p.SubmitItem] = []
         append = built.append
-        on_loop_max = self._on_loop_max
-        sha256 = hashlib.sha256
         pack = _pack()  # this thread's: the loop's (an await below resumes on the same thread)
         kind_parts: dict[str, bytes] = {}  # kind -> its bytes in derive_key's input
         for spec in specs:
@@ -227,17 +234,12 @@ class ItemBuilder:
             else:
                 raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
             # a tuple spec: build's steps inlined (same values: no key given, every option at its default)
-            data = payload if type(payload) is bytes else read_payload(payload)
-            if len(data) <= on_loop_max:
-                digest = sha256(data).hexdigest()
-                blob = _blob(digest, len(data), data)
-            else:
-                blob = await self._blob_stored(data)
-                digest = blob.sha256
+            data = read_payload(payload)
+            blob = self._blob_now(data) or await self._blob_stored(data)
             kind_part = kind_parts.get(kind)
             if kind_part is None:
-                kind_part = kind_parts[kind] = b"\0" + kind.encode("utf-8") + b"\0"
-            key = sha256(digest.encode("ascii") + kind_part + pack(sorted(params.items()))).hexdigest()  # derive_key
+                kind_part = kind_parts[kind] = _kind_part(kind)
+            key = _key(blob.sha256, kind_part, pack(sorted(params.items())))  # derive_key, the kind's bytes once
             append(_submit_item(key, kind, blob, params, 0, None, 0, 0.0, b"", b""))
         return built
 
