@@ -59,15 +59,17 @@ def test_log_replays_in_order_and_compacts_to_one_snapshot(tmp_path: Path, monke
     assert _rows(tmp_path / "j", "log") == 1
     j.record(p.TaskFailure("b", 2, "timeout", True, "slow"), "echo")
     j.mark_started(("a", 1))  # not held any more: no change
-    want = {("a", 1): (EntryState.FINISHED, _result("a", 1)),
+    stored = p.TaskResult("d", 4, p.Blob("ab" * 32, 5000, None), "echo", "1", 0.5)
+    j.record(stored, "echo")  # a result in the claim store: no inline bytes
+    want = {("d", 4): (EntryState.FINISHED, stored),("a", 1): (EntryState.FINISHED, _result("a", 1)),
             ("b", 2): (EntryState.FAILED, p.TaskFailure("b", 2, "timeout", True, "slow")),
             ("c", 3): (EntryState.STARTED, None)}
     assert _state(j) == want
     j.close()
     j = Journal.open(tmp_path / "j")
     assert _state(j) == want
-    assert [e.item_id for e in j.entries()] == ["a", "c", "b"]  # oldest write first, as format 1 ordered
-    j.forget([("a", 1), ("b", 2), ("c", 3)])
+    assert [e.item_id for e in j.entries()] == ["a", "b", "c", "d"]  # first write first
+    j.forget([("a", 1), ("b", 2), ("c", 3), ("d", 4)])
     assert j.entries() == [] and _rows(tmp_path / "j", "log") == 0  # nothing left: an empty log
     j.close()
     assert Journal.open(tmp_path / "j").entries() == []

@@ -16,7 +16,9 @@ lease is no longer ours.
 Storage (format 2): a log, table ``log(seq, ops)``, ONE row per transaction (a group
 commit of many jobs' writes), ``ops`` = msgpack ``[[op, rows], ...]`` with op ``h``
 (rows ``[item_id, token, kind]``: held, unless the lease is known), ``s`` (``[item_id,
-token]``: held -> started), ``r`` (``[item_id, token, kind, state, report]``: finished / failed, upsert)
+token]``: held -> started), ``r`` (``[item_id, token, kind, state, report]``: finished /
+failed, upsert; report = ``[sha256, size, inline, handler, handler_version, runtime_s]``
+or ``[reason, retryable, message]``)
 and ``f`` (``[item_id, token]``: forget). Replaying the rows in ``seq`` order gives the
 entries; the journal keeps them in memory too. When no entry is left, or after
 ``COMPACT_ROWS`` log rows, the same transaction replaces the log by one snapshot row
@@ -24,8 +26,8 @@ entries; the journal keeps them in memory too. When no entry is left, or after
 small. A transaction writes one row instead of one per job (hold, started, record and
 forget of 64 jobs were 256 row writes with their index updates).
 
-``report`` holds the msgpack body of a one-element COMPLETE or FAIL, so it is
-decoded with the strict protocol codec (:func:`decode_report`).
+A report is read back through the strict protocol codec (as the body of a one-element
+COMPLETE or FAIL, :func:`decode_report`).
 
 Journals of format 1 (table ``entries``, one row per lease, written by earlier
 workers) are still read: their rows come before the log's on replay, and the first
@@ -144,14 +146,11 @@ def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure
     return report
 
 
-_MISSING: list = []  # undo marker: the key had no entry
-
-
 class Journal:
     """The journal of one worker (see module doc). Every write commits with fsync.
 
-    ``_live``: the entries, ``key -> [kind, state, report bytes | None]``, in the order
-    of their last write (oldest first), as replaying the file gives them."""
+    ``_live``: the entries, ``key -> [kind, state, report | None]`` (report: see
+    :func:`_record_row`), in the order of their first write, as replaying the file gives them."""
 
     path: Path
     _db: sqlite3.Connection
@@ -204,7 +203,7 @@ class Journal:
                         for item_id, token, kind, state, report in rows:
                             live[(item_id, token)] = [kind, state, report]
                     else:
-                        _REPLAY[code](live, rows, None)
+                        _REPLAY[code](live, rows)
             except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
                 raise JournalCorrupt(f"journal {self.path}: log row {seq} does not decode: {exc!r}") from None
 
@@ -236,14 +235,12 @@ class Journal:
         for op, rows in ops:
             code = _OP_CODES[OpKind(op)]
             if code == "r":
-                rows = [[r.item_id, r.token, kind, _FINISHED if type(r) is p.TaskResult else _FAILED, encode_report(r)]
-                        for r, kind in rows]
+                rows = [_record_row(r, kind) for r, kind in rows]
             coded.append([code, rows])
-        undo: dict[Key, list] = {}
         live = self._live
         try:
             for code, rows in coded:
-                _REPLAY[code](live, rows, undo)
+                _REPLAY[code](live, rows)
             with self._tx():
                 if not live or self._log_rows >= COMPACT_ROWS:
                     self._compact()
@@ -251,12 +248,10 @@ class Journal:
                     self._db.execute("INSERT INTO log (ops) VALUES (?)", (_packb(coded),))
                     self._log_rows += 1
         except BaseException:
-            for key, old in undo.items():
-                if old is _MISSING:
-                    live.pop(key, None)
-                else:
-                    live[key] = old
-            self._log_rows = self._count_log_rows()
+            self._live = {}  # rolled back: the file is the truth (a rare path: read it again)
+            self._log_rows = 0
+            self._legacy = False
+            self._load()
             raise
 
     def _compact(self) -> None:
@@ -277,14 +272,16 @@ class Journal:
 
     # --- reads ---
     def entries(self) -> list[JournalEntry]:
-        """Every entry, oldest write first. Raises JournalCorrupt naming one that does not decode."""
+        """Every entry, in the order of their first write. Raises JournalCorrupt naming one that
+        does not decode."""
         out: list[JournalEntry] = []
         for (item_id, token), (kind, state_s, raw) in self._live.items():
             try:
                 state = EntryState(state_s)
-                report = decode_report(state, raw) if state in (EntryState.FINISHED, EntryState.FAILED) else None
+                report = (_decode_entry_report(item_id, token, state, raw)
+                          if state in (EntryState.FINISHED, EntryState.FAILED) else None)
             except (ValueError, DecodeError, TypeError, msgpack.UnpackException) as exc:
-                raise JournalCorrupt(f"journal {self.path}: row ({item_id!r}, {token}) does not decode: {exc}") from None
+                raise JournalCorrupt(f"journal {self.path}: entry ({item_id!r}, {token}) does not decode: {exc}") from None
             out.append(JournalEntry(item_id, token, kind, state, report))
         return out
 
@@ -292,48 +289,65 @@ class Journal:
         return _Tx(self._db)
 
 
-# --- the four writes on the entries (applying, and replaying the log) --------------------
-# rows as in the log; ``undo`` (None on replay) gets each key's value before its first change
+# --- the four writes on the entries (applying, and replaying the log); rows as in the log --
 
 
-def _replay_hold(live: dict[Key, list], rows: list, undo: dict[Key, list] | None) -> None:
+def _replay_hold(live: dict[Key, list], rows: list) -> None:
     for item_id, token, kind in rows:
         key = (item_id, token)
         if key not in live:
-            if undo is not None and key not in undo:
-                undo[key] = _MISSING
             live[key] = [kind, _HELD, None]
 
 
-def _replay_started(live: dict[Key, list], rows: list, undo: dict[Key, list] | None) -> None:
-    for item_id, token in rows:
-        key = (item_id, token)
-        v = live.get(key)
+def _replay_started(live: dict[Key, list], rows: list) -> None:
+    for key in rows:
+        v = live.get((key[0], key[1]))
         if v is not None and v[1] == _HELD:
-            if undo is not None and key not in undo:
-                undo[key] = v
-            del live[key]  # moves to the end: the order of last writes
-            live[key] = [v[0], _STARTED, None]
+            v[1] = _STARTED
 
 
-def _replay_record(live: dict[Key, list], rows: list, undo: dict[Key, list] | None) -> None:
-    for item_id, token, kind, state, raw in rows:
-        key = (item_id, token)
-        old = live.pop(key, _MISSING)
-        if undo is not None and key not in undo:
-            undo[key] = old
-        live[key] = [kind, state, raw]
+def _replay_record(live: dict[Key, list], rows: list) -> None:
+    for item_id, token, kind, state, report in rows:
+        live[(item_id, token)] = [kind, state, report]
 
 
-def _replay_forget(live: dict[Key, list], rows: list, undo: dict[Key, list] | None) -> None:
-    for item_id, token in rows:
-        key = (item_id, token)
-        old = live.pop(key, _MISSING)
-        if undo is not None and key not in undo:
-            undo[key] = old
+def _replay_forget(live: dict[Key, list], rows: list) -> None:
+    for key in rows:
+        live.pop((key[0], key[1]), None)
 
 
-_REPLAY: dict[str, Callable[[dict[Key, list], list, dict[Key, list] | None], None]] = {
+def _record_row(r: p.TaskResult | p.TaskFailure, kind: str) -> list:
+    """The log row of a report: ``[item_id, token, kind, state, report]`` where report is
+    the compact list of :func:`_compact_report` (no per-report msgpack call), or the
+    :func:`encode_report` bytes for a result that carries a federation proof."""
+    if type(r) is p.TaskResult:
+        if r.proof or r.proof_sig:
+            return [r.item_id, r.token, kind, _FINISHED, encode_report(r)]
+        b = r.result
+        return [r.item_id, r.token, kind, _FINISHED, [b.sha256, b.size, b.inline, r.handler, r.handler_version, r.runtime_s]]
+    return [r.item_id, r.token, kind, _FAILED, [r.reason, r.retryable, r.message]]
+
+
+def _decode_entry_report(item_id: str, token: int, state: EntryState, rep: bytes | list) -> p.TaskResult | p.TaskFailure:
+    """A report as kept in an entry: encode_report bytes (format 1, proofs) or the compact
+    list of :func:`_record_row`, decoded by the strict protocol codec either way."""
+    if isinstance(rep, (bytes, bytearray)):
+        return decode_report(state, bytes(rep))
+    if not isinstance(rep, list):
+        raise DecodeError(f"report is a {type(rep).__name__}")
+    if state is EntryState.FINISHED:
+        sha256, size, inline, handler, version, runtime_s = rep
+        body = {"results": [{"item_id": item_id, "token": token,
+                             "result": {"sha256": sha256, "size": size, "inline": inline},
+                             "handler": handler, "handler_version": version, "runtime_s": runtime_s}]}
+    else:
+        reason, retryable, message = rep
+        body = {"failures": [{"item_id": item_id, "token": token, "reason": reason, "retryable": retryable,
+                              "message": message}]}
+    return decode_report(state, _packb(body))
+
+
+_REPLAY: dict[str, Callable[[dict[Key, list], list], None]] = {
     "h": _replay_hold,
     "s": _replay_started,
     "r": _replay_record,
