@@ -117,6 +117,14 @@ class Lanes:
         job.batch_key = key
         self.batches.put(key, job)
 
+    def submit_many(self, keyed: list[tuple[Hashable, Job]]) -> None:
+        """:meth:`submit` of several ``(key, job)``, in order (one clock read, one wake-up)."""
+        queued = JobState.QUEUED
+        for key, job in keyed:
+            job.state = queued
+            job.batch_key = key
+        self.batches.put_many(keyed)
+
     def withdraw(self, job: Job) -> None:
         """Take a job that is still waiting out of the queue (released, given back)."""
         self.batches.discard(job.batch_key, job)
