@@ -171,3 +171,21 @@ def test_sigkill_after_a_batch_is_journaled_resends_each_result_once(broker: Wor
     j = Journal.open(tmp_path / "journal")
     assert j.entries() == []
     j.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_tampered_inline_payload_fails_alone_in_its_frame(broker: WorkerBroker, workers: Workers) -> None:  # noqa: F811
+    """Inline payloads are verified on the loop for a whole DISPATCH frame: the one whose
+    bytes do not match its SHA-256 is reported payload_missing (the item's fault), its
+    frame mates run."""
+    workers.start(max_batch=4, prefetch=4)
+    broker.wait_for(p.Hello)
+    good = [task(f"g{n}", "echo", payload=b"ok%d" % n, token=n + 1) for n in range(3)]
+    bad = p.Task(item_id="bad", token=9, kind="echo", payload=p.Blob(sha256_hex(b"other"), 3, b"abc"), params={},
+                 attempt=1)
+    broker.dispatch(good[0], bad, *good[1:])
+    (fail,) = broker.wait_for(p.Fail)
+    assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("bad", "payload_missing", False)]
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 3, 10, "3 results")
+    got = sorted((r.item_id, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
+    assert got == [(f"g{n}", b"ok%d" % n) for n in range(3)]
