@@ -10,7 +10,7 @@ runner for the whole frame, an asyncio task that carries its jobs to the batch q
          (inline ones on the loop, in turn; stored ones in the I/O threads, together;
          prefetch: outside the slot, while the GPU runs earlier items)
       -> batch key (kind, handler.batch_key(params)) -> the lanes' batch queue
-    the lanes run each batch and hand its RunOutcomes to Reports.finish_many
+    the lanes run each batch and hand its outputs to Reports.finish_outputs
     (:mod:`ccsq.workerd.lanes`, :mod:`ccsq.workerd.reports`): no task per job.
 
 Fetch failures name a reason, never a ``retryable`` flag (the one failure policy

@@ -182,6 +182,7 @@ class Reports:
     async def recover(self, entries: list[JournalEntry]) -> None:
         """Turn the journal's rows into unconfirmed reports (worker module doc: Restart)."""
         lost: list[Key] = []
+        given_back: list[tuple[Report, str]] = []
         for e in entries:
             report = e.report
             if e.state is EntryState.STARTED:
@@ -190,8 +191,10 @@ class Reports:
                 continue
             if report is None:  # held, never started: give it back without costing an attempt
                 report = failure((e.item_id, e.token), p.FailReason.RELEASED, "worker restarted before starting the job")
-                await self._jw.record([(report, e.kind)])
+                given_back.append((report, e.kind))
             self.unconfirmed[(e.item_id, e.token)] = Unconfirmed(report)
+        if given_back:  # journaled (one write) before the session that sends them starts
+            await self._jw.record(given_back)
         if lost:
             await self._jw.forget(lost)
         self._unconfirmed_changed()
