@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,9 @@ def test_sigkill_after_a_batch_is_journaled_resends_each_result_once(broker: Wor
     (hello,) = broker.wait_for(p.Hello, n=2)[1:]
     assert sorted((r.item_id, r.token) for r in hello.msg.leases) == [(f"b{n}", 10 + n) for n in range(6)]
     wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 6, 10, "6 results")
-    time.sleep(0.3)  # a second COMPLETE for any of them would come within this
+    # all confirmed: a heartbeat lists no lease (a second COMPLETE would have come before)
+    wait_until(lambda: any(not s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > hello.mono), 10,
+               "a heartbeat without leases")
     got = sorted((r.item_id, r.token, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
     assert got == [(f"b{n}", 10 + n, b"r%d" % n) for n in range(6)]
     assert "job_started" not in [e["event"] for e in workers.log_events(2)]
@@ -189,3 +190,32 @@ def test_a_tampered_inline_payload_fails_alone_in_its_frame(broker: WorkerBroker
     wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 3, 10, "3 results")
     got = sorted((r.item_id, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
     assert got == [(f"g{n}", b"ok%d" % n) for n in range(3)]
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: WorkerBroker, workers: Workers,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    """SIGKILL once a batch's COMPLETE is confirmed (its forget may still be in the lazy
+    write, or already in the log): the restarted worker runs none of them again; it may
+    re-send a confirmed report at most once (the broker answers duplicate), and the
+    half-confirmed frame's other jobs are not lost."""
+    proc = workers.start(max_batch=8, max_wait_ms=200.0, prefetch=8)
+    broker.wait_for(p.Hello)
+    broker.dispatch(*[task(f"c{n}", "echo", payload=b"c%d" % n, token=20 + n) for n in range(6)])
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 6, 10, "6 results")
+    before = len(broker.of(p.Complete))
+    proc.kill()
+    assert proc.wait(20) == -signal.SIGKILL
+    proc = workers.start(max_batch=8, prefetch=8)
+    (hello,) = broker.wait_for(p.Hello, n=2)[1:]
+    # re-sends of reports not yet forgotten come at once; once confirmed, heartbeats list no lease
+    wait_until(lambda: any(not s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > hello.mono), 10,
+               "a heartbeat without leases")
+    again = [r.item_id for s in broker.of(p.Complete)[before:] for r in s.msg.results]
+    assert len(again) == len(set(again)) and set(again) <= {f"c{n}" for n in range(6)}
+    assert "job_started" not in [e["event"] for e in workers.log_events(2)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    j = Journal.open(tmp_path / "journal")
+    assert j.entries() == []
+    j.close()
