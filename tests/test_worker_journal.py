@@ -219,3 +219,19 @@ def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: Wor
     j = Journal.open(tmp_path / "journal")
     assert j.entries() == []
     j.close()
+
+
+def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot taken while format-1 entries are live keeps their report bytes as they
+    were (decoded by the strict codec on the next open) and deletes the format-1 rows."""
+    monkeypatch.setattr(jmod, "COMPACT_ROWS", 1)
+    d = tmp_path / "j"
+    _write_format1(d, [("done", 5, "echo", "finished", encode_report(_result("done", 5)))])
+    j = Journal.open(d)
+    j.hold([("x", 1, "echo")])  # the first log row
+    j.mark_started(("x", 1))  # the second write: a snapshot
+    assert _rows(d, "entries") == 0 and _rows(d, "log") == 1
+    j.close()
+    j = Journal.open(d)
+    assert _state(j) == {("done", 5): (EntryState.FINISHED, _result("done", 5)), ("x", 1): (EntryState.STARTED, None)}
+    j.close()
