@@ -43,7 +43,7 @@ from ccsq.common.wire.errors import PayloadMissing, PermanentHandlerError
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, JobState, Key, failure
-from ccsq.workerd.journal import GroupCommit
+from ccsq.workerd.journal import GroupCommit, OpKind
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Reports, Spawn
 
@@ -101,7 +101,7 @@ class Intake:
             rows.append((task.item_id, task.token, task.kind))
         if not new:
             return
-        hold = asyncio.ensure_future(self._jw.hold(rows))
+        hold = self._jw.queue(OpKind.HOLD, rows)  # the frame's runner awaits it (one future, no task)
         self._frames_in_flight += 1
         self._spawn(self._run_frame(new, hold), "dispatch")
         self._log.info("dispatched", tasks=len(new), held=len(jobs))

@@ -426,6 +426,11 @@ class GroupCommit:
     async def write(self, op: OpKind, rows: list, *, lazy: bool = False) -> None:
         """Queue ``(op, rows)`` and wait until it is committed (raises the commit's error;
         an unknown ``op`` fails its whole commit with ValueError). Prefer the typed methods."""
+        await self.queue(op, rows, lazy=lazy)
+
+    def queue(self, op: OpKind, rows: list, *, lazy: bool = False) -> asyncio.Future:
+        """:meth:`write` without a coroutine: queue ``(op, rows)`` now and return the future
+        that the commit resolves (no task per write; the caller must consume its error)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.append(((op, rows), fut))
@@ -434,7 +439,7 @@ class GroupCommit:
         else:
             self._eager += 1
             self._commit_soon(loop)
-        await fut
+        return fut
 
     def _commit_soon(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._flusher is None or self._flusher.done():
