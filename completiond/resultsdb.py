@@ -282,7 +282,34 @@ def _ascii(text: str) -> str:
     return text.encode("unicode_escape").decode("ascii")
 
 
-_SQLITE_SCHEMA = """
+#: ``results`` as this version creates it in SQLite: the result is stored once (``result``);
+#: ``result_text`` is a VIRTUAL generated column (computed when read, from ``result`` and the
+#: ``result_is_text`` flag the service sets), so a row holds its result once instead of twice
+#: (a 1 KiB text result: ~1.4 KiB per row instead of ~2.3 KiB, i.e. two rows per 4 KiB page
+#: instead of one). Needs SQLite >= 3.31 (generated columns); an older library creates
+#: :data:`_SQLITE_RESULTS_V1`.
+_SQLITE_RESULTS_V2 = """
+CREATE TABLE IF NOT EXISTS results (
+    item_id TEXT PRIMARY KEY,
+    idem_key TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    params TEXT NOT NULL,
+    result BLOB NOT NULL,
+    result_sha256 TEXT NOT NULL,
+    result_text TEXT GENERATED ALWAYS AS (CASE WHEN result_is_text THEN CAST(result AS TEXT) END) VIRTUAL,
+    attempt INTEGER NOT NULL,
+    handler TEXT NOT NULL,
+    handler_version TEXT NOT NULL,
+    completed_ts REAL NOT NULL,
+    landed_ts REAL NOT NULL,
+    deliveries INTEGER NOT NULL DEFAULT 1,
+    result_is_text INTEGER NOT NULL DEFAULT 0
+);
+"""
+#: ``results`` as versions before 2026-12 created it in SQLite (``result_text`` stored). Such a
+#: database is opened and written as it is (no migration: :meth:`SqliteResults._init_schema`
+#: picks the upsert that fits the table it finds).
+_SQLITE_RESULTS_V1 = """
 CREATE TABLE IF NOT EXISTS results (
     item_id TEXT PRIMARY KEY,
     idem_key TEXT NOT NULL,
@@ -298,6 +325,9 @@ CREATE TABLE IF NOT EXISTS results (
     landed_ts REAL NOT NULL,
     deliveries INTEGER NOT NULL DEFAULT 1
 );
+"""
+#: the rest of the SQLite schema (both versions)
+_SQLITE_SCHEMA = """
 CREATE INDEX IF NOT EXISTS results_idem_key_idx ON results(idem_key);
 CREATE TABLE IF NOT EXISTS results_quarantine (
     item_id TEXT PRIMARY KEY,
@@ -315,6 +345,14 @@ CREATE TABLE IF NOT EXISTS results_quarantine (
     deliveries INTEGER NOT NULL DEFAULT 1
 );
 """
+#: the upsert into a :data:`_SQLITE_RESULTS_V2` table: the row tuple binds as it is (``?7``,
+#: the result's text or NULL, sets only the flag ``result_is_text``)
+_SQLITE_RESULTS_V2_UPSERT = (
+    "INSERT INTO results (item_id, idem_key, kind, params, result, result_sha256, result_is_text, attempt, handler, "
+    "handler_version, completed_ts, landed_ts, deliveries) VALUES (?1,?2,?3,?4,?5,?6,?7 IS NOT NULL,?8,?9,?10,?11,?12,1) "
+    "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1")
+#: SQLite generated columns (3.31.0, 2020-01-22)
+_SQLITE_HAS_GENERATED_COLUMNS = sqlite3.sqlite_version_info >= (3, 31, 0)
 _Q_COLUMNS = (
     "item_id, idem_key, kind, params, result, result_sha256, attempt, handler, handler_version, completed_ts, "
     "landed_ts, error"
@@ -340,6 +378,7 @@ class SqliteResults(ResultsDB):
 
     def __init__(self, path: Path, *, busy_timeout_s: float = 5.0) -> None:
         super().__init__(f"sqlite:///{path}")
+        self._results_v1_sql = self._results_sql  # set per connection by _init_schema
         self.path = path
         self.busy_timeout_s = busy_timeout_s
 
@@ -357,7 +396,16 @@ class SqliteResults(ResultsDB):
     def _init_schema(self, con: sqlite3.Connection) -> None:
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=FULL")
-        con.executescript(_SQLITE_SCHEMA)
+        con.executescript((_SQLITE_RESULTS_V2 if _SQLITE_HAS_GENERATED_COLUMNS else _SQLITE_RESULTS_V1) + _SQLITE_SCHEMA)
+        self._results_sql = _SQLITE_RESULTS_V2_UPSERT if self.schema_version(con) == 2 else self._results_v1_sql
+
+    @staticmethod
+    def schema_version(con: sqlite3.Connection) -> int:
+        """2 when ``results`` on ``con`` stores its result once (``result_text`` generated:
+        :data:`_SQLITE_RESULTS_V2`), 1 when it stores ``result_text`` too (a database made
+        before 2026-12, or by a SQLite older than 3.31)."""
+        hidden = {name: h for _cid, name, _type, _nn, _dflt, _pk, h in con.execute("PRAGMA table_xinfo(results)")}
+        return 2 if hidden.get("result_text") in (2, 3) and "result_is_text" in hidden else 1
 
     def _cancel(self, con: sqlite3.Connection) -> None:
         try:
