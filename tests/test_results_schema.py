@@ -142,3 +142,23 @@ def test_the_documented_repair_query_works_on_an_old_schema_database(tmp_path: P
         assert sorted(r[0] for r in con.execute("SELECT item_id FROM results")) == ["item-00005", "item-00006"]
     finally:
         con.close()
+
+
+def test_params_json_is_the_canonical_json_of_the_reference_encoder() -> None:
+    """``params_to_json`` (a C encoder built once) writes exactly what
+    ``json.dumps(sort_keys=True, separators=(",", ":"))`` writes: the stored text is unchanged."""
+    import base64
+    import math
+
+    from ccsq.completiond.resultsdb import params_to_json
+
+    cases = [
+        {}, {"t": 1796153640.11778, "a": 1, "b": None, "c": True},
+        {"z": [1, 2.5, {"y": "x", "b": [None, False]}], "é": "caf\u00e9 \u6587 \U0001f600 \"q\" \\ \n\0"},
+        {"n": math.nan, "i": math.inf, "m": -math.inf, "big": 2**70, "neg": -0.0, "e": 1e-300},
+        {"blob": b"\x00\xffraw", "s": "text"},
+    ]
+    for params in cases:
+        plain = {k: {"$b64": base64.b64encode(v).decode("ascii")} if isinstance(v, bytes) else v
+                 for k, v in params.items()}
+        assert params_to_json(params) == json.dumps(plain, sort_keys=True, separators=(",", ":")), params
