@@ -162,3 +162,33 @@ def test_params_json_is_the_canonical_json_of_the_reference_encoder() -> None:
         plain = {k: {"$b64": base64.b64encode(v).decode("ascii")} if isinstance(v, bytes) else v
                  for k, v in params.items()}
         assert params_to_json(params) == json.dumps(plain, sort_keys=True, separators=(",", ":")), params
+
+
+def test_a_batch_the_database_takes_lands_without_a_savepoint(tmp_path: Path) -> None:
+    """The common case runs BEGIN, one INSERT per row, COMMIT: no SAVEPOINT (under one, SQLite
+    copies every page the batch changes into a statement journal first). A batch refused for
+    a data reason is rolled back whole and written again with savepoints: the good rows land
+    once, the refused one is quarantined."""
+    db = SqliteResults(tmp_path / "r.db")
+    db.connect()
+    statements: list[str] = []
+    db._con.set_trace_callback(statements.append)
+    try:
+        assert db.land(ROWS) == []
+        assert not [s for s in statements if "SAVEPOINT" in s.upper()]
+        assert [s.split()[0] for s in statements if not s.startswith("INSERT")] == ["BEGIN", "COMMIT"]
+        db._con.execute("CREATE TRIGGER no_late BEFORE INSERT ON results WHEN NEW.idem_key = 'key-5' "
+                        "BEGIN SELECT RAISE(ABORT, 'late'); END")
+        statements.clear()
+        refused = db.land([_row(4, b"four"), _row(5, b"five"), _row(6, b"six")])
+        assert [r.item_id for r, _ in refused] == ["item-00005"]
+        assert [s.split()[0] for s in statements if not s.startswith(("INSERT", "SELECT"))][:3] == [
+            "BEGIN", "ROLLBACK", "BEGIN"]
+    finally:
+        db.close()
+    con = sqlite3.connect(tmp_path / "r.db")
+    try:
+        assert con.execute("SELECT count(*), sum(deliveries) FROM results").fetchone() == (6, 6)
+        assert con.execute("SELECT item_id FROM results_quarantine").fetchall() == [("item-00005",)]
+    finally:
+        con.close()
