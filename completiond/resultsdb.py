@@ -6,7 +6,10 @@ writes a whole batch in ONE transaction with an idempotent upsert keyed by
 ``item_id``: a row that is already there keeps its first result and only
 ``deliveries`` goes up, so a redelivered result lands once and the redelivery
 is still counted. Rows the database refuses for a data reason go to
-``results_quarantine`` in the same transaction (gap G12).
+``results_quarantine`` in the same transaction (gap G12). A SQLite database this
+version creates stores each result once (``result_text`` is generated from ``result``
+and the flag ``result_is_text``); one made before is written as it is
+(:meth:`SqliteResults.schema_version`).
 
 A ``ResultsDB`` is used from one thread (the completion service's DB thread);
 only :meth:`ResultsDB.interrupt` may be called from another one.
@@ -419,7 +422,9 @@ class SqliteResults(ResultsDB):
     def _init_schema(self, con: sqlite3.Connection) -> None:
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=FULL")
-        con.executescript((_SQLITE_RESULTS_V2 if _SQLITE_HAS_GENERATED_COLUMNS else _SQLITE_RESULTS_V1) + _SQLITE_SCHEMA)
+        # CAST(result AS TEXT) reads the bytes in the database's text encoding: UTF-8 only
+        once = _SQLITE_HAS_GENERATED_COLUMNS and con.execute("PRAGMA encoding").fetchone()[0] == "UTF-8"
+        con.executescript((_SQLITE_RESULTS_V2 if once else _SQLITE_RESULTS_V1) + _SQLITE_SCHEMA)
         self._results_sql = _SQLITE_RESULTS_V2_UPSERT if self.schema_version(con) == 2 else self._results_v1_sql
 
     @staticmethod

@@ -192,3 +192,24 @@ def test_a_batch_the_database_takes_lands_without_a_savepoint(tmp_path: Path) ->
         assert con.execute("SELECT item_id FROM results_quarantine").fetchall() == [("item-00005",)]
     finally:
         con.close()
+
+
+def test_a_utf16_database_gets_the_stored_result_text(tmp_path: Path) -> None:
+    """``CAST(result AS TEXT)`` reads bytes in the database's encoding: a file an operator
+    made UTF-16 gets the table that stores ``result_text`` (right text, not mojibake)."""
+    path = tmp_path / "u16.db"
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA encoding = 'UTF-16le'")
+    con.execute("CREATE TABLE unrelated (x)")
+    con.close()
+    db = SqliteResults(path)
+    try:
+        assert db.land(ROWS[:1]) == []
+    finally:
+        db.close()
+    con = sqlite3.connect(path)
+    try:
+        assert SqliteResults.schema_version(con) == 1
+        assert con.execute("SELECT result_text FROM results").fetchone() == ('{"text": "café"}',)
+    finally:
+        con.close()
