@@ -704,11 +704,6 @@ def _record_encoder(cls: type):
     return encode
 
 
-def encode_body(obj: Any) -> Any:
-    """Turn a message or record into plain msgpack-able data (maps of field name -> value)."""
-    return _record_encoder(type(obj))(obj)
-
-
 def _compile_decoder(tp: Any):
     """Return ``conv(value, path, depth)`` that validates and converts one value of type ``tp``."""
     origin = typing.get_origin(tp)
@@ -832,12 +827,8 @@ def _record_decoder(cls: type):
     return decode
 
 
-def decode_body(msg_type: int, body: Any) -> Message:
-    """Build the typed message for ``msg_type`` from decoded msgpack ``body``.
-
-    Raises :class:`DecodeError` (``UNKNOWN_TYPE`` or ``MALFORMED``) on any
-    unknown type, unknown or missing field, or wrong value type.
-    """
+def _slow_decode_body(msg_type: int, body: Any) -> Message:
+    """The reference decoder: the compiled closures above, one call per value."""
     try:
         cls = MESSAGE_CLASSES[MsgType(msg_type)]
     except ValueError:
@@ -845,6 +836,269 @@ def decode_body(msg_type: int, body: Any) -> Message:
     return _record_decoder(cls)(body, cls.__name__, 0)
 
 
+# --- generated fast codec ----------------------------------------------------------
+# The closures above are the reference: clear, one call per value, and the only place
+# that words a refusal. On the hot path every process runs instead one function per
+# message type, generated here once at import as Python source: type checks inlined
+# per field (exact ``type(v) is T``), nested records and lists of records inlined into
+# loops, the dataclass built with positional arguments (``__post_init__`` still runs).
+# A generated decoder only ever accepts a subset of what the reference accepts (it
+# bails out on anything unusual: a missing or unknown field, a subclass, a wrong type,
+# a refusal from ``__post_init__``); when it bails out, the reference decoder runs on
+# the same body and either refuses with its exact message or returns its result. So
+# what is accepted and refused, and every error message, is the reference's.
+
+
+class _Bail(Exception):
+    """The generated fast path gives up; the reference decoder decides."""
+
+
+_MISS = object()
+_SCALAR_SET = frozenset(_SCALAR_TYPES)
+_EXACT_NAMES = {str: "str", int: "int", bool: "bool", bytes: "bytes"}
+
+
+class _Gen:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.ns: dict[str, Any] = {"_Bail": _Bail, "_MISS": _MISS, "_SCALARS": _SCALAR_SET, "_new": object.__new__}
+        self._n = 0
+
+    def var(self, base: str) -> str:
+        self._n += 1
+        return f"{base}{self._n}"
+
+    def const(self, obj: Any, base: str) -> str:
+        name = self.var(f"_k_{base}_")
+        self.ns[name] = obj
+        return name
+
+    def emit(self, ind: int, line: str) -> None:
+        self.lines.append("    " * ind + line)
+
+    def build(self, name: str) -> Callable:
+        exec(compile("\n".join(self.lines) + "\n", f"<ccsq codec {name}>", "exec"), self.ns)  # noqa: S102
+        return self.ns[name]
+
+
+def _plain_fields(cls: type) -> list:
+    fields = dataclasses.fields(cls)
+    if any(not f.init or f.kw_only for f in fields):
+        raise TypeError(f"{cls.__name__}: fast codec needs positional init fields")
+    return fields
+
+
+def _gen_dec_value(g: _Gen, tp: Any, x: str, depth: int, ind: int) -> None:
+    """Emit statements that check local ``x`` like ``_compile_decoder(tp)(x, _, depth)``
+    and leave the converted value in ``x`` (or raise _Bail)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        inner = [a for a in args if a is not type(None)]
+        if type(None) not in args or len(inner) != 1:
+            g.emit(ind, "raise _Bail")  # not in the schema today: the reference decides
+            return
+        g.emit(ind, f"if {x} is not None:")
+        _gen_dec_value(g, inner[0], x, depth, ind + 1)
+        return
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        g.emit(ind, f"if type({x}) is not list: raise _Bail")
+        if depth >= MAX_DEPTH:
+            g.emit(ind, "raise _Bail")
+            return
+        e = g.var("e")
+        if elem in _EXACT_NAMES:
+            g.emit(ind, f"for {e} in {x}:")
+            g.emit(ind + 1, f"if type({e}) is not {_EXACT_NAMES[elem]}: raise _Bail")
+            g.emit(ind, f"{x} = list({x})")
+            return
+        lst = g.var("l")
+        g.emit(ind, f"{lst} = []")
+        g.emit(ind, f"for {e} in {x}:")
+        _gen_dec_value(g, elem, e, depth + 1, ind + 1)
+        g.emit(ind + 1, f"{lst}.append({e})")
+        g.emit(ind, f"{x} = {lst}")
+        return
+    if origin is dict:
+        k, e = g.var("k"), g.var("e")
+        g.emit(ind, f"if type({x}) is not dict or len({x}) > {MAX_MAP_LEN}: raise _Bail")
+        g.emit(ind, f"for {k}, {e} in {x}.items():")
+        g.emit(ind + 1, f"if type({k}) is not str or type({e}) not in _SCALARS: raise _Bail")
+        g.emit(ind, f"{x} = dict({x})")
+        return
+    if dataclasses.is_dataclass(tp):
+        if depth >= MAX_DEPTH:
+            g.emit(ind, "raise _Bail")
+            return
+        _gen_dec_record(g, tp, x, depth + 1, ind)
+        return
+    if tp is float:
+        g.emit(ind, f"if type({x}) is not float:")
+        g.emit(ind + 1, f"if type({x}) is not int: raise _Bail")
+        g.emit(ind + 1, f"{x} = float({x})")
+        return
+    if tp in _EXACT_NAMES:
+        g.emit(ind, f"if type({x}) is not {_EXACT_NAMES[tp]}: raise _Bail")
+        return
+    if tp is Any:
+        return
+    raise TypeError(f"unsupported field type {tp!r}")
+
+
+def _gen_dec_record(g: _Gen, cls: type, m: str, depth: int, ind: int) -> None:
+    """Emit statements that decode the map in local ``m`` as ``_record_decoder(cls)(m, _, depth)``
+    would and leave the instance in ``m``."""
+    hints = typing.get_type_hints(cls)
+    fields = _plain_fields(cls)
+    n_req = sum(1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    g.emit(ind, f"if type({m}) is not dict: raise _Bail")
+    cnt = None
+    if n_req == len(fields):
+        g.emit(ind, f"if len({m}) != {n_req}: raise _Bail")
+    else:
+        cnt = g.var("n")
+        g.emit(ind, f"{cnt} = {n_req}")
+    args = []
+    for f in fields:
+        v = g.var("v")
+        args.append(v)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            g.emit(ind, f"{v} = {m}[{f.name!r}]")  # KeyError: the reference names the missing field
+            _gen_dec_value(g, hints[f.name], v, depth, ind)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = g.const(f.default, f.name)
+        else:
+            default = g.const(f.default_factory, f.name) + "()"
+        g.emit(ind, f"{v} = {m}.get({f.name!r}, _MISS)")
+        g.emit(ind, f"if {v} is _MISS:")
+        g.emit(ind + 1, f"{v} = {default}")
+        g.emit(ind, "else:")
+        g.emit(ind + 1, f"{cnt} += 1")
+        _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
+    if cnt is not None:
+        g.emit(ind, f"if len({m}) != {cnt}: raise _Bail")  # every key was a known field
+    setters = [getattr(cls.__dict__.get(f.name), "__set__", None) for f in fields]
+    if not all(isinstance(s, types.MethodWrapperType) for s in setters):  # not a slots class: the constructor
+        g.emit(ind, f"{m} = {g.const(cls, cls.__name__)}({', '.join(args)})")
+        return
+    # A slots class: fill the slots directly (a frozen dataclass's __init__ goes through
+    # object.__setattr__ per field, twice the cost), then run __post_init__ as __init__ would.
+    g.emit(ind, f"{m} = _new({g.const(cls, cls.__name__)})")
+    for f, v, s in zip(fields, args, setters):
+        g.emit(ind, f"{g.const(s, 'set_' + f.name)}({m}, {v})")
+    post = getattr(cls, "__post_init__", None)
+    if post is not None:
+        g.emit(ind, f"{g.const(post, 'post')}({m})")
+
+
+def _gen_decoder(cls: type) -> Callable[[Any], Any]:
+    g = _Gen()
+    name = f"_decode_{cls.__name__}"
+    g.emit(0, f"def {name}(m):")
+    _gen_dec_record(g, cls, "m", 0, 1)
+    g.emit(1, "return m")
+    return g.build(name)
+
+
+def _gen_enc_value(g: _Gen, tp: Any, src: str, ind: int) -> str:
+    """Emit what is needed before, and return the expression ``_compile_encoder(tp)`` gives for ``src``."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            t, r = g.var("t"), g.var("r")
+            g.emit(ind, f"{t} = {src}")
+            g.emit(ind, f"if {t} is None:")
+            g.emit(ind + 1, f"{r} = None")
+            g.emit(ind, "else:")
+            g.emit(ind + 1, f"{r} = {_gen_enc_record(g, inner[0], t, ind + 1)}")
+            return r
+        return src
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if not dataclasses.is_dataclass(elem):
+            return f"list({src})"
+        lst, e = g.var("l"), g.var("e")
+        g.emit(ind, f"{lst} = []")
+        g.emit(ind, f"for {e} in {src}:")
+        g.emit(ind + 1, f"{lst}.append({_gen_enc_record(g, elem, e, ind + 1)})")
+        return lst
+    if origin is dict:
+        return f"dict({src})"
+    if dataclasses.is_dataclass(tp):
+        t = g.var("t")
+        g.emit(ind, f"{t} = {src}")
+        return _gen_enc_record(g, tp, t, ind)
+    return src
+
+
+def _gen_enc_record(g: _Gen, cls: type, o: str, ind: int) -> str:
+    """Emit statements that build ``_record_encoder(cls)(o)`` (same keys, same order); return its variable."""
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    d = g.var("d")
+    head = []
+    i = 0
+    while i < len(fields) and not fields[i].metadata.get(_OMIT_EMPTY):
+        head.append(f"{fields[i].name!r}: {_gen_enc_value(g, hints[fields[i].name], f'{o}.{fields[i].name}', ind)}")
+        i += 1
+    g.emit(ind, f"{d} = {{{', '.join(head)}}}")
+    for f in fields[i:]:
+        if f.metadata.get(_OMIT_EMPTY):
+            t = g.var("t")
+            g.emit(ind, f"{t} = {o}.{f.name}")
+            g.emit(ind, f"if {t}:")
+            g.emit(ind + 1, f"{d}[{f.name!r}] = {_gen_enc_value(g, hints[f.name], t, ind + 1)}")
+        else:
+            g.emit(ind, f"{d}[{f.name!r}] = {_gen_enc_value(g, hints[f.name], f'{o}.{f.name}', ind)}")
+    return d
+
+
+def _gen_encoder(cls: type) -> Callable[[Any], dict]:
+    g = _Gen()
+    name = f"_encode_{cls.__name__}"
+    g.emit(0, f"def {name}(o):")
+    g.emit(1, f"return {_gen_enc_record(g, cls, 'o', 1)}")
+    return g.build(name)
+
+
+_FAST_ENCODERS: dict[type, Callable[[Any], dict]] = {}
+_FAST_DECODERS: dict[int, Callable[[Any], Message]] = {}
+
+
+def encode_body(obj: Any) -> Any:
+    """Turn a message or record into plain msgpack-able data (maps of field name -> value).
+
+    Same maps as the reference ``_record_encoder``: keys in field order, empty
+    ``extension`` fields left out, nested records as maps, lists and maps copied."""
+    enc = _FAST_ENCODERS.get(type(obj))
+    if enc is None:
+        return _record_encoder(type(obj))(obj)
+    return enc(obj)
+
+
+def decode_body(msg_type: int, body: Any) -> Message:
+    """Build the typed message for ``msg_type`` from decoded msgpack ``body``.
+
+    Raises :class:`DecodeError` (``UNKNOWN_TYPE`` or ``MALFORMED``) on any
+    unknown type, unknown or missing field, or wrong value type.
+    """
+    try:
+        fast = _FAST_DECODERS[msg_type]
+    except Exception:  # not a plain message type number (or unhashable): the reference words it
+        return _slow_decode_body(msg_type, body)
+    try:
+        return fast(body)
+    except Exception:  # noqa: BLE001 - _Bail, KeyError, a refusal: the reference decides and words it
+        return _slow_decode_body(msg_type, body)
+
+
 for _cls in MESSAGE_CLASSES.values():  # compile eagerly: errors show at import, not on the wire
     _record_encoder(_cls)
     _record_decoder(_cls)
+for _cls in list(_ENCODERS):  # every record reachable from a message
+    _FAST_ENCODERS[_cls] = _gen_encoder(_cls)
+for _type, _cls in MESSAGE_CLASSES.items():
+    _FAST_DECODERS[int(_type)] = _gen_decoder(_cls)
