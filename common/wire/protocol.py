@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -272,8 +273,52 @@ def submit_item_problem(item: SubmitItem) -> str:
     not JSON) in ``params``, ``deadline_ts`` or ``max_runtime_s``. The payload is
     not part of the rule (:func:`submit_fields_problem` is the same rule on the fields).
     """
+    try:
+        if _submit_item_plainly_fine(item):
+            return ""
+    except Exception:  # noqa: BLE001 - anything odd: the rule below decides (and raises as it always did)
+        pass
     return submit_fields_problem(kind=item.kind, key=item.key, priority=item.priority, max_attempts=item.max_attempts,
                                  max_runtime_s=item.max_runtime_s, deadline_ts=item.deadline_ts, params=item.params)
+
+
+_FLOAT_MAX = sys.float_info.max
+_PARAM_PLAIN_TYPES = frozenset({int, bool, bytes, type(None)})
+
+
+def _submit_item_plainly_fine(item: SubmitItem) -> bool:
+    """True only when :func:`submit_fields_problem` would return "" for ``item`` (the broker
+    runs this per submitted item): plain ASCII key and kind (for ASCII, ``isprintable`` is
+    exactly "no control character", and the length is the UTF-8 length), exact int and
+    float types, finite floats by comparison. False means "not sure": the full rule runs."""
+    kind, key = item.kind, item.key
+    if not (type(kind) is str and 0 < len(kind) <= MAX_KIND_LEN and kind.isascii() and kind.isprintable()):
+        return False
+    if not (type(key) is str and 0 < len(key) <= MAX_KEY_BYTES and key.isascii() and key.isprintable()):
+        return False
+    prio, attempts, runtime, deadline = item.priority, item.max_attempts, item.max_runtime_s, item.deadline_ts
+    if not (type(prio) is int and PRIO_MIN <= prio <= PRIO_MAX and type(attempts) is int and 0 <= attempts <= 1000):
+        return False
+    if not (type(runtime) is float and 0.0 <= runtime <= _FLOAT_MAX):  # NaN fails every comparison
+        return False
+    if deadline is not None and not (type(deadline) is float and -_FLOAT_MAX <= deadline <= _FLOAT_MAX):
+        return False
+    params = item.params
+    if type(params) is not dict:
+        return False
+    for k, v in params.items():
+        if type(k) is not str or "\0" in k:
+            return False
+        t = type(v)
+        if t is float:
+            if not -_FLOAT_MAX <= v <= _FLOAT_MAX:
+                return False
+        elif t is str:
+            if "\0" in v:
+                return False
+        elif t not in _PARAM_PLAIN_TYPES:
+            return False
+    return True
 
 
 def submit_fields_problem(*, kind: str, key: str | None, priority: int, max_attempts: int, max_runtime_s: float,
