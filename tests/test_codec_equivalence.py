@@ -279,3 +279,30 @@ def test_submit_item_problem_matches_the_full_rule(seed: int) -> None:
             kind=item.kind, key=item.key, priority=item.priority, max_attempts=item.max_attempts,
             max_runtime_s=item.max_runtime_s, deadline_ts=item.deadline_ts, params=item.params))
         assert outcome(p.submit_item_problem, item) == full, item
+
+
+def test_blob_rule_inlined_exactly() -> None:
+    """The generated decoders inline Blob.__post_init__'s rule: same verdict on every corner."""
+    item = p.encode_body(p.SubmitItem("k", "echo", p.Blob("a" * 64, 2, b"ok")))
+    shas = ["a" * 64, "0123456789abcdef" * 4, "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 63 + "\n", " " + "a" * 63,
+            "é" * 64, "a" * 63 + "٣", ""]
+    sizes = [0, 2, 3, -1, 2**64 - 1, True, 2.0]
+    inlines = [None, b"", b"ok", b"okk", "ok", bytearray(b"ok")]
+    for sha in shas:
+        for size in sizes:
+            for inline in inlines:
+                blob = {"sha256": sha, "size": size, "inline": inline}
+                for payload in (blob, {k: v for k, v in blob.items() if k != "inline"}):
+                    ref = check_body(p.MsgType.SUBMIT, {"req": 1, "items": [{**item, "payload": payload}]})
+                    if ref[0] == "ok":
+                        blob_out = ref[1].items[0].payload
+                        assert type(blob_out) is p.Blob and blob_out.sha256 == sha
+
+
+def test_fast_decoded_objects_are_the_real_frozen_classes() -> None:
+    msg = p.Dispatch([p.Task("i", 1, "echo", p.Blob("a" * 64, 0, b""), {}, 1)])
+    got = p._FAST_DECODERS[int(p.MsgType.DISPATCH)](msgpack.unpackb(pack(p.encode_body(msg)), raw=False))
+    assert type(got) is p.Dispatch and isinstance(got, p.Message) and got == msg and hash(got.tasks[0].payload)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.tasks[0].token = 2  # type: ignore[misc]
+    assert copy.deepcopy(got) == msg and dataclasses.replace(got.tasks[0], token=5).token == 5

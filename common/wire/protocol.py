@@ -906,7 +906,8 @@ _EXACT_NAMES = {str: "str", int: "int", bool: "bool", bytes: "bytes"}
 class _Gen:
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.ns: dict[str, Any] = {"_Bail": _Bail, "_MISS": _MISS, "_SCALARS": _SCALAR_SET, "_new": object.__new__}
+        self.ns: dict[str, Any] = {"_Bail": _Bail, "_MISS": _MISS, "_SCALARS": _SCALAR_SET, "_new": object.__new__,
+                                   "_hexfull": _HEX_RE.fullmatch}
         self._n = 0
 
     def var(self, base: str) -> str:
@@ -1024,18 +1025,54 @@ def _gen_dec_record(g: _Gen, cls: type, m: str, depth: int, ind: int) -> None:
         _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
     if cnt is not None:
         g.emit(ind, f"if len({m}) != {cnt}: raise _Bail")  # every key was a known field
-    setters = [getattr(cls.__dict__.get(f.name), "__set__", None) for f in fields]
-    if not all(isinstance(s, types.MethodWrapperType) for s in setters):  # not a slots class: the constructor
+    post = getattr(cls, "__post_init__", None)
+    check = _INLINE_CHECKS.get(cls)
+    if check is not None:  # __post_init__'s rule as one expression over the (exactly typed) values
+        g.emit(ind, f"if not ({check.format(**dict(zip((f.name for f in fields), args)))}): raise _Bail")
+        post = None
+    twin = _twin(cls)
+    if twin is None:  # not a plain slots class: its constructor
         g.emit(ind, f"{m} = {g.const(cls, cls.__name__)}({', '.join(args)})")
         return
-    # A slots class: fill the slots directly (a frozen dataclass's __init__ goes through
-    # object.__setattr__ per field, twice the cost), then run __post_init__ as __init__ would.
-    g.emit(ind, f"{m} = _new({g.const(cls, cls.__name__)})")
-    for f, v, s in zip(fields, args, setters):
-        g.emit(ind, f"{g.const(s, 'set_' + f.name)}({m}, {v})")
-    post = getattr(cls, "__post_init__", None)
+    # A frozen dataclass's __init__ stores each field through object.__setattr__ (a
+    # call per field): instead fill the slots of an unfrozen twin with plain stores, make
+    # it the real class (same slot layout), and run __post_init__ as __init__ would.
+    g.emit(ind, f"{m} = _new({g.const(twin, 'twin_' + cls.__name__)})")
+    for f, v in zip(fields, args):
+        g.emit(ind, f"{m}.{f.name} = {v}")
+    g.emit(ind, f"{m}.__class__ = {g.const(cls, cls.__name__)}")
     if post is not None:
         g.emit(ind, f"{g.const(post, 'post')}({m})")
+
+
+#: ``__post_init__`` rules the generated decoders inline, as one expression over the field
+#: values (there already of the exact field types: str, int, bytes | None). Keep each in
+#: step with its ``__post_init__`` (tests/test_codec_equivalence.py compares the two).
+_INLINE_CHECKS: dict[type, str] = {
+    Blob: "len({sha256}) == 64 and _hexfull({sha256}) is not None and {size} >= 0"
+          " and ({inline} is None or len({inline}) == {size})",
+}
+
+
+def _twin(cls: type) -> type | None:
+    """An unfrozen class with ``cls``'s exact slots whose instances may become ``cls``
+    instances by ``__class__`` assignment; None when ``cls`` is not such a slots class."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if getattr(cls, "__slots__", None) != names or any("__slots__" not in vars(b) for b in cls.__mro__[:-1]):
+        return None
+    if any(vars(b)["__slots__"] for b in cls.__mro__[1:-1]):
+        return None
+    twin = type(f"_{cls.__name__}Slots", cls.__bases__, {"__slots__": names})
+    try:  # prove it once: the same object the constructor would build
+        probe = object.__new__(twin)
+        for n in names:
+            setattr(probe, n, None)
+        probe.__class__ = cls
+        if any(getattr(probe, n) is not None for n in names):
+            return None
+    except Exception:  # noqa: BLE001 - a layout CPython will not swap: use the constructor
+        return None
+    return twin
 
 
 def _gen_decoder(cls: type) -> Callable[[Any], Any]:
