@@ -143,9 +143,17 @@ def mutate(rng: random.Random, body):
     body = copy.deepcopy(body)
     maps = _maps(body, [])
     target = rng.choice(maps)
-    op = rng.randrange(8)
+    op = rng.randrange(10)
     keys = list(target)
-    if op == 0 or not keys:
+    if op == 8 and keys:  # the same keys in another order (accepted: fields go by name)
+        items = list(target.items())
+        rng.shuffle(items)
+        target.clear()
+        target.update(items[::-1] if len(items) > 1 and [k for k, _ in items] == keys else items)
+    elif op == 9 and keys:  # one key renamed: the same count, an unknown field and (maybe) a missing one
+        k = rng.choice(keys)
+        target[k + "_"] = target.pop(k)
+    elif op == 0 or not keys:
         target[rng.choice(["extra", "TYPE", "Key", StrSub("key")])] = _junk(rng)
     elif op == 1:
         del target[rng.choice(keys)]
