@@ -886,7 +886,8 @@ def _slow_decode_body(msg_type: int, body: Any) -> Message:
 # that words a refusal. On the hot path every process runs instead one function per
 # message type, generated here once at import as Python source: type checks inlined
 # per field (exact ``type(v) is T``), nested records and lists of records inlined into
-# loops, the dataclass built with positional arguments (``__post_init__`` still runs).
+# loops, the usual key order read in one go, each record's slots filled directly
+# (``__post_init__`` still runs, or its rule is inlined: ``_INLINE_CHECKS``).
 # A generated decoder only ever accepts a subset of what the reference accepts (it
 # bails out on anything unusual: a missing or unknown field, a subclass, a wrong type,
 # a refusal from ``__post_init__``); when it bails out, the reference decoder runs on
@@ -927,10 +928,10 @@ class _Gen:
         return self.ns[name]
 
 
-def _plain_fields(cls: type) -> list:
+def _plain_fields(cls: type) -> tuple:
     fields = dataclasses.fields(cls)
-    if any(not f.init or f.kw_only for f in fields):
-        raise TypeError(f"{cls.__name__}: fast codec needs positional init fields")
+    if any(not f.init for f in fields):  # the reference refuses such a field when sent: leave it to it
+        raise TypeError(f"{cls.__name__}: no generated decoder for a field outside __init__")
     return fields
 
 
@@ -1219,4 +1220,7 @@ for _cls in MESSAGE_CLASSES.values():  # compile eagerly: errors show at import,
 for _cls in list(_ENCODERS):  # every record reachable from a message
     _FAST_ENCODERS[_cls] = _gen_encoder(_cls)
 for _type, _cls in MESSAGE_CLASSES.items():
-    _FAST_DECODERS[int(_type)] = _gen_decoder(_cls)
+    try:
+        _FAST_DECODERS[int(_type)] = _gen_decoder(_cls)
+    except TypeError:  # a shape the generator does not know: the reference decodes it (slowly)
+        pass
