@@ -886,7 +886,7 @@ def _slow_decode_body(msg_type: int, body: Any) -> Message:
 # that words a refusal. On the hot path every process runs instead one function per
 # message type, generated here once at import as Python source: type checks inlined
 # per field (exact ``type(v) is T``), nested records and lists of records inlined into
-# loops, the usual key order read in one go, each record's slots filled directly
+# loops, each record's slots filled directly
 # (``__post_init__`` still runs, or its rule is inlined: ``_INLINE_CHECKS``).
 # A generated decoder only ever accepts a subset of what the reference accepts (it
 # bails out on anything unusual: a missing or unknown field, a subclass, a wrong type,
@@ -1000,58 +1000,32 @@ def _gen_dec_record(g: _Gen, cls: type, m: str, depth: int, ind: int) -> None:
     fields = _plain_fields(cls)
     n_req = sum(1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
     g.emit(ind, f"if type({m}) is not dict: raise _Bail")
-    args = [g.var("v") for _ in fields]
-    required = [f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields]
-    defaults = [None if req else g.const(f.default, f.name) if f.default is not dataclasses.MISSING
-                else g.const(f.default_factory, f.name) + "()" for f, req in zip(fields, required)]
-    if n_req == len(fields):  # every field required: the keys in any order, then the values
+    cnt = None
+    if n_req == len(fields):
         g.emit(ind, f"if len({m}) != {n_req}: raise _Bail")
-        for f, v in zip(fields, args):
-            g.emit(ind, f"{v} = {m}[{f.name!r}]")  # KeyError: the reference names the missing field
-    elif all(_default_passes(f, hints[f.name]) for f, req in zip(fields, required) if not req):
-        # What our encoders send: every field but the empty extensions, in field order
-        # (msgpack interns map keys, so the tuple compare is by identity). Any other
-        # shape takes the key-by-key branch. Defaults pass the checks below unchanged.
-        sent = [not f.metadata.get(_OMIT_EMPTY) for f in fields]
-        shape = g.const(tuple(f.name for f, s in zip(fields, sent) if s), "shape")
-        g.emit(ind, f"if tuple({m}) == {shape}:")
-        g.emit(ind + 1, f"{', '.join(v for v, s in zip(args, sent) if s)}, = {m}.values()")
-        for v, s, d in zip(args, sent, defaults):
-            if not s:
-                g.emit(ind + 1, f"{v} = {d}")
-        g.emit(ind, "else:")
-        cnt = g.var("n")
-        g.emit(ind + 1, f"{cnt} = {n_req}")
-        for f, v, d in zip(fields, args, defaults):
-            if d is None:
-                g.emit(ind + 1, f"{v} = {m}[{f.name!r}]")
-            else:
-                g.emit(ind + 1, f"{v} = {m}.get({f.name!r}, _MISS)")
-                g.emit(ind + 1, f"if {v} is _MISS:")
-                g.emit(ind + 2, f"{v} = {d}")
-                g.emit(ind + 1, "else:")
-                g.emit(ind + 2, f"{cnt} += 1")
-        g.emit(ind + 1, f"if len({m}) != {cnt}: raise _Bail")  # every key was a known field
-        for f, v in zip(fields, args):
-            _gen_dec_value(g, hints[f.name], v, depth, ind)
-    else:  # a default the checks would not pass as is: check only what was sent
+    else:
         cnt = g.var("n")
         g.emit(ind, f"{cnt} = {n_req}")
-        for f, v, d in zip(fields, args, defaults):
-            if d is None:
-                g.emit(ind, f"{v} = {m}[{f.name!r}]")
-                _gen_dec_value(g, hints[f.name], v, depth, ind)
-                continue
-            g.emit(ind, f"{v} = {m}.get({f.name!r}, _MISS)")
-            g.emit(ind, f"if {v} is _MISS:")
-            g.emit(ind + 1, f"{v} = {d}")
-            g.emit(ind, "else:")
-            g.emit(ind + 1, f"{cnt} += 1")
-            _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
-        g.emit(ind, f"if len({m}) != {cnt}: raise _Bail")
-    if n_req == len(fields):
-        for f, v in zip(fields, args):
+    args = []
+    for f in fields:
+        v = g.var("v")
+        args.append(v)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            g.emit(ind, f"{v} = {m}[{f.name!r}]")  # KeyError: the reference names the missing field
             _gen_dec_value(g, hints[f.name], v, depth, ind)
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = g.const(f.default, f.name)
+        else:
+            default = g.const(f.default_factory, f.name) + "()"
+        g.emit(ind, f"{v} = {m}.get({f.name!r}, _MISS)")
+        g.emit(ind, f"if {v} is _MISS:")
+        g.emit(ind + 1, f"{v} = {default}")
+        g.emit(ind, "else:")
+        g.emit(ind + 1, f"{cnt} += 1")
+        _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
+    if cnt is not None:
+        g.emit(ind, f"if len({m}) != {cnt}: raise _Bail")  # every key was a known field
     post = getattr(cls, "__post_init__", None)
     check = _INLINE_CHECKS.get(cls)
     if check is not None:  # __post_init__'s rule as one expression over the (exactly typed) values
@@ -1070,16 +1044,6 @@ def _gen_dec_record(g: _Gen, cls: type, m: str, depth: int, ind: int) -> None:
     g.emit(ind, f"{m}.__class__ = {g.const(cls, cls.__name__)}")
     if post is not None:
         g.emit(ind, f"{g.const(post, 'post')}({m})")
-
-
-def _default_passes(f: dataclasses.Field, tp: Any) -> bool:
-    """Whether the reference decoder would take ``f``'s default as sent, giving it back unchanged."""
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    try:
-        got = _compile_decoder(tp)(value, f.name, 0)
-    except DecodeError:
-        return False
-    return type(got) is type(value) and got == value
 
 
 #: ``__post_init__`` rules the generated decoders inline, as one expression over the field
