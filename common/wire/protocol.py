@@ -1055,9 +1055,18 @@ _INLINE_CHECKS: dict[type, str] = {
 }
 
 
+_TWINS: dict[type, type | None] = {}
+
+
 def _twin(cls: type) -> type | None:
     """An unfrozen class with ``cls``'s exact slots whose instances may become ``cls``
     instances by ``__class__`` assignment; None when ``cls`` is not such a slots class."""
+    if cls not in _TWINS:
+        _TWINS[cls] = _make_twin(cls)
+    return _TWINS[cls]
+
+
+def _make_twin(cls: type) -> type | None:
     names = tuple(f.name for f in dataclasses.fields(cls))
     if getattr(cls, "__slots__", None) != names or any("__slots__" not in vars(b) for b in cls.__mro__[:-1]):
         return None
