@@ -166,6 +166,7 @@ def make_codec(settings: PeerSettings) -> EnvelopeCodec:
         max_frame_bytes=settings.max_frame_bytes,
         max_clock_skew_s=settings.max_clock_skew_s,
         require_hello=False,
+        session_macs=True,  # HMAC tags instead of signatures once the broker's WELCOME agrees (docs/security.md)
     )
 
 
@@ -299,7 +300,8 @@ class BrokerLink:
             self.sessions += 1
             self.state = LinkState.READY
             self.ready.set()
-            self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch)
+            self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch,
+                          session_mac=self.codec.mac_active)
             tasks = [
                 asyncio.create_task(self._reader(sock), name="link-reader"),
                 asyncio.create_task(self._writer(sock), name="link-writer"),
