@@ -192,7 +192,8 @@ class Sessions:
             self.peers.remove(sess.peer_id)
         sess.status = PeerStatus.GONE
         self.outbound.drop_unsent(sess)
-        self.outbound.close_mac(sess.routing_id)
+        if not ended_before:  # (a later session may use the same socket and its own MAC keys)
+            self.outbound.close_mac(sess.routing_id)
         if not ended_before:  # (a later session of the same peer id may have deliveries in flight)
             self.delivery.session_ended(sess.peer_id)
         log.info("peer_disconnected", peer=sess.peer_id, role=sess.role.value, reason=reason)

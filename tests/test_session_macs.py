@@ -231,3 +231,32 @@ def test_codec_refuses_what_a_mac_session_does_not_allow(tmp_path: Path) -> None
     with pytest.raises(DecodeError) as exc:
         b.decode(w.encode(p.Heartbeat()))
     assert exc.value.code == p.REJECT_BAD_SIGNATURE and "changed" in str(exc.value)
+
+
+@pytest.mark.timeout(120)
+def test_real_swarm_runs_over_session_macs(tmp_path: Path) -> None:
+    """The real daemons and the producer library against the real broker: the worker, the
+    completion service and the producer all agree on session MACs (broker log
+    ``peer_connected session_mac=true``, their own ``broker_link_ready``) and the items
+    end acknowledged, each landed once."""
+    import json
+
+    from tests.swarm import Swarm
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_all(workers=1)
+        with swarm.client() as client:
+            for i in range(3):
+                client.submit(f"mac-{i}".encode(), "echo")
+        swarm.wait_acknowledged(3)
+        assert len(swarm.results()) == 3
+        logs = swarm.root / "logs"
+
+        def events(name: str, event: str) -> list[dict]:
+            return [json.loads(line) for line in (logs / f"{name}.log").read_text().splitlines()
+                    if line.startswith("{") and f'"{event}"' in line]
+
+        macs = {e["peer"]: e["session_mac"] for e in events("broker", "peer_connected")}
+        assert set(macs.values()) == {True} and {"worker-1", "completion-1"} <= set(macs) and len(macs) >= 3, macs
+        for name in ("worker-1", "completion"):
+            assert [e["session_mac"] for e in events(name, "broker_link_ready")] == [True]

@@ -1,8 +1,10 @@
 """A peer's session with the broker: one DEALER socket, HELLO/WELCOME, heartbeats,
 the one disconnect rule, and reconnection with capped, jittered backoff.
 
-Used by the worker, the producer's AsyncClient, the completion service and the
-admin CLI. The link owns its socket: only the coroutines of one session (one
+Used by the worker, the producer's AsyncClient, the completion service, the relay
+(both sides) and the admin CLI. Its codec (:func:`make_codec`) offers session MACs in
+every HELLO: once the broker's WELCOME agrees, frames carry a 32-byte HMAC tag instead
+of an Ed25519 signature (``common/wire/envelope.py``; an older broker: signatures). The link owns its socket: only the coroutines of one session (one
 event loop, one thread) touch it; other threads hand work to that loop
 (``loop.call_soon_threadsafe``) rather than calling the link.
 
