@@ -393,7 +393,7 @@ class EnvelopeCodec:
             except InvalidSignature:
                 raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender,
                                self._hello_fresh(msg_type, ts_ms)) from None
-        # --- authenticated from here on: the sender signed exactly these bytes ---
+        # --- authenticated from here on: the sender signed (or, in its session, tagged) exactly these bytes ---
         try:
             mtype = p.MsgType(msg_type)
         except ValueError:
