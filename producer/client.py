@@ -56,6 +56,7 @@ from ccsq.common.link.peer import BrokerLink, refusal_fix
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.policy import refusal_error, refusal_final, refusal_retryable
 from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size, item_size_bound  # noqa: F401 (public here too)
+from ccsq.producer.items import unchecked_constructor
 from ccsq.producer.outbox import Outbox
 from ccsq.producer.replay import OutboxReplay
 
@@ -87,6 +88,10 @@ class Receipt:
     #: no worker seen by the broker recently (since it started, or noted in its ledger the day before) serves this item's kind: it waits
     #: in ``ready`` until one connects (False when unknown: spooled, or an older broker)
     unserved: bool = False
+
+
+#: ``Receipt(item_id, key, duplicate, spooled, unserved)`` without the frozen ``__init__`` (one per item)
+_receipt = unchecked_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
 
 
 def _whole_status(request: Any, parts: list[p.StatusReply]) -> p.StatusReply | None:
@@ -422,7 +427,10 @@ class AsyncClient:
         neither confirmed nor spooled, or the first permanent refusal."""
         if not items:
             return []
-        unique = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
+        if len({it.key for it in items}) == len(items):  # the usual batch: every key once
+            unique = items
+        else:
+            unique = list({it.key: it for it in reversed(items)}.values())[::-1]  # one per key, first wins
         frames = self._frames(unique)  # PayloadTooLarge before anything is sent or spooled
         self._check_refused(self._require_link())  # refused for good: spooling would only hide it
         deadline = await self._direct_deadline(timeout_s)
@@ -436,7 +444,7 @@ class AsyncClient:
                           hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
         if self._replay is not None and unconfirmed:
             await self._replay.spool(unconfirmed, reason="not_confirmed_in_time")
-        return _receipts(items, results, {it.key for it in unconfirmed}, unserved)
+        return _receipts(items, results, {it.key for it in unconfirmed}, unserved, unique is not items)
 
     async def _direct_deadline(self, timeout_s: float) -> float | None:
         """When to give up sending directly (monotonic seconds), once a session is up; None:
@@ -549,12 +557,21 @@ class AsyncClient:
 
 
 def _receipts(requested: list[p.SubmitItem], results: dict[str, p.SubmitResult], spooled_keys: set[str],
-              unserved: set[str]) -> list[Receipt]:
+              unserved: set[str], repeats: bool = True) -> list[Receipt]:
     """One receipt per requested item, in order (a repeated key is a duplicate of the first);
-    raises the typed error of the first item the broker refused for good."""
+    raises the typed error of the first item the broker refused for good. ``repeats``:
+    False when every key of ``requested`` is known to be there once."""
     receipts: list[Receipt] = []
     append = receipts.append
     seen: set[str] = set()
+    if not repeats and not spooled_keys:  # the usual batch: every item confirmed, no key twice
+        for item in requested:
+            key = item.key
+            res = results[key]
+            if res.error:
+                raise refusal_error(res.error, res.message or f"broker refused item {key}")
+            append(_receipt(res.item_id, key, res.duplicate, False, item.kind in unserved))
+        return receipts
     for item in requested:
         key = item.key
         if key in spooled_keys:
@@ -564,7 +581,7 @@ def _receipts(requested: list[p.SubmitItem], results: dict[str, p.SubmitResult],
         res = results[key]
         if res.error:
             raise refusal_error(res.error, res.message or f"broker refused item {key}")
-        append(Receipt(res.item_id, key, res.duplicate or key in seen, False, item.kind in unserved))
+        append(_receipt(res.item_id, key, res.duplicate or key in seen, False, item.kind in unserved))
         seen.add(key)
     return receipts
 

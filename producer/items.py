@@ -11,8 +11,10 @@ ones go to the claim store first (claim check). The idempotency key is
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import threading
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Union
@@ -30,20 +32,64 @@ Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
 _packers = threading.local()
 
 
+def _pack() -> Any:
+    """This thread's ``msgpack.Packer(use_bin_type=True).pack``: the bytes of
+    ``msgpack.packb(..., use_bin_type=True)`` at half the cost (one Packer per thread)."""
+    try:
+        return _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+        return pack
+
+
 def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
     """Deterministic bytes for a params map (sorted keys, msgpack)."""
+    return _pack()(sorted(params.items()))
+
+
+def unchecked_constructor(cls: type, names: tuple[str, ...]) -> Any:
+    """A positional constructor of the frozen, slotted dataclass ``cls`` whose fields are
+    ``names`` (all of them, in order) that sets the slots directly: no ``__init__`` (one
+    ``object.__setattr__`` call per field in a frozen class) and no ``__post_init__`` check,
+    about half the cost. Only for values that pass ``cls``'s checks by construction (a
+    digest from ``hexdigest()``, a size from ``len``...); the object is the one ``cls(...)``
+    makes (equal, hashed and encoded the same). When ``cls``'s fields are not exactly
+    ``names`` (a changed wire record), ``cls`` itself: correct, just not faster."""
+    setters = [getattr(cls, n, None) for n in names]
     try:
-        pack = _packers.pack
-    except AttributeError:  # one Packer per thread: the bytes of msgpack.packb(..., use_bin_type=True), half the cost
-        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
-    return pack(sorted(params.items()))
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    except TypeError:  # no longer a dataclass
+        return cls
+    if fields != names or not all(isinstance(s, types.MemberDescriptorType) for s in setters):
+        return cls
+    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    ns.update({f"_set_{n}": s.__set__ for n, s in zip(names, setters)})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def make_{cls.__name__}({', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", ns)  # noqa: S102
+    return ns[f"make_{cls.__name__}"]
+
+
+#: ``Blob(sha256, size, inline)`` for a digest from ``hexdigest()`` and ``size == len(inline)``
+_blob = unchecked_constructor(p.Blob, ("sha256", "size", "inline"))
+#: ``SubmitItem(...)`` (all ten fields, positional) for fields :func:`_checked_fields` passed
+_submit_item = unchecked_constructor(p.SubmitItem, ("key", "kind", "payload", "params", "priority", "deadline_ts",
+                                                    "max_attempts", "max_runtime_s", "origin", "origin_sig"))
 
 
 def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
     """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
-    # one hash call over the joined parts: the same bytes as feeding them one by one
-    return hashlib.sha256(b"".join((payload_sha256.encode("ascii"), b"\0", kind.encode("utf-8"), b"\0",
-                                    canonical_params(params)))).hexdigest()
+    return _key(payload_sha256, _kind_part(kind), canonical_params(params))
+
+
+def _kind_part(kind: str) -> bytes:
+    """``kind``'s bytes in :func:`derive_key`'s input (between the two NULs)."""
+    return b"\0" + kind.encode("utf-8") + b"\0"
+
+
+def _key(payload_sha256: str, kind_part: bytes, canonical: bytes) -> str:
+    """:func:`derive_key` from its parts: one hash call over the joined bytes (the same bytes
+    as feeding them one by one), so the same keys as every earlier version."""
+    return hashlib.sha256(payload_sha256.encode("ascii") + kind_part + canonical).hexdigest()
 
 
 def read_payload(payload: Payload) -> bytes:
@@ -64,6 +110,9 @@ def read_payload(payload: Payload) -> bytes:
     raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
 
 
+_SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
+
+
 def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     params = dict(params or {})
     if len(params) > p.MAX_MAP_LEN:
@@ -71,7 +120,7 @@ def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     for k, v in params.items():
         if not isinstance(k, str):
             raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, (str, int, float, bool, bytes, type(None))):
+        if not isinstance(v, _SCALAR_TYPES):
             raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
     return params
 
@@ -120,6 +169,9 @@ class ItemBuilder:
     def __init__(self, store: ClaimStore, inline_max_bytes: int) -> None:
         self.store = store
         self.inline_max_bytes = inline_max_bytes
+        #: payloads up to this size (bytes) are made into a blob on the event loop, no I/O: the
+        #: store's own rule (:meth:`ClaimStore.inline_without_io`); -1 when every one needs the store
+        self._on_loop_max = inline_max_bytes if store.inline_without_io(inline_max_bytes, inline_max_bytes) else -1
         self._exec = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ccsq-claimstore")
 
     async def build(
@@ -146,8 +198,8 @@ class ItemBuilder:
     def _blob_now(self, data: bytes) -> p.Blob | None:
         """The payload's blob when making it needs no I/O (inline: a digest, so no coroutine
         hop), else None: then await :meth:`_blob_stored`."""
-        if self.store.inline_without_io(len(data), self.inline_max_bytes):
-            return self.store.put_blob(data, self.inline_max_bytes)
+        if len(data) <= self._on_loop_max:  # the store's put_blob would be the base class's: digest, inline
+            return _blob(hashlib.sha256(data).hexdigest(), len(data), data)
         return None
 
     async def _blob_stored(self, data: bytes) -> p.Blob:
@@ -164,24 +216,31 @@ class ItemBuilder:
         ``kind``, ``params``, ``key``...). Raises as :meth:`build` (items before the bad one
         may have written their blobs), InvalidRequest for a malformed spec."""
         built: list[p.SubmitItem] = []
+        append = built.append
+        pack = _pack()  # this thread's: the loop's (an await below resumes on the same thread)
+        kind_parts: dict[str, bytes] = {}  # kind -> its bytes in derive_key's input
         for spec in specs:
             if isinstance(spec, tuple) and len(spec) in (2, 3):
                 payload, kind = spec[0], spec[1]
-                fields = _checked_fields(kind, spec[2] if len(spec) == 3 else None, None, 0, None, None, None)
-                key = None
+                params = _checked_tuple_fields(kind, spec[2] if len(spec) == 3 else None)
             elif isinstance(spec, Mapping):  # any option: build's own keyword checks and errors
                 spec = dict(spec)
                 try:
                     payload, kind = spec.pop("payload"), spec.pop("kind")
                 except KeyError as exc:
                     raise InvalidRequest(f"submit_many item needs {exc.args[0]!r}") from None
-                built.append(await self.build(payload, kind, **spec))
+                append(await self.build(payload, kind, **spec))
                 continue
             else:
                 raise InvalidRequest("submit_many items are (payload, kind[, params]) tuples or dicts")
+            # a tuple spec: build's steps inlined (same values: no key given, every option at its default)
             data = read_payload(payload)
             blob = self._blob_now(data) or await self._blob_stored(data)
-            built.append(_item(fields, key, blob))
+            kind_part = kind_parts.get(kind)
+            if kind_part is None:
+                kind_part = kind_parts[kind] = _kind_part(kind)
+            key = _key(blob.sha256, kind_part, pack(sorted(params.items())))  # derive_key, the kind's bytes once
+            append(_submit_item(key, kind, blob, params, 0, None, 0, 0.0, b"", b""))
         return built
 
     def close(self) -> None:
@@ -218,7 +277,21 @@ def _checked_fields(kind: Any, params: Mapping[str, Any] | None, key: Any, prior
     return kind, params, priority, deadline_ts, max_attempts, max_runtime_s
 
 
+def _checked_tuple_fields(kind: Any, params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
+    """:func:`_checked_fields` for a ``(payload, kind[, params])`` spec (no key, every option at
+    its default): the same checks, errors and order on the two fields there are; returns
+    the checked params (a copy)."""
+    if not isinstance(kind, str) or not kind:
+        raise InvalidRequest("kind must be a non-empty string")
+    params = check_params(params)
+    problem = p.submit_fields_problem(kind=kind, key=None, params=params, priority=0, deadline_ts=None,
+                                      max_attempts=0, max_runtime_s=0.0)
+    if problem:  # before the blob is written: bad input leaves no orphan
+        raise InvalidRequest(problem)
+    return params
+
+
 def _item(fields: _Fields, key: str | None, blob: p.Blob) -> p.SubmitItem:
     kind, params, priority, deadline_ts, max_attempts, max_runtime_s = fields
-    return p.SubmitItem(key or derive_key(blob.sha256, kind, params), kind, blob, params, priority, deadline_ts,
+    return _submit_item(key or derive_key(blob.sha256, kind, params), kind, blob, params, priority, deadline_ts,
                         max_attempts, max_runtime_s, b"", b"")  # no origin (relay submissions only)

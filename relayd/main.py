@@ -15,7 +15,7 @@ import structlog
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.runtime.daemon import config_path_from_argv
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse
-from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
+from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
 from ccsq.common.wire.errors import JournalCorrupt, JournalLocked
@@ -37,6 +37,7 @@ def run(config_path: str) -> int:
     try:
         cfg = load_relay_config(config_path)
         notifier = Notifier.from_env()
+        catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}")
     logsetup.configure(cfg.log_format)

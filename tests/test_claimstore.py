@@ -212,3 +212,94 @@ def test_one_rule_for_store_errors_and_async_get_put(tmp_path) -> None:
             await store.aget_blob(Blob("0" * 64, 3, None))
 
     asyncio.run(run())
+
+
+# --- S3 that misbehaves: a scripted endpoint (real HTTP, real botocore) ------------------
+class _BadS3:
+    """An S3 endpoint that answers every request with ``status`` and an S3 error body, or
+    (``truncate``) a 200 whose body ends early (a broken response stream)."""
+
+    def __init__(self, status: int = 503, code: str = "SlowDown", truncate: bool = False) -> None:
+        import http.server
+        import threading
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                outer.requests += 1
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                if truncate and self.command == "GET":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b"short")
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                        f"<Message>scripted</Message></Error>").encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body) if self.command != "HEAD" else 0))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _answer
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.requests = 0
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def store(self):
+        from botocore.config import Config as BotoConfig
+
+        from ccsq.common.storage.s3store import S3Store
+
+        client = boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="k",
+                              aws_secret_access_key="s", config=BotoConfig(retries={"total_max_attempts": 1, "mode": "standard"}))
+        return S3Store(client, BUCKET, "p", endpoint_url=self.url)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status,code,truncate", [(503, "SlowDown", False), (500, "InternalError", False),
+                                                  (403, "AccessDenied", False), (200, "", True)])
+def test_s3_errors_while_serving_mean_store_unavailable_never_a_crash(status: int, code: str, truncate: bool) -> None:
+    """A 5xx, SlowDown, access denied after start or a broken response stream used to
+    escape as a raw botocore error (the completion service died on it; a worker could
+    count it against the item). Every one is StoreUnavailable: the one rule then says
+    STORE_UNAVAILABLE (retry later, no attempt counted) and the completion service
+    retries the read with backoff."""
+    from ccsq.common.storage.claimstore import store_failure
+    from ccsq.common.wire.errors import StoreUnavailable
+    from ccsq.common.wire.protocol import FailReason
+
+    bad = _BadS3(status, code, truncate)
+    try:
+        store = bad.store()
+        digest = sha256_hex(b"x")
+        calls = [lambda: store.get(digest)]
+        if not truncate:
+            calls += [lambda: store.exists(digest), lambda: store.put(b"x"), lambda: store.delete(digest),
+                      lambda: list(store.list())]
+        for call in calls:
+            with pytest.raises(StoreUnavailable) as err:
+                call()
+            assert store.uri in str(err.value)
+            assert store_failure(err.value, Blob(digest, 1, None)) == FailReason.STORE_UNAVAILABLE
+        if code == "AccessDenied":
+            assert "bucket policy" in str(err.value)
+        assert bad.requests >= len(calls)  # each call really reached the endpoint
+    finally:
+        bad.close()

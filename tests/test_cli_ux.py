@@ -504,3 +504,13 @@ def test_a_lease_shorter_than_the_heartbeat_is_refused_at_start(tmp_path: Path) 
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == ExitCode.CONFIG, proc.stderr[-1500:]
     assert "lease_ttl_s = 1.0" in proc.stderr and "heartbeat_interval_s = 5.0" in proc.stderr and "brokerd.toml" in proc.stderr
+
+
+def test_config_before_the_action_of_a_command_family(tmp_path: Path, capsys) -> None:
+    """``ccsq dlq --config X list`` and ``ccsq items --config X show ID`` (as users type them)
+    use X, like ``--config`` after the action; argparse used to refuse X as an action."""
+    missing = tmp_path / "elsewhere" / "admin.toml"
+    for argv in (("dlq", "--config", str(missing), "list"), ("items", "--config", str(missing), "show", "abc"),
+                 ("dlq", "list", "--config", str(missing))):
+        rc, _, err = run_ccsq(capsys, *argv)
+        assert rc == ExitCode.CONFIG and str(missing) in err, (argv, err)

@@ -6,8 +6,11 @@ the items ``build`` builds and refuses bad input the same way, and the one-frame
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import random
 import types
+from typing import NamedTuple
 from pathlib import Path
 
 import msgpack
@@ -18,7 +21,8 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import InvalidRequest, PayloadTooLarge
 from ccsq.common.wire.frames import split_frames
 from ccsq.producer.client import AsyncClient
-from ccsq.producer.items import ItemBuilder, canonical_params, derive_key, item_size, item_size_bound
+from ccsq.producer.items import (ItemBuilder, canonical_params, derive_key, item_size, item_size_bound,
+                                 unchecked_constructor)
 
 
 @pytest.mark.parametrize(("args", "key"), [
@@ -108,6 +112,9 @@ def test_build_many_builds_what_build_builds(tmp_path: Path) -> None:
     ((b"x", "echo", {"n": float("nan")}), InvalidRequest, "not a finite number"),
     ((b"x", "echo", {1: "a"}), InvalidRequest, "must be a string"),
     ((b"x", "e\0cho"), InvalidRequest, "control characters"),
+    ((b"x", 5), InvalidRequest, "kind must be a non-empty string"),
+    ((b"x", "echo", {"a": object()}), InvalidRequest, "must be str, int, float"),
+    ((b"x", "e" * 129), InvalidRequest, "kind must be 1..128"),
     (("/nonexistent/file", "echo"), InvalidRequest, "payload file"),
     ({"payload": b"x", "kind": "echo", "max_attempts": 0}, InvalidRequest, "max_attempts"),
     ({"payload": b"x", "kind": "echo", "colour": 1}, TypeError, "colour"),
@@ -171,3 +178,81 @@ def test_outbox_emptiness_is_known_without_a_query_only_until_the_next_spool(tmp
             replay.close()
 
     asyncio.run(main())
+
+
+def test_unchecked_constructors_make_the_objects_the_classes_make() -> None:
+    from ccsq.producer.client import Receipt, _receipt
+
+    data = b"payload"
+    blob = p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+    fast_blob = unchecked_constructor(p.Blob, ("sha256", "size", "inline"))(blob.sha256, blob.size, data)
+    assert fast_blob == blob and hash(fast_blob) == hash(blob) and type(fast_blob) is p.Blob
+    names = tuple(f.name for f in dataclasses.fields(p.SubmitItem))
+    item = p.SubmitItem("k", "echo", blob, {"a": 1}, 3, 1e9, 2, 1.5, b"o", b"s")
+    fast = unchecked_constructor(p.SubmitItem, names)(*(getattr(item, n) for n in names))
+    assert fast == item and repr(fast) == repr(item) and p.encode_body(fast) == p.encode_body(item)
+    assert _receipt("id", "k", True, False, True) == Receipt("id", "k", True, False, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.key = "other"  # still frozen
+    # a record whose fields are not the ones named (a changed wire record): the class itself, checks and all
+    assert unchecked_constructor(p.Blob, ("sha256", "size")) is p.Blob
+    assert unchecked_constructor(tuple, ("a",)) is tuple  # not a dataclass at all
+    with pytest.raises(p.DecodeError):
+        unchecked_constructor(p.Blob, ("sha256", "size"))("not hex", 1, b"x")
+
+
+class _Spec(NamedTuple):
+    payload: object
+    kind: str
+    params: dict
+
+
+def test_build_many_tuple_path_builds_what_build_builds_at_the_inline_limit(tmp_path: Path) -> None:
+    b = _builder(tmp_path)  # inline_max_bytes = 64
+    (tmp_path / "doc").write_bytes(b"F" * 65)
+    specs = [(b"a" * 63, "echo"), (b"b" * 64, "k\u00e9nd-\u6f22", {"z": 1, "a": "\u00e9", "m": None, "f": 2.5, "b": b"\0"}),
+             (b"c" * 65, "echo", {"t": 1.5}), (bytearray(b"d" * 64), "echo"), (memoryview(b"e" * 10), "echo"),
+             (tmp_path / "doc", "echo"), (str(tmp_path / "doc"), "ocr"), _Spec(b"g", "echo", {"n": True}),
+             (b"a" * 63, "echo"), (b"", "echo", {})]
+
+    async def main() -> None:
+        many = await b.build_many(specs)
+        one = [await b.build(s[0], s[1], params=s[2] if len(s) == 3 else None) for s in specs]
+        assert many == one and len(many) == len(specs)
+        for spec, item in zip(specs, many):
+            data = bytes(spec[0]) if not isinstance(spec[0], (str, Path)) else Path(spec[0]).read_bytes()
+            assert item.payload.sha256 == hashlib.sha256(data).hexdigest() and item.payload.size == len(data)
+            assert item.payload.inline == (data if len(data) <= 64 else None)
+            assert item.key == derive_key(item.payload.sha256, spec[1], spec[2] if len(spec) == 3 else {})
+            assert p.submit_item_problem(item) == ""
+            # what the records' own __init__ (and any check it runs) makes of the same values
+            assert p.Blob(item.payload.sha256, item.payload.size, item.payload.inline) == item.payload
+            assert p.SubmitItem(*(getattr(item, f.name) for f in dataclasses.fields(p.SubmitItem))) == item
+        assert b.store.exists(many[2].payload.sha256) and b.store.exists(many[5].payload.sha256)
+        params = {"t": 1}
+        item = (await b.build_many([(b"x", "echo", params)]))[0]
+        params["t"] = 2  # the item holds its own copy of the caller's params
+        assert item.params == {"t": 1}
+
+    try:
+        asyncio.run(main())
+    finally:
+        b.close()
+
+
+def test_receipts_of_a_batch_without_repeated_keys_are_the_general_ones() -> None:
+    from ccsq.common.wire.errors import QueueFull
+    from ccsq.producer.client import _receipts
+
+    blob = p.Blob("f" * 64, 1, b"x")
+    items = [p.SubmitItem(f"k{i}", "ocr" if i % 2 else "echo", blob) for i in range(6)]
+    results = {it.key: p.SubmitResult(it.key, f"id{i}", duplicate=i == 3) for i, it in enumerate(items)}
+    fast = _receipts(items, results, set(), {"ocr"}, repeats=False)
+    assert fast == _receipts(items, results, set(), {"ocr"})
+    assert [(r.item_id, r.duplicate, r.unserved, r.spooled) for r in fast][2:4] == [("id2", False, False, False),
+                                                                                    ("id3", True, True, False)]
+    spooled = _receipts(items, results, {"k1"}, set(), repeats=False)  # a spooled key: the general path
+    assert spooled[1].spooled and spooled[1].item_id == "" and not spooled[0].spooled
+    results["k4"] = p.SubmitResult("k4", "", error="QUEUE_FULL", message="full")
+    with pytest.raises(QueueFull):
+        _receipts(items, results, set(), set(), repeats=False)

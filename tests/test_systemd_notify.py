@@ -138,3 +138,58 @@ def test_watchdog_skips_pings_while_unhealthy(tmp_path: Path) -> None:
 
         unhealthy, recovered = asyncio.run(scenario())
         assert unhealthy == 0 and recovered >= 2
+
+
+_EARLY_STOP_SCRIPT = """
+import asyncio, os, signal, sys
+from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
+assert catch_early_stop()
+os.kill(os.getpid(), signal.SIGTERM)  # arrives while 'starting' (no loop yet)
+print("still alive", flush=True)
+stops = []
+async def main():
+    done = asyncio.Event()
+    async with stop_signals_and_watchdog(Notifier(), lambda name: (stops.append(name), done.set())):
+        await asyncio.wait_for(done.wait(), 10)
+asyncio.run(main())
+print("stopped by", stops, flush=True)
+"""
+
+
+def test_a_stop_signal_during_start_up_is_delivered_once_serving() -> None:
+    """A SIGTERM between start and the loop's signal handlers (systemd stopping a unit
+    that is still starting) used to end the daemon by the signal; now it is remembered and
+    handed to ``on_stop`` once, as soon as the serving block is entered: a clean exit."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _EARLY_STOP_SCRIPT], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if "stop_signal_during_startup" not in ln]  # the log line
+    assert lines == ["still alive", "stopped by ['SIGTERM']"], res.stdout
+
+
+def test_broker_stopped_while_starting_exits_cleanly(tmp_path: Path) -> None:
+    """ccsq-brokerd writes its endpoint file before it serves: a SIGTERM right then (a stop
+    during start-up) must end in exit 0, not death by the signal."""
+    import subprocess
+
+    from ccsq.common.tools.cli import main as ccsq_main
+    from ccsq.common.tools.procs import bin_path
+
+    root = tmp_path / "s"
+    assert ccsq_main(["init", str(root)]) == 0
+    endpoint = root / "broker-data" / "endpoint"
+    proc = subprocess.Popen([bin_path("ccsq-brokerd"), "--config", str(root / "brokerd.toml")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not endpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)  # poll tightly: the window after the file is written is short
+        assert endpoint.exists(), "broker never wrote its endpoint file"
+        proc.send_signal(15)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

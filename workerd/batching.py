@@ -61,6 +61,18 @@ class BatchQueue(Generic[T]):
         self._groups.setdefault(key, deque()).append((time.monotonic(), item))
         self._changed.set()
 
+    def put_many(self, keyed: list[tuple[Hashable, T]]) -> None:
+        """:meth:`put` of several ``(key, item)``, in order."""
+        now = time.monotonic()
+        groups = self._groups
+        for key, item in keyed:
+            q = groups.get(key)
+            if q is None:
+                q = groups[key] = deque()
+            q.append((now, item))
+        if keyed:
+            self._changed.set()
+
     def discard(self, key: Hashable, item: T) -> bool:
         """Remove ``item`` if it is still waiting (cancelled, released). True if it was."""
         q = self._groups.get(key)

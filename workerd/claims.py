@@ -24,9 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from ccsq.common.storage.claimstore import ClaimStore
+from ccsq.common.storage.claimstore import HASH_ON_LOOP_MAX_BYTES, ClaimStore, sha256_hex
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.backoff import backoff_delay_s
+from ccsq.common.wire.errors import PayloadMissing
 
 INLINE_RESULT_MAX_BYTES = 16384  # results up to this size travel inline in COMPLETE
 STORE_UNHEALTHY_MIN_S = 1.0  # the shortest unhealthy pause after a claim-store failure (never 0)
@@ -69,6 +70,21 @@ class Claims:
         the I/O threads). Raises PayloadMissing (absent, corrupt, inline bytes that do not
         match) or the backend's error; what it means: :func:`store_failure`."""
         return await self.store.aget_blob(ref, self._io_pool)
+
+    def verify_on_loop_max_bytes(self) -> int:
+        """The largest inline payload :meth:`verify_inline` may check in place of
+        :meth:`fetch` (``HASH_ON_LOOP_MAX_BYTES``), or 0 when this store's reads are not the
+        base class's (a wrapper or a backend of its own: always :meth:`fetch`)."""
+        return HASH_ON_LOOP_MAX_BYTES if self.store.inline_without_io(0, HASH_ON_LOOP_MAX_BYTES) else 0
+
+    @staticmethod
+    def verify_inline(ref: p.BlobRef) -> bytes:
+        """:meth:`fetch` of an inline payload on the caller's thread (what the base store's
+        ``get_blob`` does for one): its bytes, SHA-256 verified, or PayloadMissing."""
+        inline = ref.inline
+        if inline is None or sha256_hex(inline) != ref.sha256:
+            raise PayloadMissing(f"inline payload does not match its sha256 {ref.sha256}")
+        return inline
 
     async def put_result(self, data: bytes) -> p.BlobRef:
         """A reference to ``data``: inline up to ``INLINE_RESULT_MAX_BYTES``, else stored.

@@ -10,7 +10,7 @@ runner for the whole frame, an asyncio task that carries its jobs to the batch q
          (inline ones on the loop, in turn; stored ones in the I/O threads, together;
          prefetch: outside the slot, while the GPU runs earlier items)
       -> batch key (kind, handler.batch_key(params)) -> the lanes' batch queue
-    the lanes run each batch and hand its RunOutcomes to Reports.finish_many
+    the lanes run each batch and hand its outputs to Reports.finish_outputs
     (:mod:`ccsq.workerd.lanes`, :mod:`ccsq.workerd.reports`): no task per job.
 
 Fetch failures name a reason, never a ``retryable`` flag (the one failure policy
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from collections.abc import Hashable
 from typing import Any
 
 from ccsq.common.wire import protocol as p
@@ -42,7 +43,7 @@ from ccsq.common.wire.errors import PayloadMissing, PermanentHandlerError
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, JobState, Key, failure
-from ccsq.workerd.journal import GroupCommit
+from ccsq.workerd.journal import GroupCommit, OpKind
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Reports, Spawn
 
@@ -80,27 +81,30 @@ class Intake:
     def on_dispatch(self, tasks: list[p.Task], clock_offset_s: float = 0.0) -> None:
         """New leases: hold them all in one journal write, and start ONE runner for the frame."""
         new: list[tuple[Job, p.TaskFailure | None]] = []
+        rows: list[tuple[str, int, str]] = []
         draining = self._draining()
+        jobs, unconfirmed, kinds = self.jobs, self._reports.unconfirmed, self.kinds
         for task in tasks:
             key = (task.item_id, task.token)
-            if key in self.jobs or key in self._reports.unconfirmed:
+            if key in jobs or key in unconfirmed:
                 self._log.info("duplicate_dispatch", item_id=task.item_id, token=task.token)
                 continue
             job = Job(task, clock_offset_s=clock_offset_s)
-            self.jobs[key] = job
+            jobs[key] = job
             verdict = None
             if draining:
                 verdict = failure(key, p.FailReason.RELEASED, "worker is shutting down")
-            elif task.kind not in self.kinds:
-                self._log.warning("unexpected_kind", item_id=task.item_id, kind=task.kind, kinds=self.kinds)
+            elif task.kind not in kinds:
+                self._log.warning("unexpected_kind", item_id=task.item_id, kind=task.kind, kinds=kinds)
                 verdict = failure(key, p.FailReason.RELEASED, f"kind {task.kind!r} is not served here")
             new.append((job, verdict))
+            rows.append((task.item_id, task.token, task.kind))
         if not new:
             return
-        hold = asyncio.ensure_future(self._jw.hold([(j.task.item_id, j.task.token, j.task.kind) for j, _ in new]))
+        hold = self._jw.queue(OpKind.HOLD, rows)  # the frame's runner awaits it (one future, no task)
         self._frames_in_flight += 1
         self._spawn(self._run_frame(new, hold), "dispatch")
-        self._log.info("dispatched", tasks=len(new), held=len(self.jobs))
+        self._log.info("dispatched", tasks=len(new), held=len(jobs))
 
     @staticmethod
     async def _await_hold(hold: asyncio.Future) -> None:
@@ -118,22 +122,29 @@ class Intake:
             await self._await_hold(hold)
             failed: list[tuple[Job, p.TaskFailure]] = []
             stored: list[Job] = []
+            ready: list[tuple[Job, bytes]] = []
+            on_loop_max = self._claims.verify_on_loop_max_bytes()
+            holding, fetching = JobState.HOLDING, JobState.FETCHING
             for job, verdict in jobs:
-                if job.released or job.state is not JobState.HOLDING:
+                if job.released or job.state is not holding:
                     continue
                 if verdict is not None:
                     failed.append((job, verdict))
                     continue
-                job.state = JobState.FETCHING
-                if job.task.payload.inline is None:
+                job.state = fetching
+                ref = job.task.payload
+                if ref.inline is None:
                     stored.append(job)
                     continue
-                try:
-                    payload = await self._claims.fetch(job.task.payload)  # inline: on the loop, no hop
+                try:  # inline: the digest checked on the loop, no hop (or in the I/O threads if it must)
+                    payload = (self._claims.verify_inline(ref) if len(ref.inline) <= on_loop_max
+                               else await self._claims.fetch(ref))
                 except Exception as exc:  # noqa: BLE001 - what it means: store_failure's one rule
                     failed.append((job, self._fetch_failure(job, exc)))
                     continue
-                self._queue(job, payload, failed)
+                ready.append((job, payload))
+            if ready:
+                self._queue_many(ready, failed)
             if stored:
                 await asyncio.gather(*(self._fetch_stored(job) for job in stored))
             if failed:
@@ -172,17 +183,30 @@ class Intake:
 
     def _queue(self, job: Job, payload: bytes, failed: list[tuple[Job, p.TaskFailure]]) -> None:
         """A fetched, verified job -> its batch key -> the batch queue (or a failure)."""
-        task = job.task
-        try:
-            key = (task.kind, self.handler.batch_key(dict(task.params)))
-        except PermanentHandlerError as exc:
-            failed.append((job, failure(job.key, p.FailReason.FATAL, str(exc))))
-            return
-        except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
-            failed.append((job, failure(job.key, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])))
-            return
-        job.payload = payload
-        self._lanes.submit(key, job)
+        self._queue_many([(job, payload)], failed)
+
+    def _queue_many(self, ready: list[tuple[Job, bytes]], failed: list[tuple[Job, p.TaskFailure]]) -> None:
+        """Fetched, verified jobs -> their batch keys -> the batch queue (in order), or failures.
+        A handler without its own ``batch_key`` puts them all under ``(kind, None)``."""
+        own_key = type(self.handler).batch_key is not Handler.batch_key
+        out: list[tuple[Hashable, Job]] = []
+        for job, payload in ready:
+            task = job.task
+            if own_key:
+                try:
+                    key = (task.kind, self.handler.batch_key(dict(task.params)))
+                except PermanentHandlerError as exc:
+                    failed.append((job, failure(job.key, p.FailReason.FATAL, str(exc))))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
+                    failed.append((job, failure(job.key, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])))
+                    continue
+            else:
+                key = (task.kind, None)
+            job.payload = payload
+            out.append((key, job))
+        if out:
+            self._lanes.submit_many(out)
 
     async def _fail_many(self, failed: list[tuple[Job, p.TaskFailure]]) -> None:
         for job, _ in failed:

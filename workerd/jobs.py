@@ -9,7 +9,8 @@ DISPATCH until its report is journaled (:mod:`ccsq.workerd.reports`); its
     (intake: journal, claim store, batch queue)  (lanes)  (reports)
 
 No task or future per job: the intake runs one task per DISPATCH frame, a lane hands a
-whole batch's outcomes to ``Reports.finish_many`` (one task per batch).
+whole batch's outputs to ``Reports.finish_outputs`` (one task per batch; a
+:class:`RunOutcome` per item only for items skipped or overrun, ``Reports.finish_many``).
 
 The worker names a failure's reason and nothing else: ``retryable`` (kept on the wire
 for older brokers) follows from the reason through the one failure policy,

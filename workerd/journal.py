@@ -1,8 +1,8 @@
 """The worker's local journal: held leases and finished-but-unconfirmed reports.
 
 One SQLite file (``<journal_dir>/journal.sqlite3``, WAL, ``synchronous=FULL``,
-so every write is fsynced before the call returns) with one row per lease the
-worker holds, keyed by ``(item_id, token)``::
+so every write is fsynced before the call returns). Its meaning is one entry per
+lease the worker holds, keyed by ``(item_id, token)``::
 
     state     meaning                                         written when
     held      dispatched to us, not started yet               DISPATCH arrives
@@ -10,9 +10,28 @@ worker holds, keyed by ``(item_id, token)``::
     finished  a result is stored, COMPLETE not confirmed      before COMPLETE is sent
     failed    a failure is decided, FAIL not confirmed        before FAIL is sent
 
-``report`` holds the msgpack body of a one-element COMPLETE or FAIL, so it is
-decoded with the strict protocol codec. A row is deleted when the broker
-confirms the report (any outcome) or tells us the lease is no longer ours.
+An entry is gone once the broker confirms the report (any outcome) or tells us the
+lease is no longer ours.
+
+Storage (format 2): a log, table ``log(seq, ops)``, ONE row per transaction (a group
+commit of many jobs' writes), ``ops`` = msgpack ``[[op, rows], ...]`` with op ``h``
+(rows ``[item_id, token, kind]``: held, unless the lease is known), ``s`` (``[item_id,
+token]``: held -> started), ``r`` (``[item_id, token, kind, state, report]``: finished /
+failed, upsert; report = ``[sha256, size, inline, handler, handler_version, runtime_s]``
+or ``[reason, retryable, message]``)
+and ``f`` (``[item_id, token]``: forget). Replaying the rows in ``seq`` order gives the
+entries; the journal keeps them in memory too. When no entry is left, or after
+``COMPACT_ROWS`` log rows, the same transaction replaces the log by one snapshot row
+(``[["S", [[item_id, token, kind, state, report | None], ...]]]``), so the file stays
+small. A transaction writes one row instead of one per job (hold, started, record and
+forget of 64 jobs were 256 row writes with their index updates).
+
+A report is read back through the strict protocol codec (as the body of a one-element
+COMPLETE or FAIL, :func:`decode_report`).
+
+Journals of format 1 (table ``entries``, one row per lease, written by earlier
+workers) are still read: their rows come before the log's on replay, and the first
+compaction deletes them.
 
 The journal is single-writer: :meth:`Journal.open` takes an exclusive
 ``flock`` on ``<journal_dir>/LOCK`` and raises :class:`JournalLocked` when
@@ -42,6 +61,8 @@ from ccsq.common.storage.journal import open_locked_sqlite
 
 Key = tuple[str, int]
 
+COMPACT_ROWS = 64  # log rows (transactions) before the log is replaced by one snapshot row
+
 
 class OpKind(str, enum.Enum):
     """The four journal writes (rows of :meth:`Journal.apply`); call them through the typed
@@ -65,7 +86,7 @@ class EntryState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """One row: a lease, its state, and its report once decided."""
+    """One entry: a lease, its state, and its report once decided."""
 
     item_id: str
     token: int
@@ -74,7 +95,7 @@ class JournalEntry:
     report: p.TaskResult | p.TaskFailure | None
 
 
-_SCHEMA = """
+_LEGACY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     item_id    TEXT    NOT NULL,
     token      INTEGER NOT NULL,
@@ -85,19 +106,32 @@ CREATE TABLE IF NOT EXISTS entries (
     PRIMARY KEY (item_id, token)
 )
 """
+_LOG_SCHEMA = "CREATE TABLE IF NOT EXISTS log (seq INTEGER PRIMARY KEY, ops BLOB NOT NULL)"
 
+_HELD, _STARTED, _FINISHED, _FAILED = (s.value for s in EntryState)
+_OP_CODES = {OpKind.HOLD: "h", OpKind.STARTED: "s", OpKind.RECORD: "r", OpKind.FORGET: "f"}
+_SNAPSHOT = "S"
 
 _COMPLETE_BODY = p.encode_body(p.Complete(results=[]))  # the bodies around one report (field order kept)
 _FAIL_BODY = p.encode_body(p.Fail(failures=[]))
+_PLAIN_RESULT = len(_COMPLETE_BODY) == 0 and len(_FAIL_BODY) == 0  # only the list field: the fast path holds
+_packb = msgpack.Packer(use_bin_type=True).pack
 
 
 def encode_report(report: p.TaskResult | p.TaskFailure) -> bytes:
     """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``: the same
     bytes as ``packb(encode_body(Complete(results=[report])))`` without building the
-    message (one row per item: ~2 us less each)."""
-    if isinstance(report, p.TaskResult):
-        return msgpack.packb({**_COMPLETE_BODY, "results": [p.encode_body(report)]}, use_bin_type=True)
-    return msgpack.packb({**_FAIL_BODY, "failures": [p.encode_body(report)]}, use_bin_type=True)
+    message (tests/test_worker_units.py checks the equality)."""
+    if type(report) is p.TaskResult:
+        if _PLAIN_RESULT and not report.proof and not report.proof_sig:
+            b = report.result
+            return _packb({"results": [{
+                "item_id": report.item_id, "token": report.token,
+                "result": {"sha256": b.sha256, "size": b.size, "inline": b.inline},
+                "handler": report.handler, "handler_version": report.handler_version, "runtime_s": report.runtime_s,
+            }]})
+        return _packb({**_COMPLETE_BODY, "results": [p.encode_body(report)]})
+    return _packb({**_FAIL_BODY, "failures": [p.encode_body(report)]})
 
 
 def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure:
@@ -113,29 +147,65 @@ def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure
 
 
 class Journal:
-    """The journal of one worker (see module doc). Every write commits with fsync."""
+    """The journal of one worker (see module doc). Every write commits with fsync.
+
+    ``_live``: the entries, ``key -> [kind, state, report | None]`` (report: see
+    :func:`_record_row`), in the order of their first write, as replaying the file gives them."""
 
     path: Path
     _db: sqlite3.Connection
     _lock_fd: int
+    _live: dict[Key, list]
+    _log_rows: int  # rows in the log table
+    _legacy: bool  # format-1 rows still in table entries
 
     def __init__(self, path: Path, db: sqlite3.Connection, lock_fd: int) -> None:
         self.path = path
         self._db = db
         self._lock_fd = lock_fd
+        self._live = {}
+        self._log_rows = 0
+        self._legacy = False
+        self._load()
 
     @classmethod
     def open(cls, journal_dir: str | Path) -> Journal:
-        """Open (create) the journal in ``journal_dir``; raises JournalLocked if in use."""
+        """Open (create) the journal in ``journal_dir``; raises JournalLocked if in use,
+        JournalCorrupt naming a log row that does not decode."""
         path, db, lock_fd = open_locked_sqlite(
-            journal_dir, "journal.sqlite3", [_SCHEMA],
+            journal_dir, "journal.sqlite3", [_LEGACY_SCHEMA, _LOG_SCHEMA],
             f"journal {Path(journal_dir)} is in use by another ccsq-workerd (one journal_dir per worker)",
         )
-        return cls(path, db, lock_fd)
+        try:
+            return cls(path, db, lock_fd)
+        except BaseException:
+            db.close()
+            os.close(lock_fd)
+            raise
 
     def close(self) -> None:
         self._db.close()
         os.close(self._lock_fd)
+
+    def _load(self) -> None:
+        """Replay the file into ``_live``: format-1 rows first (oldest first), then the log."""
+        live = self._live
+        for item_id, token, kind, state, raw in self._db.execute(
+                "SELECT item_id, token, kind, state, report FROM entries ORDER BY updated_ts"):
+            live[(item_id, token)] = [kind, state, raw]
+            self._legacy = True
+        for seq, raw in self._db.execute("SELECT seq, ops FROM log ORDER BY seq"):
+            self._log_rows += 1
+            try:
+                ops = msgpack.unpackb(raw, raw=False, use_list=True)
+                for code, rows in ops:
+                    if code == _SNAPSHOT:
+                        for item_id, token, kind, state, report in rows:
+                            live[(item_id, token)] = [kind, state, report]
+                    else:
+                        _REPLAY[code](live, rows)
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+                raise JournalCorrupt(f"journal {self.path}: log row {seq} does not decode: {exc!r}") from None
 
     # --- writes (each call one transaction, fsynced) ---
     def hold(self, leases: list[tuple[str, int, str]]) -> None:
@@ -151,7 +221,7 @@ class Journal:
         self.apply([(OpKind.RECORD, [(report, kind)])])
 
     def forget(self, keys: list[Key]) -> None:
-        """Delete rows (confirmed by the broker, or released by it)."""
+        """Delete entries (confirmed by the broker, or released by it)."""
         if keys:
             self.apply([(OpKind.FORGET, list(keys))])
 
@@ -161,24 +231,57 @@ class Journal:
         token, kind)])``, ``(OpKind.STARTED, [key])``, ``(OpKind.RECORD, [(report,
         kind)])`` or ``(OpKind.FORGET, [key])``. All or nothing: on an error (ValueError
         for an unknown op) nothing is written."""
-        now = time.time()
-        with self._tx():
-            for op, rows in ops:
-                _APPLY[OpKind(op)](self._db, now, rows)
+        coded: list = []
+        for op, rows in ops:
+            code = _OP_CODES[OpKind(op)]
+            if code == "r":
+                rows = [_record_row(r, kind) for r, kind in rows]
+            coded.append([code, rows])
+        live = self._live
+        try:
+            for code, rows in coded:
+                _REPLAY[code](live, rows)
+            with self._tx():
+                if not live or self._log_rows >= COMPACT_ROWS:
+                    self._compact()
+                else:
+                    self._db.execute("INSERT INTO log (ops) VALUES (?)", (_packb(coded),))
+                    self._log_rows += 1
+        except BaseException:
+            self._live = {}  # rolled back: the file is the truth (a rare path: read it again)
+            self._log_rows = 0
+            self._legacy = False
+            self._load()
+            raise
+
+    def _compact(self) -> None:
+        """In the caller's transaction: the log becomes one snapshot row of ``_live``
+        (none when empty), and format-1 rows are deleted."""
+        self._db.execute("DELETE FROM log")
+        if self._legacy:
+            self._db.execute("DELETE FROM entries")
+        self._log_rows = 0
+        if self._live:
+            snap = [[k[0], k[1], v[0], v[1], v[2]] for k, v in self._live.items()]
+            self._db.execute("INSERT INTO log (ops) VALUES (?)", (_packb([[_SNAPSHOT, snap]]),))
+            self._log_rows = 1
+        self._legacy = False
+
+    def _count_log_rows(self) -> int:
+        return self._db.execute("SELECT count(*) FROM log").fetchone()[0]
 
     # --- reads ---
     def entries(self) -> list[JournalEntry]:
-        """Every row, oldest first. Raises JournalCorrupt naming a row that does not decode."""
+        """Every entry, in the order of their first write. Raises JournalCorrupt naming one that
+        does not decode."""
         out: list[JournalEntry] = []
-        rows = self._db.execute(
-            "SELECT item_id, token, kind, state, report FROM entries ORDER BY updated_ts"
-        ).fetchall()
-        for item_id, token, kind, state_s, raw in rows:
+        for (item_id, token), (kind, state_s, raw) in self._live.items():
             try:
                 state = EntryState(state_s)
-                report = decode_report(state, raw) if state in (EntryState.FINISHED, EntryState.FAILED) else None
+                report = (_decode_entry_report(item_id, token, state, raw)
+                          if state in (EntryState.FINISHED, EntryState.FAILED) else None)
             except (ValueError, DecodeError, TypeError, msgpack.UnpackException) as exc:
-                raise JournalCorrupt(f"journal {self.path}: row ({item_id!r}, {token}) does not decode: {exc}") from None
+                raise JournalCorrupt(f"journal {self.path}: entry ({item_id!r}, {token}) does not decode: {exc}") from None
             out.append(JournalEntry(item_id, token, kind, state, report))
         return out
 
@@ -186,37 +289,69 @@ class Journal:
         return _Tx(self._db)
 
 
-def _apply_hold(db: sqlite3.Connection, now: float, leases: list[tuple[str, int, str]]) -> None:
-    db.executemany("INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, NULL, ?)",
-                   [(i, t, k, EntryState.HELD.value, now) for i, t, k in leases])
+# --- the four writes on the entries (applying, and replaying the log); rows as in the log --
 
 
-def _apply_started(db: sqlite3.Connection, now: float, keys: list[Key]) -> None:
-    db.executemany(
-        "UPDATE entries SET state = ?, updated_ts = ? WHERE item_id = ? AND token = ? AND state = ?",
-        [(EntryState.STARTED.value, now, k[0], k[1], EntryState.HELD.value) for k in keys],
-    )
+def _replay_hold(live: dict[Key, list], rows: list) -> None:
+    for item_id, token, kind in rows:
+        key = (item_id, token)
+        if key not in live:
+            live[key] = [kind, _HELD, None]
 
 
-def _apply_record(db: sqlite3.Connection, now: float, reports: list[tuple[p.TaskResult | p.TaskFailure, str]]) -> None:
-    db.executemany(
-        "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (item_id, token) DO UPDATE SET state = excluded.state, "
-        "report = excluded.report, updated_ts = excluded.updated_ts",
-        [(r.item_id, r.token, kind, (EntryState.FINISHED if isinstance(r, p.TaskResult) else EntryState.FAILED).value,
-          encode_report(r), now) for r, kind in reports],
-    )
+def _replay_started(live: dict[Key, list], rows: list) -> None:
+    for key in rows:
+        v = live.get((key[0], key[1]))
+        if v is not None and v[1] == _HELD:
+            v[1] = _STARTED
 
 
-def _apply_forget(db: sqlite3.Connection, now: float, keys: list[Key]) -> None:
-    db.executemany("DELETE FROM entries WHERE item_id = ? AND token = ?", list(keys))
+def _replay_record(live: dict[Key, list], rows: list) -> None:
+    for item_id, token, kind, state, report in rows:
+        live[(item_id, token)] = [kind, state, report]
 
 
-_APPLY: dict[OpKind, Callable[[sqlite3.Connection, float, list], None]] = {
-    OpKind.HOLD: _apply_hold,
-    OpKind.STARTED: _apply_started,
-    OpKind.RECORD: _apply_record,
-    OpKind.FORGET: _apply_forget,
+def _replay_forget(live: dict[Key, list], rows: list) -> None:
+    for key in rows:
+        live.pop((key[0], key[1]), None)
+
+
+def _record_row(r: p.TaskResult | p.TaskFailure, kind: str) -> list:
+    """The log row of a report: ``[item_id, token, kind, state, report]`` where report is
+    the compact list of :func:`_compact_report` (no per-report msgpack call), or the
+    :func:`encode_report` bytes for a result that carries a federation proof."""
+    if type(r) is p.TaskResult:
+        if r.proof or r.proof_sig:
+            return [r.item_id, r.token, kind, _FINISHED, encode_report(r)]
+        b = r.result
+        return [r.item_id, r.token, kind, _FINISHED, [b.sha256, b.size, b.inline, r.handler, r.handler_version, r.runtime_s]]
+    return [r.item_id, r.token, kind, _FAILED, [r.reason, r.retryable, r.message]]
+
+
+def _decode_entry_report(item_id: str, token: int, state: EntryState, rep: bytes | list) -> p.TaskResult | p.TaskFailure:
+    """A report as kept in an entry: encode_report bytes (format 1, proofs) or the compact
+    list of :func:`_record_row`, decoded by the strict protocol codec either way."""
+    if isinstance(rep, (bytes, bytearray)):
+        return decode_report(state, bytes(rep))
+    if not isinstance(rep, list):
+        raise DecodeError(f"report is a {type(rep).__name__}")
+    if state is EntryState.FINISHED:
+        sha256, size, inline, handler, version, runtime_s = rep
+        body = {"results": [{"item_id": item_id, "token": token,
+                             "result": {"sha256": sha256, "size": size, "inline": inline},
+                             "handler": handler, "handler_version": version, "runtime_s": runtime_s}]}
+    else:
+        reason, retryable, message = rep
+        body = {"failures": [{"item_id": item_id, "token": token, "reason": reason, "retryable": retryable,
+                              "message": message}]}
+    return decode_report(state, _packb(body))
+
+
+_REPLAY: dict[str, Callable[[dict[Key, list], list], None]] = {
+    "h": _replay_hold,
+    "s": _replay_started,
+    "r": _replay_record,
+    "f": _replay_forget,
 }
 
 
@@ -291,6 +426,11 @@ class GroupCommit:
     async def write(self, op: OpKind, rows: list, *, lazy: bool = False) -> None:
         """Queue ``(op, rows)`` and wait until it is committed (raises the commit's error;
         an unknown ``op`` fails its whole commit with ValueError). Prefer the typed methods."""
+        await self.queue(op, rows, lazy=lazy)
+
+    def queue(self, op: OpKind, rows: list, *, lazy: bool = False) -> asyncio.Future:
+        """:meth:`write` without a coroutine: queue ``(op, rows)`` now and return the future
+        that the commit resolves (no task per write; the caller must consume its error)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.append(((op, rows), fut))
@@ -299,7 +439,7 @@ class GroupCommit:
         else:
             self._eager += 1
             self._commit_soon(loop)
-        await fut
+        return fut
 
     def _commit_soon(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._flusher is None or self._flusher.done():

@@ -7,9 +7,10 @@ handler.batch_key(params))``), holds ONE slot of the semaphore
 and calls ``handler.run`` (one item) or ``handler.run_batch`` (several) in an
 inference thread, never on the loop, so heartbeats keep flowing while a model runs
 (case C06). ``max_batch`` = the config's, else the handler's (default 1);
-``max_wait_ms`` likewise. The :class:`RunOutcome` of every item of a batch goes, in
-one list, to ``on_outcomes`` (the worker hands it to ``Reports.finish_many``, one task
-per batch, :mod:`ccsq.workerd.reports`): no future or task per item.
+``max_wait_ms`` likewise. The outputs of a handler call go, in one list, to
+``on_outputs`` (the worker hands them to ``Reports.finish_outputs``, one task per batch,
+:mod:`ccsq.workerd.reports`); items skipped or overrun get a :class:`RunOutcome` each,
+through ``on_outcomes`` (``Reports.finish_many``): no future or task per item.
 
 Deadline: an item whose ``deadline_ts`` has passed when its batch is about to start is
 not run (outcome ``skipped``, logged ``deadline_skipped``): it is given back
@@ -65,7 +66,9 @@ class Lanes:
 
     ``more_coming()`` tells the batch queue whether another item can arrive soon;
     ``on_capacity_change()`` is called when a lost slot comes back (credit);
-    ``on_outcomes(pairs)`` gets ``(job, RunOutcome)`` for the items of a batch (once each).
+    ``on_outcomes(pairs)`` gets ``(job, RunOutcome)`` for items not run or overrun, and
+    ``on_outputs(jobs, outputs, runtime_s)`` a handler call's outputs (``bytes`` or an
+    exception per job, in order): each job's outcome goes to one of them, once.
     """
 
     gate: SlotGate
@@ -79,7 +82,8 @@ class Lanes:
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, jw: GroupCommit, log: Any, *,
                  more_coming: Callable[[], bool], on_capacity_change: Callable[[], None],
-                 on_outcomes: Callable[[list[tuple[Job, RunOutcome]]], None]) -> None:
+                 on_outcomes: Callable[[list[tuple[Job, RunOutcome]]], None],
+                 on_outputs: Callable[[list[Job], list[Any], float], None]) -> None:
         self.cfg = cfg
         self.handler = handler
         self.gate = SlotGate(cfg.slots)
@@ -93,6 +97,7 @@ class Lanes:
         self._log = log
         self._on_capacity_change = on_capacity_change
         self._on_outcomes = on_outcomes
+        self._on_outputs = on_outputs
         self._infer_pool = ThreadPoolExecutor(cfg.slots, thread_name_prefix="ccsq-infer")
         self._infer_futures: set[asyncio.Future] = set()
 
@@ -111,6 +116,14 @@ class Lanes:
         job.state = JobState.QUEUED
         job.batch_key = key
         self.batches.put(key, job)
+
+    def submit_many(self, keyed: list[tuple[Hashable, Job]]) -> None:
+        """:meth:`submit` of several ``(key, job)``, in order (one clock read, one wake-up)."""
+        queued = JobState.QUEUED
+        for key, job in keyed:
+            job.state = queued
+            job.batch_key = key
+        self.batches.put_many(keyed)
 
     def withdraw(self, job: Job) -> None:
         """Take a job that is still waiting out of the queue (released, given back)."""
@@ -171,15 +184,11 @@ class Lanes:
         if len(outputs) != len(run):
             err = HandlerError(f"run_batch returned {len(outputs)} outputs for {len(run)} items")
             outputs = [err] * len(run)
-        pairs: list[tuple[Job, RunOutcome]] = []
-        for job, out in zip(run, outputs):
-            job.state = JobState.REPORTING
+        reporting = JobState.REPORTING
+        for job in run:
+            job.state = reporting
             job.payload = None
-            if isinstance(out, BaseException):
-                pairs.append((job, RunOutcome(error=out, runtime_s=runtime_s)))
-            else:
-                pairs.append((job, RunOutcome(data=out, runtime_s=runtime_s)))
-        self._on_outcomes(pairs)
+        self._on_outputs(run, outputs, runtime_s)
 
     def _log_start(self, run: list[Job]) -> None:
         if self.cfg.log_each_job:

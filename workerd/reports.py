@@ -52,17 +52,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, cast
 
 from ccsq.common.link.peer import BrokerLink, LinkState
-from ccsq.common.runtime.faults import crash_point
-from ccsq.common.storage.claimstore import store_failure
+from ccsq.common.runtime.faults import crash_point, crash_point_armed
+from ccsq.common.storage.claimstore import sha256_hex, store_failure
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
 from ccsq.common.wire.frames import split_frames
-from ccsq.workerd.claims import Claims
+from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
 from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
@@ -182,6 +182,7 @@ class Reports:
     async def recover(self, entries: list[JournalEntry]) -> None:
         """Turn the journal's rows into unconfirmed reports (worker module doc: Restart)."""
         lost: list[Key] = []
+        given_back: list[tuple[Report, str]] = []
         for e in entries:
             report = e.report
             if e.state is EntryState.STARTED:
@@ -190,8 +191,10 @@ class Reports:
                 continue
             if report is None:  # held, never started: give it back without costing an attempt
                 report = failure((e.item_id, e.token), p.FailReason.RELEASED, "worker restarted before starting the job")
-                await self._jw.record([(report, e.kind)])
+                given_back.append((report, e.kind))
             self.unconfirmed[(e.item_id, e.token)] = Unconfirmed(report)
+        if given_back:  # journaled (one write) before the session that sends them starts
+            await self._jw.record(given_back)
         if lost:
             await self._jw.forget(lost)
         self._unconfirmed_changed()
@@ -205,29 +208,54 @@ class Reports:
         """Name each outcome's failure reason, or store its result; then :meth:`report_many`
         them all (one journal write). A job given back meanwhile is skipped (its
         ``released`` report is on its way); one the broker released is forgotten."""
+        await self._finish(pairs, None)
+
+    async def finish_outputs(self, jobs: list[Job], outputs: list[Any], runtime_s: float) -> None:
+        """:meth:`finish_many` of one handler call's outputs (``bytes`` or an exception per
+        job, in order; ``runtime_s`` the call's wall seconds), without a RunOutcome per job."""
+        await self._finish(zip(jobs, outputs), runtime_s)
+
+    async def _finish(self, pairs: Iterable[tuple[Job, Any]], runtime_s: float | None) -> None:
+        """The loop of :meth:`finish_many` (``runtime_s`` None: RunOutcomes) and
+        :meth:`finish_outputs` (raw outputs). Inline results are made here, on the loop,
+        when the claim store needs no I/O for them (one SHA-256 each)."""
         reports: list[tuple[Job, Report]] = []
         dropped: list[Job] = []
-        big: list[tuple[Job, bytes, RunOutcome]] = []
-        for job, outcome in pairs:
+        big: list[tuple[Job, bytes, float]] = []
+        inline_ok = self._claims.inline_without_io(b"")
+        after_infer = crash_point_armed("worker.after_infer")
+        name, version = self.handler.name, self._handler_version
+        rt = 0.0 if runtime_s is None else round(runtime_s, 6)
+        task_result, blob = p.TaskResult, p.Blob
+        for job, x in pairs:
             if job.given_back:
                 continue
-            why = self._failure_reason(outcome)
-            if why is not None:
-                if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
-                    self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
-                                   error=repr(outcome.error))
-                reports.append((job, failure(job.key, *why)))
-                continue
-            data = cast(bytes, outcome.data)  # _failure_reason named anything else
-            crash_point("worker.after_infer")
+            if runtime_s is not None and isinstance(x, bytes):  # the common case: a result
+                data, job_rt = x, rt
+            else:
+                outcome = x if runtime_s is None else (
+                    RunOutcome(error=x, runtime_s=runtime_s) if isinstance(x, BaseException)
+                    else RunOutcome(data=x, runtime_s=runtime_s))
+                why = self._failure_reason(outcome)
+                if why is not None:
+                    if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
+                        self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
+                                       error=repr(outcome.error))
+                    reports.append((job, failure(job.key, *why)))
+                    continue
+                data, job_rt = cast(bytes, outcome.data), round(outcome.runtime_s, 6)
+            if after_infer:
+                crash_point("worker.after_infer")
             if job.released:
                 dropped.append(job)
-            elif self._claims.inline_without_io(data):
-                reports.append((job, self._result(job, self._claims.put_inline(data), outcome)))
+            elif inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:  # Claims.put_inline, without its calls
+                t = job.task
+                reports.append((job, task_result(t.item_id, t.token, blob(sha256_hex(data), len(data), data),
+                                                 name, version, job_rt)))
             else:
-                big.append((job, data, outcome))
+                big.append((job, data, job_rt))
         if big:  # results the claim store must write: in the I/O threads, together
-            for job, rep in await asyncio.gather(*(self._store(job, data, outcome) for job, data, outcome in big)):
+            for job, rep in await asyncio.gather(*(self._store(job, data, job_rt) for job, data, job_rt in big)):
                 if rep is None:
                     dropped.append(job)
                 else:
@@ -237,11 +265,10 @@ class Reports:
         if reports:
             await self.report_many(reports)
 
-    def _result(self, job: Job, blob: p.BlobRef, outcome: RunOutcome) -> p.TaskResult:
-        return p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version,
-                            round(outcome.runtime_s, 6))
+    def _result(self, job: Job, blob: p.BlobRef, runtime_s: float) -> p.TaskResult:
+        return p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s)
 
-    async def _store(self, job: Job, data: bytes, outcome: RunOutcome) -> tuple[Job, Report | None]:
+    async def _store(self, job: Job, data: bytes, runtime_s: float) -> tuple[Job, Report | None]:
         """Store one result in the claim store: its report, or None if released meanwhile."""
         try:
             blob = await self._claims.put_result(data)
@@ -249,7 +276,7 @@ class Reports:
             self._log.error("result_store_failed", item_id=job.task.item_id, exc_info=exc)
             self._claims.trouble(repr(exc))
             return job, failure(job.key, store_failure(exc), f"could not store result: {exc!r}"[:1000])
-        return job, (None if job.released else self._result(job, blob, outcome))
+        return job, (None if job.released else self._result(job, blob, runtime_s))
 
     @staticmethod
     def _failure_reason(outcome: RunOutcome) -> tuple[p.FailReason, str] | None:
@@ -280,20 +307,25 @@ class Reports:
         if not live:
             return
         await self._jw.record([(rep, job.task.kind) for job, rep in live])
+        if crash_point_armed("worker.after_result_stored"):
+            for job, rep in live:
+                if isinstance(rep, p.TaskResult):
+                    crash_point("worker.after_result_stored")
         log_each = self.cfg.log_each_job
-        for job, rep in live:
-            if isinstance(rep, p.TaskResult):
-                crash_point("worker.after_result_stored")
         released: list[Job] = []
+        held, unconfirmed, task_result = self._held, self.unconfirmed, p.TaskResult
+        sent: list[Key] = []
+        done = 0
         for job, rep in live:
             if job.released:  # released while the record was written
                 released.append(job)
                 continue
-            key = job.key
-            self._held.pop(key, None)
-            self.unconfirmed[key] = Unconfirmed(rep)
-            if isinstance(rep, p.TaskResult):
-                self.done += 1
+            key = (rep.item_id, rep.token)
+            held.pop(key, None)
+            unconfirmed[key] = Unconfirmed(rep)
+            sent.append(key)
+            if type(rep) is task_result:
+                done += 1
                 if log_each:
                     self._log.info("job_completed", item_id=key[0], token=key[1], runtime_s=rep.runtime_s,
                                    result_bytes=rep.result.size)
@@ -301,7 +333,8 @@ class Reports:
                 self.failed += 1
                 self._log.info("job_failed", item_id=key[0], token=key[1], reason=rep.reason,
                                retryable=rep.retryable, message=rep.message[:200])
-            self._queue_send(key)
+        self.done += done
+        self._queue_send_many(sent)
         self._unconfirmed_changed()
         self._held_changed()
         if released:
@@ -343,14 +376,20 @@ class Reports:
 
     # --- sending and confirmations ------------------------------------------------------
     def _queue_send(self, key: Key) -> None:
-        """Send this report at the end of the loop tick, with every other report
+        """:meth:`_queue_send_many` of one report."""
+        self._queue_send_many([key])
+
+    def _queue_send_many(self, keys: list[Key]) -> None:
+        """Send these reports at the end of the loop tick, with every other report
         journaled in the same group commit: one COMPLETE and one FAIL frame."""
+        if not keys:
+            return
         if self.loop is None:  # not serving (unit use): send at once
-            self.send([key])
+            self.send(keys)
             return
         if not self._unsent:
             self.loop.call_soon(self._flush_unsent)
-        self._unsent.append(key)
+        self._unsent.extend(keys)
 
     def _flush_unsent(self) -> None:
         keys, self._unsent = self._unsent, []

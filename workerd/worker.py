@@ -159,7 +159,9 @@ class Worker:
         self.claims = Claims(store, self._io_pool, on_unhealthy=lambda: self.link.send(self._heartbeat()), log=self.log)
         self.lanes = Lanes(cfg, handler, self.journal_writer, self.log, more_coming=self._more_coming,
                            on_capacity_change=lambda: self.credit.changed(),
-                           on_outcomes=lambda pairs: self._spawn(self.reports.finish_many(pairs), "finish"))
+                           on_outcomes=lambda pairs: self._spawn(self.reports.finish_many(pairs), "finish"),
+                           on_outputs=lambda jobs, outs, rt: self._spawn(self.reports.finish_outputs(jobs, outs, rt),
+                                                                         "finish"))
         self.capacity = cfg.slots * self.lanes.max_batch + cfg.prefetch
         self.jobs = {}
         self.credit = Credit(self.link, available=lambda: self._capacity() - len(self.jobs),

@@ -55,6 +55,12 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def crash_point_armed(name: str) -> bool:
+    """Is ``name`` armed? A caller with many items checks once, then calls
+    :func:`crash_point` per item only when it is (``CCSQ_CRASH_AFTER_N`` counts items)."""
+    return name in _armed()
+
+
 def env_for(point: str, after_n: int = 1) -> dict[str, str]:
     """Environment that arms ``point`` in a child process (for tests)."""
     return {"CCSQ_FAULT_INJECTION": _PHRASE, "CCSQ_CRASH_AT": point, "CCSQ_CRASH_AFTER_N": str(after_n)}

@@ -36,6 +36,7 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass, field
 
@@ -198,6 +199,32 @@ async def watchdog_task(notifier: Notifier, healthy: Callable[[], bool] | None =
         await asyncio.sleep(interval_s)
 
 
+#: The first SIGTERM/SIGINT that arrived before the event loop took the signals over
+#: (``None``: none); set only after :func:`catch_early_stop`.
+_early_stop: signal.Signals | None = None
+
+
+def catch_early_stop() -> bool:
+    """Call first thing in a daemon's start-up (before it binds, opens its ledger or
+    journal): a SIGTERM or SIGINT that arrives before :func:`stop_signals_and_watchdog`
+    runs is remembered instead of ending the process by the signal, and is delivered
+    to that block's ``on_stop`` as soon as it is entered, so a stop during start-up
+    is a clean exit 0 like any other stop. Returns False (and does nothing) outside
+    the main thread, where Python cannot install signal handlers (daemons run
+    in-process by tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+
+    def remember(signum: int, _frame: object) -> None:
+        global _early_stop
+        if _early_stop is None:
+            _early_stop = signal.Signals(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, remember)
+    return True
+
+
 @contextlib.asynccontextmanager
 async def stop_signals_and_watchdog(
     notifier: Notifier, on_stop: Callable[[str], None], healthy: Callable[[], bool] | None = None
@@ -205,10 +232,17 @@ async def stop_signals_and_watchdog(
     """The serving boilerplate of every daemon: while the block runs, SIGTERM and SIGINT
     call ``on_stop(signal name)`` (which tells systemd STOPPING and asks the daemon to
     stop) and :func:`watchdog_task` pings systemd (``healthy`` as there). On exit the
-    watchdog task is cancelled and awaited. Must be entered on the running event loop."""
+    watchdog task is cancelled and awaited. Must be entered on the running event loop.
+    A stop signal remembered by :func:`catch_early_stop` is delivered to ``on_stop``
+    right after the block starts."""
+    global _early_stop
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig.name)
+    if _early_stop is not None:
+        early, _early_stop = _early_stop, None
+        log.info("stop_signal_during_startup", signal=early.name)
+        loop.call_soon(on_stop, early.name)
     watchdog = asyncio.create_task(watchdog_task(notifier, healthy), name="systemd-watchdog")
     try:
         yield

@@ -135,11 +135,24 @@ class S3Store(ClaimStore):
             raise ConfigError(f"{prefix}: {exc}") from None
 
     def _runtime(self, exc: Exception) -> Exception:
-        """A credentials problem at run time, as a ConfigError with the fix (not a raw traceback)."""
+        """What an S3 error met while serving means (one rule for get, put, exists, delete,
+        list): missing credentials are a ConfigError with the fix (not a raw traceback);
+        everything else the store answers or fails with (an endpoint that does not
+        answer, a 5xx or SlowDown, a broken response stream, access denied after a
+        policy change) is :class:`StoreUnavailable`: try again later, the item and its
+        result wait in the broker (never dead-lettered, never ACKed without it)."""
         if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
             return ConfigError(f"claim store {self.uri}: {exc}; {_CREDENTIALS_FIX}")
         if isinstance(exc, _UNREACHABLE):
             return StoreUnavailable(f"claim store {self.uri}: the S3 endpoint does not answer ({exc})")
+        if isinstance(exc, botocore.exceptions.ClientError):
+            code = _code(exc)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            hint = ("; check the credentials and the bucket policy (s3:GetObject, PutObject, ListBucket)"
+                    if code in _DENIED else "; retrying")
+            return StoreUnavailable(f"claim store {self.uri}: S3 answered {status or '?'} {code or type(exc).__name__}{hint}")
+        if isinstance(exc, botocore.exceptions.BotoCoreError):
+            return StoreUnavailable(f"claim store {self.uri}: {type(exc).__name__}: {exc}")
         return exc
 
     def _key(self, sha256: str) -> str:
@@ -152,7 +165,7 @@ class S3Store(ClaimStore):
         """Store ``data`` unless present (conditional put); return its SHA-256 hex."""
         try:
             return self._put(data)
-        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError, *_UNREACHABLE) as exc:
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise self._runtime(exc) from None
 
     def _put(self, data: bytes) -> str:
@@ -183,37 +196,48 @@ class S3Store(ClaimStore):
         )
 
     def get(self, sha256: str) -> bytes:
+        key = self._key(sha256)
         try:
-            obj = self._s3.get_object(Bucket=self.bucket, Key=self._key(sha256))
+            obj = self._s3.get_object(Bucket=self.bucket, Key=key)
+            data = obj["Body"].read()
         except botocore.exceptions.ClientError as exc:
             if _code(exc) in _NOT_FOUND:
                 raise PayloadMissing(f"blob {sha256} is not in {self.uri}") from None
-            raise
-        except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError, *_UNREACHABLE) as exc:
             raise self._runtime(exc) from None
-        data = obj["Body"].read()
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._runtime(exc) from None
         if sha256_hex(data) != sha256:
             raise PayloadMissing(f"blob {sha256} in {self.uri} is corrupt (digest mismatch)")
         return data
 
     def exists(self, sha256: str) -> bool:
+        key = self._key(sha256)
         try:
-            self._s3.head_object(Bucket=self.bucket, Key=self._key(sha256))
+            self._s3.head_object(Bucket=self.bucket, Key=key)
         except botocore.exceptions.ClientError as exc:
             if _code(exc) in _NOT_FOUND:
                 return False
-            raise
+            raise self._runtime(exc) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._runtime(exc) from None
         return True
 
     def delete(self, sha256: str) -> None:
-        self._s3.delete_object(Bucket=self.bucket, Key=self._key(sha256))
+        key = self._key(sha256)
+        try:
+            self._s3.delete_object(Bucket=self.bucket, Key=key)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise self._runtime(exc) from None
 
     def list(self) -> Iterator[tuple[str, float]]:
         """Yield ``(sha256, last_modified_unix_s)`` of every blob under the prefix."""
         paginator = self._s3.get_paginator("list_objects_v2")
         prefix = f"{self.prefix}/" if self.prefix else ""
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                name = obj["Key"].rsplit("/", 1)[-1]
-                if len(name) == 64 and set(name) <= _HEX:
-                    yield name, obj["LastModified"].timestamp()
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    name = obj["Key"].rsplit("/", 1)[-1]
+                    if len(name) == 64 and set(name) <= _HEX:
+                        yield name, obj["LastModified"].timestamp()
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise self._runtime(exc) from None

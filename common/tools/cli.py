@@ -136,12 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = admin_parser("status", "peers, slots, leases, backlog per queue, oldest ready item", read_only=True)
     p.set_defaults(func=_cmd_status)
 
-    items = sub.add_parser("items", help="look at items").add_subparsers(dest="items_command", required=True)
+    def group(name: str, help_: str, dest: str):
+        """A command family (``items show``, ``dlq list``...): ``--config`` is accepted before
+        the action too (``ccsq dlq --config admin.toml list``), as users type it."""
+        gp = sub.add_parser(name, help=help_)
+        gp.add_argument("--config", dest="group_config", default=None, metavar="CONFIG",
+                        help="admin.toml (same as the action's --config)").complete = FILE_COMPLETION  # type: ignore[attr-defined]
+        return gp.add_subparsers(dest=dest, required=True)
+
+    items = group("items", "look at items", "items_command")
     p = admin_parser("show", "one item's ledger record", items, read_only=True)
     p.add_argument("item_id")
     p.set_defaults(func=_cmd_items_show)
 
-    dlq = sub.add_parser("dlq", help="dead letters: list, replay, purge").add_subparsers(dest="dlq_command", required=True)
+    dlq = group("dlq", "dead letters: list, replay, purge", "dlq_command")
     p = admin_parser("list", "list dead items", dlq, read_only=True)
     p.add_argument("--limit", type=int, default=100, help="at most this many, 1..1000 (default %(default)s)")
     p.set_defaults(func=_cmd_dlq_list)
@@ -265,6 +273,8 @@ def _not_refusal(record) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "group_config", None) and args.config is None:
+        args.config = args.group_config
     if getattr(args, "config_name", None) and args.config is None:
         args.config = default_config(args.config_name)
         if not Path(args.config).exists():
