@@ -7,7 +7,9 @@ RESULT frame. The broker's CPU seconds are read from /proc around the run. Used 
 changes on a shared machine (issue 15), where the whole pipeline's figures move with the
 neighbours' load.
 
-    python -m bench.broker_cpu [--n 20000] [--profile broker.txt]
+    python -m bench.broker_cpu [--n 20000] [--profile broker.txt] [--signed]
+
+The scripted peers use session MACs as BrokerLink peers do (``--signed``: every frame signed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from bench.common import claim_ref, cpu_s
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, profile: Path | None = None) -> dict:
+def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, profile: Path | None = None,
+        signed: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
     from bench.ccsq_pipeline import start_swarm
     from ccsq.common.tools.procs import bin_path
@@ -46,11 +49,11 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
         procs, _configs = start_swarm(root, workers=1, start_workers=0, start_completion=False)
         try:
             endpoint = (root / "broker-data" / "endpoint").read_text().strip()
-            prod = ScriptedPeer(root, "producer-1", endpoint, rcvhwm=0)
+            prod = ScriptedPeer(root, "producer-1", endpoint, rcvhwm=0, session_macs=not signed)
             prod.hello("producer")
-            work = ScriptedPeer(root, "worker-1", endpoint, rcvhwm=0)
+            work = ScriptedPeer(root, "worker-1", endpoint, rcvhwm=0, session_macs=not signed)
             work.hello("worker", slots=4, credit=credit, kinds=["echo"])
-            comp = ScriptedPeer(root, "completion-1", endpoint, rcvhwm=0)
+            comp = ScriptedPeer(root, "completion-1", endpoint, rcvhwm=0, session_macs=not signed)
             comp.hello("completion", credit=credit)
             pid = procs.procs["broker"].popen.pid
             spy = None
@@ -103,8 +106,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profile of the broker (--gil)")
+    ap.add_argument("--signed", action="store_true", help="peers sign every frame (no session MACs, like older peers)")
     args = ap.parse_args()
-    print(json.dumps(run(args.n, profile=args.profile)))
+    print(json.dumps(run(args.n, profile=args.profile, signed=args.signed)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ every report at once) dispatches ``rounds`` x ``frames`` DISPATCH frames of 64 e
 CPU seconds from /proc around the run. Used to A/B worker changes on a shared machine, where
 the whole pipeline's figures move with the neighbours' load.
 
-    python -m bench.worker_cpu [--rounds 40] [--log-each-job]
+    python -m bench.worker_cpu [--rounds 40] [--log-each-job] [--signed]
+
+The scripted broker answers the worker's session-MAC offer (``--signed``: it does not, so every
+frame is signed, as against an older broker).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from bench.common import claim_ref, cpu_s
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: Path | None = None) -> dict[str, float]:
+def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: Path | None = None,
+        signed: bool = False) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     from ccsq.common.wire import protocol as p
     from tests.test_worker_daemon import WorkerBroker, Workers, task, wait_until
 
     with tempfile.TemporaryDirectory() as tmp:
-        broker = WorkerBroker(Path(tmp))
+        broker = WorkerBroker(Path(tmp), session_macs=not signed)
         workers = Workers(Path(tmp), broker)
         try:
             proc = workers.start(handler="echo", slots=4, prefetch=64, max_batch=64, max_wait_ms=1.0,
@@ -70,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--log-each-job", action="store_true")
     ap.add_argument("--profile", type=Path, help="record the worker with py-spy (raw) into this file")
+    ap.add_argument("--signed", action="store_true", help="the scripted broker does not answer session MACs (older broker)")
     args = ap.parse_args(argv)
-    print(run(args.rounds, log_each_job=args.log_each_job, profile=args.profile))
+    print(run(args.rounds, log_each_job=args.log_each_job, profile=args.profile, signed=args.signed))
     if args.profile:
         from bench.profile import print_top
 

@@ -34,7 +34,9 @@ log = structlog.get_logger("ccsq.brokerd")
 
 REJECT_LOG_INTERVAL_S = 10.0
 REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all peers together
-#: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR.
+#: Codes raised after the signature was verified: the sender is authenticated, so it gets an ERROR
+#: (a NO_SESSION raised before, for a MAC-tagged frame with no MAC session, names a claimed
+#: ``sender`` and is answered like a stranger: rate-limited, STRANGER_ANSWERS).
 POST_VERIFY_CODES = frozenset(
     {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
 )
@@ -42,6 +44,8 @@ POST_VERIFY_CODES = frozenset(
 STRANGER_ANSWERS = {
     p.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
     p.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
+    # a session-MAC-tagged frame with no MAC session (e.g. the broker restarted): reconnect
+    p.REJECT_NO_SESSION: "no session: {peer!r} must reconnect and send HELLO",
 }
 STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
 STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
@@ -72,7 +76,7 @@ class Intake:
             return rid, self.codec.decode(raw[1:], bound_sender=sess.peer_id if sess else None)
         except DecodeError as exc:
             self.count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
-            if sess is not None or exc.code in POST_VERIFY_CODES:
+            if sess is not None or (exc.code in POST_VERIFY_CODES and exc.sender is None):
                 self.outbound.send_raw(rid, p.Error(exc.code, str(exc)[:300]))
             elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
                 # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)

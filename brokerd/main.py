@@ -125,6 +125,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         max_frame_bytes=cfg.max_frame_bytes,
         max_clock_skew_s=cfg.max_clock_skew_s,
         require_hello=True,
+        session_macs=True,  # answer the peers' session-MAC offers (docs/security.md)
     )
     try:
         transport = Transport(cfg.bind or cfg.endpoint, codec, sndhwm=cfg.sndhwm, max_frame_bytes=cfg.max_frame_bytes,

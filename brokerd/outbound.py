@@ -16,6 +16,7 @@ Also here: the size estimates the frame splitter uses for reply items.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -23,6 +24,9 @@ from ccsq.brokerd import transport as tp
 from ccsq.brokerd.peers import PeerStatus, PeerTable, Session
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import DecodeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ccsq.common.wire.envelope import Envelope
 
 log = structlog.get_logger("ccsq.brokerd")
 
@@ -52,6 +56,16 @@ class Outbound:
 
     def any_unsent(self) -> bool:
         return any(s.unsent for s in self.peers.by_id.values())
+
+    def open_mac(self, rid: bytes, env: Envelope) -> bytes:
+        """A HELLO was accepted on ``rid``: when it offered session MACs, frames to ``rid``
+        after the WELCOME carry them (the codec decides). Returns the broker's X25519 public
+        key for WELCOME ``mac_x25519``, or b"" (the session stays signed)."""
+        return self.transport.codec.open_session_mac(env, rid)
+
+    def close_mac(self, rid: bytes) -> None:
+        """The session on ``rid`` ended: frames to it are signed again."""
+        self.transport.codec.close_channel(rid)
 
     def send_raw(self, rid: bytes, msg: p.Message) -> None:
         """Best effort to a routing id without a session (errors to strangers, BYE at shutdown)."""

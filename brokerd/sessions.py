@@ -21,6 +21,7 @@ import structlog
 from ccsq.brokerd.peers import PeerStatus, Session
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import MAC_OFFER_INFO
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.delivery import DeliveryTracker
@@ -112,9 +113,10 @@ class Sessions:
             self._wake_dispatch()
         if sess.role in (p.Role.COMPLETION, p.Role.RELAY):
             self.delivery.set_possible(True)
-        self.outbound.send(rid, p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released))
+        mac = self.outbound.open_mac(rid, env)  # session MACs, when the HELLO offered them (signed WELCOME)
+        self.outbound.send(rid, p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released, mac_x25519=mac))
         log.info("peer_connected", peer=sess.peer_id, role=sess.role.value, credit=sess.credit, kinds=list(sess.kinds),
-                 resumed=len(resumed), released=len(released), info=sess.info)
+                 resumed=len(resumed), released=len(released), info=sess.info, session_mac=bool(mac))
 
     def _replace(self, peer_id: str, rid: bytes) -> None:
         """End the current session of ``peer_id``, if any, before a new one begins."""
@@ -136,8 +138,8 @@ class Sessions:
             credit=max(0, min(hello.credit, MAX_CREDIT)),
             slots=hello.slots,
             kinds=tuple(hello.kinds),
-            info=dict(hello.info),
-            info_hello=dict(hello.info),
+            info={k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO},
+            info_hello={k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO},
         )
         self.peers.add(sess)
         return sess
@@ -190,6 +192,8 @@ class Sessions:
             self.peers.remove(sess.peer_id)
         sess.status = PeerStatus.GONE
         self.outbound.drop_unsent(sess)
+        if not ended_before:  # (a later session may use the same socket and its own MAC keys)
+            self.outbound.close_mac(sess.routing_id)
         if not ended_before:  # (a later session of the same peer id may have deliveries in flight)
             self.delivery.session_ended(sess.peer_id)
         log.info("peer_disconnected", peer=sess.peer_id, role=sess.role.value, reason=reason)

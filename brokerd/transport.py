@@ -205,10 +205,11 @@ class Transport:
         return out
 
     def send(self, routing_id: bytes, msg: p.Message) -> str:
-        """Encode (sign) and send ``msg`` to ``routing_id`` without blocking.
+        """Encode (sign, or tag with the session MAC of ``routing_id``) and send ``msg`` to
+        ``routing_id`` without blocking.
 
         Raises DecodeError (code PAYLOAD_TOO_LARGE) if the message exceeds max_frame_bytes."""
-        frames = self.codec.encode(msg)
+        frames = self.codec.encode(msg, channel=routing_id)
         try:
             self.sock.send_multipart([routing_id, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -145,15 +145,19 @@ class BrokerProcess:
 
 
 class ScriptedPeer:
-    """A peer driven step by step by a test: a plain DEALER and an EnvelopeCodec."""
+    """A peer driven step by step by a test: a plain DEALER and an EnvelopeCodec
+    (signing every frame, like an older peer; ``session_macs=True``: offers session MACs
+    in its HELLO and tags its frames once the WELCOME agrees, like BrokerLink)."""
 
-    def __init__(self, root: Path, peer_id: str, endpoint: str, *, rcvhwm: int = 1000, rcvbuf: int = -1) -> None:
+    def __init__(self, root: Path, peer_id: str, endpoint: str, *, rcvhwm: int = 1000, rcvbuf: int = -1,
+                 session_macs: bool = False) -> None:
         self.peer_id = peer_id
         self.codec = EnvelopeCodec(
             peer_id,
             load_private_key(root / "keys" / f"{peer_id}.key"),
             AuthorizedKeys(root / "authorized_keys.toml"),
             require_hello=False,
+            session_macs=session_macs,
         )
         self.ctx = zmq.Context.instance()
         self.endpoint = endpoint

@@ -67,7 +67,7 @@ class Seen:
 class WorkerBroker:
     """A scripted broker for one worker (``worker-1``); see the module doc."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, session_macs: bool = False) -> None:
         self.root = root
         entries = {}
         for peer_id, role in (("broker", "broker"), ("worker-1", "worker")):
@@ -75,7 +75,8 @@ class WorkerBroker:
             entries[peer_id] = (role, public_key_b64(load_private_key(priv)))
         write_authorized_keys(root / "authorized_keys.toml", entries)
         self.codec = EnvelopeCodec("broker", load_private_key(root / "keys" / "broker.key"),
-                                   AuthorizedKeys(root / "authorized_keys.toml"), require_hello=True)
+                                   AuthorizedKeys(root / "authorized_keys.toml"), require_hello=True,
+                                   session_macs=session_macs)  # answer the worker's MAC offer (bench.worker_cpu)
         self.lock = threading.Lock()
         self.seen: list[Seen] = []
         self.rejected: list[str] = []
@@ -144,7 +145,7 @@ class WorkerBroker:
         if self.ident is None:
             return
         try:
-            sock.send_multipart([self.ident, *self.codec.encode(msg)])
+            sock.send_multipart([self.ident, *self.codec.encode(msg, channel=self.ident)])
         except zmq.ZMQError as exc:
             self.rejected.append(f"send: {exc}")
 
@@ -161,7 +162,7 @@ class WorkerBroker:
         if isinstance(msg, p.Hello):
             self.ident = ident
             self._send(sock, p.Welcome(
-                heartbeat_interval_s=HB_S, liveness=LIVENESS, broker_epoch=1,
+                heartbeat_interval_s=HB_S, liveness=LIVENESS, broker_epoch=1, mac_x25519=self.codec.open_session_mac(env, ident),
                 resumed=[ref for ref in msg.leases if ref.item_id not in self.release_on_hello],
                 released=[ref for ref in msg.leases if ref.item_id in self.release_on_hello]))
         elif isinstance(msg, (p.Complete, p.Fail)):

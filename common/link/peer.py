@@ -1,8 +1,10 @@
 """A peer's session with the broker: one DEALER socket, HELLO/WELCOME, heartbeats,
 the one disconnect rule, and reconnection with capped, jittered backoff.
 
-Used by the worker, the producer's AsyncClient, the completion service and the
-admin CLI. The link owns its socket: only the coroutines of one session (one
+Used by the worker, the producer's AsyncClient, the completion service, the relay
+(both sides) and the admin CLI. Its codec (:func:`make_codec`) offers session MACs in
+every HELLO: once the broker's WELCOME agrees, frames carry a 32-byte HMAC tag instead
+of an Ed25519 signature (``common/wire/envelope.py``; an older broker: signatures). The link owns its socket: only the coroutines of one session (one
 event loop, one thread) touch it; other threads hand work to that loop
 (``loop.call_soon_threadsafe``) rather than calling the link.
 
@@ -166,6 +168,7 @@ def make_codec(settings: PeerSettings) -> EnvelopeCodec:
         max_frame_bytes=settings.max_frame_bytes,
         max_clock_skew_s=settings.max_clock_skew_s,
         require_hello=False,
+        session_macs=True,  # HMAC tags instead of signatures once the broker's WELCOME agrees (docs/security.md)
     )
 
 
@@ -299,7 +302,8 @@ class BrokerLink:
             self.sessions += 1
             self.state = LinkState.READY
             self.ready.set()
-            self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch)
+            self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch,
+                          session_mac=self.codec.mac_active)
             tasks = [
                 asyncio.create_task(self._reader(sock), name="link-reader"),
                 asyncio.create_task(self._writer(sock), name="link-writer"),

@@ -3,7 +3,18 @@
 Frames (after any ROUTER identity)::
 
     frame 0: msgpack([version, type, sender, session, seq, ts_ms, body])
-    frame 1: Ed25519 signature (64 bytes) over exactly frame 0
+    frame 1: Ed25519 signature (64 bytes) over exactly frame 0, or, within a session
+             that agreed on session MACs, HMAC-SHA256 (32 bytes) over exactly frame 0
+
+Session MACs (docs/security.md): a peer codec built with ``session_macs=True`` puts an
+ephemeral X25519 public key into its HELLO's ``info`` (:data:`MAC_OFFER_INFO`); a broker
+codec with ``session_macs=True`` answers it (:meth:`EnvelopeCodec.open_session_mac`, its
+key goes into WELCOME ``mac_x25519``). Both derive two HMAC keys (one per direction) with
+HKDF-SHA256 over the X25519 shared secret, bound to the peer id, the broker id, both
+session ids and both public keys. HELLO and WELCOME are always signed; every other frame
+of that session carries the 32-byte tag. Peers without the feature never offer (or never
+answer) and keep signing; a signature is accepted from anyone at any time. The length of
+frame 1 tells the two apart, so this codec alone decides sign vs MAC.
 
 Decoding untrusted frames follows a fixed order so that no expensive work is
 done on unbounded or unauthenticated input (case C09): frame count and size
@@ -16,18 +27,33 @@ against the strict schema. Every rejection is a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import hmac
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import AuthError, DecodeError
-from ccsq.common.wire.keys import AuthorizedKeys
+from ccsq.common.wire.keys import AuthorizedKeys, PeerKey
+
+#: Bytes of a session MAC tag (HMAC-SHA256) in frame 1; a signature is p.SIGNATURE_BYTES.
+MAC_BYTES = 32
+#: HELLO ``info`` key of a session-MAC offer: the peer's ephemeral X25519 public key, base64.
+MAC_OFFER_INFO = "mac_x25519"
+_HKDF_LABEL = "ccsq session mac v1"
+#: Messages that are always signed: they open a session and carry the key exchange.
+_SIGNED_ALWAYS = frozenset({p.MsgType.HELLO, p.MsgType.WELCOME})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +66,41 @@ class Envelope:
     seq: int
     ts_ms: int
     message: p.Message
+
+
+@dataclasses.dataclass(slots=True)
+class MacSession:
+    """The HMAC keys of one session: ``rx`` verifies frames of ``remote`` in its session
+    ``remote_session``; ``tx`` tags this side's frames to it. ``peer_key`` is the
+    remote's authorized entry when the session opened (a re-keyed peer is refused)."""
+
+    remote: str
+    remote_session: int
+    rx: bytes
+    tx: bytes
+    peer_key: PeerKey | None
+
+
+def derive_session_keys(shared: bytes, peer_id: str, broker_id: str, peer_session: int, broker_session: int,
+                        peer_x25519: bytes, broker_x25519: bytes) -> tuple[bytes, bytes]:
+    """``(peer -> broker key, broker -> peer key)``, 32 bytes each: HKDF-SHA256 over the
+    X25519 shared secret, its info binding both ids, both session ids and both public keys."""
+    info = msgpack.packb([_HKDF_LABEL, peer_id, broker_id, peer_session, broker_session, peer_x25519, broker_x25519],
+                         use_bin_type=True)
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=None, info=info).derive(shared)
+    return okm[:32], okm[32:]
+
+
+def _x25519_public(raw: object) -> X25519PublicKey | None:
+    """An X25519 public key from a HELLO offer (base64 text) or WELCOME field (raw bytes); None if invalid."""
+    try:
+        if isinstance(raw, str):
+            raw = base64.b64decode(raw, validate=True)
+        if not isinstance(raw, bytes) or len(raw) != 32:
+            return None
+        return X25519PublicKey.from_public_bytes(raw)
+    except (ValueError, binascii.Error):
+        return None
 
 
 def _limits(max_frame_bytes: int) -> dict:
@@ -172,7 +233,9 @@ class EnvelopeCodec:
     One codec instance belongs to one task (it keeps sequence numbers).
     ``require_hello`` makes the codec insist every sender's session opens with
     HELLO (the broker); peers that only talk to the broker accept the broker's
-    session as it comes.
+    session as it comes. ``session_macs``: a peer codec offers session MACs in its
+    HELLO and uses them once the WELCOME answers; a broker codec answers offers
+    (:meth:`open_session_mac`). Off, the codec signs every frame (as before MACs).
     """
 
     def __init__(
@@ -184,6 +247,7 @@ class EnvelopeCodec:
         max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
         max_clock_skew_s: float = 60.0,
         require_hello: bool = True,
+        session_macs: bool = False,
     ) -> None:
         self.peer_id = peer_id
         self._key = private_key
@@ -191,20 +255,88 @@ class EnvelopeCodec:
         self.max_frame_bytes = max_frame_bytes
         self.max_clock_skew_s = max_clock_skew_s
         self.require_hello = require_hello
+        self.session_macs = session_macs
         self.session = 0
         self._seq = 0
         self._replay = ReplayGuard(window_ms=int(2 * max_clock_skew_s * 1000))
+        self._offer: X25519PrivateKey | None = None  # our HELLO's ephemeral key, until WELCOME
+        self._rx: dict[str, MacSession] = {}  # remote id -> the MAC session its tagged frames verify against
+        self._tx: dict[Hashable, MacSession] = {}  # channel (broker: routing id; peer: None) -> MAC session
         self.new_session()
 
     def new_session(self) -> int:
-        """Start a new session (a new socket): fresh random session id, seq from 1."""
+        """Start a new session (a new socket): fresh random session id, seq from 1, no MAC keys."""
         self.session = secrets.randbits(63)
         self._seq = 0
+        self._offer = None
+        self._rx.clear()
+        self._tx.clear()
         return self.session
 
-    def encode(self, msg: p.Message) -> list[bytes]:
-        """Return ``[payload, signature]`` for ``msg``. Raises PayloadTooLarge-coded
-        DecodeError if the payload would exceed ``max_frame_bytes``."""
+    @property
+    def mac_active(self) -> bool:
+        """Whether this peer codec tags its frames to the broker (its session agreed on MACs)."""
+        return None in self._tx
+
+    def open_session_mac(self, env: Envelope, channel: Hashable) -> bytes:
+        """Broker side: ``env`` is a HELLO the broker accepted on ``channel`` (its routing id).
+        When it offered session MACs and this codec takes part, derive the session's keys:
+        frames of (sender, session) may then carry tags, and :meth:`encode` to ``channel``
+        tags (except WELCOME). Returns this side's X25519 public key for WELCOME
+        ``mac_x25519``, or b"" (no offer, or an invalid one: the session stays signed)."""
+        hello = env.message
+        if not self.session_macs or not isinstance(hello, p.Hello):
+            return b""
+        peer_pub = _x25519_public(hello.info.get(MAC_OFFER_INFO))
+        if peer_pub is None:
+            return b""
+        eph = X25519PrivateKey.generate()
+        try:
+            shared = eph.exchange(peer_pub)
+        except ValueError:  # a low-order point: no shared secret
+            return b""
+        mine = eph.public_key().public_bytes_raw()
+        up, down = derive_session_keys(shared, env.sender, self.peer_id, env.session, self.session,
+                                       peer_pub.public_bytes_raw(), mine)
+        self.close_channel(channel)
+        mac = MacSession(env.sender, env.session, rx=up, tx=down, peer_key=self.authorized.get(env.sender))
+        self._rx[env.sender] = mac
+        self._tx[channel] = mac
+        return mine
+
+    def close_channel(self, channel: Hashable) -> None:
+        """Broker side: the session on ``channel`` ended; frames to it are signed again.
+        Its tagged frames still verify (and are then refused for having no session, as
+        a signed frame would be) until the sender opens a new session."""
+        self._tx.pop(channel, None)
+
+    def _offer_mac(self, msg: p.Hello) -> p.Hello:
+        self._offer = X25519PrivateKey.generate()
+        offer = base64.b64encode(self._offer.public_key().public_bytes_raw()).decode("ascii")
+        return dataclasses.replace(msg, info={**msg.info, MAC_OFFER_INFO: offer})
+
+    def _welcomed(self, sender: str, session: int, welcome: p.Welcome) -> None:
+        """Peer side: a verified WELCOME answers our HELLO; with ``mac_x25519`` the session uses MACs."""
+        offer, self._offer = self._offer, None
+        broker_pub = _x25519_public(welcome.mac_x25519) if offer is not None else None
+        if broker_pub is None:
+            return
+        try:
+            shared = offer.exchange(broker_pub)
+        except ValueError:
+            return
+        up, down = derive_session_keys(shared, self.peer_id, sender, self.session, session,
+                                       offer.public_key().public_bytes_raw(), broker_pub.public_bytes_raw())
+        mac = MacSession(sender, session, rx=down, tx=up, peer_key=self.authorized.get(sender))
+        self._rx[sender] = mac
+        self._tx[None] = mac
+
+    def encode(self, msg: p.Message, *, channel: Hashable = None) -> list[bytes]:
+        """Return ``[payload, signature or tag]`` for ``msg``: tagged when the session on
+        ``channel`` agreed on MACs (HELLO and WELCOME are always signed). Raises
+        PayloadTooLarge-coded DecodeError if the payload would exceed ``max_frame_bytes``."""
+        if self.session_macs and type(msg) is p.Hello:
+            msg = self._offer_mac(msg)
         self._seq += 1
         payload = msgpack.packb(
             [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, int(time.time() * 1000), p.encode_body(msg)],
@@ -215,13 +347,16 @@ class EnvelopeCodec:
                 f"outgoing {msg.TYPE.name} is {len(payload)} bytes, over max_frame_bytes={self.max_frame_bytes}",
                 code="PAYLOAD_TOO_LARGE",
             )
+        mac = self._tx.get(channel) if self._tx else None
+        if mac is not None and msg.TYPE not in _SIGNED_ALWAYS:
+            return [payload, hmac.digest(mac.tx, payload, "sha256")]
         return [payload, self._key.sign(payload)]
 
     def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
         return msg_type == p.MsgType.HELLO and abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
 
     def decode(self, frames: list[bytes], *, bound_sender: str | None = None) -> Envelope:
-        """Verify and decode ``[payload, signature]`` from an untrusted peer.
+        """Verify and decode ``[payload, signature or tag]`` from an untrusted peer.
 
         ``bound_sender``: the peer id already bound to this connection (ROUTER
         identity); a different sender id is ``FORGED_ORIGIN``.
@@ -234,8 +369,10 @@ class EnvelopeCodec:
             raise DecodeError(
                 f"frame of {len(payload)} bytes over max_frame_bytes={self.max_frame_bytes}", code=p.REJECT_OVERSIZE
             )
-        if len(signature) != p.SIGNATURE_BYTES:
-            raise DecodeError(f"signature frame must be {p.SIGNATURE_BYTES} bytes", code=p.REJECT_FRAMING)
+        tagged = len(signature) == MAC_BYTES
+        if not tagged and len(signature) != p.SIGNATURE_BYTES:
+            raise DecodeError(f"signature frame must be {p.SIGNATURE_BYTES} bytes (or a {MAC_BYTES}-byte session MAC)",
+                              code=p.REJECT_FRAMING)
         reader = _HeaderReader(payload, self.max_frame_bytes)
         version, msg_type, sender, session, seq, ts_ms = reader.header()
         if version != p.PROTOCOL_VERSION:
@@ -248,12 +385,15 @@ class EnvelopeCodec:
             raise _refused(f"unknown sender {sender[:64]!r}", p.REJECT_UNKNOWN_SENDER, sender, self._hello_fresh(msg_type, ts_ms))
         if bound_sender is not None and sender != bound_sender:
             raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=p.REJECT_FORGED_ORIGIN)
-        try:
-            peer.public_key.verify(signature, payload)
-        except InvalidSignature:
-            raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender,
-                           self._hello_fresh(msg_type, ts_ms)) from None
-        # --- authenticated from here on: the sender signed exactly these bytes ---
+        if tagged:
+            self._verify_mac(peer, sender, session, msg_type, ts_ms, payload, signature)
+        else:
+            try:
+                peer.public_key.verify(signature, payload)
+            except InvalidSignature:
+                raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender,
+                               self._hello_fresh(msg_type, ts_ms)) from None
+        # --- authenticated from here on: the sender signed (or, in its session, tagged) exactly these bytes ---
         try:
             mtype = p.MsgType(msg_type)
         except ValueError:
@@ -266,4 +406,35 @@ class EnvelopeCodec:
         self._replay.check(sender, session, seq, is_hello, ts_ms)
         message = p.decode_body(mtype, reader.body())
         self._replay.accept(sender, session, seq, ts_ms)
+        if mtype == p.MsgType.WELCOME and self._offer is not None:
+            self._welcomed(sender, session, message)  # type: ignore[arg-type]
         return Envelope(sender, peer.role, session, seq, ts_ms, message)
+
+    def _verify_mac(self, peer: PeerKey, sender: str, session: int, msg_type: int, ts_ms: int, payload: bytes,
+                    tag: bytes) -> None:
+        """Check a 32-byte session tag (before anything else is trusted). No MAC session for
+        (sender, session): NO_SESSION (a restarted broker, or a session never opened: the
+        peer should send HELLO; the broker answers it like a stranger, rate-limited). A tag
+        that does not verify, or a sender whose key changed since: BAD_SIGNATURE."""
+        if msg_type in _SIGNED_ALWAYS:
+            raise DecodeError("HELLO and WELCOME must be signed, not tagged", code=p.REJECT_FRAMING)
+        mac = self._rx.get(sender)
+        if mac is None or mac.remote_session != session:
+            raise _refused(f"no session MAC key for session {session} of {sender!r}: open a session with HELLO",
+                           p.REJECT_NO_SESSION, sender, abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000)
+        if not hmac.compare_digest(hmac.digest(mac.rx, payload, "sha256"), tag):
+            raise _refused(f"bad session MAC from {sender!r}", p.REJECT_BAD_SIGNATURE, sender, False)
+        if mac.peer_key is not peer:  # authorized_keys was reloaded: still the same key?
+            if mac.peer_key is None or not _same_key(mac.peer_key, peer):
+                raise _refused(f"the key of {sender!r} changed since its session began", p.REJECT_BAD_SIGNATURE,
+                               sender, False)
+            mac.peer_key = peer
+
+
+def _same_key(a: PeerKey, b: PeerKey) -> bool:
+    if a.public_key is b.public_key:
+        return True
+    try:
+        return a.public_key.public_bytes_raw() == b.public_key.public_bytes_raw()
+    except AttributeError:  # not an Ed25519PublicKey (a test's stand-in): treat as changed
+        return False

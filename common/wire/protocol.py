@@ -494,6 +494,9 @@ class Welcome(Message):
     broker_epoch: int
     resumed: list[LeaseRef] = dataclasses.field(default_factory=list)
     released: list[LeaseRef] = dataclasses.field(default_factory=list)
+    #: the broker's ephemeral X25519 public key (32 bytes): session MACs agreed; sent only
+    #: when the HELLO offered them (info ``mac_x25519``; common/wire/envelope.py)
+    mac_x25519: bytes = extension(bytes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
