@@ -11,10 +11,8 @@ ones go to the claim store first (claim check). The idempotency key is
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import hashlib
 import threading
-import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Union
@@ -47,26 +45,7 @@ def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
     return _pack()(sorted(params.items()))
 
 
-def unchecked_constructor(cls: type, names: tuple[str, ...]) -> Any:
-    """A positional constructor of the frozen, slotted dataclass ``cls`` whose fields are
-    ``names`` (all of them, in order) that sets the slots directly: no ``__init__`` (one
-    ``object.__setattr__`` call per field in a frozen class) and no ``__post_init__`` check,
-    about half the cost. Only for values that pass ``cls``'s checks by construction (a
-    digest from ``hexdigest()``, a size from ``len``...); the object is the one ``cls(...)``
-    makes (equal, hashed and encoded the same). When ``cls``'s fields are not exactly
-    ``names`` (a changed wire record), ``cls`` itself: correct, just not faster."""
-    setters = [getattr(cls, n, None) for n in names]
-    try:
-        fields = tuple(f.name for f in dataclasses.fields(cls))
-    except TypeError:  # no longer a dataclass
-        return cls
-    if fields != names or not all(isinstance(s, types.MemberDescriptorType) for s in setters):
-        return cls
-    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
-    ns.update({f"_set_{n}": s.__set__ for n, s in zip(names, setters)})
-    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
-    exec(f"def make_{cls.__name__}({', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", ns)  # noqa: S102
-    return ns[f"make_{cls.__name__}"]
+unchecked_constructor = p.trusted_constructor  # one builder of records without __init__ (the codec's)
 
 
 #: ``Blob(sha256, size, inline)`` for a digest from ``hexdigest()`` and ``size == len(inline)``

@@ -1088,6 +1088,34 @@ def _make_twin(cls: type) -> type | None:
     return twin
 
 
+def trusted_constructor(cls: type, names: tuple[str, ...]) -> Any:
+    """A positional constructor of the frozen, slotted dataclass ``cls`` whose fields are
+    ``names`` (all of them, in order) that fills the slots of its unfrozen twin and makes the
+    object a ``cls`` (as the generated decoders do): no ``__init__`` (one
+    ``object.__setattr__`` call per field in a frozen class) and no ``__post_init__`` check.
+    Only for values that pass ``cls``'s checks by construction (a digest from
+    ``hexdigest()``, a size from ``len``...); the object is the one ``cls(...)`` makes
+    (equal, hashed, encoded the same, still frozen). When ``cls`` is not such a dataclass or
+    its fields are not exactly ``names`` (a changed record): ``cls`` itself, checks and all."""
+    try:
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    except TypeError:  # not a dataclass
+        return cls
+    twin = _twin(cls) if fields == names else None
+    if twin is None:
+        return cls
+    g = _Gen()
+    fn = f"_make_{cls.__name__}"
+    args = [f"_a{i}" for i in range(len(names))]  # never a field's own name
+    g.emit(0, f"def {fn}({', '.join(args)}):")
+    g.emit(1, f"_o = _new({g.const(twin, 'twin')})")
+    for n, a in zip(names, args):
+        g.emit(1, f"_o.{n} = {a}")
+    g.emit(1, f"_o.__class__ = {g.const(cls, 'cls')}")
+    g.emit(1, "return _o")
+    return g.build(fn)
+
+
 def _gen_decoder(cls: type) -> Callable[[Any], Any]:
     g = _Gen()
     name = f"_decode_{cls.__name__}"
