@@ -43,6 +43,8 @@ _READY = S.READY.value
 
 #: The meta key of every flow counter, built once (a transition bumps one or two).
 _COUNTER_KEYS: dict[str, bytes] = {name: sc.counter_key(name) for name in sc.COUNTERS}
+_MOVED_PREFIXES = (sc.STATE, sc.KIND_STATE)  # meta keys a state move changes
+_CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
 
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
 STORE_RETRY_MIN_MS = 1000
@@ -90,6 +92,7 @@ class LedgerTxn(LedgerView):
         # The packed fixed part (record format 3) of records read or written here: a
         # rewrite packs only the state part.
         self._fixed: dict[str, bytes] = {}
+        self._forgotten: set[str] = set()  # ids purged here (they leave the ledger's record cache)
         db = self.db
         self._items_db, self._ready_db, self._leased_db = db["items"], db["ready"], db["leased"]
         self._completed_db, self._dead_db, self._acked_db = db["completed"], db["dead"], db["acked"]
@@ -113,6 +116,23 @@ class LedgerTxn(LedgerView):
             self.txn = None
             raise
         self.txn = None
+        if self.ledger.record_cache_max:
+            self._keep_records()
+
+    def _keep_records(self) -> None:
+        """After commit: the records this transaction wrote go to the ledger's record cache
+        while their item is not done (ready, leased, completed), and leave it otherwise."""
+        cache, fixed = self.ledger.record_cache, self._fixed
+        for item_id in self._forgotten:
+            cache.pop(item_id, None)
+        for item_id, rec in self._recs.items():
+            if rec["state"] in _CACHED_STATES:
+                cache[item_id] = (rec, fixed.get(item_id))
+                cache.move_to_end(item_id)  # the oldest entries go first
+            else:
+                cache.pop(item_id, None)
+        for _ in range(len(cache) - self.ledger.record_cache_max):
+            cache.popitem(last=False)
 
     def abort(self) -> None:
         if self.txn is not None:
@@ -128,7 +148,7 @@ class LedgerTxn(LedgerView):
         return v
 
     def num(self, key: bytes) -> int:
-        if self._moves:
+        if self._moves and key[:2] in _MOVED_PREFIXES:
             self._fold_moves()
         return self._base(key) + self._delta.get(key, 0)
 
@@ -253,7 +273,13 @@ class LedgerTxn(LedgerView):
         return self._load(item_id)
 
     def _load(self, item_id: str) -> Item | None:
-        """The record of ``item_id`` from LMDB (its fixed part kept for a rewrite)."""
+        """The record of ``item_id`` from the ledger's record cache (a copy) or LMDB (its
+        fixed part kept for a rewrite)."""
+        hit = self.ledger.record_cache.get(item_id)
+        if hit is not None:
+            if hit[1] is not None:
+                self._fixed[item_id] = hit[1]
+            return dict(hit[0])  # type: ignore[return-value]
         raw = self.txn.get(item_id.encode(), db=self._items_db)
         if raw is None:
             return None
@@ -288,6 +314,7 @@ class LedgerTxn(LedgerView):
         self._payloads.pop(item_id, None)
         self._results.pop(item_id, None)
         self._fixed.pop(item_id, None)
+        self._forgotten.add(item_id)
 
     def _put(self, rec: Item, iid: bytes) -> None:
         """Write ``rec`` (format 3: its fixed part packed once, the state part now)."""
