@@ -395,6 +395,9 @@ _fixed_of = operator.itemgetter(*ITEM_FIXED)
 _NOT_STATE_EXTRA = frozenset(ITEM_FIXED) | frozenset(ITEM_FIXED_EXTRA) | frozenset(_STATE_ALL) | {"id"}
 _STATE_MORE_SET = frozenset(ITEM_STATE_MORE)
 _N_FIXED, _N_STATE, _N_STATE_ALL = len(ITEM_FIXED), len(ITEM_STATE), len(_STATE_ALL)
+_N_USUAL = 1 + _N_FIXED + _N_STATE  # id, the fixed fields, ITEM_STATE
+#: ``_state_prefix_of[k](rec)``: the values of ITEM_STATE and the first k of ITEM_STATE_MORE
+_state_prefix_of = [operator.itemgetter(*_STATE_ALL[:_N_STATE + k]) for k in range(_N_STATE_ALL - _N_STATE + 1)]
 FORMAT3 = 0x03
 _packb = msgpack.Packer(use_bin_type=True).pack  # (a Packer is reusable: one per process, the actor's thread)
 _unpackb = msgpack.unpackb
@@ -416,9 +419,20 @@ def pack_item_state(rec: Item) -> bytes:
     """The state part of ``rec`` (format 3): :data:`ITEM_STATE` and :data:`ITEM_STATE_MORE`
     by position (nil: absent, trailing nils left out), then a map of any other field that
     is neither fixed nor ``id`` (and of a field of :data:`ITEM_STATE_MORE` holding None)."""
+    # The usual record: id, the fixed fields (and origin/reply_to) and the first k fields of
+    # ITEM_STATE_MORE, none None (transitions add them in that order up to acked_ms).
+    k = len(rec) - _N_USUAL - ("origin" in rec) - ("reply_to" in rec)
+    if 0 <= k <= _N_STATE_ALL - _N_STATE and "id" in rec:
+        try:
+            vals = _state_prefix_of[k](rec)
+        except KeyError:
+            pass
+        else:
+            if None not in vals:
+                return _packb(vals)
     get = rec.get
     vals = [get(f) for f in _STATE_ALL]
-    # every key accounted for: id, the fixed fields, and one per non-nil value (the usual record)
+    # every key accounted for: id, the fixed fields, and one per non-nil value
     if len(rec) == 1 + _N_FIXED + _N_STATE_ALL - vals.count(None) + ("origin" in rec) + ("reply_to" in rec) \
             and "id" in rec and None not in vals[:_N_STATE]:
         while vals[-1] is None:  # (never past ITEM_STATE: its fields are not None here)
