@@ -92,8 +92,9 @@ LEDGER_FULL_ADVICE = ("the ledger is full at max_map_size_bytes: raise max_map_s
 LEDGER_STATS_INTERVAL_S = 0.1
 READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged again at most this often
 #: Records of items not yet done the ledger keeps in memory between turns (``Ledger.cache_records``:
-#: a LEASE, COMPLETE or ACK then reads its record without unpacking it); ~1.5 KiB each.
-RECORD_CACHE_ITEMS = 16384
+#: a LEASE, COMPLETE or ACK then reads its record without unpacking it, a LEASE or a RESULT
+#: its payload or result when at most 2 KiB): ~1.5 KiB each and the blobs, at most ~6 KiB.
+RECORD_CACHE_ITEMS = 8192
 
 
 @dataclasses.dataclass

@@ -45,6 +45,13 @@ _READY = S.READY.value
 _COUNTER_KEYS: dict[str, bytes] = {name: sc.counter_key(name) for name in sc.COUNTERS}
 _MOVED_PREFIXES = (sc.STATE, sc.KIND_STATE)  # meta keys a state move changes
 _CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
+#: A payload or result kept with its record in the ledger's record cache: a claim-check
+#: reference, or inline bytes up to this size.
+CACHED_BLOB_MAX_BYTES = 2048
+
+
+def _small(blob: p.Blob | None) -> bool:
+    return blob is not None and (blob.inline is None or len(blob.inline) <= CACHED_BLOB_MAX_BYTES)
 
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
 STORE_RETRY_MIN_MS = 1000
@@ -122,12 +129,18 @@ class LedgerTxn(LedgerView):
     def _keep_records(self) -> None:
         """After commit: the records this transaction wrote go to the ledger's record cache
         while their item is not done (ready, leased, completed), and leave it otherwise."""
-        cache, fixed = self.ledger.record_cache, self._fixed
+        cache, fixed, payloads, results = self.ledger.record_cache, self._fixed, self._payloads, self._results
         for item_id in self._forgotten:
             cache.pop(item_id, None)
         for item_id, rec in self._recs.items():
             if rec["state"] in _CACHED_STATES:
-                cache[item_id] = (rec, fixed.get(item_id))
+                # payload and result never change once written: kept when small, from this
+                # transaction or the entry before
+                was = cache.get(item_id)
+                payload = payloads.get(item_id) or (was[2] if was is not None else None)
+                result = results.get(item_id) or (was[3] if was is not None else None)
+                cache[item_id] = (rec, fixed.get(item_id), payload if _small(payload) else None,
+                                  result if _small(result) else None)
                 cache.move_to_end(item_id)  # the oldest entries go first
             else:
                 cache.pop(item_id, None)
@@ -302,10 +315,16 @@ class LedgerTxn(LedgerView):
 
     def payload(self, item_id: str) -> p.Blob:
         blob = self._payloads.get(item_id)
+        if blob is None:
+            hit = self.ledger.record_cache.get(item_id)
+            blob = hit[2] if hit is not None else None
         return blob if blob is not None else super().payload(item_id)
 
     def result(self, item_id: str) -> p.Blob | None:
         blob = self._results.get(item_id)
+        if blob is None:
+            hit = self.ledger.record_cache.get(item_id)
+            blob = hit[3] if hit is not None else None
         return blob if blob is not None else super().result(item_id)
 
     def forget(self, item_id: str) -> None:

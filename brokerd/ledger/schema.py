@@ -291,7 +291,8 @@ def blob_ref(raw: bytes) -> str | None:
 
 
 class Item(TypedDict, total=False):
-    """The item record (``items`` sub-database), a msgpack map; see docs/ledger.md.
+    """The item record (``items`` sub-database; in memory a plain map, on disk format 3
+    (:func:`pack_item`), formats 1 and 2 read too); see docs/ledger.md.
 
     Fields written at SUBMIT (always present): ``id`` (ledger id + ``%012x`` seq),
     ``key`` (idempotency key), ``kind``, ``params`` (free-form scalars),

@@ -122,10 +122,11 @@ class Ledger:
         self.readonly = readonly
         self.rng = rng or random.Random()
         # Committed records of items not yet done (ready, leased, completed), kept by the
-        # writer between its transactions: item id -> (record, packed fixed part). Off
-        # (0) unless the broker turns it on (:meth:`cache_records`); see LedgerTxn.commit.
+        # writer between its transactions: item id -> (record, packed fixed part, payload,
+        # result; a blob only when small, else None). Off (0) unless the broker turns it
+        # on (:meth:`cache_records`); see LedgerTxn.commit.
         self.record_cache_max = 0
-        self.record_cache: collections.OrderedDict[str, tuple[dict, bytes | None]] = collections.OrderedDict()
+        self.record_cache: collections.OrderedDict[str, tuple[dict, bytes | None, Any, Any]] = collections.OrderedDict()
         if readonly:
             if not (self.path / "data.mdb").exists():
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
@@ -214,7 +215,7 @@ class Ledger:
     def cache_records(self, max_items: int) -> None:
         """Keep up to ``max_items`` committed records of items not yet done in memory
         between write transactions (the oldest go first), so a transition reads its
-        record without unpacking it. Only for the one writer of the ledger (the broker's
+        record without unpacking it (and its payload and result, when small). Only for the one writer of the ledger (the broker's
         actor): a record written by anything but a :class:`LedgerTxn` of this object
         would be read stale. 0 turns it off."""
         self.record_cache_max = max_items
