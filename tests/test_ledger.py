@@ -457,8 +457,9 @@ def test_records_a_transaction_wrote_read_back_from_memory_and_purges_forget_the
 
 def test_record_cache_holds_committed_records_of_items_not_done(ledger):
     """The broker's record cache (``Ledger.cache_records``, issue 15): filled at commit only
-    (an aborted transaction leaves it as it was), the same records LMDB holds, the oldest
-    entries go first, done or purged items leave it; payloads and results ride along."""
+    (a transition takes its record out, so an aborted one leaves nothing changed in it), the
+    same records LMDB holds, the oldest entries go first, done or purged items leave it;
+    payloads and results ride along."""
     ledger.cache_records(2)
     ra, rb, rc = submit(ledger, item("a"), item("b"), item("c"))
     cache = ledger.record_cache
@@ -467,10 +468,11 @@ def test_record_cache_holds_committed_records_of_items_not_done(ledger):
     txn = ledger.begin()
     assert txn.lease(rb.item_id, "w1", 2_000, 5_000) is not None
     txn.abort()
-    assert cache[rb.item_id][0]["state"] == "ready" and cache[rb.item_id][0]["token"] == 0
+    assert rb.item_id not in cache  # (taken by the aborted lease; read from LMDB again)
     txn = ledger.begin()
+    assert txn.get(rb.item_id)["state"] == "ready" and txn.get(rb.item_id)["token"] == 0
     tb = txn.lease(rb.item_id, "w1", 2_000, 5_000)
-    assert tb.payload == blob(b"b")  # (from the cache)
+    assert tb.payload == blob(b"b")
     txn.commit()
     with ledger.read() as v:
         assert v.get(rb.item_id) == cache[rb.item_id][0] and cache[rb.item_id][0]["state"] == "leased"

@@ -133,17 +133,18 @@ class LedgerTxn(LedgerView):
         for item_id in self._forgotten:
             cache.pop(item_id, None)
         for item_id, rec in self._recs.items():
+            was = cache.pop(item_id, None)  # (mostly taken already by the transition: _rec)
             if rec["state"] in _CACHED_STATES:
                 # payload and result never change once written: kept when small, from this
-                # transaction or the entry before
-                was = cache.get(item_id)
-                payload = payloads.get(item_id) or (was[2] if was is not None else None)
-                result = results.get(item_id) or (was[3] if was is not None else None)
+                # transaction or the entry before; re-inserted last (the oldest entries go first)
+                payload = payloads.get(item_id)
+                if payload is None and was is not None:
+                    payload = was[2]
+                result = results.get(item_id)
+                if result is None and was is not None:
+                    result = was[3]
                 cache[item_id] = (rec, fixed.get(item_id), payload if _small(payload) else None,
                                   result if _small(result) else None)
-                cache.move_to_end(item_id)  # the oldest entries go first
-            else:
-                cache.pop(item_id, None)
         for _ in range(len(cache) - self.ledger.record_cache_max):
             cache.popitem(last=False)
 
@@ -293,6 +294,10 @@ class LedgerTxn(LedgerView):
             if hit[1] is not None:
                 self._fixed[item_id] = hit[1]
             return dict(hit[0])  # type: ignore[return-value]
+        return self._unpack(item_id)
+
+    def _unpack(self, item_id: str) -> Item | None:
+        """The record of ``item_id`` from LMDB (its fixed part kept for a rewrite)."""
         raw = self.txn.get(item_id.encode(), db=self._items_db)
         if raw is None:
             return None
@@ -303,15 +308,32 @@ class LedgerTxn(LedgerView):
 
     def _rec(self, item_id: str) -> Item | None:
         """The record of ``item_id`` for a transition that writes it back (:meth:`_transition`):
-        the one this transaction holds, not a copy."""
+        the one this transaction holds, not a copy; one in the ledger's record cache is
+        taken out of it (this transaction owns it now: it goes back at commit, and an
+        aborted transaction leaves it out, to be read from LMDB again)."""
         rec = self._recs.get(item_id)
-        return rec if rec is not None else self._load(item_id)
+        if rec is not None:
+            return rec
+        hit = self.ledger.record_cache.pop(item_id, None)
+        if hit is None:
+            return self._unpack(item_id)
+        rec, fixed, payload, result = hit
+        if fixed is not None:
+            self._fixed[item_id] = fixed
+        if payload is not None:
+            self._payloads[item_id] = payload
+        if result is not None:
+            self._results[item_id] = result
+        return rec  # type: ignore[return-value]
 
     def record(self, item_id: str) -> Item | None:
-        """The record of ``item_id`` to read only (not a copy when this transaction holds
-        it: do not change it)."""
+        """The record of ``item_id`` to read only (not a copy when this transaction or the
+        ledger's record cache holds it: do not change it)."""
         rec = self._recs.get(item_id)
-        return rec if rec is not None else self._load(item_id)
+        if rec is not None:
+            return rec
+        hit = self.ledger.record_cache.get(item_id)
+        return hit[0] if hit is not None else self._unpack(item_id)  # type: ignore[return-value]
 
     def payload(self, item_id: str) -> p.Blob:
         blob = self._payloads.get(item_id)
