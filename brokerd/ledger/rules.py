@@ -96,9 +96,9 @@ class LedgerTxn(LedgerView):
         self._recs: dict[str, Item] = {}
         self._payloads: dict[str, p.Blob] = {}
         self._results: dict[str, p.Blob] = {}
-        # The packed fixed part (record format 3) of records read or written here: a
-        # rewrite packs only the state part.
-        self._fixed: dict[str, bytes] = {}
+        # The head (record format 3: marker, length, packed fixed part) of records read or
+        # written here: a rewrite packs only the state part.
+        self._heads: dict[str, bytes] = {}
         self._forgotten: set[str] = set()  # ids purged here (they leave the ledger's record cache)
         db = self.db
         self._items_db, self._ready_db, self._leased_db = db["items"], db["ready"], db["leased"]
@@ -129,7 +129,7 @@ class LedgerTxn(LedgerView):
     def _keep_records(self) -> None:
         """After commit: the records this transaction wrote go to the ledger's record cache
         while their item is not done (ready, leased, completed), and leave it otherwise."""
-        cache, fixed, payloads, results = self.ledger.record_cache, self._fixed, self._payloads, self._results
+        cache, heads, payloads, results = self.ledger.record_cache, self._heads, self._payloads, self._results
         for item_id in self._forgotten:
             cache.pop(item_id, None)
         for item_id, rec in self._recs.items():
@@ -143,7 +143,7 @@ class LedgerTxn(LedgerView):
                 result = results.get(item_id)
                 if result is None and was is not None:
                     result = was[3]
-                cache[item_id] = (rec, fixed.get(item_id), payload if _small(payload) else None,
+                cache[item_id] = (rec, heads.get(item_id), payload if _small(payload) else None,
                                   result if _small(result) else None)
         for _ in range(len(cache) - self.ledger.record_cache_max):
             cache.popitem(last=False)
@@ -288,22 +288,22 @@ class LedgerTxn(LedgerView):
 
     def _load(self, item_id: str) -> Item | None:
         """The record of ``item_id`` from the ledger's record cache (a copy) or LMDB (its
-        fixed part kept for a rewrite)."""
+        head kept for a rewrite)."""
         hit = self.ledger.record_cache.get(item_id)
         if hit is not None:
             if hit[1] is not None:
-                self._fixed[item_id] = hit[1]
+                self._heads[item_id] = hit[1]
             return dict(hit[0])  # type: ignore[return-value]
         return self._unpack(item_id)
 
     def _unpack(self, item_id: str) -> Item | None:
-        """The record of ``item_id`` from LMDB (its fixed part kept for a rewrite)."""
+        """The record of ``item_id`` from LMDB (its head kept for a rewrite)."""
         raw = self.txn.get(item_id.encode(), db=self._items_db)
         if raw is None:
             return None
-        rec, fixed = sc.unpack_item_parts(raw, item_id)
-        if fixed is not None:
-            self._fixed[item_id] = fixed
+        rec, head = sc.unpack_item_parts(raw, item_id)
+        if head is not None:
+            self._heads[item_id] = head
         return rec
 
     def _rec(self, item_id: str) -> Item | None:
@@ -317,9 +317,9 @@ class LedgerTxn(LedgerView):
         hit = self.ledger.record_cache.pop(item_id, None)
         if hit is None:
             return self._unpack(item_id)
-        rec, fixed, payload, result = hit
-        if fixed is not None:
-            self._fixed[item_id] = fixed
+        rec, head, payload, result = hit
+        if head is not None:
+            self._heads[item_id] = head
         if payload is not None:
             self._payloads[item_id] = payload
         if result is not None:
@@ -354,16 +354,16 @@ class LedgerTxn(LedgerView):
         self._recs.pop(item_id, None)
         self._payloads.pop(item_id, None)
         self._results.pop(item_id, None)
-        self._fixed.pop(item_id, None)
+        self._heads.pop(item_id, None)
         self._forgotten.add(item_id)
 
     def _put(self, rec: Item, iid: bytes) -> None:
-        """Write ``rec`` (format 3: its fixed part packed once, the state part now)."""
+        """Write ``rec`` (format 3: its head packed once, the state part now)."""
         item_id = rec["id"]
-        fixed = self._fixed.get(item_id)
-        if fixed is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
-            fixed = self._fixed[item_id] = sc.pack_item_fixed(rec)
-        self.txn.put(iid, sc.join_item(fixed, sc.pack_item_state(rec)), db=self._items_db)
+        head = self._heads.get(item_id)
+        if head is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
+            head = self._heads[item_id] = sc.pack_item_head(rec)
+        self.txn.put(iid, head + sc.pack_item_state(rec), db=self._items_db)
         self._recs[item_id] = rec
         self.changed = True
         self.records += 1
@@ -488,8 +488,8 @@ class LedgerTxn(LedgerView):
         blob = sc.pack_blob(item.payload, compress=True)
         # ids only grow: append (full pages, not half-split ones); out of order it falls back
         self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
-        fixed = self._fixed[item_id] = sc.pack_item_fixed(rec)
-        packed = sc.join_item(fixed, sc.pack_item_state(rec))
+        head = self._heads[item_id] = sc.pack_item_head(rec)
+        packed = head + sc.pack_item_state(rec)
         self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
         self._recs[item_id], self._payloads[item_id] = rec, item.payload
         self.changed = True

@@ -451,21 +451,21 @@ def pack_item_state(rec: Item) -> bytes:
     return _packb(vals)
 
 
-def join_item(fixed: bytes, state: bytes) -> bytes:
-    """A format-3 ``items`` value from its two parts."""
+def pack_item_head(rec: Item) -> bytes:
+    """What every format-3 ``items`` value of ``rec`` starts with: 0x03, the length of the
+    fixed part, the fixed part (:func:`pack_item_fixed`). The value is this + the state part."""
+    fixed = pack_item_fixed(rec)
     n = len(fixed)
     if n < 0x80:
-        head = bytes((FORMAT3, n))
-    elif n < 0x10000:
-        head = bytes((FORMAT3, 0xCD)) + n.to_bytes(2, "big")
-    else:
-        head = bytes((FORMAT3, 0xCE)) + n.to_bytes(4, "big")
-    return head + fixed + state
+        return bytes((FORMAT3, n)) + fixed
+    if n < 0x10000:
+        return bytes((FORMAT3, 0xCD)) + n.to_bytes(2, "big") + fixed
+    return bytes((FORMAT3, 0xCE)) + n.to_bytes(4, "big") + fixed
 
 
 def pack_item(rec: Item) -> bytes:
     """The ``items`` value of ``rec`` (format 3; ``rec["id"]`` is the key, not stored)."""
-    return join_item(pack_item_fixed(rec), pack_item_state(rec))
+    return pack_item_head(rec) + pack_item_state(rec)
 
 
 def _fixed_span(raw: bytes) -> tuple[int, int]:
@@ -481,13 +481,12 @@ def _fixed_span(raw: bytes) -> tuple[int, int]:
 
 
 def unpack_item_parts(raw: bytes, item_id: str) -> tuple[Item, bytes | None]:
-    """An item record of any format, and its packed fixed part when it is format 3 (None
-    otherwise: a rewrite packs it). ``item_id`` (its key in ``items``) fills ``id`` of a
-    format-2 or format-3 record."""
+    """An item record of any format, and its head (:func:`pack_item_head`) when it is format
+    3 (None otherwise: a rewrite packs it). ``item_id`` (its key in ``items``) fills ``id``
+    of a format-2 or format-3 record."""
     if raw[0] == FORMAT3:
         start, end = _fixed_span(raw)
-        fixed = raw[start:end]
-        f = _unpackb(fixed, raw=False)
+        f = _unpackb(raw[start:end], raw=False)
         st = _unpackb(raw[end:], raw=False)
         rec: dict[str, Any] = dict(zip(ITEM_FIXED, f))
         rec["id"] = item_id
@@ -500,7 +499,7 @@ def unpack_item_parts(raw: bytes, item_id: str) -> tuple[Item, bytes | None]:
                     rec[k] = v
             if len(st) > _N_STATE_ALL:
                 rec.update(st[_N_STATE_ALL])
-        return rec, fixed  # type: ignore[return-value]
+        return rec, raw[:end]  # type: ignore[return-value]
     v = _unpackb(raw, raw=False)
     if type(v) is dict:  # format 1
         return v, None  # type: ignore[return-value]

@@ -122,7 +122,7 @@ class Ledger:
         self.readonly = readonly
         self.rng = rng or random.Random()
         # Committed records of items not yet done (ready, leased, completed), kept by the
-        # writer between its transactions: item id -> (record, packed fixed part, payload,
+        # writer between its transactions: item id -> (record, its format-3 head, payload,
         # result; a blob only when small, else None). Off (0) unless the broker turns it
         # on (:meth:`cache_records`); see LedgerTxn.commit.
         self.record_cache_max = 0
