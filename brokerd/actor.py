@@ -91,6 +91,10 @@ LEDGER_FULL_ADVICE = ("the ledger is full at max_map_size_bytes: raise max_map_s
 #: transaction at most this often; the hot path opens no read transaction of its own.
 LEDGER_STATS_INTERVAL_S = 0.1
 READER_WARN_REPEAT_MIN_S = 5.0  # a reader past reader_warn_age_s is logged again at most this often
+#: Records of items not yet done the ledger keeps in memory between turns (``Ledger.cache_records``:
+#: a LEASE, COMPLETE or ACK then reads its record without unpacking it, a LEASE or a RESULT
+#: its payload or result when at most 2 KiB): ~1.5 KiB each and the blobs, at most ~6 KiB.
+RECORD_CACHE_ITEMS = 8192
 
 
 @dataclasses.dataclass
@@ -116,6 +120,9 @@ class Batch:
 #: Kinds whose worker said HELLO within this long before a broker start count as served
 #: at once after it (meta ``w:<kind>``), instead of waiting two liveness windows.
 KINDS_SERVED_MEMORY_S = 86400.0
+
+
+_ACCEPTED, _DUPLICATE = p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value
 
 
 def wall_ms() -> int:
@@ -152,6 +159,7 @@ class Broker:
         self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
         self.lease_ttl_s = cfg.lease_ttl_s
         self.ledger = ledger
+        ledger.cache_records(RECORD_CACHE_ITEMS)  # the actor is the ledger's one writer
         self.transport = transport
         self.codec = transport.codec
         self.peers = PeerTable()
@@ -534,16 +542,20 @@ class Broker:
                     batch.effects.append(self._wake_dispatch)
             elif isinstance(msg, p.Complete):
                 outcomes = []
+                ended = []  # (item_id, token) whose lease timer goes after commit
+                relay = sess.role is p.Role.RELAY
                 for r in msg.results:
-                    outcome = self.relaying.complete(txn, batch, sess, r, now_ms) if sess.role is p.Role.RELAY \
+                    outcome = self.relaying.complete(txn, batch, sess, r, now_ms) if relay \
                         else txn.complete(r, now_ms, env.sender)
                     outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
-                    if self.fed.enabled and outcome == p.Outcome.ACCEPTED.value:
-                        reply_to = (txn.get(r.item_id) or {}).get("reply_to")
+                    if self.fed.enabled and outcome == _ACCEPTED:
+                        reply_to = (txn.record(r.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
                             self.fed.route(reply_to, r.item_id)  # (a hint: delivery checks the ledger state)
-                    if outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
-                        self._lease_ends(batch, r.item_id, r.token)
+                    if outcome == _ACCEPTED or outcome == _DUPLICATE:
+                        ended.append((r.item_id, r.token))
+                if ended:
+                    batch.effects.append(lambda e=ended: self._leases_end(e))
                 batch.crash("broker.after_complete_commit")
                 batch.effects.append(self._wake_delivery)
                 batch.replies.append((rid, p.CompleteAck(outcomes)))
@@ -562,10 +574,10 @@ class Broker:
                 done, unknown = [], []
                 quarantined = {q.item_id: q.error or "quarantined" for q in msg.quarantined}
                 for item_id in msg.item_ids:
-                    r = txn.ack(item_id, now_ms, quarantined.get(item_id, ""))
+                    r = txn.ack(item_id, now_ms, quarantined.get(item_id, "") if quarantined else "")
                     (unknown if r is None else done).append(item_id)
-                    if r is not None:
-                        batch.effects.append(lambda i=item_id: self._acknowledged(i))
+                if done:
+                    batch.effects.append(lambda ids=done: self._acknowledged_all(ids))
                 batch.crash("broker.after_ack_commit")
                 batch.replies.append((rid, p.AckOk(done, unknown)))
             elif isinstance(msg, (p.Status, p.Cancel)):
@@ -589,6 +601,12 @@ class Broker:
         """After commit, the lease timer of ``item_id`` with ``token`` goes (completed,
         failed, released, expired or dead-lettered in this transaction)."""
         batch.effects.append(lambda: self.leases.discard(item_id, token))
+
+    def _leases_end(self, ended: list[tuple[str, int]]) -> None:
+        """After commit: the lease timers of ``ended`` (item id, token) go (as :meth:`_lease_ends`)."""
+        discard = self.leases.discard
+        for item_id, token in ended:
+            discard(item_id, token)
 
     def _admission_refusal(self, open_items: int, cost: int) -> str:
         """"QUEUE_FULL" when one more item of ``cost`` bytes (plus this turn's earlier ones)
@@ -668,10 +686,12 @@ class Broker:
         if self.delivery.sent(sess, deliveries):
             sess.credit -= len(deliveries)
 
-    def _acknowledged(self, item_id: str) -> None:
-        """After commit: an ACK; the item needs neither delivery nor routing any more."""
-        self.fed.unroute(item_id)
-        self.delivery.acknowledged(item_id)
+    def _acknowledged_all(self, item_ids: list[str]) -> None:
+        """After commit: ACKs of ``item_ids``; they need neither delivery nor routing any more."""
+        unroute, acknowledged = self.fed.unroute, self.delivery.acknowledged
+        for item_id in item_ids:
+            unroute(item_id)
+            acknowledged(item_id)
 
 
     # --- sending (brokerd/outbound.py) and timers ---

@@ -159,7 +159,7 @@ class DeliveryTracker:
             deliveries = []
             for item_id in ids:
                 planned.add(item_id)
-                rec = txn.get(item_id)
+                rec = txn.record(item_id)  # (read only)
                 redelivery, why = self.redelivery(item_id, rec, "completion session ended before ACK")
                 if redelivery:
                     txn.note_redelivery(item_id, now_ms, why)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import os
 import signal
 import sys
@@ -37,6 +38,9 @@ from ccsq.common.wire.keys import AuthorizedKeys, load_curve_secret, load_privat
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
+
+#: Net container allocations between two young-generation collections of the cyclic GC (default 700).
+GC_GEN0_THRESHOLD = 10_000
 
 
 class LedgerLocked(Exception):
@@ -159,6 +163,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                 return _fail(ExitCode.CONFIG, f"config error: {exc}")
             except PortInUse as exc:
                 return _fail(ExitCode.TEMPFAIL, f"transient: {exc}")
+        _tune_gc()
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:
@@ -178,6 +183,18 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             transport.close()
         ledger.close()
     return int(ExitCode.OK)
+
+
+def _tune_gc() -> None:
+    """Before serving: what was built at start (modules, config, the ledger's state) is
+    frozen out of the cyclic collector's scans, and a young-generation collection runs
+    after :data:`GC_GEN0_THRESHOLD` net container allocations instead of 700. A turn
+    holds thousands of short-lived objects (decoded frames, records, replies), so the
+    default ran ~25 young collections per thousand jobs, each walking them: ~15 us of
+    broker CPU per job (docs/benchmarks.md, issue 15). The broker makes little cyclic
+    garbage; older generations keep the default ratios."""
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -146,7 +146,10 @@ def blob_size(b: p.Blob | None) -> int:
 
 
 def params_size(params: dict) -> int:
-    return sum(len(k) + (len(v) if isinstance(v, (str, bytes)) else 9) for k, v in params.items())
+    n = 0
+    for k, v in params.items():
+        n += len(k) + (len(v) if type(v) is str or isinstance(v, (str, bytes)) else 9)
+    return n
 
 
 def status_size(s: p.ItemStatus) -> int:

@@ -453,3 +453,47 @@ def test_records_a_transaction_wrote_read_back_from_memory_and_purges_forget_the
     with ledger.read() as v:
         assert v.get(rid) is None
     check_balance(ledger)
+
+
+def test_record_cache_holds_committed_records_of_items_not_done(ledger):
+    """The broker's record cache (``Ledger.cache_records``, issue 15): filled at commit only
+    (a transition takes its record out, so an aborted one leaves nothing changed in it), the
+    same records LMDB holds, the oldest entries go first, done or purged items leave it;
+    payloads and results ride along."""
+    ledger.cache_records(2)
+    ra, rb, rc = submit(ledger, item("a"), item("b"), item("c"))
+    cache = ledger.record_cache
+    assert list(cache) == [rb.item_id, rc.item_id]  # a went first
+    assert cache[rc.item_id][2] == blob(b"c")  # its payload
+    txn = ledger.begin()
+    assert txn.lease(rb.item_id, "w1", 2_000, 5_000) is not None
+    txn.abort()
+    assert rb.item_id not in cache  # (taken by the aborted lease; read from LMDB again)
+    txn = ledger.begin()
+    assert txn.get(rb.item_id)["state"] == "ready" and txn.get(rb.item_id)["token"] == 0
+    tb = txn.lease(rb.item_id, "w1", 2_000, 5_000)
+    assert tb.payload == blob(b"b")
+    txn.commit()
+    with ledger.read() as v:
+        assert v.get(rb.item_id) == cache[rb.item_id][0] and cache[rb.item_id][0]["state"] == "leased"
+    txn = ledger.begin()
+    assert txn.complete(p.TaskResult(rb.item_id, tb.token, blob(b"r"), "echo", "1"), 3_000, "w1") == "accepted"
+    txn.commit()
+    assert cache[rb.item_id][3] == blob(b"r")
+    txn = ledger.begin()
+    assert txn.delivery(rb.item_id, False).result == blob(b"r")
+    assert txn.ack(rb.item_id, 3_100) is True
+    assert txn.dead_letter_ready(rc.item_id, "cancelled", "test", 3_100)
+    txn.commit()
+    assert rb.item_id not in cache and rc.item_id not in cache  # done (acknowledged, dead)
+    txn = ledger.begin()
+    assert txn.replay_dead(rc.item_id, 3_200)
+    txn.commit()
+    assert rc.item_id in cache
+    txn = ledger.begin()
+    assert txn.dead_letter_ready(rc.item_id, "cancelled", "test", 3_300) and txn.purge_dead(rc.item_id, 3_300)
+    txn.commit()
+    assert rc.item_id not in cache
+    with ledger.read() as v:
+        assert v.get(rc.item_id) is None and v.get(rb.item_id)["state"] == "acknowledged"
+    check_balance(ledger)

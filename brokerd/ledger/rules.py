@@ -41,6 +41,18 @@ _EXPIRED = S.EXPIRED.value
 _LEASED = S.LEASED.value
 _READY = S.READY.value
 
+#: The meta key of every flow counter, built once (a transition bumps one or two).
+_COUNTER_KEYS: dict[str, bytes] = {name: sc.counter_key(name) for name in sc.COUNTERS}
+_MOVED_PREFIXES = (sc.STATE, sc.KIND_STATE)  # meta keys a state move changes
+_CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
+#: A payload or result kept with its record in the ledger's record cache: a claim-check
+#: reference, or inline bytes up to this size.
+CACHED_BLOB_MAX_BYTES = 2048
+
+
+def _small(blob: p.Blob | None) -> bool:
+    return blob is not None and (blob.inline is None or len(blob.inline) <= CACHED_BLOB_MAX_BYTES)
+
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
 STORE_RETRY_MIN_MS = 1000
 #: Commit history in meta (``h:`` + >Q txnid): at most one entry a second, kept an hour
@@ -69,8 +81,13 @@ class LedgerTxn(LedgerView):
 
     def __init__(self, ledger: Ledger) -> None:
         super().__init__(ledger, write=True)
+        # Meta integers: values read from LMDB, and this transaction's changes to them,
+        # written once at commit (a key whose change nets 0 is not rewritten).
         self._nums: dict[bytes, int] = {}
-        self._dirty: set[bytes] = set()
+        self._delta: dict[bytes, int] = {}
+        # Per-state counts moved by transitions: (kind, old state, new state) -> items,
+        # folded into ``_delta`` (four meta keys each) when read or at commit.
+        self._moves: dict[tuple[str, str, str], int] = {}
         self.changed = False
         self.records = 0  # item records written (group-commit size, exported as a metric)
         # Records and payloads this transaction wrote, by item id: a lease right after its
@@ -79,6 +96,13 @@ class LedgerTxn(LedgerView):
         self._recs: dict[str, Item] = {}
         self._payloads: dict[str, p.Blob] = {}
         self._results: dict[str, p.Blob] = {}
+        # The head (record format 3: marker, length, packed fixed part) of records read or
+        # written here: a rewrite packs only the state part.
+        self._heads: dict[str, bytes] = {}
+        self._forgotten: set[str] = set()  # ids purged here (they leave the ledger's record cache)
+        db = self.db
+        self._items_db, self._ready_db, self._leased_db = db["items"], db["ready"], db["leased"]
+        self._completed_db, self._dead_db, self._acked_db = db["completed"], db["dead"], db["acked"]
 
     def __exit__(self, *exc: object) -> None:
         if self.txn is not None:
@@ -88,14 +112,41 @@ class LedgerTxn(LedgerView):
         """Write the counters and commit (fsync). Raises MapFullError (txn aborted) on a full map."""
         meta = self.db["meta"]
         try:
-            for key in self._dirty:
-                self.txn.put(key, sc.pack_num(self._nums[key]), db=meta)
+            self._fold_moves()
+            put, nums = self.txn.put, self._nums
+            for key, d in self._delta.items():
+                if d:
+                    put(key, sc.pack_num((nums[key] if key in nums else self._base(key)) + d), db=meta)
             self.txn.commit()
         except BaseException:
             self.txn.abort()
             self.txn = None
             raise
         self.txn = None
+        if self.ledger.record_cache_max:
+            self._keep_records()
+
+    def _keep_records(self) -> None:
+        """After commit: the records this transaction wrote go to the ledger's record cache
+        while their item is not done (ready, leased, completed), and leave it otherwise."""
+        cache, heads, payloads, results = self.ledger.record_cache, self._heads, self._payloads, self._results
+        for item_id in self._forgotten:
+            cache.pop(item_id, None)
+        for item_id, rec in self._recs.items():
+            was = cache.pop(item_id, None)  # (mostly taken already by the transition: _rec)
+            if rec["state"] in _CACHED_STATES:
+                # payload and result never change once written: kept when small, from this
+                # transaction or the entry before; re-inserted last (the oldest entries go first)
+                payload = payloads.get(item_id)
+                if payload is None and was is not None:
+                    payload = was[2]
+                result = results.get(item_id)
+                if result is None and was is not None:
+                    result = was[3]
+                cache[item_id] = (rec, heads.get(item_id), payload if _small(payload) else None,
+                                  result if _small(result) else None)
+        for _ in range(len(cache) - self.ledger.record_cache_max):
+            cache.popitem(last=False)
 
     def abort(self) -> None:
         if self.txn is not None:
@@ -103,30 +154,56 @@ class LedgerTxn(LedgerView):
             self.txn = None
 
     # --- numbers ---
-    def num(self, key: bytes) -> int:
-        if key in self._nums:
-            return self._nums[key]
-        v = super().num(key)
-        self._nums[key] = v
+    def _base(self, key: bytes) -> int:
+        """The meta integer ``key`` as this transaction found it (read once)."""
+        v = self._nums.get(key)
+        if v is None:
+            v = self._nums[key] = super().num(key)
         return v
 
+    def num(self, key: bytes) -> int:
+        if self._moves and key[:2] in _MOVED_PREFIXES:
+            self._fold_moves()
+        return self._base(key) + self._delta.get(key, 0)
+
     def _add(self, key: bytes, delta: int) -> None:
-        self._nums[key] = self.num(key) + delta
-        self._dirty.add(key)
+        d = self._delta
+        d[key] = d.get(key, 0) + delta
         self.changed = True
 
     def bump(self, name: str, delta: int = 1) -> None:
-        self._add(sc.counter_key(name), delta)
+        key = _COUNTER_KEYS.get(name) or sc.counter_key(name)
+        d = self._delta
+        d[key] = d.get(key, 0) + delta
+        self.changed = True
+
+    def _move(self, kind: str, old: str, new: str) -> None:
+        """One item of ``kind`` went from state ``old`` ("" for a new item) to ``new``."""
+        m = self._moves
+        k = (kind, old, new)
+        m[k] = m.get(k, 0) + 1
+        self.changed = True
+
+    def _fold_moves(self) -> None:
+        """Fold the state moves into the per-state and per-kind-and-state counts."""
+        d = self._delta
+        for (kind, old, new), n in self._moves.items():
+            for key, dn in ((sc.state_key(new), n), (sc.kind_state_key(kind, new), n)) + (
+                    ((sc.state_key(old), -n), (sc.kind_state_key(kind, old), -n)) if old else ()):
+                d[key] = d.get(key, 0) + dn
+        self._moves.clear()
 
     def kind_states(self) -> dict[str, dict[str, int]]:
         """As :meth:`LedgerView.kind_states`, including this transaction's changes."""
         out = super().kind_states()
-        for key in self._dirty:
+        self._fold_moves()
+        for key in self._delta:
             if key.startswith(sc.KIND_STATE):
                 kind, state = sc.parse_kind_state(key)
                 per = out.setdefault(kind, {})
-                if self._nums[key]:
-                    per[state] = self._nums[key]
+                n = self.num(key)
+                if n:
+                    per[state] = n
                 else:
                     per.pop(state, None)
                 if not per:
@@ -205,14 +282,71 @@ class LedgerTxn(LedgerView):
         """As :meth:`LedgerView.get`; a record this transaction wrote comes from memory (a
         copy: callers change the record they get, then write it)."""
         rec = self._recs.get(item_id)
-        return dict(rec) if rec is not None else super().get(item_id)  # type: ignore[return-value]
+        if rec is not None:
+            return dict(rec)  # type: ignore[return-value]
+        return self._load(item_id)
+
+    def _load(self, item_id: str) -> Item | None:
+        """The record of ``item_id`` from the ledger's record cache (a copy) or LMDB (its
+        head kept for a rewrite)."""
+        hit = self.ledger.record_cache.get(item_id)
+        if hit is not None:
+            if hit[1] is not None:
+                self._heads[item_id] = hit[1]
+            return dict(hit[0])  # type: ignore[return-value]
+        return self._unpack(item_id)
+
+    def _unpack(self, item_id: str) -> Item | None:
+        """The record of ``item_id`` from LMDB (its head kept for a rewrite)."""
+        raw = self.txn.get(item_id.encode(), db=self._items_db)
+        if raw is None:
+            return None
+        rec, head = sc.unpack_item_parts(raw, item_id)
+        if head is not None:
+            self._heads[item_id] = head
+        return rec
+
+    def _rec(self, item_id: str) -> Item | None:
+        """The record of ``item_id`` for a transition that writes it back (:meth:`_transition`):
+        the one this transaction holds, not a copy; one in the ledger's record cache is
+        taken out of it (this transaction owns it now: it goes back at commit, and an
+        aborted transaction leaves it out, to be read from LMDB again)."""
+        rec = self._recs.get(item_id)
+        if rec is not None:
+            return rec
+        hit = self.ledger.record_cache.pop(item_id, None)
+        if hit is None:
+            return self._unpack(item_id)
+        rec, head, payload, result = hit
+        if head is not None:
+            self._heads[item_id] = head
+        if payload is not None:
+            self._payloads[item_id] = payload
+        if result is not None:
+            self._results[item_id] = result
+        return rec  # type: ignore[return-value]
+
+    def record(self, item_id: str) -> Item | None:
+        """The record of ``item_id`` to read only (not a copy when this transaction or the
+        ledger's record cache holds it: do not change it)."""
+        rec = self._recs.get(item_id)
+        if rec is not None:
+            return rec
+        hit = self.ledger.record_cache.get(item_id)
+        return hit[0] if hit is not None else self._unpack(item_id)  # type: ignore[return-value]
 
     def payload(self, item_id: str) -> p.Blob:
         blob = self._payloads.get(item_id)
+        if blob is None:
+            hit = self.ledger.record_cache.get(item_id)
+            blob = hit[2] if hit is not None else None
         return blob if blob is not None else super().payload(item_id)
 
     def result(self, item_id: str) -> p.Blob | None:
         blob = self._results.get(item_id)
+        if blob is None:
+            hit = self.ledger.record_cache.get(item_id)
+            blob = hit[3] if hit is not None else None
         return blob if blob is not None else super().result(item_id)
 
     def forget(self, item_id: str) -> None:
@@ -220,52 +354,57 @@ class LedgerTxn(LedgerView):
         self._recs.pop(item_id, None)
         self._payloads.pop(item_id, None)
         self._results.pop(item_id, None)
+        self._heads.pop(item_id, None)
+        self._forgotten.add(item_id)
 
-    def _put(self, rec: Item) -> None:
-        self.txn.put(rec["id"].encode(), sc.pack_item(rec), db=self.db["items"])
-        self._recs[rec["id"]] = rec
+    def _put(self, rec: Item, iid: bytes) -> None:
+        """Write ``rec`` (format 3: its head packed once, the state part now)."""
+        item_id = rec["id"]
+        head = self._heads.get(item_id)
+        if head is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
+            head = self._heads[item_id] = sc.pack_item_head(rec)
+        self.txn.put(iid, head + sc.pack_item_state(rec), db=self._items_db)
+        self._recs[item_id] = rec
         self.changed = True
         self.records += 1
 
-    def _index_remove(self, rec: Item) -> None:
-        st, iid = rec["state"], rec["id"].encode()
+    def _index_remove(self, rec: Item, iid: bytes) -> None:
+        st = rec["state"]
         if st == _READY:
-            self.txn.delete(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self.db["ready"])
+            self.txn.delete(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self._ready_db)
         elif st == _LEASED:
-            self.txn.delete(iid, db=self.db["leased"])
+            self.txn.delete(iid, db=self._leased_db)
         elif st == _COMPLETED:
-            self.txn.delete(sc.seq_key(rec["cseq"]), db=self.db["completed"])
+            self.txn.delete(sc.seq_key(rec["cseq"]), db=self._completed_db)
         elif st == _DEAD:
-            self.txn.delete(iid, db=self.db["dead"])
+            self.txn.delete(iid, db=self._dead_db)
         elif st == _ACKNOWLEDGED:
-            self.txn.delete(sc.timed_key(rec["acked_ms"], iid), db=self.db["acked"])
+            self.txn.delete(sc.timed_key(rec["acked_ms"], iid), db=self._acked_db)
 
-    def _index_add(self, rec: Item) -> None:
-        st, iid = rec["state"], rec["id"].encode()
+    def _index_add(self, rec: Item, iid: bytes) -> None:
+        st = rec["state"]
         if st == _READY:
-            self.txn.put(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self.db["ready"])
+            self.txn.put(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self._ready_db)
         elif st == _LEASED:
-            self.txn.put(iid, sc.pack([rec["token"], rec["worker"]]), db=self.db["leased"])
+            self.txn.put(iid, sc.pack([rec["token"], rec["worker"]]), db=self._leased_db)
         elif st == _COMPLETED:
-            self.txn.put(sc.seq_key(rec["cseq"]), iid, db=self.db["completed"])
+            self.txn.put(sc.seq_key(rec["cseq"]), iid, db=self._completed_db)
         elif st == _DEAD:
-            self.txn.put(iid, b"", db=self.db["dead"])
+            self.txn.put(iid, b"", db=self._dead_db)
         elif st == _ACKNOWLEDGED:
-            self.txn.put(sc.timed_key(rec["acked_ms"], iid), b"", db=self.db["acked"])
+            self.txn.put(sc.timed_key(rec["acked_ms"], iid), b"", db=self._acked_db)
 
     def _transition(self, rec: Item, new_state: str, **updates: Any) -> None:
         """Move ``rec`` to ``new_state`` applying ``updates``; keeps indexes and counts in step."""
         old = rec["state"]
-        self._index_remove(rec)
+        iid = rec["id"].encode()
+        self._index_remove(rec, iid)
         rec.update(updates)
         rec["state"] = new_state
-        self._index_add(rec)
+        self._index_add(rec, iid)
         if old != new_state:
-            self._add(sc.state_key(old), -1)
-            self._add(sc.state_key(new_state), 1)
-            self._add(sc.kind_state_key(rec["kind"], old), -1)
-            self._add(sc.kind_state_key(rec["kind"], new_state), 1)
-        self._put(rec)
+            self._move(rec["kind"], old, new_state)
+        self._put(rec, iid)
 
     def _max_attempts(self, rec: Item) -> int:
         return rec["max_attempts"] or self.ledger.policy.max_attempts
@@ -345,18 +484,18 @@ class LedgerTxn(LedgerView):
         if origin:
             rec["origin"], rec["reply_to"] = origin, reply_to
         iid = item_id.encode()
-        payloads, items = self.db["payloads"], self.db["items"]
+        payloads, items = self.db["payloads"], self._items_db
         blob = sc.pack_blob(item.payload, compress=True)
         # ids only grow: append (full pages, not half-split ones); out of order it falls back
         self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
-        packed = sc.pack_item(rec)
+        head = self._heads[item_id] = sc.pack_item_head(rec)
+        packed = head + sc.pack_item_state(rec)
         self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
         self._recs[item_id], self._payloads[item_id] = rec, item.payload
         self.changed = True
         self.records += 1
-        self._index_add(rec)
-        self._add(sc.state_key(_READY), 1)
-        self._add(sc.kind_state_key(item.kind, _READY), 1)
+        self._index_add(rec, iid)
+        self._move(item.kind, "", _READY)
         self.bump("received")
         self.txn.put(kb, sc.pack([item_id, now_ms]), db=self.db["keys"])
         self.txn.put(sc.timed_key(now_ms, kb), b"", db=self.db["keytime"])
@@ -372,7 +511,7 @@ class LedgerTxn(LedgerView):
     def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> p.Task | None:
         """Lease a ready item to ``worker`` with a fresh fencing token; None if it is
         not ready (or its deadline passed: then it is expired here)."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _READY:
             return None
         if self._deadline_passed(rec, now_ms):
@@ -398,7 +537,7 @@ class LedgerTxn(LedgerView):
     def release(self, item_id: str, token: int, now_ms: int) -> bool:
         """Give a lease back without counting the attempt (never sent, or the worker
         released it). True if it was leased with ``token``."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return False
         self._transition(rec, _READY, attempt=max(rec["attempt"] - 1, 0), nb_ms=now_ms, lease_expires_ms=0)
@@ -409,7 +548,7 @@ class LedgerTxn(LedgerView):
         """A lease ran out: requeue with backoff, or dead-letter (worker_lost) after
         max attempts, or expire past the deadline. Returns the new state, or "" if
         the lease was not current (nothing done)."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return ""
         worker = rec["worker"]
@@ -434,7 +573,7 @@ class LedgerTxn(LedgerView):
         accepted result is ``duplicate``; any other token is ``fenced`` (G4).
         ``sender``: the reporting peer; a token is honoured only from the worker
         it was leased to (another peer quoting it is ``fenced``, G4)."""
-        rec = self.get(res.item_id)
+        rec = self._rec(res.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
         st = rec["state"]
@@ -488,7 +627,7 @@ class LedgerTxn(LedgerView):
         ready after a backoff, attempt not counted. Retryable: ready after backoff
         unless attempts are exhausted (dead) or the deadline passed (expired).
         Dead-lettered at once (fatal, payload_missing): dead with ``reason``."""
-        rec = self.get(f.item_id)
+        rec = self._rec(f.item_id)
         if rec is None:
             return p.Outcome.UNKNOWN.value
         if rec["state"] != _LEASED or rec["token"] != f.token or self._not_holder(rec, sender):
@@ -544,7 +683,7 @@ class LedgerTxn(LedgerView):
 
         ``quarantine_error``: the completion service stored the result in its
         quarantine table, not its results table (counter ``quarantined``, gap G12)."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None:
             return None
         if rec["state"] == _ACKNOWLEDGED:
@@ -567,7 +706,7 @@ class LedgerTxn(LedgerView):
     # --- dead letters ---
     def dead_letter(self, item_id: str, token: int, reason: str, message: str, now_ms: int) -> bool:
         """Dead-letter a leased item (e.g. it can never be dispatched). False if not leased with ``token``."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return False
         self._dead(rec, now_ms, reason, message)
@@ -576,7 +715,7 @@ class LedgerTxn(LedgerView):
     def replay_dead(self, item_id: str, now_ms: int, who: str = "operator") -> bool:
         """Make a dead item ready again with its attempt count reset (a fresh attempt
         budget) and a G10 event. False if not dead."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _DEAD:
             return False
         was = f"{rec.get('error', '')} after attempt {rec['attempt']}"
@@ -588,7 +727,7 @@ class LedgerTxn(LedgerView):
     def dead_letter_ready(self, item_id: str, reason: str, message: str, now_ms: int) -> bool:
         """Dead-letter a *ready* item (operator or reconcile: e.g. ``payload_missing``).
         False if it is not ready (a leased item's worker reports the failure itself)."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _READY:
             return False
         self._dead(rec, now_ms, reason, message)
@@ -598,7 +737,7 @@ class LedgerTxn(LedgerView):
         """Delete a dead item's record, payload and idempotency key (a resubmit then
         makes a new item) with a G11 event. Like purged acknowledged items, it stays
         counted in state ``dead`` so the balance holds. False if not dead."""
-        rec = self.get(item_id)
+        rec = self._rec(item_id)
         if rec is None or rec["state"] != _DEAD:
             return False
         iid = item_id.encode()

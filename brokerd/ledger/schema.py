@@ -291,7 +291,8 @@ def blob_ref(raw: bytes) -> str | None:
 
 
 class Item(TypedDict, total=False):
-    """The item record (``items`` sub-database), a msgpack map; see docs/ledger.md.
+    """The item record (``items`` sub-database; in memory a plain map, on disk format 3
+    (:func:`pack_item`), formats 1 and 2 read too); see docs/ledger.md.
 
     Fields written at SUBMIT (always present): ``id`` (ledger id + ``%012x`` seq),
     ``key`` (idempotency key), ``kind``, ``params`` (free-form scalars),
@@ -357,41 +358,168 @@ class Item(TypedDict, total=False):
 # Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
 # long field names, ``id`` included. Format 2: the array of the fields every record has
 # from SUBMIT on (:data:`ITEM_CORE`, in that order), then a map of the other fields
-# present (long names); no ``id`` (it is the record's key). A map is format 1, an
-# array format 2: :func:`unpack_item` reads both.
+# present (long names); no ``id`` (it is the record's key). Format 3 (written since the
+# broker's CPU work of issue 15): the byte 0x03, the length of the *fixed* part (a msgpack
+# unsigned integer), the fixed part, then the *state* part. The fixed part is what SUBMIT
+# sets once and nothing changes (:data:`ITEM_FIXED`, then a map of ``origin`` /
+# ``reply_to`` when the item was relayed), packed once and copied as bytes into every
+# later rewrite; the state part is the array of :data:`ITEM_STATE`, then of
+# :data:`ITEM_STATE_MORE` (nil: the field is absent; trailing nils left out), then, only
+# when a record has other fields (or one of :data:`ITEM_STATE_MORE` holding None), a map of them. A map is format 1, an array format 2, a value
+# that starts with 0x03 format 3 (msgpack would read it as the integer 3 followed by more
+# data, so an older broker refuses it loudly instead of misreading it): :func:`unpack_item`
+# reads all three.
 ITEM_CORE: tuple[str, ...] = (
     "key", "kind", "params", "priority", "deadline_ms", "max_attempts", "max_runtime_s", "state",
     "attempt", "token", "worker", "nb_ms", "seq", "created_ms", "error",
 )
-_core_of = operator.itemgetter(*ITEM_CORE)
-_NOT_EXTRA = frozenset(ITEM_CORE) | {"id"}
 #: What a format-1 record written before a core field existed reads as (old ones lack ``worker``).
 _CORE_DEFAULTS: dict[str, Any] = {
     "params": {}, "priority": 0, "max_attempts": 0, "max_runtime_s": 0.0, "attempt": 0, "token": 0,
     "worker": "", "error": "",
 }
+#: Format 3: the fields SUBMIT writes once (the fixed part), in this order; a relayed
+#: item's ``origin`` and ``reply_to`` follow in a map.
+ITEM_FIXED: tuple[str, ...] = (
+    "key", "kind", "params", "priority", "deadline_ms", "max_attempts", "max_runtime_s", "seq", "created_ms",
+)
+ITEM_FIXED_EXTRA: tuple[str, ...] = ("origin", "reply_to")
+#: Format 3: the fields every record has that transitions change (the state part), in this order.
+ITEM_STATE: tuple[str, ...] = ("state", "attempt", "token", "worker", "nb_ms", "error")
+#: Format 3: the fields transitions add later, by position after :data:`ITEM_STATE` (nil: absent).
+ITEM_STATE_MORE: tuple[str, ...] = (
+    "lease_expires_ms", "cseq", "completed_token", "completed_ms", "completed_epoch", "handler", "handler_version",
+    "runtime_s", "worker_done", "acked_ms", "fail_token", "ended_ms", "error_message", "quarantined", "token_worker",
+)
+_STATE_ALL = ITEM_STATE + ITEM_STATE_MORE
+_fixed_of = operator.itemgetter(*ITEM_FIXED)
+_NOT_STATE_EXTRA = frozenset(ITEM_FIXED) | frozenset(ITEM_FIXED_EXTRA) | frozenset(_STATE_ALL) | {"id"}
+_STATE_MORE_SET = frozenset(ITEM_STATE_MORE)
+_N_FIXED, _N_STATE, _N_STATE_ALL = len(ITEM_FIXED), len(ITEM_STATE), len(_STATE_ALL)
+_N_USUAL = 1 + _N_FIXED + _N_STATE  # id, the fixed fields, ITEM_STATE
+#: ``_state_prefix_of[k](rec)``: the values of ITEM_STATE and the first k of ITEM_STATE_MORE
+_state_prefix_of = [operator.itemgetter(*_STATE_ALL[:_N_STATE + k]) for k in range(_N_STATE_ALL - _N_STATE + 1)]
+FORMAT3 = 0x03
+_packb = msgpack.Packer(use_bin_type=True).pack  # (a Packer is reusable: one per process, the actor's thread)
+_unpackb = msgpack.unpackb
+
+
+def pack_item_fixed(rec: Item) -> bytes:
+    """The fixed part of ``rec`` (format 3): :data:`ITEM_FIXED`, then ``origin`` /
+    ``reply_to`` when present. Written once per record and reused as bytes."""
+    try:
+        fixed = list(_fixed_of(rec))
+    except KeyError:  # a format-1 record from before one of the fields
+        fixed = [rec.get(f, _CORE_DEFAULTS.get(f)) for f in ITEM_FIXED]
+    if "origin" in rec or "reply_to" in rec:
+        fixed.append({k: rec[k] for k in ITEM_FIXED_EXTRA if k in rec})
+    return _packb(fixed)
+
+
+def pack_item_state(rec: Item) -> bytes:
+    """The state part of ``rec`` (format 3): :data:`ITEM_STATE` and :data:`ITEM_STATE_MORE`
+    by position (nil: absent, trailing nils left out), then a map of any other field that
+    is neither fixed nor ``id`` (and of a field of :data:`ITEM_STATE_MORE` holding None)."""
+    # The usual record: id, the fixed fields (and origin/reply_to) and the first k fields of
+    # ITEM_STATE_MORE, none None (transitions add them in that order up to acked_ms).
+    k = len(rec) - _N_USUAL - ("origin" in rec) - ("reply_to" in rec)
+    if 0 <= k <= _N_STATE_ALL - _N_STATE and "id" in rec:
+        try:
+            vals = _state_prefix_of[k](rec)
+        except KeyError:
+            pass
+        else:
+            if None not in vals:
+                return _packb(vals)
+    get = rec.get
+    vals = [get(f) for f in _STATE_ALL]
+    # every key accounted for: id, the fixed fields, and one per non-nil value
+    if len(rec) == 1 + _N_FIXED + _N_STATE_ALL - vals.count(None) + ("origin" in rec) + ("reply_to" in rec) \
+            and "id" in rec and None not in vals[:_N_STATE]:
+        while vals[-1] is None:  # (never past ITEM_STATE: its fields are not None here)
+            vals.pop()
+        return _packb(vals)
+    for i, f in enumerate(ITEM_STATE):  # a format-1 record from before one of these fields
+        if vals[i] is None and f not in rec:
+            vals[i] = _CORE_DEFAULTS.get(f)
+    extra = {k: v for k, v in rec.items() if k not in _NOT_STATE_EXTRA or (v is None and k in _STATE_MORE_SET)}
+    if not extra:
+        while vals[-1] is None and len(vals) > _N_STATE:
+            vals.pop()
+        return _packb(vals)
+    vals.append(extra)
+    return _packb(vals)
+
+
+def pack_item_head(rec: Item) -> bytes:
+    """What every format-3 ``items`` value of ``rec`` starts with: 0x03, the length of the
+    fixed part, the fixed part (:func:`pack_item_fixed`). The value is this + the state part."""
+    fixed = pack_item_fixed(rec)
+    n = len(fixed)
+    if n < 0x80:
+        return bytes((FORMAT3, n)) + fixed
+    if n < 0x10000:
+        return bytes((FORMAT3, 0xCD)) + n.to_bytes(2, "big") + fixed
+    return bytes((FORMAT3, 0xCE)) + n.to_bytes(4, "big") + fixed
 
 
 def pack_item(rec: Item) -> bytes:
-    """The ``items`` value of ``rec`` (format 2; ``rec["id"]`` is the key, not stored)."""
-    try:
-        core = _core_of(rec)
-    except KeyError:  # a format-1 record from before one of the core fields
-        core = tuple(rec.get(f, _CORE_DEFAULTS.get(f)) for f in ITEM_CORE)
-    extra = rec.keys() - _NOT_EXTRA
-    return msgpack.packb((*core, {k: rec[k] for k in extra} if extra else {}), use_bin_type=True)
+    """The ``items`` value of ``rec`` (format 3; ``rec["id"]`` is the key, not stored)."""
+    return pack_item_head(rec) + pack_item_state(rec)
+
+
+def _fixed_span(raw: bytes) -> tuple[int, int]:
+    """``(start, end)`` of the fixed part in a format-3 value."""
+    b = raw[1]
+    if b < 0x80:
+        return 2, 2 + b
+    if b == 0xCD:
+        return 4, 4 + int.from_bytes(raw[2:4], "big")
+    if b == 0xCE:
+        return 6, 6 + int.from_bytes(raw[2:6], "big")
+    raise ValueError(f"not a format-3 item record (length byte {b:#x})")
+
+
+def unpack_item_parts(raw: bytes, item_id: str) -> tuple[Item, bytes | None]:
+    """An item record of any format, and its head (:func:`pack_item_head`) when it is format
+    3 (None otherwise: a rewrite packs it). ``item_id`` (its key in ``items``) fills ``id``
+    of a format-2 or format-3 record."""
+    if raw[0] == FORMAT3:
+        start, end = _fixed_span(raw)
+        f = _unpackb(raw[start:end], raw=False)
+        st = _unpackb(raw[end:], raw=False)
+        rec: dict[str, Any] = dict(zip(ITEM_FIXED, f))
+        rec["id"] = item_id
+        if len(f) > _N_FIXED:
+            rec.update(f[_N_FIXED])
+        rec.update(zip(ITEM_STATE, st))
+        if len(st) > _N_STATE:
+            for k, v in zip(ITEM_STATE_MORE, st[_N_STATE:_N_STATE_ALL]):
+                if v is not None:
+                    rec[k] = v
+            if len(st) > _N_STATE_ALL:
+                rec.update(st[_N_STATE_ALL])
+        return rec, raw[:end]  # type: ignore[return-value]
+    v = _unpackb(raw, raw=False)
+    if type(v) is dict:  # format 1
+        return v, None  # type: ignore[return-value]
+    rec = {"id": item_id}
+    rec.update(zip(ITEM_CORE, v))
+    rec.update(v[len(ITEM_CORE)])
+    return rec, None  # type: ignore[return-value]
 
 
 def unpack_item(raw: bytes, item_id: str) -> Item:
-    """An item record of either format; ``item_id`` (its key in ``items``) fills ``id``
-    of a format-2 record."""
-    v = msgpack.unpackb(raw, raw=False)
-    if type(v) is dict:  # format 1
-        return v  # type: ignore[return-value]
-    rec: dict[str, Any] = {"id": item_id}
-    rec.update(zip(ITEM_CORE, v))
-    rec.update(v[len(ITEM_CORE)])
-    return rec  # type: ignore[return-value]
+    """An item record of any format (:func:`unpack_item_parts`)."""
+    return unpack_item_parts(raw, item_id)[0]
+
+
+def item_state(raw: bytes) -> str:
+    """The ``state`` of a packed item record of any format (format 3: the fixed part is not read)."""
+    if raw[0] == FORMAT3:
+        return _unpackb(raw[_fixed_span(raw)[1]:], raw=False)[0]
+    v = _unpackb(raw, raw=False)
+    return v["state"] if type(v) is dict else v[ITEM_CORE.index("state")]
 
 
 def token_holder(rec: Item) -> str:

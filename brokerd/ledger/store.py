@@ -12,6 +12,7 @@ handles it); :class:`LedgerError` for a ledger that cannot be opened.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import random
@@ -120,6 +121,12 @@ class Ledger:
         self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
         self.readonly = readonly
         self.rng = rng or random.Random()
+        # Committed records of items not yet done (ready, leased, completed), kept by the
+        # writer between its transactions: item id -> (record, its format-3 head, payload,
+        # result; a blob only when small, else None). Off (0) unless the broker turns it
+        # on (:meth:`cache_records`); see LedgerTxn.commit.
+        self.record_cache_max = 0
+        self.record_cache: collections.OrderedDict[str, tuple[dict, bytes | None, Any, Any]] = collections.OrderedDict()
         if readonly:
             if not (self.path / "data.mdb").exists():
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
@@ -204,6 +211,15 @@ class Ledger:
         from ccsq.brokerd.ledger.rules import LedgerTxn  # rules builds on this module
 
         return LedgerTxn(self)
+
+    def cache_records(self, max_items: int) -> None:
+        """Keep up to ``max_items`` committed records of items not yet done in memory
+        between write transactions (the oldest go first), so a transition reads its
+        record without unpacking it (and its payload and result, when small). Only for the one writer of the ledger (the broker's
+        actor): a record written by anything but a :class:`LedgerTxn` of this object
+        would be read stale. 0 turns it off."""
+        self.record_cache_max = max_items
+        self.record_cache.clear()
 
     def read(self) -> LedgerView:
         """A read-only snapshot (use as a context manager)."""

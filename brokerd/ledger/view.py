@@ -172,7 +172,7 @@ class LedgerView:
                 if sha is None:
                     continue
                 raw = self.txn.get(k, db=items)
-                state = sc.unpack_item(raw, k.decode())["state"] if raw is not None else "unknown"
+                state = sc.item_state(raw) if raw is not None else "unknown"
                 yield k.decode(), state, sha
 
     def leased_items(self) -> Iterator[tuple[str, int, str]]:
@@ -338,6 +338,6 @@ class LedgerView:
             sha = sc.blob_ref(v)
             if sha is not None:
                 raw = self.txn.get(k, db=items)
-                out.append((k.decode(), sc.unpack_item(raw, k.decode())["state"] if raw is not None else "unknown", sha))
+                out.append((k.decode(), sc.item_state(raw) if raw is not None else "unknown", sha))
             ok = cur.next()
         return out, (last if ok else None)
