@@ -12,7 +12,7 @@ Same shape and durability as ccsq (the path of one item in docs/architecture.md,
   publish each result durably (Redis: XADD results + XACK job in one MULTI/EXEC;
   RabbitMQ: publish to the ``results`` quorum queue and wait for the confirms,
   *then* ack the jobs).
-- 1 completion process: receive results, upsert them into SQLite with ccsq's own
+- 1 completion process: receive results, land them in SQLite with ccsq's own
   :class:`~ccsq.completiond.resultsdb.SqliteResults` (one transaction per batch),
   *then* acknowledge them (Redis XACK, fsynced; RabbitMQ basic.ack), and record
   submit -> acknowledged per job. It exits after ``n`` jobs and writes a JSON file.
@@ -167,7 +167,7 @@ async def redis_completion(url: str, land: Landing, db_path: Path, ready: Path) 
         entries = got[0][1]
         jobs = [(int(f[b"i"]), float(f[b"t"])) for _e, f in entries]
         rows = [_row(f"job-{i}", f[b"result"], t) for (i, t), (_e, f) in zip(jobs, entries)]
-        await asyncio.to_thread(db.upsert, rows)
+        await asyncio.to_thread(db.land, rows)
         await r.xack(RESULTS, "completion", *[e[0] for e in entries])
         land.add(jobs)
     await r.aclose()
@@ -275,7 +275,7 @@ async def rabbit_completion(url: str, land: Landing, db_path: Path, ready: Path,
                 break
         decoded = [decode(m) for m in msgs]
         rows = [_row(f"job-{i}", body, t) for i, t, body in decoded]
-        await asyncio.to_thread(db.upsert, rows)
+        await asyncio.to_thread(db.land, rows)
         await msgs[-1].ack(multiple=True)
         land.add([(i, t) for i, t, _b in decoded])
     await conn.close()

@@ -255,6 +255,16 @@ def _gaps(times: list[float]) -> list[float]:
 
 
 # --- tests -------------------------------------------------------------------------------------
+
+def stop_with_empty_journal(proc, tmp_path: Path) -> None:
+    """SIGTERM the worker, which exits 0; everything it held was confirmed and forgotten:
+    its journal is empty."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    j = Journal.open(tmp_path / "journal")
+    assert j.entries() == []
+    j.close()
+
 @pytest.mark.timeout(60)
 def test_c06_heartbeats_flow_while_a_cpu_bound_handler_runs(broker: WorkerBroker, workers: Workers) -> None:
     """C06: a handler burns pure-Python CPU for 3 x (heartbeat_interval x liveness);
@@ -339,11 +349,7 @@ def test_restart_resends_journaled_result_without_rerunning(broker: WorkerBroker
     # confirmed -> forgotten: after a clean stop the journal is empty
     wait_until(lambda: not any(s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > done.mono),
                10, "heartbeats without the lease")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0
-    j = Journal.open(tmp_path / "journal")
-    assert j.entries() == []
-    j.close()
+    stop_with_empty_journal(proc, tmp_path)
 
 
 @pytest.mark.timeout(60)
@@ -366,11 +372,7 @@ def test_poison_job_that_kills_the_worker_is_not_claimed_after_restart(broker: W
     events = workers.log_events(2)
     assert [e["item_id"] for e in events if e["event"] == "job_lost_in_crash"] == ["poison"]
     assert "job_started" not in [e["event"] for e in events]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0
-    j = Journal.open(tmp_path / "journal")
-    assert j.entries() == []
-    j.close()
+    stop_with_empty_journal(proc, tmp_path)
 
 
 @pytest.mark.timeout(60)

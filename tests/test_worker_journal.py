@@ -16,7 +16,8 @@ from ccsq.common.storage.claimstore import sha256_hex
 from ccsq.common.wire import protocol as p
 from ccsq.workerd import journal as jmod
 from ccsq.workerd.journal import EntryState, Journal, encode_report
-from tests.test_worker_daemon import WorkerBroker, Workers, broker, task, wait_until, workers  # noqa: F401 (fixtures)
+from tests.test_worker_daemon import (WorkerBroker, Workers, broker, stop_with_empty_journal, task,  # noqa: F401 (fixtures)
+                                     wait_until, workers)
 
 
 def _result(item_id: str, token: int, data: bytes = b"out") -> p.TaskResult:
@@ -167,11 +168,7 @@ def test_sigkill_after_a_batch_is_journaled_resends_each_result_once(broker: Wor
     got = sorted((r.item_id, r.token, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
     assert got == [(f"b{n}", 10 + n, b"r%d" % n) for n in range(6)]
     assert "job_started" not in [e["event"] for e in workers.log_events(2)]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0
-    j = Journal.open(tmp_path / "journal")
-    assert j.entries() == []
-    j.close()
+    stop_with_empty_journal(proc, tmp_path)
 
 
 @pytest.mark.timeout(60)
@@ -214,11 +211,7 @@ def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: Wor
     again = [r.item_id for s in broker.of(p.Complete)[before:] for r in s.msg.results]
     assert len(again) == len(set(again)) and set(again) <= {f"c{n}" for n in range(6)}
     assert "job_started" not in [e["event"] for e in workers.log_events(2)]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0
-    j = Journal.open(tmp_path / "journal")
-    assert j.entries() == []
-    j.close()
+    stop_with_empty_journal(proc, tmp_path)
 
 
 def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
