@@ -55,13 +55,16 @@ JOBS, RESULTS = "jobs", "results"
 WORKER_BATCH = 64  # jobs taken per read (Redis COUNT / RabbitMQ prefetch)
 COMPLETION_BATCH = 256  # results per SQLite transaction (ccsq completion: batch_max 256)
 COMPLETION_WAIT_MS = 0.0  # gather what has arrived (ccsq completion: batch_wait_ms 0, its default since 2026-12-01)
+#: redis-py 8 gives up on a reply after 5 s by default; Redis with appendfsync always on a loaded
+#: machine can stall longer (a kill run ended with "Timeout reading"): the harness waits, like the peers do
+REDIS_SOCKET_TIMEOUT_S = 60.0
 
 
 # --- Redis Streams ------------------------------------------------------------------
 async def redis_setup(url: str, streams: tuple[tuple[str, str], ...] = ((JOBS, "workers"), (RESULTS, "completion"))) -> None:
     import redis.asyncio as aredis
 
-    r = aredis.Redis.from_url(url)
+    r = aredis.Redis.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
     for stream, group in streams:
         try:
             await r.xgroup_create(stream, group, id="$", mkstream=True)
@@ -74,7 +77,7 @@ async def redis_setup(url: str, streams: tuple[tuple[str, str], ...] = ((JOBS, "
 async def redis_produce(url: str, n: int, batch: int, window: int, rate_per_s: float | None) -> dict[str, float]:
     import redis.asyncio as aredis
 
-    r = aredis.Redis.from_url(url)
+    r = aredis.Redis.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
 
     async def submit_batch(start: int, count: int) -> None:
         t = repr(time.time())
@@ -92,7 +95,7 @@ async def redis_produce(url: str, n: int, batch: int, window: int, rate_per_s: f
 async def redis_worker(url: str, name: str, ready: Path) -> None:
     import redis.asyncio as aredis
 
-    r = aredis.Redis.from_url(url)
+    r = aredis.Redis.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
     await r.ping()
     ready.touch()
     start = "0"  # first the jobs this consumer read before a crash (its pending entries), then new ones
@@ -154,7 +157,7 @@ def _stop_on_sigterm(land: Landing) -> None:
 async def redis_completion(url: str, land: Landing, db_path: Path, ready: Path) -> dict[str, Any]:
     import redis.asyncio as aredis
 
-    r = aredis.Redis.from_url(url)
+    r = aredis.Redis.from_url(url, socket_timeout=REDIS_SOCKET_TIMEOUT_S)
     db = _open_db(db_path)
     await r.ping()
     _stop_on_sigterm(land)
