@@ -122,6 +122,10 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         )
     except LedgerError as exc:
         return _fail(exc.exit_code, str(exc))
+    if ledger.restored_from:
+        log.warning("ledger_restored_from_backup", ledger_id=ledger.ledger_id, id_prefix_before=ledger.restored_from,
+                    id_prefix=ledger.id_prefix, note="new item ids begin with the new prefix: ids the broker issued "
+                    "after the backup was taken are never issued again")
     codec = EnvelopeCodec(
         cfg.peer_id,
         key,

@@ -461,7 +461,7 @@ class LedgerTxn(LedgerView):
         if item.deadline_ts is not None and item.deadline_ts * 1000 <= now_ms:
             return p.SubmitResult(item.key, "", error="DEADLINE_EXCEEDED", message="deadline_ts is already past")
         seq = self.next_num(sc.NEXT_SEQ)
-        item_id = f"{self.ledger.ledger_id}{seq:012x}"
+        item_id = f"{self.ledger.id_prefix}{seq:012x}"
         deadline_ms = int(item.deadline_ts * 1000) if item.deadline_ts is not None else None
         rec: Item = {
             "id": item_id,

@@ -71,7 +71,9 @@ _READY = struct.Struct(">IQQ")
 META = b"m:"
 LEDGER_ID = META + b"ledger_id"  # 8 random hex chars made at creation; prefix of every item id
 EPOCH = META + b"epoch"  # +1 at every broker start
-NEXT_SEQ = META + b"next_seq"  # arrival sequence; item id = ledger id + %012x of it
+NEXT_SEQ = META + b"next_seq"  # arrival sequence; item id = id prefix + %012x of it
+ID_PREFIX = META + b"id_prefix"  # 8 hex chars that begin new item ids (absent: the ledger id); new after a restore
+RESTORE_PENDING = META + b"restore_pending"  # set in a `ccsq backup` copy; the first writer gives it a new id prefix
 NEXT_TOKEN = META + b"next_token"  # fencing tokens (only ever increase, ledger-wide)
 NEXT_CSEQ = META + b"next_cseq"  # completion sequence (delivery order)
 SAMPLE_N = META + b"sample_n"  # accounting samples written so far

@@ -168,13 +168,27 @@ class Ledger:
             self.env.close()
             raise
         self.ledger_id = ""
+        #: what new item ids begin with: the ledger id, or the prefix a restore gave it
+        self.id_prefix = ""
+        #: the id prefix before this open, when this open was the first write to a restored
+        #: ``ccsq backup`` copy (a new prefix was taken: see :meth:`backup`); else ""
+        self.restored_from = ""
+        meta = self.db["meta"]
         if not readonly:
             with self.env.begin(write=True) as txn:
-                lid = txn.get(sc.LEDGER_ID, db=self.db["meta"])
+                lid = txn.get(sc.LEDGER_ID, db=meta)
                 if lid is None:
                     lid = secrets.token_hex(4).encode()
-                    txn.put(sc.LEDGER_ID, lid, db=self.db["meta"])
+                    txn.put(sc.LEDGER_ID, lid, db=meta)
                 self.ledger_id = lid.decode()
+                prefix = (txn.get(sc.ID_PREFIX, db=meta) or lid).decode()
+                if txn.get(sc.RESTORE_PENDING, db=meta) is not None:
+                    # a restored backup: the broker it was copied from may have issued ids after
+                    # the copy (their results may sit in the results database): never reuse them
+                    self.restored_from, prefix = prefix, _fresh_prefix({prefix, self.ledger_id})
+                    txn.put(sc.ID_PREFIX, prefix.encode(), db=meta)
+                    txn.delete(sc.RESTORE_PENDING, db=meta)
+                self.id_prefix = prefix
         else:
             try:
                 txn = self._begin()
@@ -182,10 +196,12 @@ class Ledger:
                 self.env.close()
                 raise
             try:
-                lid = txn.get(sc.LEDGER_ID, db=self.db["meta"])
+                lid = txn.get(sc.LEDGER_ID, db=meta)
+                prefix = txn.get(sc.ID_PREFIX, db=meta) or lid
             finally:
                 txn.abort()
             self.ledger_id = lid.decode() if lid else ""
+            self.id_prefix = prefix.decode() if prefix else ""
 
     # --- environment ---
     def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:
@@ -321,7 +337,10 @@ class Ledger:
         """A consistent, compacting copy of the ledger into the new or empty directory
         ``dest`` (``dest/data.mdb``; LMDB's ``mdb_env_copy2`` with ``MDB_CP_COMPACT``:
         one read snapshot, free pages left out, pages renumbered). Safe while the
-        broker writes; the copy's snapshot pins history only while it runs. The file
+        broker writes; the copy's snapshot pins history only while it runs. The copy is
+        marked: the first broker (or tool) that opens it for writing, i.e. once it is
+        restored, takes a new item id prefix, so ids the source broker issued after the copy
+        are never issued again (their results may already be in the results database). The file
         is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
         :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
         dest = Path(dest)
@@ -336,6 +355,7 @@ class Ledger:
                 self.env.copy(str(dest), compact=True, txn=txn)
             finally:
                 txn.abort()
+            _mark_restore_pending(dest)
             out = dest / "data.mdb"
             fd = os.open(out, os.O_RDONLY)
             try:
@@ -367,3 +387,22 @@ def data_paths(data_dir: Path) -> tuple[Path, Path]:
 def disk_free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def _fresh_prefix(taken: set[str]) -> str:
+    """8 random hex chars not in ``taken`` (an item id prefix after a restore)."""
+    while True:
+        prefix = secrets.token_hex(4)
+        if prefix not in taken:
+            return prefix
+
+
+def _mark_restore_pending(dest: Path) -> None:
+    """Set ``RESTORE_PENDING`` in the ledger copy at ``dest`` (see :meth:`Ledger.backup`)."""
+    env = lmdb.open(str(dest), max_dbs=len(sc.DB_NAMES) + 2, subdir=True, lock=True, sync=True, metasync=True)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(sc.RESTORE_PENDING, b"", db=env.open_db(b"meta", txn=txn, create=False))
+    finally:
+        env.close()
+    (dest / "lock.mdb").unlink(missing_ok=True)
