@@ -92,9 +92,15 @@ _COLUMNS = (
 )
 
 
+#: A row for an item id already in ``results`` is a redelivery (``deliveries`` + 1) only when
+#: its idempotency key is the stored one. Another key means the id was issued twice (a ledger
+#: restored from a copy made without ``ccsq backup``): the key set to NULL breaks its NOT NULL
+#: constraint, a data error, so the row goes to ``results_quarantine`` (counted, G12) instead of
+#: being taken for a redelivery and dropped.
+_ON_CONFLICT = ("ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1, "
+                "idem_key = CASE WHEN results.idem_key = excluded.idem_key THEN results.idem_key END")
 #: the ``results`` and ``results_quarantine`` upserts (``{values}``: the driver's placeholders)
-_RESULTS_UPSERT = (f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES ({{values}},1) "
-                   "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1")
+_RESULTS_UPSERT = f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES ({{values}},1) " + _ON_CONFLICT
 _QUARANTINE_UPSERT = (f"INSERT INTO results_quarantine ({{columns}}, deliveries) VALUES ({{values}},1) "
                       "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
                       "error = excluded.error")
@@ -123,7 +129,7 @@ class ResultsDB(abc.ABC):
         self._lock = threading.Lock()
         self._results_sql = _RESULTS_UPSERT.format(values=",".join(self._RESULT_PLACEHOLDERS))
         self._quarantine_sql = _QUARANTINE_UPSERT.format(columns=_Q_COLUMNS, values=",".join([self._PH] * 12))
-        self._in_results_sql = f"SELECT 1 FROM results WHERE item_id = {self._PH}"
+        self._in_results_sql = f"SELECT idem_key FROM results WHERE item_id = {self._PH}"
 
     def connect(self) -> None:
         """(Re)connect if not connected and create the schema. Raises the driver's error.
@@ -207,9 +213,11 @@ class ResultsDB(abc.ABC):
         """Upsert ``rows`` into ``results`` (inside a transaction): ONE executemany."""
         _check_all_written(self._executemany(self._results_sql, self._result_params(rows)), len(rows))
 
-    def _in_results(self, item_id: str) -> bool:
-        """Is ``item_id`` already in ``results`` (inside a transaction)?"""
-        return self._con.execute(self._in_results_sql, (item_id,)).fetchone() is not None
+    def _in_results(self, row: ResultRow) -> bool:
+        """Is ``row``'s result already in ``results``: its item id, with its idempotency key
+        (inside a transaction)?"""
+        stored = self._con.execute(self._in_results_sql, (row[0],)).fetchone()  # the key compared here: it may
+        return stored is not None and stored[0] == row[1]  # be text the database cannot even take as a parameter
 
     def _insert_quarantine(self, refused: Sequence[tuple[ResultRow, str]], *, ascii_only: bool) -> None:
         """Upsert ``(row, error)`` pairs into ``results_quarantine`` (inside a transaction);
@@ -257,7 +265,7 @@ class ResultsDB(abc.ABC):
         """Insert what the database takes of ``rows`` (refused as a whole with ``exc``);
         return the rows it refuses alone, with their errors."""
         if len(rows) == 1:
-            if self._in_results(rows[0][0]):
+            if self._in_results(rows[0]):
                 # a redelivery of a result that landed before: only its deliveries count was
                 # refused (e.g. an append-only rule on results); it is stored, not refused
                 return []
@@ -376,7 +384,7 @@ CREATE TABLE IF NOT EXISTS results_quarantine (
 _SQLITE_RESULTS_V2_UPSERT = (
     "INSERT INTO results (item_id, idem_key, kind, params, result, result_sha256, result_is_text, attempt, handler, "
     "handler_version, completed_ts, landed_ts, deliveries) VALUES (?1,?2,?3,?4,?5,?6,?7 IS NOT NULL,?8,?9,?10,?11,?12,1) "
-    "ON CONFLICT (item_id) DO UPDATE SET deliveries = results.deliveries + 1")
+    + _ON_CONFLICT)
 #: SQLite generated columns (3.31.0, 2020-01-22)
 _SQLITE_HAS_GENERATED_COLUMNS = sqlite3.sqlite_version_info >= (3, 31, 0)
 _Q_COLUMNS = (

@@ -524,3 +524,24 @@ def test_an_unreachable_claim_store_is_read_again_not_fatal(tmp_path: Path) -> N
         assert [(r[0], r[4]) for r in rows] == [("item-00003", b"stored by reference")]
     finally:
         e.close()
+
+
+@pytest.mark.postgres
+def test_postgres_an_item_id_with_another_key_is_quarantined_not_taken_for_a_redelivery(pg_server, pg_database) -> None:  # noqa: F811
+    """The same item id with another idempotency key (an id issued twice) must not count as a
+    redelivery of the stored result and be dropped: it is quarantined, the stored row stays."""
+    from ccsq.completiond.resultsdb import PostgresResults
+
+    db = PostgresResults(pg_database)
+    try:
+        assert db.land([_row(0, "first-key"), _row(1, "k1")]) == []
+        assert db.land([_row(1, "k1")]) == []  # a true redelivery
+        refused = db.land([_row(0, "second-key"), _row(2, "k2")])
+        assert [(r.item_id, "idem_key" in e) for r, e in refused] == [("item-00000", True)], refused
+    finally:
+        db.close()
+    with psycopg.connect(pg_database) as con:
+        landed = con.execute("SELECT item_id, idem_key, deliveries FROM results ORDER BY item_id").fetchall()
+        quarantined = con.execute("SELECT item_id, idem_key FROM results_quarantine").fetchall()
+    assert landed == [("item-00000", "first-key", 1), ("item-00001", "k1", 2), ("item-00002", "k2", 1)]
+    assert quarantined == [("item-00000", "second-key")]

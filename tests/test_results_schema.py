@@ -60,6 +60,12 @@ def _land_twice_and_check(path: Path) -> sqlite3.Connection:
     try:
         assert db.land(ROWS) == []
         assert db.land([ROWS[0], ROWS[2], _row(4, b"late")]) == []  # a redelivery lands once
+        # the same item id with ANOTHER idempotency key is no redelivery (an id issued twice):
+        # quarantined with the database's error, the stored row untouched, its batch mates land
+        reused = ROWS[1]._replace(idem_key="another-key", result=b"other", result_sha256=sha256_hex(b"other"),
+                                  result_text="other")
+        refused = db.land([reused, _row(9, b"nine")])
+        assert [(r.item_id, "idem_key" in e) for r, e in refused] == [("item-00001", True)], refused
     finally:
         db.close()
     con = sqlite3.connect(path)
@@ -70,6 +76,7 @@ def _land_twice_and_check(path: Path) -> sqlite3.Connection:
         "item-00002": (ROWS[2].result, None, 2),
         "item-00003": (b"plain", "plain", 1),
         "item-00004": (b"late", "late", 1),
+        "item-00009": (b"nine", "nine", 1),
     }
     # the example queries of docs/results-schema.md, and the index they use
     assert con.execute("SELECT item_id, result_text FROM results WHERE idem_key = ?", ("key-3",)).fetchall() == [
