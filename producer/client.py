@@ -46,6 +46,7 @@ from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import (
     BrokerUnavailable,
     CcsqError,
+    ConfigError,
     PayloadTooLarge,
     StoreUnavailable,
     Unauthorized,
@@ -177,11 +178,21 @@ class AsyncClient:
             self._tasks.append(flusher)
 
     def _link_ended(self, _task: asyncio.Task) -> None:
-        """The link stopped for good: if the broker refused us, every waiting request fails now."""
+        """The link stopped for good: if the broker refused us, or another live process took
+        our peer id, every waiting request fails now."""
+        if self._link is not None and self._link.replaced:
+            self._requests.fail_all(self._replaced_error())
+            return
         if self._link is None or self._link.refused is None:
             return
         self._requests.fail_all(
             Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code))
+
+    def _replaced_error(self) -> ConfigError:
+        return ConfigError(
+            f"another live process uses peer id {self.config.peer_id!r} (the broker let its newer session replace this "
+            f"one): give each producer process its own peer id and key (`ccsq keygen --id NAME`, then add it to "
+            f"authorized_keys.toml), or wait for the other process to finish")
 
     def _flusher_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -252,7 +263,10 @@ class AsyncClient:
         return self._link
 
     def _check_refused(self, link: BrokerLink) -> None:
-        """Raise Unauthorized (naming the fix) once the broker refused this peer for good."""
+        """Raise Unauthorized (naming the fix) once the broker refused this peer for good;
+        ConfigError once another live process took this peer id."""
+        if link.replaced:
+            raise self._replaced_error()
         refusal = link.refused or link.last_refusal
         if refusal is not None and refusal_final(refusal.code):
             raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)

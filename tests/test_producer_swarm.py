@@ -138,6 +138,26 @@ def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> Non
             client.submit(b"x", "echo", timeout_s=1.5)
 
 
+def test_a_producer_whose_peer_id_another_process_takes_fails_at_once_with_a_config_error(tmp_path: Path) -> None:
+    """Two live producers with one peer id: the broker lets the newer session replace the
+    older. The replaced one used to wait out its whole timeout and then blame the broker
+    (BROKER_UNAVAILABLE, exit 69); now its calls fail at once with ConfigError (exit 78 in
+    ``ccsq submit``) naming the peer id, and the newer one keeps working."""
+    from ccsq.common.wire.errors import ConfigError
+
+    with Swarm(tmp_path / "s") as swarm:
+        swarm.start_broker()
+        with swarm.client() as first:
+            assert first.submit(b"one", "echo").item_id
+            with swarm.client() as second:  # same producer.toml: same peer id
+                assert second.submit(b"two", "echo").item_id
+                t0 = time.monotonic()
+                with pytest.raises(ConfigError, match="another live process uses peer id 'producer-1'"):
+                    first.submit(b"three", "echo", timeout_s=30)
+                assert time.monotonic() - t0 < 10
+                assert second.submit(b"four", "echo").item_id
+
+
 def test_cancel_dead_letters_ready_items_only(tmp_path) -> None:
     """cancel(): a READY item becomes DEAD (cancelled, G7 event); an acknowledged one is untouched."""
     from tests.swarm import Swarm
