@@ -479,7 +479,9 @@ def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
     assert work.recv_type(p.CompleteAck, 10).outcomes[0].outcome == "accepted"
     # whole frames up to 256 item operations a turn: at most 2 of these frames per turn, so
     # >= 20 turns (idle turns come on top); read in one go they would take a handful
-    assert TURN_ITEM_BUDGET < 2 * 200 and turns() - before >= frames / 2
+    # (a turn's duration is observed after its replies went out: wait for the last ones)
+    assert TURN_ITEM_BUDGET < 2 * 200
+    wait_for(lambda: turns() - before >= frames / 2, 10, what=f">= {frames // 2} turns for {frames} frames")
     assert h.report()["received"] == 1 + frames * 200 and lease.item_id
 
 
