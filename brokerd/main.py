@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import gc
 import os
 import signal
 import sys
@@ -30,7 +29,7 @@ from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy, data_paths, d
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.wire.config import BrokerConfig, load
-from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.runtime.daemon import config_path_from_argv, settle_gc
 from ccsq.common.wire.endpoints import bind_error, check_bind_local
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, ledger_failure
@@ -40,7 +39,6 @@ from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals
 log = structlog.get_logger("ccsq.brokerd")
 
 #: Net container allocations between two young-generation collections of the cyclic GC (default 700).
-GC_GEN0_THRESHOLD = 10_000
 
 
 class LedgerLocked(Exception):
@@ -167,7 +165,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                 return _fail(ExitCode.CONFIG, f"config error: {exc}")
             except PortInUse as exc:
                 return _fail(ExitCode.TEMPFAIL, f"transient: {exc}")
-        _tune_gc()
+        settle_gc()  # start-up's heap out of the collector's way; young collections less often
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
         except lmdb.Error as exc:
@@ -189,16 +187,6 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
     return int(ExitCode.OK)
 
 
-def _tune_gc() -> None:
-    """Before serving: what was built at start (modules, config, the ledger's state) is
-    frozen out of the cyclic collector's scans, and a young-generation collection runs
-    after :data:`GC_GEN0_THRESHOLD` net container allocations instead of 700. A turn
-    holds thousands of short-lived objects (decoded frames, records, replies), so the
-    default ran ~25 young collections per thousand jobs, each walking them: ~15 us of
-    broker CPU per job (docs/benchmarks.md, issue 15). The broker makes little cyclic
-    garbage; older generations keep the default ratios."""
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -17,7 +17,6 @@ journal recovery -> READY=1 (systemd) -> serve. Exit codes
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import sys
 
@@ -27,7 +26,7 @@ from ccsq.common.wire import config as cfgmod
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.storage.claimstore import open_configured_store
 from ccsq.common.wire.config import WorkerConfig
-from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.runtime.daemon import config_path_from_argv, settle_gc
 from ccsq.common.wire.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.runtime.metrics import parse_listen
 from ccsq.common.link.peer import make_codec
@@ -101,7 +100,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         requested_provider=cfg.provider, cpu_fallback=handler.cpu_fallback, slots=cfg.slots, prefetch=cfg.prefetch,
     )
     worker = Worker(cfg, handler, store, journal, codec=codec)
-    _settle_gc()
+    settle_gc()  # start-up's heap (handler, model) out of the collector's way
     try:
         from ccsq.workerd.metrics import start_worker_metrics
 
@@ -129,19 +128,6 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     return int(ExitCode.OK), worker.stuck_threads > 0
 
 
-GC_GEN0_THRESHOLD = 10_000  # container allocations (net) between young collections; CPython's default is 700
-
-
-def _settle_gc() -> None:
-    """Startup is over (imports, handler, model): move what it made out of the cyclic
-    collector's sight (``gc.freeze``) and collect the young generation less often. With
-    CPython's defaults the echo benchmark (``python -m bench.worker_cpu``, 12,800 jobs) ran
-    ~110 young collections and a full one that re-walked the ~48,000 startup objects
-    (~50 ms in all, ~4 us a job on the loaded 2-core machine); now none (docs/benchmarks.md)."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def main(argv: list[str] | None = None) -> None:
