@@ -38,8 +38,6 @@ from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals
 
 log = structlog.get_logger("ccsq.brokerd")
 
-#: Net container allocations between two young-generation collections of the cyclic GC (default 700).
-
 
 class LedgerLocked(Exception):
     """Another process holds the ledger lock."""

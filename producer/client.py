@@ -57,7 +57,6 @@ from ccsq.common.link.peer import BrokerLink, refusal_fix
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.policy import refusal_error, refusal_final, refusal_retryable
 from ccsq.producer.items import ItemBuilder, Payload, canonical_params, derive_key, item_size, item_size_bound  # noqa: F401 (public here too)
-from ccsq.producer.items import unchecked_constructor
 from ccsq.producer.outbox import Outbox
 from ccsq.producer.replay import OutboxReplay
 
@@ -92,7 +91,7 @@ class Receipt:
 
 
 #: ``Receipt(item_id, key, duplicate, spooled, unserved)`` without the frozen ``__init__`` (one per item)
-_receipt = unchecked_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
+_receipt = p.trusted_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
 
 
 def _whole_status(request: Any, parts: list[p.StatusReply]) -> p.StatusReply | None:

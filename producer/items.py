@@ -89,9 +89,6 @@ def read_payload(payload: Payload) -> bytes:
     raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
 
 
-_SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
-
-
 def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     params = dict(params or {})
     if len(params) > p.MAX_MAP_LEN:
@@ -99,7 +96,7 @@ def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
     for k, v in params.items():
         if not isinstance(k, str):
             raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, _SCALAR_TYPES):
+        if not isinstance(v, p.SCALAR_TYPES):
             raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
     return params
 
@@ -111,10 +108,10 @@ def item_size(item: p.SubmitItem) -> int:
     body = p.encode_body(item)
     inline = item.payload.inline
     if inline is None:
-        return len(msgpack.packb(body, use_bin_type=True))
+        return len(_pack()(body))
     body["payload"]["inline"] = None  # encode_body made fresh maps: the item is not touched
     n = len(inline)
-    return len(msgpack.packb(body, use_bin_type=True)) - 1 + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) + n
+    return len(_pack()(body)) - 1 + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) + n
 
 
 #: msgpack bytes of a SubmitItem map besides its variable values, over-counted: map headers,

@@ -260,8 +260,8 @@ def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
     return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
 
 
-_new_blob = object.__new__
-_set = object.__setattr__
+#: ``Blob(sha256, size, inline)`` without its checks (for values checked when they came in)
+_trusted_blob = p.trusted_constructor(p.Blob, ("sha256", "size", "inline"))
 
 
 def unpack_blob(raw: bytes) -> p.Blob:
@@ -276,11 +276,7 @@ def unpack_blob(raw: bytes) -> p.Blob:
         inline = lz4.block.decompress(inline, uncompressed_size=v[1])
     if len(v[0]) != 32 or (inline is not None and len(inline) != v[1]):
         return p.Blob(v[0].hex(), v[1], inline)  # (cannot happen; the checks say what is wrong)
-    b = _new_blob(p.Blob)
-    _set(b, "sha256", v[0].hex())
-    _set(b, "size", v[1])
-    _set(b, "inline", inline)
-    return b
+    return _trusted_blob(v[0].hex(), v[1], inline)
 
 
 def blob_ref(raw: bytes) -> str | None:

@@ -52,4 +52,3 @@ def settle_gc(young_threshold: int | None = GC_YOUNG_THRESHOLD) -> None:
     if young_threshold:
         _, gen1, gen2 = gc.get_threshold()
         gc.set_threshold(young_threshold, gen1, gen2)
-

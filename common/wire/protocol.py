@@ -700,7 +700,8 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
 # Converters are compiled once per dataclass (a closure per field) so the hot
 # path does no typing introspection per value.
 
-_SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
+#: the types a params value may have (``Scalar``), for isinstance checks
+SCALAR_TYPES = (str, int, float, bool, bytes, type(None))
 _ENCODERS: dict[type, Any] = {}
 _DECODERS: dict[type, Any] = {}
 
@@ -794,7 +795,7 @@ def _compile_decoder(tp: Any):
             for k, x in v.items():
                 if type(k) is not str:
                     raise _bad(path, "map keys must be strings")
-                if not isinstance(x, _SCALAR_TYPES):
+                if not isinstance(x, SCALAR_TYPES):
                     raise _bad(f"{path}.{k}", "map values must be scalars")
             return dict(v)
 
@@ -903,7 +904,7 @@ class _Bail(Exception):
 
 
 _MISS = object()
-_SCALAR_SET = frozenset(_SCALAR_TYPES)
+_SCALAR_SET = frozenset(SCALAR_TYPES)
 _EXACT_NAMES = {str: "str", int: "int", bool: "bool", bytes: "bytes"}
 
 
