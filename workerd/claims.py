@@ -96,11 +96,6 @@ class Claims:
         :meth:`~ccsq.common.storage.claimstore.ClaimStore.inline_without_io`)?"""
         return self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES)
 
-    def put_inline(self, data: bytes) -> p.BlobRef:
-        """:meth:`put_result` of a result that :meth:`inline_without_io` says needs no I/O
-        (a SHA-256, on the caller's thread; never raises)."""
-        return self.store.put_blob(data, INLINE_RESULT_MAX_BYTES)
-
     @property
     def ok(self) -> bool:
         return time.monotonic() >= self._bad_until_mono

@@ -72,6 +72,7 @@ class Intake:
         self._spawn = spawn
         self._log = log
         self._frames_in_flight = 0  # DISPATCH runners still bringing jobs to the batch queue
+        self._own_batch_key = type(handler).batch_key is not Handler.batch_key  # else every job: (kind, None)
 
     def fetching(self) -> bool:
         """Is a job on its way to the batch queue (being held or fetched)? O(1): a DISPATCH
@@ -188,7 +189,7 @@ class Intake:
     def _queue_many(self, ready: list[tuple[Job, bytes]], failed: list[tuple[Job, p.TaskFailure]]) -> None:
         """Fetched, verified jobs -> their batch keys -> the batch queue (in order), or failures.
         A handler without its own ``batch_key`` puts them all under ``(kind, None)``."""
-        own_key = type(self.handler).batch_key is not Handler.batch_key
+        own_key = self._own_batch_key
         out: list[tuple[Hashable, Job]] = []
         for job, payload in ready:
             task = job.task

@@ -199,11 +199,7 @@ class Journal:
             try:
                 ops = msgpack.unpackb(raw, raw=False, use_list=True)
                 for code, rows in ops:
-                    if code == _SNAPSHOT:
-                        for item_id, token, kind, state, report in rows:
-                            live[(item_id, token)] = [kind, state, report]
-                    else:
-                        _REPLAY[code](live, rows)
+                    _REPLAY[code](live, rows)
             except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
                 raise JournalCorrupt(f"journal {self.path}: log row {seq} does not decode: {exc!r}") from None
 
@@ -266,9 +262,6 @@ class Journal:
             self._db.execute("INSERT INTO log (ops) VALUES (?)", (_packb([[_SNAPSHOT, snap]]),))
             self._log_rows = 1
         self._legacy = False
-
-    def _count_log_rows(self) -> int:
-        return self._db.execute("SELECT count(*) FROM log").fetchone()[0]
 
     # --- reads ---
     def entries(self) -> list[JournalEntry]:
@@ -352,6 +345,7 @@ _REPLAY: dict[str, Callable[[dict[Key, list], list], None]] = {
     "s": _replay_started,
     "r": _replay_record,
     "f": _replay_forget,
+    _SNAPSHOT: _replay_record,  # a snapshot row: every live entry, as records (always the first row)
 }
 
 

@@ -111,14 +111,9 @@ class Lanes:
         self._infer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the batch queue --------------------------------------------------------------
-    def submit(self, key: Hashable, job: Job) -> None:
-        """Queue a fetched job under batch ``key``; its RunOutcome goes to ``on_outcomes``."""
-        job.state = JobState.QUEUED
-        job.batch_key = key
-        self.batches.put(key, job)
-
     def submit_many(self, keyed: list[tuple[Hashable, Job]]) -> None:
-        """:meth:`submit` of several ``(key, job)``, in order (one clock read, one wake-up)."""
+        """Queue fetched jobs under their batch keys, in order (one clock read, one wake-up);
+        their RunOutcomes go to ``on_outcomes``."""
         queued = JobState.QUEUED
         for key, job in keyed:
             job.state = queued

@@ -200,10 +200,6 @@ class Reports:
         self._unconfirmed_changed()
 
     # --- outcome -> report --------------------------------------------------------------
-    async def finish(self, job: Job, outcome: RunOutcome) -> None:
-        """:meth:`finish_many` of one job."""
-        await self.finish_many([(job, outcome)])
-
     async def finish_many(self, pairs: list[tuple[Job, RunOutcome]]) -> None:
         """Name each outcome's failure reason, or store its result; then :meth:`report_many`
         them all (one journal write). A job given back meanwhile is skipped (its
@@ -248,7 +244,7 @@ class Reports:
                 crash_point("worker.after_infer")
             if job.released:
                 dropped.append(job)
-            elif inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:  # Claims.put_inline, without its calls
+            elif inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:  # ClaimStore.put_blob's inline branch, without its calls
                 t = job.task
                 reports.append((job, task_result(t.item_id, t.token, blob(sha256_hex(data), len(data), data),
                                                  name, version, job_rt)))
@@ -375,10 +371,6 @@ class Reports:
         self._held_event.set()
 
     # --- sending and confirmations ------------------------------------------------------
-    def _queue_send(self, key: Key) -> None:
-        """:meth:`_queue_send_many` of one report."""
-        self._queue_send_many([key])
-
     def _queue_send_many(self, keys: list[Key]) -> None:
         """Send these reports at the end of the loop tick, with every other report
         journaled in the same group commit: one COMPLETE and one FAIL frame."""

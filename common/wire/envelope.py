@@ -352,8 +352,12 @@ class EnvelopeCodec:
             return [payload, hmac.digest(mac.tx, payload, "sha256")]
         return [payload, self._key.sign(payload)]
 
+    def _fresh(self, ts_ms: int) -> bool:
+        """``ts_ms`` is within ``max_clock_skew_s`` of this host's clock."""
+        return abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
+
     def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
-        return msg_type == p.MsgType.HELLO and abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
+        return msg_type == p.MsgType.HELLO and self._fresh(ts_ms)
 
     def decode(self, frames: list[bytes], *, bound_sender: str | None = None) -> Envelope:
         """Verify and decode ``[payload, signature or tag]`` from an untrusted peer.
@@ -400,7 +404,7 @@ class EnvelopeCodec:
             raise DecodeError(f"unknown message type {msg_type}", code=p.REJECT_UNKNOWN_TYPE) from None
         if mtype not in p.ROLE_MAY_SEND[peer.role]:
             raise AuthError(f"role {peer.role.value} may not send {mtype.name}", code=p.REJECT_ROLE)
-        if abs(time.time() * 1000 - ts_ms) > self.max_clock_skew_s * 1000:
+        if not self._fresh(ts_ms):
             raise AuthError(f"timestamp outside max_clock_skew_s={self.max_clock_skew_s}", code=p.REJECT_STALE)
         is_hello = mtype == p.MsgType.HELLO or not self.require_hello
         self._replay.check(sender, session, seq, is_hello, ts_ms)
@@ -421,7 +425,7 @@ class EnvelopeCodec:
         mac = self._rx.get(sender)
         if mac is None or mac.remote_session != session:
             raise _refused(f"no session MAC key for session {session} of {sender!r}: open a session with HELLO",
-                           p.REJECT_NO_SESSION, sender, abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000)
+                           p.REJECT_NO_SESSION, sender, self._fresh(ts_ms))
         if not hmac.compare_digest(hmac.digest(mac.rx, payload, "sha256"), tag):
             raise _refused(f"bad session MAC from {sender!r}", p.REJECT_BAD_SIGNATURE, sender, False)
         if mac.peer_key is not peer:  # authorized_keys was reloaded: still the same key?
