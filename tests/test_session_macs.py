@@ -18,6 +18,7 @@ from ccsq.common.wire.envelope import MAC_BYTES, MAC_OFFER_INFO, EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.test_security_broker import LIMIT, _rss_kib, submit_of_size
 from tests.test_worker_daemon import WorkerBroker, Workers, task
 
 PEERS = {"producer-1": "producer", "worker-1": "worker", "completion-1": "completion"}
@@ -43,6 +44,11 @@ def _item(i: int) -> p.SubmitItem:
 
 def _rejects(sp: ScriptedPeer) -> dict:
     return sp.admin_status().get("rejects", {})
+
+
+def _tag(sp: ScriptedPeer, payload: bytes) -> bytes:
+    """The 32-byte tag of ``sp``'s current MAC session over ``payload``, as its codec computes it."""
+    return hmac.digest(sp.codec._tx[None].tx, payload, "sha256")
 
 
 @pytest.fixture
@@ -260,3 +266,75 @@ def test_real_swarm_runs_over_session_macs(tmp_path: Path) -> None:
         assert set(macs.values()) == {True} and {"worker-1", "completion-1"} <= set(macs) and len(macs) >= 3, macs
         for name in ("worker-1", "completion"):
             assert [e["session_mac"] for e in events(name, "broker_link_ready")] == [True]
+
+
+@pytest.mark.timeout(60)
+def test_c09_hostile_frames_over_a_mac_session(tmp_path: Path) -> None:
+    """Case C09 over session MACs (the signed variant: tests/test_broker.py and
+    tests/test_security_broker.py): an authorized producer in a MAC session sends, each
+    with a valid tag of its session, (a) a header whose sender field claims a 4 GiB
+    binary, (b) a SUBMIT one byte over max_frame_bytes, (c) one exactly at it. (a) is
+    MALFORMED and (b) OVERSIZE (typed ERROR, counted in admin status, the session
+    ended); (c) is accepted; broker RSS grows by at most a few MiB; another producer's
+    MAC session keeps submitting between every step."""
+    cfg = make_swarm(tmp_path, {**PEERS, "producer-2": "producer", "admin": "admin"}, max_frame_bytes=LIMIT)
+    broker = BrokerProcess(cfg).start()
+    hostile = ScriptedPeer(tmp_path, "producer-1", broker.endpoint, session_macs=True)
+    other = ScriptedPeer(tmp_path, "producer-2", broker.endpoint, session_macs=True)
+    admin = ScriptedPeer(tmp_path, "admin", broker.endpoint)
+    try:
+        admin.hello("admin")
+        other.hello("producer")
+        assert other.codec.mac_active
+        n_other = 0
+
+        def other_still_works() -> None:
+            nonlocal n_other
+            n_other += 1
+            t0 = time.monotonic()
+            (r,) = other.submit([_item(1000 + n_other)], timeout_s=5.0)
+            assert r.item_id and not r.error and not r.duplicate and time.monotonic() - t0 < 3.0
+
+        def mac_session() -> None:
+            hostile.connect()
+            assert len(hostile.hello("producer").mac_x25519) == 32 and hostile.codec.mac_active
+
+        rss0 = _rss_kib(broker.proc.pid)
+        # (a) a 7-element envelope whose sender field (bin32) claims 4 GiB, in a handful of bytes
+        mac_session()
+        payload = b"\x97\x01\x0a\xc6\xff\xff\xff\xff" + b"xx"
+        hostile.send_raw([payload, _tag(hostile, payload)])
+        assert hostile.recv_type(p.Error).code == p.REJECT_MALFORMED
+        frames = hostile.codec.encode(p.Status(hostile.next_req(), []))
+        assert len(frames[1]) == MAC_BYTES
+        hostile.send_raw(frames)  # the session was ended (one disconnect rule)
+        assert hostile.recv_type(p.Error).code == p.REJECT_NO_SESSION
+        other_still_works()
+        # (b) one byte over the limit, tagged
+        mac_session()
+        frames = submit_of_size(hostile, LIMIT + 1)
+        assert len(frames[1]) == MAC_BYTES
+        hostile.send_raw(frames)
+        assert hostile.recv_type(p.Error).code == p.REJECT_OVERSIZE
+        other_still_works()
+        # (c) exactly at the limit, tagged: accepted
+        mac_session()
+        frames = submit_of_size(hostile, LIMIT)
+        assert len(frames[1]) == MAC_BYTES
+        hostile.send_raw(frames)
+        ack_frames, ack = _raw(hostile, want=p.SubmitAck)
+        (res,) = ack.results
+        assert res.item_id and not res.error and len(ack_frames[1]) == MAC_BYTES
+        other_still_works()
+
+        # the NO_SESSION answer after (a) is the session layer's, as for a signed frame: not a reject
+        want = {p.REJECT_MALFORMED: 1, p.REJECT_OVERSIZE: 1}
+        wait_for(lambda: _rejects(admin) == want, 10, what=f"rejects == {want}")
+        assert _rss_kib(broker.proc.pid) - rss0 < 8 * 1024
+        reasons = [e["reason"] for e in broker.events("peer_disconnected") if e.get("peer") == "producer-1"]
+        assert "invalid envelope: MALFORMED" in reasons and "invalid envelope: OVERSIZE" in reasons, reasons
+        assert broker.proc.poll() is None
+    finally:
+        for sp in (hostile, other, admin):
+            sp.close()
+        broker.stop()
