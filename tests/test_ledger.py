@@ -497,3 +497,34 @@ def test_record_cache_holds_committed_records_of_items_not_done(ledger):
     with ledger.read() as v:
         assert v.get(rc.item_id) is None and v.get(rb.item_id)["state"] == "acknowledged"
     check_balance(ledger)
+
+
+def test_a_backup_larger_than_ten_mib_is_marked_and_restores_with_a_new_id_prefix(tmp_path):
+    """`ccsq backup` marks its copy (the first writer takes a new item id prefix). A
+    compacted copy has no free page: the mark must not run out of map (py-lmdb's default
+    map is 10 MiB; a 12 MiB copy failed the backup with MapFullError)."""
+    def big(path: Path) -> Ledger:
+        return Ledger(path, map_size_bytes=64 << 20, policy=Policy(), rng=random.Random(7))
+
+    led = big(tmp_path / "l")
+    try:
+        data = [random.Random(i).randbytes(1024) for i in range(12_000)]  # ~12 MiB, incompressible
+        for start in range(0, len(data), 1000):
+            submit(led, *(p.SubmitItem(f"big-{i}", "echo", blob(d)) for i, d in enumerate(data[start:start + 1000], start)))
+        before = led.id_prefix
+        out = led.backup(tmp_path / "copy")
+        assert out["bytes"] > 10 << 20
+    finally:
+        led.close()
+    restored = big(tmp_path / "copy")
+    try:
+        assert restored.restored_from == before and restored.id_prefix != before
+        (r,) = submit(restored, item("after-restore"))
+        assert r.item_id.startswith(restored.id_prefix)
+    finally:
+        restored.close()
+    again = big(tmp_path / "copy")  # a restore once: the second start keeps the prefix
+    try:
+        assert again.restored_from == "" and again.id_prefix == restored.id_prefix
+    finally:
+        again.close()

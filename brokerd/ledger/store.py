@@ -399,7 +399,11 @@ def _fresh_prefix(taken: set[str]) -> str:
 
 def _mark_restore_pending(dest: Path) -> None:
     """Set ``RESTORE_PENDING`` in the ledger copy at ``dest`` (see :meth:`Ledger.backup`)."""
-    env = lmdb.open(str(dest), max_dbs=len(sc.DB_NAMES) + 2, subdir=True, lock=True, sync=True, metasync=True)
+    # a compacted copy has no free page and LMDB would size the map to the file (py-lmdb's
+    # default is 10 MiB): room for the one key's pages
+    map_size = (dest / "data.mdb").stat().st_size + (1 << 20)
+    env = lmdb.open(str(dest), map_size=map_size, max_dbs=len(sc.DB_NAMES) + 2, subdir=True, lock=True, sync=True,
+                    metasync=True)
     try:
         with env.begin(write=True) as txn:
             txn.put(sc.RESTORE_PENDING, b"", db=env.open_db(b"meta", txn=txn, create=False))
