@@ -184,7 +184,7 @@ class DeliveryTracker:
                 more, todo = True, todo[:limit]
             deliveries = []
             for item_id in todo:
-                rec = txn.get(item_id)
+                rec = txn.record(item_id)  # read only
                 if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
                     batch.effects.append(lambda i=item_id: self.fed.unroute(i))
                     continue

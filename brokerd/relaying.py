@@ -61,14 +61,15 @@ class Relaying:
             txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
             return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
         res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
-        if res.duplicate and (txn.get(res.item_id) or {}).get("origin") != origin:
+        rec = (txn.record(res.item_id) or {}) if res.duplicate else {}  # read only
+        if res.duplicate and rec.get("origin") != origin:
             # a producer took this origin key first: never hand the relay someone else's item
             why = f"key {item.key[:120]} belongs to an item that did not come by relay"
             self._refused(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
             return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
         if res.duplicate:
             txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
-            if (txn.get(res.item_id) or {}).get("state") == p.ItemState.ACKNOWLEDGED.value:
+            if rec.get("state") == p.ItemState.ACKNOWLEDGED.value:
                 # the upstream leased it again after an earlier relay took this result home and
                 # it was fenced there: deliver the (still stored) result once more (G3)
                 self.fed.route(sess.peer_id, res.item_id)

@@ -130,6 +130,7 @@ class Sessions:
         self.end(old, "replaced by a new session")
 
     def _open(self, rid: bytes, env: Envelope, hello: p.Hello) -> Session:
+        info = {k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO}  # the MAC offer is no peer info
         sess = Session(
             peer_id=env.sender,
             role=env.role,
@@ -138,8 +139,8 @@ class Sessions:
             credit=max(0, min(hello.credit, MAX_CREDIT)),
             slots=hello.slots,
             kinds=tuple(hello.kinds),
-            info={k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO},
-            info_hello={k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO},
+            info=info,
+            info_hello=dict(info),
         )
         self.peers.add(sess)
         return sess
@@ -192,10 +193,9 @@ class Sessions:
             self.peers.remove(sess.peer_id)
         sess.status = PeerStatus.GONE
         self.outbound.drop_unsent(sess)
-        if not ended_before:  # (a later session may use the same socket and its own MAC keys)
-            self.outbound.close_mac(sess.routing_id)
-        if not ended_before:  # (a later session of the same peer id may have deliveries in flight)
-            self.delivery.session_ended(sess.peer_id)
+        if not ended_before:
+            self.outbound.close_mac(sess.routing_id)  # (a later session may use the same socket and its own MAC keys)
+            self.delivery.session_ended(sess.peer_id)  # (a later session of the same peer id may have deliveries in flight)
         log.info("peer_disconnected", peer=sess.peer_id, role=sess.role.value, reason=reason)
 
     # --- timers ---

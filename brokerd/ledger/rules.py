@@ -357,13 +357,17 @@ class LedgerTxn(LedgerView):
         self._heads.pop(item_id, None)
         self._forgotten.add(item_id)
 
-    def _put(self, rec: Item, iid: bytes) -> None:
-        """Write ``rec`` (format 3: its head packed once, the state part now)."""
+    def _put(self, rec: Item, iid: bytes, *, append: bool = False) -> None:
+        """Write ``rec`` (format 3: its head packed once, the state part now). ``append``: a
+        new record whose id is above every other (full pages, not half-split ones); out of
+        order it falls back to a plain put."""
         item_id = rec["id"]
         head = self._heads.get(item_id)
         if head is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
             head = self._heads[item_id] = sc.pack_item_head(rec)
-        self.txn.put(iid, head + sc.pack_item_state(rec), db=self._items_db)
+        packed = head + sc.pack_item_state(rec)
+        if not (append and self.txn.put(iid, packed, db=self._items_db, append=True)):
+            self.txn.put(iid, packed, db=self._items_db)
         self._recs[item_id] = rec
         self.changed = True
         self.records += 1
@@ -484,16 +488,12 @@ class LedgerTxn(LedgerView):
         if origin:
             rec["origin"], rec["reply_to"] = origin, reply_to
         iid = item_id.encode()
-        payloads, items = self.db["payloads"], self._items_db
+        payloads = self.db["payloads"]
         blob = sc.pack_blob(item.payload, compress=True)
         # ids only grow: append (full pages, not half-split ones); out of order it falls back
         self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
-        head = self._heads[item_id] = sc.pack_item_head(rec)
-        packed = head + sc.pack_item_state(rec)
-        self.txn.put(iid, packed, db=items, append=True) or self.txn.put(iid, packed, db=items)
-        self._recs[item_id], self._payloads[item_id] = rec, item.payload
-        self.changed = True
-        self.records += 1
+        self._put(rec, iid, append=True)
+        self._payloads[item_id] = item.payload
         self._index_add(rec, iid)
         self._move(item.kind, "", _READY)
         self.bump("received")

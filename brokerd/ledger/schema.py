@@ -270,7 +270,7 @@ def unpack_blob(raw: bytes) -> p.Blob:
     checks again."""
     v = msgpack.unpackb(raw, raw=False)
     if isinstance(v, dict):  # format 1
-        return p.Blob(v["sha256"], v["size"], v.get("inline"))
+        return blob_from_wire(v)
     inline = v[2]
     if len(v) > 3 and v[3] == _LZ4:
         inline = lz4.block.decompress(inline, uncompressed_size=v[1])
@@ -371,6 +371,7 @@ ITEM_CORE: tuple[str, ...] = (
     "key", "kind", "params", "priority", "deadline_ms", "max_attempts", "max_runtime_s", "state",
     "attempt", "token", "worker", "nb_ms", "seq", "created_ms", "error",
 )
+_CORE_STATE_AT = ITEM_CORE.index("state")
 #: What a format-1 record written before a core field existed reads as (old ones lack ``worker``).
 _CORE_DEFAULTS: dict[str, Any] = {
     "params": {}, "priority": 0, "max_attempts": 0, "max_runtime_s": 0.0, "attempt": 0, "token": 0,
@@ -517,7 +518,7 @@ def item_state(raw: bytes) -> str:
     if raw[0] == FORMAT3:
         return _unpackb(raw[_fixed_span(raw)[1]:], raw=False)[0]
     v = _unpackb(raw, raw=False)
-    return v["state"] if type(v) is dict else v[ITEM_CORE.index("state")]
+    return v["state"] if type(v) is dict else v[_CORE_STATE_AT]
 
 
 def token_holder(rec: Item) -> str:
