@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -264,17 +265,18 @@ def test_relay_bundle_onto_its_own_host(tmp_path: Path, netns) -> None:  # noqa:
         wait_until(bucket, 60, "moto answering and the bucket made", interval_s=0.5)
         ops = tmp_path / "ops"
         ops.mkdir()
-        from ccsq.common.tools.hosts import write_host_layout
-
         for site, workers in (("site-a", 1), ("site-b", 1)):
             res = subprocess.run([bin_path("ccsq"), "init", site, "--endpoint", f"tcp://{site}:5555", "--workers", str(workers),
-                                  "--swarm-id", site], cwd=ops, capture_output=True, text=True, timeout=60)
+                                  "--swarm-id", site, "--hosts"], cwd=ops, capture_output=True, text=True, timeout=60)
             assert res.returncode == 0, res.stderr
             for name in ["producer.toml", "completion.toml", *(p.name for p in (ops / site).glob("workerd-*.toml"))]:
                 _edit(ops / site / name, claim_store=f"s3://pages/{site}", s3_endpoint_url=s3_url, s3_region="us-east-1",
                       **({"inline_max_bytes": 0} if name == "producer.toml" else {}))
             _edit(ops / site / "brokerd.toml", heartbeat_interval_s=0.2, min_free_disk_bytes=0)
-            write_host_layout(ops / site, gpu_hosts=1)  # what `ccsq init --hosts` writes, after the store was set
+            shutil.rmtree(ops / site / "hosts")  # as deployment.md says after editing the configs
+            res = subprocess.run([bin_path("ccsq"), "init", site, "--hosts", "--gpu-hosts", "1"], cwd=ops,
+                                 capture_output=True, text=True, timeout=60)  # split it again, with the store set
+            assert res.returncode == 0 and "only its per-host layout" in res.stdout, res.stdout + res.stderr
         res = subprocess.run([bin_path("ccsq"), "init-relay", "relay", "--upstream", "site-a", "--downstream", "site-b",
                               "--kinds", "echo", "--hosts"], cwd=ops, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr

@@ -194,6 +194,14 @@ def _admin_config(common: dict, curve_on: bool, broker: dict | None) -> dict:
 def _cmd_init(args: argparse.Namespace) -> int:
     from ccsq.common.wire.endpoints import default_bind
 
+    if args.hosts and (Path(args.dir) / "brokerd.toml").exists():
+        # a swarm written before (and its configs edited since, e.g. an s3:// claim_store): split it as it is now
+        from ccsq.common.tools.hosts import render_layout, write_host_layout
+
+        print(f"{args.dir} holds a swarm: writing only its per-host layout, from its configs as they are "
+              "(the other options of init are not applied)")
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
+        return ExitCode.OK
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
     try:
         written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind,
