@@ -1,8 +1,9 @@
 """``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
-0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
-75 TEMPFAIL (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
+0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust, claim store URI, or a store it
+copies through that is not there: :func:`check_link_stores`); 75 TEMPFAIL (another ccsq-relayd
+holds the journal_dir, an S3 endpoint does not answer; transient); 1 a bug.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import re
-import tomllib
 import secrets
+import tomllib
 from pathlib import Path
 
 import tomli_w
