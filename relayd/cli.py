@@ -11,14 +11,33 @@ from ccsq.common.wire.errors import ExitCode
 
 
 def _cmd_init_relay(args: argparse.Namespace) -> int:
+    from ccsq.common.wire.errors import ConfigError
     from ccsq.relayd.init import init_relay
 
     links = [(Path(args.upstream), Path(args.downstream))]
     if args.both_ways:
         links.append((Path(args.downstream), Path(args.upstream)))
-    path = init_relay(Path(args.dir), links, kinds=args.kinds.split(","), relay_id=args.id)
+    if args.store and not args.hosts:
+        raise ConfigError("--store names a claim store as the relay host reaches it: it goes with --hosts")
+    stores = {}
+    for spec in args.store:
+        swarm_id, sep, uri = spec.partition("=")
+        if not sep or not swarm_id or not uri.startswith(("s3://", "file:///")):
+            raise ConfigError(f"--store {spec!r}: write it as SWARM_ID=s3://bucket/prefix (or SWARM_ID=file:///absolute/path "
+                              "of a mount on the relay host)")
+        stores[swarm_id] = uri
+    path = init_relay(Path(args.dir), links, kinds=args.kinds.split(","), relay_id=args.id, hosts=args.hosts,
+                      stores=stores)
     print(f"wrote {path}; restart both brokers (they read trusted_swarms.toml at start), then:\n"
           f"  ccsq-relayd --config {path}\n  ccsq federation report --config {path}")
+    if args.hosts:
+        bundle = path.parent / "hosts" / "relay"
+        print(f"relay host bundle {bundle}: copy its content to /etc/ccsq/ on the relay host and check it there with "
+              f"sha256sum -c MANIFEST (docs/federation.md, Running it); start ccsq-relayd@{args.id}")
+        for d in dict.fromkeys(d for pair in links for d in pair):
+            if (d / "hosts" / "broker" / "MANIFEST").exists():
+                print(f"refreshed {d / 'hosts' / 'broker'}: copy it to that broker host again "
+                      "(brokerd.toml, trusted_swarms.toml, authorized_keys.toml), then restart ccsq-brokerd there")
     return ExitCode.OK
 
 
@@ -42,6 +61,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kinds", required=True, help="comma-separated item kinds the link carries")
     p.add_argument("--id", default="relay", help="the relay's peer id (default %(default)s)")
     p.add_argument("--both-ways", action="store_true", help="also a link downstream -> upstream")
+    p.add_argument("--hosts", action="store_true", help="also write DIR/hosts/relay/: the relay host's /etc/ccsq (relayd-ID.toml, "
+                   "its keys, each broker's public keys, MANIFEST), and refresh each swarm's hosts/broker/ "
+                   "(docs/federation.md)")
+    p.add_argument("--store", action="append", default=[], metavar="SWARM_ID=URI",
+                   help="with --hosts: that swarm's claim store as the relay host reaches it (default: the swarm's own "
+                   "when it is s3://; a swarm's file:// store is another host's directory and is refused)")
     p.set_defaults(func=_cmd_init_relay)
 
     fed = sub.add_parser("federation", help="federation between swarms").add_subparsers(dest="federation_command", required=True)

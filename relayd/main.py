@@ -1,8 +1,9 @@
 """``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
-0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
-75 TEMPFAIL (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
+0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust, claim store URI, or a store it
+copies through that is not there: :func:`check_link_stores`); 75 TEMPFAIL (another ccsq-relayd
+holds the journal_dir, an S3 endpoint does not answer; transient); 1 a bug.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import structlog
 
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.runtime.daemon import config_path_from_argv
-from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse
+from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, StoreUnavailable
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
 from ccsq.relayd.journal import RelayJournal
@@ -33,6 +34,31 @@ async def _serve(relay, notifier: Notifier) -> None:
         await relay.run(on_ready=lambda: notifier.ready(f"{len(relay.links)} link(s)"))
 
 
+def check_link_stores(cfg) -> None:
+    """The start-up check of the claim stores the relay copies between (a link whose two
+    stores differ): a file:// root must exist (it is never created here: on a relay host
+    it would be an empty directory, not the swarm's store) and be usable, an s3:// bucket
+    answer. ConfigError (78) / StoreUnavailable (75) naming the file, the key and the fix."""
+    from pathlib import Path
+
+    from ccsq.common.storage.claimstore import open_store
+
+    base = Path(cfg.config_path).parent if cfg.config_path else None
+    for i, link in enumerate(cfg.links):
+        if link.upstream_claim_store == link.downstream_claim_store or not (link.upstream_claim_store and
+                                                                            link.downstream_claim_store):
+            continue  # nothing is copied: the relay never opens them
+        for key in ("upstream_claim_store", "downstream_claim_store"):
+            where = f"{cfg.config_path}: links[{i}].{key}"
+            store = open_store(getattr(link, key), base, create=False, where=where)
+            try:
+                store.check(where)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}. The relay copies by-reference payloads and results through this store: "
+                                  "on a relay host of its own use the swarm's s3:// store, or mount that swarm's "
+                                  "store at this path (docs/federation.md, Running it)") from None
+
+
 def run(config_path: str) -> int:
     try:
         cfg = load_relay_config(config_path)
@@ -40,6 +66,12 @@ def run(config_path: str) -> int:
         catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
         return _die(ExitCode.CONFIG, f"config error: {exc}")
+    try:
+        check_link_stores(cfg)
+    except ConfigError as exc:
+        return _die(ExitCode.CONFIG, f"config error: {exc}")
+    except StoreUnavailable as exc:
+        return _die(ExitCode.TEMPFAIL, f"transient: {exc}")
     logsetup.configure(cfg.log_format)
     try:
         journal = RelayJournal.open(cfg.journal_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ class Swarm:
         self.configs = init_swarm(
             root,
             endpoint=self.endpoint,
+            # tests name links after the directories (a-to-b); a name no swarm id allows: ccsq init's default
+            swarm_id=root.name if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,23}", root.name) else None,
             workers=workers,
             handler=handler,
             broker={"heartbeat_interval_s": 0.2, "liveness": 5, "lease_ttl_s": 3.0, "retry_backoff_base_s": 0.05,

@@ -122,15 +122,25 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     hosts = root / "hosts"
     files = {h.name: sorted(str(f.relative_to(h)) for f in h.rglob("*") if f.is_file()) for h in hosts.iterdir()}
     # beyond loopback CURVE is on: each host also gets its own CURVE secret key and the broker's CURVE public key
-    assert files["broker"] == ["admin.toml", "authorized_keys.toml", "brokerd.toml", "keys/admin.curve.key",
+    assert files["broker"] == ["MANIFEST", "admin.toml", "authorized_keys.toml", "brokerd.toml", "keys/admin.curve.key",
                                "keys/admin.key", "keys/broker.curve.key", "keys/broker.curve.pub", "keys/broker.key"]
-    assert files["gpu-1"] == ["authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-1.curve.key", "keys/worker-1.key",
+    assert files["gpu-1"] == ["MANIFEST", "authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-1.curve.key", "keys/worker-1.key",
                               "keys/worker-2.curve.key", "keys/worker-2.key", "workerd-0.toml", "workerd-1.toml"]
-    assert files["gpu-2"] == ["authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-3.curve.key", "keys/worker-3.key",
+    assert files["gpu-2"] == ["MANIFEST", "authorized_keys.toml", "keys/broker.curve.pub", "keys/worker-3.curve.key", "keys/worker-3.key",
                               "workerd-0.toml"]
-    assert files["completion"] == ["authorized_keys.toml", "completion.toml", "keys/broker.curve.pub",
+    assert files["completion"] == ["MANIFEST", "authorized_keys.toml", "completion.toml", "keys/broker.curve.pub",
                                    "keys/completion-1.curve.key", "keys/completion-1.key"]
+    # the printed layout names each file once (gpu-1's two workers both name broker.curve.pub), and
+    # each folder's MANIFEST lists every other file of it with its SHA-256
+    import hashlib
+
     for host, names in files.items():
+        line = next(ln for ln in out.splitlines() if f"hosts/{host}: " in ln)
+        listed = line.split(f"hosts/{host}: ", 1)[1].split(", ")
+        assert sorted(listed) == names, (host, listed)
+        manifest = dict(reversed(ln.split("  ", 1)) for ln in (hosts / host / "MANIFEST").read_text().splitlines())
+        assert sorted(manifest) == [n for n in names if n != "MANIFEST"]
+        assert all(hashlib.sha256((hosts / host / n).read_bytes()).hexdigest() == h for n, h in manifest.items())
         for name in names:
             if name.endswith(".key"):
                 assert stat.S_IMODE((hosts / host / name).stat().st_mode) == 0o600

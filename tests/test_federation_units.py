@@ -109,8 +109,10 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     from ccsq.common.tools.cli import main
     from ccsq.common.wire.keys import parse_authorized_keys
 
-    assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
-    assert main(["init", str(tmp_path / "site-b"), "--endpoint", "tcp://127.0.0.1:5602", "--workers", "1"]) == 0
+    assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1",
+                 "--swarm-id", "site-a"]) == 0
+    assert main(["init", str(tmp_path / "site-b"), "--endpoint", "tcp://127.0.0.1:5602", "--workers", "1",
+                 "--swarm-id", "site-b"]) == 0
     assert main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
                  str(tmp_path / "site-b"), "--kinds", "ocr,echo", "--both-ways"]) == 0
     cfg = load_relay_config(tmp_path / "relay" / "relayd.toml")

@@ -159,7 +159,10 @@ def make_codec(settings: PeerSettings) -> EnvelopeCodec:
     """Build this peer's codec from its settings (keys loaded, and the broker's
     CURVE public key checked when ``curve`` is on; ConfigError on problems)."""
     if settings.curve:
-        load_curve_public(Path(settings.broker_curve_public_key))
+        try:
+            load_curve_public(Path(settings.broker_curve_public_key))
+        except ConfigError as exc:  # name the file and key: the fix is in this peer's config or next to it
+            raise ConfigError(f"{settings.config_path or 'config'}: broker_curve_public_key: {exc}") from None
         peer_curve_secret(settings)
     return EnvelopeCodec(
         settings.peer_id,

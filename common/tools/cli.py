@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: one host per worker)")
     p.add_argument("--workers", type=int, default=2, help="number of worker configs (default %(default)s)")
     p.add_argument("--handler", default="echo", help="worker handler: ocr, echo, sleep, fail (default %(default)s)")
+    p.add_argument("--swarm-id", default=None, help="this swarm's name in federation (brokerd.toml swarm_id; default: the "
+                   "directory's name and a random suffix, so two sites never share one)")
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")

@@ -10,7 +10,10 @@ with their mode.
 
 Hosts: ``broker`` (brokerd.toml + admin.toml), ``gpu-1..H`` (workers, as
 ``workerd-0..K-1.toml`` for ``ccsq-workerd@0..K-1`` on that host, so the unit's
-index is the local GPU index), ``completion``, ``producer``. See docs/deployment.md.
+index is the local GPU index), ``completion``, ``producer``. Each folder also gets a
+``MANIFEST`` (``sha256sum`` format: every file of the folder) that the copy recipe of
+docs/deployment.md checks on the host (``sha256sum -c MANIFEST``), so a file left
+behind is an error there, not a daemon that exits later.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import tomli_w
 
+from ccsq.common.storage.manifest import write_manifest
 from ccsq.common.wire.errors import ConfigError
 
 ETC = "/etc/ccsq"
@@ -116,12 +120,15 @@ def write_host_layout(directory: Path, *, gpu_hosts: int = 0) -> dict[str, list[
         hosts[host] = _ship(directory, d, name, doc, {**changes, "claim_store": _store_uri(doc.get("claim_store", "file://blobs"))})
         hosts[host].append(_authorized(directory / "authorized_keys.toml", d, {broker_id}))
     os.chmod(root, 0o700)
+    for host, files in hosts.items():  # a file several configs name (broker.curve.pub) is listed once
+        hosts[host] = list(dict.fromkeys(files)) + [write_manifest(root / host)]
     return hosts
 
 
 def render_layout(hosts: dict[str, list[Path]]) -> str:
     """The layout as text: per host, its files as they go under /etc/ccsq."""
-    lines = [f"per-host layout (copy each folder's content to {ETC}/ on that host; private keys stay 0600):"]
+    lines = [f"per-host layout (copy each folder's content to {ETC}/ on that host and check it with sha256sum -c MANIFEST "
+             "there, docs/deployment.md; private keys stay 0600):"]
     for host, files in hosts.items():
         base = files[0].parent
         rel = sorted(str(f.relative_to(base)) for f in files)

@@ -10,6 +10,9 @@ CURVE key pairs, ``authorized_keys.toml``), then the configs (:func:`_broker_con
 from __future__ import annotations
 
 import argparse
+import re
+import secrets
+import tomllib
 from pathlib import Path
 
 import tomli_w
@@ -29,6 +32,7 @@ def init_swarm(
     producer: dict | None = None,
     completion: dict | None = None,
     bind: str = "",
+    swarm_id: str | None = None,
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
 
@@ -47,6 +51,12 @@ def init_swarm(
     peer inside is ``worker-<G+1>`` (worker-1..N, unique in the swarm: on another GPU host the
     file for its GPU 0 holds another peer id). Keys ``workerd-0`` ... in the returned dict.
 
+    ``swarm_id``: this swarm's name in federation (``brokerd.toml`` ``swarm_id``; it names
+    ``ccsq init-relay``'s links and pins the broker's key in the other swarm's trust file);
+    None: :func:`default_swarm_id` (the directory's name and a random suffix, so two sites
+    that were each set up in ``/etc/ccsq`` still differ); ``""``: none written (the broker's
+    ledger id). ConfigError for an invalid one.
+
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
     """
@@ -60,6 +70,9 @@ def init_swarm(
         check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
+    swarm_id = default_swarm_id(directory) if swarm_id is None else swarm_id
+    if swarm_id:
+        check_swarm_id(swarm_id, where="--swarm-id")
     directory.mkdir(parents=True, exist_ok=True)
     _write_keys(directory, workers)
     (directory / "blobs").mkdir(exist_ok=True)
@@ -73,13 +86,36 @@ def init_swarm(
         path.write_text(tomli_w.dumps(doc))
         written[name.removesuffix(".toml")] = path
 
-    write("brokerd.toml", _broker_config(endpoint, bind, curve_on, broker))
+    write("brokerd.toml", _broker_config(endpoint, bind, curve_on, {**({"swarm_id": swarm_id} if swarm_id else {}), **(broker or {})}))
     for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
         write(f"workerd-{i - 1}.toml", _worker_config(i, common, handler, curve_on, worker))
     write("producer.toml", _producer_config(common, handler, curve_on, producer))
     write("completion.toml", _completion_config(common, curve_on, completion))
     write("admin.toml", _admin_config(common, curve_on, broker))
     return written
+
+
+#: A swarm id names links (``<up>-to-<down>``) and the relay's peer ids
+#: (``<relay>-<up>-to-<down>-down``, at most 64 characters), so it is a short peer id.
+SWARM_ID_MAX = 24
+
+
+def check_swarm_id(swarm_id: str, *, where: str = "swarm_id") -> str:
+    """Return ``swarm_id`` when it is a peer id (:data:`~ccsq.common.wire.keys.PEER_ID_RE`) of
+    at most :data:`SWARM_ID_MAX` characters, else raise ConfigError naming ``where``."""
+    from ccsq.common.wire.keys import PEER_ID_RE
+
+    if not isinstance(swarm_id, str) or not PEER_ID_RE.fullmatch(swarm_id) or len(swarm_id) > SWARM_ID_MAX:
+        raise ConfigError(f"{where}: {swarm_id!r} is not a valid swarm id: use 1-{SWARM_ID_MAX} letters, digits, '.', '_' "
+                          "or '-', starting with a letter or digit (it names links and the relay's peer ids), e.g. site-a")
+    return swarm_id
+
+
+def default_swarm_id(directory: Path) -> str:
+    """``<directory name>-<6 random hex digits>`` (the name cut to what a peer id allows,
+    16 characters): two sites set up in directories of the same name get different ids."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", directory.name).lstrip("._-")[:16].rstrip("._-") or "swarm"
+    return f"{name}-{secrets.token_hex(3)}"
 
 
 def _write_keys(directory: Path, workers: int) -> None:
@@ -158,15 +194,26 @@ def _admin_config(common: dict, curve_on: bool, broker: dict | None) -> dict:
 def _cmd_init(args: argparse.Namespace) -> int:
     from ccsq.common.wire.endpoints import default_bind
 
+    if args.hosts and (Path(args.dir) / "brokerd.toml").exists():
+        # a swarm written before (and its configs edited since, e.g. an s3:// claim_store): split it as it is now
+        from ccsq.common.tools.hosts import render_layout, write_host_layout
+
+        print(f"{args.dir} holds a swarm: writing only its per-host layout, from its configs as they are "
+              "(the other options of init are not applied)")
+        print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
+        return ExitCode.OK
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
     try:
-        written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind)
+        written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind,
+                             swarm_id=args.swarm_id)
     except OSError as exc:
         raise CantCreate.of("the swarm directory", args.dir, exc) from None
     for name, path in written.items():
         print(f"{name:14} {path}")
     if bind:
         print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    swarm_id = tomllib.loads(written["brokerd"].read_text()).get("swarm_id", "")
+    print(f"swarm_id {swarm_id} (its name in federation; set with --swarm-id)")
     if args.hosts:
         from ccsq.common.tools.hosts import render_layout, write_host_layout
 

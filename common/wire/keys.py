@@ -224,14 +224,14 @@ def _z85_key(text: str, what: str) -> bytes:
     return raw
 
 
-def _read_z85(path: Path, what: str) -> bytes:
+def _read_z85(path: Path, what: str, missing: str = "create it with `ccsq keygen --curve`") -> bytes:
     import zmq
 
     try:
         text = path.read_text().strip()
         text.encode("ascii")
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} not found (create it with `ccsq keygen --curve`)") from None
+        raise ConfigError(f"{what} {path} not found ({missing})") from None
     except (UnicodeError, OSError) as exc:
         raise ConfigError(f"{what} {path}: {exc}") from None
     key = _z85_key(text, f"{what} {path}")
@@ -255,8 +255,12 @@ def load_curve_secret(path: Path) -> bytes:
 
 
 def load_curve_public(path: Path) -> bytes:
-    """The broker's Z85 CURVE public key, as pinned by peers (ConfigError if missing or invalid)."""
-    return _read_z85(path, "broker CURVE public key")
+    """The broker's Z85 CURVE public key, as pinned by peers (ConfigError if missing or invalid;
+    a missing one must come from the broker host: a new key made here would not be the broker's)."""
+    return _read_z85(path, "broker CURVE public key",
+                     "copy it from the broker host: keys/broker.curve.pub next to its brokerd.toml, which `ccsq init` "
+                     "wrote and `ccsq init --hosts` puts in every host's folder (docs/deployment.md); a key made here "
+                     "with `ccsq keygen` would not be the broker's")
 
 
 def curve_server_setup(sock, secret_z85: bytes) -> None:
