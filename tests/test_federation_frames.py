@@ -73,6 +73,9 @@ def test_items_at_inline_max_through_a_relay_and_its_restart(tmp_path: Path) -> 
         pair.start_relay()
         _landed(pair, 450)
         assert pair.procs.procs["relay"].starts == 2 and pair.procs.procs["relay"].running  # no crash loop
-        fed = wait_until(lambda: r if all(k["in_flight"] == 0 for k in (r := pair.report())["links"]) else None, 60,
-                         "the link drained")
+        def drained() -> dict | None:
+            r = pair.report()
+            return r if all(k["in_flight"] == 0 for k in r["links"]) else None
+
+        fed = wait_until(drained, 60, "the link drained")
         assert fed["balanced"] is True, fed
