@@ -192,3 +192,28 @@ def test_an_item_that_could_never_fit_a_dispatch_is_refused_at_submit() -> None:
     assert "DISPATCH" in why and "max_frame_bytes=1048576" in why and "inline_max_bytes" in why
     # an item that came by relay is never relayed on (max_hops): no origin record in its DISPATCH
     assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=True) == ""
+
+
+def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: Path) -> None:
+    """A real broker: an item whose lone DISPATCH to a relay (params twice, the origin
+    record, its signature) would not fit max_frame_bytes is refused in its SUBMIT_ACK with
+    PAYLOAD_TOO_LARGE, before it is accepted (the old broker accepted it, and it was
+    dead-lettered once a relay leased it); the item next to it in the frame is accepted."""
+    from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
+
+    cfg = make_swarm(tmp_path, {"p": "producer"})
+    broker = BrokerProcess(cfg).start()
+    peer = ScriptedPeer(tmp_path, "p", broker.endpoint)
+    try:
+        peer.hello("producer")
+        payload = _relay_task(1).payload
+        params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
+        big = p.SubmitItem("big" * 20, "ocr", payload, params)
+        ok = p.SubmitItem("ok" * 30, "ocr", payload, {"lang": "en"})
+        refused, accepted = peer.submit([big, ok], timeout_s=20)
+        assert refused.error == "PAYLOAD_TOO_LARGE" and not refused.item_id and "DISPATCH" in refused.message, refused
+        assert accepted.error == "" and accepted.item_id
+        assert [s.state for s in peer.status([accepted.item_id], timeout_s=20)] == ["ready"]
+    finally:
+        peer.close()
+        broker.stop()
