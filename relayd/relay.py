@@ -319,11 +319,17 @@ class LinkRunner:
         if not rows or not self._ready(self.down):
             return
         now = time.monotonic()
-        for chunk in self.budget.split([(r, submit_item(r.task)) for r in rows], size_of=lambda ri: encoded_size(ri[1])):
+        sized = [(r, item, encoded_size(item)) for r in rows for item in (submit_item(r.task),)]
+        lone = [r for r, _, n in sized if not self.budget.fits(n)]
+        if lone:  # only with a smaller max_frame_bytes here than upstream: it runs at home instead
+            why = f"item too large for one SUBMIT frame of this relay (max_frame_bytes={self.budget.max_frame_bytes})"
+            self.log.error("submit_too_large", items=len(lone), reason=why, fix="raise max_frame_bytes in relayd.toml")
+            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, why) for r in lone], "released")
+        for chunk in self.budget.split([s for s in sized if self.budget.fits(s[2])], size_of=lambda s: s[2]):
             # one SubmitItem per upstream item (two leases of one item are one downstream item)
-            items = {r.up_item: item for r, item in chunk}
+            items = {r.up_item: item for r, item, _ in chunk}
             self.down.send(p.Submit(self._next_req(), list(items.values())))
-            for r, _ in chunk:
+            for r, _, _ in chunk:
                 self._sent[r.key] = now
 
     def _on_submit_ack(self, results: list[p.SubmitResult]) -> None:
