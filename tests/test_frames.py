@@ -1,8 +1,25 @@
-"""The one frame splitter (common/wire/frames.py): byte budget, item cap, order, too-large."""
+"""The one frame budget and splitter (common/wire/frames.py): byte budget, item cap, order,
+too-large; sizes measured on the encoded records; a frame over the limit once encoded split
+in halves (the codec, the broker's Outbound over a real ROUTER); the broker's SUBMIT-time
+refusal of an item no DISPATCH could carry (issue 22 defect 3, issue 26)."""
 
+import hashlib
+import time
+from pathlib import Path
+
+import msgpack
 import pytest
+import zmq
 
-from ccsq.common.wire.frames import split_frames
+from ccsq.brokerd.outbound import Outbound, dispatch_refusal, task_size
+from ccsq.brokerd.peers import PeerTable, Session
+from ccsq.brokerd.transport import Transport
+from ccsq.common.wire import federation as fed
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import DecodeError
+from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_frames
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 
 def test_budget_and_cap_split_in_order() -> None:
@@ -27,22 +44,6 @@ def test_an_oversized_record_travels_alone_or_is_refused() -> None:
 
 
 # --- the one frame budget, measured on what is sent (issue 22 defect 3, issue 26) ---
-import hashlib  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import zmq  # noqa: E402
-
-from ccsq.brokerd.outbound import Outbound, dispatch_refusal, task_size  # noqa: E402
-from ccsq.brokerd.peers import PeerTable, Session  # noqa: E402
-from ccsq.brokerd.transport import Transport  # noqa: E402
-from ccsq.common.wire import federation as fed  # noqa: E402
-from ccsq.common.wire import protocol as p  # noqa: E402
-from ccsq.common.wire.envelope import EnvelopeCodec  # noqa: E402
-from ccsq.common.wire.errors import DecodeError  # noqa: E402
-from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves  # noqa: E402
-from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair  # noqa: E402
-
 MiB = 1 << 20
 INLINE_MAX = 16384
 
@@ -79,8 +80,6 @@ def test_broker_dispatch_split_fits_when_encoded(tmp_path: Path) -> None:
     broker, _ = _codecs(tmp_path)
     tasks = [_relay_task(i) for i in range(400)]
     room = Outbound(None, PeerTable(), MiB, end_session=None, defer=None, unblocked=None).reply_budget()  # type: ignore[arg-type]
-    from ccsq.common.wire.frames import split_frames
-
     chunks = split_frames(tasks, size_of=task_size, budget_bytes=room, max_items=256)
     assert [t for c in chunks for t in c] == tasks  # all, in order
     for chunk in chunks:
@@ -97,7 +96,7 @@ def test_one_budget_for_every_sender_is_the_encoded_size(tmp_path: Path) -> None
     assert budget.room_bytes == MiB - FRAME_SLACK_BYTES and FrameBudget(4096).room_bytes == 2048
     tasks = [_relay_task(i) for i in range(300)]
     t = tasks[0]
-    assert encoded_size(t) == len(__import__("msgpack").packb(p.encode_body(t), use_bin_type=True))
+    assert encoded_size(t) == len(msgpack.packb(p.encode_body(t), use_bin_type=True))
     items = [p.SubmitItem(f"origin:swarm-a:{t.item_id}", t.kind, t.payload, t.params, origin=t.origin, origin_sig=t.origin_sig)
              for t in tasks]
     results = [p.TaskResult(t.item_id, t.token, t.payload, "echo", "1", 0.1, b"p" * 200, b"s" * 64) for t in tasks]
@@ -217,3 +216,42 @@ def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: 
     finally:
         peer.close()
         broker.stop()
+
+
+def test_broker_link_sends_a_frame_over_the_limit_as_halves(tmp_path: Path) -> None:
+    """BrokerLink's writer (every peer: producer, worker, relay): a message whose frame
+    comes out over max_frame_bytes goes as several frames holding every record, and the
+    link lives on (the old writer raised out of the session: the relay died and, restarted
+    with the same rows, died again); a lone record that cannot fit is logged and dropped."""
+    import asyncio
+
+    from ccsq.common.link.peer import BrokerLink, LinkState
+    from ccsq.common.tools.procs import free_tcp_port
+    from ccsq.common.wire.config import ProducerConfig, load
+    from tests.scripted_broker import ScriptedBroker, make_pki, write_config
+
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    make_pki(tmp_path, {"broker": "broker", "p": "producer"})
+    cfg = load(ProducerConfig, write_config(tmp_path, "producer", "p", endpoint, max_frame_bytes=256 * 1024))
+    items = [p.SubmitItem(f"k{i:04d}", "echo", _relay_task(i).payload, {}) for i in range(40)]  # ~660 KiB
+
+    async def run() -> BrokerLink:
+        link = BrokerLink(cfg, hello=lambda: p.Hello(role="producer"), on_message=lambda env: None)
+        task = asyncio.create_task(link.run())
+        await asyncio.wait_for(link.ready.wait(), 20)
+        assert link.send(p.Submit(1, items))
+        assert link.send(p.Submit(2, [p.SubmitItem("lone", "echo", _relay_task(0, payload_bytes=300 * 1024).payload, {})]))
+        assert link.send(p.Submit(3, items[:1]))
+        deadline = time.monotonic() + 20
+        while len(broker.submitted_keys) < len(items) + 1:  # the 40, then SUBMIT 3's one
+            assert time.monotonic() < deadline and not task.done(), broker.submitted_keys[-3:]
+            await asyncio.sleep(0.05)
+        assert link.state is LinkState.READY and not task.done()
+        await link.stop()
+        await asyncio.wait_for(task, 10)
+        return link
+
+    with ScriptedBroker(tmp_path, endpoint) as broker:
+        asyncio.run(run())
+        assert broker.submitted_keys == [it.key for it in items] + ["k0000"]  # all, in order; the lone one never sent
+        assert broker.submit_frames >= 4
