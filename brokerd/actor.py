@@ -44,7 +44,7 @@ from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
-from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, status_size
+from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, dispatch_refusal, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
 from ccsq.brokerd.relaying import Relaying, relay_sessions
 from ccsq.brokerd.sessions import Sessions
@@ -526,6 +526,11 @@ class Broker:
                 open_items = 0 if refuse else (txn.state_count(p.ItemState.READY.value)
                                                + txn.state_count(p.ItemState.LEASED.value))
                 for item in msg.items:
+                    too_big = dispatch_refusal(item, self.outbound.budget, id_len=len(self.ledger.id_prefix) + 16,
+                                               swarm_id=self.fed.swarm_id, relayed=sess.role is p.Role.RELAY)
+                    if too_big:  # it could never be sent to a taker: refused now, not dead-lettered later
+                        results.append(p.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big))
+                        continue
                     cost = blob_size(item.payload) + ITEM_RECORD_BYTES
                     refusal = refuse or self._admission_refusal(open_items, admitted + cost)
                     if sess.role is p.Role.RELAY:

@@ -6,11 +6,15 @@ session (``Session.unsent``, in order) and sent by :meth:`Outbound.flush` on lat
 turns; nothing new is sent to it before its queue is empty. A queue over
 :data:`MAX_UNSENT_PER_PEER` or an unroutable socket ends the session (the one
 disconnect rule). A message that can never be sent is *unsendable*: the leases of
-a DISPATCH go back to the ledger (released, or dead-lettered when too large), a
-reply that confirmed something is simply lost (the peer resends on its next
-session: at-least-once).
+a DISPATCH go back to the ledger (released; dead-lettered only for a task that alone
+cannot fit any frame), a reply that confirmed something is simply lost (the peer
+resends on its next session: at-least-once). A frame that comes out over
+``max_frame_bytes`` once encoded is never unsendable: it is split in halves and each
+sent in its place, in order (``common/wire/frames.py``).
 
-Also here: the size estimates the frame splitter uses for reply items.
+Also here: the sizes the frame splitter uses for reply items (their exact encoded
+bytes), and :func:`dispatch_refusal`, the SUBMIT-time refusal of an item that could
+never fit a DISPATCH.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import structlog
 
 from ccsq.brokerd import transport as tp
 from ccsq.brokerd.peers import PeerStatus, PeerTable, Session
+from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import DecodeError
+from ccsq.common.wire.frames import FrameBudget, encoded_size, halves, too_large
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.common.wire.envelope import Envelope
@@ -46,13 +52,14 @@ class Outbound:
         self.transport = transport
         self.peers = peers
         self.max_frame_bytes = max_frame_bytes
+        self.budget = FrameBudget(max_frame_bytes)
         self._end_session = end_session
         self._defer = defer
         self._unblocked = unblocked
 
     def reply_budget(self) -> int:
-        """Bytes one reply frame may carry (the frame limit less room for the envelope)."""
-        return max(self.max_frame_bytes - 8192, self.max_frame_bytes // 2)
+        """Bytes the records of one reply frame may carry (:attr:`FrameBudget.room_bytes`)."""
+        return self.budget.room_bytes
 
     def any_unsent(self) -> bool:
         return any(s.unsent for s in self.peers.by_id.values())
@@ -100,7 +107,7 @@ class Outbound:
         """Send what waits for peers whose pipe has room again, in order."""
         for sess in [s for s in self.peers.by_id.values() if s.unsent]:
             while sess.unsent and sess.status is PeerStatus.CONNECTED:
-                if not self._try_send(sess, sess.unsent[0], queue_on_again=False):
+                if not self._try_send(sess, sess.unsent[0], queue_on_again=False, head=True):
                     break
                 if sess.unsent:  # (ending the session cleared it)
                     sess.unsent.popleft()
@@ -115,13 +122,19 @@ class Outbound:
                     self._defer("release", t.item_id, t.token, "dispatch never sent")
         sess.unsent.clear()
 
-    def _try_send(self, sess: Session, msg: p.Message, *, queue_on_again: bool) -> bool:
+    def _try_send(self, sess: Session, msg: p.Message, *, queue_on_again: bool, head: bool = False) -> bool:
+        """Send ``msg`` now; True when it is done with (sent, or unsendable). ``head``: it is
+        ``sess.unsent[0]`` (flush), where the halves of a split take its place."""
         try:
             r = self.transport.send(sess.routing_id, msg)
         except DecodeError as exc:
-            log.error("reply_too_large", peer=sess.peer_id, type=msg.TYPE.name, error=str(exc))
-            self._unsendable(msg, "too large", dead=True)
-            return True
+            parts = halves(msg) if too_large(exc) else None
+            if parts is None:  # one record that alone cannot fit any frame (refused at SUBMIT since)
+                log.error("reply_too_large", peer=sess.peer_id, type=msg.TYPE.name, error=str(exc))
+                self._unsendable(msg, "too large", dead=True)
+                return True
+            log.info("frame_split", peer=sess.peer_id, type=msg.TYPE.name, error=str(exc))
+            return self._send_split(sess, parts, queue_on_again=queue_on_again, head=head)
         if r == tp.SENT:
             return True
         if r == tp.AGAIN:
@@ -132,6 +145,21 @@ class Outbound:
         self._unsendable(msg, "unroutable")
         return False
 
+    def _send_split(self, sess: Session, parts: tuple[p.Message, p.Message], *, queue_on_again: bool, head: bool) -> bool:
+        """The two halves of a frame that came out too large, sent (or queued) in its place, in order."""
+        if head:  # flush: the halves replace the head of the queue; the first is tried now
+            sess.unsent.popleft()
+            sess.unsent.extendleft(reversed(parts))
+            return self._try_send(sess, parts[0], queue_on_again=False, head=True)
+        for part in parts:
+            if sess.status is not PeerStatus.CONNECTED:
+                self._unsendable(part, "no session")
+            elif sess.unsent:
+                sess.unsent.append(part)
+            elif not self._try_send(sess, part, queue_on_again=queue_on_again) and not queue_on_again:
+                return False  # (a heartbeat offer: nothing splits there)
+        return True
+
     def _unsendable(self, msg: p.Message, why: str, *, dead: bool = False) -> None:
         """A message that cannot be sent: the leases of a DISPATCH go back (never sent)."""
         if isinstance(msg, p.Dispatch):
@@ -140,25 +168,59 @@ class Outbound:
                 self._defer(op, t.item_id, t.token, "payload_too_large" if dead else f"dispatch {why}")
 
 
-# --- size estimates of reply items (for the one frame splitter, common/wire/frames.py) ---
+# --- sizes of reply items (for the one frame splitter, common/wire/frames.py) ---
 def blob_size(b: p.Blob | None) -> int:
     return 0 if b is None or b.inline is None else len(b.inline)
 
 
-def params_size(params: dict) -> int:
-    n = 0
-    for k, v in params.items():
-        n += len(k) + (len(v) if type(v) is str or isinstance(v, (str, bytes)) else 9)
-    return n
-
-
 def status_size(s: p.ItemStatus) -> int:
-    return 200 + len(s.error) + blob_size(s.result)
+    return encoded_size(s)
 
 
 def task_size(t: p.Task) -> int:
-    return 260 + len(t.kind) + blob_size(t.payload) + params_size(t.params)
+    return encoded_size(t)
 
 
 def delivery_size(d: p.Delivery) -> int:
-    return 320 + len(d.key) + len(d.kind) + blob_size(d.result) + params_size(d.params)
+    return encoded_size(d)
+
+
+_MAX_INT = (1 << 63) - 1  # every number of a record at its widest (9 bytes)
+_SIG = b"\0" * p.SIGNATURE_BYTES
+
+
+def largest_task(item: p.SubmitItem, *, id_len: int, swarm_id: str, relayed: bool) -> p.Task:
+    """The largest DISPATCH record ``item`` can become: its id at ``id_len`` characters, every
+    number at its widest, and (unless it came by relay, which is never relayed on: max_hops)
+    the origin record and signature a DISPATCH to a relay carries (``fed.origin_record``)."""
+    item_id = "x" * id_len
+    origin = b""
+    if not relayed:
+        rec = {"id": item_id, "kind": item.kind, "params": item.params, "deadline_ms": _MAX_INT,
+               "priority": _MAX_INT, "max_runtime_s": item.max_runtime_s}
+        origin = fed.origin_record(swarm_id, rec, item.payload, _MAX_INT, fed.MAX_HOPS)
+    return p.Task(item_id, _MAX_INT, item.kind, item.payload, item.params, _MAX_INT, float(item.max_runtime_s),
+                  float(item.deadline_ts or 0.0), origin, _SIG if origin else b"")
+
+
+def _task_bound(item: p.SubmitItem, id_len: int, swarm_id: str) -> int:
+    """An upper bound (bytes) of ``encoded_size(largest_task(item, ...))`` from lengths alone:
+    every string at 4 bytes a character, params and kind counted twice (task and origin)."""
+    n = 1024 + 2 * id_len + 4 * len(swarm_id) + 8 * len(item.kind) + blob_size(item.payload)
+    for k, v in item.params.items():
+        n += 2 * (14 + 4 * len(k) + (5 + 4 * len(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 0))
+    return n
+
+
+def dispatch_refusal(item: p.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool) -> str:
+    """"" when ``item`` fits a DISPATCH frame on its own, else why not (the broker refuses
+    it at SUBMIT with PAYLOAD_TOO_LARGE, before it is accepted: an accepted item always
+    fits a frame, so a DISPATCH that comes out too large is split, never dead-lettered)."""
+    if _task_bound(item, id_len, swarm_id) <= budget.room_bytes:
+        return ""  # surely fits: nothing encoded
+    n = encoded_size(largest_task(item, id_len=id_len, swarm_id=swarm_id, relayed=relayed))
+    if budget.fits(n):
+        return ""
+    return (f"item would take {n} bytes in a DISPATCH{'' if relayed else ' to a relay (origin record included)'}, "
+            f"over the {budget.room_bytes} bytes a frame holds (max_frame_bytes={budget.max_frame_bytes}); "
+            "use the claim store for the payload (lower inline_max_bytes) or shrink params")

@@ -22,16 +22,18 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.endpoints import is_loopback_host
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import CcsqError, ConfigError
+from ccsq.common.wire import frames
 from ccsq.common.wire.keys import curve_server_setup
 
 SENT = "sent"
 AGAIN = "again"
 UNROUTABLE = "unroutable"
 
-#: Bytes allowed above max_frame_bytes at the ZeroMQ level, so a frame just over
-#: the limit reaches the codec and is rejected with a typed error and a counter.
-#: A frame larger still makes ZeroMQ drop that connection before reading it all.
-FRAME_SLACK_BYTES = 4096
+#: Bytes allowed above max_frame_bytes at the ZeroMQ level (the one slack of
+#: common/wire/frames.py), so a frame just over the limit reaches the codec and is
+#: rejected with a typed error and a counter. A frame larger still makes ZeroMQ drop
+#: that connection before reading it all.
+FRAME_SLACK_BYTES = frames.FRAME_SLACK_BYTES
 #: A connection that has not finished the ZeroMQ (or CURVE) handshake by then is dropped.
 HANDSHAKE_IVL_MS = 5000
 _log = structlog.get_logger("ccsq.brokerd")

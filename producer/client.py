@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.common.wire import protocol as p
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import FrameBudget
 from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import (
@@ -69,8 +69,6 @@ DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
 UNANSWERED_STATE = "unanswered"
 
 DEFAULT_TIMEOUT_S = 60.0
-_ENVELOPE_OVERHEAD_BYTES = 512  # header, req id, array headers: generous
-_MAX_ITEMS_PER_FRAME = 1000
 _STATUS_IDS_PER_FRAME = 1000
 _RETRY_BASE_S = 0.05
 
@@ -136,7 +134,7 @@ class AsyncClient:
         self._link = None
         self._tasks = []
         self._requests = RequestTracker()
-        self._frame_budget = config.max_frame_bytes - _ENVELOPE_OVERHEAD_BYTES
+        self._budget = FrameBudget(config.max_frame_bytes)  # the one frame budget (common/wire/frames.py)
         self.log = log.bind(peer=config.peer_id)
         self._replay = None
         if config.outbox_dir:
@@ -385,14 +383,14 @@ class AsyncClient:
     def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
         """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
         that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
-        if len(items) <= _MAX_ITEMS_PER_FRAME and sum(map(item_size_bound, items)) <= self._frame_budget:
-            return [items]  # surely one frame (exact sizes are below the bounds): what split_frames gives
-        return split_frames(items, size_of=item_size, budget_bytes=self._frame_budget, max_items=_MAX_ITEMS_PER_FRAME,
-                            too_large=self._too_large)
+        if len(items) <= self._budget.max_items and sum(map(item_size_bound, items)) <= self._budget.room_bytes:
+            return [items]  # surely one frame (exact sizes are below the bounds): what the split gives
+        return self._budget.split(items, size_of=item_size, too_large=self._too_large)
 
     def _too_large(self, item: p.SubmitItem, size_bytes: int) -> PayloadTooLarge:
         return PayloadTooLarge(
-            f"item {item.key[:16]}... is {size_bytes} bytes encoded, over max_frame_bytes={self.config.max_frame_bytes}; "
+            f"item {item.key[:16]}... is {size_bytes} bytes encoded, over the {self._budget.room_bytes} bytes one frame "
+            f"holds (max_frame_bytes={self.config.max_frame_bytes}); "
             "lower inline_max_bytes or shrink params")
 
     # --- public API ---

@@ -33,7 +33,7 @@ import structlog
 from ccsq.common.wire.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
                                     WORKERS_PREFIX, origin_key)
 from ccsq.common.wire import protocol as p
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
 from ccsq.common.wire.errors import PayloadMissing
@@ -48,7 +48,6 @@ log = structlog.get_logger("ccsq.relayd")
 TICK_S = 0.1
 #: SUBMIT errors after which the item is simply tried again later (nothing is wrong with it).
 RETRY_LATER = frozenset({"QUEUE_FULL", "DISK_FULL"})
-MAX_ITEMS_PER_FRAME = 128
 
 
 def _reason(error: str) -> p.FailReason:
@@ -89,6 +88,7 @@ class LinkRunner:
         self.cfg = cfg
         self.name = cfg.name
         self.journal = journal
+        self.budget = FrameBudget(rcfg.max_frame_bytes)  # of every frame this link sends, both sides
         self.log = log.bind(link=cfg.name)
         self.rows: dict[Key, Row] = {r.key: r for r in journal.rows(cfg.name)}
         self.up = BrokerLink(rcfg.side(cfg, True), hello=self._up_hello, heartbeat=self._up_heartbeat,
@@ -252,7 +252,7 @@ class LinkRunner:
         if not reports or not self._ready(self.up):
             return
         now = time.monotonic()
-        for chunk in split_frames(reports, max_items=MAX_ITEMS_PER_FRAME):
+        for chunk in self.budget.split(reports):
             self.up.send(cls(chunk))
             for r in chunk:
                 self._sent[(r.item_id, r.token)] = now
@@ -319,11 +319,17 @@ class LinkRunner:
         if not rows or not self._ready(self.down):
             return
         now = time.monotonic()
-        for chunk in split_frames(rows, max_items=MAX_ITEMS_PER_FRAME):
+        sized = [(r, item, encoded_size(item)) for r in rows for item in (submit_item(r.task),)]
+        lone = [r for r, _, n in sized if not self.budget.fits(n)]
+        if lone:  # only with a smaller max_frame_bytes here than upstream: it runs at home instead
+            why = f"item too large for one SUBMIT frame of this relay (max_frame_bytes={self.budget.max_frame_bytes})"
+            self.log.error("submit_too_large", items=len(lone), reason=why, fix="raise max_frame_bytes in relayd.toml")
+            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, why) for r in lone], "released")
+        for chunk in self.budget.split([s for s in sized if self.budget.fits(s[2])], size_of=lambda s: s[2]):
             # one SubmitItem per upstream item (two leases of one item are one downstream item)
-            items = {r.up_item: submit_item(r.task) for r in chunk}
+            items = {r.up_item: item for r, item, _ in chunk}
             self.down.send(p.Submit(self._next_req(), list(items.values())))
-            for r in chunk:
+            for r, _, _ in chunk:
                 self._sent[r.key] = now
 
     def _on_submit_ack(self, results: list[p.SubmitResult]) -> None:
@@ -467,7 +473,7 @@ class LinkRunner:
             return
         self._last_status = now
         ids = sorted({r.down_item for r in self.rows.values() if r.state == SUBMITTED and r.down_item})
-        for chunk in split_frames(ids, max_items=MAX_ITEMS_PER_FRAME):
+        for chunk in self.budget.split(ids):
             self.down.send(p.Status(self._next_req(), chunk))
 
     def _downstream_outage(self) -> None:

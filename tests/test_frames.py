@@ -1,8 +1,25 @@
-"""The one frame splitter (common/wire/frames.py): byte budget, item cap, order, too-large."""
+"""The one frame budget and splitter (common/wire/frames.py): byte budget, item cap, order,
+too-large; sizes measured on the encoded records; a frame over the limit once encoded split
+in halves (the codec, the broker's Outbound over a real ROUTER); the broker's SUBMIT-time
+refusal of an item no DISPATCH could carry (issue 22 defect 3, issue 26)."""
 
+import hashlib
+import time
+from pathlib import Path
+
+import msgpack
 import pytest
+import zmq
 
-from ccsq.common.wire.frames import split_frames
+from ccsq.brokerd.outbound import Outbound, dispatch_refusal, task_size
+from ccsq.brokerd.peers import PeerTable, Session
+from ccsq.brokerd.transport import Transport
+from ccsq.common.wire import federation as fed
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.errors import DecodeError
+from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_frames
+from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 
 def test_budget_and_cap_split_in_order() -> None:
@@ -24,3 +41,217 @@ def test_an_oversized_record_travels_alone_or_is_refused() -> None:
         split_frames([1, 500], size_of=lambda i: i, budget_bytes=100, max_items=9, too_large=refuse)
     with pytest.raises(ValueError):
         split_frames([1], max_items=0)
+
+
+# --- the one frame budget, measured on what is sent (issue 22 defect 3, issue 26) ---
+MiB = 1 << 20
+INLINE_MAX = 16384
+
+
+def _codecs(tmp_path: Path, max_frame_bytes: int = MiB) -> tuple[EnvelopeCodec, EnvelopeCodec]:
+    keys = {}
+    for pid in ("broker", "relay"):
+        priv, _ = write_keypair(tmp_path / "keys", pid)
+        keys[pid] = load_private_key(priv)
+    write_authorized_keys(tmp_path / "ak.toml", {"broker": ("broker", public_key_b64(keys["broker"])),
+                                                 "relay": ("relay", public_key_b64(keys["relay"]))})
+    ak = AuthorizedKeys(tmp_path / "ak.toml")
+    return (EnvelopeCodec("broker", keys["broker"], ak, max_frame_bytes=max_frame_bytes),
+            EnvelopeCodec("relay", keys["relay"], ak, max_frame_bytes=max_frame_bytes, require_hello=False))
+
+
+def _relay_task(i: int, payload_bytes: int = INLINE_MAX, params: dict | None = None) -> p.Task:
+    """A DISPATCH record to a relay: an inline payload at inline_max_bytes, the origin
+    record and its signature (what the upstream broker's DISPATCH carries)."""
+    data = f"{i:08d}".encode() + b"x" * (payload_bytes - 8)
+    blob = p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+    params = params if params is not None else {"lang": "en", "page": i}
+    item_id = f"01JABCDEFGHJKMNPQ{i:012x}"
+    rec = {"id": item_id, "kind": "ocr", "params": params, "deadline_ms": None, "priority": 0, "max_runtime_s": 0.0}
+    origin = fed.origin_record("swarm-a", rec, blob, 3)
+    return p.Task(item_id, 10_000 + i, "ocr", blob, params, 1, 0.0, None, origin, b"s" * p.SIGNATURE_BYTES)
+
+
+def test_broker_dispatch_split_fits_when_encoded(tmp_path: Path) -> None:
+    """The broker's DISPATCH to a relay, split as the dispatcher splits it (its task sizes,
+    its reply budget): every frame, once encoded and signed, is within max_frame_bytes
+    (the old estimate left out the origin record: a frame of 62 such tasks came out over,
+    and every item in it was dead-lettered as payload_too_large)."""
+    broker, _ = _codecs(tmp_path)
+    tasks = [_relay_task(i) for i in range(400)]
+    room = Outbound(None, PeerTable(), MiB, end_session=None, defer=None, unblocked=None).reply_budget()  # type: ignore[arg-type]
+    chunks = split_frames(tasks, size_of=task_size, budget_bytes=room, max_items=256)
+    assert [t for c in chunks for t in c] == tasks  # all, in order
+    for chunk in chunks:
+        payload, _sig = broker.encode(p.Dispatch(chunk))
+        assert len(payload) <= MiB
+    assert len(chunks) <= -(-sum(map(encoded_size, tasks)) // (MiB - FRAME_SLACK_BYTES)) + 1  # no frame wasted
+
+
+def test_one_budget_for_every_sender_is_the_encoded_size(tmp_path: Path) -> None:
+    """FrameBudget sizes records by their exact msgpack bytes; frames of SUBMIT, COMPLETE
+    and RESULT records at inline_max_bytes all fit once encoded; the item cap holds."""
+    broker, relay = _codecs(tmp_path)
+    budget = FrameBudget(MiB)
+    assert budget.room_bytes == MiB - FRAME_SLACK_BYTES and FrameBudget(4096).room_bytes == 2048
+    tasks = [_relay_task(i) for i in range(300)]
+    t = tasks[0]
+    assert encoded_size(t) == len(msgpack.packb(p.encode_body(t), use_bin_type=True))
+    items = [p.SubmitItem(f"origin:swarm-a:{t.item_id}", t.kind, t.payload, t.params, origin=t.origin, origin_sig=t.origin_sig)
+             for t in tasks]
+    results = [p.TaskResult(t.item_id, t.token, t.payload, "echo", "1", 0.1, b"p" * 200, b"s" * 64) for t in tasks]
+    deliveries = [p.Delivery(t.item_id, "k" * 64, t.kind, t.payload, t.params, 1, "echo", "1", time.time(), False,
+                             b"p" * 200, b"s" * 64) for t in tasks]
+    for codec, cls, records in ((relay, p.Submit, items), (relay, p.Complete, results), (broker, p.Result, deliveries)):
+        chunks = budget.split(records)
+        assert [r for c in chunks for r in c] == records
+        assert len(chunks) >= 5  # 300 x 16 KiB: several frames
+        for chunk in chunks:
+            msg = cls(7, chunk) if cls is p.Submit else cls(chunk)
+            assert len(codec.encode(msg)[0]) <= MiB, cls
+    small = FrameBudget(MiB, max_items=3).split(list(range(10)))
+    assert small == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    with pytest.raises(ValueError):
+        FrameBudget(MiB, max_items=0)
+
+
+def test_a_frame_over_the_limit_once_encoded_is_split_not_lost(tmp_path: Path) -> None:
+    """encode_fitting: a DISPATCH that comes out over max_frame_bytes is sent as halves
+    (recursively, order kept, every other field copied); only one record that alone
+    cannot fit raises PAYLOAD_TOO_LARGE."""
+    broker, _ = _codecs(tmp_path, max_frame_bytes=64 * 1024)
+    tasks = [_relay_task(i) for i in range(11)]  # ~183 KiB: three times the limit
+    parts = encode_fitting(p.Dispatch(tasks), broker.encode)
+    assert len(parts) >= 4
+    assert [t for msg, _ in parts for t in msg.tasks] == tasks
+    assert all(len(frames[0]) <= 64 * 1024 for _, frames in parts)
+    sub = halves(p.Submit(9, [1, 2, 3]))  # type: ignore[list-item]
+    assert sub == (p.Submit(9, [1]), p.Submit(9, [2, 3]))  # type: ignore[list-item]
+    assert halves(p.Heartbeat()) is None and halves(p.Dispatch(tasks[:1])) is None
+    with pytest.raises(DecodeError) as exc:
+        encode_fitting(p.Dispatch([_relay_task(0, payload_bytes=70 * 1024)]), broker.encode)
+    assert exc.value.code == "PAYLOAD_TOO_LARGE"
+
+
+def test_outbound_splits_a_dispatch_that_does_not_fit_instead_of_dead_lettering(tmp_path: Path) -> None:
+    """The broker's Outbound, over a real ROUTER and a real DEALER: a DISPATCH over
+    max_frame_bytes arrives as several frames holding every task in order; no lease is
+    dead-lettered (the old code deferred every one of them as payload_too_large). A
+    lone task that cannot fit any frame is the only one dead-lettered."""
+    limit = 256 * 1024
+    broker, relay = _codecs(tmp_path, max_frame_bytes=limit)
+    transport = Transport(f"ipc://{tmp_path}/b.sock", broker, sndhwm=1000, max_frame_bytes=limit)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"relay-rid")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(transport.endpoint)
+    deferred: list[tuple] = []
+    try:
+        peers = PeerTable()
+        sess = Session("relay", p.Role.RELAY, b"relay-rid", 1)
+        peers.add(sess)
+        out = Outbound(transport, peers, limit, end_session=lambda s, why: None,
+                       defer=lambda *a: deferred.append(a), unblocked=lambda: None)
+        deadline = time.monotonic() + 10
+        while transport.send(b"relay-rid", p.Heartbeat()) != "sent":  # the DEALER's connection is up
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tasks = [_relay_task(i) for i in range(40)]  # ~680 KiB for a 256 KiB limit
+        out.send(b"relay-rid", p.Dispatch(tasks))
+        out.flush()
+        got: list[p.Task] = []
+        while len(got) < len(tasks):
+            assert dealer.poll(10_000), f"only {len(got)} of {len(tasks)} tasks arrived"
+            frames = dealer.recv_multipart()
+            assert len(frames[0]) <= limit
+            msg = relay.decode(frames, bound_sender="broker").message
+            if isinstance(msg, p.Dispatch):
+                got += msg.tasks
+        assert got == tasks and deferred == [] and not sess.unsent
+        lone = _relay_task(99, payload_bytes=limit)
+        out.send(b"relay-rid", p.Dispatch([lone]))
+        assert deferred == [("dead", lone.item_id, lone.token, "payload_too_large")]
+    finally:
+        dealer.close(linger=0)
+        transport.close()
+
+
+def test_an_item_that_could_never_fit_a_dispatch_is_refused_at_submit() -> None:
+    """dispatch_refusal: an item at inline_max_bytes fits; one whose params (counted twice:
+    in the task and in the origin record a relay's DISPATCH carries) would make a lone
+    DISPATCH over the frame is refused, with the sizes and the fix named."""
+    budget = FrameBudget(MiB)
+    ok = p.SubmitItem("k" * 64, "ocr", _relay_task(1).payload, {"lang": "en"})
+    assert dispatch_refusal(ok, budget, id_len=28, swarm_id="swarm-a", relayed=False) == ""
+    params = {f"p{i:03d}": "v" * 2500 for i in range(250)}  # ~630 KB: the SUBMIT fits, a relay's DISPATCH does not
+    big = p.SubmitItem("k" * 64, "ocr", ok.payload, params)
+    assert encoded_size(big) < budget.room_bytes
+    why = dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=False)
+    assert "DISPATCH" in why and "max_frame_bytes=1048576" in why and "inline_max_bytes" in why
+    # an item that came by relay is never relayed on (max_hops): no origin record in its DISPATCH
+    assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=True) == ""
+
+
+def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: Path) -> None:
+    """A real broker: an item whose lone DISPATCH to a relay (params twice, the origin
+    record, its signature) would not fit max_frame_bytes is refused in its SUBMIT_ACK with
+    PAYLOAD_TOO_LARGE, before it is accepted (the old broker accepted it, and it was
+    dead-lettered once a relay leased it); the item next to it in the frame is accepted."""
+    from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
+
+    cfg = make_swarm(tmp_path, {"p": "producer"})
+    broker = BrokerProcess(cfg).start()
+    peer = ScriptedPeer(tmp_path, "p", broker.endpoint)
+    try:
+        peer.hello("producer")
+        payload = _relay_task(1).payload
+        params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
+        big = p.SubmitItem("big" * 20, "ocr", payload, params)
+        ok = p.SubmitItem("ok" * 30, "ocr", payload, {"lang": "en"})
+        refused, accepted = peer.submit([big, ok], timeout_s=20)
+        assert refused.error == "PAYLOAD_TOO_LARGE" and not refused.item_id and "DISPATCH" in refused.message, refused
+        assert accepted.error == "" and accepted.item_id
+        assert [s.state for s in peer.status([accepted.item_id], timeout_s=20)] == ["ready"]
+    finally:
+        peer.close()
+        broker.stop()
+
+
+def test_broker_link_sends_a_frame_over_the_limit_as_halves(tmp_path: Path) -> None:
+    """BrokerLink's writer (every peer: producer, worker, relay): a message whose frame
+    comes out over max_frame_bytes goes as several frames holding every record, and the
+    link lives on (the old writer raised out of the session: the relay died and, restarted
+    with the same rows, died again); a lone record that cannot fit is logged and dropped."""
+    import asyncio
+
+    from ccsq.common.link.peer import BrokerLink, LinkState
+    from ccsq.common.tools.procs import free_tcp_port
+    from ccsq.common.wire.config import ProducerConfig, load
+    from tests.scripted_broker import ScriptedBroker, make_pki, write_config
+
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    make_pki(tmp_path, {"broker": "broker", "p": "producer"})
+    cfg = load(ProducerConfig, write_config(tmp_path, "producer", "p", endpoint, max_frame_bytes=256 * 1024))
+    items = [p.SubmitItem(f"k{i:04d}", "echo", _relay_task(i).payload, {}) for i in range(40)]  # ~660 KiB
+
+    async def run() -> BrokerLink:
+        link = BrokerLink(cfg, hello=lambda: p.Hello(role="producer"), on_message=lambda env: None)
+        task = asyncio.create_task(link.run())
+        await asyncio.wait_for(link.ready.wait(), 20)
+        assert link.send(p.Submit(1, items))
+        assert link.send(p.Submit(2, [p.SubmitItem("lone", "echo", _relay_task(0, payload_bytes=300 * 1024).payload, {})]))
+        assert link.send(p.Submit(3, items[:1]))
+        deadline = time.monotonic() + 20
+        while len(broker.submitted_keys) < len(items) + 1:  # the 40, then SUBMIT 3's one
+            assert time.monotonic() < deadline and not task.done(), broker.submitted_keys[-3:]
+            await asyncio.sleep(0.05)
+        assert link.state is LinkState.READY and not task.done()
+        await link.stop()
+        await asyncio.wait_for(task, 10)
+        return link
+
+    with ScriptedBroker(tmp_path, endpoint) as broker:
+        asyncio.run(run())
+        assert broker.submitted_keys == [it.key for it in items] + ["k0000"]  # all, in order; the lone one never sent
+        assert broker.submit_frames >= 4

@@ -19,7 +19,7 @@ import pytest
 from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import InvalidRequest, PayloadTooLarge
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, split_frames
 from ccsq.producer.client import AsyncClient
 from ccsq.producer.items import (ItemBuilder, canonical_params, derive_key, item_size, item_size_bound,
                                  unchecked_constructor)
@@ -69,7 +69,9 @@ def test_frames_are_what_the_splitter_gives(budget: int, count: int) -> None:
     inlines = [b"y" * rng.choice([10, 1024]) for _ in range(count)]
     items = [p.SubmitItem(f"{i:064x}", "echo", p.Blob("d" * 64, len(data), data), params={"t": 1.5})
              for i, data in enumerate(inlines)]
-    client = types.SimpleNamespace(_frame_budget=budget, _too_large=lambda item, n: PayloadTooLarge(f"{n}"))
+    frame = budget + FRAME_SLACK_BYTES if budget >= FRAME_SLACK_BYTES else 2 * budget  # room_bytes == budget
+    client = types.SimpleNamespace(_budget=FrameBudget(frame, max_items=1000), _too_large=lambda item, n: PayloadTooLarge(f"{n}"))
+    assert client._budget.room_bytes == budget
     try:
         expected = split_frames(items, size_of=item_size, budget_bytes=budget, max_items=1000,
                                 too_large=client._too_large)

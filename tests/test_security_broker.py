@@ -88,9 +88,13 @@ def signed(sp: ScriptedPeer, mtype: int, body: object, *, version: int = p.PROTO
 
 def submit_of_size(sp: ScriptedPeer, size: int) -> list[bytes]:
     """A properly signed SUBMIT whose frame 0 is exactly ``size`` bytes."""
-    pad = size - 300
+    # padded over 8 items: each fits a DISPATCH (an item that fills a whole frame alone never
+    # could, and is refused at SUBMIT: common/wire/frames.py)
+    share = size // 8
+    pad = share - 300
     for _ in range(10):
-        frames = sp.codec.encode(p.Submit(1, [p.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
+        items = [p.SubmitItem(f"pad{i}", "echo", blob(b"x"), params={"pad": "p" * (share - 300)}) for i in range(7)]
+        frames = sp.codec.encode(p.Submit(1, [*items, p.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
         if len(frames[0]) == size:
             return frames
         pad += size - len(frames[0])

@@ -17,7 +17,7 @@ whole batch (one task); their reports are journaled in one write
 Group commit (throughput): the reports journaled in one commit of the
 :class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
 together: one COMPLETE (and one FAIL) frame for all of them (split by the one frame
-splitter, :func:`ccsq.common.wire.frames.split_frames`), then one CREDIT.
+budget, :class:`ccsq.common.wire.frames.FrameBudget`), then one CREDIT.
 
 The failure decision (:meth:`Reports.finish`): the worker names a reason, and
 ``retryable`` follows from it (:func:`ccsq.workerd.jobs.failure`, the one failure
@@ -61,7 +61,7 @@ from ccsq.common.storage.claimstore import sha256_hex, store_failure
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
@@ -69,8 +69,6 @@ from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
 
 _FENCED = p.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
 _CONFIRMED_QUIETLY = frozenset((p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value))
-REPORT_OVERHEAD_BYTES = 256  # frame budget per report besides its inline bytes
-MAX_REPORTS_PER_FRAME = 256
 
 Report = p.TaskResult | p.TaskFailure
 Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
@@ -85,10 +83,8 @@ class Unconfirmed:
 
 
 def _report_size(u: Unconfirmed) -> int:
-    """Estimated encoded bytes of one COMPLETE/FAIL record (inline result bytes counted)."""
-    rep = u.report
-    return REPORT_OVERHEAD_BYTES + len(getattr(rep, "message", "")) + (
-        rep.result.size if isinstance(rep, p.TaskResult) and rep.result.inline is not None else 0)
+    """The encoded bytes of one COMPLETE/FAIL record (common/wire/frames.py)."""
+    return encoded_size(u.report)
 
 
 class Credit:
@@ -410,8 +406,7 @@ class Reports:
                     u.sent_mono = now
 
     def _chunks(self, reports: list[Unconfirmed]) -> list[list[Unconfirmed]]:
-        return split_frames(reports, size_of=_report_size, budget_bytes=max(4096, self.cfg.max_frame_bytes // 2),
-                            max_items=MAX_REPORTS_PER_FRAME)
+        return FrameBudget(self.cfg.max_frame_bytes).split(reports, size_of=_report_size)
 
     def on_acks(self, outcomes: list[p.ItemOutcome], kind: type) -> None:
         """COMPLETE_ACK (``kind`` TaskResult) / FAIL_ACK (TaskFailure): forget what is confirmed."""

@@ -36,6 +36,7 @@ from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.config import PeerSettings
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, DecodeError
+from ccsq.common.wire.frames import FRAME_SLACK_BYTES, encode_fitting
 from ccsq.common.wire.keys import (
     AuthorizedKeys,
     curve_client_setup,
@@ -292,7 +293,7 @@ class BrokerLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + FRAME_SLACK_BYTES)
         if self._curve_server_key is not None:
             curve_client_setup(sock, self._curve_server_key, self._curve_secret)
         monitor = sock.get_monitor_socket(CONNECT_EVENTS)
@@ -499,13 +500,19 @@ class BrokerLink:
     async def _writer(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             msg = await self._outbox.get()
-            frames = self.codec.encode(msg)
-            try:
-                await asyncio.wait_for(sock.send_multipart(frames), timeout=self.send_timeout_s)
-            except asyncio.TimeoutError:
-                raise LinkLost("send timed out (broker not reading)") from None
-            except zmq.ZMQError as exc:
-                raise LinkLost(f"socket error: {exc}") from None
+            try:  # a frame over max_frame_bytes goes as several (common/wire/frames.py)
+                parts = encode_fitting(msg, self.codec.encode)
+            except DecodeError as exc:  # one record that alone cannot fit any frame: never sent,
+                # so its owner resends it (and the broker's lease ends it); the link goes on
+                self.log.error("frame_unsendable", type=msg.TYPE.name, error=str(exc)[:300])
+                continue
+            for _, frames in parts:
+                try:
+                    await asyncio.wait_for(sock.send_multipart(frames), timeout=self.send_timeout_s)
+                except asyncio.TimeoutError:
+                    raise LinkLost("send timed out (broker not reading)") from None
+                except zmq.ZMQError as exc:
+                    raise LinkLost(f"socket error: {exc}") from None
             if isinstance(msg, p.Bye):
                 raise LinkLost("bye sent")
 

@@ -1,18 +1,96 @@
-"""The one frame splitter: a list of records -> frames that each stay under a byte budget
-and an item cap, order kept. Every sender uses it (the producer's SUBMIT, the broker's
-DISPATCH / RESULT / STATUS_REPLY, the worker's COMPLETE / FAIL, the relay's frames), so
-"what fits in one frame" is decided in one place.
+"""The one frame budget and splitter: a list of records -> frames that each stay under a
+byte budget and an item cap, order kept. Every sender uses it (the producer's SUBMIT, the
+broker's DISPATCH / RESULT / STATUS_REPLY, the worker's COMPLETE / FAIL, the relay's
+SUBMIT downstream and COMPLETE / FAIL upstream), so "what fits in one frame" is decided
+in one place, on the bytes that are sent:
 
-Sizes are the caller's estimate of each record's encoded size in bytes (``size_of``);
-the budget is the frame's room for records (``max_frame_bytes`` less the envelope).
+* :class:`FrameBudget` ``(max_frame_bytes, max_items)``: the room for records is
+  ``max_frame_bytes`` less :data:`FRAME_SLACK_BYTES` (the envelope header, the message's
+  other fields); a record's size is :func:`encoded_size`, its exact msgpack bytes.
+* :func:`encode_fitting`: the last word. A frame that still comes out over
+  ``max_frame_bytes`` once encoded is split in halves (:func:`halves`) and each half
+  encoded again, so no record is ever lost or dead-lettered for the frame it shared;
+  only a record that alone cannot fit any frame raises (and the broker refuses such an
+  item at SUBMIT, before it is accepted: ``brokerd/outbound.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import msgpack
+
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import DecodeError
 
 T = TypeVar("T")
+E = TypeVar("E")
+
+#: Bytes of a frame that are not records: the envelope header (version, type, sender id,
+#: session, sequence number, timestamp) and the message's other fields (``req``, map and
+#: array headers). Also the room ZeroMQ allows above ``max_frame_bytes`` on receive
+#: (ZMQ_MAXMSGSIZE), so a frame just over the limit reaches the codec and is refused with
+#: a typed OVERSIZE and a counter instead of ZeroMQ dropping the connection.
+FRAME_SLACK_BYTES = 4096
+#: Records per frame unless a sender is configured otherwise (the broker: ``max_batch_items``).
+MAX_ITEMS_PER_FRAME = 512
+
+#: Message type -> the field holding its records (the list a frame is split on).
+RECORD_LISTS: dict[type, str] = {
+    p.Submit: "items", p.Dispatch: "tasks", p.Complete: "results", p.Fail: "failures", p.Result: "deliveries",
+    p.Status: "item_ids", p.Cancel: "item_ids", p.StatusReply: "items", p.CompleteAck: "outcomes",
+    p.FailAck: "outcomes",
+}
+
+_packers = threading.local()
+
+
+def _pack(obj: Any) -> bytes:
+    try:
+        pack = _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+    return pack(obj)
+
+
+def encoded_size(record: Any) -> int:
+    """The exact msgpack bytes ``record`` (a protocol record such as :class:`~p.Task`, or a
+    plain str / bytes / int) takes inside a frame's record list."""
+    if dataclasses.is_dataclass(record):
+        return len(_pack(p.encode_body(record)))
+    return len(_pack(record))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrameBudget:
+    """What one frame may carry: ``max_frame_bytes`` (the config key of every role) and at
+    most ``max_items`` records. Raises ``ValueError`` if ``max_items`` < 1."""
+
+    max_frame_bytes: int
+    max_items: int = MAX_ITEMS_PER_FRAME
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {self.max_items}")
+
+    @property
+    def room_bytes(self) -> int:
+        """Bytes the records of one frame may take: ``max_frame_bytes`` less the slack
+        (at least half the frame, for the smallest allowed ``max_frame_bytes``)."""
+        return max(self.max_frame_bytes - FRAME_SLACK_BYTES, self.max_frame_bytes // 2)
+
+    def fits(self, size_bytes: int) -> bool:
+        """Whether a record of ``size_bytes`` (its :func:`encoded_size`) fits a frame alone."""
+        return size_bytes <= self.room_bytes
+
+    def split(self, records: Iterable[T], *, size_of: Callable[[T], int] | None = encoded_size,
+              too_large: Callable[[T, int], Exception] | None = None) -> list[list[T]]:
+        """:func:`split_frames` under this budget (``size_of`` None: the item cap only)."""
+        return split_frames(records, size_of=size_of, budget_bytes=self.room_bytes if size_of is not None else None,
+                            max_items=self.max_items, too_large=too_large)
 
 
 def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = None, budget_bytes: int | None = None,
@@ -21,7 +99,7 @@ def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = Non
     stays under ``budget_bytes`` (bytes). A record larger than the budget on its own goes
     in a frame by itself, or raises ``too_large(record, size_bytes)`` when given (the
     producer refuses such an item before anything is sent). Without ``size_of`` only the
-    item cap applies. Returns ``[]`` for no items.
+    item cap applies. Returns ``[]`` for no items. Senders use :meth:`FrameBudget.split`.
 
     Raises ``ValueError`` if ``max_items`` < 1."""
     if max_items < 1:
@@ -41,4 +119,37 @@ def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = Non
     if cur:
         frames.append(cur)
     return frames
+
+
+def halves(msg: p.Message) -> tuple[p.Message, p.Message] | None:
+    """``msg`` as two messages of the same type, each with half its records (order kept,
+    every other field copied), or None when it has fewer than two records or is not a
+    message of records (:data:`RECORD_LISTS`)."""
+    field = RECORD_LISTS.get(type(msg))
+    if field is None:
+        return None
+    records = getattr(msg, field)
+    if len(records) < 2:
+        return None
+    mid = len(records) // 2
+    return dataclasses.replace(msg, **{field: records[:mid]}), dataclasses.replace(msg, **{field: records[mid:]})
+
+
+def too_large(exc: BaseException) -> bool:
+    """Whether ``exc`` is the codec's refusal of an outgoing frame over ``max_frame_bytes``."""
+    return isinstance(exc, DecodeError) and exc.code == "PAYLOAD_TOO_LARGE"
+
+
+def encode_fitting(msg: p.Message, encode: Callable[[p.Message], E]) -> list[tuple[p.Message, E]]:
+    """``[(message, encode(message)), ...]``: ``msg`` encoded, or, when its frame comes out
+    over ``max_frame_bytes`` (``encode`` raises PAYLOAD_TOO_LARGE), its :func:`halves`
+    encoded the same way, recursively, in order. Raises that DecodeError when a message
+    of one record (or of no records) still does not fit."""
+    try:
+        return [(msg, encode(msg))]
+    except DecodeError as exc:
+        parts = halves(msg) if too_large(exc) else None
+        if parts is None:
+            raise
+    return [*encode_fitting(parts[0], encode), *encode_fitting(parts[1], encode)]
 
