@@ -101,7 +101,7 @@ _ON_CONFLICT = ("ON CONFLICT (item_id) DO UPDATE SET deliveries = results.delive
                 "idem_key = CASE WHEN results.idem_key = excluded.idem_key THEN results.idem_key END")
 #: the ``results`` and ``results_quarantine`` upserts (``{values}``: the driver's placeholders)
 _RESULTS_UPSERT = f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES ({{values}},1) " + _ON_CONFLICT
-_QUARANTINE_UPSERT = (f"INSERT INTO results_quarantine ({{columns}}, deliveries) VALUES ({{values}},1) "
+_QUARANTINE_UPSERT = ("INSERT INTO results_quarantine ({columns}, deliveries) VALUES ({values},1) "
                       "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
                       "error = excluded.error")
 

@@ -79,7 +79,7 @@ def init_relay(out: Path, links: list[tuple[Path, Path]], *, kinds: list[str], r
         curve_pub = curve_path.read_text().strip()
     for up, down in swarms:
         if up["swarm_id"] == down["swarm_id"]:
-            raise ConfigError(f"{up_dir} and {down_dir} have the same swarm_id {up['swarm_id']!r}")
+            raise ConfigError(f"{up['dir']} and {down['dir']} have the same swarm_id {up['swarm_id']!r}")
         name = f"{up['swarm_id']}-to-{down['swarm_id']}"
         _trust(down, up)  # the downstream checks the upstream's origin signatures
         _trust(up, down)  # the upstream checks the downstream's result proofs

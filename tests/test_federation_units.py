@@ -127,6 +127,18 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     assert (tmp_path / "relay" / "keys" / "relay.key").stat().st_mode & 0o077 == 0
 
 
+def test_init_relay_refuses_a_link_from_a_swarm_to_itself(tmp_path, capsys) -> None:
+    """A link whose two ends share a swarm_id is a config error (exit 78) naming both
+    directories (the check raised NameError before: issue 26, found by ruff's F821)."""
+    from ccsq.common.tools.cli import main
+
+    assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
+    code = main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
+                 str(tmp_path / "site-a"), "--kinds", "echo"])
+    err = capsys.readouterr().err
+    assert code == 78 and "have the same swarm_id 'site-a'" in err and str((tmp_path / "site-a").resolve()) in err
+
+
 def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
     """A HELLO from a socket its peer gave up on (hello timeout) that reaches the broker
     after the peer's next session opened must not replace that live session."""
