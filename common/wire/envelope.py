@@ -318,7 +318,9 @@ class EnvelopeCodec:
     def _welcomed(self, sender: str, session: int, welcome: p.Welcome) -> None:
         """Peer side: a verified WELCOME answers our HELLO; with ``mac_x25519`` the session uses MACs."""
         offer, self._offer = self._offer, None
-        broker_pub = _x25519_public(welcome.mac_x25519) if offer is not None else None
+        if offer is None:
+            return
+        broker_pub = _x25519_public(welcome.mac_x25519)
         if broker_pub is None:
             return
         try:
