@@ -116,14 +116,6 @@ def _limits(max_frame_bytes: int) -> dict:
     )
 
 
-def unpack_limited(data: bytes, max_frame_bytes: int) -> object:
-    """msgpack-decode ``data`` with explicit limits on every length (no huge allocations)."""
-    try:
-        return msgpack.unpackb(data, **_limits(max_frame_bytes))
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise DecodeError(f"invalid msgpack: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
-
-
 class _HeaderReader:
     """Reads the envelope ``[version, type, sender, session, seq, ts_ms, body]``
     in two steps: the six small header fields first (so an unknown sender or a
