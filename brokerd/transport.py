@@ -20,7 +20,7 @@ import zmq
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.endpoints import is_loopback_endpoint
 from ccsq.common.wire.envelope import EnvelopeCodec
-from ccsq.common.wire.errors import CcsqError, ConfigError
+from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode
 from ccsq.common.wire.keys import curve_server_setup
 
 SENT = "sent"
@@ -54,9 +54,10 @@ def rcvhwm_for(max_frame_bytes: int) -> int:
 
 
 class EndpointInUse(CcsqError):
-    """The endpoint is already bound by another process (another broker?): transient, retry later."""
+    """The endpoint is already bound by another process (another broker?): transient, retry later (exit 75)."""
 
     code = "ENDPOINT_IN_USE"
+    exit_code = ExitCode.TEMPFAIL
 
 
 def normalize_endpoint(endpoint: str) -> str:

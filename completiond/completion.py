@@ -40,7 +40,7 @@ from ccsq.common.storage.claimstore import ClaimStore, open_configured_store
 from ccsq.common.wire.config import CompletionConfig, load
 from ccsq.common.wire.envelope import Envelope
 from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, PortInUse, StoreUnavailable
-from ccsq.common.runtime.daemon import settle_gc
+from ccsq.common.runtime.daemon import die, settle_gc
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.runtime.log import configure
 from ccsq.common.wire.backoff import backoff_delay_s
@@ -56,6 +56,7 @@ from ccsq.completiond.resultsdb import (
 )
 
 log = structlog.get_logger("ccsq.completion")
+PROG = "ccsq completion"  # how its errors begin on stderr (the same for ccsq-completiond)
 
 _DB_BACKOFF_BASE_S = 0.05
 #: first delay before a delivery whose result blob is missing is looked at again (doubles, jittered)
@@ -433,14 +434,11 @@ def main(config_path: str | Path) -> int:
 
         metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:
-        print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
-        return ExitCode.CONFIG
+        return die(PROG, exc, f"configuration error: {exc}")
     except StoreUnavailable as exc:
-        print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return die(PROG, exc, f"claim store unavailable (transient, restart later): {exc}")
     except PortInUse as exc:
-        print(f"ccsq completion: transient: {exc}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return die(PROG, exc, f"transient: {exc}")
     settle_gc(young_threshold=None)  # start-up's heap out of the collector's way (its thresholds as they were)
     try:
         asyncio.run(_serve(service))
@@ -453,12 +451,9 @@ def main(config_path: str | Path) -> int:
     if service.link.refused is not None:
         from ccsq.common.link.peer import refusal_fix
 
-        print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
-        return ExitCode.UNAUTHORIZED
+        return die(PROG, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
     if service.link.replaced:
-        print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
-              file=sys.stderr)
-        return ExitCode.CONFIG
+        return die(PROG, ExitCode.CONFIG, f"configuration error: another live process uses peer id {config.peer_id!r}")
     return ExitCode.OK
 
 
