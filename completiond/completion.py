@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import structlog
 
@@ -135,7 +136,7 @@ class CompletionService:
     async def run(self) -> None:
         """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
         link_task = asyncio.create_task(self.link.run(), name="completion-link")
-        link_task.add_done_callback(lambda _t: (self.link.replaced or self.link.refused) and self.request_stop())
+        link_task.add_done_callback(lambda _t: self.request_stop() if self.link.replaced or self.link.refused else None)
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
@@ -313,7 +314,8 @@ class CompletionService:
         errors = self.db.driver_errors()
         while True:
             t0 = time.monotonic()
-            fut = loop.run_in_executor(self._db_exec, self.db.land, rows)
+            # plain tuples in ResultRow's column order (_resolve builds no NamedTuple per row)
+            fut = loop.run_in_executor(self._db_exec, self.db.land, cast("list[ResultRow]", rows))
             error: str | None = None
             quarantined: list[tuple[ResultRow, str]] = []
             try:
