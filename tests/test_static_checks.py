@@ -149,6 +149,19 @@ def test_a_planted_import_breaks_its_contract(site: Path, plant, contract: str, 
     assert planted in proc.stdout, proc.stdout
 
 
+def test_an_exception_no_longer_needed_fails(site: Path, tmp_path: Path) -> None:
+    """An ``ignore_imports`` rule that matches no import is an error: a stale exception
+    would hide the next break."""
+    text = CONFIG.read_text()
+    anchor = '    "ccsq.console.* -> ccsq.brokerd.gaps",'
+    assert anchor in text
+    config = tmp_path / "pyproject.toml"
+    config.write_text(text.replace(anchor, anchor + '\n    "ccsq.console.app -> ccsq.brokerd.actor",'))
+    proc = _run([_tool("lint-imports"), "--no-logo", "--no-cache", str(config), "--contract", "tools-read-the-broker"],
+                cwd=site)
+    assert proc.returncode == 1 and "No matches for ignored import ccsq.console.app -> ccsq.brokerd.actor" in proc.stdout + proc.stderr
+
+
 def test_ruff_is_clean() -> None:
     proc = subprocess.run([_tool("ruff"), "check", "--no-cache", "--config", str(CONFIG), str(ROOT)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
