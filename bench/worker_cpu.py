@@ -1,5 +1,5 @@
 """CPU per job of ONE ccsq-workerd, without the broker's noise: the scripted broker of the
-worker tests (``tests/test_worker_daemon.py``: real ZeroMQ, real signed envelopes, confirms
+worker tests (``tests/worker_harness.py``: real ZeroMQ, real signed envelopes, confirms
 every report at once) dispatches ``rounds`` x ``frames`` DISPATCH frames of 64 echo tasks
 (1 KiB inline payload each, like benchmark 1), waits for every result, and reads the worker's
 CPU seconds from /proc around the run. Used to A/B worker changes on a shared machine, where
@@ -28,7 +28,7 @@ def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: 
         signed: bool = False) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     from ccsq.common.wire import protocol as p
-    from tests.test_worker_daemon import WorkerBroker, Workers, task, wait_until
+    from tests.worker_harness import WorkerBroker, Workers, task, wait_until
 
     with tempfile.TemporaryDirectory() as tmp:
         broker = WorkerBroker(Path(tmp), session_macs=not signed)

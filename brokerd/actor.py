@@ -163,7 +163,7 @@ class Broker:
         self.transport = transport
         self.codec = transport.codec
         self.peers = PeerTable()
-        self.leases = LeaseTimers()
+        self.leases = LeaseTimers(cfg.lease_ttl_s)
         self.deferred = []
         self._carry: list[tuple[int, bytes, Session, Envelope]] = []  # (items, op): beyond the last turn's budget
         self._carry_items = 0
@@ -209,7 +209,7 @@ class Broker:
     def _recover(self) -> None:
         """Restart recovery: every leased item gets expiry now + lease_ttl_s, so its
         worker can come back and resume it."""
-        expires = time.monotonic() + self.lease_ttl_s
+        expires = self.leases.expiry(time.monotonic())
         with self.ledger.read() as view:
             for item_id, token, worker in view.leased_items():
                 self.leases.add(item_id, token, worker, expires)

@@ -81,7 +81,7 @@ class Dispatcher:
         k = self._rr % len(takers)
         takers = takers[k:] + takers[:k]
         batch.effects.append(self._advance_round_robin)  # after commit: a retried step starts at the same taker
-        ttl_ms = int(self.cfg.lease_ttl_s * 1000)
+        ttl_ms = self.leases.ttl_ms
         next_at = float("inf")
         exhausted = False
         for sess in takers:
@@ -115,7 +115,7 @@ class Dispatcher:
 
     def _leased(self, sess: Session, tasks: list[p.Task]) -> None:
         """After commit: lease timers for ``tasks``; they spend the taker's credit."""
-        expires = time.monotonic() + self.cfg.lease_ttl_s
+        expires = self.leases.expiry(time.monotonic())
         for t in tasks:
             self.leases.add(t.item_id, t.token, sess.peer_id, expires)
         sess.credit -= len(tasks)

@@ -29,7 +29,7 @@ from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy, data_paths, d
 from ccsq.brokerd.transport import EndpointInUse, Transport, check_exposure
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.wire.config import BrokerConfig, load
-from ccsq.common.runtime.daemon import config_path_from_argv, settle_gc
+from ccsq.common.runtime.daemon import config_path_from_argv, die, settle_gc
 from ccsq.common.wire.endpoints import bind_error, check_bind_local
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, ledger_failure
@@ -40,7 +40,9 @@ log = structlog.get_logger("ccsq.brokerd")
 
 
 class LedgerLocked(Exception):
-    """Another process holds the ledger lock."""
+    """Another process holds the ledger lock: transient (exit 75), the other broker may be exiting."""
+
+    exit_code = ExitCode.TEMPFAIL
 
 
 def acquire_lock(path: Path) -> int:
@@ -65,9 +67,8 @@ def _bind_key(cfg: BrokerConfig) -> str:
     return f"{cfg.config_path}: {'bind' if cfg.bind else 'endpoint'}"
 
 
-def _fail(code: ExitCode, message: str) -> int:
-    print(f"ccsq-brokerd: {message}", file=sys.stderr, flush=True)
-    return int(code)
+def _fail(code: ExitCode | BaseException, message: str | None = None) -> int:
+    return die("ccsq-brokerd", code, message)
 
 
 def run(config_path: str) -> int:
@@ -88,7 +89,7 @@ def run(config_path: str) -> int:
         notifier = Notifier.from_env()
         catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
-        return _fail(ExitCode.CONFIG, f"config error: {exc}")
+        return _fail(exc, f"config error: {exc}")
     logsetup.configure(cfg.log_format)
     data_dir = Path(cfg.data_dir)
     try:
@@ -99,7 +100,7 @@ def run(config_path: str) -> int:
     try:
         lock_fd = acquire_lock(lock_path)
     except LedgerLocked as exc:
-        return _fail(ExitCode.TEMPFAIL, str(exc))
+        return _fail(exc)
     try:
         return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret)
     finally:
@@ -117,7 +118,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             max_readers=cfg.max_readers,
         )
     except LedgerError as exc:
-        return _fail(exc.exit_code, str(exc))
+        return _fail(exc)
     if ledger.restored_from:
         log.warning("ledger_restored_from_backup", ledger_id=ledger.ledger_id, id_prefix_before=ledger.restored_from,
                     id_prefix=ledger.id_prefix, note="new item ids begin with the new prefix: ids the broker issued "
@@ -136,7 +137,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                               curve_secret_key=curve_secret, curve_allow=authorized.curve_allowed)
     except EndpointInUse as exc:
         ledger.close()
-        return _fail(ExitCode.TEMPFAIL, str(exc))
+        return _fail(exc)
     except zmq.ZMQError as exc:  # e.g. "No such device": a host name that is not this host's (exit 78, not a restart loop)
         ledger.close()
         err = bind_error(cfg.bind or cfg.endpoint, exc.errno, exc.strerror, where=_bind_key(cfg))
@@ -148,7 +149,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         try:
             broker = Broker(cfg, ledger, transport)
         except LedgerError as exc:
-            return _fail(exc.exit_code, str(exc))
+            return _fail(exc)
         except lmdb.Error as exc:
             code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
             return _fail(code, why)
@@ -160,9 +161,9 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                 metrics = start_metrics(broker, broker_listen(cfg.metrics_listen, cfg.metrics_port),
                                         where=f"{cfg.config_path}: metrics_listen")
             except ConfigError as exc:
-                return _fail(ExitCode.CONFIG, f"config error: {exc}")
+                return _fail(exc, f"config error: {exc}")
             except PortInUse as exc:
-                return _fail(ExitCode.TEMPFAIL, f"transient: {exc}")
+                return _fail(exc, f"transient: {exc}")
         settle_gc()  # start-up's heap out of the collector's way; young collections less often
         try:
             uvloop.run(_main(broker, notifier, transport.endpoint))
@@ -174,7 +175,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
             return _fail(code, why)
         except LedgerError as exc:  # e.g. ReadersFull at a read that must succeed
             log.error("ledger_failed", error=str(exc), exit_code=int(exc.exit_code))
-            return _fail(exc.exit_code, str(exc))
+            return _fail(exc)
         if metrics is not None:
             metrics.shutdown()
         transport.close(linger_ms=1000)  # let the BYEs out, bounded

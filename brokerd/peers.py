@@ -116,15 +116,27 @@ class LeaseTimers:
     """item id -> Lease with expiry on the monotonic clock; a heap finds the due ones.
 
     Extending a lease only updates the dict; a popped heap entry whose lease was
-    extended is pushed again, so each lease has one heap entry at a time."""
+    extended is pushed again, so each lease has one heap entry at a time. Every lease
+    deadline is computed here, from ``ttl_s`` (the config's ``lease_ttl_s``):
+    :meth:`expiry` for the timers, :attr:`ttl_ms` for the ledger's record."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
         self.by_worker: dict[str, set[str]] = {}
         self._heap: list[tuple[float, str, int]] = []
 
     def __len__(self) -> int:
         return len(self.leases)
+
+    def expiry(self, now_mono: float) -> float:
+        """The monotonic deadline of a lease granted, resumed or heartbeated at ``now_mono``."""
+        return now_mono + self.ttl_s
+
+    @property
+    def ttl_ms(self) -> int:
+        """The lease's time to live in ms, for the ledger's ``lease_expires_ms`` (wall clock)."""
+        return int(self.ttl_s * 1000)
 
     def get(self, item_id: str) -> Lease | None:
         return self.leases.get(item_id)

@@ -228,13 +228,14 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
         for q in report["queues"]:
             qt.add_row(
                 q["kind"], str(q["ready"]), str(q["leased"]), _fmt_rate(q["completed_per_s"]),
-                _fmt_s(q["drain_eta_s"]), _fmt_s(q["deadline_in_s"]), q["verdict"],
+                fmt_s(q["drain_eta_s"]), fmt_s(q["deadline_in_s"]), q["verdict"],
             )
         console.print(qt)
     return buf.getvalue()
 
 
-def _fmt_s(v: float | None) -> str:
+def fmt_s(v: float | None) -> str:
+    """A duration in seconds for people: '-' (None), '12.0 s', '3.5 min', '1.2 h' (the console's too)."""
     if v is None:
         return "-"
     if abs(v) >= 3600:
@@ -250,7 +251,8 @@ def _fmt_rate(v: float | None) -> str:
 
 # --- HTML (self-contained: inline SVG and CSS, nothing fetched) ---------------------
 _LEGEND_CHAR_PX = 7.5  # a generous width per character of a 12 px sans-serif font
-_CHART_COLOURS = {"received": "#1f77b4", "routed": "#ff7f0e", "completed": "#2ca02c", "acknowledged": "#9467bd"}
+#: One colour per charted counter, shared by ``gap-report --html`` and the console's charts.
+CHART_COLOURS = {"received": "#1f77b4", "routed": "#ff7f0e", "completed": "#2ca02c", "acknowledged": "#9467bd"}
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}"
     "td,th{border:1px solid #ccc;padding:.25em .6em;vertical-align:top}td.n{text-align:right;font-variant-numeric:tabular-nums}"
@@ -317,14 +319,14 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
                 coords.append(f"{x(t):.1f},{y(prev):.1f}")
             coords.append(f"{x(t):.1f},{y(v[c]):.1f}")
             prev = v[c]
-        colour = _CHART_COLOURS[c]
+        colour = CHART_COLOURS[c]
         parts.append(
             f'<polyline data-counter="{c}" fill="none" stroke="{colour}" stroke-width="{stroke}" points="{" ".join(coords)}"/>'
         )
     for r, row in enumerate(rows):
         ly = top + ph + 36 + 18 * r
         for c, label, lx in row:
-            colour = _CHART_COLOURS[c]
+            colour = CHART_COLOURS[c]
             parts.append(f'<line x1="{lx:.1f}" y1="{ly - 4}" x2="{lx + 18:.1f}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>')
             parts.append(f'<text x="{lx + 22:.1f}" y="{ly}" font-size="12" data-legend="{c}">{label}</text>')
     parts.append("</svg>")
@@ -367,8 +369,8 @@ def render_html(report: dict[str, Any]) -> str:
     for q in report.get("queues", []):
         out.append(
             f"<tr><td>{e(q['kind'])}</td><td class='n'>{q['ready']}</td><td class='n'>{q['leased']}</td>"
-            f"<td class='n'>{_fmt_rate(q['completed_per_s'])}</td><td class='n'>{_fmt_s(q['drain_eta_s'])}</td>"
-            f"<td class='n'>{_fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'].startswith(('late', 'stalled')) else 'ok'}'>"
+            f"<td class='n'>{_fmt_rate(q['completed_per_s'])}</td><td class='n'>{fmt_s(q['drain_eta_s'])}</td>"
+            f"<td class='n'>{fmt_s(q['deadline_in_s'])}</td><td class='{'bad' if q['verdict'].startswith(('late', 'stalled')) else 'ok'}'>"
             f"{e(q['verdict'])}</td></tr>"
         )
     out.append("</table><h2>Gap register</h2><table id='windows'><tr><th>id</th><th>window</th><th>count</th>"

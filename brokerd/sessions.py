@@ -55,7 +55,6 @@ class Sessions:
         self.cfg = cfg
         self.hb_s = cfg.heartbeat_interval_s
         self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
-        self.lease_ttl_s = cfg.lease_ttl_s
         self.epoch = epoch
         self.peers = peers
         self.leases = leases
@@ -151,7 +150,7 @@ class Sessions:
         broker knows for it that it did not list expire in the next transaction."""
         resumed, released = [], []
         for ref in listed:
-            if self.leases.extend(ref.item_id, ref.token, peer_id, now + self.lease_ttl_s):
+            if self.leases.extend(ref.item_id, ref.token, peer_id, self.leases.expiry(now)):
                 resumed.append(ref)
             else:
                 released.append(ref)
@@ -166,7 +165,7 @@ class Sessions:
             return
         self.stats.heartbeat(ts_ms)
         for ref in msg.leases:
-            self.leases.extend(ref.item_id, ref.token, sess.peer_id, now + self.lease_ttl_s)
+            self.leases.extend(ref.item_id, ref.token, sess.peer_id, self.leases.expiry(now))
         if msg.healthy and not sess.healthy:
             self._wake_dispatch()
         sess.healthy = msg.healthy

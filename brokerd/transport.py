@@ -13,15 +13,14 @@ import errno
 import logging
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 import structlog
 import zmq
 
 from ccsq.common.wire import protocol as p
-from ccsq.common.wire.endpoints import is_loopback_host
+from ccsq.common.wire.endpoints import is_loopback_endpoint
 from ccsq.common.wire.envelope import EnvelopeCodec
-from ccsq.common.wire.errors import CcsqError, ConfigError
+from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode
 from ccsq.common.wire import frames
 from ccsq.common.wire.keys import curve_server_setup
 
@@ -56,21 +55,11 @@ def rcvhwm_for(max_frame_bytes: int) -> int:
     return max(RCVHWM_MIN, min(RCVHWM_MAX, INBOUND_BYTES_PER_CONNECTION // per_msg))
 
 
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """True when ``endpoint`` can only be reached from this host: ``ipc://``,
-    ``inproc://``, or ``tcp://`` on a loopback address (127.0.0.0/8, ::1, localhost).
-    ``tcp://*``, ``0.0.0.0``, an interface name or any other address is beyond loopback."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    return is_loopback_host(urlsplit(endpoint).hostname or "")
-
-
 class EndpointInUse(CcsqError):
-    """The endpoint is already bound by another process (another broker?): transient, retry later."""
+    """The endpoint is already bound by another process (another broker?): transient, retry later (exit 75)."""
 
     code = "ENDPOINT_IN_USE"
+    exit_code = ExitCode.TEMPFAIL
 
 
 def normalize_endpoint(endpoint: str) -> str:

@@ -1,4 +1,4 @@
-"""Shared building blocks of ccsq, by layer (docs/architecture.md, enforced by tests/test_layers.py):
+"""Shared building blocks of ccsq, by layer (docs/architecture.md; import-linter contracts in pyproject.toml):
 
 * :mod:`ccsq.common.wire` — what processes and files say to each other: messages and the
   strict codec, signed envelopes, keys, errors, config files, the failure policy, the one

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import structlog
 
@@ -40,7 +41,7 @@ from ccsq.common.storage.claimstore import ClaimStore, open_configured_store
 from ccsq.common.wire.config import CompletionConfig, load
 from ccsq.common.wire.envelope import Envelope
 from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode, PayloadMissing, PortInUse, StoreUnavailable
-from ccsq.common.runtime.daemon import settle_gc
+from ccsq.common.runtime.daemon import die, settle_gc
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.runtime.log import configure
 from ccsq.common.wire.backoff import backoff_delay_s
@@ -56,6 +57,7 @@ from ccsq.completiond.resultsdb import (
 )
 
 log = structlog.get_logger("ccsq.completion")
+PROG = "ccsq completion"  # how its errors begin on stderr (the same for ccsq-completiond)
 
 _DB_BACKOFF_BASE_S = 0.05
 #: first delay before a delivery whose result blob is missing is looked at again (doubles, jittered)
@@ -134,7 +136,7 @@ class CompletionService:
     async def run(self) -> None:
         """Serve until :meth:`request_stop`. Database problems never end it; bugs do."""
         link_task = asyncio.create_task(self.link.run(), name="completion-link")
-        link_task.add_done_callback(lambda _t: (self.link.replaced or self.link.refused) and self.request_stop())
+        link_task.add_done_callback(lambda _t: self.request_stop() if self.link.replaced or self.link.refused else None)
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
@@ -312,7 +314,8 @@ class CompletionService:
         errors = self.db.driver_errors()
         while True:
             t0 = time.monotonic()
-            fut = loop.run_in_executor(self._db_exec, self.db.land, rows)
+            # plain tuples in ResultRow's column order (_resolve builds no NamedTuple per row)
+            fut = loop.run_in_executor(self._db_exec, self.db.land, cast("list[ResultRow]", rows))
             error: str | None = None
             quarantined: list[tuple[ResultRow, str]] = []
             try:
@@ -433,14 +436,11 @@ def main(config_path: str | Path) -> int:
 
         metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:
-        print(f"ccsq completion: configuration error: {exc}", file=sys.stderr)
-        return ExitCode.CONFIG
+        return die(PROG, exc, f"configuration error: {exc}")
     except StoreUnavailable as exc:
-        print(f"ccsq completion: claim store unavailable (transient, restart later): {exc}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return die(PROG, exc, f"claim store unavailable (transient, restart later): {exc}")
     except PortInUse as exc:
-        print(f"ccsq completion: transient: {exc}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return die(PROG, exc, f"transient: {exc}")
     settle_gc(young_threshold=None)  # start-up's heap out of the collector's way (its thresholds as they were)
     try:
         asyncio.run(_serve(service))
@@ -453,12 +453,9 @@ def main(config_path: str | Path) -> int:
     if service.link.refused is not None:
         from ccsq.common.link.peer import refusal_fix
 
-        print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
-        return ExitCode.UNAUTHORIZED
+        return die(PROG, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
     if service.link.replaced:
-        print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
-              file=sys.stderr)
-        return ExitCode.CONFIG
+        return die(PROG, ExitCode.CONFIG, f"configuration error: another live process uses peer id {config.peer_id!r}")
     return ExitCode.OK
 
 

@@ -64,7 +64,7 @@ def start_completion_metrics(service: CompletionService, listen: str, *, where: 
                         buckets=WRITE_BUCKETS_S, registry=registry).labels(peer)
     rows = Histogram("ccsq_completion_db_write_rows", "results per landed database transaction", ["peer"],
                      buckets=ROW_BUCKETS, registry=registry).labels(peer)
-    registry.register(_CompletionCollector(service, peer))  # type: ignore[arg-type]
+    registry.register(_CompletionCollector(service, peer))
     server = start_exporter(registry, listen, process="completion", where=where)
 
     def observe(n: int, write_s: float) -> None:

@@ -10,27 +10,19 @@ which prints the errors and returns the :class:`~ccsq.common.wire.errors.ExitCod
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
-from ccsq.common.runtime.daemon import CONFIG_ENV, default_config
-from ccsq.common.wire.errors import ExitCode
+from ccsq.common.runtime.daemon import CONFIG_ENV, config_path_from_argv, die
+from ccsq.common.wire.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
     """``ccsq-completiond [--config FILE]``; returns an exit code."""
-    parser = argparse.ArgumentParser(prog="ccsq-completiond",
-                                     description="run the completion service (results -> database, then ACK)")
-    parser.add_argument("--config", default=None,
-                        help=f"completion.toml (default: ${CONFIG_ENV}/completion.toml when ${CONFIG_ENV} is a "
-                             f"directory, ${CONFIG_ENV} when it is a file, else /etc/ccsq/completion.toml)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    config = args.config or default_config("completion")
-    if args.config is None and not Path(config).exists():
-        print(f"ccsq-completiond: no --config given and {config} does not exist: pass --config FILE, or set "
-              f"{CONFIG_ENV} to the directory `ccsq init` wrote", file=sys.stderr)
-        return ExitCode.CONFIG
+    try:
+        config = config_path_from_argv(
+            "ccsq-completiond", "run the completion service (results -> database, then ACK)",
+            f"completion.toml (default: ${CONFIG_ENV}/completion.toml when ${CONFIG_ENV} is a directory, "
+            f"${CONFIG_ENV} when it is a file, else /etc/ccsq/completion.toml)", argv, default_name="completion")
+    except ConfigError as exc:  # no --config and no default file
+        return die("ccsq-completiond", exc)
     from ccsq.completiond.completion import main as completion_main
 
     return int(completion_main(config))

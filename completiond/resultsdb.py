@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import base64
 import contextlib
+import functools
 import json
 import json.encoder
 import operator
@@ -59,9 +60,10 @@ _PARAMS_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 #: (~2 µs of ~3 per row). Same arguments as ``iterencode`` gives it, but no circular-reference
 #: markers (params decoded from msgpack cannot refer to themselves; too deep still raises).
 #: None where ``_json`` is missing (the pure-Python encoder is used then).
-_PARAMS_C_ENCODER = (json.encoder.c_make_encoder(None, _PARAMS_JSON.default, json.encoder.encode_basestring_ascii,
-                                                 None, ":", ",", True, False, True)
-                     if json.encoder.c_make_encoder is not None else None)
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # (not in typeshed)
+_PARAMS_C_ENCODER = (_C_MAKE_ENCODER(None, _PARAMS_JSON.default, json.encoder.encode_basestring_ascii,
+                                     None, ":", ",", True, False, True)
+                     if _C_MAKE_ENCODER is not None else None)
 
 
 def params_to_json(params: dict[str, Any]) -> str:
@@ -101,7 +103,7 @@ _ON_CONFLICT = ("ON CONFLICT (item_id) DO UPDATE SET deliveries = results.delive
                 "idem_key = CASE WHEN results.idem_key = excluded.idem_key THEN results.idem_key END")
 #: the ``results`` and ``results_quarantine`` upserts (``{values}``: the driver's placeholders)
 _RESULTS_UPSERT = f"INSERT INTO results ({_COLUMNS}, deliveries) VALUES ({{values}},1) " + _ON_CONFLICT
-_QUARANTINE_UPSERT = (f"INSERT INTO results_quarantine ({{columns}}, deliveries) VALUES ({{values}},1) "
+_QUARANTINE_UPSERT = ("INSERT INTO results_quarantine ({columns}, deliveries) VALUES ({values},1) "
                       "ON CONFLICT (item_id) DO UPDATE SET deliveries = results_quarantine.deliveries + 1, "
                       "error = excluded.error")
 
@@ -273,7 +275,7 @@ class ResultsDB(abc.ABC):
         refused: list[tuple[ResultRow, str]] = []
         mid = len(rows) // 2
         for half in (rows[:mid], rows[mid:]):
-            sub = self._try(lambda h=half: self._insert_results(h))
+            sub = self._try(functools.partial(self._insert_results, half))
             if sub is not None:
                 refused += self._isolate(half, sub)
         return refused

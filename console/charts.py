@@ -6,7 +6,8 @@ import html
 import time
 from typing import Any
 
-from ccsq.brokerd.report import _CHART_COLOURS as COLOURS  # one palette with gap-report --html
+from ccsq.brokerd import report
+from ccsq.brokerd.report import CHART_COLOURS as COLOURS  # one palette with gap-report --html
 from ccsq.brokerd.report import CHART_COUNTERS
 
 WINDOW_S = 3600.0
@@ -111,10 +112,8 @@ def _num(v: float) -> str:
 
 
 def fmt_s(v: float | None) -> str:
-    """A duration for people: '-', '12.0 s', '3.5 min', '1.2 h'."""
-    from ccsq.brokerd.report import _fmt_s
-
-    return _fmt_s(v)
+    """A duration for people: '-', '12.0 s', '3.5 min', '1.2 h' (gap-report's format)."""
+    return report.fmt_s(v)
 
 
 def fmt_ms(v: Any) -> str:

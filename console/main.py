@@ -14,7 +14,9 @@ import os
 import signal
 import socket
 import stat
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -30,7 +32,7 @@ MIN_TOKEN_CHARS = 16
 _LINK_CHATTER = frozenset({"broker_link_ready", "broker_link_lost"})
 
 
-def _drop_link_chatter(logger: object, method: str, event: dict) -> dict:
+def _drop_link_chatter(logger: object, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     if event.get("event") in _LINK_CHATTER:
         raise structlog.DropEvent
     return event

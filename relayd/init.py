@@ -72,6 +72,11 @@ def _swarm(directory: Path) -> dict:
             "authorized": (directory / broker.get("authorized_keys", "authorized_keys.toml")).resolve()}
 
 
+def _id_source(sw: dict) -> str:
+    """Where swarm ``sw``'s id came from, in words (for the same-id error)."""
+    return "swarm_id in brokerd.toml" if sw["named"] else "no swarm_id in brokerd.toml: the directory's name"
+
+
 def _check_ids(pairs: list[tuple[dict, dict]]) -> None:
     """Two different swarm directories with one swarm_id (two sites each set up in a
     directory of the same name): ConfigError naming both and the fix."""
@@ -79,9 +84,8 @@ def _check_ids(pairs: list[tuple[dict, dict]]) -> None:
     for sw in (s for pair in pairs for s in pair):
         other = seen.setdefault(sw["swarm_id"], sw)
         if other["dir"] != sw["dir"]:
-            how = lambda s: "swarm_id in brokerd.toml" if s["named"] else "no swarm_id in brokerd.toml: the directory's name"
             raise ConfigError(
-                f"{other['dir']} and {sw['dir']} have the same swarm_id {sw['swarm_id']!r} ({how(other)}; {how(sw)}); "
+                f"{other['dir']} and {sw['dir']} have the same swarm_id {sw['swarm_id']!r} ({_id_source(other)}; {_id_source(sw)}); "
                 f"a swarm id names one swarm in the other's trust file: set swarm_id = \"<unique name>\" in "
                 f"{sw['dir'] / 'brokerd.toml'} (e.g. \"site-b\"; `ccsq init --swarm-id` does it for a new swarm), "
                 "then run ccsq init-relay again")

@@ -2,8 +2,9 @@
 
 Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
 0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust, claim store URI, or a store it
-copies through that is not there: :func:`check_link_stores`); 75 TEMPFAIL (another ccsq-relayd
-holds the journal_dir, an S3 endpoint does not answer; transient); 1 a bug.
+copies through that is not there: :func:`check_link_stores`; a journal row that does not decode,
+as for the worker: a restart would read it again); 75 TEMPFAIL (another ccsq-relayd holds the
+journal_dir, an S3 endpoint does not answer; transient); 1 a bug.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import structlog
 
 from ccsq.common.runtime import log as logsetup
-from ccsq.common.runtime.daemon import config_path_from_argv
+from ccsq.common.runtime.daemon import config_path_from_argv, die
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, StoreUnavailable
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
@@ -24,9 +25,8 @@ from ccsq.common.wire.errors import JournalCorrupt, JournalLocked
 log = structlog.get_logger("ccsq.relayd.main")
 
 
-def _die(code: ExitCode, reason: str) -> int:
-    print(f"ccsq-relayd: {reason}", file=sys.stderr, flush=True)
-    return int(code)
+def _die(code: ExitCode | BaseException, reason: str | None = None) -> int:
+    return die("ccsq-relayd", code, reason)
 
 
 async def _serve(relay, notifier: Notifier) -> None:
@@ -65,18 +65,18 @@ def run(config_path: str) -> int:
         notifier = Notifier.from_env()
         catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
-        return _die(ExitCode.CONFIG, f"config error: {exc}")
+        return _die(exc, f"config error: {exc}")
     try:
         check_link_stores(cfg)
     except ConfigError as exc:
-        return _die(ExitCode.CONFIG, f"config error: {exc}")
+        return _die(exc, f"config error: {exc}")
     except StoreUnavailable as exc:
-        return _die(ExitCode.TEMPFAIL, f"transient: {exc}")
+        return _die(exc, f"transient: {exc}")
     logsetup.configure(cfg.log_format)
     try:
         journal = RelayJournal.open(cfg.journal_dir)
     except JournalLocked as exc:
-        return _die(ExitCode.TEMPFAIL, str(exc))
+        return _die(exc)
     try:
         from ccsq.relayd.metrics import start_relay_metrics
         from ccsq.relayd.relay import Relay
@@ -85,11 +85,11 @@ def run(config_path: str) -> int:
             relay = Relay(cfg, journal)
             metrics = start_relay_metrics(relay, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
         except ConfigError as exc:
-            return _die(ExitCode.CONFIG, f"config error: {exc}")
+            return _die(exc, f"config error: {exc}")
         except JournalCorrupt as exc:
-            return _die(ExitCode.FAILURE, str(exc))
+            return _die(exc)
         except PortInUse as exc:  # the old instance still exiting: transient
-            return _die(ExitCode.TEMPFAIL, f"transient: {exc}")
+            return _die(exc, f"transient: {exc}")
         asyncio.run(_serve(relay, notifier))
         if metrics is not None:
             metrics.shutdown()

@@ -360,7 +360,7 @@ def test_postgres_check_violation_is_quarantined_and_an_outage_is_not(env, pg_se
     assert set(e.broker.quarantined) == bad and set(e.broker.ack_count.values()) == {1}
 
 
-def _row(n: int, key: str, handler: str = "echo") -> "ResultRow":
+def _row(n: int, key: str, handler: str = "echo") -> "ResultRow":  # noqa: F821 (imported in the body)
     from ccsq.completiond.resultsdb import ResultRow
 
     data = f"result {n}".encode()

@@ -129,6 +129,44 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     assert (tmp_path / "relay" / "keys" / "relay.key").stat().st_mode & 0o077 == 0
 
 
+def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None:
+    """A corrupt relay journal is permanent, as the worker's is (errors.JournalCorrupt): exit 78,
+    which the unit does not restart, naming the row (it exited 1 before, a restart loop)."""
+    import sqlite3
+
+    from ccsq.common.tools.cli import main
+    from ccsq.relayd.journal import RelayJournal
+
+    for site, port in (("site-a", 5611), ("site-b", 5612)):
+        assert main(["init", str(tmp_path / site), "--endpoint", f"tcp://127.0.0.1:{port}", "--workers", "1",
+                     "--swarm-id", site]) == 0
+    assert main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
+                 str(tmp_path / "site-b"), "--kinds", "echo"]) == 0
+    cfg_path = tmp_path / "relay" / "relayd.toml"
+    journal_dir = Path(load_relay_config(cfg_path).journal_dir)
+    RelayJournal.open(journal_dir).close()  # the schema
+    with sqlite3.connect(journal_dir / "relay.sqlite3") as db:
+        db.execute("INSERT INTO relayed (link, up_item, token, kind, state, task, updated_ts) VALUES (?, ?, 1, ?, ?, ?, 0)",
+                   ("site-a-to-site-b", "item-1", "echo", "leased", b"\xc1 not msgpack"))
+    db.close()
+    proc = subprocess.run([sys.executable, "-m", "ccsq.relayd.main", "--config", str(cfg_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 78, proc.stderr
+    assert "row (site-a-to-site-b, item-1, 1) does not decode" in proc.stderr
+
+
+def test_init_relay_refuses_a_link_from_a_swarm_to_itself(tmp_path, capsys) -> None:
+    """A link whose two ends share a swarm_id is a config error (exit 78) naming both
+    directories (the check raised NameError before: issue 26, found by ruff's F821)."""
+    from ccsq.common.tools.cli import main
+
+    assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
+    code = main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
+                 str(tmp_path / "site-a"), "--kinds", "echo"])
+    err = capsys.readouterr().err
+    assert code == 78 and "are the same swarm directory" in err and str((tmp_path / "site-a").resolve()) in err
+
+
 def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
     """A HELLO from a socket its peer gave up on (hello timeout) that reaches the broker
     after the peer's next session opened must not replace that live session."""

@@ -19,7 +19,7 @@ from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from tests.test_security_broker import LIMIT, _rss_kib, submit_of_size
-from tests.test_worker_daemon import WorkerBroker, Workers, task
+from tests.worker_harness import WorkerBroker, Workers, task
 
 PEERS = {"producer-1": "producer", "worker-1": "worker", "completion-1": "completion"}
 

@@ -2,7 +2,7 @@
 
 Units (no processes): the batch queue, the handlers' batch paths, the onnx
 handler's signature checks. Processes: the real ``ccsq-workerd`` against the
-scripted broker of ``tests/test_worker_daemon.py``, and one real swarm for
+scripted broker of ``tests/worker_harness.py``, and one real swarm for
 the deadline rule end to end.
 """
 
@@ -27,7 +27,7 @@ from ccsq.workerd.handlers import EchoHandler, SleepHandler, load_handler
 from ccsq.workerd.journal import EntryState, Journal
 from ccsq.workerd.onnx_handler import OnnxHandler, decode_tensors, encode_tensors
 from tests.swarm import Swarm
-from tests.test_worker_daemon import WorkerBroker, Workers, broker, task, wait_until, workers  # noqa: F401 (fixtures)
+from tests.worker_harness import WorkerBroker, Workers, broker, task, wait_until, workers  # noqa: F401 (fixtures)
 
 
 # --- the batch queue ------------------------------------------------------------------

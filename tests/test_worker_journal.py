@@ -16,7 +16,7 @@ from ccsq.common.storage.claimstore import sha256_hex
 from ccsq.common.wire import protocol as p
 from ccsq.workerd import journal as jmod
 from ccsq.workerd.journal import EntryState, Journal, encode_report
-from tests.test_worker_daemon import (WorkerBroker, Workers, broker, stop_with_empty_journal, task,  # noqa: F401 (fixtures)
+from tests.worker_harness import (WorkerBroker, Workers, broker, stop_with_empty_journal, task,  # noqa: F401 (fixtures)
                                      wait_until, workers)
 
 

@@ -65,7 +65,7 @@ class Claims:
         self._on_unhealthy = on_unhealthy
         self._log = log
 
-    async def fetch(self, ref: p.BlobRef) -> bytes:
+    async def fetch(self, ref: p.Blob) -> bytes:
         """The payload's bytes, SHA-256 verified (inline ones on the loop, stored ones in
         the I/O threads). Raises PayloadMissing (absent, corrupt, inline bytes that do not
         match) or the backend's error; what it means: :func:`store_failure`."""
@@ -78,7 +78,7 @@ class Claims:
         return HASH_ON_LOOP_MAX_BYTES if self.store.inline_without_io(0, HASH_ON_LOOP_MAX_BYTES) else 0
 
     @staticmethod
-    def verify_inline(ref: p.BlobRef) -> bytes:
+    def verify_inline(ref: p.Blob) -> bytes:
         """:meth:`fetch` of an inline payload on the caller's thread (what the base store's
         ``get_blob`` does for one): its bytes, SHA-256 verified, or PayloadMissing."""
         inline = ref.inline
@@ -86,7 +86,7 @@ class Claims:
             raise PayloadMissing(f"inline payload does not match its sha256 {ref.sha256}")
         return inline
 
-    async def put_result(self, data: bytes) -> p.BlobRef:
+    async def put_result(self, data: bytes) -> p.Blob:
         """A reference to ``data``: inline up to ``INLINE_RESULT_MAX_BYTES``, else stored.
         Raises the backend's error."""
         return await self.store.aput_blob(data, INLINE_RESULT_MAX_BYTES, self._io_pool)

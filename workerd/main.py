@@ -26,7 +26,7 @@ from ccsq.common.wire import config as cfgmod
 from ccsq.common.runtime import log as logsetup
 from ccsq.common.storage.claimstore import open_configured_store
 from ccsq.common.wire.config import WorkerConfig
-from ccsq.common.runtime.daemon import config_path_from_argv, settle_gc
+from ccsq.common.runtime.daemon import config_path_from_argv, die, settle_gc
 from ccsq.common.wire.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
 from ccsq.common.runtime.metrics import parse_listen
 from ccsq.common.link.peer import make_codec
@@ -38,9 +38,8 @@ from ccsq.workerd.worker import Worker
 log = structlog.get_logger("ccsq.workerd.main")
 
 
-def _die(code: ExitCode, reason: str) -> int:
-    print(f"ccsq-workerd: {reason}", file=sys.stderr, flush=True)
-    return int(code)
+def _die(code: ExitCode | BaseException, reason: str | None = None) -> int:
+    return die("ccsq-workerd", code, reason)
 
 
 async def _serve(worker: Worker, notifier: Notifier) -> None:
@@ -62,7 +61,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         cfg = cfgmod.load(WorkerConfig, config_path)
         notifier = Notifier.from_env()
     except ConfigError as exc:
-        return _die(ExitCode.CONFIG, f"config error: {exc}"), False
+        return _die(exc, f"config error: {exc}"), False
     logsetup.configure(cfg.log_format)
 
     def in_file(exc: Exception) -> str:  # name the file when the message does not (keys, handler, model)
@@ -72,11 +71,11 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         codec = make_codec(cfg)  # keys and authorized_keys, before any slow model load
         parse_listen(cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
-        return _die(ExitCode.CONFIG, in_file(exc)), False
+        return _die(exc, in_file(exc)), False
     try:
         journal = Journal.open(cfg.journal_dir)
     except JournalLocked as exc:
-        return _die(ExitCode.TEMPFAIL, str(exc)), False
+        return _die(exc), False
     except OSError as exc:
         return _die(ExitCode.CONFIG, f"journal_dir {cfg.journal_dir}: {exc}"), False
     try:
@@ -85,14 +84,14 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         handler.load()
     except StoreUnavailable as exc:
         journal.close()
-        return _die(ExitCode.TEMPFAIL, f"claim store unavailable (transient, restart later): {exc}"), False
+        return _die(exc, f"claim store unavailable (transient, restart later): {exc}"), False
     except GpuUnavailable as exc:
         log.error("gpu_unavailable", provider=cfg.provider, reason=str(exc))
         journal.close()
-        return _die(ExitCode.GPU_UNAVAILABLE, str(exc)), False
+        return _die(exc), False
     except ConfigError as exc:
         journal.close()
-        return _die(ExitCode.CONFIG, in_file(exc)), False
+        return _die(exc, in_file(exc)), False
     if handler.cpu_fallback:
         log.warning("gpu_fallback_to_cpu", requested=cfg.provider, provider=handler.provider, reason=handler.provider_reason)
     log.info(
@@ -107,22 +106,20 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
         metrics = start_worker_metrics(worker, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:
         journal.close()
-        return _die(ExitCode.CONFIG, in_file(exc)), False
+        return _die(exc, in_file(exc)), False
     except PortInUse as exc:
         journal.close()
-        return _die(ExitCode.TEMPFAIL, f"transient: {exc}"), False
+        return _die(exc, f"transient: {exc}"), False
     try:
         asyncio.run(_serve(worker, notifier))
     except JournalCorrupt as exc:
-        return _die(ExitCode.CONFIG, str(exc)), False
+        return _die(exc), False
     finally:
         if metrics is not None:
             metrics.shutdown()
         journal.close()
-    if isinstance(worker.fatal, Unauthorized):
-        return _die(ExitCode.UNAUTHORIZED, str(worker.fatal)), worker.stuck_threads > 0
-    if isinstance(worker.fatal, ConfigError):
-        return _die(ExitCode.CONFIG, str(worker.fatal)), worker.stuck_threads > 0
+    if isinstance(worker.fatal, (Unauthorized, ConfigError)):  # 77 / 78: not restarted
+        return _die(worker.fatal), worker.stuck_threads > 0
     if worker.fatal is not None:
         return _die(ExitCode.FAILURE, f"stopped by an internal error: {worker.fatal!r}"), worker.stuck_threads > 0
     return int(ExitCode.OK), worker.stuck_threads > 0

@@ -257,7 +257,7 @@ class Reports:
         if reports:
             await self.report_many(reports)
 
-    def _result(self, job: Job, blob: p.BlobRef, runtime_s: float) -> p.TaskResult:
+    def _result(self, job: Job, blob: p.Blob, runtime_s: float) -> p.TaskResult:
         return p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s)
 
     async def _store(self, job: Job, data: bytes, runtime_s: float) -> tuple[Job, Report | None]:

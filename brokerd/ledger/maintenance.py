@@ -54,7 +54,7 @@ def purge_acknowledged(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     ago (record, payload, result; counter ``purged``). They stay counted in state
     ``acknowledged``, so the balance holds. Returns how many were purged."""
     cut = now_ms - int(txn.ledger.policy.retention_s * 1000)
-    todo = []
+    todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["acked"]):
         if len(todo) >= limit or sc.parse_timed(k)[0] > cut:
             break
@@ -73,7 +73,7 @@ def purge_keys(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     """Forget up to ``limit`` idempotency keys older than ``dedup_window_s`` (a key
     made again since keeps its new entry). Returns how many index entries went."""
     kcut = now_ms - int(txn.ledger.policy.dedup_window_s * 1000)
-    todo = []
+    todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["keytime"]):
         if len(todo) >= limit or sc.parse_timed(k)[0] >= kcut:
             break
@@ -101,7 +101,7 @@ def purge_events(txn: LedgerTxn, limit: int) -> int:
             continue
         prefix = sc.event_prefix(w.id)
         cur = txn.txn.cursor(db=txn.db["events"])
-        todo = []
+        todo: list[bytes] = []
         if cur.set_range(prefix):
             for k, _ in cur:
                 if not k.startswith(prefix) or sc.parse_seq(k[len(prefix):]) > keep_from or done + len(todo) >= limit:

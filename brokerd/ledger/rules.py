@@ -120,9 +120,9 @@ class LedgerTxn(LedgerView):
             self.txn.commit()
         except BaseException:
             self.txn.abort()
-            self.txn = None
+            self.txn = None  # type: ignore[assignment]  # ended: the object is not used again
             raise
-        self.txn = None
+        self.txn = None  # type: ignore[assignment]
         if self.ledger.record_cache_max:
             self._keep_records()
 
@@ -151,7 +151,7 @@ class LedgerTxn(LedgerView):
     def abort(self) -> None:
         if self.txn is not None:
             self.txn.abort()
-            self.txn = None
+            self.txn = None  # type: ignore[assignment]
 
     # --- numbers ---
     def _base(self, key: bytes) -> int:
@@ -264,7 +264,7 @@ class LedgerTxn(LedgerView):
         last = self.history_at_or_before(txnid)
         if last is not None and now_ms - last[1][0] < HISTORY_INTERVAL_MS:
             return False
-        old = []
+        old: list[bytes] = []
         if cur.set_range(sc.HISTORY):
             for k, v in cur:
                 if not k.startswith(sc.HISTORY) or len(old) >= 16 or sc.unpack(v)[0] >= now_ms - HISTORY_KEEP_MS:
@@ -324,7 +324,7 @@ class LedgerTxn(LedgerView):
             self._payloads[item_id] = payload
         if result is not None:
             self._results[item_id] = result
-        return rec  # type: ignore[return-value]
+        return rec
 
     def record(self, item_id: str) -> Item | None:
         """The record of ``item_id`` to read only (not a copy when this transaction or the
@@ -333,7 +333,7 @@ class LedgerTxn(LedgerView):
         if rec is not None:
             return rec
         hit = self.ledger.record_cache.get(item_id)
-        return hit[0] if hit is not None else self._unpack(item_id)  # type: ignore[return-value]
+        return hit[0] if hit is not None else self._unpack(item_id)
 
     def payload(self, item_id: str) -> p.Blob:
         blob = self._payloads.get(item_id)
@@ -403,7 +403,7 @@ class LedgerTxn(LedgerView):
         old = rec["state"]
         iid = rec["id"].encode()
         self._index_remove(rec, iid)
-        rec.update(updates)
+        rec.update(updates)  # type: ignore[typeddict-item]  # updates: Item keys, by the callers' keywords
         rec["state"] = new_state
         self._index_add(rec, iid)
         if old != new_state:
@@ -414,7 +414,8 @@ class LedgerTxn(LedgerView):
         return rec["max_attempts"] or self.ledger.policy.max_attempts
 
     def _deadline_passed(self, rec: Item, now_ms: int) -> bool:
-        return rec.get("deadline_ms") is not None and rec["deadline_ms"] <= now_ms
+        deadline_ms = rec.get("deadline_ms")
+        return deadline_ms is not None and deadline_ms <= now_ms
 
     def expire(self, rec: Item, now_ms: int, why: str) -> None:
         """Move ``rec`` (ready or leased) to ``expired``: its deadline passed (G6)."""

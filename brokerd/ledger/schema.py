@@ -411,7 +411,7 @@ def pack_item_fixed(rec: Item) -> bytes:
     except KeyError:  # a format-1 record from before one of the fields
         fixed = [rec.get(f, _CORE_DEFAULTS.get(f)) for f in ITEM_FIXED]
     if "origin" in rec or "reply_to" in rec:
-        fixed.append({k: rec[k] for k in ITEM_FIXED_EXTRA if k in rec})
+        fixed.append({k: rec[k] for k in ITEM_FIXED_EXTRA if k in rec})  # type: ignore[literal-required]
     return _packb(fixed)
 
 

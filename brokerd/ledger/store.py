@@ -126,7 +126,7 @@ class Ledger:
         # result; a blob only when small, else None). Off (0) unless the broker turns it
         # on (:meth:`cache_records`); see LedgerTxn.commit.
         self.record_cache_max = 0
-        self.record_cache: collections.OrderedDict[str, tuple[dict, bytes | None, Any, Any]] = collections.OrderedDict()
+        self.record_cache: collections.OrderedDict[str, tuple[sc.Item, bytes | None, Any, Any]] = collections.OrderedDict()
         if readonly:
             if not (self.path / "data.mdb").exists():
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
@@ -197,11 +197,11 @@ class Ledger:
                 raise
             try:
                 lid = txn.get(sc.LEDGER_ID, db=meta)
-                prefix = txn.get(sc.ID_PREFIX, db=meta) or lid
+                raw_prefix = txn.get(sc.ID_PREFIX, db=meta) or lid
             finally:
                 txn.abort()
             self.ledger_id = lid.decode() if lid else ""
-            self.id_prefix = prefix.decode() if prefix else ""
+            self.id_prefix = raw_prefix.decode() if raw_prefix else ""
 
     # --- environment ---
     def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:
@@ -283,7 +283,7 @@ class Ledger:
     def map_size_bytes(self) -> int:
         return self.env.info()["map_size"]
 
-    def used_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+    def used_bytes(self, txn: lmdb.Transaction[bytes] | None = None) -> int:
         """Bytes of pages in use by all trees (freed pages, reused by LMDB, not counted).
         Pass the open transaction when there is one (a thread holds one at a time)."""
         psize = self.env.stat()["psize"]
@@ -313,7 +313,7 @@ class Ledger:
         return True
 
     # --- reader slots (see docs/ledger.md, "Readers and disk use") ---
-    def _begin(self, write: bool = False) -> lmdb.Transaction:
+    def _begin(self, write: bool = False) -> lmdb.Transaction[bytes]:
         """``env.begin``; when no reader slot is free (``MDB_READERS_FULL``) clear the
         slots of dead processes (LMDB's reader check) and try again. Raises
         :class:`ReadersFull` when live processes hold every slot."""

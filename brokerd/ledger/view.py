@@ -149,7 +149,7 @@ class LedgerView:
         return sc.unpack_item(raw, item_id) if raw is not None else None
 
     def payload(self, item_id: str) -> p.Blob:
-        return sc.unpack_blob(self.txn.get(item_id.encode(), db=self.db["payloads"]))
+        return sc.unpack_blob(self.txn.get(item_id.encode(), db=self.db["payloads"]))  # type: ignore[arg-type]  # written with the item
 
     def result(self, item_id: str) -> p.Blob | None:
         raw = self.txn.get(item_id.encode(), db=self.db["results"])

@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -36,7 +37,7 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def _to_stdlib(logger: logging.Logger, method_name: str, event_dict: dict[str, Any]) -> tuple[tuple, dict]:
+def _to_stdlib(logger: logging.Logger, method_name: str, event_dict: MutableMapping[str, Any]) -> tuple[tuple, dict]:
     """Last processor of library loggers: a readable message for plain ``logging``
     handlers (``event key=value ...``) and the event itself as ``record.ccsq_event``
     for :class:`EventFormatter`."""
@@ -98,13 +99,13 @@ def configure(log_format: str = "auto", level: int = logging.INFO) -> None:
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]  # write + flush suffice
         cache_logger_on_first_use=True,
     )
     ccsq_logger = logging.getLogger("ccsq")
     if _handler is not None:
         ccsq_logger.removeHandler(_handler)
-    _handler = logging.StreamHandler(_CurrentStderr())  # type: ignore[arg-type]
+    _handler = logging.StreamHandler(_CurrentStderr())
     _handler.setFormatter(EventFormatter(use_console))
     ccsq_logger.addHandler(_handler)
     ccsq_logger.setLevel(level)

@@ -98,7 +98,7 @@ def start_exporter(registry: CollectorRegistry, listen: str, *, process: str, wh
     addr = parse_listen(listen, where=where)
     if addr is None:
         return None
-    registry.register(BuildInfo(process))  # type: ignore[arg-type]
+    registry.register(BuildInfo(process))
     host, port = addr
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)

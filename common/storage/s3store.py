@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import boto3
 import botocore.exceptions
@@ -63,7 +64,7 @@ class S3Store(ClaimStore):
     ``client`` is a boto3 S3 client; one instance is used from one thread at a time.
     """
 
-    def __init__(self, client: object, bucket: str, prefix: str = "", *, probe_client: object | None = None,
+    def __init__(self, client: Any, bucket: str, prefix: str = "", *, probe_client: Any | None = None,
                  endpoint_url: str = "") -> None:
         if not bucket:
             raise ConfigError("s3 claim store: the URI needs a bucket (s3://bucket/prefix)")

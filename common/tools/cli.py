@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ccsq.common.runtime.daemon import CONFIG_DIR, CONFIG_ENV, default_config
+from ccsq.common.runtime.daemon import CONFIG_DIR, CONFIG_ENV, default_config, die, missing_default_config
 from ccsq.common.tools.admin_cmds import (
     _cmd_dlq_change,
     _cmd_dlq_list,
@@ -33,8 +33,6 @@ from ccsq.common.tools.init import _cmd_init, _cmd_keygen
 from ccsq.common.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
 from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_submit, _param
 from ccsq.common.wire.errors import (
-    AdminFailed,
-    BrokerUnavailable,
     CcsqError,
     ConfigError,
     ExitCode,
@@ -280,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "config_name", None) and args.config is None:
         args.config = default_config(args.config_name)
         if not Path(args.config).exists():
-            print(f"ccsq {args.command}: no --config given and {args.config} does not exist: pass --config "
-                  f"FILE, or set {CONFIG_ENV} to the directory `ccsq init` wrote", file=sys.stderr)
-            return ExitCode.CONFIG
+            return die(f"ccsq {args.command}", missing_default_config(args.config))
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 
@@ -292,24 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ccsq.peer").addFilter(_not_refusal)  # the command prints the refusal as a sentence
     try:
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"ccsq {args.command}: configuration error: {exc}", file=sys.stderr)
-        return ExitCode.CONFIG
-    except NoInput as exc:
-        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
-        return ExitCode.NOINPUT
-    except Unauthorized as exc:
-        print(f"ccsq {args.command}: {exc}", file=sys.stderr)
-        return ExitCode.UNAUTHORIZED
-    except BrokerUnavailable as exc:
-        print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
-    except AdminFailed as exc:
-        print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
-        return ExitCode.REFUSED
-    except CcsqError as exc:
-        print(f"ccsq {args.command}: {exc.code}: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", ExitCode.FAILURE)  # a LedgerError says which (ledger_failure)
+    except CcsqError as exc:  # the code: exit_code_for (a LedgerError's own, ConfigError 78, BrokerUnavailable 69, ...)
+        reason = (f"configuration error: {exc}" if isinstance(exc, ConfigError) else str(exc) if isinstance(exc, (NoInput, Unauthorized))
+                  else f"{exc.code}: {exc}")
+        return die(f"ccsq {args.command}", exc, reason)
     except KeyboardInterrupt:
         return ExitCode.FAILURE
     except BrokenPipeError:  # `ccsq status | head -1`: the reader left; not an error of ours

@@ -60,7 +60,7 @@ def init_swarm(
     ``broker``/``worker``/``producer``/``completion`` override config keys.
     Raises ConfigError if the directory already holds a swarm.
     """
-    from ccsq.brokerd.transport import is_loopback_endpoint
+    from ccsq.common.wire.endpoints import is_loopback_endpoint
 
     directory = directory.resolve()
     from ccsq.common.wire.endpoints import check_endpoint

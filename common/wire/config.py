@@ -77,11 +77,11 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
         import difflib
 
         known = sorted(set(fields) - {"config_path"})
-        hints = []
+        named = []
         for key in sorted(unknown):
             close = difflib.get_close_matches(key, known, n=1)
-            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}; the keys are listed in the README (Configuration)")
+            named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(named)}; the keys are listed in the README (Configuration)")
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():

@@ -22,6 +22,7 @@ import errno
 import ipaddress
 import re
 import socket
+from urllib.parse import urlsplit
 
 from ccsq.common.wire.errors import ConfigError
 
@@ -177,3 +178,14 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True when ``endpoint`` can only be reached from this host: ``ipc://``,
+    ``inproc://``, or ``tcp://`` on a loopback address (127.0.0.0/8, ::1, localhost).
+    ``tcp://*``, ``0.0.0.0``, an interface name or any other address is beyond loopback."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    return is_loopback_host(urlsplit(endpoint).hostname or "")

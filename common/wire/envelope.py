@@ -116,14 +116,6 @@ def _limits(max_frame_bytes: int) -> dict:
     )
 
 
-def unpack_limited(data: bytes, max_frame_bytes: int) -> object:
-    """msgpack-decode ``data`` with explicit limits on every length (no huge allocations)."""
-    try:
-        return msgpack.unpackb(data, **_limits(max_frame_bytes))
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise DecodeError(f"invalid msgpack: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
-
-
 class _HeaderReader:
     """Reads the envelope ``[version, type, sender, session, seq, ts_ms, body]``
     in two steps: the six small header fields first (so an unknown sender or a
@@ -318,7 +310,9 @@ class EnvelopeCodec:
     def _welcomed(self, sender: str, session: int, welcome: p.Welcome) -> None:
         """Peer side: a verified WELCOME answers our HELLO; with ``mac_x25519`` the session uses MACs."""
         offer, self._offer = self._offer, None
-        broker_pub = _x25519_public(welcome.mac_x25519) if offer is not None else None
+        if offer is None:
+            return
+        broker_pub = _x25519_public(welcome.mac_x25519)
         if broker_pub is None:
             return
         try:

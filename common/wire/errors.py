@@ -219,7 +219,7 @@ def ledger_failure(exc: BaseException, path: object, doing: str = "ledger", *,
     return ExitCode.LEDGER_IO, f"{where}: ledger error ({name}: {text}); nothing unconfirmed was acknowledged: restart"
 
 
-#: Map from wire error code to exception type, used by clients to re-raise.
+#: Map from wire error code to exception type (policy.refusal_error raises the one a refusal names).
 ERRORS_BY_CODE: dict[str, type[CcsqError]] = {
     cls.code: cls
     for cls in (
@@ -235,12 +235,6 @@ ERRORS_BY_CODE: dict[str, type[CcsqError]] = {
         DecodeError,
     )
 }
-
-
-def error_from_code(code: str, message: str) -> CcsqError:
-    """Build the typed exception for a wire error ``code`` (unknown codes give :class:`CcsqError`)."""
-    cls = ERRORS_BY_CODE.get(code, CcsqError)
-    return cls(message, code=code)
 
 
 class StoreUnavailable(RetryableError):

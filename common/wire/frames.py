@@ -132,7 +132,8 @@ def halves(msg: p.Message) -> tuple[p.Message, p.Message] | None:
     if len(records) < 2:
         return None
     mid = len(records) // 2
-    return dataclasses.replace(msg, **{field: records[:mid]}), dataclasses.replace(msg, **{field: records[mid:]})
+    replace: Callable[..., p.Message] = dataclasses.replace  # every message type is a dataclass
+    return replace(msg, **{field: records[:mid]}), replace(msg, **{field: records[mid:]})
 
 
 def too_large(exc: BaseException) -> bool:
