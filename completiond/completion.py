@@ -456,8 +456,9 @@ def main(config_path: str | Path) -> int:
         print(f"ccsq completion: {refusal_fix(config, p.Role.COMPLETION.value, service.link.refused)}", file=sys.stderr)
         return ExitCode.UNAUTHORIZED
     if service.link.replaced:
-        print(f"ccsq completion: configuration error: another live process uses peer id {config.peer_id!r}",
-              file=sys.stderr)
+        from ccsq.common.link.peer import id_in_use_message
+
+        print(f"ccsq completion: configuration error: {id_in_use_message(config, service.link)}", file=sys.stderr)
         return ExitCode.CONFIG
     return ExitCode.OK
 

@@ -507,7 +507,10 @@ class LinkRunner:
             if self.up.replaced or self.down.replaced:
                 # another live process uses this link's peer id: exit (systemd shows it) rather
                 # than run a link that will never reconnect
-                raise RuntimeError(f"link {self.name}: another process uses its peer id (two relays, one identity?)")
+                from ccsq.common.link.peer import id_in_use_message
+
+                side = self.up if self.up.replaced else self.down
+                raise RuntimeError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
         finally:
             for t in tasks:
                 t.cancel()

@@ -221,9 +221,9 @@ class Worker:
 
                 self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
-                self.fatal = ConfigError(
-                    f"another live worker uses peer id {self.cfg.peer_id!r}; give each worker its own id and key"
-                )
+                from ccsq.common.link.peer import id_in_use_message
+
+                self.fatal = ConfigError(id_in_use_message(self.cfg, self.link))
             elif self.fatal is None:
                 await self._drain()
         finally:

@@ -25,7 +25,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import AdminConfig
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized
+from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, ConfigError, Unauthorized
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -83,6 +83,10 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
             from ccsq.common.link.peer import refusal_fix
 
             raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
+        if not link.ready.is_set() and link.replaced:  # another live process holds this admin id (exit 78)
+            from ccsq.common.link.peer import id_in_use_message
+
+            raise ConfigError(id_in_use_message(settings, link))
         if not link.ready.is_set():
             why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
             raise BrokerUnavailable(
