@@ -118,7 +118,8 @@ class Sessions:
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []
         if sess.role in p.LEASE_HOLDER_ROLES:
-            resumed, released = self._resume_leases(sess.peer_id, hello.leases, now)
+            lost = p.parse_lost_info(hello.info.get(p.LOST_INFO))
+            resumed, released = self._resume_leases(sess.peer_id, hello.leases, now, lost)
             self._wake_dispatch()
         if sess.role in (p.Role.COMPLETION, p.Role.RELAY):
             self.delivery.set_possible(True)
@@ -187,10 +188,14 @@ class Sessions:
         self.peers.add(sess)
         return sess
 
-    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
+    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float,
+                       lost: set[tuple[str, int]] | None = None) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
         """The leases a reconnecting holder lists: (resumed: the broker knows them with
         that token, their expiry extended; released: the broker does not). Leases the
-        broker knows for it that it did not list expire in the next transaction."""
+        broker knows for it that it did not list end in the next transaction: those in
+        ``lost`` (HELLO info ``lost``: their jobs were running when its process died)
+        expire, counting the attempt (worker_lost, G2); the others never ran there and
+        are released uncounted. ``lost`` None (an older worker, a relay): all expire."""
         resumed, released = [], []
         for ref in listed:
             if self.leases.extend(ref.item_id, ref.token, peer_id, now + self.lease_ttl_s):
@@ -199,8 +204,12 @@ class Sessions:
                 released.append(ref)
         names = {ref.item_id for ref in listed}
         for lease in self.leases.held_by(peer_id):
-            if lease.item_id not in names:
+            if lease.item_id in names:
+                continue
+            if lost is None or (lease.item_id, lease.token) in lost:
                 self._defer("expire", lease.item_id, lease.token, "worker reconnected without it")
+            else:
+                self._defer("release", lease.item_id, lease.token, "worker reconnected without it: never started there")
         return resumed, released
 
     def _on_heartbeat(self, sess: Session, msg: p.Heartbeat, ts_ms: int, now: float) -> None:

@@ -53,6 +53,32 @@ REJECT_ID_IN_USE = "ID_IN_USE"
 #: reconnecting (it replaces its old session); another instance is refused with
 #: REJECT_ID_IN_USE while that session is live. Older brokers ignore it.
 INSTANCE_INFO = "instance"
+#: Worker HELLO ``info`` key: the leases whose jobs were running when this worker's
+#: previous process died (journaled ``started``), as ``"item_id:token item_id:token"``
+#: ("" when none). Present (even empty): of the leases the broker holds for this
+#: worker that the HELLO does not list, only these count an attempt (``worker_lost``);
+#: the rest never ran here (a DISPATCH whose hold was not journaled) and are released
+#: uncounted. Absent (an older worker): every unlisted lease counts an attempt.
+LOST_INFO = "lost"
+
+
+def lost_info(keys: list[tuple[str, int]]) -> str:
+    """:data:`LOST_INFO`'s value for ``keys`` (item id, fencing token)."""
+    return " ".join(f"{item_id}:{token}" for item_id, token in keys)
+
+
+def parse_lost_info(value: object) -> set[tuple[str, int]] | None:
+    """The (item id, token) pairs of a :data:`LOST_INFO` value; None when it is absent or
+    not a string (the older rule: every unlisted lease counts). Malformed words are skipped."""
+    if not isinstance(value, str):
+        return None
+    out: set[tuple[str, int]] = set()
+    for word in value.split():
+        item_id, _, token = word.rpartition(":")
+        if item_id and token.isdigit():
+            out.add((item_id, int(token)))
+    return out
+
 
 ALL_REJECT_REASONS = (
     REJECT_OVERSIZE,
