@@ -133,12 +133,18 @@ class Sessions:
         is past its liveness window (the one disconnect rule, judged now rather than at
         the next tick: a crashed process's restart gets in as soon as the window lapses),
         or when the HELLO carries ``old``'s own instance (the same process reconnecting
-        after a network blip). A live session of another (or an unnamed) instance keeps it."""
+        after a network blip), or when ``old``'s socket is gone (a crashed process: a
+        heartbeat to it is unroutable, which ends it now). A live session of another
+        (or an unnamed) instance keeps it."""
         if now - old.last_recv_mono > self.silence_s:
             self.end(old, f"silent for {now - old.last_recv_mono:.2f}s")
             return True
         mine = hello.info.get(p.INSTANCE_INFO)
-        return bool(mine) and mine == old.info_hello.get(p.INSTANCE_INFO)
+        if mine and mine == old.info_hello.get(p.INSTANCE_INFO):
+            return True
+        info = self._heartbeat_info().get(old.peer_id)
+        self.outbound.offer(old, p.Heartbeat(info=info) if info is not None else p.Heartbeat())
+        return old.status is PeerStatus.GONE
 
     def _refuse_in_use(self, rid: bytes, env: Envelope, hello: p.Hello, old: Session, now: float) -> None:
         """Refuse a HELLO for ``old``'s peer id from another process (REJECT_ID_IN_USE,

@@ -36,7 +36,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
 from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import PayloadMissing
+from ccsq.common.wire.errors import ConfigError, PayloadMissing
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.wire.policy import task_failure
@@ -510,7 +510,7 @@ class LinkRunner:
                 from ccsq.common.link.peer import id_in_use_message
 
                 side = self.up if self.up.replaced else self.down
-                raise RuntimeError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
+                raise ConfigError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
         finally:
             for t in tasks:
                 t.cancel()

@@ -89,3 +89,41 @@ def test_a_frozen_workers_successor_gets_in_when_the_liveness_window_lapses(tmp_
             states = client.wait(ids, timeout_s=60)
         assert {s.state for s in states.values()} == {"acknowledged"}
         assert twin.running
+
+
+_HOLD_ADMIN = """
+import asyncio, sys
+from ccsq.common.tools.admin_client import with_broker
+from ccsq.common.wire.config import AdminConfig, load
+
+async def hold(session):
+    print("HOLDING", flush=True)
+    await asyncio.sleep(60)
+
+with_broker(load(AdminConfig, sys.argv[1]), hold)
+"""
+
+
+def test_an_admin_command_beside_a_live_admin_session_of_its_id_exits_78_naming_the_holder(tmp_path: Path) -> None:
+    """Admin peers follow the same rule: ``ccsq status`` run while another process holds a
+    live session with the same admin id is refused ID_IN_USE, waits out one liveness
+    window (not just connect_timeout_s) and exits 78 naming the id and the holder; the
+    holder's session is untouched. Once the holder ends (BYE), the id is free again."""
+    import subprocess
+    import sys
+
+    with Swarm(tmp_path / "s", workers=0) as swarm:
+        swarm.start_broker()
+        admin = str(swarm.configs["admin"])
+        holder = swarm.procs.start("admin-holder", [sys.executable, "-c", _HOLD_ADMIN, admin])
+        wait_until(lambda: "HOLDING" in holder.log_path.read_text(errors="replace"), 30, "the admin session to open")
+        t0 = time.monotonic()
+        run = subprocess.run([bin_path("ccsq"), "status", "--config", admin], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 78, (run.returncode, run.stdout[-500:], run.stderr[-1500:])
+        assert "'admin'" in run.stderr and f"/{holder.popen.pid}/" in run.stderr, run.stderr[-1500:]
+        assert time.monotonic() - t0 < 20
+        assert holder.running
+        assert swarm.procs.stop("admin-holder") is not None
+        again = subprocess.run([bin_path("ccsq"), "status", "--config", admin, "--json"], capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 0, again.stderr[-1500:]

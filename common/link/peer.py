@@ -262,6 +262,12 @@ class BrokerLink:
         self.log = log.bind(peer=settings.peer_id)
 
     # --- API for owners ---
+    @property
+    def in_use_until_mono(self) -> float | None:
+        """While the broker refuses our HELLO with ID_IN_USE: when the holder's session
+        would lapse (the link retries until then, then stops with ``replaced``); else None."""
+        return self._in_use_until_mono
+
     def send(self, msg: p.Message) -> bool:
         """Queue ``msg`` for the current session; False (not queued) when not connected."""
         if self.state is not LinkState.READY:

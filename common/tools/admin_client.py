@@ -77,6 +77,12 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         ready = asyncio.ensure_future(link.ready.wait())
         try:
             await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            until = link.in_use_until_mono
+            if not link.ready.is_set() and not runner.done() and until is not None:
+                # refused ID_IN_USE: another live session holds this admin id; the link retries
+                # until that session would lapse (a crashed one's window), then gives up
+                await asyncio.wait({ready, runner}, timeout=max(0.0, until - time.monotonic()) + 2.0,
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
         if link.refused is not None:
