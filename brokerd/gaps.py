@@ -36,6 +36,7 @@ G9_SUBMIT_RETRIED = "G9"
 G10_DEAD_LETTER_REPLAYED = "G10"
 G11_DEAD_LETTER_PURGED = "G11"
 G12_RESULT_QUARANTINED = "G12"
+G13_RESTORED_FROM_BACKUP = "G13"
 # federation windows (a relay between swarms: docs/federation.md); F ids so they never
 # collide with new single-swarm windows
 F1_RELAY_LEASE_LOST = "F1"
@@ -141,6 +142,16 @@ WINDOWS: tuple[Window, ...] = (
         " `results`: a query of `results` alone misses it",
         "operator: fix the constraint or the data, then move the row (docs/results-schema.md, 'Quarantine')",
         "quarantined",
+    ),
+    Window(
+        G13_RESTORED_FROM_BACKUP,
+        "restored from a backup",
+        "broker: the first start on a `ccsq backup` copy (m:restore_pending): one event per item ready, leased or"
+        " completed and not acknowledged in the copy",
+        "the broker the copy was taken from may have run, completed and delivered the item after the copy: it runs"
+        " (or its result is delivered) again, so the results table counts a second delivery",
+        "automatic: the fencing token keeps one result in the ledger and the consumer's upsert keyed by item id keeps"
+        " one row (deliveries > 1); restore only a lost or corrupt ledger (docs/ledger.md, Backups)",
     ),
     Window(
         F1_RELAY_LEASE_LOST,

@@ -121,8 +121,9 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
         return _fail(exc)
     if ledger.restored_from:
         log.warning("ledger_restored_from_backup", ledger_id=ledger.ledger_id, id_prefix_before=ledger.restored_from,
-                    id_prefix=ledger.id_prefix, note="new item ids begin with the new prefix: ids the broker issued "
-                    "after the backup was taken are never issued again")
+                    id_prefix=ledger.id_prefix, may_rerun=ledger.restore_reruns,
+                    note="new item ids begin with the new prefix: ids the broker issued after the backup was taken "
+                    "are never issued again; items not done in the copy may run or be delivered again (gap G13)")
     codec = EnvelopeCodec(
         cfg.peer_id,
         key,

@@ -70,6 +70,10 @@ class Outbound:
         key for WELCOME ``mac_x25519``, or b"" (the session stays signed)."""
         return self.transport.codec.open_session_mac(env, rid)
 
+    def reinstate_session(self, sender: str, session: int) -> bool:
+        """A verified HELLO of ``sender`` was refused: its live ``session`` keeps verifying."""
+        return self.transport.codec.reinstate_session(sender, session)
+
     def close_mac(self, rid: bytes) -> None:
         """The session on ``rid`` ended: frames to it are signed again."""
         self.transport.codec.close_channel(rid)

@@ -2,10 +2,14 @@
 table at once (no ledger writes; the actor's turn calls :meth:`Sessions.receive` for
 every verified frame).
 
-A session begins with HELLO (a new HELLO of the same peer id replaces the old
-session) and ends by the one disconnect rule (silent for ``heartbeat_interval_s x
-liveness``, an invalid envelope, an unroutable socket or an overfull send queue),
-by BYE, or by replacement; :meth:`Sessions.end` is the one place it ends. A lease
+A session begins with HELLO and ends by the one disconnect rule (silent for
+``heartbeat_interval_s x liveness``, an invalid envelope, an unroutable socket or an
+overfull send queue),
+by BYE, or by replacement; :meth:`Sessions.end` is the one place it ends. A live
+session keeps its peer id: a HELLO for it from another process (another
+``info["instance"]``) is refused with ``ID_IN_USE``; only the same instance
+reconnecting replaces it, and a session past its liveness window ends when a new
+HELLO comes (docs/security.md, "one peer id, one live session"). A lease
 holder's HELLO lists the leases it still holds: those the broker knows are resumed,
 the rest released, and leases the broker knows but the peer did not list expire.
 """
@@ -66,6 +70,7 @@ class Sessions:
         self._worker_kinds = worker_kinds
         self._count_reject = count_reject
         self._heartbeat_info = heartbeat_info
+        self._in_use_logged: set[tuple[str, str]] = set()  # (peer id, refused instance) logged once
         now = time.monotonic()
         self._next_hb_mono = now + self.hb_s
         self._next_liveness_mono = now + self.hb_s / 2
@@ -100,6 +105,10 @@ class Sessions:
             self._count_reject(p.REJECT_ROLE, why, env.sender, rid, now)
             self.outbound.send_raw(rid, p.Error(p.REJECT_ROLE, why, env.seq))
             return
+        old = self.peers.get(env.sender)
+        if old is not None and old.routing_id != rid and not self._may_replace(old, hello, now):
+            self._refuse_in_use(rid, env, hello, old, now)
+            return
         self._replace(env.sender, rid)
         sess = self._open(rid, env, hello)
         if sess.role is p.Role.WORKER or (sess.role is p.Role.RELAY and hello.info.get(fed.RELAY_SIDE) == fed.UPSTREAM):
@@ -108,7 +117,8 @@ class Sessions:
         resumed: list[p.LeaseRef] = []
         released: list[p.LeaseRef] = []
         if sess.role in p.LEASE_HOLDER_ROLES:
-            resumed, released = self._resume_leases(sess.peer_id, hello.leases, now)
+            lost = p.parse_lost_info(hello.info.get(p.LOST_INFO))
+            resumed, released = self._resume_leases(sess.peer_id, hello.leases, now, lost)
             self._wake_dispatch()
         if sess.role in (p.Role.COMPLETION, p.Role.RELAY):
             self.delivery.set_possible(True)
@@ -117,14 +127,53 @@ class Sessions:
         log.info("peer_connected", peer=sess.peer_id, role=sess.role.value, credit=sess.credit, kinds=list(sess.kinds),
                  resumed=len(resumed), released=len(released), info=sess.info, session_mac=bool(mac))
 
+    def _may_replace(self, old: Session, hello: p.Hello, now: float) -> bool:
+        """Whether a HELLO on another connection may take ``old``'s peer id: when ``old``
+        is past its liveness window (the one disconnect rule, judged now rather than at
+        the next tick: a crashed process's restart gets in as soon as the window lapses),
+        or when the HELLO carries ``old``'s own instance (the same process reconnecting
+        after a network blip), or when ``old``'s socket is gone (a crashed process: a
+        heartbeat to it is unroutable, which ends it now). A live session of another
+        (or an unnamed) instance keeps it."""
+        if now - old.last_recv_mono > self.silence_s:
+            self.end(old, f"silent for {now - old.last_recv_mono:.2f}s")
+            return True
+        mine = hello.info.get(p.INSTANCE_INFO)
+        if mine and mine == old.info_hello.get(p.INSTANCE_INFO):
+            return True
+        info = self._heartbeat_info().get(old.peer_id)
+        self.outbound.offer(old, p.Heartbeat(info=info) if info is not None else p.Heartbeat())
+        return old.status is PeerStatus.GONE
+
+    def _refuse_in_use(self, rid: bytes, env: Envelope, hello: p.Hello, old: Session, now: float) -> None:
+        """Refuse a HELLO for ``old``'s peer id from another process (REJECT_ID_IN_USE,
+        naming the id and the live holder); the live session is untouched (the codec
+        retired it when it verified the HELLO: reinstated)."""
+        self.outbound.reinstate_session(old.peer_id, old.session)
+        heard_s = now - old.last_recv_mono
+        left_s = max(0.0, self.silence_s - heard_s)
+        holder = str(old.info_hello.get(p.INSTANCE_INFO) or "instance not named: an older peer")[:160]
+        why = (f"peer id {old.peer_id!r} is in use by a live session from {holder} (heard {heard_s:.2f}s ago; "
+               f"liveness window {self.silence_s:g}s): give each process its own peer id and key, or stop the other one")
+        newcomer = hello.info.get(p.INSTANCE_INFO)
+        self.outbound.send_raw(rid, p.Error(p.REJECT_ID_IN_USE, why, env.seq,
+                                            retry_in_s=max(left_s, 0.001) if newcomer else 0.0))
+        key = (old.peer_id, str(newcomer))
+        if key not in self._in_use_logged:
+            if len(self._in_use_logged) > 1024:
+                self._in_use_logged.clear()
+            self._in_use_logged.add(key)
+            log.warning("peer_id_in_use_refused", peer=old.peer_id, holder=holder, newcomer=str(newcomer)[:160],
+                        heard_s=round(heard_s, 3), lapses_in_s=round(left_s, 3))
+
     def _replace(self, peer_id: str, rid: bytes) -> None:
         """End the current session of ``peer_id``, if any, before a new one begins."""
         old = self.peers.get(peer_id)
         if old is None:
             return
         if old.routing_id != rid:
-            # a reconnecting peer closed its old socket, so this reaches nobody; a second
-            # live process with the same peer id gets it and stops instead of fighting
+            # the same process reconnecting closed its old socket, so this reaches nobody
+            # (another process is refused while this session is live: _may_replace)
             self.outbound.send_raw(old.routing_id, p.Error(p.ERROR_REPLACED, f"a newer session of {peer_id} replaced this one"))
         self.end(old, "replaced by a new session")
 
@@ -144,10 +193,14 @@ class Sessions:
         self.peers.add(sess)
         return sess
 
-    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
+    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float,
+                       lost: set[tuple[str, int]] | None = None) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
         """The leases a reconnecting holder lists: (resumed: the broker knows them with
         that token, their expiry extended; released: the broker does not). Leases the
-        broker knows for it that it did not list expire in the next transaction."""
+        broker knows for it that it did not list end in the next transaction: those in
+        ``lost`` (HELLO info ``lost``: their jobs were running when its process died)
+        expire, counting the attempt (worker_lost, G2); the others never ran there and
+        are released uncounted. ``lost`` None (an older worker, a relay): all expire."""
         resumed, released = [], []
         for ref in listed:
             if self.leases.extend(ref.item_id, ref.token, peer_id, self.leases.expiry(now)):
@@ -156,8 +209,12 @@ class Sessions:
                 released.append(ref)
         names = {ref.item_id for ref in listed}
         for lease in self.leases.held_by(peer_id):
-            if lease.item_id not in names:
+            if lease.item_id in names:
+                continue
+            if lost is None or (lease.item_id, lease.token) in lost:
                 self._defer("expire", lease.item_id, lease.token, "worker reconnected without it")
+            else:
+                self._defer("release", lease.item_id, lease.token, "worker reconnected without it: never started there")
         return resumed, released
 
     def _on_heartbeat(self, sess: Session, msg: p.Heartbeat, ts_ms: int, now: float) -> None:

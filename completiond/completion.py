@@ -455,7 +455,9 @@ def main(config_path: str | Path) -> int:
 
         return die(PROG, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
     if service.link.replaced:
-        return die(PROG, ExitCode.CONFIG, f"configuration error: another live process uses peer id {config.peer_id!r}")
+        from ccsq.common.link.peer import id_in_use_message
+
+        return die(PROG, ExitCode.CONFIG, f"configuration error: {id_in_use_message(config, service.link)}")
     return ExitCode.OK
 
 

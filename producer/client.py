@@ -186,10 +186,10 @@ class AsyncClient:
             Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code))
 
     def _replaced_error(self) -> ConfigError:
-        return ConfigError(
-            f"another live process uses peer id {self.config.peer_id!r} (the broker let its newer session replace this "
-            f"one): give each producer process its own peer id and key (`ccsq keygen --id NAME`, then add it to "
-            f"authorized_keys.toml), or wait for the other process to finish")
+        from ccsq.common.link.peer import id_in_use_message
+
+        assert self._link is not None
+        return ConfigError(id_in_use_message(self.config, self._link))
 
     def _flusher_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:

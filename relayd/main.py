@@ -90,7 +90,10 @@ def run(config_path: str) -> int:
             return _die(exc)
         except PortInUse as exc:  # the old instance still exiting: transient
             return _die(exc, f"transient: {exc}")
-        asyncio.run(_serve(relay, notifier))
+        try:
+            asyncio.run(_serve(relay, notifier))
+        except ConfigError as exc:  # another live process holds a link's peer id (ID_IN_USE)
+            return _die(exc, f"config error: {exc}")
         if metrics is not None:
             metrics.shutdown()
     finally:

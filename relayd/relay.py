@@ -36,7 +36,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import PayloadMissing
+from ccsq.common.wire.errors import ConfigError, PayloadMissing
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.wire.policy import task_failure
@@ -513,7 +513,10 @@ class LinkRunner:
             if self.up.replaced or self.down.replaced:
                 # another live process uses this link's peer id: exit (systemd shows it) rather
                 # than run a link that will never reconnect
-                raise RuntimeError(f"link {self.name}: another process uses its peer id (two relays, one identity?)")
+                from ccsq.common.link.peer import id_in_use_message
+
+                side = self.up if self.up.replaced else self.down
+                raise ConfigError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
         finally:
             for t in tasks:
                 t.cancel()

@@ -211,6 +211,9 @@ class ScriptedPeer:
                 continue
 
     def hello(self, role: str, **kw: Any) -> p.Welcome:
+        # one peer object is one process: its reconnects replace its own live session
+        # (a HELLO of another instance would be refused ID_IN_USE while that one is live)
+        kw["info"] = {p.INSTANCE_INFO: f"harness/{self.peer_id}/{id(self):x}", **kw.get("info", {})}
         self.send(p.Hello(role=role, **kw))
         return self.recv_type(p.Welcome)
 

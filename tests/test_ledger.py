@@ -519,6 +519,10 @@ def test_a_backup_larger_than_ten_mib_is_marked_and_restores_with_a_new_id_prefi
     restored = big(tmp_path / "copy")
     try:
         assert restored.restored_from == before and restored.id_prefix != before
+        # every item not done in the copy may run again: G13 counts all 12,000, the newest 1000 kept as events
+        assert restored.restore_reruns == 12_000
+        with restored.read() as v:
+            assert v.gap_counts()["G13"] == 12_000 and len(v.recent_events("G13", 5000)) == 1000
         (r,) = submit(restored, item("after-restore"))
         assert r.item_id.startswith(restored.id_prefix)
     finally:
@@ -526,5 +530,7 @@ def test_a_backup_larger_than_ten_mib_is_marked_and_restores_with_a_new_id_prefi
     again = big(tmp_path / "copy")  # a restore once: the second start keeps the prefix
     try:
         assert again.restored_from == "" and again.id_prefix == restored.id_prefix
+        with again.read() as v:
+            assert v.gap_counts()["G13"] == 12_000  # counted once
     finally:
         again.close()

@@ -138,24 +138,26 @@ def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> Non
             client.submit(b"x", "echo", timeout_s=1.5)
 
 
-def test_a_producer_whose_peer_id_another_process_takes_fails_at_once_with_a_config_error(tmp_path: Path) -> None:
-    """Two live producers with one peer id: the broker lets the newer session replace the
-    older. The replaced one used to wait out its whole timeout and then blame the broker
-    (BROKER_UNAVAILABLE, exit 69); now its calls fail at once with ConfigError (exit 78 in
-    ``ccsq submit``) naming the peer id, and the newer one keeps working."""
+def test_a_producer_whose_peer_id_a_live_session_holds_fails_with_a_config_error(tmp_path: Path) -> None:
+    """Two live producers with one peer id: the live session keeps it (issue 27). The
+    newcomer is refused ID_IN_USE and, after one liveness window (0.2 s x 5 here), its
+    calls fail with ConfigError (exit 78 in ``ccsq submit``) naming the peer id and the
+    holder, not after its whole timeout blaming the broker; the first keeps working."""
+    import os
+
     from ccsq.common.wire.errors import ConfigError
 
     with Swarm(tmp_path / "s") as swarm:
         swarm.start_broker()
         with swarm.client() as first:
             assert first.submit(b"one", "echo").item_id
-            with swarm.client() as second:  # same producer.toml: same peer id
-                assert second.submit(b"two", "echo").item_id
+            with swarm.client() as second:  # same producer.toml: same peer id (another link instance)
                 t0 = time.monotonic()
-                with pytest.raises(ConfigError, match="another live process uses peer id 'producer-1'"):
-                    first.submit(b"three", "echo", timeout_s=30)
+                with pytest.raises(ConfigError, match="another live process uses peer id 'producer-1'") as exc:
+                    second.submit(b"two", "echo", timeout_s=30)
                 assert time.monotonic() - t0 < 10
-                assert second.submit(b"four", "echo").item_id
+                assert f"/{os.getpid()}/" in str(exc.value)  # the holder: host/pid/instance
+                assert first.submit(b"three", "echo").item_id
 
 
 def test_cancel_dead_letters_ready_items_only(tmp_path) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
 
+from ccsq.common.runtime.faults import crash_point
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.storage.claimstore import store_failure
@@ -81,6 +82,7 @@ class Intake:
 
     def on_dispatch(self, tasks: list[p.Task], clock_offset_s: float = 0.0) -> None:
         """New leases: hold them all in one journal write, and start ONE runner for the frame."""
+        crash_point("worker.dispatch_before_hold")  # died with leases its journal never saw (tests)
         new: list[tuple[Job, p.TaskFailure | None]] = []
         rows: list[tuple[str, int, str]] = []
         draining = self._draining()

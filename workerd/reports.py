@@ -148,6 +148,7 @@ class Reports:
     """
 
     unconfirmed: dict[Key, Unconfirmed]  # reports journaled and not confirmed yet
+    lost: list[Key]  # journaled started when the previous process died: HELLO info "lost" until WELCOMEd
     all_confirmed: asyncio.Event  # set while unconfirmed is empty
     done: int  # results reported
     failed: int  # failures reported
@@ -158,6 +159,7 @@ class Reports:
         self.cfg = cfg
         self.handler = handler
         self.unconfirmed = {}
+        self.lost = []
         self.all_confirmed = asyncio.Event()
         self.all_confirmed.set()
         self.done = 0
@@ -177,13 +179,14 @@ class Reports:
 
     async def recover(self, entries: list[JournalEntry]) -> None:
         """Turn the journal's rows into unconfirmed reports (worker module doc: Restart)."""
-        lost: list[Key] = []
         given_back: list[tuple[Report, str]] = []
         for e in entries:
             report = e.report
             if e.state is EntryState.STARTED:
+                # reported in HELLO info "lost" (the broker counts their attempts, C07b);
+                # the row stays until the broker WELCOMEd that HELLO (forget_lost)
                 self._log.warning("job_lost_in_crash", item_id=e.item_id, token=e.token, kind=e.kind)
-                lost.append((e.item_id, e.token))
+                self.lost.append((e.item_id, e.token))
                 continue
             if report is None:  # held, never started: give it back without costing an attempt
                 report = failure((e.item_id, e.token), p.FailReason.RELEASED, "worker restarted before starting the job")
@@ -191,9 +194,13 @@ class Reports:
             self.unconfirmed[(e.item_id, e.token)] = Unconfirmed(report)
         if given_back:  # journaled (one write) before the session that sends them starts
             await self._jw.record(given_back)
+        self._unconfirmed_changed()
+
+    async def forget_lost(self) -> None:
+        """A WELCOME answered the HELLO that reported :attr:`lost`: their rows go."""
+        lost, self.lost = self.lost, []
         if lost:
             await self._jw.forget(lost)
-        self._unconfirmed_changed()
 
     # --- outcome -> report --------------------------------------------------------------
     async def finish_many(self, pairs: list[tuple[Job, RunOutcome]]) -> None:

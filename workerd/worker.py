@@ -40,15 +40,19 @@ Restart (the journal outlives the process):
   ``FAIL(reason="released")`` (retryable) so the broker re-leases them at
   once without consuming an attempt.
 - ``started`` rows (the process died while the handler ran: a crash, an
-  OOM kill, or a poison job that kills its worker): deleted, NOT listed in
-  HELLO and NOT reported. The broker expires a lease that a reconnecting
-  worker does not list at once ("worker reconnected without it"; at the
-  latest when ``lease_ttl_s`` runs out), which
-  consumes the attempt, records the at-least-once window in its gap register,
-  and dead-letters a poison job with reason ``worker_lost`` after
-  ``max_attempts`` (case C07b). Reporting ``released`` instead would not
-  consume an attempt (a poison job would loop forever), and a
-  ``handler_error`` would hide that the worker died.
+  OOM kill, or a poison job that kills its worker): NOT listed in HELLO's
+  leases and NOT reported, but named in HELLO ``info["lost"]``; the rows
+  are deleted once the broker WELCOMEd that HELLO. The broker expires those
+  leases at once ("worker reconnected without it"; at the latest when
+  ``lease_ttl_s`` runs out), which consumes the attempt, records the
+  at-least-once window in its gap register, and dead-letters a poison job
+  with reason ``worker_lost`` after ``max_attempts`` (case C07b). Reporting
+  ``released`` instead would not consume an attempt (a poison job would
+  loop forever), and a ``handler_error`` would hide that the worker died.
+- leases the broker holds for this worker that the journal does not know (a
+  DISPATCH whose hold was not yet journaled when the process died: a
+  prefetched item behind a poison job): neither listed nor lost, so the
+  broker releases them without counting an attempt (they never ran here).
 
 Shutdown (SIGTERM): no more credit; jobs not yet running are given back
 (``released``); running ones get ``drain_timeout_s`` to finish, then are given
@@ -221,9 +225,9 @@ class Worker:
 
                 self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
-                self.fatal = ConfigError(
-                    f"another live worker uses peer id {self.cfg.peer_id!r}; give each worker its own id and key"
-                )
+                from ccsq.common.link.peer import id_in_use_message
+
+                self.fatal = ConfigError(id_in_use_message(self.cfg, self.link))
             elif self.fatal is None:
                 await self._drain()
         finally:
@@ -295,6 +299,8 @@ class Worker:
             "host": self._host,
             "prefetch": self.cfg.prefetch,
             "max_batch": self.lanes.max_batch,
+            # the jobs that died running (only their attempts count; other unlisted leases never ran)
+            p.LOST_INFO: p.lost_info(self.reports.lost),
         }
         if self.handler.cpu_fallback:
             info["fallback_reason"] = self.handler.provider_reason[:300]
@@ -333,6 +339,8 @@ class Worker:
         self.log.info("session_started", resumed=len(welcome.resumed), released=len(welcome.released),
                       unconfirmed=len(self.reports.unconfirmed), credit=self.credit.granted)
         self.reports.session_started()
+        if self.reports.lost:
+            self._spawn(self.reports.forget_lost(), "forget-lost")
         self.credit.changed()
 
     def _on_disconnect(self, reason: str) -> None:

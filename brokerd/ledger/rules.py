@@ -242,6 +242,21 @@ class LedgerTxn(LedgerView):
         ev = {"window": window, "item_id": item_id, "ts": now_ms / 1000.0, "detail": detail}
         self.txn.put(sc.event_key(window, n), sc.pack(ev), db=self.db["events"])
 
+    def restored_from_backup(self, now_ms: int) -> int:
+        """The first write to a restored ``ccsq backup`` copy: every item not done in the
+        copy (ready, leased, completed and not acknowledged) may have run, completed and
+        been delivered after the copy was taken, so it may run (or be delivered) again:
+        one G13 event each (the newest ``EVENTS_KEPT_PER_WINDOW`` written, the rest only
+        counted). Returns how many items."""
+        window = gaps.G13_RESTORED_FROM_BACKUP
+        items = list(self.open_items())
+        shown = items[-gaps.EVENTS_KEPT_PER_WINDOW:]
+        self._add(sc.gap_key(window), len(items) - len(shown))
+        for item_id, state in shown:
+            self.event(window, item_id, now_ms, f"restored from a backup: {state} in the copy, so it may run or be "
+                                                f"delivered again (the source broker may have finished it after the copy)")
+        return len(items)
+
     def note_history(self, now_ms: int, live_pages: int) -> bool:
         """Record this commit in the commit history (``h:`` + >Q txnid -> [ts_ms,
         last_pgno, live_pages]) when the newest entry is :data:`HISTORY_INTERVAL_MS`

@@ -173,6 +173,9 @@ class Ledger:
         #: the id prefix before this open, when this open was the first write to a restored
         #: ``ccsq backup`` copy (a new prefix was taken: see :meth:`backup`); else ""
         self.restored_from = ""
+        #: when this open was the first write to a restored copy: the items it may run or
+        #: deliver again (ready, leased, completed in the copy; one G13 event each)
+        self.restore_reruns = 0
         meta = self.db["meta"]
         if not readonly:
             with self.env.begin(write=True) as txn:
@@ -182,13 +185,14 @@ class Ledger:
                     txn.put(sc.LEDGER_ID, lid, db=meta)
                 self.ledger_id = lid.decode()
                 prefix = (txn.get(sc.ID_PREFIX, db=meta) or lid).decode()
-                if txn.get(sc.RESTORE_PENDING, db=meta) is not None:
-                    # a restored backup: the broker it was copied from may have issued ids after
-                    # the copy (their results may sit in the results database): never reuse them
-                    self.restored_from, prefix = prefix, _fresh_prefix({prefix, self.ledger_id})
-                    txn.put(sc.ID_PREFIX, prefix.encode(), db=meta)
-                    txn.delete(sc.RESTORE_PENDING, db=meta)
+                restoring = txn.get(sc.RESTORE_PENDING, db=meta) is not None
                 self.id_prefix = prefix
+            if restoring:
+                try:
+                    self._restored(prefix)
+                except BaseException:
+                    self.env.close()
+                    raise
         else:
             try:
                 txn = self._begin()
@@ -202,6 +206,29 @@ class Ledger:
                 txn.abort()
             self.ledger_id = lid.decode() if lid else ""
             self.id_prefix = raw_prefix.decode() if raw_prefix else ""
+
+    def _restored(self, prefix: str) -> None:
+        """The first write to a restored ``ccsq backup`` copy, in one transaction: a new
+        item id prefix (the broker it was copied from may have issued ids after the copy,
+        and their results may sit in the results database: never reuse them), a G13 event
+        for each item the restore may run or deliver again (:meth:`LedgerTxn.restored_from_backup`),
+        and the mark deleted."""
+        fresh = _fresh_prefix({prefix, self.ledger_id})
+        meta = self.db["meta"]
+
+        def step(txn: LedgerTxn, _mode: str) -> int:
+            n = txn.restored_from_backup(int(time.time() * 1000))
+            txn.txn.put(sc.ID_PREFIX, fresh.encode(), db=meta)
+            txn.txn.delete(sc.RESTORE_PENDING, db=meta)
+            txn.changed = True
+            txn.commit()
+            return n
+
+        _mode, n = self.transact(step)
+        if n is None:
+            raise LedgerError(f"ledger {self.path}: the map is too small to mark the restore (raise max_map_size_bytes)",
+                              exit_code=ExitCode.CONFIG)
+        self.restored_from, self.id_prefix, self.restore_reruns = prefix, fresh, n
 
     # --- environment ---
     def _open_env(self, map_size_bytes: int, readonly: bool, max_readers: int) -> lmdb.Environment:

@@ -181,6 +181,16 @@ class LedgerView:
             token, worker = sc.unpack(v)
             yield k.decode(), token, worker
 
+    def open_items(self) -> Iterator[tuple[str, str]]:
+        """(item_id, state) of every item not done: ready, leased, completed and not
+        acknowledged (from the state indexes)."""
+        for _, v in self.txn.cursor(db=self.db["ready"]):
+            yield v.decode(), S.READY.value
+        for k, _ in self.txn.cursor(db=self.db["leased"]):
+            yield k.decode(), S.LEASED.value
+        for _, v in self.txn.cursor(db=self.db["completed"]):
+            yield v.decode(), S.COMPLETED.value
+
     def dead_listed(self) -> int:
         """Dead items still listed (not purged); O(1) from the index's entry count.
         State ``dead`` also counts purged ones, so the balance holds."""

@@ -22,7 +22,11 @@ invalid envelope from it. Then the DEALER is closed (LINGER 0) and rebuilt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import os
+import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -107,6 +111,17 @@ def _key_owner(settings: PeerSettings) -> str | None:
     except Exception:  # noqa: BLE001 - only a hint
         return None
     return None
+
+
+def id_in_use_message(settings: PeerSettings, link: BrokerLink) -> str:
+    """One sentence for a link that stopped because another live process holds its peer
+    id (``link.replaced``): the id, the holder the broker named, and the fix (exit 78)."""
+    fix = ("give each process its own peer id and key (`ccsq keygen --id NAME`, then add it to "
+           "authorized_keys.toml), or stop the other process")
+    if link.in_use_by:
+        return f"another live process uses peer id {settings.peer_id!r}: the broker said: {link.in_use_by}; {fix}"
+    return (f"another live process uses peer id {settings.peer_id!r} (an older broker let its newer session replace "
+            f"this one); {fix}")
 
 
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish
@@ -196,7 +211,9 @@ class BrokerLink:
     sessions: int  # sessions opened so far
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
-    replaced: bool  # another live process took our peer id: the link stopped for good
+    replaced: bool  # another live process holds (or took) our peer id: the link stopped for good
+    in_use_by: str | None  # the broker's REJECT_ID_IN_USE sentence (id, live holder), while refused
+    instance: str  # HELLO info INSTANCE_INFO: this link's process instance, "<host>/<pid>/<hex>"
     refused: p.Error | None  # the broker refused this peer for good (policy.refusal_final): the link stopped
     _outbox: asyncio.Queue[p.Message]
 
@@ -232,7 +249,11 @@ class BrokerLink:
         self.sessions = 0
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
-        self.replaced = False  # set when the broker says a newer session took our peer id
+        self.replaced = False  # set when another live process holds our peer id (for good)
+        self.in_use_by = None
+        self.instance = f"{socket.gethostname()[:64]}/{os.getpid()}/{secrets.token_hex(4)}"
+        self._in_use_until_mono: float | None = None  # refused ID_IN_USE since: give up when refused after this
+        self._in_use_retry = False  # the last handshake was refused ID_IN_USE: retry soon, not by backoff
         self.connect_problem: str | None = None  # why the last attempts got no WELCOME (refused, CURVE mismatch)
         self.refused_since_mono: float | None = None  # connects refused (nothing listens) without a break since then
         self.curve_mismatch = False  # the last CURVE handshake failed: CURVE on one side only or a wrong key (connect_problem says which)
@@ -245,6 +266,12 @@ class BrokerLink:
         self.log = log.bind(peer=settings.peer_id)
 
     # --- API for owners ---
+    @property
+    def in_use_until_mono(self) -> float | None:
+        """While the broker refuses our HELLO with ID_IN_USE: when the holder's session
+        would lapse (the link retries until then, then stops with ``replaced``); else None."""
+        return self._in_use_until_mono
+
     def send(self, msg: p.Message) -> bool:
         """Queue ``msg`` for the current session; False (not queued) when not connected."""
         if self.state is not LinkState.READY:
@@ -278,6 +305,11 @@ class BrokerLink:
             if self._stopping:
                 break
             delay = backoff_delay_s(attempt, 0.05, self.settings.reconnect_backoff_max_s)
+            if self._in_use_retry and self._in_use_until_mono is not None:
+                # the holder's session lapses by then unless it is alive: poll until just after it
+                self._in_use_retry = False
+                poll_s = backoff_delay_s(attempt, 0.05, min(self.settings.reconnect_backoff_max_s, 1.0))
+                delay = max(0.0, min(poll_s, self._in_use_until_mono - time.monotonic() + 0.02))
             attempt += 1
             self.log.info("broker_link_lost", reason=reason, reconnect_in_s=round(delay, 3))
             try:
@@ -418,6 +450,7 @@ class BrokerLink:
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
         hello = self._hello()
+        hello = dataclasses.replace(hello, info={**hello.info, p.INSTANCE_INFO: self.instance})
         self._hello_role = hello.role
         frames = self.codec.encode(hello)
         try:
@@ -442,9 +475,13 @@ class BrokerLink:
                 self.broker_epoch = msg.broker_epoch
                 self.last_recv_mono = time.monotonic()
                 self.last_refusal = None
+                self._in_use_until_mono, self.in_use_by = None, None
                 return
             if isinstance(msg, p.Error):
                 self.last_refusal = msg
+                if msg.code == p.REJECT_ID_IN_USE:
+                    self._id_in_use(msg)
+                    raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
                 if refusal_final(msg.code):  # by error type (Unauthorized), the one failure policy
                     # for good: reconnecting cannot help until authorized_keys changes
                     self.refused = msg
@@ -454,6 +491,24 @@ class BrokerLink:
                 else:
                     self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
+
+    def _id_in_use(self, msg: p.Error) -> None:
+        """The broker refused our HELLO: another live session holds our peer id. Retry until
+        just after that session would lapse (``msg.retry_in_s``: a crashed predecessor's
+        window); refused again after that, the holder is alive: stop for good (``replaced``)."""
+        now = time.monotonic()
+        self.in_use_by = msg.message
+        if self._in_use_until_mono is None:
+            wait_s = msg.retry_in_s if msg.retry_in_s > 0 else self.heartbeat_interval_s * self.liveness
+            self._in_use_until_mono = now + wait_s
+            self._in_use_retry = True
+            self.log.warning("peer_id_in_use_waiting", message=msg.message, wait_s=round(wait_s, 3))
+        elif now < self._in_use_until_mono:
+            self._in_use_retry = True
+        else:
+            self.replaced = True
+            self._stopping = True
+            self.log.error("peer_id_in_use", message=msg.message)
 
     def _decode(self, raw: list[bytes], *, answer_to_hello: bool = False) -> Envelope:
         try:

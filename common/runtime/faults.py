@@ -12,7 +12,8 @@ crashes at the K-th time a point is reached (default 1).
 
 Known points (see docs/gap-register.md for what each one exercises):
 broker.after_submit_commit, broker.after_lease_commit, broker.after_complete_commit,
-broker.after_ack_commit, worker.after_infer, worker.after_result_stored,
+broker.after_ack_commit, worker.dispatch_before_hold (a DISPATCH arrived, its hold not
+journaled), worker.after_infer, worker.after_result_stored,
 completion.after_db_commit, producer.after_blob_put; the federation relay's
 relay.after_lease_journaled, relay.after_submit_ack, relay.after_result_journaled,
 relay.after_complete_ack (docs/federation.md).

@@ -25,7 +25,7 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import AdminConfig
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.envelope import Envelope
-from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, Unauthorized
+from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, ConfigError, Unauthorized
 
 T = TypeVar("T")
 READ_ONLY = ("status", "items_show", "dlq_list")
@@ -77,12 +77,22 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         ready = asyncio.ensure_future(link.ready.wait())
         try:
             await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            until = link.in_use_until_mono
+            if not link.ready.is_set() and not runner.done() and until is not None:
+                # refused ID_IN_USE: another live session holds this admin id; the link retries
+                # until that session would lapse (a crashed one's window), then gives up
+                await asyncio.wait({ready, runner}, timeout=max(0.0, until - time.monotonic()) + 2.0,
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
         if link.refused is not None:
             from ccsq.common.link.peer import refusal_fix
 
             raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
+        if not link.ready.is_set() and link.replaced:  # another live process holds this admin id (exit 78)
+            from ccsq.common.link.peer import id_in_use_message
+
+            raise ConfigError(id_in_use_message(settings, link))
         if not link.ready.is_set():
             why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
             raise BrokerUnavailable(

@@ -156,7 +156,9 @@ def _cmd_backup(args: argparse.Namespace) -> int:
     copy = Ledger(dest, readonly=True)  # check it opens and balances (its lock.mdb is removed after)
     try:
         with copy.read() as view:
-            out.update(ledger_id=copy.ledger_id, received=view.counter("received"), balanced=view.balanced(), epoch=view.epoch())
+            states = view.states()
+            out.update(ledger_id=copy.ledger_id, received=view.counter("received"), balanced=view.balanced(), epoch=view.epoch(),
+                       states=states, may_rerun=sum(states[s] for s in ("ready", "leased", "completed")))
     finally:
         copy.close()
         (dest / "lock.mdb").unlink(missing_ok=True)
@@ -166,5 +168,6 @@ def _cmd_backup(args: argparse.Namespace) -> int:
         mib = 1 << 20
         print(f"backup {out['path']}: {out['bytes'] / mib:.1f} MiB (ledger file {out['source_bytes'] / mib:.1f} MiB), "
               f"snapshot txn {out['last_txnid']}, ledger {out['ledger_id']} epoch {out['epoch']}, {out['received']} received, "
-              f"{'balanced' if out['balanced'] else 'UNBALANCED'}, {out['seconds']} s")
+              f"{'balanced' if out['balanced'] else 'UNBALANCED'}, {out['seconds']} s; {out['may_rerun']} items not done "
+              "(ready, leased, completed): a restore of this copy may run or deliver them again (gap G13)")
     return ExitCode.OK if out["balanced"] else ExitCode.UNBALANCED

@@ -169,6 +169,7 @@ class ReplayGuard:
         self._current: dict[str, tuple[int, int, int]] = {}  # sender -> (session, last seq, hello ts_ms)
         self._retired: dict[str, OrderedDict[int, int]] = {}  # sender -> {session: hello ts_ms}, oldest first
         self._floor_ms: dict[str, int] = {}
+        self._last_retired: dict[str, tuple[int, int, int]] = {}  # sender -> the session its newest HELLO retired
 
     def check(self, sender: str, session: int, seq: int, is_hello: bool, ts_ms: int = 0) -> None:
         """Raise AuthError (REPLAY / NO_SESSION) unless (session, seq) is new for ``sender``."""
@@ -195,6 +196,7 @@ class ReplayGuard:
             self._current[sender] = (session, seq, cur[2])
             return
         if cur is not None:
+            self._last_retired[sender] = cur
             retired = self._retired.setdefault(sender, OrderedDict())
             retired[cur[0]] = cur[2]
             horizon = ts_ms - self.window_ms
@@ -206,6 +208,22 @@ class ReplayGuard:
                 if old_ts >= horizon:
                     self._floor_ms[sender] = max(self._floor_ms.get(sender, -1), old_ts)
         self._current[sender] = (session, seq, ts_ms)
+
+
+    def reinstate(self, sender: str, session: int) -> bool:
+        """The HELLO just accepted for ``sender`` was refused above the codec (its peer id
+        is held by the live ``session``): ``session`` is current again, with the sequence
+        number it had, and the refused HELLO's session is retired (it may not come back).
+        False (nothing changed) when ``session`` is not the one that HELLO retired."""
+        last, cur = self._last_retired.get(sender), self._current.get(sender)
+        if last is None or cur is None or last[0] != session:
+            return False
+        retired = self._retired.setdefault(sender, OrderedDict())
+        retired.pop(session, None)
+        retired[cur[0]] = cur[2]
+        self._current[sender] = last
+        del self._last_retired[sender]
+        return True
 
 
 def _refused(message: str, code: str, sender: str, hello_fresh: bool) -> AuthError:
@@ -295,6 +313,12 @@ class EnvelopeCodec:
         self._rx[env.sender] = mac
         self._tx[channel] = mac
         return mine
+
+    def reinstate_session(self, sender: str, session: int) -> bool:
+        """Broker side: a HELLO of ``sender`` was verified but refused (its peer id is held
+        by the live ``session``, REJECT_ID_IN_USE): that session's frames verify again
+        (:meth:`ReplayGuard.reinstate`)."""
+        return self._replay.reinstate(sender, session)
 
     def close_channel(self, channel: Hashable) -> None:
         """Broker side: the session on ``channel`` ended; frames to it are signed again.

@@ -43,6 +43,42 @@ REJECT_NO_SESSION = "NO_SESSION"  # first message of a session is not HELLO
 #: Sent to a session that a newer HELLO with the same peer id replaced while it was
 #: still connected: two live processes share one identity (a configuration error).
 ERROR_REPLACED = "REPLACED"
+#: A HELLO for a peer id whose session is live (heard within its liveness window) from
+#: another process: refused, the live session keeps the id (a session refusal, not a
+#: frame rejection, so not in ALL_REJECT_REASONS). ``Error.retry_in_s`` says when the
+#: live session lapses unless heard again (sent only to HELLOs carrying INSTANCE_INFO).
+REJECT_ID_IN_USE = "ID_IN_USE"
+#: HELLO ``info`` key: this link's process instance, ``"<host>/<pid>/<random hex>"``, one
+#: per BrokerLink. A HELLO with the live session's instance is the same process
+#: reconnecting (it replaces its old session); another instance is refused with
+#: REJECT_ID_IN_USE while that session is live. Older brokers ignore it.
+INSTANCE_INFO = "instance"
+#: Worker HELLO ``info`` key: the leases whose jobs were running when this worker's
+#: previous process died (journaled ``started``), as ``"item_id:token item_id:token"``
+#: ("" when none). Present (even empty): of the leases the broker holds for this
+#: worker that the HELLO does not list, only these count an attempt (``worker_lost``);
+#: the rest never ran here (a DISPATCH whose hold was not journaled) and are released
+#: uncounted. Absent (an older worker): every unlisted lease counts an attempt.
+LOST_INFO = "lost"
+
+
+def lost_info(keys: list[tuple[str, int]]) -> str:
+    """:data:`LOST_INFO`'s value for ``keys`` (item id, fencing token)."""
+    return " ".join(f"{item_id}:{token}" for item_id, token in keys)
+
+
+def parse_lost_info(value: object) -> set[tuple[str, int]] | None:
+    """The (item id, token) pairs of a :data:`LOST_INFO` value; None when it is absent or
+    not a string (the older rule: every unlisted lease counts). Malformed words are skipped."""
+    if not isinstance(value, str):
+        return None
+    out: set[tuple[str, int]] = set()
+    for word in value.split():
+        item_id, _, token = word.rpartition(":")
+        if item_id and token.isdigit():
+            out.add((item_id, int(token)))
+    return out
+
 
 ALL_REJECT_REASONS = (
     REJECT_OVERSIZE,
@@ -527,6 +563,10 @@ class Error(Message):
     code: str
     message: str
     ref_seq: int = 0
+    #: REJECT_ID_IN_USE only: seconds until the live session lapses unless heard again
+    #: (the refused peer retries until then, then gives up); sent to peers whose HELLO
+    #: carried INSTANCE_INFO
+    retry_in_s: float = extension(float)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
