@@ -34,7 +34,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -216,6 +216,10 @@ class ReplayGuard:
         self._current[sender] = (session, seq, ts_ms)
 
 
+def _system_wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def _refused(message: str, code: str, sender: str, hello_fresh: bool) -> AuthError:
     """An AuthError that names the claimed sender (at most 64 chars) for refusals and rate
     limits; ``answerable`` when the frame looks like a real peer's HELLO (type HELLO, a
@@ -236,6 +240,8 @@ class EnvelopeCodec:
     session as it comes. ``session_macs``: a peer codec offers session MACs in its
     HELLO and uses them once the WELCOME answers; a broker codec answers offers
     (:meth:`open_session_mac`). Off, the codec signs every frame (as before MACs).
+    ``wall_ms``: the clock of the timestamps it writes and checks (wall ms; default the
+    system's; the broker's simulation passes its own, tests/sim).
     """
 
     def __init__(
@@ -248,8 +254,10 @@ class EnvelopeCodec:
         max_clock_skew_s: float = 60.0,
         require_hello: bool = True,
         session_macs: bool = False,
+        wall_ms: Callable[[], int] | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self._wall_ms = wall_ms or _system_wall_ms
         self._key = private_key
         self.authorized = authorized
         self.max_frame_bytes = max_frame_bytes
@@ -339,7 +347,7 @@ class EnvelopeCodec:
             msg = self._offer_mac(msg)
         self._seq += 1
         payload = msgpack.packb(
-            [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, int(time.time() * 1000), p.encode_body(msg)],
+            [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, self._wall_ms(), p.encode_body(msg)],
             use_bin_type=True,
         )
         if len(payload) > self.max_frame_bytes:
@@ -354,7 +362,7 @@ class EnvelopeCodec:
 
     def _fresh(self, ts_ms: int) -> bool:
         """``ts_ms`` is within ``max_clock_skew_s`` of this host's clock."""
-        return abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
+        return abs(self._wall_ms() - ts_ms) <= self.max_clock_skew_s * 1000
 
     def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
         return msg_type == p.MsgType.HELLO and self._fresh(ts_ms)
