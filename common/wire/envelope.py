@@ -177,6 +177,13 @@ class ReplayGuard:
         self._current: dict[str, tuple[int, int, int]] = {}  # sender -> (session, last seq, hello ts_ms)
         self._retired: dict[str, OrderedDict[int, int]] = {}  # sender -> {session: hello ts_ms}, oldest first
         self._floor_ms: dict[str, int] = {}
+        self._loose: set[str] = set()  # senders whose next new session need not be newer than the current one
+
+    def loosen(self) -> None:
+        """A peer opened a new session of its own (a new socket): the remote (the broker) may
+        answer from a new session whose timestamps are older than its current one's (it
+        restarted after its wall clock was stepped back); retired sessions stay refused."""
+        self._loose.update(self._current)
 
     def check(self, sender: str, session: int, seq: int, is_hello: bool, ts_ms: int = 0) -> None:
         """Raise AuthError (REPLAY / NO_SESSION) unless (session, seq) is new for ``sender``."""
@@ -190,7 +197,7 @@ class ReplayGuard:
             raise AuthError(f"message from retired session of {sender}", code=p.REJECT_REPLAY)
         if not is_hello:
             raise AuthError(f"{sender}: session must open with HELLO", code=p.REJECT_NO_SESSION)
-        if cur is not None and ts_ms < cur[2]:
+        if cur is not None and ts_ms < cur[2] and sender not in self._loose:
             # a HELLO older than the current session's: a delayed HELLO of a socket its peer
             # already gave up on must not replace the live session that followed it
             raise AuthError(f"{sender}: HELLO older than its current session's", code=p.REJECT_REPLAY)
@@ -198,6 +205,8 @@ class ReplayGuard:
             raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=p.REJECT_REPLAY)
 
     def accept(self, sender: str, session: int, seq: int, ts_ms: int = 0) -> None:
+        if self._loose:
+            self._loose.discard(sender)  # the first frame after the loosening decided which session goes on
         cur = self._current.get(sender)
         if cur is not None and cur[0] == session:
             self._current[sender] = (session, seq, cur[2])
@@ -276,6 +285,8 @@ class EnvelopeCodec:
         """Start a new session (a new socket): fresh random session id, seq from 1, no MAC keys."""
         self.session = secrets.randbits(63)
         self._seq = 0
+        if not self.require_hello:  # a peer's new socket: its broker may have restarted meanwhile
+            self._replay.loosen()
         self._offer = None
         self._rx.clear()
         self._tx.clear()
