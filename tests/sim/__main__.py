@@ -54,7 +54,7 @@ def run_once(args, fault_idx: list[int] | None, *, verbose: bool = False):
         max_open = args.max_open or (300, 1500, 4000)[(args.seed // 3) % 3]
         world = World(args.seed, args.items, chosen, workers=workers, max_open=max_open, plant=args.plant, verbose=verbose)
         world.fault_index = fault_idx if fault_idx is not None else list(range(len(all_faults)))
-        world.run(max_sim_s=600.0 + args.items / 200.0)
+        world.run(max_sim_s=1000.0 + args.items * 0.2)  # a last resort: the liveness check (STUCK_S) comes first
     finally:
         undo()
     return world, time.perf_counter() - t0
