@@ -42,14 +42,19 @@ def test_a_seed_replays_identically():
     assert a["trace"] == b["trace"] and a["turns"] == b["turns"] and a["sim_s"] == b["sim_s"]
 
 
-@pytest.mark.parametrize("plant", ["count_attempt_twice", "ledger_no_sync", "no_gap_event"])
-def test_a_planted_defect_is_found_and_shrunk(plant):
-    rc, out = sim("--seed", "1", "--items", "3000", "--plant", plant, "--shrink-runs", "6")
+@pytest.mark.parametrize("plant", ["count_attempt_twice", "ledger_no_sync"])
+def test_a_planted_defect_is_found_shrunk_and_replayed(plant):
+    rc, out = sim("--seed", "1", "--items", "3000", "--plant", plant, "--shrink-runs", "8")
     assert rc == 1, out[-3000:]
     assert "VIOLATION" in out and "replay: python -m tests.sim --seed 1" in out, out[-3000:]
     replay = re.search(r"replay: python -m tests.sim (.*)", out).group(1).split()
-    rc2, out2 = sim(*replay)
+    rc2, out2 = sim(*replay, "--no-shrink")
     assert rc2 == 1 and "VIOLATION" in out2, out2[-3000:]
+
+
+def test_a_duplicate_execution_without_its_gap_event_is_found():
+    rc, out = sim("--seed", "1", "--items", "3000", "--plant", "no_gap_event", "--no-shrink")
+    assert rc == 1 and "VIOLATION duplicate_without_gap" in out, out[-3000:]
 
 
 def test_help_lists_at_least_eight_plants():

@@ -68,7 +68,7 @@ def summary(world, wall_s: float) -> str:
             f"peer_crashes={world.stats['peer_crashes']} turns={world.stats['turns']} sim_s={world.clock.t:.1f} "
             f"wall_s={wall_s:.1f} items_per_s={world.done_items / max(wall_s, 1e-9):.0f} "
             f"faults_per_s={world.faults_fired / max(wall_s, 1e-9):.0f} "
-            f"gaps={','.join(f'{k}:{sum(v.values())}' for k, v in sorted(world.gap_events.items()))} "
+            f"gaps={','.join(f'{k}:{v}' for k, v in sorted(world.gap_totals.items()))} "
             f"trace={world.digest.hexdigest()}"
             f"{' plant=' + world.plant if world.plant else ''} seed={world.seed}")
 

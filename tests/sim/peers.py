@@ -158,7 +158,10 @@ class Peer:
         self.w.after(self.w.rng.uniform(*RESTART_DELAY_S), self.start)
 
     def describe(self) -> str:
-        return f"{self.id}({'up' if self.up else 'down' if self.down else 'connecting'})"
+        conn = self.conn
+        return (f"{self.id}({'up' if self.up else 'down' if self.down else 'connecting'}, last heard {self.last_recv:.1f}, "
+                f"conn {conn.rid[-4:].decode() if conn else '-'}{' broken' if conn is not None and conn.broken else ''}, "
+                f"skew {self.skew_ms} ms)")
 
     # --- for subclasses ---
     def hello(self) -> p.Hello:

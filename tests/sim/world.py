@@ -179,7 +179,8 @@ class World:
         self.purged: set[str] = set()  # item ids a committed purge deleted
         self.leases: dict[str, list[int]] = {}  # item id -> tokens of committed leases, in order
         self.executed: dict[str, set[int]] = {}  # item id -> tokens a worker started running
-        self.gap_events: dict[str, dict[str, int]] = {}  # window -> item id -> committed events
+        self.gap_events: dict[str, dict[str, int]] = {}  # G2 / G7 -> item id -> committed events
+        self.gap_totals: dict[str, int] = {}  # window -> committed events
         self.fails_accepted: dict[str, int] = {}  # item id -> committed accepted FAILs
         self.landed: dict[str, int] = {}  # item id -> landings in the results database (idempotent: 1 row)
         self.first_delivered: set[str] = set()  # item ids delivered once with redelivery=false
@@ -318,9 +319,11 @@ class World:
         with self.ledger.read() as view:
             line = f"states={view.states()}"
         if self.broker is not None:
-            line += "; sessions " + ", ".join(f"{s.peer_id}(credit {s.credit}, unsent {len(s.unsent)}, healthy {s.healthy})"
+            line += "; sessions " + ", ".join(f"{s.peer_id}(credit {s.credit}, unsent {len(s.unsent)}, rid {s.routing_id[-4:].decode()})"
                                              for s in self.broker.peers.sessions())
         line += "; peers " + ", ".join(peer.describe() for peer in self.peers)
+        line += f"; broker wall clock {self.clock.jump_ms:+d} ms, stalled until {self.stall_until:.1f}, inbox {len(self.inbox)}, " \
+                f"next turn {self.next_turn_at:.3f}, temporaries {getattr(self, 'temporaries', 0)}"
         return line
 
     def ended_items(self) -> int:
@@ -594,12 +597,14 @@ class World:
                 if what == "lease":
                     world.leases.setdefault(item_id, []).append(x)
                 elif what == "purged":
-                    world.purged.add(item_id)
+                    world.retire(item_id)
                 elif what == "fail":
                     world.fails_accepted[item_id] = world.fails_accepted.get(item_id, 0) + 1
                 else:
-                    ev = world.gap_events.setdefault(x, {})
-                    ev[item_id] = ev.get(item_id, 0) + 1
+                    world.gap_totals[x] = world.gap_totals.get(x, 0) + 1
+                    if x in _PER_ITEM_GAPS:
+                        ev = world.gap_events.setdefault(x, {})
+                        ev[item_id] = ev.get(item_id, 0) + 1
 
         def abort(txn):
             pending.pop(id(txn), None)
@@ -681,14 +686,29 @@ class World:
             elif item_id not in self.results_db:
                 self.fail("not_ended", f"{item_id} acknowledged but its result never landed")
                 return
-        g2 = self.gap_events.get(gaps.G2_LEASE_EXPIRED, {})
-        for item_id, toks in self.executed.items():
-            extra = len(toks) - 1
-            if extra > 0 and extra > g2.get(item_id, 0) + self.fails_accepted.get(item_id, 0):
-                self.fail("duplicate_without_gap", f"{item_id} ran under {len(toks)} tokens {sorted(toks)}; "
-                                                   f"G2 events {g2.get(item_id, 0)}, FAILs accepted {self.fails_accepted.get(item_id, 0)}")
-                return
+        for item_id in list(self.executed):
+            self._check_runs(item_id)
         self.dead = len(dead)
+
+    def _check_runs(self, item_id: str) -> None:
+        """Every duplicate execution has its gap event: an item run under n tokens had n - 1
+        lease expiries (G2) or accepted FAILs."""
+        toks = self.executed.get(item_id, ())
+        extra = len(toks) - 1
+        g2 = self.gap_events.get(gaps.G2_LEASE_EXPIRED, {}).get(item_id, 0)
+        if extra > 0 and extra > g2 + self.fails_accepted.get(item_id, 0):
+            self.fail("duplicate_without_gap", f"{item_id} ran under {len(toks)} tokens {sorted(toks)}; "
+                                               f"G2 events {g2}, FAILs accepted {self.fails_accepted.get(item_id, 0)}")
+
+    def retire(self, item_id: str) -> None:
+        """A committed purge deleted ``item_id`` (acknowledged, past retention): check what ends
+        with it and forget it (keeps a long run's memory flat)."""
+        self._check_runs(item_id)
+        self.purged.add(item_id)
+        for d in (self.executed, self.leases, self.fails_accepted, self.confirmed,
+                  self.gap_events.get(gaps.G2_LEASE_EXPIRED, {})):
+            d.pop(item_id, None)
 
 
 _LEVELS = {1: "submitted", 2: "completed", 3: "acknowledged"}
+_PER_ITEM_GAPS = (gaps.G2_LEASE_EXPIRED, gaps.G7_DEAD_LETTERED)
