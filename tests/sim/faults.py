@@ -23,6 +23,7 @@ KINDS = {
     "completion_crash": 0.6,
     "producer_crash": 0.6,
     "partition": 1.5,      # a peer cut off both ways for a while, then healed
+    "flap": 1.0,           # a flaky link: cut off past the lease TTL, up for 1-20 ms, cut off past the TTL again
     "drop": 6,             # a frame lost (the connection is dead from there: peers find out by silence)
     "dup": 6,              # a frame delivered twice (a replay: refused, the session ends)
     "reorder": 5,          # two frames swapped
@@ -116,6 +117,17 @@ def strike(world, f: tuple) -> None:
         d = 0.5 + 11.5 * a ** 3
         peer.partitioned_until = max(peer.partitioned_until, t + d)
         _temporary(world, d, lambda: None)
+    elif kind == "flap":
+        peer = _peer(world, target)
+        ttl = world.cfg.lease_ttl_s
+        d1, gap, d2 = ttl + 0.5 + 7.5 * a, 0.001 + 0.019 * b, ttl + 0.5 + 7.5 * ((target >> 8) / 256)
+        peer.partitioned_until = max(peer.partitioned_until, t + d1)
+
+        def again() -> None:
+            peer.partitioned_until = max(peer.partitioned_until, world.clock.t + d2)
+
+        world.after(d1 + gap, again)
+        _temporary(world, d1 + gap + d2, lambda: None)
     elif kind == "delay":
         peer = _peer(world, target)
         if peer.conn is not None:
