@@ -30,11 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plant", default="", choices=[""] + list(PLANTS), metavar="NAME", help="switch on a planted defect")
     ap.add_argument("--faults", default="", metavar="I,J,...",
                     help="replay with only these faults of the seed's list (what a shrunk trace prints)")
+    ap.add_argument("--kinds", default="", metavar="K,...", help="only faults of these kinds (tests/sim/faults.py KINDS)")
     ap.add_argument("--no-shrink", action="store_true", help="on a violation, print it without shrinking")
     ap.add_argument("--shrink-runs", type=int, default=40, help="most re-runs while shrinking (default 40)")
     ap.add_argument("--workers", type=int, default=0, help="workers (default: 1, 2 or 4 by seed)")
     ap.add_argument("--max-open", type=int, default=0,
-                    help="items the producers keep open at most (default: 300, 1500 or 4000 by seed)")
+                    help="items the producers keep open at most (default: 60, 300, 1500 or 4000 by seed)")
     ap.add_argument("--verbose", action="store_true", help="print every traced event")
     return ap
 
@@ -45,19 +46,29 @@ def run_once(args, fault_idx: list[int] | None, *, verbose: bool = False):
     from tests.sim import plants as plants_mod
     from tests.sim.world import World
 
-    all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item)
+    all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item, _kinds(args))
     chosen = all_faults if fault_idx is None else [all_faults[i] for i in fault_idx]
     undo = plants_mod.apply(args.plant) if args.plant else (lambda: None)
     t0 = time.perf_counter()
     try:
         workers = args.workers or (1, 2, 4)[args.seed % 3]
-        max_open = args.max_open or (300, 1500, 4000)[(args.seed // 3) % 3]
+        max_open = args.max_open or (60, 300, 1500, 4000)[(args.seed // 3) % 4]
         world = World(args.seed, args.items, chosen, workers=workers, max_open=max_open, plant=args.plant, verbose=verbose)
         world.fault_index = fault_idx if fault_idx is not None else list(range(len(all_faults)))
         world.run(max_sim_s=1000.0 + args.items * 0.2)  # a last resort: the liveness check (STUCK_S) comes first
     finally:
         undo()
     return world, time.perf_counter() - t0
+
+
+def _kinds(args) -> tuple[str, ...]:
+    from tests.sim.faults import KINDS
+
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown fault kinds {unknown}: choose from {', '.join(KINDS)}")
+    return kinds
 
 
 def summary(world, wall_s: float) -> str:
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         again, _ = run_once(args, failing)
         from tests.sim import faults as faults_mod
 
-        all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item)
+        all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item, _kinds(args))
         print(f"shortest failing fault list ({len(failing)} of {len(world.fault_index)} faults):")
         for i in failing:
             print(f"  #{i} {faults_mod.describe(all_faults[i])}")
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  -> VIOLATION {again.violation.kind}: {again.violation.detail}")
         print("replay: python -m tests.sim --seed {} --items {}{}{} --faults {}".format(
             args.seed, args.items, f" --faults-per-item {args.faults_per_item}" if args.faults_per_item != 0.1 else "",
-            f" --plant {args.plant}" if args.plant else "", ",".join(map(str, failing)) or '""'))
+            (f" --plant {args.plant}" if args.plant else "") + (f" --kinds {args.kinds}" if args.kinds else ""),
+            ",".join(map(str, failing)) or '""'))
     print(summary(world, wall_s), flush=True)
     return 1
 

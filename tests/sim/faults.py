@@ -39,11 +39,13 @@ KINDS = {
 }
 
 
-def generate(seed: int, items: int, per_item: float) -> list[tuple]:
-    """The fault list of ``seed``: ``round(items x per_item)`` faults, ordered by when they strike."""
+def generate(seed: int, items: int, per_item: float, only: tuple[str, ...] = ()) -> list[tuple]:
+    """The fault list of ``seed``: ``round(items x per_item)`` faults, ordered by when they strike
+    (``only``: of these kinds alone)."""
     rng = random.Random(seed * 31337 + 11)
     n = int(round(items * per_item))
-    kinds, weights = list(KINDS), list(KINDS.values())
+    kinds = [k for k in KINDS if not only or k in only]
+    weights = [KINDS[k] for k in kinds]
     out = []
     for _ in range(n):
         kind = rng.choices(kinds, weights)[0]
