@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test chaos bench soak install-systemd clean dist
+.PHONY: demo test chaos sim bench soak install-systemd clean dist
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: $(VENV)/.installed-test
 CHAOS_ARGS ?= --duration-s 1800
 chaos: $(VENV)/.installed-test
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
+
+## make sim: the deterministic simulation, long (docs/simulation.md); SIM_ARGS="--seed N --items M" or "--plant NAME"
+SIM_ARGS ?= --seed 1 --items 1000000
+sim: $(VENV)/.installed-test
+	$(PY) -m tests.sim $(SIM_ARGS)
 
 ## make bench: ccsq vs Redis vs RabbitMQ side by side (installs the peers as root); BENCH_ARGS="--n 100000 --only pipeline"
 BENCH_ARGS ?=

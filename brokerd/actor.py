@@ -36,6 +36,7 @@ from collections.abc import Callable
 import structlog
 
 from ccsq.brokerd import transport as tp
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
@@ -126,12 +127,15 @@ _ACCEPTED, _DUPLICATE = p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value
 
 
 def wall_ms() -> int:
-    return int(time.time() * 1000)
+    """Wall ms on the system clock (for callers outside the actor; the actor reads its own clock)."""
+    return SYSTEM_CLOCK.wall_ms()
 
 
 class Broker:
     """The broker actor. Build it with an open :class:`Ledger` and a bound
-    :class:`~ccsq.brokerd.transport.Transport`; ``await run()`` until :meth:`stop`."""
+    :class:`~ccsq.brokerd.transport.Transport` (or any :class:`~ccsq.brokerd.transport.FrameTransport`);
+    ``await run()`` until :meth:`stop`, or call :meth:`turn` with frames (the simulation).
+    ``clock``: every time the actor and its modules read (:mod:`ccsq.brokerd.clock`)."""
 
     # --- configuration ---
     cfg: BrokerConfig
@@ -140,7 +144,8 @@ class Broker:
     lease_ttl_s: float
     # --- owned state ---
     ledger: Ledger
-    transport: tp.Transport
+    transport: tp.FrameTransport
+    clock: Clock
     peers: PeerTable
     leases: LeaseTimers
     epoch: int
@@ -153,8 +158,9 @@ class Broker:
     deferred: list[tuple[str, str, int, str]]  # (op, item_id, token, why) for the next transaction
     rejects: collections.Counter  # refusal code -> frames and relayed items refused since start (the intake's)
 
-    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.Transport) -> None:
+    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.FrameTransport, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.hb_s = cfg.heartbeat_interval_s
         self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
         self.lease_ttl_s = cfg.lease_ttl_s
@@ -173,9 +179,9 @@ class Broker:
         self._kinds_unsaved: set[str] = set()  # kinds of HELLOs not yet noted in the ledger (meta w:<kind>)
         self._kinds_recorded = False  # the ledger named kinds served recently: no grace after start needed
         self._stopping = False
-        self._started_mono = time.monotonic()
+        self._started_mono = self.clock.monotonic_s()
         self._last_turn_mono = self._started_mono
-        now = time.monotonic()
+        now = self.clock.monotonic_s()
         self._next_background_mono = now
         self._committed_ops = 0  # peer ledger messages the last turn committed (commit delay)
         self._disk_checked_mono = 0.0
@@ -190,15 +196,16 @@ class Broker:
         self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
-        self.intake = Intake(self.codec, self.peers, self.outbound, self._end_session)
+        self.intake = Intake(self.codec, self.peers, self.outbound, self._end_session, clock=clock)
         self.rejects = self.intake.rejects  # (the same counters: the metrics and admin read them here)
         self._rejects_unsaved = self.intake.unsaved  # written to the ledger and cleared by _transact
-        self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget)
+        self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget, clock=clock)
         self.delivery = DeliveryTracker(self.epoch, self.fed, cfg.max_batch_items, self.outbound.reply_budget)
-        self.relaying = Relaying(self.fed, self.peers, self.codec.authorized, ledger, self.delivery, self.rejects)
+        self.relaying = Relaying(self.fed, self.peers, self.codec.authorized, ledger, self.delivery, self.rejects, clock=clock)
         self.sessions = Sessions(cfg, self.epoch, self.peers, self.leases, self.delivery, self.outbound, self.stats,
                                  defer=self._defer, wake_dispatch=self._wake_dispatch, worker_kinds=self._worker_hello,
-                                 count_reject=self.intake.count_reject, heartbeat_info=self.relaying.heartbeat_info)
+                                 count_reject=self.intake.count_reject, heartbeat_info=self.relaying.heartbeat_info,
+                                 clock=clock)
         self.admin = AdminCommands(self._admin_view())
         self._recover()
         if self.fed.enabled:
@@ -209,13 +216,13 @@ class Broker:
     def _recover(self) -> None:
         """Restart recovery: every leased item gets expiry now + lease_ttl_s, so its
         worker can come back and resume it."""
-        expires = self.leases.expiry(time.monotonic())
+        expires = self.leases.expiry(self.clock.monotonic_s())
         with self.ledger.read() as view:
             for item_id, token, worker in view.leased_items():
                 self.leases.add(item_id, token, worker, expires)
             states, counters = view.states(), view.counters()
             self.peers.draining = set(view.draining())
-            recent = view.kinds_served(wall_ms() - int(KINDS_SERVED_MEMORY_S * 1000))
+            recent = view.kinds_served(self.clock.wall_ms() - int(KINDS_SERVED_MEMORY_S * 1000))
             self._kinds_seen.update(dict.fromkeys(recent, True))
             self._kinds_recorded = bool(recent)
         log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"],
@@ -238,7 +245,7 @@ class Broker:
     async def run(self) -> None:
         log.info("broker_started", endpoint=self.transport.endpoint, epoch=self.epoch, ledger=str(self.ledger.path))
         while not self._stopping:
-            timeout = self._idle_timeout_s(time.monotonic())
+            timeout = self._idle_timeout_s(self.clock.monotonic_s())
             if timeout > 0:
                 await self.transport.wait_readable(timeout)
             if self._stopping:
@@ -281,7 +288,7 @@ class Broker:
 
     # --- one turn ---
     def turn(self, frames: list[list[bytes]]) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic_s()
         self._compensate_stall(now)
         ledger_ops: list[tuple[bytes, Session, Envelope]] = []
         for raw in frames:
@@ -292,8 +299,8 @@ class Broker:
             sess = self.sessions.receive(rid, env, now)  # HELLO, HEARTBEAT, CREDIT, BYE end here
             if sess is not None:
                 ledger_ops.append((rid, sess, env))
-        self._transact(self._take_budget(ledger_ops), self._compensate_stall(time.monotonic()))
-        self._timers(self._compensate_stall(time.monotonic()))
+        self._transact(self._take_budget(ledger_ops), self._compensate_stall(self.clock.monotonic_s()))
+        self._timers(self._compensate_stall(self.clock.monotonic_s()))
 
     def _take_budget(self, new_ops: list[tuple[bytes, Session, Envelope]]) -> list[tuple[bytes, Session, Envelope]]:
         """This turn's ledger ops: carried ones first, then new ones, in arrival order,
@@ -335,7 +342,7 @@ class Broker:
         start (workers are still reconnecting)."""
         if "unserved_kinds" not in str(sess.info_hello.get("features", "")):
             return []
-        if not self._kinds_recorded and time.monotonic() - self._started_mono < 2 * self.silence_s:
+        if not self._kinds_recorded and self.clock.monotonic_s() - self._started_mono < 2 * self.silence_s:
             return []  # no record of recent workers (new ledger): they may still be reconnecting
         if "" in self._kinds_seen:  # a worker that takes every kind
             return []
@@ -371,10 +378,10 @@ class Broker:
         return BrokerView(
             cfg=self.cfg, endpoint=self.transport.endpoint, ledger=self.ledger, peers=self.peers, leases=self.leases,
             authorized=self.codec.authorized, rejects=self.rejects, reply_budget=self.outbound.reply_budget,
-            uptime_s=lambda: time.monotonic() - self._started_mono,
+            uptime_s=lambda: self.clock.monotonic_s() - self._started_mono,
             send_counts=lambda: {"again": self.transport.sent_again, "unroutable": self.transport.sent_unroutable},
             ledger_full_since_ms=lambda: self.ledger_full_since_ms, deliveries_in_flight=self.delivery.count,
-            wake_dispatch=self._wake_dispatch, set_draining=set_draining)
+            wake_dispatch=self._wake_dispatch, set_draining=set_draining, clock=self.clock)
 
     # --- the transaction of a turn ---
     def _background_due(self, now: float) -> bool:
@@ -411,14 +418,14 @@ class Broker:
                 self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
                 self._apply_deferred(txn, batch, deferred)
                 if self._kinds_unsaved:  # a hint for the next start only: lost with an aborted turn, harmless
-                    txn.note_kinds_served(self._kinds_unsaved, wall_ms())
+                    txn.note_kinds_served(self._kinds_unsaved, self.clock.wall_ms())
                     self._kinds_unsaved = set()
                 self._apply_expiries(txn, batch, due)
             backlog = False
             if background and mode not in ("minimal", "acks"):
-                backlog = maintenance.expire_deadlines(txn, wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
-                backlog = maintenance.purge(txn, wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
-                maintenance.append_sample(txn, wall_ms(), self.cfg.accounting_sample_interval_s)
+                backlog = maintenance.expire_deadlines(txn, self.clock.wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
+                backlog = maintenance.purge(txn, self.clock.wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
+                maintenance.append_sample(txn, self.clock.wall_ms(), self.cfg.accounting_sample_interval_s)
             if mode not in ("minimal", "acks"):
                 self._dispatch(txn, batch, now)
                 self._deliver(txn, batch)
@@ -442,7 +449,7 @@ class Broker:
             # Still full with only completions, failures and acks: those did not fit, so they
             # are unanswered (peers resend them); acks and status were committed alone when
             # they fitted. The due work is put back and tried again next turn.
-            self.ledger_full_since_ms = self.ledger_full_since_ms or wall_ms()
+            self.ledger_full_since_ms = self.ledger_full_since_ms or self.clock.wall_ms()
             log.error("ledger_full_batch_dropped", ops=len(ops), acks_committed=committed, advice=LEDGER_FULL_ADVICE)
             self.deferred = deferred + self.deferred
             for lease in due:
@@ -482,13 +489,13 @@ class Broker:
         self._used_bytes = used
         self._admitted_bytes = 0  # measured with this turn's items (the reset stands only if it commits)
         if txn.changed:
-            txn.note_history(wall_ms(), used // self.ledger.env.stat()["psize"])
+            txn.note_history(self.clock.wall_ms(), used // self.ledger.env.stat()["psize"])
         cleared = self.ledger.clear_stale_readers()  # ~1 us: a dead reader pins history for at most ~0.1 s
         if cleared:
             log.warning("ledger_stale_readers_cleared", cleared=cleared, total=self.ledger.stale_readers_cleared)
         if not background:
             return
-        doc = reader_report(self.ledger, txn, wall_ms(), warn_age_s=self.cfg.reader_warn_age_s)
+        doc = reader_report(self.ledger, txn, self.clock.wall_ms(), warn_age_s=self.cfg.reader_warn_age_s)
         self.readers_doc = doc
         old = doc["oldest"]
         if old is not None and not old["self"] and old["age_s"] >= self.cfg.reader_warn_age_s and now >= self._reader_warn_next_mono:
@@ -516,7 +523,7 @@ class Broker:
         return ""
 
     def _apply_ops(self, txn: LedgerTxn, batch: Batch, ops: list[tuple[bytes, Session, Envelope]], refuse: str) -> None:
-        now_ms = wall_ms()
+        now_ms = self.clock.wall_ms()
         admitted = 0  # admission cost of this turn's new items
         for rid, sess, env in ops:
             msg = env.message
@@ -622,7 +629,7 @@ class Broker:
         return "QUEUE_FULL" if need > SOFT_FULL_FRACTION * self.ledger.max_map_size_bytes else ""
 
     def _apply_deferred(self, txn: LedgerTxn, batch: Batch, deferred: list[tuple[str, str, int, str]]) -> None:
-        now_ms = wall_ms()
+        now_ms = self.clock.wall_ms()
         for op, item_id, token, why in deferred:
             if op == "release":
                 if txn.release(item_id, token, now_ms):
@@ -642,7 +649,7 @@ class Broker:
             batch.effects.append(self._wake_dispatch)
 
     def _apply_expiries(self, txn: LedgerTxn, batch: Batch, due: list) -> None:
-        now_ms = wall_ms()
+        now_ms = self.clock.wall_ms()
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
             self.relaying.note_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
@@ -663,7 +670,7 @@ class Broker:
         self.dispatcher.wake()
 
     def _dispatch(self, txn: LedgerTxn, batch: Batch, now: float) -> None:
-        self.dispatcher.plan(txn, batch, now, wall_ms())
+        self.dispatcher.plan(txn, batch, now, self.clock.wall_ms())
 
     # --- result delivery (brokerd/delivery.py) ---
     def _wake_delivery(self) -> None:
@@ -674,7 +681,7 @@ class Broker:
         completion services with credit; whether more wait is set after commit."""
         if not self.delivery.possible:
             return
-        now_ms = wall_ms()
+        now_ms = self.clock.wall_ms()
         more_routed = False
         if self.fed.routed_all:
             more_routed = self.delivery.plan_routed(txn, batch, relay_sessions(self.peers, fed.DOWNSTREAM), self._delivered, now_ms)

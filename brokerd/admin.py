@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.ledger import reader_report
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import AdminFailed
@@ -126,6 +127,7 @@ class BrokerView:
     deliveries_in_flight: Callable[..., int]  # (peer_id=None) -> results sent, not yet acknowledged
     wake_dispatch: Callable[[], None]
     set_draining: Callable[[str, bool], None]
+    clock: Clock = SYSTEM_CLOCK  # the actor's (ledger timestamps of the commands that change state)
 
 
 class AdminCommands:
@@ -149,7 +151,7 @@ class AdminCommands:
     # --- read-only commands ---
     def cmd_status(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         b = self.broker
-        now = time.monotonic()
+        now = b.clock.monotonic_s()
         peers = []
         for s in b.peers.sessions():
             held = b.leases.held_by(s.peer_id)
@@ -197,7 +199,7 @@ class AdminCommands:
             },
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": b.deliveries_in_flight(),
-            "readers": reader_report(b.ledger, txn, int(time.time() * 1000), warn_age_s=b.cfg.reader_warn_age_s),
+            "readers": reader_report(b.ledger, txn, b.clock.wall_ms(), warn_age_s=b.cfg.reader_warn_age_s),
         }
 
     def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
@@ -213,7 +215,7 @@ class AdminCommands:
     # --- commands that change state (this transaction; effects after commit) ---
     def cmd_dlq_replay(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         ids, more = self._dead_ids(txn, args)
-        now_ms = int(time.time() * 1000)
+        now_ms = self.broker.clock.wall_ms()
         done = [i for i in ids if txn.replay_dead(i, now_ms, who=sess.peer_id)]
         if done:
             batch.effects.append(self.broker.wake_dispatch)
@@ -222,7 +224,7 @@ class AdminCommands:
 
     def cmd_dlq_purge(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
         ids, more = self._dead_ids(txn, args)
-        now_ms = int(time.time() * 1000)
+        now_ms = self.broker.clock.wall_ms()
         done = [i for i in ids if txn.purge_dead(i, now_ms, who=sess.peer_id)]
         return {"purged": done, "not_dead": [i for i in ids if i not in done], "more": more,
                 "unknown": [i for i in ids if i not in done and txn.get(i) is None]}
@@ -258,7 +260,7 @@ class AdminCommands:
         if reason not in DEAD_LETTER_REASONS:
             raise AdminFailed(f"reason must be one of {list(DEAD_LETTER_REASONS)}")
         message = str(args.get("message", ""))[:300] or f"dead-lettered by {sess.peer_id}"
-        now_ms = int(time.time() * 1000)
+        now_ms = self.broker.clock.wall_ms()
         done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
         return {"dead": done, "not_ready": [i for i in ids if i not in done], "reason": reason}
 

@@ -15,10 +15,10 @@ expiry, new credit, a reconnect) calls :meth:`Dispatcher.wake`. It changes throu
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.outbound import task_size
 from ccsq.brokerd.relaying import relay_sessions
 from ccsq.common.wire import federation as fed
@@ -39,13 +39,14 @@ class Dispatcher:
     ``cfg.slice_budget_ms`` per pass."""
 
     def __init__(self, cfg: BrokerConfig, peers: PeerTable, leases: LeaseTimers, fed_state: fed.Federation,
-                 reply_budget: Callable[[], int]) -> None:
+                 reply_budget: Callable[[], int], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.peers = peers
         self.leases = leases
         self.fed = fed_state
         self.reply_budget = reply_budget  # bytes a DISPATCH frame may carry
-        self._at_mono = time.monotonic()
+        self._at_mono = self.clock.monotonic_s()
         self._rr = 0  # round-robin start among takers (advanced after each commit of a pass)
 
     @property
@@ -77,7 +78,7 @@ class Dispatcher:
         if txn.state_count(p.ItemState.READY.value) == 0:
             batch.effects.append(lambda: self.schedule(float("inf")))
             return
-        budget_end = time.monotonic() + self.cfg.slice_budget_ms / 1000.0
+        budget_end = self.clock.monotonic_s() + self.cfg.slice_budget_ms / 1000.0
         k = self._rr % len(takers)
         takers = takers[k:] + takers[:k]
         batch.effects.append(self._advance_round_robin)  # after commit: a retried step starts at the same taker
@@ -85,7 +86,7 @@ class Dispatcher:
         next_at = float("inf")
         exhausted = False
         for sess in takers:
-            if time.monotonic() > budget_end:
+            if self.clock.monotonic_s() > budget_end:
                 exhausted = True
                 break
             limit = min(sess.credit, self.cfg.max_batch_items)
@@ -96,7 +97,7 @@ class Dispatcher:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
             tasks = []
             for n, item_id in enumerate(ids):
-                if n % LEASE_BUDGET_CHECK_EVERY == LEASE_BUDGET_CHECK_EVERY - 1 and time.monotonic() > budget_end:
+                if n % LEASE_BUDGET_CHECK_EVERY == LEASE_BUDGET_CHECK_EVERY - 1 and self.clock.monotonic_s() > budget_end:
                     exhausted = True  # the slice's time is up: the next turn goes on
                     break
                 task = txn.lease(item_id, sess.peer_id, now_ms, ttl_ms)
@@ -115,7 +116,7 @@ class Dispatcher:
 
     def _leased(self, sess: Session, tasks: list[p.Task]) -> None:
         """After commit: lease timers for ``tasks``; they spend the taker's credit."""
-        expires = self.leases.expiry(time.monotonic())
+        expires = self.leases.expiry(self.clock.monotonic_s())
         for t in tasks:
             self.leases.add(t.item_id, t.token, sess.peer_id, expires)
         sess.credit -= len(tasks)

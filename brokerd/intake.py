@@ -16,12 +16,12 @@ and, where allowed, answered (docs/security.md).
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import DecodeError
 
@@ -55,7 +55,7 @@ class Intake:
     """Verifies frames with ``codec``; ``end_session(sess, reason)`` is the one disconnect rule."""
 
     def __init__(self, codec: EnvelopeCodec, peers: PeerTable, outbound: Outbound,
-                 end_session: Callable[[Session, str], None]) -> None:
+                 end_session: Callable[[Session, str], None], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.codec = codec
         self.peers = peers
         self.outbound = outbound
@@ -65,7 +65,7 @@ class Intake:
         self._reject_logged: dict[tuple[bytes | str, str], float] = {}
         self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
         self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
-        self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, time.monotonic()
+        self._stranger_tokens, self._stranger_tokens_mono = STRANGER_ANSWERS_PER_S, clock.monotonic_s()
 
     def decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
         """``(routing id, verified envelope)``, or None for a refused frame (counted,

@@ -15,10 +15,10 @@ effects go on the :class:`~ccsq.brokerd.actor.Batch`, except the result routes
 from __future__ import annotations
 
 import collections
-import time
 from typing import TYPE_CHECKING
 
 from ccsq.brokerd import gaps
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
 
@@ -42,8 +42,9 @@ class Relaying:
     """What relays bring into this broker's ledger, and what they are told."""
 
     def __init__(self, fed_state: fed.Federation, peers: PeerTable, authorized: AuthorizedKeys, ledger: Ledger,
-                 delivery: DeliveryTracker, rejects: collections.Counter) -> None:
+                 delivery: DeliveryTracker, rejects: collections.Counter, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.fed = fed_state
+        self.clock = clock
         self.peers = peers
         self.authorized = authorized
         self.ledger = ledger
@@ -107,12 +108,12 @@ class Relaying:
             workers = self.peers.sessions(p.Role.WORKER)
             out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
             if pressed:
-                now = time.monotonic()
+                now = self.clock.monotonic_s()
                 if self._forecast is None or now - self._forecast[0] >= FORECAST_EVERY_S:
                     from ccsq.brokerd.report import queue_forecast
 
                     self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
-                                                          int(time.time() * 1000)))
+                                                          self.clock.wall_ms()))
                 out.update({s.peer_id: fed.deadline_pressure(self._forecast[1], s.kinds) for s in pressed})
         return out
 

@@ -16,12 +16,12 @@ the rest released, and leases the broker knows but the peer did not list expire.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
+from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.peers import PeerStatus, Session
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
@@ -55,8 +55,9 @@ class Sessions:
                  outbound: Outbound, stats: BrokerStats, *, defer: Callable[[str, str, int, str], None],
                  wake_dispatch: Callable[[], None], worker_kinds: Callable[[tuple[str, ...]], None],
                  count_reject: Callable[[str, str, str | None, bytes, float], None],
-                 heartbeat_info: Callable[[], dict[str, dict]]) -> None:
+                 heartbeat_info: Callable[[], dict[str, dict]], clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.hb_s = cfg.heartbeat_interval_s
         self.silence_s = cfg.heartbeat_interval_s * cfg.liveness
         self.epoch = epoch
@@ -71,7 +72,7 @@ class Sessions:
         self._count_reject = count_reject
         self._heartbeat_info = heartbeat_info
         self._in_use_logged: set[tuple[str, str]] = set()  # (peer id, refused instance) logged once
-        now = time.monotonic()
+        now = clock.monotonic_s()
         self._next_hb_mono = now + self.hb_s
         self._next_liveness_mono = now + self.hb_s / 2
 
@@ -189,6 +190,8 @@ class Sessions:
             kinds=tuple(hello.kinds),
             info=info,
             info_hello=dict(info),
+            connected_mono=self.clock.monotonic_s(),
+            last_recv_mono=self.clock.monotonic_s(),
         )
         self.peers.add(sess)
         return sess

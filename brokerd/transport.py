@@ -13,6 +13,7 @@ import errno
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 import zmq
@@ -93,6 +94,29 @@ def check_exposure(cfg, authorized, config_path: str) -> None:
             "be refused at the handshake; add curve_public_key = \"<Z85>\" to each peer's entry "
             "(`ccsq keygen --curve --out keys --id PEER` prints it)")
     parse_listen(broker_listen(cfg.metrics_listen, cfg.metrics_port), where=f"{config_path}: metrics_listen")
+
+
+class FrameTransport(Protocol):
+    """The seam between the broker actor and the network: what :class:`~ccsq.brokerd.actor.Broker`
+    uses of a transport. Frames come in as ``[routing_id, payload, signature_or_tag]``
+    lists (:meth:`drain`, handed to ``Broker.turn``) and go out through :meth:`send`, which
+    encodes with :attr:`codec` and answers :data:`SENT`, :data:`AGAIN` or :data:`UNROUTABLE`.
+    :class:`Transport` (the ZeroMQ ROUTER) is the daemon's; the deterministic simulation
+    (``tests/sim``, docs/simulation.md) calls ``Broker.turn`` itself and implements :meth:`send`."""
+
+    codec: EnvelopeCodec
+    endpoint: str
+    drained_all: bool
+    sent_again: int
+    sent_unroutable: int
+
+    async def wait_readable(self, timeout_s: float) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]: ...
+
+    def send(self, routing_id: bytes, msg: p.Message) -> str: ...
 
 
 class Transport:

@@ -187,6 +187,39 @@ def test_replay_stale_and_session_rules(pki) -> None:
     assert exc.value.code == p.REJECT_STALE
 
 
+def test_a_peer_takes_a_restarted_broker_whose_clock_stepped_back(pki) -> None:
+    """Found by the simulation (tests/sim, a clock_jump then a broker crash): a broker restarted
+    after its wall clock was stepped back (NTP) answers from a new session whose timestamps are
+    older than its previous session's first frame. A peer's codec refused every frame of it as
+    REPLAY ("HELLO older than its current session's", a rule for the broker's side), so each
+    reconnect failed until the broker's clock passed the old timestamp: the swarm stood still
+    for up to the size of the step. After the peer's own new session (a new socket) the broker's
+    new session is taken; its retired session and a frame of it replayed stay refused."""
+    now_ms = [1_800_000_000_000]
+    broker1 = pki("broker", wall_ms=lambda: now_ms[0])
+    worker = pki("worker-1", require_hello=False, wall_ms=lambda: now_ms[0])
+    broker1.decode(worker.encode(p.Hello(role="worker")))
+    first = broker1.encode(p.Welcome(1.0, 5, 1))
+    assert isinstance(worker.decode(first, bound_sender="broker").message, p.Welcome)
+    now_ms[0] += 5_000
+    late_old = broker1.encode(p.Heartbeat())
+    now_ms[0] -= 30_000  # the broker's clock steps back 30 s; then it restarts (a new session)
+    broker2 = pki("broker", wall_ms=lambda: now_ms[0])
+    worker.new_session()  # the peer reconnects on a new socket
+    broker2.decode(worker.encode(p.Hello(role="worker")))
+    env = worker.decode(broker2.encode(p.Welcome(1.0, 5, 2)), bound_sender="broker")
+    assert isinstance(env.message, p.Welcome) and env.session == broker2.session
+    for replayed in (first, late_old):  # the retired session stays refused
+        with pytest.raises(AuthError) as exc:
+            worker.decode(replayed, bound_sender="broker")
+        assert exc.value.code == p.REJECT_REPLAY
+    # without a new socket of its own, a peer still refuses an older broker session
+    broker3 = pki("broker", wall_ms=lambda: now_ms[0] - 60_000)
+    with pytest.raises(AuthError) as exc:
+        worker.decode(broker3.encode(p.Heartbeat()), bound_sender="broker")
+    assert exc.value.code == p.REJECT_REPLAY
+
+
 def test_c09_hostile_msgpack_limits(pki) -> None:
     """C09: (a) a header claiming a 4 GiB binary, (b) one byte over the limit, (c) exactly at it."""
     limit = 64 * 1024

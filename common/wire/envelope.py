@@ -34,7 +34,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -170,6 +170,13 @@ class ReplayGuard:
         self._retired: dict[str, OrderedDict[int, int]] = {}  # sender -> {session: hello ts_ms}, oldest first
         self._floor_ms: dict[str, int] = {}
         self._last_retired: dict[str, tuple[int, int, int]] = {}  # sender -> the session its newest HELLO retired
+        self._loose: set[str] = set()  # senders whose next new session need not be newer than the current one
+
+    def loosen(self) -> None:
+        """A peer opened a new session of its own (a new socket): the remote (the broker) may
+        answer from a new session whose timestamps are older than its current one's (it
+        restarted after its wall clock was stepped back); retired sessions stay refused."""
+        self._loose.update(self._current)
 
     def check(self, sender: str, session: int, seq: int, is_hello: bool, ts_ms: int = 0) -> None:
         """Raise AuthError (REPLAY / NO_SESSION) unless (session, seq) is new for ``sender``."""
@@ -183,7 +190,7 @@ class ReplayGuard:
             raise AuthError(f"message from retired session of {sender}", code=p.REJECT_REPLAY)
         if not is_hello:
             raise AuthError(f"{sender}: session must open with HELLO", code=p.REJECT_NO_SESSION)
-        if cur is not None and ts_ms < cur[2]:
+        if cur is not None and ts_ms < cur[2] and sender not in self._loose:
             # a HELLO older than the current session's: a delayed HELLO of a socket its peer
             # already gave up on must not replace the live session that followed it
             raise AuthError(f"{sender}: HELLO older than its current session's", code=p.REJECT_REPLAY)
@@ -191,6 +198,8 @@ class ReplayGuard:
             raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=p.REJECT_REPLAY)
 
     def accept(self, sender: str, session: int, seq: int, ts_ms: int = 0) -> None:
+        if self._loose:
+            self._loose.discard(sender)  # the first frame after the loosening decided which session goes on
         cur = self._current.get(sender)
         if cur is not None and cur[0] == session:
             self._current[sender] = (session, seq, cur[2])
@@ -209,7 +218,6 @@ class ReplayGuard:
                     self._floor_ms[sender] = max(self._floor_ms.get(sender, -1), old_ts)
         self._current[sender] = (session, seq, ts_ms)
 
-
     def reinstate(self, sender: str, session: int) -> bool:
         """The HELLO just accepted for ``sender`` was refused above the codec (its peer id
         is held by the live ``session``): ``session`` is current again, with the sequence
@@ -224,6 +232,10 @@ class ReplayGuard:
         self._current[sender] = last
         del self._last_retired[sender]
         return True
+
+
+def _system_wall_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _refused(message: str, code: str, sender: str, hello_fresh: bool) -> AuthError:
@@ -246,6 +258,8 @@ class EnvelopeCodec:
     session as it comes. ``session_macs``: a peer codec offers session MACs in its
     HELLO and uses them once the WELCOME answers; a broker codec answers offers
     (:meth:`open_session_mac`). Off, the codec signs every frame (as before MACs).
+    ``wall_ms``: the clock of the timestamps it writes and checks (wall ms; default the
+    system's; the broker's simulation passes its own, tests/sim).
     """
 
     def __init__(
@@ -258,8 +272,10 @@ class EnvelopeCodec:
         max_clock_skew_s: float = 60.0,
         require_hello: bool = True,
         session_macs: bool = False,
+        wall_ms: Callable[[], int] | None = None,
     ) -> None:
         self.peer_id = peer_id
+        self._wall_ms = wall_ms or _system_wall_ms
         self._key = private_key
         self.authorized = authorized
         self.max_frame_bytes = max_frame_bytes
@@ -278,6 +294,8 @@ class EnvelopeCodec:
         """Start a new session (a new socket): fresh random session id, seq from 1, no MAC keys."""
         self.session = secrets.randbits(63)
         self._seq = 0
+        if not self.require_hello:  # a peer's new socket: its broker may have restarted meanwhile
+            self._replay.loosen()
         self._offer = None
         self._rx.clear()
         self._tx.clear()
@@ -357,7 +375,7 @@ class EnvelopeCodec:
             msg = self._offer_mac(msg)
         self._seq += 1
         payload = msgpack.packb(
-            [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, int(time.time() * 1000), p.encode_body(msg)],
+            [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, self._wall_ms(), p.encode_body(msg)],
             use_bin_type=True,
         )
         if len(payload) > self.max_frame_bytes:
@@ -372,7 +390,7 @@ class EnvelopeCodec:
 
     def _fresh(self, ts_ms: int) -> bool:
         """``ts_ms`` is within ``max_clock_skew_s`` of this host's clock."""
-        return abs(time.time() * 1000 - ts_ms) <= self.max_clock_skew_s * 1000
+        return abs(self._wall_ms() - ts_ms) <= self.max_clock_skew_s * 1000
 
     def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
         return msg_type == p.MsgType.HELLO and self._fresh(ts_ms)

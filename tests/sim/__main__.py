@@ -1,0 +1,152 @@
+"""``python -m tests.sim --seed N --items M``: the deterministic simulation of a swarm
+around the broker's real actor (docs/simulation.md).
+
+Ends with one summary line ``items=N faults=N lost=N ... seed=N``; exit 1 on any
+violation, after shrinking the fault list to the shortest one that still fails and
+printing it with the command that replays it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tests.sim.plants import PLANTS
+
+    plants = "\n".join(f"  {name:22} {what}" for name, (what, _) in PLANTS.items())
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.sim", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Deterministic simulation of a ccsq swarm: the broker's real actor and LMDB ledger, simulated "
+                    "network, disk and peers, seeded faults, invariants checked as it runs and at the end.",
+        epilog=f"planted defects (--plant NAME):\n{plants}\n\nexit status: 0 all invariants held, 1 a violation "
+               "(the shortest failing fault list is printed), 2 usage")
+    ap.add_argument("--seed", type=int, default=1, help="the seed (default 1)")
+    ap.add_argument("--items", type=int, default=100_000, help="items to push through (default 100000)")
+    ap.add_argument("--faults-per-item", type=float, default=0.1, help="faults per item (default 0.1)")
+    ap.add_argument("--plant", default="", choices=[""] + list(PLANTS), metavar="NAME", help="switch on a planted defect")
+    ap.add_argument("--faults", default="", metavar="I,J,...",
+                    help="replay with only these faults of the seed's list (what a shrunk trace prints)")
+    ap.add_argument("--kinds", default="", metavar="K,...", help="only faults of these kinds (tests/sim/faults.py KINDS)")
+    ap.add_argument("--no-shrink", action="store_true", help="on a violation, print it without shrinking")
+    ap.add_argument("--shrink-runs", type=int, default=40, help="most re-runs while shrinking (default 40)")
+    ap.add_argument("--workers", type=int, default=0, help="workers (default: 1, 2 or 4 by seed)")
+    ap.add_argument("--max-open", type=int, default=0,
+                    help="items the producers keep open at most (default: 60, 300, 1500 or 4000 by seed)")
+    ap.add_argument("--verbose", action="store_true", help="print every traced event")
+    return ap
+
+
+def run_once(args, fault_idx: list[int] | None, *, verbose: bool = False):
+    """One world: (world, wall seconds)."""
+    from tests.sim import faults as faults_mod
+    from tests.sim import plants as plants_mod
+    from tests.sim.world import World
+
+    all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item, _kinds(args))
+    chosen = all_faults if fault_idx is None else [all_faults[i] for i in fault_idx]
+    undo = plants_mod.apply(args.plant) if args.plant else (lambda: None)
+    t0 = time.perf_counter()
+    try:
+        workers = args.workers or (1, 2, 4)[args.seed % 3]
+        max_open = args.max_open or (60, 300, 1500, 4000)[(args.seed // 3) % 4]
+        world = World(args.seed, args.items, chosen, workers=workers, max_open=max_open, plant=args.plant, verbose=verbose)
+        world.fault_index = fault_idx if fault_idx is not None else list(range(len(all_faults)))
+        world.run(max_sim_s=1000.0 + args.items * 0.2)  # a last resort: the liveness check (STUCK_S) comes first
+    finally:
+        undo()
+    return world, time.perf_counter() - t0
+
+
+def _kinds(args) -> tuple[str, ...]:
+    from tests.sim.faults import KINDS
+
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown fault kinds {unknown}: choose from {', '.join(KINDS)}")
+    return kinds
+
+
+def summary(world, wall_s: float) -> str:
+    v = world.violation
+    lost = 0 if v is None or v.kind not in ("confirmed_lost", "not_ended") else 1
+    return (f"items={world.items} workers={world.n_workers} max_open={world.max_open} landed={world.done_items} dead={getattr(world, 'dead', 0)} faults={world.faults_fired} "
+            f"lost={lost} violations={0 if v is None else 1} broker_crashes={world.stats['broker_crashes']} "
+            f"peer_crashes={world.stats['peer_crashes']} turns={world.stats['turns']} sim_s={world.clock.t:.1f} "
+            f"wall_s={wall_s:.1f} items_per_s={world.done_items / max(wall_s, 1e-9):.0f} "
+            f"faults_per_s={world.faults_fired / max(wall_s, 1e-9):.0f} "
+            f"gaps={','.join(f'{k}:{v}' for k, v in sorted(world.gap_totals.items()))} "
+            f"trace={world.digest.hexdigest()}"
+            f"{' plant=' + world.plant if world.plant else ''} seed={world.seed}")
+
+
+def shrink(args, failing: list[int], kind: str) -> list[int]:
+    """Drop faults (halves, then quarters, ... then one by one) while the run still fails with
+    the same kind of violation; at most ``args.shrink_runs`` re-runs."""
+    runs = 0
+    cur = list(failing)
+    n = 2
+    while len(cur) >= 1 and runs < args.shrink_runs:
+        chunk = max(1, len(cur) // n)
+        removed = False
+        for start in range(0, len(cur), chunk):
+            if runs >= args.shrink_runs:
+                break
+            trial = cur[:start] + cur[start + chunk:]
+            runs += 1
+            world, _ = run_once(args, trial)
+            if world.violation is not None and world.violation.kind == kind:
+                cur = trial
+                removed = True
+                break
+        if not removed:
+            if chunk == 1:
+                break
+            n = min(len(cur), n * 2)
+        else:
+            n = max(2, n - 1)
+    return cur
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("PYTHONHASHSEED") != "0":  # one seed, one hash order of every set of strings
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "tests.sim", *(sys.argv[1:] if argv is None else argv)])
+    import structlog
+    import logging
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    args = _parser().parse_args(argv)
+    idx = [int(x) for x in args.faults.split(",") if x] if args.faults else None
+    world, wall_s = run_once(args, idx, verbose=args.verbose)
+    v = world.violation
+    if v is None:
+        print(summary(world, wall_s), flush=True)
+        return 0
+    print(f"VIOLATION {v.kind}: {v.detail}", flush=True)
+    failing = world.fault_index
+    if not args.no_shrink and failing:
+        failing = shrink(args, failing, v.kind)
+        again, _ = run_once(args, failing)
+        from tests.sim import faults as faults_mod
+
+        all_faults = faults_mod.generate(args.seed, args.items, args.faults_per_item, _kinds(args))
+        print(f"shortest failing fault list ({len(failing)} of {len(world.fault_index)} faults):")
+        for i in failing:
+            print(f"  #{i} {faults_mod.describe(all_faults[i])}")
+        if again.violation is not None:
+            print(f"  -> VIOLATION {again.violation.kind}: {again.violation.detail}")
+        print("replay: python -m tests.sim --seed {} --items {}{}{} --faults {}".format(
+            args.seed, args.items, f" --faults-per-item {args.faults_per_item}" if args.faults_per_item != 0.1 else "",
+            (f" --plant {args.plant}" if args.plant else "") + (f" --kinds {args.kinds}" if args.kinds else ""),
+            ",".join(map(str, failing)) or '""'))
+    print(summary(world, wall_s), flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""Simulated peers that follow the protocol as the real ones do (docs/simulation.md says
+where each rule comes from): a :class:`Producer` (``producer/``: SUBMIT re-sent on a timer
+and on every new session, dedup by idempotency key, an outbox that outlives a crash), a
+:class:`Worker` (``workerd/``: a journal of held leases and finished reports that outlives a
+crash, HELLO listing them, credit granted back per report, reports re-sent until
+confirmed, a job started before a crash never re-run), a :class:`Completion`
+(``completiond/``: results landed idempotently by item id in a durable database, then ACK,
+then credit). Every frame is built and read with the real envelope codec (signed HELLO
+and WELCOME, session MACs after), so the broker's intake sees what it sees in production.
+
+Common link rules (``common/link/peer.py`` ``BrokerLink``): HELLO on a new socket with a
+new session; no WELCOME within ``HELLO_TIMEOUT_S`` -> reconnect; the broker silent for
+heartbeat x liveness -> reconnect; an invalid envelope from the broker, or an ERROR
+saying the session is gone -> reconnect (with the one backoff); idle peers heartbeat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import DecodeError
+from tests.sim.world import RESTART_DELAY_S
+
+HELLO_TIMEOUT_S = 3.0
+RECONNECT_S = (0.05, 0.5)
+SESSION_GONE = {p.REJECT_NO_SESSION, p.ERROR_REPLACED, p.REJECT_REPLAY, p.REJECT_STALE, p.REJECT_BAD_SIGNATURE,
+                p.REJECT_FORGED_ORIGIN}
+KIND = "echo"
+
+
+def payload_of(n: int) -> bytes:
+    return b"item-%d" % n
+
+
+def result_of(payload: bytes) -> bytes:
+    return b"done:" + payload
+
+
+def blob(data: bytes) -> p.Blob:
+    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+
+
+class Peer:
+    role: p.Role
+
+    def __init__(self, world, peer_id: str) -> None:
+        self.w = world
+        self.id = peer_id
+        self.gen = 0  # bumped at every crash and reconnect: callbacks of an older session do nothing
+        self.life = 0  # bumped at every crash
+        self.conn = None
+        self.up = False
+        self.down = False  # crashed, not yet restarted
+        self.skew_ms = 0
+        self.partitioned_until = 0.0
+        self.last_recv = 0.0
+        self.hb_s = world.cfg.heartbeat_interval_s
+        self.liveness = world.cfg.liveness
+        self.codec = world.codec_for(peer_id, self.wall_ms)
+
+    def wall_ms(self) -> int:
+        return self.w.clock.true_wall_ms() + self.skew_ms
+
+    def later(self, dt: float, fn) -> None:
+        """``fn`` after ``dt`` unless the session ended (a reconnect) or the process died first."""
+        gen = self.gen
+        self.w.after(dt, lambda: fn() if gen == self.gen else None)
+
+    def in_process(self, dt: float, fn) -> None:
+        """``fn`` after ``dt`` unless the process died first (work outlives a reconnect)."""
+        life = self.life
+        self.w.after(dt, lambda: fn() if life == self.life else None)
+
+    # --- the link ---
+    def start(self) -> None:
+        self.down = False
+        self.connect()
+
+    def connect(self) -> None:
+        if self.conn is not None:
+            self.w.close_conn(self.conn)
+        self.gen += 1
+        self.up = False
+        self.codec.new_session()
+        self.conn = self.w.new_conn(self)
+        self.send(self.hello())
+        self.later(HELLO_TIMEOUT_S, self._hello_timeout)
+
+    def _hello_timeout(self) -> None:
+        if not self.up:
+            self.reconnect("no WELCOME")
+
+    def reconnect(self, why: str) -> None:
+        self.w.note(self.id, "reconnect", why)
+        if self.conn is not None:
+            self.w.close_conn(self.conn)
+            self.conn = None
+        self.up = False
+        self.gen += 1
+        self.on_link_lost()
+        self.later(self.w.rng.uniform(*RECONNECT_S), self.connect)
+
+    def send(self, msg: p.Message) -> None:
+        if self.conn is None:
+            return
+        self.w.net_up(self.conn, self.codec.encode(msg))
+
+    def receive(self, conn, frames: list[bytes], gen: int) -> None:
+        if gen != self.gen or conn is not self.conn or self.down:
+            return
+        try:
+            env = self.codec.decode(frames, bound_sender="broker")
+        except DecodeError as exc:
+            self.reconnect(f"invalid envelope from broker: {exc.code}")
+            return
+        self.last_recv = self.w.clock.t
+        msg = env.message
+        if isinstance(msg, p.Welcome):
+            if self.up:
+                return
+            self.up = True
+            self.hb_s, self.liveness = msg.heartbeat_interval_s, msg.liveness
+            self.on_welcome(msg)
+            self.later(self.hb_s, self._tick)
+        elif isinstance(msg, p.Error):
+            if msg.code in SESSION_GONE:
+                self.reconnect(f"broker said {msg.code}")
+        elif isinstance(msg, p.Bye):
+            self.reconnect("bye")
+        elif isinstance(msg, p.Heartbeat):
+            pass
+        elif self.up:
+            self.on_message(msg)
+
+    def _tick(self) -> None:
+        if not self.up:
+            return
+        if self.w.clock.t - self.last_recv > self.hb_s * self.liveness:
+            self.reconnect("broker silent")
+            return
+        self.send(self.heartbeat())
+        self.on_tick()
+        self.later(self.hb_s, self._tick)
+
+    def crash(self) -> None:
+        """The process dies: memory gone (subclasses keep only what is durable), socket closed."""
+        self.w.note(self.id, "crash")
+        self.w.stats["peer_crashes"] += 1
+        if self.conn is not None:
+            self.w.close_conn(self.conn)
+            self.conn = None
+        self.up = False
+        self.down = True
+        self.gen += 1
+        self.life += 1
+        self.on_crash()
+        self.w.after(self.w.rng.uniform(*RESTART_DELAY_S), self.start)
+
+    def describe(self) -> str:
+        conn = self.conn
+        return (f"{self.id}({'up' if self.up else 'down' if self.down else 'connecting'}, last heard {self.last_recv:.1f}, "
+                f"conn {conn.rid[-4:].decode() if conn else '-'}{' broken' if conn is not None and conn.broken else ''}, "
+                f"skew {self.skew_ms} ms)")
+
+    # --- for subclasses ---
+    def hello(self) -> p.Hello:
+        raise NotImplementedError
+
+    def heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat()
+
+    def on_welcome(self, msg: p.Welcome) -> None:
+        pass
+
+    def on_message(self, msg: p.Message) -> None:
+        pass
+
+    def on_tick(self) -> None:
+        pass
+
+    def on_link_lost(self) -> None:
+        pass
+
+    def on_crash(self) -> None:
+        pass
+
+    def finished(self) -> bool:
+        return True
+
+
+class Producer(Peer):
+    """Submits its items in frames of up to ``BATCH``, at most ``WINDOW`` frames unconfirmed,
+    while the swarm holds fewer than ``world.max_open`` items not yet landed (an application
+    pacing itself). Unconfirmed items are re-sent on a timer and on every new session (the
+    broker's dedup by key makes that safe); a crash keeps the outbox (what is unconfirmed)."""
+
+    role = p.Role.PRODUCER
+    BATCH = 64
+    WINDOW = 4
+    RESEND_S = 3.0
+
+    def __init__(self, world, peer_id: str, numbers: range) -> None:
+        super().__init__(world, peer_id)
+        self.todo = list(reversed(numbers))  # the outbox: items not yet sent (popped from the end)
+        self.inflight: dict[int, tuple[float, list[int]]] = {}  # req -> (sent at, item numbers)
+        self.retry: list[int] = []  # refused (QUEUE_FULL / DISK_FULL) or unconfirmed at a session end
+        self.req = 0
+        self.accepted = 0
+        self.total = len(numbers)
+
+    def hello(self) -> p.Hello:
+        return p.Hello(role=self.role.value)
+
+    def on_welcome(self, msg: p.Welcome) -> None:
+        self.pump()
+
+    def on_link_lost(self) -> None:
+        for _, nums in self.inflight.values():
+            self.retry.extend(nums)
+        self.inflight.clear()
+
+    def on_crash(self) -> None:
+        self.on_link_lost()
+
+    def finished(self) -> bool:
+        return self.accepted >= self.total
+
+    def pump(self) -> None:
+        if not self.up:
+            return
+        w = self.w
+        while len(self.inflight) < self.WINDOW and (self.retry or self.todo):
+            if w.open_items() >= w.max_open and not self.retry:
+                self.later(0.05, self.pump)
+                return
+            nums = []
+            while len(nums) < self.BATCH and self.retry:
+                nums.append(self.retry.pop())
+            while len(nums) < self.BATCH and self.todo:
+                nums.append(self.todo.pop())
+            self._send(nums)
+
+    def _send(self, nums: list[int]) -> None:
+        self.req += 1
+        items = [p.SubmitItem(f"k{n}", KIND, blob(payload_of(n))) for n in nums]
+        self.inflight[self.req] = (self.w.clock.t, nums)
+        self.send(p.Submit(self.req, items))
+
+    def on_tick(self) -> None:
+        now = self.w.clock.t
+        for req, (t, nums) in list(self.inflight.items()):
+            if now - t > self.RESEND_S:
+                del self.inflight[req]
+                self._send(nums)
+        self.pump()
+
+    def on_message(self, msg: p.Message) -> None:
+        if not isinstance(msg, p.SubmitAck):
+            return
+        sent = self.inflight.pop(msg.req, None)
+        if sent is None:
+            return
+        w = self.w
+        refused = False
+        for n, r in zip(sent[1], msg.results):
+            if r.item_id:
+                known = w.key_item.get(r.key)
+                if known is None:
+                    w.key_item[r.key] = r.item_id
+                    w.item_n[r.item_id] = n
+                    self.accepted += 1
+                elif known != r.item_id:
+                    w.fail("dedup", f"key {r.key} confirmed as {known} and then as {r.item_id}")
+                w.confirm(r.item_id, 1)
+            elif r.error in ("QUEUE_FULL", "DISK_FULL"):
+                self.retry.append(n)
+                refused = True
+            else:
+                w.fail("submit_refused", f"{r.key}: {r.error} {r.message}")
+        if refused:
+            self.later(w.rng.uniform(0.1, 0.5), self.pump)
+        else:
+            self.pump()
+
+
+class Worker(Peer):
+    """A GPU worker with ``slots`` and a credit ``window``. The journal (durable, like
+    workerd's fsynced SQLite) holds (item id, token) -> [state, task, report]; state is
+    ``held`` (not started), ``started``, or ``done`` (report journaled, not confirmed).
+    A job of an item the broker leased again (a new token) keeps running: its report
+    goes out with its own token and the broker fences it (workerd keys jobs by lease)."""
+
+    role = p.Role.WORKER
+    RUN_S = (0.005, 0.05)
+    GROUP_COMMIT_S = 0.004  # reports journaled in one commit go out together (workerd's GroupCommit)
+    FAIL_RATE = 0.05
+    FATAL_RATE = 0.002
+
+    def __init__(self, world, peer_id: str, *, slots: int, window: int) -> None:
+        super().__init__(world, peer_id)
+        self.slots, self.window = slots, window
+        self.journal: dict[tuple[str, int], list] = {}
+        self.queue: list[tuple[str, int]] = []
+        self.running = 0
+        self.unsent: list[tuple[str, int]] = []  # reports journaled, not yet sent in this session
+        self.granted = 0  # credit the broker holds for this session (HELLO's, less tasks dispatched, plus CREDITs)
+        self.flush_due = False
+
+    def _listed(self) -> list[p.LeaseRef]:
+        return [p.LeaseRef(i, tok) for i, tok in self.journal]
+
+    def describe(self) -> str:
+        return (f"{super().describe()} journal {len(self.journal)} running {self.running} queued {len(self.queue)} "
+                f"granted {self.granted}")
+
+    def hello(self) -> p.Hello:
+        listed = self._listed()
+        self.granted = max(0, self.window - len(listed))
+        return p.Hello(role=self.role.value, slots=self.slots, credit=self.granted, kinds=[KIND], leases=listed)
+
+    def heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat(leases=self._listed(), busy=self.running)
+
+    def on_crash(self) -> None:
+        # memory is gone; the journal stays. A job that had started is not re-run (workerd: "a
+        # restart re-runs nothing and the lease expires"): its row is dropped at start.
+        for key in [k for k, e in self.journal.items() if e[0] == "started"]:
+            del self.journal[key]
+        self.queue = []
+        self.running = 0
+        self.unsent = []
+        self.flush_due = False
+
+    def on_link_lost(self) -> None:
+        self.unsent = []
+
+    def on_welcome(self, msg: p.Welcome) -> None:
+        for ref in msg.released:  # the broker does not know the lease: a job not reported yet is dropped
+            key = (ref.item_id, ref.token)
+            e = self.journal.get(key)
+            if e is not None and e[0] != "done":
+                del self.journal[key]
+        self.queue = [k for k in self.queue if k in self.journal]
+        queued = set(self.queue)
+        for key, e in self.journal.items():
+            if e[0] == "held" and key not in queued:
+                self.queue.append(key)
+        self.unsent = [k for k, e in self.journal.items() if e[0] == "done"]  # re-sent on every new session
+        self._flush()
+        self._start_jobs()
+
+    def on_message(self, msg: p.Message) -> None:
+        if isinstance(msg, p.Dispatch):
+            for t in msg.tasks:
+                key = (t.item_id, t.token)
+                if key in self.journal:
+                    continue
+                self.journal[key] = ["held", t, None]  # journaled (fsync) before anything else
+                self.queue.append(key)
+            self.granted -= len(msg.tasks)
+            self._start_jobs()
+        elif isinstance(msg, (p.CompleteAck, p.FailAck)):
+            completed = isinstance(msg, p.CompleteAck)
+            for o in msg.outcomes:
+                key = (o.item_id, o.token)
+                e = self.journal.get(key)
+                if e is not None and e[0] == "done":
+                    del self.journal[key]  # confirmed (whatever the outcome): forgotten
+                    self._flush_soon()
+                if completed and o.outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+                    self.w.confirm(o.item_id, 2)
+
+    def _start_jobs(self) -> None:
+        w = self.w
+        while self.running < self.slots and self.queue:
+            key = self.queue.pop(0)
+            e = self.journal.get(key)
+            if e is None or e[0] != "held":
+                continue
+            e[0] = "started"
+            self.running += 1
+            w.executed.setdefault(key[0], set()).add(key[1])
+            self.in_process(w.rng.uniform(*self.RUN_S), lambda k=key: self._finish(k))
+
+    def _finish(self, key: tuple[str, int]) -> None:
+        self.running -= 1
+        e = self.journal.get(key)
+        if e is not None and e[0] == "started":
+            item_id, token = key
+            t: p.Task = e[1]
+            r = self.w.rng.random()
+            if r < self.FATAL_RATE:
+                e[2] = p.TaskFailure(item_id, token, p.FailReason.FATAL.value, False, "planted fatal")
+            elif r < self.FAIL_RATE:
+                e[2] = p.TaskFailure(item_id, token, p.FailReason.HANDLER_ERROR.value, True, "flaky")
+            else:
+                e[2] = p.TaskResult(item_id, token, blob(result_of(t.payload.inline)), "echo", "1", 0.01)
+            e[0] = "done"  # the report is journaled (fsync) before it is sent
+            self.unsent.append(key)
+        self._flush_soon()
+        self._start_jobs()
+
+    def _flush_soon(self) -> None:
+        if not self.flush_due:
+            self.flush_due = True
+            self.in_process(self.GROUP_COMMIT_S, self._flush)
+
+    def _flush(self) -> None:
+        """One COMPLETE and one FAIL for what finished since the last flush, then one CREDIT."""
+        self.flush_due = False
+        if not self.up:
+            return
+        results, failures = [], []
+        for key in self.unsent:
+            e = self.journal.get(key)
+            if e is None or e[0] != "done":
+                continue
+            (results if isinstance(e[2], p.TaskResult) else failures).append(e[2])
+        self.unsent = []
+        for i in range(0, len(results), 64):
+            self.send(p.Complete(results[i:i + 64]))
+        for i in range(0, len(failures), 64):
+            self.send(p.Fail(failures[i:i + 64]))
+        missing = self.window - len(self.journal) - self.granted  # (workerd's Credit rule: grant back what is missing)
+        if missing > 0:
+            self.send(p.Credit(missing))
+            self.granted += missing
+
+    def on_tick(self) -> None:
+        # reports not yet confirmed are re-sent every 2 heartbeats (the broker is idempotent)
+        self.ticks = getattr(self, "ticks", 0) + 1
+        if self.ticks % 2 == 0:
+            self.unsent = [k for k, e in self.journal.items() if e[0] == "done"]
+            if self.unsent:
+                self._flush()
+
+
+class Completion(Peer):
+    """Lands results in the results database (idempotent by item id: a redelivery is a no-op
+    upsert), then ACKs them, then grants the credit back."""
+
+    role = p.Role.COMPLETION
+    LAND_S = 0.003  # deliveries that arrive within this long land in one database transaction
+
+    def __init__(self, world, peer_id: str, *, credit: int) -> None:
+        super().__init__(world, peer_id)
+        self.credit = credit
+        self.batch: list[str] = []
+
+    def on_link_lost(self) -> None:
+        self.batch = []
+
+    def on_crash(self) -> None:
+        self.batch = []
+
+    def hello(self) -> p.Hello:
+        return p.Hello(role=self.role.value, credit=self.credit)
+
+    def on_message(self, msg: p.Message) -> None:
+        w = self.w
+        if isinstance(msg, p.Result):
+            if not self.batch:
+                self.later(self.LAND_S, self._land)
+            self.batch.extend(msg.deliveries)
+        elif isinstance(msg, p.AckOk):
+            for item_id in msg.item_ids:
+                w.confirm(item_id, 3)
+
+    def _land(self) -> None:
+        """One database transaction for the batch (results upserted by item id), then ACK, then credit."""
+        w = self.w
+        batch, self.batch = self.batch, []
+        if batch:
+            ids = []
+            for d in batch:
+                n = int(d.key[1:])
+                known = w.key_item.get(d.key)
+                if known is not None and known != d.item_id:
+                    w.fail("dedup", f"a result for {d.item_id} of key {d.key}, which was confirmed as {known}")
+                if not d.redelivery:  # only the first delivery the broker sends may be unmarked (G3)
+                    if d.item_id in w.first_delivered:
+                        w.fail("redelivery_unmarked", f"{d.item_id} delivered twice without redelivery=true (G3)")
+                    w.first_delivered.add(d.item_id)
+                if d.result.inline != result_of(payload_of(n)):
+                    w.fail("wrong_result", f"{d.item_id}: {d.result.inline[:40]!r}")
+                if d.item_id not in w.results_db:
+                    w.results_db[d.item_id] = d.result.inline
+                    w.done_items += 1
+                w.landed[d.item_id] = w.landed.get(d.item_id, 0) + 1
+                ids.append(d.item_id)
+            self.send(p.Ack(ids))
+            self.send(p.Credit(len(ids)))

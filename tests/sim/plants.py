@@ -1,0 +1,94 @@
+"""Planted defects: each is the broker's real code with one rule broken, switched on by
+``python -m tests.sim --plant NAME``; the simulation must find every one within its
+default budget (tests/test_sim.py checks some in CI; docs/simulation.md lists them).
+
+A plant rewrites one line of the real method's source (:func:`_rewrite`), so it breaks
+exactly the rule it names and fails loudly if that line ever changes (update the plant
+with the code). :func:`apply` returns a function that undoes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+
+from ccsq.brokerd import actor as actor_mod
+from ccsq.brokerd import delivery as delivery_mod
+from ccsq.brokerd.ledger import rules as rules_mod
+from ccsq.brokerd.ledger import store as store_mod
+
+
+def _rewrite(cls: type, name: str, old: str, new: str) -> Callable[[], None]:
+    """Replace ``cls.name`` by its own source with ``old`` -> ``new`` (exactly once), compiled in
+    its module's namespace. Returns the undo."""
+    fn = cls.__dict__[name]
+    src = textwrap.dedent(inspect.getsource(fn))
+    if src.count(old) != 1:
+        raise RuntimeError(f"plant: {cls.__name__}.{name} no longer contains {old!r} exactly once: update tests/sim/plants.py")
+    module = inspect.getmodule(fn)
+    ns: dict = {}
+    exec(compile(src.replace(old, new), f"<plant {cls.__name__}.{name}>", "exec"), module.__dict__, ns)
+    setattr(cls, name, ns[name])
+    return lambda: setattr(cls, name, fn)
+
+
+T = rules_mod.LedgerTxn
+
+#: name -> (what it breaks, how to plant it)
+PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
+    "skip_fencing": (
+        "LedgerTxn.complete accepts a result whatever its token (the fencing check removed)",
+        lambda: _rewrite(T, "complete", 'if ((st == _LEASED and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):',
+                         'if st in (_LEASED, _READY):'),
+    ),
+    "stale_fail": (
+        "LedgerTxn.fail accepts a FAIL with a stale token from the worker that holds the item again (token check removed)",
+        lambda: _rewrite(T, "fail", 'if rec["state"] != _LEASED or rec["token"] != f.token or self._not_holder(rec, sender):',
+                         'if rec["state"] != _LEASED or self._not_holder(rec, sender):'),
+    ),
+    "late_old_token": (
+        "a late COMPLETE with an older token is accepted while the item is ready again (lease, expire, lease, expire, complete)",
+        lambda: _rewrite(T, "complete", 'late = st == _READY and rec["token"] == res.token and res.token != 0',
+                         'late = st == _READY and res.token != 0'),
+    ),
+    "count_attempt_twice": (
+        "LedgerTxn.lease counts an attempt twice",
+        lambda: _rewrite(T, "lease", 'attempt=rec["attempt"] + 1,', 'attempt=rec["attempt"] + 2,'),
+    ),
+    "no_dedup": (
+        "LedgerTxn.submit forgets the idempotency key (a re-sent SUBMIT makes a second item)",
+        lambda: _rewrite(T, "submit", "if raw is not None:", "if False:"),
+    ),
+    "no_gap_event": (
+        "LedgerTxn.expire_lease requeues an item without its G2 event",
+        lambda: _rewrite(T, "expire_lease", "self.event(gaps.G2_LEASE_EXPIRED,", "(lambda *a: None)(gaps.G2_LEASE_EXPIRED,"),
+    ),
+    "resubmit_counted": (
+        "LedgerTxn.submit counts a re-sent (duplicate) SUBMIT as received (the accounting equation drifts)",
+        lambda: _rewrite(T, "submit", 'self.bump("duplicate_submits")', 'self.bump("duplicate_submits"); self.bump("received")'),
+    ),
+    "forget_redelivery": (
+        "DeliveryTracker.session_ended forgets the redeliveries owed when a completion session ends",
+        lambda: _rewrite(delivery_mod.DeliveryTracker, "session_ended", "if self._sent_to.get(item_id) == peer_id:", "if False:"),
+    ),
+    "lose_lease_timers": (
+        "Broker._recover does not restore the lease timers of leased items at a restart",
+        lambda: _rewrite(actor_mod.Broker, "_recover", "self.leases.add(item_id, token, worker, expires)", "pass"),
+    ),
+    "confirm_before_fsync": (
+        "Broker._transact sends the turn's replies before the commit (and its fsync)",
+        lambda: _rewrite(actor_mod.Broker, "_transact", "        if txn.changed:\n",
+                         "        for rid, msg in batch.replies:\n            self._send(rid, msg)\n"
+                         "        batch.replies = []\n        if txn.changed:\n"),
+    ),
+    "ledger_no_sync": (
+        "the ledger's LMDB environment is opened with sync=False (commits not fsynced)",
+        lambda: _rewrite(store_mod.Ledger, "_open_env", "\n        sync=True,", "\n        sync=False,"),
+    ),
+}
+
+
+def apply(name: str) -> Callable[[], None]:
+    """Switch plant ``name`` on; returns its undo. KeyError for an unknown name."""
+    return PLANTS[name][1]()
