@@ -144,6 +144,64 @@ def test_late_completion_is_fenced_and_result_delivered_once(h):
     assert rep["balanced"] and "BALANCED" in render_text(rep)
 
 
+def _lease_twice(h, b, *, expire_second: bool) -> tuple[ScriptedPeer, ScriptedPeer, p.SubmitResult, p.Task, p.Task]:
+    """One item leased to wA, its lease left to expire (wA stays connected, silent about
+    it), the item leased to wA again; ``expire_second``: that lease expires too (wA has no
+    credit left, so the item stays ready with the second token)."""
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("again", max_attempts=5)])
+    wa = h.peer("wA", b.endpoint)
+    wa.hello("worker", slots=2, credit=2)
+    (t1,) = recv_tasks(wa, 1)
+    (t2,) = recv_tasks(wa, 1)  # after t1's lease expired: the same worker gets the next attempt
+    assert (t2.item_id, t2.attempt) == (t1.item_id, 2) and t2.token > t1.token
+    if expire_second:
+        wait_for(lambda: prod.status([r.item_id])[0].state == "ready", 10, what="the second lease to expire")
+        assert prod.status([r.item_id])[0].attempt == 2
+    return prod, wa, r, t1, t2
+
+
+def test_a_stale_fail_from_the_same_worker_is_fenced_by_the_broker(h):
+    """Against the real broker: wA's first lease expires, wA gets the item again and then
+    sends a FAIL (fatal) quoting its first token. It is fenced: the new attempt is not
+    killed nor dead-lettered, and wA's COMPLETE with the new token is accepted."""
+    b = h.start(lease_ttl_s=0.5)
+    prod, wa, r, t1, t2 = _lease_twice(h, b, expire_second=False)
+    wa.heartbeat([p.LeaseRef(t2.item_id, t2.token)])
+    wa.send(p.Fail([p.TaskFailure(t1.item_id, t1.token, "fatal", False, "late report of attempt 1")]))
+    assert wa.recv_type(p.FailAck).outcomes == [p.ItemOutcome(t1.item_id, t1.token, "fenced")]
+    st = prod.status([r.item_id])[0]
+    assert (st.state, st.attempt, st.error) == ("leased", 2, "")
+    wa.send(p.Complete([result_of(t2, b"attempt 2")]))
+    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t2.item_id, t2.token, "accepted")]
+    rep = h.report()
+    assert (rep["completed"], rep["dead"], rep["failed"], rep["fenced_failures"]) == (1, 0, 0, 1)
+    assert rep["balanced"]
+
+
+def test_a_late_complete_with_an_older_token_is_fenced_by_the_broker(h):
+    """Against the real broker: lease, expire, lease, expire (both to wA), then wA's
+    COMPLETE with the first token: fenced (G4) although the item is ready again; its
+    COMPLETE with the second token is the late result accepted (G8) and delivered."""
+    b = h.start(lease_ttl_s=0.5)
+    prod, wa, r, t1, t2 = _lease_twice(h, b, expire_second=True)
+    wa.send(p.Complete([result_of(t1, b"attempt 1")]))
+    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t1.item_id, t1.token, "fenced")]
+    assert prod.status([r.item_id])[0].state == "ready"
+    wa.send(p.Complete([result_of(t2, b"attempt 2")]))
+    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t2.item_id, t2.token, "accepted")]
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    (d,) = comp.recv_type(p.Result).deliveries
+    assert (d.item_id, d.result, d.attempt) == (r.item_id, blob(b"attempt 2"), 2)
+    rep = h.report()
+    assert (rep["completed"], rep["fenced_completions"], rep["late_results_accepted"]) == (1, 1, 1)
+    windows = {w["id"]: w for w in rep["windows"]}
+    assert windows["G4"]["count"] == 1 and windows["G8"]["count"] == 1
+    assert rep["balanced"]
+
+
 # --- C07b ------------------------------------------------------------------------------
 def test_poison_job_dead_lettered_attempts_survive_restart(h):
     """C07b: a job that kills every worker that runs it is dead-lettered with
@@ -608,13 +666,19 @@ def test_unacknowledged_results_are_redelivered_to_a_new_session(h):
 # --- crash point: SUBMIT committed, ack never sent --------------------------------------
 def test_crash_after_submit_commit_then_duplicate_on_retry(h):
     """G9: the broker dies right after committing a SUBMIT (before SUBMIT_ACK);
-    the producer's retry with the same key gets duplicate=true and the same item."""
+    the producer's retry with the same key gets duplicate=true and the same item.
+    No SUBMIT_ACK reached the producer before the kill (an ACK sent before its commit
+    would: the crash point is after the commit)."""
     b = h.start(env=env_for("broker.after_submit_commit"))
     h.pin_endpoint(b.endpoint)
     prod = h.peer("prod", b.endpoint)
     prod.hello("producer")
     prod.send(p.Submit(1, [item("once")]))
     assert b.wait(10) == -signal.SIGKILL
+    before_kill = []  # everything the producer's socket holds from the dead broker
+    while (env := prod.recv(0.2)) is not None:
+        before_kill.append(type(env.message).__name__)
+    assert "SubmitAck" not in before_kill, before_kill
     b = h.start()
     prod.connect()
     prod.hello("producer")

@@ -152,6 +152,67 @@ def test_late_result_after_expiry_accepted_when_nobody_holds_it(ledger):
     assert check_balance(ledger)["ready"] == 0
 
 
+def _expire(led: Ledger, t: p.Task, now_ms: int) -> None:
+    txn = led.begin()
+    assert txn.expire_lease(t.item_id, t.token, now_ms) == S.READY.value
+    txn.commit()
+
+
+@pytest.mark.parametrize("reason", ["fatal", "handler_error", "released", "store_unavailable", "payload_missing"])
+def test_a_stale_fail_from_the_same_worker_leaves_its_new_lease_alone(ledger, reason):
+    """w1's lease expires and the item is leased to w1 again; a FAIL that w1 sends late for
+    its first attempt (the old token) is fenced, whatever its reason: the new attempt stays
+    leased with its own token and completes, never killed, requeued or dead-lettered by the
+    old report. (Found by no test before: with the token check in LedgerTxn.fail removed,
+    the holder check alone lets the same worker's stale token through.)"""
+    (r,) = submit(ledger, item("k"))
+    (t1,) = lease_all(ledger, "w1", now_ms=2_000)
+    _expire(ledger, t1, 8_000)
+    (t2,) = lease_all(ledger, "w1", now_ms=9_000)
+    assert t2.token > t1.token and t2.attempt == 2
+    txn = ledger.begin()
+    for sender in ("w1", ""):  # from the holder itself, and with the sender unknown
+        late = p.TaskFailure(t1.item_id, t1.token, reason, reason != "fatal", "late report of attempt 1")
+        assert txn.fail(late, 9_100, sender) == p.Outcome.FENCED.value
+    rec = txn.get(r.item_id)
+    assert (rec["state"], rec["token"], rec["attempt"], rec["worker"]) == (S.LEASED.value, t2.token, 2, "w1")
+    assert txn.complete(p.TaskResult(t2.item_id, t2.token, blob(b"r2"), "echo", "1"), 9_200, "w1") == p.Outcome.ACCEPTED.value
+    txn.commit()
+    with ledger.read() as v:
+        assert v.counter("fenced_failures") == 2 and v.counter("failed") == 0 and v.counter("dead") == 0
+        assert v.item_status(r.item_id).result == blob(b"r2")
+        assert v.gap_counts()[gaps.G7_DEAD_LETTERED] == 0
+    check_balance(ledger)
+
+
+def test_a_late_complete_with_an_older_token_is_fenced_while_ready_again(ledger):
+    """Lease, expire, lease, expire, then a COMPLETE with the *first* token: the item is
+    ready again but its token is the second one, so the first is stale (another attempt
+    ran since) and is fenced (G4), from the same worker too; only the second token's late
+    result is accepted (G8). (The hypothesis state machine found an older token accepted
+    here only at max_examples=400.)"""
+    (r,) = submit(ledger, item("k"))
+    (t1,) = lease_all(ledger, "w1", now_ms=2_000)
+    _expire(ledger, t1, 8_000)
+    (t2,) = lease_all(ledger, "w1", now_ms=9_000)
+    _expire(ledger, t2, 15_000)
+    res = lambda t, data: p.TaskResult(t.item_id, t.token, blob(data), "echo", "1")  # noqa: E731
+    txn = ledger.begin()
+    for sender in ("w1", ""):
+        assert txn.complete(res(t1, b"attempt 1"), 15_100, sender) == p.Outcome.FENCED.value
+    rec = txn.get(r.item_id)
+    assert (rec["state"], rec["token"]) == (S.READY.value, t2.token)
+    assert txn.complete(res(t2, b"attempt 2"), 15_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(res(t1, b"attempt 1"), 15_300, "w1") == p.Outcome.FENCED.value
+    txn.commit()
+    with ledger.read() as v:
+        assert v.item_status(r.item_id).result == blob(b"attempt 2")
+        assert v.get(r.item_id)["completed_token"] == t2.token
+        assert v.counter("fenced_completions") == 3 and v.counter("late_results_accepted") == 1
+        assert v.gap_counts()[gaps.G4_FENCED_COMPLETION] == 3 and v.gap_counts()[gaps.G8_LATE_RESULT_ACCEPTED] == 1
+    check_balance(ledger)
+
+
 def test_fail_variants(ledger):
     submit(ledger, item("r"), item("rel"), item("fatal"))
     tasks = {t.item_id: t for t in lease_all(ledger)}

@@ -85,10 +85,20 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def complete(self, data) -> None:
         item_id = data.draw(st.sampled_from(sorted(self.tokens_seen)))
-        token = data.draw(st.sampled_from(self.tokens_seen[item_id]))
+        self.complete_with(item_id, data.draw(st.sampled_from(self.tokens_seen[item_id])))
+
+    @precondition(lambda self: self._stale())
+    @rule(data=st.data())
+    def complete_stale(self, data) -> None:
+        """A late COMPLETE with a token older than the item's current one (an attempt that
+        ran before the last lease): drawn on purpose, as a random token rarely is."""
+        item_id = data.draw(st.sampled_from(self._stale()))
+        self.complete_with(item_id, data.draw(st.sampled_from(self.tokens_seen[item_id][:-1])))
+
+    def complete_with(self, item_id: str, token: int) -> None:
         m = self.model[item_id]
         txn = self.ledger.begin()
-        out = txn.complete(p.TaskResult(item_id, token, _blob(b"r"), "h", "1"), self._tick())
+        out = txn.complete(p.TaskResult(item_id, token, _blob(b"r"), "h", "1"), self._tick(), "w")
         txn.commit()
         if item_id in self.purged:
             assert out == "unknown"
@@ -98,7 +108,14 @@ class LedgerMachine(RuleBasedStateMachine):
             assert out == "accepted"
             m.update(state="completed", done_token=token)
         else:
-            assert out == "fenced"
+            assert out == "fenced", (m, token)
+
+    def _stale(self) -> list[str]:
+        """Items ready or leased again after an earlier lease (they have a stale token, and
+        its late report could still change them). Stale tokens of items done already are
+        drawn by :meth:`complete`."""
+        return sorted(i for i, ts in self.tokens_seen.items()
+                      if len(ts) > 1 and self.model[i]["state"] in ("ready", "leased"))
 
     @precondition(lambda self: self._ids("leased"))
     @rule(data=st.data(), how=st.sampled_from(["handler_error", "released", "fatal"]))
@@ -106,15 +123,76 @@ class LedgerMachine(RuleBasedStateMachine):
         item_id = data.draw(st.sampled_from(self._ids("leased")))
         m = self.model[item_id]
         txn = self.ledger.begin()
-        out = txn.fail(p.TaskFailure(item_id, m["token"], how, how != "fatal"), self._tick())
+        out = txn.fail(p.TaskFailure(item_id, m["token"], how, how != "fatal"), self._tick(), "w")
         txn.commit()
         assert out == "accepted"
+        m["fail_token"] = m["token"]
         if how == "released":
             m.update(state="ready", attempt=m["attempt"] - 1)
         elif how == "fatal" or m["attempt"] >= m["max"]:
             m["state"] = "dead"
         else:
             m["state"] = "ready"
+
+    @precondition(lambda self: self._stale())
+    @rule(data=st.data(), how=st.sampled_from(["handler_error", "released", "fatal"]))
+    def fail_stale(self, data, how: str) -> None:
+        """A late FAIL from the same worker with a token older than the item's current one:
+        fenced (a replay of the last accepted failure: duplicate); the item is unchanged."""
+        item_id = data.draw(st.sampled_from(self._stale()))
+        self.fail_with(item_id, data.draw(st.sampled_from(self.tokens_seen[item_id][:-1])), how)
+
+    def fail_with(self, item_id: str, token: int, how: str) -> None:
+        m = self.model[item_id]
+        txn = self.ledger.begin()
+        out = txn.fail(p.TaskFailure(item_id, token, how, how != "fatal"), self._tick(), "w")
+        txn.commit()
+        assert out == ("duplicate" if m.get("fail_token") == token else "fenced"), (m, token)
+
+    @precondition(lambda self: self._ids("ready"))
+    @rule(data=st.data(), cycles=st.integers(1, 3), end=st.sampled_from(["expire", "release"]),
+          late=st.sampled_from(["", "complete", "fail"]))
+    def lease_and_expire(self, data, cycles: int, end: str, late: str) -> None:
+        """One ready item leased and its lease ended at once (expired, or given back
+        unsent: attempt not counted), up to ``cycles`` times while it is ready again; then,
+        if ``late``, the first attempt's COMPLETE or FAIL arrives late. A bias toward the
+        lease / expire cycles that leave an item ready with stale tokens (a random walk
+        over all the rules reached "ready again, first token reported" only at
+        max_examples=400)."""
+        item_id = data.draw(st.sampled_from(self._ids("ready")))
+        for _ in range(cycles):
+            if self.model[item_id]["state"] != "ready":
+                break
+            self.lease_and_expire_one(item_id, release=end == "release")
+        tokens = self.tokens_seen.get(item_id, [])
+        if late and len(tokens) > 1:
+            if late == "complete":
+                self.complete_with(item_id, tokens[0])
+            else:
+                self.fail_with(item_id, tokens[0], "fatal")
+
+    def lease_and_expire_one(self, item_id: str, *, release: bool = False) -> None:
+        m = self.model[item_id]
+        now = self._tick()
+        txn = self.ledger.begin()
+        t = txn.lease(item_id, "w", now, 10_000)
+        txn.commit()
+        if t is None:  # not due yet (a backoff): nothing happened
+            assert m["state"] == "ready"
+            return
+        assert t.token > max(self.tokens_seen.get(item_id, [0]))
+        m.update(state="leased", token=t.token, attempt=m["attempt"] + 1)
+        self.tokens_seen.setdefault(item_id, []).append(t.token)
+        txn = self.ledger.begin()
+        if release:
+            assert txn.release(item_id, t.token, self._tick())
+            txn.commit()
+            m.update(state="ready", attempt=m["attempt"] - 1)
+            return
+        new = txn.expire_lease(item_id, t.token, self._tick())
+        txn.commit()
+        m["state"] = "dead" if m["attempt"] >= m["max"] else "ready"
+        assert new == m["state"]
 
     @precondition(lambda self: self._ids("leased"))
     @rule(data=st.data())
@@ -177,3 +255,28 @@ LedgerMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestLedgerStateMachine = LedgerMachine.TestCase
+
+
+def test_stale_tokens_after_two_lease_expire_cycles() -> None:
+    """The steps the machine must find within its budget, spelled out: lease, expire,
+    lease, expire, then a COMPLETE and a FAIL with the first token (fenced, the item
+    still ready with the second), then the second token's late result (accepted)."""
+    m = LedgerMachine()
+    try:
+        m.submit(key="k0", kind="a", max_attempts=0)
+        (item_id,) = m.model
+        for _ in range(2):
+            m.lease_and_expire_one(item_id)
+            m.balanced_and_matches_model()
+        first, second = m.tokens_seen[item_id]
+        m.complete_with(item_id, first)
+        m.balanced_and_matches_model()
+        assert m.model[item_id]["state"] == "ready"
+        txn = m.ledger.begin()
+        assert txn.fail(p.TaskFailure(item_id, first, "fatal", False), m._tick(), "w") == "fenced"
+        txn.commit()
+        m.complete_with(item_id, second)
+        m.balanced_and_matches_model()
+        assert m.model[item_id]["state"] == "completed"
+    finally:
+        m.teardown()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import types
+import typing
 from pathlib import Path
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ccsq.common.wire import protocol as p
@@ -263,20 +266,202 @@ def test_framing_errors(pki) -> None:
     assert exc.value.code == p.REJECT_VERSION
 
 
+REJECT_CODES = frozenset(v for k, v in vars(p).items() if k.startswith("REJECT_") and type(v) is str)
+
+
+def _fuzz_sources() -> list[tuple[str, p.Message]]:
+    """(sender, message) pairs the fuzz mutates: each sample from a role that may send it."""
+    out = []
+    for msg in sample_messages():
+        for sender, role in (("worker-1", p.Role.WORKER), ("producer-1", p.Role.PRODUCER)):
+            if msg.TYPE in p.ROLE_MAY_SEND[role]:
+                out.append((sender, msg))
+                break
+    return out
+
+
 def test_random_frames_never_crash_decoder(pki) -> None:
-    """Random and mutated frames only ever raise DecodeError (never another exception)."""
-    broker = pki("broker")
-    good, good_sig = pki("worker-1").encode(sample_messages()[2])
+    """Random and mutated frames only ever raise DecodeError with a REJECT_* code (never
+    another exception). Mutated frames are signed again by their sender (an authenticated
+    peer sending garbage: otherwise every mutation stops at BAD_SIGNATURE and the body
+    decoder is never reached). A mutated frame that decodes must be what its bytes say
+    and valid by the codec's own rules (:func:`assert_decoded_frame_is_sound`)."""
+    sources = [(sender, pki(sender), *pki(sender).encode(msg)) for sender, msg in _fuzz_sources()]
+    envelopes = [msgpack.unpackb(payload, raw=False) for _, _, payload, _ in sources]
+    good_sig = sources[0][3]
+    decoded = []
+
+    def byte_edits(i: int):  # bytes rewritten in place, maybe some appended
+        return st.tuples(st.just("bytes"), st.just(i), st.lists(
+            st.tuples(st.integers(0, len(sources[i][2]) - 1), st.integers(0, 255)), min_size=1, max_size=8),
+            st.binary(max_size=3))
+
+    def value_edits(i: int):  # one value in the body replaced: well-formed msgpack, wrong content
+        paths = _value_paths(envelopes[i][6])
+        return st.integers(0, len(paths) - 1).flatmap(lambda n: st.tuples(
+            st.just("value"), st.just(i), st.just(n), _near(_get_value(envelopes[i][6], paths[n]))))
+
+    def at(i: int, *path) -> int:
+        return _value_paths(envelopes[i][6]).index(path)
+
+    types_ = [msg.TYPE for _, msg in _fuzz_sources()]
+    submit, complete = types_.index(p.MsgType.SUBMIT), types_.index(p.MsgType.COMPLETE)
 
     @settings(max_examples=400, deadline=None)
-    @given(st.one_of(st.binary(max_size=512), st.builds(_mutate, st.just(good), st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), min_size=1, max_size=8))))
-    def check(payload: bytes) -> None:
+    @given(st.one_of(
+        st.tuples(st.just("random"), st.binary(max_size=512)),
+        st.integers(0, len(sources) - 1).flatmap(byte_edits),
+        st.integers(0, len(sources) - 1).flatmap(value_edits),
+    ))
+    # near misses, always tried: a digest in upper case, a negative size, a bool for an
+    # integer, an integer for a float (converted), a NaN, a byte after the envelope
+    @example(("value", submit, at(submit, "items", 0, "payload", "sha256"), "AB" * 32))
+    @example(("value", submit, at(submit, "items", 0, "payload", "size"), -1))
+    @example(("value", complete, at(complete, "results", 0, "token"), True))
+    @example(("value", complete, at(complete, "results", 0, "runtime_s"), 1))
+    @example(("value", complete, at(complete, "results", 0, "runtime_s"), float("nan")))
+    @example(("bytes", 0, [(0, sources[0][2][0])], b"\x00"))
+    def check(case) -> None:
+        if case[0] == "random":
+            frames = [case[1], good_sig]
+        else:
+            i = case[1]
+            if case[0] == "bytes":
+                payload = _mutate(sources[i][2], case[2]) + case[3]
+            else:
+                env = list(envelopes[i])
+                env[6] = _replace_value(env[6], _value_paths(env[6])[case[2]], case[3])
+                payload = msgpack.packb(env, use_bin_type=True)
+            frames = [payload, sources[i][1]._key.sign(payload)]
+        broker = pki("broker", require_hello=False)  # a fresh replay guard per frame
         try:
-            broker.decode([payload, good_sig])
-        except DecodeError:
-            pass
+            env = broker.decode(frames)
+        except DecodeError as exc:
+            assert exc.code in REJECT_CODES, (type(exc).__name__, exc.code, str(exc))
+            return
+        assert_decoded_frame_is_sound(pki, frames[0], env)
+        decoded.append(env)
 
     check()
+    assert decoded
+
+
+#: Values a buggy or hostile peer may put in any field: every msgpack type, near-miss
+#: digests (64 chars, not all lowercase hex), nested containers.
+WIRE_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1) | st.floats() | st.text(max_size=40)
+    | st.binary(max_size=40) | st.text(alphabet="0123456789abcdefABCDEFg", min_size=64, max_size=64),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
+    max_leaves=4,
+)
+
+
+def _near(value):
+    """Values like ``value`` (its type mostly, with its neighbours: bool for int, int for
+    float, bytes for str...), or anything."""
+    t = type(value)
+    like = {
+        bool: st.booleans() | st.integers(0, 1),
+        int: st.integers(-(2 ** 63), 2 ** 64 - 1) | st.booleans() | st.floats(),
+        float: st.floats() | st.integers(-(2 ** 63), 2 ** 64 - 1),
+        str: st.text(max_size=40) | st.text(alphabet="0123456789abcdefABCDEFg", min_size=64, max_size=64) | st.binary(max_size=40),
+        bytes: st.binary(max_size=40) | st.text(max_size=40),
+    }.get(t)
+    return WIRE_VALUES if like is None else st.one_of(like, like, WIRE_VALUES)
+
+
+def _get_value(body, path: tuple):
+    for k in path:
+        body = body[k]
+    return body
+
+
+def _value_paths(body, path: tuple = ()) -> list[tuple]:
+    """Paths (keys / indexes) to every value inside ``body``, containers included."""
+    out = [path] if path else []
+    if type(body) is dict:
+        for k, v in body.items():
+            out += _value_paths(v, path + (k,))
+    elif type(body) is list:
+        for n, v in enumerate(body):
+            out += _value_paths(v, path + (n,))
+    return out
+
+
+def _replace_value(body, path: tuple, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if type(body) is dict:
+        return {**body, head: _replace_value(body[head], rest, value)}
+    return [_replace_value(v, rest, value) if n == head else v for n, v in enumerate(body)]
+
+
+def assert_decoded_frame_is_sound(pki, payload: bytes, env) -> None:
+    """A frame the codec accepted: the whole payload is one msgpack envelope (nothing
+    trailing) whose header is the envelope's; the message's fields hold exactly their
+    declared types; the reference decoder agrees on the body (the same message, its
+    ``__post_init__`` rules included); and the message re-encodes within the codec's
+    limits and decodes back to itself."""
+    msg = env.message
+    raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)  # ExtraData: bytes after the envelope
+    assert type(raw) is list and len(raw) == 7, raw
+    assert raw[:6] == [p.PROTOCOL_VERSION, int(msg.TYPE), env.sender, env.session, env.seq, env.ts_ms], raw[:6]
+    assert type(msg) is p.MESSAGE_CLASSES[p.MsgType(raw[1])]
+    _assert_well_typed(msg, type(msg), type(msg).__name__)
+    assert _same(p._slow_decode_body(int(msg.TYPE), raw[6]), msg)
+    assert _same(p.decode_body(int(msg.TYPE), msgpack.unpackb(_packed(msg), raw=False)), msg)
+    again = pki("broker", require_hello=False).decode(pki(env.sender).encode(msg))  # raises if over max_frame_bytes
+    assert _same(again.message, msg)
+
+
+def _packed(msg: p.Message) -> bytes:
+    return msgpack.packb(p.encode_body(msg), use_bin_type=True)
+
+
+def _same(a: p.Message, b: p.Message) -> bool:
+    """Equal messages (a NaN field, which never equals itself, compared by its encoding)."""
+    return type(a) is type(b) and (a == b or _packed(a) == _packed(b))
+
+
+def _assert_well_typed(value, tp, path: str) -> None:
+    """``value`` holds exactly type ``tp`` (bool is not int, int is not float), all the way down."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            assert type(None) in args, f"{path}: None for {tp}"
+            return
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    _assert_well_typed(value, arg, path)
+                    return
+                except AssertionError:
+                    pass
+        raise AssertionError(f"{path}: {type(value).__name__} {value!r:.80} matches no variant of {tp}")
+    if origin is list:
+        assert type(value) is list, f"{path}: {type(value).__name__} is not a list"
+        (elem,) = typing.get_args(tp)
+        for n, x in enumerate(value):
+            _assert_well_typed(x, elem, f"{path}[{n}]")
+        return
+    if origin is dict:
+        assert type(value) is dict, f"{path}: {type(value).__name__} is not a dict"
+        ktp, vtp = typing.get_args(tp)
+        for k, x in value.items():
+            _assert_well_typed(k, ktp, f"{path} key")
+            _assert_well_typed(x, vtp, f"{path}.{k}")
+        return
+    if dataclasses.is_dataclass(tp):
+        assert type(value) is tp, f"{path}: {type(value).__name__} is not {tp.__name__}"
+        hints = typing.get_type_hints(tp)
+        for f in dataclasses.fields(tp):
+            _assert_well_typed(getattr(value, f.name), hints[f.name], f"{path}.{f.name}")
+        return
+    if tp is typing.Any:
+        return
+    assert type(value) is tp, f"{path}: {type(value).__name__} {value!r:.80} is not {tp.__name__}"
 
 
 def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
