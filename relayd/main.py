@@ -1,7 +1,9 @@
 """``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
-0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
+0 after SIGTERM/SIGINT; 77 UNAUTHORIZED (every link was refused by one of its brokers: a
+key, CURVE key or trust entry is missing; one refused link among working ones only stops
+that link, loudly); 78 CONFIG (bad relayd.toml, keys, trust or claim store URI);
 75 TEMPFAIL (another ccsq-relayd holds the journal_dir; transient); 1 a bug.
 """
 
@@ -47,7 +49,7 @@ def run(config_path: str) -> int:
         return _die(ExitCode.TEMPFAIL, str(exc))
     try:
         from ccsq.relayd.metrics import start_relay_metrics
-        from ccsq.relayd.relay import Relay
+        from ccsq.relayd.relay import Relay, RelayRefused
 
         try:
             relay = Relay(cfg, journal)
@@ -58,9 +60,13 @@ def run(config_path: str) -> int:
             return _die(ExitCode.FAILURE, str(exc))
         except PortInUse as exc:  # the old instance still exiting: transient
             return _die(ExitCode.TEMPFAIL, f"transient: {exc}")
-        asyncio.run(_serve(relay, notifier))
-        if metrics is not None:
-            metrics.shutdown()
+        try:
+            asyncio.run(_serve(relay, notifier))
+        except RelayRefused as exc:
+            return _die(ExitCode.UNAUTHORIZED, f"every link was refused: {exc}")
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
     finally:
         journal.close()
     return int(ExitCode.OK)
