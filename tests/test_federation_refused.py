@@ -82,3 +82,36 @@ def test_relay_whose_every_link_is_refused_exits_77(tmp_path: Path) -> None:
         assert "every link was refused" in relay.log_path.read_text()  # the reason on stderr
         doc = pair.report()
         assert doc["links"][0]["broken"]["cause"] == "downstream_refused"
+
+
+def test_refused_origins_break_the_link_in_report_and_status(tmp_path: Path) -> None:
+    """b does not trust a's origin key: b refuses every relayed item (ORIGIN_REJECTED), the
+    relay stops pulling and gives the leases back. The federation report says the link
+    is broken, since when, why and the fix (exit 77, though its books balance), and a's
+    ``ccsq status`` shows it on the relay's peer; a's own worker runs the items."""
+    with FedPair(tmp_path) as pair:
+        (tmp_path / "b" / "trusted_swarms.toml").write_text("[swarms]\n")  # a's key missing in b
+        pair.a.start_broker()
+        pair.a.start_completion()
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        relay = pair.start_relay()
+        pair.wait_connected()
+        with pair.a.client() as client:
+            for i in range(4):
+                client.submit(f"untrusted-{i}".encode(), "echo")
+        wait_until(lambda: relay.count("link_broken", cause="origin_rejected") >= 1, 30, "the link broken")
+        pair.a.start_worker(1)
+        pair.a.wait_acknowledged(4, timeout_s=60)
+        wait_until(lambda: pair.report()["links"][0]["in_flight"] == 0, 30, "the link drained")
+        rc, doc, text = _report_cli(pair)
+        assert rc == 77 and doc["balanced"] is True, (rc, doc)
+        broken = doc["links"][0]["broken"]
+        assert broken["cause"] == "origin_rejected" and "trusted_swarms" in broken["fix"] and broken["since_ts"] > 0, broken
+        assert "BROKEN since" in text and "fix:" in text, text
+        out = subprocess.run([bin_path("ccsq"), "status", "--config", str(pair.a.configs["admin"])],
+                             capture_output=True, text=True, timeout=30).stdout
+        assert "relay-a-to-b-up: federation link BROKEN" in out and "trusted_swarms" in out, out
+        assert relay.running
+        assert pair.a.report()["dead"] == 0
