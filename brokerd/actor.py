@@ -374,7 +374,7 @@ class Broker:
             uptime_s=lambda: time.monotonic() - self._started_mono,
             send_counts=lambda: {"again": self.transport.sent_again, "unroutable": self.transport.sent_unroutable},
             ledger_full_since_ms=lambda: self.ledger_full_since_ms, deliveries_in_flight=self.delivery.count,
-            wake_dispatch=self._wake_dispatch, set_draining=set_draining)
+            wake_dispatch=self._wake_dispatch, set_draining=set_draining, noise=self.intake.noise)
 
     # --- the transaction of a turn ---
     def _background_due(self, now: float) -> bool:

@@ -30,6 +30,7 @@ same answer by construction (tests/test_admin_cli.py checks it).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -126,6 +127,7 @@ class BrokerView:
     deliveries_in_flight: Callable[..., int]  # (peer_id=None) -> results sent, not yet acknowledged
     wake_dispatch: Callable[[], None]
     set_draining: Callable[[str, bool], None]
+    noise: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reconnect noise by code
 
 
 class AdminCommands:
@@ -187,6 +189,7 @@ class AdminCommands:
             },
             "peers": peers,
             "rejects": dict(b.rejects),
+            "reconnect_noise": dict(b.noise),  # frames of sessions that had ended here: not refusals
             "send": b.send_counts(),
             "ledger": {
                 "map_size_bytes": b.ledger.map_size_bytes(),
