@@ -583,6 +583,8 @@ class Broker:
             elif isinstance(msg, (p.Status, p.Cancel)):
                 if isinstance(msg, p.Cancel):  # only READY items: a running one is the worker's to finish
                     for i in msg.item_ids:
+                        if sess.role is p.Role.RELAY and ((txn.record(i) or {}).get("reply_to") != sess.peer_id):
+                            continue  # a relay cancels only the items it submitted (docs/federation.md)
                         if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
                             batch.log("info", "item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]

@@ -68,6 +68,8 @@ COUNTERS = (
     "blobs_copied",
     "lost_leases",  # rows whose upstream lease was found lost (released at a reconnect while past leased)
     "accepted_late",  # ... whose result the upstream still accepted (no new lease had taken it: G8)
+    "partition_released",  # submitted rows given back upstream after downstream_hold_max_s of partition
+    "cancelled_down",  # ... whose downstream copy was then cancelled before it started (dead there: cancelled)
 )
 
 _SCHEMA = (

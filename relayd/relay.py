@@ -123,6 +123,8 @@ class LinkRunner:
         self._copying: set[Key] = set()  # claim-check copies under way
         self._last_status = time.monotonic()
         self._down_lost_mono: float | None = time.monotonic()
+        self._cancel_down: set[str] = set()  # downstream items to cancel once reachable (given back after a partition)
+        self._cancel_reqs: set[int] = set()
 
     # --- helpers ---
     def _next_req(self) -> int:
@@ -311,6 +313,11 @@ class LinkRunner:
     def _down_connect(self, welcome: p.Welcome) -> None:
         self._down_lost_mono = None
         self.log.info("downstream_connected", in_flight=len(self.rows))
+        if self._cancel_down:  # copies of leases given back during the partition: only those not started yet
+            for chunk in split_frames(sorted(self._cancel_down), max_items=MAX_ITEMS_PER_FRAME):
+                req = self._next_req()
+                self._cancel_reqs.add(req)
+                self.down.send(p.Cancel(req, chunk))
         self._fixed("downstream_refused")
         self._resend(force=True)
 
@@ -378,6 +385,9 @@ class LinkRunner:
             return self._on_result(msg.deliveries)
         elif isinstance(msg, p.AckOk):
             self._on_ack_ok(set(msg.item_ids) | set(msg.unknown))
+        elif isinstance(msg, p.StatusReply) and msg.req in self._cancel_reqs:
+            self._cancel_reqs.discard(msg.req)
+            self._on_cancelled(msg.items)
         elif isinstance(msg, p.StatusReply):
             self._on_status(msg.items)
         elif isinstance(msg, p.Error):
@@ -515,6 +525,16 @@ class LinkRunner:
                 except OSError as exc:
                     self.log.warning("blob_delete_failed", sha256=sha, error=str(exc)[:200])
 
+    def _on_cancelled(self, items: list[p.ItemStatus]) -> None:
+        """The downstream's answer to our CANCEL of copies given back after a partition: dead
+        (cancelled) = never ran there; any other state = it ran or runs (its result, if any,
+        comes back with no row: an orphan, acknowledged and discarded)."""
+        cancelled = [st.item_id for st in items if st.state == p.ItemState.DEAD.value and st.error == p.FailReason.CANCELLED.value]
+        self._cancel_down.difference_update(st.item_id for st in items)
+        if cancelled:
+            self.journal.count(self.name, "cancelled_down", len(cancelled))
+        self.log.info("downstream_copies_cancelled", cancelled=len(cancelled), ran=len(items) - len(cancelled))
+
     def _on_status(self, items: list[p.ItemStatus]) -> None:
         failures: list[p.TaskFailure] = []
         for st in items:
@@ -566,6 +586,17 @@ class LinkRunner:
             self.log.warning("downstream_unreachable_release", items=len(give_back))
             self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, "downstream unreachable")
                         for r in give_back], "released")
+        hold_s = self.rcfg.downstream_hold_max_s
+        pinned = [r for r in self.rows.values() if r.state == SUBMITTED and not r.lost]
+        if hold_s > 0 and pinned and now - self._down_lost_mono >= hold_s and self._ready(self.up):
+            # a partition must not pin work downstream while the upstream may have idle
+            # workers: give the leases back (released, no attempt counted); each copy is
+            # cancelled once the downstream is reachable, unless it has started there
+            self.log.warning("downstream_partition_release", items=len(pinned), unreachable_s=round(now - self._down_lost_mono, 1))
+            self._cancel_down.update(r.down_item for r in pinned if r.down_item)
+            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED,
+                                     f"downstream unreachable for {hold_s:g} s (downstream_hold_max_s)") for r in pinned],
+                       "partition_released")
 
     async def tick(self) -> None:
         while True:
