@@ -24,6 +24,9 @@ federation report (:mod:`ccsq.relayd.report`) balances after any crash::
 
     leased == in_flight (rows) + ended_acked + ended_failed + ended_released
 
+Table ``link_status`` holds one row per broken link (a swarm refused it: cause, reason,
+fix, since when), kept until the cause is seen fixed; the federation report shows it.
+
 The journal is single-writer (``flock`` on ``<journal_dir>/LOCK``; a second relay
 on the same directory gets :class:`~ccsq.workerd.journal.JournalLocked`).
 """

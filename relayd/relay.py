@@ -3,11 +3,18 @@ their results back, one :class:`LinkRunner` per ``[[links]]`` table (docs/federa
 
 Per link, two sessions (:class:`~ccsq.common.link.peer.BrokerLink`, role ``relay``):
 
-* **upstream** (``relay_side = upstream``): the relay holds leases like a worker. It
-  grants credit only while the downstream reports free worker capacity for the link's
-  kinds (``cap:<kind>`` in the downstream broker's heartbeats), lists its leases in
-  every heartbeat (extension), and reports each result with COMPLETE under the lease's
+* **upstream** (``relay_side = upstream``): the relay holds leases like a worker. Its
+  credit there follows the downstream's free worker capacity for the link's kinds
+  (``cap:<kind>`` in the downstream broker's heartbeats, less items submitted since,
+  plus results since): more with CREDIT, less with a negative CREDIT, resynced by the
+  upstream's heartbeats (``credit``, ``credit_msgs``). It lists its leases in every
+  heartbeat (extension), and reports each result with COMPLETE under the lease's
   fencing token, carrying the downstream broker's signed proof.
+
+A side refused for good by its broker stops only that link (:meth:`LinkRunner._side_refused`);
+:class:`Relay` raises :class:`RelayRefused` (exit 77) when every link is refused. After
+``downstream_hold_max_s`` of downstream partition, submitted leases go back upstream and
+their copies are cancelled once the downstream is reachable.
 * **downstream** (``relay_side = downstream``): the relay SUBMITs each leased item
   with the upstream broker's origin signature and the origin key
   (``origin:<swarm>:<item>``: a resubmission is a dedup hit); the downstream routes the
