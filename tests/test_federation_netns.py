@@ -155,3 +155,23 @@ def test_refused_link_beside_a_working_one_and_capacity_across_namespaces(tmp_pa
         assert cli.returncode == 77 and "LINK BROKEN: b-to-a" in cli.stdout, cli.stdout + cli.stderr
         rep_a, rep_b = pair.a.report(), pair.b.report()
         assert rep_a["balanced"] and rep_b["balanced"], (rep_a, rep_b)
+
+
+def test_relay_refused_by_curve_allow_list_exits_77_across_namespaces(tmp_path: Path) -> None:
+    """b's CURVE allow-list lacks the relay's key (its entry has no curve_public_key): b
+    refuses the handshake (CURVE_REFUSED); the relay's only link is refused, so it exits
+    77 (not 0 after an info-level relay_stopped), and the report names the fix."""
+    from tests.fedswarm import deauthorize
+
+    with NetNs() as net, FedPair(tmp_path, handler="sleep", kinds=("sleep",), net=net) as pair:
+        deauthorize(pair.b, "relay-a-to-b-down", curve_only=True)
+        pair.a.start_broker()
+        pair.b.start_broker()
+        relay = pair.start_relay(wait=False)
+        wait_until(lambda: not relay.running, 60, "the refused relay to exit")
+        assert relay.popen.returncode == 77, relay.popen.returncode
+        stopped = [e for e in relay.events() if e.get("event") == "relay_stopped"]
+        assert stopped and stopped[-1]["level"] == "error", stopped
+        broken = pair.report()["links"][0]["broken"]
+        assert broken["cause"] == "downstream_refused" and "CURVE_REFUSED" in broken["reason"], broken
+        assert "curve_public_key" in broken["fix"], broken
