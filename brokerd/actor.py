@@ -381,7 +381,7 @@ class Broker:
             uptime_s=lambda: self.clock.monotonic_s() - self._started_mono,
             send_counts=lambda: {"again": self.transport.sent_again, "unroutable": self.transport.sent_unroutable},
             ledger_full_since_ms=lambda: self.ledger_full_since_ms, deliveries_in_flight=self.delivery.count,
-            wake_dispatch=self._wake_dispatch, set_draining=set_draining, clock=self.clock)
+            wake_dispatch=self._wake_dispatch, set_draining=set_draining, clock=self.clock, noise=self.intake.noise)
 
     # --- the transaction of a turn ---
     def _background_due(self, now: float) -> bool:
@@ -595,6 +595,8 @@ class Broker:
             elif isinstance(msg, (p.Status, p.Cancel)):
                 if isinstance(msg, p.Cancel):  # only READY items: a running one is the worker's to finish
                     for i in msg.item_ids:
+                        if sess.role is p.Role.RELAY and ((txn.record(i) or {}).get("reply_to") != sess.peer_id):
+                            continue  # a relay cancels only the items it submitted (docs/federation.md)
                         if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
                             batch.log("info", "item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]

@@ -30,6 +30,7 @@ same answer by construction (tests/test_admin_cli.py checks it).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -128,6 +129,7 @@ class BrokerView:
     wake_dispatch: Callable[[], None]
     set_draining: Callable[[str, bool], None]
     clock: Clock = SYSTEM_CLOCK  # the actor's (ledger timestamps of the commands that change state)
+    noise: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reconnect noise by code
 
 
 class AdminCommands:
@@ -189,6 +191,7 @@ class AdminCommands:
             },
             "peers": peers,
             "rejects": dict(b.rejects),
+            "reconnect_noise": dict(b.noise),  # frames of sessions that had ended here: not refusals
             "send": b.send_counts(),
             "ledger": {
                 "map_size_bytes": b.ledger.map_size_bytes(),

@@ -81,6 +81,9 @@ class Dispatcher:
         budget_end = self.clock.monotonic_s() + self.cfg.slice_budget_ms / 1000.0
         k = self._rr % len(takers)
         takers = takers[k:] + takers[:k]
+        # this swarm's own workers first, relays after them (stable: round-robin within each):
+        # a relay gets only what the local workers with credit left (RabbitMQ federated queues)
+        takers.sort(key=lambda s: s.role is p.Role.RELAY)
         batch.effects.append(self._advance_round_robin)  # after commit: a retried step starts at the same taker
         ttl_ms = self.leases.ttl_ms
         next_at = float("inf")

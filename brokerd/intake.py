@@ -10,7 +10,11 @@ and, where allowed, answered (docs/security.md).
   broker no more than its frames.
 - Counts: :attr:`Intake.rejects` (since start; metric ``ccsq_frames_rejected``) and
   :attr:`Intake.unsaved` (not yet added to the ledger's counters; the actor's next
-  transaction writes and clears it).
+  transaction writes and clears it). Reconnect noise (:data:`RECONNECT_NOISE`: a known
+  peer's frame of a session this broker no longer has, e.g. after a broker restart or a
+  session it ended) is not a refusal: it counts apart, in :attr:`Intake.noise` (metric
+  ``ccsq_reconnect_noise_frames``; in the ledger under ``noise:<code>``, the gap report's
+  ``reconnect_noise``), and logs at info level, rate-limited like refusals.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ STRANGER_ANSWERS = {
     # a session-MAC-tagged frame with no MAC session (e.g. the broker restarted): reconnect
     p.REJECT_NO_SESSION: "no session: {peer!r} must reconnect and send HELLO",
 }
+#: Codes that mean "this peer's session is gone here, it must say HELLO again" (every
+#: reconnect after a broker restart or a session the broker ended): counted apart.
+RECONNECT_NOISE = frozenset({p.REJECT_NO_SESSION})
+#: Ledger reject-counter prefix of reconnect noise (``brokerd/report.py`` splits it off).
+NOISE_PREFIX = "noise:"
 STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
 STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
@@ -62,6 +71,7 @@ class Intake:
         self._end_session = end_session
         self.rejects: collections.Counter = collections.Counter()  # code -> refused frames since start
         self.unsaved: collections.Counter = collections.Counter()  # code -> refused frames not yet in the ledger
+        self.noise: collections.Counter = collections.Counter()  # code -> reconnect-noise frames since start
         self._reject_logged: dict[tuple[bytes | str, str], float] = {}
         self._reject_window_mono, self._reject_window_lines, self._reject_lines_dropped = -1e9, 0, 0
         self._stranger_answered: dict[str, float] = {}  # claimed peer id -> when last answered
@@ -87,9 +97,15 @@ class Intake:
 
     def count_reject(self, code: str, reason: str, peer: str | None, rid: bytes, now: float) -> None:
         """Count a refused frame (metric ccsq_frames_rejected, persisted) and log it at most
-        once per REJECT_LOG_INTERVAL_S per claimed peer id (per connection when none)."""
-        self.rejects[code] += 1
-        self.unsaved[code] += 1
+        once per REJECT_LOG_INTERVAL_S per claimed peer id (per connection when none).
+        Reconnect noise (:data:`RECONNECT_NOISE`) counts apart and logs at info."""
+        noise = code in RECONNECT_NOISE
+        if noise:
+            self.noise[code] += 1
+            self.unsaved[NOISE_PREFIX + code] += 1
+        else:
+            self.rejects[code] += 1
+            self.unsaved[code] += 1
         key = (peer or rid, code)
         if now - self._reject_logged.get(key, -1e9) >= REJECT_LOG_INTERVAL_S:
             if now - self._reject_window_mono >= REJECT_LOG_INTERVAL_S:  # a new window for all peers together
@@ -104,7 +120,11 @@ class Intake:
             if len(self._reject_logged) > 10_000:
                 self._reject_logged.clear()
             self._reject_logged[key] = now
-            log.warning("frame_rejected", code=code, reason=reason, peer=peer)
+            if noise:
+                log.info("stale_session_frame", code=code, reason=reason, peer=peer,
+                         hint="the peer reconnects (HELLO) by itself; counted as reconnect noise, not a refusal")
+            else:
+                log.warning("frame_rejected", code=code, reason=reason, peer=peer)
 
     def _may_answer_stranger(self, sender: str, now: float) -> bool:
         """Whether an unauthenticated sender may get its refusal now: at most once per

@@ -29,7 +29,10 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``ledger_stale_readers_cleared_total``;
 ``build_info{version,process,python,libzmq}``
 (every process, :mod:`ccsq.common.runtime.metrics`); ``zap_refused_total`` (CURVE
-handshakes the ZAP allow-list refused; with ``curve = true``).
+handshakes the ZAP allow-list refused; with ``curve = true``); ``handshake_failed_total{reason}``
+(connections whose ZeroMQ handshake failed: ``plain_client``, ``curve_client``, ``protocol``,
+``auth``, ``no_detail``); ``reconnect_noise_frames_total{code}`` (frames of sessions that had
+ended here, e.g. after a broker restart: not refusals).
 Workers and the completion service export their own (``workerd/metrics.py``,
 ``completiond/completion_metrics.py``).
 """
@@ -179,6 +182,13 @@ class _SnapshotCollector:
         )
         yield from _reader_metrics(snap.get("readers") or {})
         auth = getattr(self.broker.transport, "auth", None)
+        watch = getattr(self.broker.transport, "handshakes", None)
+        yield _labelled(CounterMetricFamily, "ccsq_handshake_failed",
+                        "connections whose ZeroMQ handshake failed, per reason (plain_client: no CURVE at a CURVE broker)",
+                        "reason", dict(watch.failures) if watch is not None else {})
+        yield _labelled(CounterMetricFamily, "ccsq_reconnect_noise_frames",
+                        "frames of sessions that had ended here (the peer reconnects; not refusals), per code",
+                        "code", dict(self.broker.intake.noise))
         yield CounterMetricFamily(
             "ccsq_zap_refused", "CURVE handshakes refused by the ZAP allow-list (keys not in authorized_keys.toml)",
             value=auth.allow_list.refused if auth is not None else 0,

@@ -37,6 +37,7 @@ class Session:
     last_recv_mono: float = dataclasses.field(default_factory=time.monotonic)
     # --- flow control ---
     credit: int = 0  # deliveries (DISPATCH tasks / RESULT items) we may still send
+    credit_msgs: int = 0  # CREDIT frames applied in this session (a relay's upstream side resyncs its credit by it)
     slots: int = 0
     kinds: tuple[str, ...] = ()  # empty: every kind
     healthy: bool = True

@@ -97,12 +97,17 @@ class Relaying:
 
     def heartbeat_info(self) -> dict[str, dict]:
         """Heartbeat.info per relay session: to downstream relays the free worker capacity of
-        their kinds; to upstream relays of policy ``deadline`` whether this swarm's drain
-        forecast misses a kind's nearest deadline (recomputed at most every FORECAST_EVERY_S)."""
+        their kinds; to upstream relays their credit here (``credit``) and how many CREDIT
+        frames were applied (``credit_msgs``: the relay resyncs the credit it may still be
+        dispatched on, and withdraws what its downstream no longer backs), and to those of
+        policy ``deadline`` whether this swarm's drain forecast misses a kind's nearest
+        deadline (recomputed at most every FORECAST_EVERY_S)."""
         relays = relay_sessions(self.peers, fed.DOWNSTREAM)
-        pressed = [s for s in relay_sessions(self.peers, fed.UPSTREAM) if s.info_hello.get(fed.POLICY) == "deadline"]
+        upstream = relay_sessions(self.peers, fed.UPSTREAM)
+        pressed = [s for s in upstream if s.info_hello.get(fed.POLICY) == "deadline"]
+        credits = {s.peer_id: {fed.CREDIT_INFO: s.credit, fed.CREDIT_MSGS_INFO: s.credit_msgs} for s in upstream}
         if not relays and not pressed:
-            return {}
+            return credits
         with self.ledger.read() as view:
             kind_states = view.kind_states()
             workers = self.peers.sessions(p.Role.WORKER)
@@ -115,6 +120,8 @@ class Relaying:
                     self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
                                                           self.clock.wall_ms()))
                 out.update({s.peer_id: fed.deadline_pressure(self._forecast[1], s.kinds) for s in pressed})
+        for peer_id, info in credits.items():
+            out[peer_id] = {**out.get(peer_id, {}), **info}
         return out
 
     def _refused(self, txn: LedgerTxn, batch: Batch, code: str, peer: str, item: str, why: str) -> None:

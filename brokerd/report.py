@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.brokerd import gaps
+from ccsq.brokerd.intake import NOISE_PREFIX
 from ccsq.brokerd.ledger.schema import COUNTERS, STATES
 from ccsq.brokerd.ledger.store import Ledger, data_paths
 
@@ -36,7 +37,8 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ``duplicate_submits``, ``fenced_completions``, ``redelivered``, ...); ``ready``
     and ``leased`` (current per-state counts); ``counters`` and ``states`` (dicts);
     ``balanced`` (bool: received == sum of per-state counts); ``epoch``;
-    ``rejects`` ({reason: count}); ``backlog`` ({kind: {state: count}});
+    ``rejects`` ({reason: count}; refused frames and items); ``reconnect_noise`` ({code:
+    count}: frames of sessions that had ended here, counted apart: not refusals); ``backlog`` ({kind: {state: count}});
     ``ledger`` (map size and use, bytes); ``windows``: a list of
     {id, name, where, why, repair, counter, count, recent: [events newest first]};
     ``queues``: per kind the backlog and drain forecast (see :func:`queue_forecast`);
@@ -54,6 +56,8 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
             states = view.states()
             gap_counts = view.gap_counts()
             epoch, rejects = view.epoch(), view.rejects()
+            noise = {k[len(NOISE_PREFIX):]: v for k, v in rejects.items() if k.startswith(NOISE_PREFIX)}
+            rejects = {k: v for k, v in rejects.items() if not k.startswith(NOISE_PREFIX)}
             used = ledger.used_bytes(view.txn)
         with ledger.read() as view:
             samples = view.samples()
@@ -86,6 +90,7 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "epoch": epoch,
                 "ledger_id": ledger.ledger_id,
                 "rejects": rejects,
+                "reconnect_noise": noise,
                 "backlog": kinds,
                 "ledger": {"map_size_bytes": ledger.map_size_bytes(), "used_bytes": used},
                 "windows": windows,
@@ -209,6 +214,9 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
     console.print(f"received = ready + leased + completed + acknowledged + dead + expired: {verdict}")
     if report.get("rejects"):
         console.print("rejected frames: " + ", ".join(f"{k}={v}" for k, v in sorted(report["rejects"].items())))
+    if report.get("reconnect_noise"):
+        console.print("reconnect noise (frames of sessions that had ended; peers reconnected): "
+                      + ", ".join(f"{k}={v}" for k, v in sorted(report["reconnect_noise"].items())))
     wt = Table(title="gap register")
     wt.add_column("id")
     wt.add_column("window")

@@ -235,6 +235,12 @@ class Sessions:
         sess.info.update(msg.info)
 
     def _on_credit(self, sess: Session, msg: p.Credit, seq: int) -> None:
+        sess.credit_msgs += 1
+        if msg.credit < 0 and sess.role is p.Role.RELAY:
+            # a relay withdraws credit its downstream no longer backs (docs/federation.md):
+            # whatever was already dispatched on it stays dispatched; the rest is gone
+            sess.credit = max(0, sess.credit + msg.credit)
+            return
         if msg.credit <= 0:
             self.outbound.send(sess.routing_id, p.Error(p.REJECT_MALFORMED, "credit must be > 0", seq))
             return

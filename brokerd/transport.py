@@ -4,13 +4,22 @@ Only the broker actor's task uses it. Sends never block: :meth:`Transport.send`
 returns :data:`SENT`, :data:`AGAIN` (the peer's pipe is at its high-water mark:
 keep the message and retry) or :data:`UNROUTABLE` (no such peer:
 ROUTER_MANDATORY makes this an error instead of a silent drop).
+
+Connections whose ZeroMQ handshake fails (a plain client at a CURVE broker, a CURVE
+client at a plain one, a wrong server key, garbage) never reach the codec: a socket
+monitor (:class:`HandshakeWatch`, its own thread) counts them by reason (metric
+``ccsq_handshake_failed``) and logs ``handshake_failed`` at most once per
+:data:`HANDSHAKE_LOG_INTERVAL_S` per reason. ZAP refusals (a CURVE key not listed) are
+the ZAP handler's (``ccsq_zap_refused``, ``curve_peer_refused``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -46,6 +55,10 @@ RCVHWM_MAX = 256
 RCVHWM_MIN = 4
 #: A refused CURVE key is logged at most once per this many seconds.
 ZAP_LOG_INTERVAL_S = 60.0
+#: A failed ZeroMQ handshake is logged at most once per this many seconds per reason.
+HANDSHAKE_LOG_INTERVAL_S = 60.0
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def rcvhwm_for(max_frame_bytes: int) -> int:
@@ -167,6 +180,7 @@ class Transport:
                 raise EndpointInUse(f"endpoint {endpoint} is already in use (another broker running?)") from None
             raise
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.handshakes = HandshakeWatch(self.sock, curve=self.curve)
         self.fd = self.sock.getsockopt(zmq.FD)
         self._waiter: asyncio.Future | None = None
         self.sent_again = 0  # sends refused with EAGAIN (peer pipe full)
@@ -239,11 +253,75 @@ class Transport:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket; ``linger_ms`` bounds how long queued sends (BYE) may still go out."""
+        if getattr(self, "handshakes", None) is not None:
+            self.handshakes.stop(self.sock)
         self.sock.close(linger=linger_ms)
         if self.auth is not None:
             self.auth.stop()
             self.auth = None
         self.ctx.term()
+
+
+class HandshakeWatch:
+    """Counts and logs (rate-limited) connections whose ZeroMQ handshake failed on the
+    ROUTER (see the module doc). ``failures``: reason -> connections since start (read by
+    the metrics; written only by this watch's thread)."""
+
+    def __init__(self, sock: zmq.Socket, *, curve: bool) -> None:
+        self.curve = curve
+        self.failures: collections.Counter = collections.Counter()
+        self._logged: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._mon = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
+        self._thread = threading.Thread(target=self._run, name="handshake-watch", daemon=True)
+        self._thread.start()
+
+    def reason(self, event: int, value: int) -> str:
+        """A short reason for one failed handshake (the metric's label)."""
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "plain_client" if self.curve else "curve_client"  # the other security mechanism
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return "auth"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return "protocol"
+        return "no_detail"  # e.g. a plain client that closed first, a wrong CURVE server key at the client
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while not self._stop.is_set():
+                if not self._mon.poll(200):
+                    continue
+                ev = parse_monitor_message(self._mon.recv_multipart())
+                if ev["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                why = self.reason(ev["event"], ev["value"])
+                self.failures[why] += 1
+                now = time.monotonic()
+                if now - self._logged.get(why, -1e9) >= HANDSHAKE_LOG_INTERVAL_S:
+                    self._logged[why] = now
+                    hint = {"plain_client": "a client without CURVE at this CURVE broker (a stranger, or a peer "
+                                            "with curve = false: set curve = true there)",
+                            "curve_client": "a CURVE client at this broker without CURVE (set curve = true in "
+                                            "brokerd.toml, or curve = false at the peer)"}.get(
+                        why, "a connection whose ZeroMQ handshake failed (a plain client that closed first, a wrong "
+                             "broker CURVE key at the peer, a scanner, or a peer that went away mid-handshake)")
+                    _log.warning("handshake_failed", reason=why, zmq_event=getattr(ev["event"], "name", str(ev["event"])),
+                                 failed_total=self.failures[why], hint=hint,
+                                 note=f"logged at most once per {HANDSHAKE_LOG_INTERVAL_S:.0f} s per reason")
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._mon.close(linger=0)
+
+    def stop(self, sock: zmq.Socket) -> None:
+        self._stop.set()
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout=2.0)
 
 
 class _AllowList:

@@ -362,6 +362,8 @@ class Console:
         return self._page(request, "gaps.html", ctx, viewer, new_sid, refresh=True)
 
     async def federation(self, request: Request) -> Response:
+        """Links as this broker sees them: its relay peers (side, link, credit, leases) and,
+        when a swarm refused a link, since when, why and the fix (the relay's heartbeat)."""
         viewer, new_sid = self._who(request)
         if viewer is None:
             return self._login_redirect(request)
@@ -372,6 +374,8 @@ class Console:
             if isinstance(fed, dict):
                 fed = fed.get("links", [])
             links = [x for x in fed if isinstance(x, dict)]
+            if not links:
+                links = relay_links(status.get("peers") or [])
         columns: list[str] = []
         for link in links:
             columns += [k for k in link if k not in columns]
@@ -490,3 +494,23 @@ class Console:
                 msg += f"; not dead: {', '.join(out['not_dead'])}"
         viewer.flash.append(msg)
         return self._finish(RedirectResponse(spec["back"], status_code=303), new_sid)
+
+
+def relay_links(peers: list) -> list[dict]:
+    """One row per relay session in ``ccsq status`` peers (docs/federation.md, "A refused
+    or broken link"): ``broken`` is the reason, empty while the link works."""
+    import time as _time
+
+    rows = []
+    for peer in peers:
+        if not isinstance(peer, dict) or peer.get("role") != "relay":
+            continue
+        info = peer.get("info") or {}
+        since = info.get("link_broken_since")
+        rows.append({"peer": peer.get("peer_id", ""), "link": info.get("link", ""), "side": info.get("relay_side", ""),
+                     "kinds": ", ".join(peer.get("kinds") or []), "credit": peer.get("credit", 0),
+                     "leases": peer.get("leases", 0), "healthy": "yes" if peer.get("healthy") else "NO",
+                     "broken": info.get("link_broken", ""),
+                     "broken since": _time.strftime("%Y-%m-%d %H:%M:%S UTC", _time.gmtime(since)) if since else "",
+                     "fix": info.get("link_broken_fix", "")})
+    return rows

@@ -50,7 +50,9 @@ def _cmd_federation_report(args: argparse.Namespace) -> int:
 
         Path(args.html).write_text(render_html(report))
     print(json.dumps(report, indent=2, default=str) if args.json else render_text(report))
-    return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+    if not report["balanced"]:
+        return ExitCode.UNBALANCED
+    return ExitCode.OK if report["healthy"] else ExitCode.UNAUTHORIZED  # a link refused by a swarm: stopped pulling
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -24,6 +24,9 @@ federation report (:mod:`ccsq.relayd.report`) balances after any crash::
 
     leased == in_flight (rows) + ended_acked + ended_failed + ended_released
 
+Table ``link_status`` holds one row per broken link (a swarm refused it: cause, reason,
+fix, since when), kept until the cause is seen fixed; the federation report shows it.
+
 The journal is single-writer (``flock`` on ``<journal_dir>/LOCK``; a second relay
 on the same directory gets :class:`~ccsq.workerd.journal.JournalLocked`).
 """
@@ -66,6 +69,10 @@ COUNTERS = (
     "ended_released",
     "orphan_results",  # results for which no row existed (acknowledged at once)
     "blobs_copied",
+    "lost_leases",  # rows whose upstream lease was found lost (released at a reconnect while past leased)
+    "accepted_late",  # ... whose result the upstream still accepted (no new lease had taken it: G8)
+    "partition_released",  # submitted rows given back upstream after downstream_hold_max_s of partition
+    "cancelled_down",  # ... whose downstream copy was then cancelled before it started (dead there: cancelled)
 )
 
 _SCHEMA = (
@@ -86,6 +93,10 @@ _SCHEMA = (
     )""",
     """CREATE TABLE IF NOT EXISTS counters (
         link TEXT NOT NULL, name TEXT NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (link, name)
+    )""",
+    # one row per broken link (a swarm refused it): kept until the cause is seen fixed
+    """CREATE TABLE IF NOT EXISTS link_status (
+        link TEXT PRIMARY KEY, cause TEXT NOT NULL, reason TEXT NOT NULL, fix TEXT NOT NULL, since_ts REAL NOT NULL
     )""",
 )
 
@@ -228,7 +239,8 @@ class RelayJournal:
             self._bump(db, link, counter, n)
 
     def mark_returned(self, link: str, outcomes: list[p.ItemOutcome]) -> None:
-        """The upstream confirmed these COMPLETEs (any outcome): downstream ACK next."""
+        """The upstream confirmed these COMPLETEs (any outcome): downstream ACK next. A lost
+        lease's result accepted anyway counts ``accepted_late`` too (it stays ``returned``)."""
         counter = {p.Outcome.ACCEPTED.value: "returned", p.Outcome.FENCED.value: "fenced",
                    p.Outcome.REJECTED.value: "proof_rejected"}
         with self._tx() as db:
@@ -237,11 +249,42 @@ class RelayJournal:
                                  "WHERE link = ? AND up_item = ? AND token = ? AND state = ?",
                                  (RETURNED, o.outcome, time.time(), link, o.item_id, o.token, RESULTED))
                 self._bump(db, link, counter.get(o.outcome, "duplicate"), cur.rowcount)
+                if cur.rowcount and o.outcome == p.Outcome.ACCEPTED.value:
+                    late = db.execute("SELECT lost FROM relayed WHERE link = ? AND up_item = ? AND token = ?",
+                                      (link, o.item_id, o.token)).fetchone()
+                    self._bump(db, link, "accepted_late", 1 if late and late[0] else 0)
 
     def mark_lost(self, link: str, keys: list[Key]) -> None:
+        """The upstream no longer lists these leases as ours; counted once each (``lost_leases``)."""
         with self._tx() as db:
-            db.executemany("UPDATE relayed SET lost = 1 WHERE link = ? AND up_item = ? AND token = ?",
-                           [(link, i, t) for i, t in keys])
+            n = 0
+            for i, t in keys:
+                n += db.execute("UPDATE relayed SET lost = 1 WHERE link = ? AND up_item = ? AND token = ? AND lost = 0",
+                                (link, i, t)).rowcount
+            self._bump(db, link, "lost_leases", n)
+
+    def set_broken(self, link: str, cause: str, reason: str, fix: str, since_ts: float) -> float:
+        """The link stopped pulling (a swarm refused it); returns since when (the first
+        ``since_ts`` of an unbroken series of breaks is kept, across restarts)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO link_status VALUES (?, ?, ?, ?, ?) ON CONFLICT (link) DO UPDATE SET "
+                       "cause = excluded.cause, reason = excluded.reason, fix = excluded.fix", (link, cause, reason, fix, since_ts))
+            return db.execute("SELECT since_ts FROM link_status WHERE link = ?", (link,)).fetchone()[0]
+
+    def clear_broken(self, link: str, causes: tuple[str, ...]) -> bool:
+        """The cause of a break was seen fixed (e.g. the refusing broker let the relay in)."""
+        with self._tx() as db:
+            return db.execute(f"DELETE FROM link_status WHERE link = ? AND cause IN ({','.join('?' * len(causes))})",
+                              (link, *causes)).rowcount > 0
+
+    def broken(self, link: str) -> dict | None:
+        """``{cause, reason, fix, since_ts}`` while the link is broken, else None (a journal
+        older than the table: None)."""
+        try:
+            row = self._db.execute("SELECT cause, reason, fix, since_ts FROM link_status WHERE link = ?", (link,)).fetchone()
+        except sqlite3.OperationalError:
+            return None
+        return None if row is None else dict(zip(("cause", "reason", "fix", "since_ts"), row))
 
     def end(self, link: str, keys: list[Key], counter: str, extra: str = "") -> int:
         """Delete rows (their story is over) and count them under ``counter``."""

@@ -1,10 +1,13 @@
 """``ccsq-relayd --config relayd.toml``: the federation relay daemon's entry point.
 
 Exit codes (:class:`~ccsq.common.wire.errors.ExitCode`), each with a one-line reason on stderr:
-0 after SIGTERM/SIGINT; 78 CONFIG (bad relayd.toml, keys, trust, claim store URI, or a store it
+0 after SIGTERM/SIGINT; 77 UNAUTHORIZED (every link was refused by one of its brokers: a
+key, CURVE key or trust entry is missing; one refused link among working ones only stops
+that link, loudly); 78 CONFIG (bad relayd.toml, keys, trust, claim store URI, or a store it
 copies through that is not there: :func:`check_link_stores`; a journal row that does not decode,
-as for the worker: a restart would read it again); 75 TEMPFAIL (another ccsq-relayd holds the
-journal_dir, an S3 endpoint does not answer; transient); 1 a bug.
+as for the worker: a restart would read it again; another live process holds a link's peer id);
+75 TEMPFAIL (another ccsq-relayd holds the journal_dir, an S3 endpoint does not answer;
+transient); 1 a bug.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def run(config_path: str) -> int:
         return _die(exc)
     try:
         from ccsq.relayd.metrics import start_relay_metrics
-        from ccsq.relayd.relay import Relay
+        from ccsq.relayd.relay import Relay, RelayRefused
 
         try:
             relay = Relay(cfg, journal)
@@ -92,10 +95,13 @@ def run(config_path: str) -> int:
             return _die(exc, f"transient: {exc}")
         try:
             asyncio.run(_serve(relay, notifier))
+        except RelayRefused as exc:
+            return _die(ExitCode.UNAUTHORIZED, f"every link was refused: {exc}")
         except ConfigError as exc:  # another live process holds a link's peer id (ID_IN_USE)
             return _die(exc, f"config error: {exc}")
-        if metrics is not None:
-            metrics.shutdown()
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
     finally:
         journal.close()
     return int(ExitCode.OK)

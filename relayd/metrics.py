@@ -9,7 +9,8 @@ once per journal transaction. Label ``link`` = the ``[[links]]`` name.
 - ``ccsq_relay_items_total{link,event}``: the federation report's counters
   (``event`` = leased, submitted, dedup_hits, completed, returned, fenced,
   duplicate, proof_rejected, forged_rejected, refused, failed_down, released,
-  ended_acked, ended_failed, ended_released, orphan_results, blobs_copied).
+  ended_acked, ended_failed, ended_released, orphan_results, blobs_copied, lost_leases,
+  accepted_late, partition_released, cancelled_down; docs/federation.md says what each means).
 - ``ccsq_relay_in_flight{link,state}``: journal rows by state (leased,
   submitted, resulted, returned, failing); ``ccsq_relay_lost_leases{link}``.
 - ``ccsq_relay_balanced{link}``: 1 while leased == in flight + ended (the report's check).
@@ -18,7 +19,7 @@ once per journal transaction. Label ``link`` = the ``[[links]]`` name.
   ``ccsq_relay_downstream_capacity{link}``: free worker slots the downstream
   reports for the link's kinds; ``ccsq_relay_connected{link,side}`` (side
   upstream|downstream): 1 while that session is READY; ``ccsq_relay_link_broken{link}``:
-  1 once a swarm refused the link's origins or proofs (it stopped pulling).
+  1 once a swarm refused the relay, the link's origins or its proofs (it stopped pulling).
 - ``ccsq_relay_journal_commit_seconds`` (histogram): one journal transaction with its fsync.
 """
 
@@ -85,9 +86,9 @@ class _RelayCollector:
         gauges = {name: GaugeMetricFamily(name, help_, labels=["link"]) for name, help_ in (
             ("ccsq_relay_lost_leases", "rows whose upstream lease was lost (their results are fenced or accepted late)"),
             ("ccsq_relay_balanced", "1 while leased == in flight + ended (the federation report's check)"),
-            ("ccsq_relay_upstream_credit", "credit granted to the upstream and not yet used"),
+            ("ccsq_relay_upstream_credit", "credit the upstream may still dispatch on (granted less withdrawn)"),
             ("ccsq_relay_downstream_capacity", "free downstream worker slots for the link's kinds (last heartbeat)"),
-            ("ccsq_relay_link_broken", "1 once a swarm refused the link's origins or proofs (the link stopped pulling)"),
+            ("ccsq_relay_link_broken", "1 once a swarm refused the relay, the link's origins or its proofs (the link stopped pulling)"),
         )}
         connected = GaugeMetricFamily("ccsq_relay_connected", "1 while the session to that broker is READY",
                                       labels=["link", "side"])

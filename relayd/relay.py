@@ -3,11 +3,18 @@ their results back, one :class:`LinkRunner` per ``[[links]]`` table (docs/federa
 
 Per link, two sessions (:class:`~ccsq.common.link.peer.BrokerLink`, role ``relay``):
 
-* **upstream** (``relay_side = upstream``): the relay holds leases like a worker. It
-  grants credit only while the downstream reports free worker capacity for the link's
-  kinds (``cap:<kind>`` in the downstream broker's heartbeats), lists its leases in
-  every heartbeat (extension), and reports each result with COMPLETE under the lease's
+* **upstream** (``relay_side = upstream``): the relay holds leases like a worker. Its
+  credit there follows the downstream's free worker capacity for the link's kinds
+  (``cap:<kind>`` in the downstream broker's heartbeats, less items submitted since,
+  plus results since): more with CREDIT, less with a negative CREDIT, resynced by the
+  upstream's heartbeats (``credit``, ``credit_msgs``). It lists its leases in every
+  heartbeat (extension), and reports each result with COMPLETE under the lease's
   fencing token, carrying the downstream broker's signed proof.
+
+A side refused for good by its broker stops only that link (:meth:`LinkRunner._side_refused`);
+:class:`Relay` raises :class:`RelayRefused` (exit 77) when every link is refused. After
+``downstream_hold_max_s`` of downstream partition, submitted leases go back upstream and
+their copies are cancelled once the downstream is reachable.
 * **downstream** (``relay_side = downstream``): the relay SUBMITs each leased item
   with the upstream broker's origin signature and the origin key
   (``origin:<swarm>:<item>``: a resubmission is a dedup hit); the downstream routes the
@@ -30,15 +37,16 @@ from collections.abc import Callable
 import msgpack
 import structlog
 
-from ccsq.common.wire.federation import (CAP_PREFIX, DOWNSTREAM, LATE_PREFIX, ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM,
-                                    WORKERS_PREFIX, origin_key)
+from ccsq.common.wire.federation import (BROKEN_FIX_INFO, BROKEN_INFO, BROKEN_SINCE_INFO, CAP_PREFIX, CREDIT_INFO,
+                                    CREDIT_MSGS_INFO, DOWNSTREAM, LATE_PREFIX,
+                                    ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM, WORKERS_PREFIX, origin_key)
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
 from ccsq.common.wire.errors import ConfigError, PayloadMissing
 from ccsq.common.runtime.faults import crash_point
-from ccsq.common.link.peer import BrokerLink, LinkState
+from ccsq.common.link.peer import BrokerLink, LinkState, refusal_fix
 from ccsq.common.wire.policy import task_failure
 from ccsq.relayd.config import LinkConfig, RelayConfig
 from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
@@ -93,8 +101,9 @@ class LinkRunner:
         self.rows: dict[Key, Row] = {r.key: r for r in journal.rows(cfg.name)}
         self.up = BrokerLink(rcfg.side(cfg, True), hello=self._up_hello, heartbeat=self._up_heartbeat,
                              on_message=self._up_message, on_connect=self._up_connect, on_heartbeat=self._up_heartbeat_in)
-        self.down = BrokerLink(rcfg.side(cfg, False), hello=self._down_hello, on_message=self._down_message,
-                               on_connect=self._down_connect, on_heartbeat=self._down_heartbeat)
+        self.down = BrokerLink(rcfg.side(cfg, False), hello=self._down_hello, heartbeat=self._down_heartbeat_out,
+                               on_message=self._down_message, on_connect=self._down_connect,
+                               on_heartbeat=self._down_heartbeat)
         same = cfg.upstream_claim_store == cfg.downstream_claim_store
         base = rcfg.config_path.rsplit("/", 1)[0] if rcfg.config_path else None
         self.up_store: ClaimStore | None = None
@@ -102,17 +111,27 @@ class LinkRunner:
         if not same and cfg.upstream_claim_store and cfg.downstream_claim_store:
             self.up_store = open_store(cfg.upstream_claim_store, base)
             self.down_store = open_store(cfg.downstream_claim_store, base)
-        self.capacity = 0
+        self.capacity = 0  # free downstream worker slots: last heartbeat's, less our new items since, plus results since
         self.workers = 0  # downstream workers that take our kinds
         self.late = False  # policy deadline: the upstream forecasts a missed deadline
-        self.granted = 0  # credit granted in this upstream session
+        self.granted = 0  # credit granted (less withdrawn) in this upstream session
         self.received = 0  # tasks received in this upstream session
-        self.broken = ""  # set when the downstream refuses our origins: stop pulling
+        self._credit_unseen: list[int] = []  # CREDIT deltas sent that the upstream's heartbeats do not yet count
+        self._credit_seen = 0  # CREDIT frames the upstream counted (its heartbeat's credit_msgs)
+        self.can_withdraw = False  # the upstream reports our credit (a broker that applies a negative CREDIT)
+        self.broken = ""  # set when a swarm refuses the link (its origins, proofs or the relay itself): stop pulling
+        self.broken_since = 0.0  # unix seconds
+        self.broken_fix = ""
+        self.refused: dict[str, str] = {}  # side -> why, for each side whose broker refused the relay for good
+        self.on_refused: Callable[[], None] | None = None  # the relay's: a side of this link was refused
+        self._journal_broken: str | None = (journal.broken(cfg.name) or {}).get("cause")  # cause kept in the journal
         self._req = 0
         self._sent: dict[Key, float] = {}  # when each row's pending message last went out
         self._copying: set[Key] = set()  # claim-check copies under way
         self._last_status = time.monotonic()
         self._down_lost_mono: float | None = time.monotonic()
+        self._cancel_down: set[str] = set()  # downstream items to cancel once reachable (given back after a partition)
+        self._cancel_reqs: set[int] = set()
 
     # --- helpers ---
     def _next_req(self) -> int:
@@ -129,15 +148,46 @@ class LinkRunner:
         return link.state is LinkState.READY
 
     # --- upstream session ---
+    def _fixed(self, cause: str) -> None:
+        """What broke the link (in an earlier run) is seen working now: the report stops saying so."""
+        if self._journal_broken == cause and not self.broken:
+            self.journal.clear_broken(self.name, (cause,))
+            self._journal_broken = None
+            self.log.info("link_repaired", cause=cause)
+
     def _up_hello(self) -> p.Hello:
         return p.Hello(role=p.Role.RELAY.value, credit=0, kinds=list(self.cfg.kinds), leases=self._held(),
                        info={RELAY_SIDE: UPSTREAM, "link": self.name, POLICY: self.cfg.policy})
 
+    def _broken_info(self) -> dict:
+        """Heartbeat.info while the link is broken (each broker's ``ccsq status`` shows it)."""
+        if not self.broken:
+            return {}
+        return {BROKEN_INFO: self.broken[:300], BROKEN_SINCE_INFO: int(self.broken_since), BROKEN_FIX_INFO: self.broken_fix[:300]}
+
     def _up_heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat(leases=self._held(), busy=len(self.rows))
+        # a broken link says so and is unhealthy: the upstream dispatches nothing to it
+        return p.Heartbeat(leases=self._held(), busy=len(self.rows), healthy=not self.broken, info=self._broken_info())
+
+    def _down_heartbeat_out(self) -> p.Heartbeat:
+        return p.Heartbeat(healthy=not self.broken, info=self._broken_info())
+
+    def _break(self, cause: str, reason: str, fix: str) -> None:
+        """The link stops pulling (``cause``: upstream_refused, downstream_refused,
+        origin_rejected, proof_rejected): logged once as an error, kept in the journal
+        (the federation report and the metric show it, since when, why and the fix)."""
+        if not self.broken:
+            self.broken_since = time.time()
+            self.log.error("link_broken", cause=cause, reason=reason[:300], fix=fix[:500])
+        self.broken, self.broken_fix = reason, fix
+        self.broken_since = self.journal.set_broken(self.name, cause, reason, fix, self.broken_since)
+        self._journal_broken = cause
+        self._grant()  # withdraw the credit still unused upstream
 
     def _up_connect(self, welcome: p.Welcome) -> None:
-        self.granted = self.received = 0
+        self.granted = self.received = self._credit_seen = 0
+        self._credit_unseen = []
+        self.can_withdraw = False
         released = {(r.item_id, r.token) for r in welcome.released}
         drop = [k for k in released if k in self.rows and self.rows[k].state == LEASED]
         if drop:
@@ -150,6 +200,7 @@ class LinkRunner:
             for k in lost:
                 self.rows[k].lost = True
         self.log.info("upstream_connected", resumed=len(welcome.resumed), released=len(drop), lost=len(lost))
+        self._fixed("upstream_refused")
         self._resend(force=True)
 
     def _up_message(self, env: Envelope) -> Callable | None:
@@ -228,13 +279,17 @@ class LinkRunner:
             row.state, row.outcome = RETURNED, o.outcome
             if o.outcome != p.Outcome.ACCEPTED.value:
                 self.log.info("result_not_accepted_upstream", item=o.item_id, token=o.token, outcome=o.outcome)
+        if any(o.outcome == p.Outcome.ACCEPTED.value for o in mine):
+            self._fixed("proof_rejected")
         rejected = [o for o in mine if o.outcome == p.Outcome.REJECTED.value]
         if rejected:
             # the upstream cannot check the downstream's proofs (trust files): a misconfiguration.
             # Stop pulling and give these leases back uncounted, so the work runs at home
             # instead of expiring into dead letters (best effort: if lost, the lease expires)
-            self.broken = "upstream rejected the downstream's result proofs (check trusted_swarms on both brokers)"
-            self.log.error("link_refused_by_upstream", items=len(rejected), reason=self.broken)
+            self.log.error("link_refused_by_upstream", items=len(rejected))
+            self._break("proof_rejected", "upstream rejected the downstream's result proofs",
+                        "the upstream broker's trusted_swarms must hold the downstream swarm's broker public key "
+                        "(and the downstream's the upstream's); fix the files, restart both brokers, then the relay")
             self._send_up([task_failure(o.item_id, o.token, p.FailReason.RELEASED, self.broken)
                            for o in rejected], p.Fail)
         crash_point("relay.after_complete_ack")
@@ -265,11 +320,19 @@ class LinkRunner:
     def _down_connect(self, welcome: p.Welcome) -> None:
         self._down_lost_mono = None
         self.log.info("downstream_connected", in_flight=len(self.rows))
+        if self._cancel_down:  # copies of leases given back during the partition: only those not started yet
+            for chunk in self.budget.split(sorted(self._cancel_down)):
+                req = self._next_req()
+                self._cancel_reqs.add(req)
+                self.down.send(p.Cancel(req, chunk))
+        self._fixed("downstream_refused")
         self._resend(force=True)
 
     def _down_heartbeat(self, hb: p.Heartbeat) -> None:
         if self._down_lost_mono is not None:
             return
+        # the broker counted every SUBMIT it acknowledged before this heartbeat (one socket,
+        # in order): from here on, our new items lower it and results raise it until the next
         self.capacity = sum(v for k, v in hb.info.items() if k.startswith(CAP_PREFIX) and isinstance(v, int)
                             and k[len(CAP_PREFIX):] in self.cfg.kinds)
         self.workers = sum(v for k, v in hb.info.items() if k.startswith(WORKERS_PREFIX) and isinstance(v, int)
@@ -281,21 +344,45 @@ class LinkRunner:
         if late != self.late:
             self.log.info("upstream_deadline_pressure", late=late)
         self.late = late
+        credit, seen = hb.info.get(CREDIT_INFO), hb.info.get(CREDIT_MSGS_INFO)
+        if isinstance(credit, int) and isinstance(seen, int) and 0 <= seen - self._credit_seen <= len(self._credit_unseen):
+            # resync: the upstream's credit for us as of the CREDIT frames it had applied, plus
+            # those still on their way (every DISPATCH sent before this heartbeat is received)
+            del self._credit_unseen[:seen - self._credit_seen]
+            self._credit_seen = seen
+            self.granted = self.received + max(0, credit + sum(self._credit_unseen))
+            self.can_withdraw = True
+            self._grant()
 
     def _grant(self) -> None:
-        """Credit toward the upstream = the downstream's free capacity, less what is already
-        on its way (credit not yet used upstream, items not yet confirmed downstream)."""
-        if self.broken or not self._ready(self.up) or not self._ready(self.down):
+        """Set the credit the upstream may still dispatch on to what the downstream backs:
+        its free capacity less our items not yet confirmed there (policy ``capacity``), or
+        the room up to ``max_in_flight`` while the upstream forecasts a missed deadline
+        (policy ``deadline``); none while the link is broken or the downstream is gone.
+        More is granted with CREDIT; less is withdrawn with a negative CREDIT (an upstream
+        that reports our credit in its heartbeats)."""
+        if not self._ready(self.up):
             return
         outstanding = max(0, self.granted - self.received)
-        waiting = sum(1 for r in self.rows.values() if r.state == LEASED)
-        room = self.cfg.max_in_flight - sum(1 for r in self.rows.values() if not r.lost) - outstanding
-        want = min(self.capacity - outstanding - waiting, room)
-        if self.cfg.policy == "deadline" and self.late and self.workers > 0:
+        held = sum(1 for r in self.rows.values() if not r.lost)
+        room = max(0, self.cfg.max_in_flight - held)
+        if self.broken or not self._ready(self.down):
+            want = 0
+        elif self.cfg.policy == "deadline" and self.late and self.workers > 0:
             want = room  # spill: the upstream will miss a deadline; the downstream can run the kind
-        if want > 0 and self.up.send(p.Credit(want)):
-            self.granted += want
-            self.log.debug("credit_granted", credit=want, capacity=self.capacity, outstanding=outstanding, waiting=waiting)
+        else:
+            waiting = sum(1 for r in self.rows.values() if r.state == LEASED)
+            want = max(0, min(self.capacity - waiting, room))
+        delta = want - outstanding
+        if delta == 0 or (delta < 0 and not self.can_withdraw):
+            return
+        if self.up.send(p.Credit(delta)):
+            self.granted += delta
+            self._credit_unseen.append(delta)
+            if len(self._credit_unseen) > 100_000:  # an upstream that never reports (cannot happen with can_withdraw)
+                del self._credit_unseen[:50_000]
+            self.log.debug("credit_granted" if delta > 0 else "credit_withdrawn", credit=delta, capacity=self.capacity,
+                           outstanding=outstanding, want=want)
 
     def _down_message(self, env: Envelope) -> Callable | None:
         msg = env.message
@@ -305,6 +392,9 @@ class LinkRunner:
             return self._on_result(msg.deliveries)
         elif isinstance(msg, p.AckOk):
             self._on_ack_ok(set(msg.item_ids) | set(msg.unknown))
+        elif isinstance(msg, p.StatusReply) and msg.req in self._cancel_reqs:
+            self._cancel_reqs.discard(msg.req)
+            self._on_cancelled(msg.items)
         elif isinstance(msg, p.StatusReply):
             self._on_status(msg.items)
         elif isinstance(msg, p.Error):
@@ -343,8 +433,11 @@ class LinkRunner:
                 if res.error in RETRY_LATER:
                     continue  # resent after resend_interval_s
                 if res.error == ORIGIN_REJECTED:
-                    self.broken = f"downstream refused our origin: {res.message}"
                     self.log.error("link_refused_by_downstream", item=up_item, reason=res.message[:300])
+                    self._break("origin_rejected", f"downstream refused our origin: {res.message}"[:300],
+                                "the downstream broker's trusted_swarms must pin the upstream swarm's broker public key "
+                                "(its keys/broker.pub) under the upstream's swarm_id; fix it, restart the downstream "
+                                "broker, then the relay")
                     reason = p.FailReason.RELEASED
                 else:
                     self.log.warning("downstream_refused_item", item=up_item, error=res.error, message=res.message[:300])
@@ -353,6 +446,9 @@ class LinkRunner:
                             for r in rows]
                 continue
             self.journal.mark_submitted(self.name, up_item, res.item_id, res.duplicate)
+            self._fixed("origin_rejected")
+            if not res.duplicate:
+                self.capacity -= 1  # one more item waits for a downstream worker (until the next heartbeat says)
             for r in rows:
                 r.state, r.down_item = SUBMITTED, res.item_id
             if res.duplicate:
@@ -442,6 +538,16 @@ class LinkRunner:
                 except OSError as exc:
                     self.log.warning("blob_delete_failed", sha256=sha, error=str(exc)[:200])
 
+    def _on_cancelled(self, items: list[p.ItemStatus]) -> None:
+        """The downstream's answer to our CANCEL of copies given back after a partition: dead
+        (cancelled) = never ran there; any other state = it ran or runs (its result, if any,
+        comes back with no row: an orphan, acknowledged and discarded)."""
+        cancelled = [st.item_id for st in items if st.state == p.ItemState.DEAD.value and st.error == p.FailReason.CANCELLED.value]
+        self._cancel_down.difference_update(st.item_id for st in items)
+        if cancelled:
+            self.journal.count(self.name, "cancelled_down", len(cancelled))
+        self.log.info("downstream_copies_cancelled", cancelled=len(cancelled), ran=len(items) - len(cancelled))
+
     def _on_status(self, items: list[p.ItemStatus]) -> None:
         failures: list[p.TaskFailure] = []
         for st in items:
@@ -493,6 +599,17 @@ class LinkRunner:
             self.log.warning("downstream_unreachable_release", items=len(give_back))
             self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, "downstream unreachable")
                         for r in give_back], "released")
+        hold_s = self.rcfg.downstream_hold_max_s
+        pinned = [r for r in self.rows.values() if r.state == SUBMITTED and not r.lost]
+        if hold_s > 0 and pinned and now - self._down_lost_mono >= hold_s and self._ready(self.up):
+            # a partition must not pin work downstream while the upstream may have idle
+            # workers: give the leases back (released, no attempt counted); each copy is
+            # cancelled once the downstream is reachable, unless it has started there
+            self.log.warning("downstream_partition_release", items=len(pinned), unreachable_s=round(now - self._down_lost_mono, 1))
+            self._cancel_down.update(r.down_item for r in pinned if r.down_item)
+            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED,
+                                     f"downstream unreachable for {hold_s:g} s (downstream_hold_max_s)") for r in pinned],
+                       "partition_released")
 
     async def tick(self) -> None:
         while True:
@@ -501,39 +618,84 @@ class LinkRunner:
             if uncopied:  # e.g. journaled, then SIGKILLed before the copy: copy now, submit next tick
                 await self._copy_payloads(uncopied)
             self._downstream_outage()
+            self._grant()  # e.g. withdraw what a lost downstream or a broken link no longer backs
             self._resend()
             self._poll_status()
 
-    async def run(self) -> None:
-        tasks = [asyncio.create_task(c) for c in (self.up.run(), self.down.run(), self.tick())]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                t.result()  # raises what ended it
-            if self.up.replaced or self.down.replaced:
-                # another live process uses this link's peer id: exit (systemd shows it) rather
-                # than run a link that will never reconnect
-                from ccsq.common.link.peer import id_in_use_message
+    def _side_refused(self, side: str, link: BrokerLink) -> None:
+        """A broker refused this side of the link for good (unknown key, CURVE allow-list,
+        wrong role, a broker key we do not pin): this link stops pulling; the other side
+        stays connected to give back what the link holds and to show the break in that
+        broker's ``ccsq status``. Other links are not affected."""
+        why = f"{side} broker refused the relay ({link.refused.code}: {link.refused.message})"
+        self.refused[side] = why
+        self.log.error("link_refused", side=side, code=link.refused.code, endpoint=link.settings.broker_endpoint)
+        self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, p.Role.RELAY.value, link.refused))
+        if side == "downstream":
+            # nothing held here can run downstream any more: give every lease not yet back
+            # to the upstream (released: no attempt counted) so its own workers run them; a
+            # copy already running downstream comes back, when it does, as an orphan result
+            back = [r for r in self.rows.values() if r.state in (LEASED, SUBMITTED) and not r.lost]
+            if back and self._ready(self.up):
+                self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, why[:300]) for r in back], "released")
+        if self.on_refused is not None:
+            self.on_refused()
 
-                side = self.up if self.up.replaced else self.down
-                raise ConfigError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
+    async def run(self) -> None:
+        """Both sessions and the tick until the relay stops; a side refused for good ends
+        only that side (:meth:`_side_refused`); returns when both sides have ended."""
+        sides = {asyncio.create_task(self.up.run(), name=f"{self.name}-up"): ("upstream", self.up),
+                 asyncio.create_task(self.down.run(), name=f"{self.name}-down"): ("downstream", self.down)}
+        tick = asyncio.create_task(self.tick(), name=f"{self.name}-tick")
+        pending = {*sides, tick}
+        try:
+            while pending - {tick}:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # raises what ended it
+                if self.up.replaced or self.down.replaced:
+                    # another live process uses this link's peer id: exit (systemd shows it) rather
+                    # than run a link that will never reconnect
+                    from ccsq.common.link.peer import id_in_use_message
+
+                    side = self.up if self.up.replaced else self.down
+                    raise ConfigError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
+                refused = [sides[t] for t in done if t in sides and sides[t][1].refused is not None]
+                for side, link in refused:
+                    self._side_refused(side, link)
+                if len(refused) < len([t for t in done if t in sides]):
+                    return  # a side stopped without a refusal: the relay is stopping
         finally:
-            for t in tasks:
+            for t in (*sides, tick):
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*sides, tick, return_exceptions=True)
 
     async def stop(self) -> None:
         await asyncio.gather(self.up.stop("relay stopping"), self.down.stop("relay stopping"))
 
 
+class RelayRefused(Exception):
+    """Every link of the relay was refused by one of its brokers (exit 77: the keys, not
+    a restart, fix it); ``args[0]``: one line per link, why and the fix."""
+
+
+#: How long a relay whose every link was refused waits for the upstream to confirm the
+#: leases it gave back before it exits.
+REFUSED_DRAIN_S = 3.0
+
+
 class Relay:
-    """Every link of one ``relayd.toml``; :meth:`run` until :meth:`request_stop`."""
+    """Every link of one ``relayd.toml``; :meth:`run` until :meth:`request_stop`, or until
+    every link was refused (:class:`RelayRefused`)."""
 
     def __init__(self, cfg: RelayConfig, journal: RelayJournal) -> None:
         self.cfg = cfg
         self.journal = journal
         self.links = [LinkRunner(cfg, link, journal) for link in cfg.links]
         self._stop = asyncio.Event()
+        self._refusal = asyncio.Event()
+        for link in self.links:
+            link.on_refused = self._refusal.set
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -545,13 +707,34 @@ class Relay:
         if on_ready:
             on_ready()
         stop = asyncio.create_task(self._stop.wait())
-        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stop and t.exception() is not None:
-                raise t.exception()
+        all_refused = False
+        running = list(tasks)
+        while running and not stop.done():
+            refusal = asyncio.create_task(self._refusal.wait())
+            done, _ = await asyncio.wait([stop, refusal, *running], return_when=asyncio.FIRST_COMPLETED)
+            refusal.cancel()
+            self._refusal.clear()
+            for t in done:
+                if t in tasks and t.exception() is not None:
+                    raise t.exception()
+            running = [t for t in running if not t.done()]
+            if all(link.refused for link in self.links):
+                all_refused = True
+                break
+        if all_refused:
+            # give the upstreams a moment to confirm the leases given back (best effort:
+            # an unconfirmed one expires there by the normal rules)
+            deadline = time.monotonic() + REFUSED_DRAIN_S
+            while time.monotonic() < deadline and any(
+                    link._ready(link.up) and any(r.state == FAILING for r in link.rows.values()) for link in self.links):
+                await asyncio.sleep(0.05)
         await asyncio.gather(*(link.stop() for link in self.links), return_exceptions=True)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         stop.cancel()
+        if all_refused:
+            why = "; ".join(f"link {link.name}: {link.broken} (fix: {link.broken_fix})" for link in self.links)
+            log.error("relay_stopped", reason="every link was refused", links={link.name: link.broken for link in self.links})
+            raise RelayRefused(why)
         log.info("relay_stopped")

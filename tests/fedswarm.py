@@ -78,3 +78,19 @@ def submit_in(swarm: Swarm, n: int, seconds: float, tag: str) -> list[str]:
     out = subprocess.run([*swarm.wrap, sys.executable, "-c", SUBMIT_SCRIPT, str(swarm.configs["producer"]), str(n),
                           str(seconds), tag], capture_output=True, text=True, timeout=120, check=True)
     return [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ITEM ")]
+
+
+def deauthorize(swarm: Swarm, peer_id: str, *, curve_only: bool = False) -> None:
+    """Take ``peer_id`` out of ``swarm``'s authorized_keys.toml (before its broker starts),
+    or with ``curve_only`` only its CURVE key (the broker's ZAP allow-list then refuses it)."""
+    from ccsq.common.wire.keys import parse_authorized_keys, public_key_b64, write_authorized_keys
+
+    path = swarm.root / "authorized_keys.toml"
+    entries = {pid: (k.role.value, public_key_b64(k.public_key), (k.curve_public_key or b"").decode())
+               for pid, k in parse_authorized_keys(path).items()}
+    if curve_only:
+        role, pub, _ = entries[peer_id]
+        entries[peer_id] = (role, pub, "")
+    else:
+        del entries[peer_id]
+    write_authorized_keys(path, entries)

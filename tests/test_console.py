@@ -395,6 +395,16 @@ def test_pages_render_fields_other_parts_add(tmp_path: Path) -> None:
     link = {"link": "a->b", "in_flight": 3}
     page = render("federation.html", status={"source": "broker"}, status_error="", links=[link], columns=list(link))
     assert "a-&gt;b" in page and "no federation links" not in page
+    # a relay peer whose link a swarm refused (its heartbeat info): the page says so (issue 22, defect 5)
+    from ccsq.console.app import relay_links
+
+    relay = {"peer_id": "relay-a-to-b-up", "role": "relay", "kinds": ["ocr"], "credit": 0, "leases": 0, "healthy": False,
+             "info": {"relay_side": "upstream", "link": "a-to-b", "link_broken": "downstream refused our origin: bad key",
+                      "link_broken_since": 1_700_000_000, "link_broken_fix": "fix trusted_swarms"}}
+    rows = relay_links([relay, {"peer_id": "worker-1", "role": "worker"}])
+    assert [r["peer"] for r in rows] == ["relay-a-to-b-up"] and rows[0]["healthy"] == "NO"
+    page = render("federation.html", status={"source": "broker"}, status_error="", links=rows, columns=list(rows[0]))
+    assert "federation link a-to-b BROKEN since 2023-11-14 22:13:20 UTC" in page and "fix trusted_swarms" in page
     console.source.close()
 
 

@@ -254,6 +254,11 @@ def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
         c = wait_until(lambda: c if (c := pair.counters())["fenced"] == 1 else None, 60, "the late result fenced")
         c = _assert_landed_once(pair, 1)
         assert c["fenced"] == 1 and c["returned"] == 0, c
+        # the lease the relay found lost at its reconnect stays in the books (issue 22, defect 5)
+        assert c["lost_leases"] == 1 and c["accepted_late"] == 0, c
+        text = subprocess.run([bin_path("ccsq"), "federation", "report", "--config", str(pair.relay_cfg)],
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "leases lost                   1" in text, text
         assert [r["item_id"] for r in pair.a.results()] == [receipt.item_id]
         w = {x["id"]: x["count"] for x in pair.a.report()["windows"]}
         # G4/F2 count fenced COMPLETE frames: the relay resends its report until the upstream

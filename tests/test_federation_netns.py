@@ -112,3 +112,66 @@ def test_relay_host_dropped_by_iptables_longer_than_the_lease(tmp_path: Path) ->
         fed = _books_balance(pair, items)
         assert fed["links"][0]["counters"]["returned"] >= 3, fed["links"][0]["counters"]
         assert _windows(pair)["F1"] >= 1
+
+
+def test_refused_link_beside_a_working_one_and_capacity_across_namespaces(tmp_path: Path) -> None:
+    """Two links through the relay's host (a -> b, b -> a), CURVE on: a's authorized keys
+    lack the relay's b -> a downstream peer (its one CURVE key still passes a's ZAP
+    allow-list: it is listed for a -> b), so that link is refused and stops, loudly,
+    while a -> b drains a's backlog into b's two workers (capacity 4): b's ready queue
+    of relayed items stays within it."""
+    from tests.fedswarm import deauthorize
+
+    n = 30
+    with NetNs() as net, FedPair(tmp_path, handler="sleep", kinds=("sleep",), net=net, both_ways=True,
+                                 b_workers=2) as pair:
+        deauthorize(pair.a, "relay-b-to-a-down")
+        pair.a.start_broker()
+        pair.a.start_completion()  # a runs no worker: its backlog can only drain through the relay
+        pair.b.start_broker()
+        pair.b.start_completion()
+        pair.b.start_worker(1)
+        pair.b.start_worker(2)
+        relay = pair.start_relay()
+        wait_until(lambda: relay.count("link_refused") >= 1, 60, "the b -> a link refused")
+        items = submit_in(pair.a, n, 0.1, "cap")
+        samples = []
+
+        def drained() -> bool:
+            samples.append(pair.b.report()["ready"])  # every item ready in b came by relay
+            return pair.a.report()["acknowledged"] >= n
+
+        wait_until(drained, 120, "a's backlog drained through the a -> b link")
+        assert relay.running  # the refused link did not stop the relay
+        assert max(samples) <= 4, f"b's ready queue held up to {max(samples)} relayed items: {samples}"
+        assert sorted(r["item_id"] for r in pair.a.results()) == sorted(items)
+        fed = wait_until(lambda: r if (r := pair.report())["links"][0]["in_flight"] == 0 else None, 60, "drained")
+        good, bad = fed["links"]
+        assert fed["balanced"] is True and good["broken"] is None, fed
+        assert good["counters"]["returned"] == n and bad["counters"]["leased"] == 0
+        assert bad["broken"]["cause"] == "downstream_refused" and "relay-b-to-a-down" in bad["broken"]["fix"], bad
+        cli = subprocess.run([bin_path("ccsq"), "federation", "report", "--config", str(pair.relay_cfg)],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 77 and "LINK BROKEN: b-to-a" in cli.stdout, cli.stdout + cli.stderr
+        rep_a, rep_b = pair.a.report(), pair.b.report()
+        assert rep_a["balanced"] and rep_b["balanced"], (rep_a, rep_b)
+
+
+def test_relay_refused_by_curve_allow_list_exits_77_across_namespaces(tmp_path: Path) -> None:
+    """b's CURVE allow-list lacks the relay's key (its entry has no curve_public_key): b
+    refuses the handshake (CURVE_REFUSED); the relay's only link is refused, so it exits
+    77 (not 0 after an info-level relay_stopped), and the report names the fix."""
+    from tests.fedswarm import deauthorize
+
+    with NetNs() as net, FedPair(tmp_path, handler="sleep", kinds=("sleep",), net=net) as pair:
+        deauthorize(pair.b, "relay-a-to-b-down", curve_only=True)
+        pair.a.start_broker()
+        pair.b.start_broker()
+        relay = pair.start_relay(wait=False)
+        wait_until(lambda: not relay.running, 60, "the refused relay to exit")
+        assert relay.popen.returncode == 77, relay.popen.returncode
+        stopped = [e for e in relay.events() if e.get("event") == "relay_stopped"]
+        assert stopped and stopped[-1]["level"] == "error", stopped
+        broken = pair.report()["links"][0]["broken"]
+        assert broken["cause"] == "downstream_refused" and "CURVE_REFUSED" in broken["reason"], broken
+        assert "curve_public_key" in broken["fix"], broken

@@ -194,3 +194,58 @@ def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path:
     assert windows["G4"] == 1 and windows["F2"] == 1  # the late relayed result, fenced
     assert windows["G2"] == 1 and windows["F1"] == 1  # the relay's lease expired
     assert rep["balanced"] is True
+
+
+def test_local_workers_come_first_and_a_relay_withdraws_credit(tmp_path: Path) -> None:
+    """At the upstream broker (issue 22, defect 1): with an idle local worker and a relay
+    that both have credit, ready items go to the local worker first (the relay, connected
+    first, gets only what the worker's credit leaves); a negative CREDIT from a relay
+    withdraws its credit (reported back in the broker's heartbeats: credit, credit_msgs),
+    so items submitted later stay home; from a worker it is refused as before."""
+    write_keypair(tmp_path / "b-keys", "broker-b")
+    root = tmp_path / "a"
+    root.mkdir()
+    trust = _trust(root / "trusted_swarms.toml", {"b": tmp_path / "b-keys" / "broker-b.pub"})
+    cfg = make_swarm(root, {"relay-up": "relay", "producer-1": "producer", "worker-1": "worker"}, swarm_id="a",
+                     trusted_swarms=str(trust))
+    broker = BrokerProcess(cfg).start()
+
+    def dispatched(peer: ScriptedPeer, within_s: float) -> list:
+        tasks, deadline = [], time.monotonic() + within_s
+        while (left := deadline - time.monotonic()) > 0:
+            env = peer.recv(left)
+            if env is not None and isinstance(env.message, p.Dispatch):
+                tasks += env.message.tasks
+        return tasks
+
+    def credit_info(relay: ScriptedPeer, msgs: int) -> dict:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            relay.heartbeat()
+            info = relay.recv_type(p.Heartbeat, skip=()).info
+            if info.get(fed.CREDIT_MSGS_INFO) == msgs:
+                return info
+        raise TimeoutError(f"no heartbeat with credit_msgs == {msgs}")
+
+    try:
+        relay = ScriptedPeer(root, "relay-up", broker.endpoint)
+        relay.hello("relay", credit=4, kinds=["echo"], info={fed.RELAY_SIDE: fed.UPSTREAM})
+        worker = ScriptedPeer(root, "worker-1", broker.endpoint)
+        worker.hello("worker", slots=1, credit=3, kinds=["echo"])
+        producer = ScriptedPeer(root, "producer-1", broker.endpoint)
+        producer.hello("producer")
+        producer.submit([p.SubmitItem("k-first", "echo", _blob(b"page"), {})])
+        assert len(dispatched(worker, 1.0)) == 1  # (one pass: the round-robin now starts at the relay)
+        producer.submit([p.SubmitItem(f"k{i}", "echo", _blob(b"page"), {}) for i in range(2)])
+        assert len(dispatched(worker, 1.0)) == 2  # both to the local worker with credit left ...
+        assert dispatched(relay, 0.5) == []  # ... none to the relay, though its turn came first and it has more credit
+        assert credit_info(relay, 0)[fed.CREDIT_INFO] == 4
+        relay.send(p.Credit(-10))  # withdraw more than it holds: clamped at 0
+        assert credit_info(relay, 1)[fed.CREDIT_INFO] == 0
+        worker.heartbeat()
+        producer.submit([p.SubmitItem("k-later", "echo", _blob(b"page"), {})])
+        assert dispatched(relay, 1.0) == []  # no credit left: nothing relayed (the worker, full, holds 3)
+        worker.send(p.Credit(-1))
+        assert worker.recv_type(p.Error).code == p.REJECT_MALFORMED  # only a relay may withdraw
+    finally:
+        broker.kill()

@@ -54,7 +54,9 @@ class Env:
         return sp
 
     def rejects(self) -> dict[str, int]:
-        return self.adm.admin_status()["rejects"]
+        """Refusals and reconnect noise (NO_SESSION, counted apart: issue 22, defect 8)."""
+        st = self.adm.admin_status()
+        return {**st["rejects"], **st["reconnect_noise"]}
 
     def expect_rejects(self, expected: dict[str, int]) -> dict[str, int]:
         return wait_for(lambda: (r := self.rejects()) == expected and r, 10, what=f"rejects == {expected}")
@@ -180,7 +182,9 @@ def test_every_reject_reason_is_typed_counted_and_not_applied(env):
     assert set(expected) == set(p.ALL_REJECT_REASONS)
     st = env.adm.admin_status()
     assert st["counters"]["received"] == 0 and st["balanced"]  # nothing half-applied
-    rep = wait_for(lambda: (r := env.gap_report())["rejects"] == expected and r, 10, what="rejects in gap-report")
+    rep = wait_for(lambda: {**(r := env.gap_report())["rejects"], **r["reconnect_noise"]} == expected and r, 10,
+                   what="rejects (and reconnect noise) in gap-report")
+    assert p.REJECT_NO_SESSION not in rep["rejects"] and rep["reconnect_noise"][p.REJECT_NO_SESSION] >= 1
     assert rep["received"] == 0
     lines = [e for e in env.broker.events("frame_rejected") if e["code"] == p.REJECT_BAD_SIGNATURE]
     assert len(lines) == 1  # one line per peer per interval, not 20

@@ -43,7 +43,9 @@ def _item(i: int) -> p.SubmitItem:
 
 
 def _rejects(sp: ScriptedPeer) -> dict:
-    return sp.admin_status().get("rejects", {})
+    """Refusals and reconnect noise (NO_SESSION counts apart since issue 22, defect 8)."""
+    st = sp.admin_status()
+    return {**st.get("rejects", {}), **st.get("reconnect_noise", {})}
 
 
 def _tag(sp: ScriptedPeer, payload: bytes) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from ccsq.common.tools.progress import progress
@@ -82,6 +83,11 @@ def render_status(doc: dict, *, width: int = 120) -> str:
             )
         console.print(pt)
         for peer in doc.get("peers", []):
+            if (peer.get("info") or {}).get("link_broken"):  # a relay whose link a swarm refused (docs/federation.md)
+                info = peer["info"]
+                since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info.get("link_broken_since") or 0))
+                console.print(f"{peer['peer_id']}: federation link BROKEN since {since}: {info['link_broken']} "
+                              f"(it pulls nothing); fix: {info.get('link_broken_fix', '')}")
             if peer.get("store_ok") is False:
                 console.print(f"{peer['peer_id']}: claim store failing: {peer.get('store_error', '')} "
                               "(no new items until it reports healthy; docs/deployment.md)")

@@ -56,6 +56,13 @@ WORKERS_PREFIX = "workers:"
 #: Heartbeat.info key prefix sent to upstream relay sessions of policy ``deadline``: 1 when
 #: this swarm's drain forecast for the kind misses its nearest deadline (or is stalled).
 LATE_PREFIX = "late:"
+#: Heartbeat.info keys sent to upstream relay sessions: the session's credit at the broker,
+#: and how many CREDIT frames it applied (the relay's credit resync; a negative CREDIT from
+#: a relay withdraws credit).
+CREDIT_INFO, CREDIT_MSGS_INFO = "credit", "credit_msgs"
+#: Heartbeat.info keys a relay's upstream session sends when its link has stopped for good
+#: (refused by a swarm): why, since when (unix seconds), and the fix (``ccsq status`` shows them).
+BROKEN_INFO, BROKEN_SINCE_INFO, BROKEN_FIX_INFO = "link_broken", "link_broken_since", "link_broken_fix"
 #: Hello.info key by which a relay names its link's policy (``capacity`` | ``deadline``).
 POLICY = "policy"
 MAX_RECORD_BYTES = 64 * 1024

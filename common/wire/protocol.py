@@ -220,7 +220,7 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
     Role.ADMIN: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.ADMIN, MsgType.STATUS, MsgType.CANCEL}),
     Role.RELAY: frozenset(
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL,
-         MsgType.SUBMIT, MsgType.STATUS, MsgType.ACK}
+         MsgType.SUBMIT, MsgType.STATUS, MsgType.ACK, MsgType.CANCEL}
     ),
 }
 #: Roles whose sessions hold leases (fencing tokens, heartbeat extension, resume at HELLO).
