@@ -20,3 +20,17 @@ def test_readme_shows_the_two_commands_first() -> None:
 
 def test_ci_calls_make_test() -> None:
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_no_downloaded_packages_are_committed() -> None:
+    """Third-party wheels and archives never go in the repository (`*.whl` is in .gitignore)."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--cached"], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        import pytest
+
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    packages = [p for p in done.stdout.splitlines() if p.endswith((".whl", ".egg"))]
+    assert not packages, f"downloaded packages are committed: {packages} (git rm them)"
+    assert "*.whl" in (ROOT / ".gitignore").read_text().split()
