@@ -114,9 +114,11 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         swarm.procs.stop("broker")
         fast_admin(swarm)
 
-        # broker stopped: read-only commands fall back to the ledger by themselves ...
+        # broker stopped: read-only commands fall back to the ledger by themselves (status exits 69:
+        # a health check must not pass on a down broker) ...
         rc, fallback = ccsq(capsys, "status", "--config", admin, "--json")
-        assert rc == 0 and fallback["source"] == "ledger (offline)" and ledger_part(fallback) == ledger_part(online)
+        assert rc == ExitCode.UNAVAILABLE and fallback["source"] == "ledger (offline)"
+        assert ledger_part(fallback) == ledger_part(online)
         # ... and commands that change state refuse (only the broker writes the ledger)
         assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.UNAVAILABLE
         assert ccsq(capsys, "drain", "worker-1", "--config", admin)[0] == ExitCode.UNAVAILABLE

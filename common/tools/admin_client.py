@@ -84,9 +84,14 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
 
             raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
         if not link.ready.is_set():
-            why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
+            if link.last_refusal:
+                why = f"{link.last_refusal.code}: {link.last_refusal.message}"
+            else:
+                why = link.connect_problem or ("no connection was made, or no WELCOME came (a wrong host or port, a "
+                                               "firewall dropping packets, or a broker too busy to answer)")
             raise BrokerUnavailable(
-                f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g}s{why}"
+                f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g} s ({why}); "
+                + broker_down_fix(settings)
             ) from None
         return await fn(session)
     finally:
@@ -97,6 +102,55 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         runner.cancel()  # no session (or a slow close): nothing left to say
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await runner
+
+
+def ledger_lock_holder(data_dir: str | Path) -> int | None:
+    """The pid holding the broker's ``broker.lock`` under ``data_dir`` (a broker runs on this
+    host with that ledger), from ``/proc/locks``; None when nobody holds it or it cannot be told.
+    Reads only: taking the lock, even shared for a moment, could make a starting broker fail."""
+    from ccsq.brokerd.ledger import data_paths
+
+    _ledger_dir, lock_path = data_paths(Path(data_dir))
+    try:
+        st = lock_path.stat()
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    import os
+
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters are "1: -> FLOCK ...")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].lower() == dev:
+            try:
+                return int(fields[4])
+            except ValueError:
+                return None
+    return None
+
+
+def broker_down_fix(settings: AdminConfig) -> str:
+    """What to do when the broker at ``settings.broker_endpoint`` does not answer, one
+    sentence: a broker that holds this ledger on this host runs elsewhere than the endpoint
+    (fix broker_endpoint), else none runs here (start it)."""
+    where = settings.config_path or "admin.toml"
+    holder = ledger_lock_holder(settings.data_dir)
+    if holder:
+        brokerd = Path(settings.config_path).with_name("brokerd.toml") if settings.config_path else None
+        endpoint = ""
+        if brokerd is not None and brokerd.is_file():
+            import tomllib
+
+            try:
+                endpoint = str(tomllib.loads(brokerd.read_text()).get("endpoint", ""))
+            except (OSError, tomllib.TOMLDecodeError):
+                endpoint = ""
+        said = f" ({brokerd} says endpoint = {endpoint!r})" if endpoint else ""
+        return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host, so it runs but not at "
+                f"{settings.broker_endpoint}: set broker_endpoint in {where} to the endpoint of its brokerd.toml{said}")
+    return (f"fix: start the broker (systemctl start ccsq-brokerd, or ccsq-brokerd --config brokerd.toml) or, if it runs "
+            f"on another host, set broker_endpoint in {where} to its endpoint")
 
 
 def with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Awaitable[T]], *, connect_timeout_s: float | None = None) -> T:
@@ -171,5 +225,6 @@ def run_command(settings: AdminConfig, command: str, args: dict | None = None, *
             raise BrokerUnavailable(f"{exc}, and there is no ledger at {ledger_dir} to read offline: start ccsq-brokerd "
                                     "(systemctl start ccsq-brokerd) and run again, or fix data_dir in the admin config") from None
         doc = offline(settings.data_dir, command, args)
+        doc["broker_unavailable"] = str(exc)  # why the answer comes from the ledger (endpoint, cause, fix)
     doc.setdefault("source", "broker")
     return doc

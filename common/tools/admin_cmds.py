@@ -37,17 +37,21 @@ def _read_query(args: argparse.Namespace, command: str, params: dict | None = No
     mode = _admin_mode(args)
     doc = run_command(settings, command, params, mode=mode)
     if doc.get("source") != "broker" and mode != "offline":
-        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
+        print(f"ccsq: warning: {doc.get('broker_unavailable') or f'the broker at {settings.broker_endpoint} did not answer'}"
+              f"\nccsq: warning: the answer below is read from the ledger in {settings.data_dir} directly (no peers, no "
+              "leases held in memory); --offline reads it without asking the broker", file=sys.stderr)
     return doc
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    """Exit 0 with the broker's answer (or with --offline), 69 when the broker did not answer
+    and the screen comes from the ledger: a health check must not pass on a down broker."""
     doc = _read_query(args, "status")
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
         print(render_status(doc))
-    return ExitCode.OK
+    return ExitCode.UNAVAILABLE if "broker_unavailable" in doc else ExitCode.OK
 
 
 def render_status(doc: dict, *, width: int = 120) -> str:

@@ -219,7 +219,8 @@ examples:
 
 exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not acknowledged in time,
 5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
-69 the broker did not answer, 74 ledger write failed, 75 ledger locked / port busy,
+69 the broker did not answer (status: shown from the ledger), 74 ledger write failed,
+75 temporary: queue full, claim store unreachable, ledger locked, port busy,
 77 the broker refused this peer (unknown id, wrong key, wrong role), 78 configuration error,
 79 GPU required but unusable, 80 ledger file corrupt or unreadable (restore a `ccsq backup`)
 """
@@ -267,7 +268,7 @@ QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain",
 
 
 def _not_refusal(record) -> bool:
-    return (getattr(record, "ccsq_event", None) or {}).get("event") != "broker_refused_peer"
+    return (getattr(record, "ccsq_event", None) or {}).get("event") not in ("broker_refused_peer", "broker_unreachable")
 
 
 def main(argv: list[str] | None = None) -> int:

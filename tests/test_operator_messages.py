@@ -1,0 +1,123 @@
+"""What an operator is told when something is down or wrong (issue 27's friction list):
+the endpoint and the cause are named, it is a warning, and the fix is given; a transient
+outage exits 75 (TEMPFAIL), not 1. Real broker, real worker process, real files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ccsq.common.tools import cli
+from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.common.wire.errors import ExitCode
+from tests.swarm import Swarm, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_ccsq(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _set(path: Path, **changes) -> Path:
+    """Rewrite keys of a TOML config in place (top-level keys only)."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.split("=")[0].strip() not in changes]
+    path.write_text("\n".join(lines + [f"{k} = {json.dumps(v)}" for k, v in changes.items()]) + "\n")
+    return path
+
+
+def test_status_and_dlq_with_the_broker_down_or_a_wrong_endpoint_name_endpoint_cause_and_fix(tmp_path: Path,
+                                                                                              capsys) -> None:
+    """Broker stopped: ``ccsq status`` still shows the ledger but warns with the endpoint,
+    the cause (nothing listens) and the fix, and exits 69 (not 0); ``dlq replay`` says the
+    same. Broker running but admin.toml pointing elsewhere: the fix says a broker holds the
+    ledger on this host and names the endpoint in its brokerd.toml. ``--offline`` is 0."""
+    with Swarm(tmp_path, workers=0) as swarm:
+        admin = _set(swarm.configs["admin"], connect_timeout_s=1.0, hello_timeout_s=1.0)
+        swarm.start_broker()
+        rc, _out, err = run_ccsq(capsys, "status", "--config", admin)
+        assert rc == ExitCode.OK and "warning" not in err, err
+
+        wrong = f"tcp://127.0.0.1:{free_tcp_port()}"
+        _set(admin, broker_endpoint=wrong)
+        rc, out, err = run_ccsq(capsys, "status", "--config", admin, "--json")
+        assert rc == ExitCode.UNAVAILABLE, (rc, err)
+        assert json.loads(out)["source"] == "ledger (offline)"
+        assert f"the broker at {wrong} did not answer" in err and "refused (nothing listens there)" in err, err
+        assert "warning" in err and re.search(r"a broker \(pid \d+\) holds the ledger", err), err
+        assert swarm.endpoint in err and str(swarm.configs["brokerd"]) in err, err  # the endpoint to set instead
+
+        _set(admin, broker_endpoint=swarm.endpoint)
+        swarm.procs.stop("broker")
+        rc, out, err = run_ccsq(capsys, "status", "--config", admin)
+        assert rc == ExitCode.UNAVAILABLE and "backlog per queue" in out, (rc, err)
+        assert f"the broker at {swarm.endpoint} did not answer" in err and "refused (nothing listens there)" in err, err
+        assert "systemctl start ccsq-brokerd" in err and f"broker_endpoint in {admin}" in err, err
+        assert "holds the ledger" not in err, err
+        rc, _out, err = run_ccsq(capsys, "status", "--config", admin, "--offline")
+        assert rc == ExitCode.OK and "warning" not in err, err
+
+        rc, _out, err = run_ccsq(capsys, "dlq", "replay", "--all", "--config", admin)
+        assert rc == ExitCode.UNAVAILABLE, (rc, err)
+        assert swarm.endpoint in err and "refused (nothing listens there)" in err and "systemctl start ccsq-brokerd" in err, err
+
+
+def test_a_worker_with_a_wrong_endpoint_warns_with_the_endpoint_and_the_fix(tmp_path: Path) -> None:
+    """A worker whose broker_endpoint reaches nothing logs ``broker_unreachable`` at warning
+    level, naming the endpoint, the cause and its config file (before: ``broker not reachable
+    (HELLO not sent)`` at info every 5 s, no endpoint)."""
+    with Swarm(tmp_path, workers=1) as swarm:
+        wrong = f"tcp://127.0.0.1:{free_tcp_port()}"
+        config = _set(swarm.configs["workerd-0"], broker_endpoint=wrong)
+        proc = subprocess.Popen([bin_path("ccsq-workerd"), "--config", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        try:
+            import os
+            import selectors
+
+            os.set_blocking(proc.stderr.fileno(), False)
+            sel = selectors.DefaultSelector()
+            sel.register(proc.stderr, selectors.EVENT_READ)
+
+            def warned() -> str | None:
+                for _key, _ in sel.select(timeout=0.5):
+                    chunk = proc.stderr.read()
+                    if chunk:
+                        lines.extend(chunk.splitlines())
+                return next((ln for ln in lines if "broker_unreachable" in ln), None)
+
+            line = wait_until(warned, 45.0, "a broker_unreachable warning")
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+        event = json.loads(line)
+        assert event["level"] == "warning" and event["endpoint"] == wrong, event
+        assert "refused" in event["cause"] or wrong in event["cause"], event
+        assert str(config) in event["fix"] and "ccsq-brokerd" in event["fix"], event
+        lost = [json.loads(ln) for ln in lines if "broker_link_lost" in ln]
+        assert lost and all("HELLO not sent" not in e["reason"] or wrong in e["reason"] for e in lost), lost[:3]
+
+
+def test_submit_with_the_claim_store_down_exits_75(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The S3 endpoint is down: ``ccsq submit`` says STORE_UNAVAILABLE ... retry later and
+    exits 75 (TEMPFAIL, as QUEUE_FULL), not 1 (an unexpected failure)."""
+    pytest.importorskip("boto3")
+    for k, v in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(k, v)
+    with Swarm(tmp_path, workers=0) as swarm:
+        swarm.start_broker()
+        producer = _set(swarm.configs["producer"], claim_store="s3://ccsq-test/claims",
+                        s3_endpoint_url=f"http://127.0.0.1:{free_tcp_port()}", inline_max_bytes=0)
+        doc = tmp_path / "doc.txt"
+        doc.write_text("a document bigger than nothing\n" * 10)
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", doc)
+        assert rc == ExitCode.TEMPFAIL == 75, (rc, err)
+        assert "STORE_UNAVAILABLE" in err, err
