@@ -35,7 +35,9 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ``completed``, ``acknowledged``, ``retried``, ``failed``, ``dead``, ``expired``,
     ``duplicate_submits``, ``fenced_completions``, ``redelivered``, ...); ``ready``
     and ``leased`` (current per-state counts); ``counters`` and ``states`` (dicts);
-    ``balanced`` (bool: received == sum of per-state counts); ``epoch``;
+    ``balanced`` (bool: received == sum of per-state counts); ``dead_listed``
+    (the dead letters ``ccsq dlq list`` lists: state ``dead`` less the purged ones,
+    which stay counted there); ``epoch``;
     ``rejects`` ({reason: count}); ``backlog`` ({kind: {state: count}});
     ``ledger`` (map size and use, bytes); ``windows``: a list of
     {id, name, where, why, repair, counter, count, recent: [events newest first]};
@@ -53,6 +55,7 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
             counters = view.counters()
             states = view.states()
             gap_counts = view.gap_counts()
+            dead_listed = view.dead_listed()  # state dead counts purged dead items too (the balance holds)
             epoch, rejects = view.epoch(), view.rejects()
             used = ledger.used_bytes(view.txn)
         with ledger.read() as view:
@@ -82,6 +85,7 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "deprecated_keys": sorted({*counters, "ready", "leased"}),
                 "counters": counters,
                 "states": states,
+                "dead_listed": dead_listed,
                 "balanced": counters["received"] == sum(states.values()),
                 "epoch": epoch,
                 "ledger_id": ledger.ledger_id,
@@ -197,7 +201,7 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
     acct.add_column("items", justify="right")
     flows = list(COUNTERS)
     rows = max(len(flows), len(STATES) + 2)
-    state_rows = [(s, str(report["states"][s])) for s in STATES]
+    state_rows = [(_state_label(s, report), str(report["states"][s])) for s in STATES]
     state_rows.append(("sum", str(sum(report["states"].values()))))
     state_rows.append(("received", str(report["counters"]["received"])))
     for i in range(rows):
@@ -232,6 +236,15 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
             )
         console.print(qt)
     return buf.getvalue()
+
+
+def _state_label(state: str, report: dict[str, Any]) -> str:
+    """A state's row label; ``dead`` says how many are dead letters and how many purged
+    (purged dead items stay counted in state dead; ``dlq list`` shows only the others)."""
+    listed = report.get("dead_listed")
+    if state != "dead" or listed is None or listed == report["states"]["dead"]:
+        return state
+    return f"dead ({listed} dead letters + {report['states']['dead'] - listed} purged)"
 
 
 def _fmt_s(v: float | None) -> str:
@@ -351,13 +364,13 @@ def render_html(report: dict[str, Any]) -> str:
         "<h2>Accounting</h2><table id='accounting'><tr><th>flow counter</th><th>count</th><th>state now</th><th>items</th></tr>",
     ]
     flows = list(COUNTERS)
-    state_rows = [(s, states[s]) for s in STATES] + [("sum", sum(states.values()))]
+    state_rows = [(s, _state_label(s, report), states[s]) for s in STATES] + [("sum", "sum", sum(states.values()))]
     for i in range(max(len(flows), len(state_rows))):
         f = (flows[i], counters[flows[i]]) if i < len(flows) else ("", "")
-        st = state_rows[i] if i < len(state_rows) else ("", "")
+        st = state_rows[i] if i < len(state_rows) else ("", "", "")
         out.append(
             f"<tr><td>{e(f[0])}</td><td class='n' data-counter='{e(f[0])}'>{f[1]}</td>"
-            f"<td>{e(st[0])}</td><td class='n' data-state='{e(st[0])}'>{st[1]}</td></tr>"
+            f"<td>{e(st[1])}</td><td class='n' data-state='{e(st[0])}'>{st[2]}</td></tr>"
         )
     out.append("</table>")
     out.append(f"<h2>Over time</h2><p><small>{len(report.get('series', []))} samples kept in the ledger</small></p>")

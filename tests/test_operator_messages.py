@@ -121,3 +121,51 @@ def test_submit_with_the_claim_store_down_exits_75(tmp_path: Path, capsys, monke
         rc, _out, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", doc)
         assert rc == ExitCode.TEMPFAIL == 75, (rc, err)
         assert "STORE_UNAVAILABLE" in err, err
+
+
+def test_dead_counts_say_how_many_are_purged(tmp_path: Path) -> None:
+    """Purged dead items stay counted in state ``dead`` (the balance holds) but ``dlq list``
+    shows only the others: gap-report (text, JSON, HTML) and the console's overview label the
+    row ``dead (2 dead letters + 1 purged)`` instead of a bare ``dead 3``."""
+    import hashlib
+    import random
+
+    from ccsq.brokerd.admin import ledger_status
+    from ccsq.brokerd.ledger.store import Ledger, Policy
+    from ccsq.brokerd.report import load_report, render_html, render_text
+    from ccsq.common.wire import protocol as p
+
+    data_dir = tmp_path / "broker-data"
+    ledger = Ledger(data_dir / "ledger", map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(),
+                    rng=random.Random(7))
+    try:
+        txn = ledger.begin()
+        ids = [txn.submit(p.SubmitItem(f"k{i}", "echo", p.Blob(hashlib.sha256(b"x").hexdigest(), 1, b"x")), 1_000).item_id
+               for i in range(3)]
+        for item_id in ids:
+            assert txn.dead_letter_ready(item_id, "cancelled", "test", 2_000)
+        assert txn.purge_dead(ids[0], 2_100)
+        txn.commit()
+        with ledger.read() as view:
+            status = ledger_status(view)
+    finally:
+        ledger.close()
+    report = load_report(data_dir)
+    assert report["states"]["dead"] == 3 and report["dead_listed"] == 2 and report["balanced"]
+    label = "dead (2 dead letters + 1 purged)"
+    assert label in render_text(report)
+    assert label in render_html(report) and "data-state='dead'>3<" in render_html(report)
+
+    from ccsq.common.wire.config import AdminConfig, load
+    from ccsq.console.app import Auth, Console, Viewer
+    from ccsq.console.data import Source
+
+    (tmp_path / "admin.toml").write_text('peer_id = "admin"\nprivate_key = "k"\n')
+    console = Console(Source(load(AdminConfig, tmp_path / "admin.toml")), Auth([]))
+    try:
+        page = console.env.get_template("overview.html").render(
+            viewer=Viewer("local", "admin", csrf="c"), flash=[], path="/", refresh_s=0, now="",
+            status={"source": "broker", **status, "peers": []}, queues=[], rates=None, chart=None, more={})
+    finally:
+        console.source.close()
+    assert "(2 dead letters + 1 purged)" in page and 'data-state="dead">3<' in page
