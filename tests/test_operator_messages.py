@@ -169,3 +169,24 @@ def test_dead_counts_say_how_many_are_purged(tmp_path: Path) -> None:
     finally:
         console.source.close()
     assert "(2 dead letters + 1 purged)" in page and 'data-state="dead">3<' in page
+
+
+def test_ccsq_config_naming_one_file_says_which_file_a_command_needs(tmp_path: Path, capsys, monkeypatch) -> None:
+    """CCSQ_CONFIG=.../brokerd.toml: gap-report works; submit (and status) say they need
+    producer.toml (admin.toml) and how to point CCSQ_CONFIG at the directory, exit 78, not
+    a bare "unknown key(s) 'data_dir'"."""
+    with Swarm(tmp_path, workers=0) as swarm:
+        swarm.start_broker()
+        swarm.procs.stop("broker")
+        monkeypatch.setenv("CCSQ_CONFIG", str(swarm.configs["brokerd"]))
+        rc, _out, err = run_ccsq(capsys, "gap-report")
+        assert rc == ExitCode.OK, err
+        doc = tmp_path / "doc.txt"
+        doc.write_text("x")
+        for argv, needs in ((["submit", "--kind", "echo", doc], "producer.toml"), (["status"], "admin.toml")):
+            rc, _out, err = run_ccsq(capsys, *argv)
+            assert rc == ExitCode.CONFIG, (argv, rc, err)
+            assert f"needs {needs}" in err and "CCSQ_CONFIG" in err and "directory" in err, err
+        monkeypatch.setenv("CCSQ_CONFIG", str(swarm.root))  # the directory: each command finds its file
+        rc, _out, err = run_ccsq(capsys, "status", "--offline")
+        assert rc == ExitCode.OK, err

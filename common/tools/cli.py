@@ -255,6 +255,30 @@ def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(config_name=name)
 
 
+def _other_kind_of_config(command: str, name: str, path: str) -> str | None:
+    """``$CCSQ_CONFIG`` names one file (not a directory), so every command reads it: when it is
+    not a ``<name>.toml`` (its name differs and it does not load as one), the sentence that
+    says which file this command needs; None when it is fine or cannot be told."""
+    import os
+
+    env = os.environ.get(CONFIG_ENV)
+    if not env or Path(env).is_dir() or Path(path).name == f"{name}.toml":
+        return None
+    from ccsq.common.wire.config import AdminConfig, BrokerConfig, CompletionConfig, ProducerConfig, load
+
+    cls = {"brokerd": BrokerConfig, "producer": ProducerConfig, "completion": CompletionConfig, "admin": AdminConfig}.get(name)
+    if cls is None:
+        return None
+    try:
+        load(cls, path)
+    except ConfigError as exc:
+        return (f"ccsq {command}: configuration error: {CONFIG_ENV}={env} names one file, which every command then "
+                f"reads, but `ccsq {command}` needs {name}.toml and {path} does not load as one ({exc}): set "
+                f"{CONFIG_ENV} to the directory that holds {name}.toml (the one `ccsq init` wrote), or pass "
+                f"--config {name}.toml")
+    return None
+
+
 def _cmd_completion_script(args: argparse.Namespace) -> int:
     import shtab
 
@@ -281,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.config).exists():
             print(f"ccsq {args.command}: no --config given and {args.config} does not exist: pass --config "
                   f"FILE, or set {CONFIG_ENV} to the directory `ccsq init` wrote", file=sys.stderr)
+            return ExitCode.CONFIG
+        wrong = _other_kind_of_config(args.command, args.config_name, args.config)
+        if wrong:
+            print(wrong, file=sys.stderr)
             return ExitCode.CONFIG
     if args.command in QUIET_LOG_COMMANDS:
         import logging
