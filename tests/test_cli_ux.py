@@ -491,7 +491,7 @@ def test_a_worker_pinning_another_broker_key_stops_and_loses_nothing(tmp_path: P
         assert "other_authorized_keys.toml" in proc.stderr and "does not match" in proc.stderr, proc.stderr[-2000:]
         swarm.start_worker(1)  # the right worker runs them all
         rep = swarm.wait_acknowledged(5, timeout_s=60)
-    assert rep["dead"] == 0 and rep["balanced"], rep
+    assert rep["counters"]["dead"] == 0 and rep["balanced"], rep
     assert len(ids) == 5
 
 

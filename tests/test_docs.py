@@ -34,3 +34,24 @@ def test_no_downloaded_packages_are_committed() -> None:
     packages = [p for p in done.stdout.splitlines() if p.endswith((".whl", ".egg"))]
     assert not packages, f"downloaded packages are committed: {packages} (git rm them)"
     assert "*.whl" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_no_reader_of_the_deprecated_gap_report_keys() -> None:
+    """The demo, the tests and the box read ``counters`` and ``states`` of a gap report
+    (``load_report``, ``gap-report --json``), never the deprecated flat copies at top level
+    (where ``completed`` is a counter, not the state): one day those go."""
+    import re
+
+    from ccsq.brokerd.ledger.schema import COUNTERS
+
+    keys = "|".join([*COUNTERS, "ready", "leased"])
+    reports = (r"(?:\b(?:rep\w*|report\w*|books|final|restored|r)|\.report\(\)|\(\w+ := [\w.]+\.report\(\)\)|"
+               r"load_report\([^)]*\))")
+    flat = re.compile(rf"{reports}\[['\"]({keys})['\"]\]")
+    hits = []
+    for path in [ROOT / "examples" / "demo.py", ROOT / "tests" / "systemd_box" / "box.sh", ROOT / "tests" / "chaos" / "checks.py",
+                 *sorted((ROOT / "tests").glob("*.py"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if flat.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
+    assert not hits, "read report['counters'][KEY] / report['states'][KEY] instead:\n" + "\n".join(hits)

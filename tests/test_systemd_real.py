@@ -216,7 +216,7 @@ def test_the_wheel_runs_a_swarm(wheel_venv: Path, tmp_path: Path) -> None:
         report = run("ccsq", "gap-report", "--config", str(swarm / "brokerd.toml"), "--json")
         assert report.returncode == 0, report.stderr
         books = json.loads(report.stdout)
-        assert books["balanced"] and books["received"] == 20 and books["acknowledged"] == 20, books
+        assert books["balanced"] and books["counters"]["received"] == 20 and books["counters"]["acknowledged"] == 20, books
         for name in ("completion", "worker-2", "worker-1", "broker"):
             group.signal(name, signal.SIGTERM)
             assert group.wait_exit(name, timeout_s=30) == 0, group.tail(name)

@@ -369,8 +369,9 @@ import json, sys
 r = json.load(sys.stdin); n = int(sys.argv[1])
 keys = ("received", "completed", "acknowledged", "dead", "expired", "redelivered", "duplicate_submits")
 gaps = ", ".join("%s=%s" % (w["id"], w["count"]) for w in r["windows"] if w["count"])
-ok = r["balanced"] and r["received"] == n and r["acknowledged"] == n
-print("ok" if ok else "bad", "balanced=%s" % r["balanced"], " ".join("%s=%s" % (k, r.get(k)) for k in keys),
+c = r["counters"]
+ok = r["balanced"] and c["received"] == n and c["acknowledged"] == n
+print("ok" if ok else "bad", "balanced=%s" % r["balanced"], " ".join("%s=%s" % (k, c.get(k)) for k in keys),
       "gap windows hit: %s" % (gaps or "none"))
 '
 summ() { /usr/bin/python3 -c "$SUMM" "$TOTAL"; }
