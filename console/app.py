@@ -63,6 +63,15 @@ TIME_LABELS = {"created_ms": "submitted", "nb_ms": "ready not before", "lease_ex
                "completed_ms": "completed", "acked_ms": "acknowledged", "ended_ms": "ended (dead/expired)",
                "deadline_ms": "deadline"}
 
+def item_times(rec: dict) -> dict[str, int]:
+    """The item page's history: {label: epoch ms} of the record's wall-clock fields that are
+    set. ``lease expires`` only while the item is leased: the field stays in the record after
+    the lease ends (a dead item would show an expiry in the future)."""
+    return {TIME_LABELS.get(k, k.removesuffix("_ms")): v for k, v in rec.items()
+            if k.endswith("_ms") and isinstance(v, int) and v > 10**11
+            and (k != "lease_expires_ms" or rec.get("state") == "leased")}
+
+
 ACTIONS: dict[str, dict[str, str]] = {
     "dlq_replay": {"verb": "Replay", "back": "/dlq",
                    "what": "The dead item becomes ready again with a fresh attempt budget (gap event G10)."},
@@ -327,7 +336,7 @@ class Console:
         extras = await self.source.item_extras(item_id)
         rec = doc["item"]
         time_keys = {k for k, v in rec.items() if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
-        times = {TIME_LABELS.get(k, k.removesuffix("_ms")): rec[k] for k in time_keys}
+        times = item_times(rec)
         ctx = {"title": f"item {item_id}", "status": {"source": doc.get("source")}, "rec": rec, "times": times,
                "lease": doc.get("lease_in_memory"), "extras": extras,
                "fields": {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}}

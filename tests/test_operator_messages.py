@@ -190,3 +190,14 @@ def test_ccsq_config_naming_one_file_says_which_file_a_command_needs(tmp_path: P
         monkeypatch.setenv("CCSQ_CONFIG", str(swarm.root))  # the directory: each command finds its file
         rc, _out, err = run_ccsq(capsys, "status", "--offline")
         assert rc == ExitCode.OK, err
+
+
+def test_the_console_shows_a_lease_expiry_only_while_leased() -> None:
+    """A dead item keeps lease_expires_ms in its record; the item page's history shows
+    "lease expires" only for a leased item (before: a dead item showed a future expiry)."""
+    from ccsq.console.app import item_times
+
+    rec = {"id": "x", "state": "dead", "created_ms": 1_700_000_000_000, "lease_expires_ms": 1_700_000_300_000,
+           "ended_ms": 1_700_000_100_000}
+    assert "lease expires" not in item_times(rec) and item_times(rec)["ended (dead/expired)"] == 1_700_000_100_000
+    assert item_times({**rec, "state": "leased"})["lease expires"] == 1_700_000_300_000

@@ -160,13 +160,31 @@ def _when(key: str, value: object) -> object:
 FAILED_STATES = ("dead", "expired")
 
 
+#: ``items show`` (text) names the record's fields in words (``--json`` keeps the ledger's
+#: names, docs/ledger.md); a field not listed here shows with its underscores as spaces.
+ITEM_LABELS = {
+    "id": "item id", "key": "idempotency key", "created_ms": "submitted", "nb_ms": "ready not before",
+    "seq": "arrival seq", "cseq": "completion seq", "token": "fencing token", "lease_expires_ms": "lease expires",
+    "completed_ms": "completed", "acked_ms": "acknowledged", "ended_ms": "ended", "deadline_ms": "deadline",
+    "completed_token": "completed token", "completed_epoch": "completed epoch", "fail_token": "failed token",
+    "max_attempts": "max attempts", "max_runtime_s": "max runtime (s)", "runtime_s": "runtime (s)",
+    "worker_done": "done by worker", "token_worker": "token holder", "handler_version": "handler version",
+    "error_message": "error message", "reply_to": "relay (reply to)",
+}
+
+
 def _item_rows(doc: dict) -> list[tuple[str, object]]:
-    """The rows of ``items show`` (text): times as ISO dates, 0 (unset) times as "-",
-    ``max_attempts`` 0 as the broker default, an error of an earlier attempt labelled so."""
+    """The rows of ``items show`` (text), labelled by :data:`ITEM_LABELS`: times as ISO
+    dates, 0 (unset) times as "-", ``max_attempts`` 0 as the broker default, an error of an
+    earlier attempt labelled so; ``lease_expires_ms`` only while the item is leased (it stays
+    in the record after the lease ends)."""
     rec = doc["item"]
     stale = rec.get("state") not in FAILED_STATES
     rows: list[tuple[str, object]] = []
     for k, v in rec.items():
+        label = ITEM_LABELS.get(k, k.replace("_", " "))
+        if k == "lease_expires_ms" and rec.get("state") != "leased":
+            continue
         if k.endswith(("_ms", "_ts")) and v in (0, None):
             v = "-"
         elif k == "max_attempts" and v == 0:
@@ -175,11 +193,11 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
         elif k in ("error", "error_message") and stale:
             if not v:
                 continue
-            k = "last error" if k == "error" else "last error msg"
-            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "last error" else v
+            label = "last error" if k == "error" else "last error msg"
+            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "error" else v
         else:
             v = _when(k, v)
-        rows.append((k, v))
+        rows.append((label, v))
     return rows
 
 
