@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ccsq.common.runtime.daemon import CONFIG_ENV, default_config
+from ccsq.common.runtime.daemon import CONFIG_ENV, default_config, version_string
 from ccsq.common.wire.errors import ExitCode
 
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None,
                         help=f"completion.toml (default: ${CONFIG_ENV}/completion.toml when ${CONFIG_ENV} is a "
                              f"directory, ${CONFIG_ENV} when it is a file, else /etc/ccsq/completion.toml)")
+    parser.add_argument("--version", action="version", version=version_string("ccsq-completiond"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     config = args.config or default_config("completion")
     if args.config is None and not Path(config).exists():

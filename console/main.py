@@ -152,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from ccsq.common.tools.cli import main as ccsq_main
 
-    return ccsq_main(["console", *(sys.argv[1:] if argv is None else argv)])
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--version"]:
+        from ccsq.common.runtime.daemon import version_string
+
+        print(version_string("ccsq-console"))
+        return 0
+    return ccsq_main(["console", *args])
 
 
 if __name__ == "__main__":

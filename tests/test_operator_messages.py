@@ -201,3 +201,35 @@ def test_the_console_shows_a_lease_expiry_only_while_leased() -> None:
            "ended_ms": 1_700_000_100_000}
     assert "lease expires" not in item_times(rec) and item_times(rec)["ended (dead/expired)"] == 1_700_000_100_000
     assert item_times({**rec, "state": "leased"})["lease expires"] == 1_700_000_300_000
+
+
+def test_shell_completion_for_bash_zsh_tcsh_and_fish_and_every_command_has_version(tmp_path: Path, capsys) -> None:
+    """``ccsq completion bash`` prints the script (as kubectl/gh users type it; before, it was
+    an argument error of the completion service); ``completion-script fish`` is a fish script
+    fish accepts and that completes sub-commands and options; every console script answers
+    ``--version`` (the daemons had none)."""
+    import os
+    import shutil
+
+    rc, out, _err = run_ccsq(capsys, "completion", "bash")
+    assert rc == 0 and "complete" in out and "_shtab_ccsq" in out, out[:300]
+    rc, fish_script, _err = run_ccsq(capsys, "completion-script", "fish")
+    assert rc == 0 and "complete -c ccsq" in fish_script
+    fish = shutil.which("fish")
+    if fish is None:
+        if os.environ.get("CI"):
+            pytest.fail("fish is missing (.ci/run installs it)")
+    else:
+        path = tmp_path / "ccsq.fish"
+        path.write_text(fish_script)
+        assert subprocess.run([fish, "-n", str(path)], capture_output=True, timeout=30).returncode == 0
+        done = subprocess.run([fish, "--no-config", "-c", f"source {path}; complete -C 'ccsq dlq '; echo ---; "
+                               "complete -C 'ccsq submit --ki'"], capture_output=True, text=True, timeout=30)
+        before, after = done.stdout.split("---")
+        assert {ln.split("\t")[0] for ln in before.splitlines()} >= {"list", "replay", "purge"}, done
+        assert "--kind" in after, done
+    from importlib.metadata import version
+
+    for prog in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-relayd", "ccsq-console"):
+        done = subprocess.run([bin_path(prog), "--version"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.strip() == f"{prog} {version('ccsq')}", (prog, done)

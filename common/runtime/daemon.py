@@ -29,7 +29,18 @@ def config_path_from_argv(prog: str, description: str, config_help: str, argv: l
     arguments are given; ``--help`` prints ``description``."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument("--version", action="version", version=version_string(prog))
     return parser.parse_args(argv).config
+
+
+def version_string(prog: str) -> str:
+    """``PROG VERSION`` of the installed ccsq distribution (``--version`` of every command)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{prog} {version('ccsq')}"
+    except PackageNotFoundError:
+        return f"{prog} unknown"
 
 
 #: Net container allocations between young collections after :func:`settle_gc` (CPython's

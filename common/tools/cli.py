@@ -54,6 +54,8 @@ def _peer_id_arg(text: str) -> str:
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
+    if args.shell:  # `ccsq completion bash`, as kubectl/gh users type it: the shell script, not the service
+        return _cmd_completion_script(args)
     from ccsq.completiond.completion import main as completion_main  # = ccsq-completiond
 
     return completion_main(args.config)
@@ -114,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond); "
+                                          "`ccsq completion SHELL` prints shell completion instead")
     _config_arg(p, "completion")
+    p.add_argument("shell", nargs="?", choices=SHELLS, help="print the completion script for this shell and exit "
+                   "(= ccsq completion-script SHELL) instead of running the service")
     p.set_defaults(func=_cmd_completion)
 
     p = sub.add_parser("gap-report", help="accounting, balance and gap-register windows (reads the ledger)")
@@ -198,11 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
     p.set_defaults(func=_cmd_console)
 
-    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh or tcsh)",
+    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh, tcsh or fish)",
                        epilog="examples:\n  ccsq completion-script bash > /etc/bash_completion.d/ccsq\n"
-                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq",
+                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq\n"
+                              "  ccsq completion-script fish > ~/.config/fish/completions/ccsq.fish",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.add_argument("shell", choices=SHELLS)
     p.set_defaults(func=_cmd_completion_script)
     return parser
 
@@ -215,7 +221,7 @@ examples:
   ccsq status                                   # peers, their kinds, backlog per kind
   ccsq dlq list && ccsq dlq replay --all        # dead letters: why, and retry
   ccsq gap-report --html report.html            # accounting and every at-least-once window
-  source <(ccsq completion-script bash)         # tab completion
+  source <(ccsq completion bash)                # tab completion (zsh, tcsh, fish too)
 
 exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not acknowledged in time,
 5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
@@ -279,11 +285,65 @@ def _other_kind_of_config(command: str, name: str, path: str) -> str | None:
     return None
 
 
+SHELLS = ("bash", "zsh", "tcsh", "fish")
+
+
 def _cmd_completion_script(args: argparse.Namespace) -> int:
+    if args.shell == "fish":  # shtab has no fish: made from the same parser
+        print(fish_completion(build_parser()))
+        return ExitCode.OK
     import shtab
 
     print(shtab.complete(build_parser(), shell=args.shell))
     return ExitCode.OK
+
+
+def fish_completion(parser: argparse.ArgumentParser) -> str:
+    """A fish completion script for ``parser`` (``complete -c PROG ...`` lines): each
+    command and sub-command with its help, each option of each, choices, files for
+    arguments that complete files."""
+    prog = parser.prog
+    lines = [f"# fish completion for {prog} (ccsq completion-script fish)", f"complete -c {prog} -f"]
+
+    def quote(text: str | None) -> str:
+        return "'" + (text or "").replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    def walk(p: argparse.ArgumentParser, path: list[str]) -> None:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        names = [n for a in subs for n in a.choices]
+        seen = [f"__fish_seen_subcommand_from {w}" for w in path]
+        cond = "; and ".join(seen) or "__fish_use_subcommand"  # this (sub)command's options
+        here = "; and ".join([*seen, f"not __fish_seen_subcommand_from {' '.join(names)}"])  # its sub-commands
+        for a in subs:
+            helps = {c.dest: c.help for c in a._choices_actions}
+            for name in a.choices:
+                lines.append(f"complete -c {prog} -n {quote(here)} -a {name} -d {quote(helps.get(name))}")
+        for action in p._actions:
+            if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)):
+                continue
+            opt = ""
+            for o in action.option_strings:
+                opt += f" -l {o[2:]}" if o.startswith("--") else f" -s {o[1:]}"
+            extra = ""
+            if action.choices and not isinstance(action.choices, dict):
+                extra = f" -x -a {quote(' '.join(map(str, action.choices)))}"
+            elif getattr(action, "complete", None) is not None:
+                extra = " -r -F"
+            elif action.option_strings and action.nargs != 0:
+                extra = " -r"
+            if not opt and not extra:
+                continue
+            try:
+                text = (action.help or "") % {**vars(action), "default": action.default}
+            except (KeyError, TypeError, ValueError):
+                text = action.help or ""
+            lines.append(f"complete -c {prog} -n {quote(cond)}{opt}{extra} -d {quote(text)}")
+        for a in subs:
+            for name, child in a.choices.items():
+                walk(child, [*path, name])
+
+    walk(parser, [])
+    return "\n".join(lines)
 
 
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
@@ -300,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "group_config", None) and args.config is None:
         args.config = args.group_config
-    if getattr(args, "config_name", None) and args.config is None:
+    if getattr(args, "config_name", None) and args.config is None and not (args.command == "completion" and args.shell):
         args.config = default_config(args.config_name)
         if not Path(args.config).exists():
             print(f"ccsq {args.command}: no --config given and {args.config} does not exist: pass --config "
