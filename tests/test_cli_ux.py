@@ -399,9 +399,9 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
 
 
 #: The ``ccsq`` command line: every subcommand (and the sub-subcommands), as users type them.
-SUBCOMMANDS = ["init", "keygen", "submit", "completion", "gap-report", "status", "items", "dlq", "drain", "reconcile",
-               "init-relay", "federation", "backup", "console", "completion-script"]
-NESTED = {"items": ["show"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
+SUBCOMMANDS = ["init", "keygen", "submit", "outbox", "completion", "gap-report", "status", "items", "dlq", "drain",
+               "reconcile", "init-relay", "federation", "backup", "console", "completion-script"]
+NESTED = {"outbox": ["flush"], "items": ["show"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
 
 
 def test_every_subcommand_is_parsed_runs_a_command_and_completes(capsys) -> None:

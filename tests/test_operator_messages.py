@@ -233,3 +233,27 @@ def test_shell_completion_for_bash_zsh_tcsh_and_fish_and_every_command_has_versi
     for prog in ("ccsq", "ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq-relayd", "ccsq-console"):
         done = subprocess.run([bin_path(prog), "--version"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and done.stdout.strip() == f"{prog} {version('ccsq')}", (prog, done)
+
+
+def test_outbox_flush_sends_what_was_spooled_while_the_broker_was_away(tmp_path: Path, capsys) -> None:
+    """``ccsq submit`` with outbox_dir spools while the broker is down; ``ccsq outbox flush``
+    says how many are still spooled and exits 69 while it stays down, then sends them all and
+    exits 0 once it runs (before: no command did, only the next producer process)."""
+    with Swarm(tmp_path, workers=0, producer={"outbox_dir": "outbox"}) as swarm:
+        producer = swarm.configs["producer"]
+        docs = []
+        for i in range(3):
+            docs.append(tmp_path / f"d{i}.txt")
+            docs[-1].write_text(f"document {i}")
+        rc, out, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", *docs)
+        assert rc == 0 and out.count("(spooled)  spooled") == 3, (out, err)
+        rc, out, err = run_ccsq(capsys, "outbox", "flush", "--config", producer, "--timeout-s", "2")
+        assert rc == ExitCode.UNAVAILABLE and "3 still spooled" in out and "run `ccsq outbox flush` again" in err, (out, err)
+        swarm.start_broker()
+        rc, out, err = run_ccsq(capsys, "outbox", "flush", "--config", producer, "--timeout-s", "60", "--json")
+        assert rc == 0, (out, err)
+        doc = json.loads(out)
+        assert (doc["spooled_before"], doc["sent"], doc["left"], doc["rejected"]) == (3, 3, 0, []), doc
+        assert swarm.report()["counters"]["received"] == 3
+        rc, _out, err = run_ccsq(capsys, "outbox", "flush", "--config", swarm.configs["admin"])
+        assert rc == ExitCode.CONFIG, err  # not a producer config (no outbox there)

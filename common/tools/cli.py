@@ -31,7 +31,7 @@ from ccsq.common.tools.admin_cmds import (
 )
 from ccsq.common.tools.init import _cmd_init, _cmd_keygen
 from ccsq.common.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
-from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_submit, _param
+from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_outbox_flush, _cmd_submit, _param
 from ccsq.common.wire.errors import (
     AdminFailed,
     BrokerUnavailable,
@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
+
+    outbox = sub.add_parser("outbox", help="the producer's local outbox (outbox_dir): flush what it spooled")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    p = outbox_sub.add_parser("flush", help="send the items spooled while the broker was away and wait until the "
+                                            "outbox is empty (exit 69 if the broker does not take them in time)")
+    _config_arg(p, "producer")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up after this (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_outbox_flush)
 
     p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond); "
                                           "`ccsq completion SHELL` prints shell completion instead")
@@ -348,7 +357,7 @@ def fish_completion(parser: argparse.ArgumentParser) -> str:
 
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
 QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
-                                "completion-script", "backup"})
+                                "completion-script", "backup", "outbox"})
 
 
 def _not_refusal(record) -> bool:
