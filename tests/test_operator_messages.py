@@ -257,3 +257,26 @@ def test_outbox_flush_sends_what_was_spooled_while_the_broker_was_away(tmp_path:
         assert swarm.report()["counters"]["received"] == 3
         rc, _out, err = run_ccsq(capsys, "outbox", "flush", "--config", swarm.configs["admin"])
         assert rc == ExitCode.CONFIG, err  # not a producer config (no outbox there)
+
+
+def test_a_curve_mismatch_is_one_sentence_at_once_for_admin_commands_too(tmp_path: Path, capsys) -> None:
+    """A CURVE broker and an admin.toml without curve: ``ccsq status`` exits 78 with the
+    CURVE sentence long before its connect timeout (before: it waited the timeout, then read
+    the ledger as if the broker were down, exit 0/69); neither status nor submit prints a JSON
+    log line beside the sentence."""
+    import time
+
+    with Swarm(tmp_path, workers=0, broker={"curve": True}) as swarm:
+        swarm.start_broker()
+        admin = _set(swarm.configs["admin"], connect_timeout_s=20.0, hello_timeout_s=5.0)
+        t0 = time.monotonic()
+        rc, out, err = run_ccsq(capsys, "status", "--config", admin)
+        took = time.monotonic() - t0
+        assert rc == ExitCode.CONFIG and "CURVE mismatch" in err and took < 10.0, (rc, took, err)
+        assert not any(ln.lstrip().startswith("{") for ln in err.splitlines()), err
+        doc = tmp_path / "doc.txt"
+        doc.write_text("x")
+        done = subprocess.run([bin_path("ccsq"), "submit", "--config", str(swarm.configs["producer"]), "--kind", "echo",
+                               str(doc)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == ExitCode.CONFIG and "CURVE mismatch" in done.stderr, done
+        assert not any(ln.lstrip().startswith("{") for ln in done.stderr.splitlines()), done.stderr

@@ -75,10 +75,20 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     runner = asyncio.create_task(link.run(), name="admin-link")
     try:
         ready = asyncio.ensure_future(link.ready.wait())
+        deadline = time.monotonic() + connect_timeout_s
         try:
-            await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            # until a session, the link stops, the time is up or a CURVE mismatch shows (a
+            # configuration error: said at once, not after the timeout as "broker down")
+            while not link.curve_mismatch and (left := deadline - time.monotonic()) > 0:
+                done, _ = await asyncio.wait({ready, runner}, timeout=min(left, 0.05), return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    break
         finally:
             ready.cancel()
+        if link.curve_mismatch and not link.ready.is_set():
+            from ccsq.common.wire.errors import ConfigError
+
+            raise ConfigError(link.connect_problem or f"CURVE handshake with {settings.broker_endpoint} failed")
         if link.refused is not None:
             from ccsq.common.link.peer import refusal_fix
 
@@ -146,6 +156,10 @@ def broker_down_fix(settings: AdminConfig) -> str:
                 endpoint = str(tomllib.loads(brokerd.read_text()).get("endpoint", ""))
             except (OSError, tomllib.TOMLDecodeError):
                 endpoint = ""
+        if endpoint == settings.broker_endpoint:
+            return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host and {brokerd} "
+                    "names this endpoint, so it runs but did not answer: it may be stopped or overloaded (journalctl -u "
+                    "ccsq-brokerd; systemctl status ccsq-brokerd), or run with another brokerd.toml")
         said = f" ({brokerd} says endpoint = {endpoint!r})" if endpoint else ""
         return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host, so it runs but not at "
                 f"{settings.broker_endpoint}: set broker_endpoint in {where} to the endpoint of its brokerd.toml{said}")

@@ -360,8 +360,12 @@ QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain",
                                 "completion-script", "backup", "outbox"})
 
 
+#: The link's own log lines about why it got no session: a command prints that as its sentence.
+QUIET_LINK_EVENTS = frozenset({"broker_refused_peer", "broker_unreachable", "curve_mismatch", "curve_handshake_failed"})
+
+
 def _not_refusal(record) -> bool:
-    return (getattr(record, "ccsq_event", None) or {}).get("event") not in ("broker_refused_peer", "broker_unreachable")
+    return (getattr(record, "ccsq_event", None) or {}).get("event") not in QUIET_LINK_EVENTS
 
 
 def main(argv: list[str] | None = None) -> int:
