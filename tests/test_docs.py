@@ -55,3 +55,19 @@ def test_no_reader_of_the_deprecated_gap_report_keys() -> None:
             if flat.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
     assert not hits, "read report['counters'][KEY] / report['states'][KEY] instead:\n" + "\n".join(hits)
+
+
+def test_make_dist_installs_only_the_build_tool() -> None:
+    """``make dist`` needs ``build``, not the package, its extras or the test stack."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("make is missing (.ci/run installs it)")
+    done = subprocess.run(["make", "-n", "-C", str(ROOT), "dist", "VENV=/nonexistent/venv"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "-m build" in done.stdout and "pip install -q 'build" in done.stdout, done.stdout
+    assert "test]" not in done.stdout and "-e " not in done.stdout, done.stdout
