@@ -71,3 +71,17 @@ def test_make_dist_installs_only_the_build_tool() -> None:
     assert done.returncode == 0, done.stderr
     assert "-m build" in done.stdout and "pip install -q 'build" in done.stdout, done.stdout
     assert "test]" not in done.stdout and "-e " not in done.stdout, done.stdout
+
+
+def test_readme_walk_through_commands_parse() -> None:
+    """Every ``ccsq ...`` line of README's "Run your own swarm" is a command the CLI accepts."""
+    import shlex
+
+    from ccsq.common.tools.cli import build_parser
+
+    section = (ROOT / "README.md").read_text().split("## Run your own swarm", 1)[1].split("\n## ", 1)[0]
+    lines = [ln.split("#", 1)[0].strip() for ln in section.splitlines() if ln.startswith("ccsq ")]
+    assert len(lines) >= 5, section
+    parser = build_parser()
+    for line in lines:
+        parser.parse_args(shlex.split(line)[1:])  # argparse exits 2 on a command it does not know
