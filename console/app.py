@@ -337,9 +337,16 @@ class Console:
         rec = doc["item"]
         time_keys = {k for k, v in rec.items() if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
         times = item_times(rec)
+        fields = {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}
+        default_attempts = None
+        if not rec.get("max_attempts"):  # 0: the broker's max_attempts, as `ccsq items show` says
+            from ccsq.common.tools.admin_cmds import broker_max_attempts
+
+            default_attempts = broker_max_attempts(self.source.settings.config_path)
+            fields["max_attempts"] = f"broker default ({default_attempts})" if default_attempts else "broker default"
         ctx = {"title": f"item {item_id}", "status": {"source": doc.get("source")}, "rec": rec, "times": times,
-               "lease": doc.get("lease_in_memory"), "extras": extras,
-               "fields": {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}}
+               "lease": doc.get("lease_in_memory"), "extras": extras, "fields": fields,
+               "default_attempts": default_attempts}
         return self._page(request, "item.html", ctx, viewer, new_sid)
 
     async def dlq(self, request: Request) -> Response:

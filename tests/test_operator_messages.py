@@ -280,3 +280,28 @@ def test_a_curve_mismatch_is_one_sentence_at_once_for_admin_commands_too(tmp_pat
                                str(doc)], capture_output=True, text=True, timeout=60)
         assert done.returncode == ExitCode.CONFIG and "CURVE mismatch" in done.stderr, done
         assert not any(ln.lstrip().startswith("{") for ln in done.stderr.splitlines()), done.stderr
+
+
+def test_console_item_page_names_the_broker_default_and_the_start_log_a_url_to_open(tmp_path: Path) -> None:
+    """The item page shows max_attempts 0 as ``broker default (N)`` (as ``ccsq items show``;
+    before: a bare 0), and a console listening on 0.0.0.0 logs a URL with this host's name,
+    not ``http://0.0.0.0:PORT/``."""
+    import os
+    import socket
+    import urllib.request
+
+    with Swarm(tmp_path, workers=0, broker={"max_attempts": 4}) as swarm:
+        swarm.start_broker()
+        with swarm.client() as client:
+            item = client.submit(b"x", "nobody-serves-this").item_id
+        port = free_tcp_port()
+        token = "ops-console-token-0123456789"
+        swarm.procs.start("console", [bin_path("ccsq"), "console", "--config", str(swarm.configs["admin"]),
+                                      "--listen", f"0.0.0.0:{port}", "--refresh-s", "0"],
+                          env={**os.environ, "CCSQ_CONSOLE_TOKEN": token}, ready_event="console_started")
+        started = next(e for e in swarm.procs.procs["console"].events() if e.get("event") == "console_started")
+        assert "0.0.0.0" not in started["url"] and started["url"] == f"http://{socket.getfqdn()}:{port}/", started
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/items/{item}", headers={"Authorization": f"Bearer {token}"})
+        page = urllib.request.urlopen(req, timeout=30).read().decode()
+        assert 'data-field="max_attempts">broker default (4)<' in page, page[:2000]
+        assert "\"attempt\">0 of 4 " in page  # attempts so far of the broker default

@@ -201,7 +201,7 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
     return rows
 
 
-def _broker_max_attempts(admin_config: str | None) -> int | None:
+def broker_max_attempts(admin_config: str | None) -> int | None:
     """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
     max_attempts 0 means), or None when there is none to read."""
     from ccsq.common.wire.config import BrokerConfig, load
@@ -217,7 +217,7 @@ def _cmd_items_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        for k, v in _item_rows({**doc, "default_max_attempts": _broker_max_attempts(admin_settings(args).config_path)}):
+        for k, v in _item_rows({**doc, "default_max_attempts": broker_max_attempts(admin_settings(args).config_path)}):
             print(f"{k:>16}  {v}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
