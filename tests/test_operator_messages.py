@@ -305,3 +305,22 @@ def test_console_item_page_names_the_broker_default_and_the_start_log_a_url_to_o
         page = urllib.request.urlopen(req, timeout=30).read().decode()
         assert 'data-field="max_attempts">broker default (4)<' in page, page[:2000]
         assert "\"attempt\">0 of 4 " in page  # attempts so far of the broker default
+
+
+def test_the_completion_peer_counts_what_it_acknowledged(tmp_path: Path, capsys) -> None:
+    """``ccsq status`` (and the console's workers page, the same reply) shows the completion
+    peer's done as the items its ACKs acknowledged (before: always 0)."""
+    with Swarm(tmp_path, workers=1) as swarm:
+        swarm.start_all(workers=1)
+        with swarm.client() as client:
+            ids = [client.submit(f"doc {i}".encode(), "echo").item_id for i in range(4)]
+        swarm.wait_acknowledged(len(ids))
+        admin = _set(swarm.configs["admin"], connect_timeout_s=15.0)
+
+        def completion_done() -> int | None:
+            rc, out, _err = run_ccsq(capsys, "status", "--config", admin, "--json")
+            peers = {x["peer_id"]: x for x in json.loads(out)["peers"]} if rc == 0 else {}
+            done = peers.get("completion-1", {}).get("done")
+            return done if done == len(ids) else None
+
+        assert wait_until(completion_done, 20.0, "the completion peer's done count") == len(ids)
