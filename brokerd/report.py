@@ -114,8 +114,11 @@ def queue_forecast(
 
     ``kinds``: {kind: {state: count}} now; ``samples``: the ledger's accounting
     samples, oldest first; ``deadlines``: {kind: earliest deadline_ms of a ready or
-    leased item}. The rate is items/s that reached completed or acknowledged since
-    the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample).
+    leased item}. The rate is the recent one: items that reached completed or acknowledged
+    since the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample),
+    per second of at most the last RATE_WINDOW_S (the ledger samples only while counters
+    change: after an idle hour the reference is an hour old, and dividing by that hour made
+    a busy queue's rate the hour's average).
     Returns a list of {kind, ready, leased, backlog, completed_per_s (None: no
     history), drain_eta_s (None: never at this rate), nearest_deadline_ms,
     deadline_in_s, verdict: empty | on track | late | stalled | no deadline}
@@ -134,7 +137,7 @@ def queue_forecast(
         rate = None
         if ref is not None and now_ms - ref["ts_ms"] >= 1000:
             then = _done(ref.get("kinds", {}).get(kind, {}))
-            rate = max(0, _done(st) - then) / ((now_ms - ref["ts_ms"]) / 1000.0)
+            rate = max(0, _done(st) - then) / min((now_ms - ref["ts_ms"]) / 1000.0, RATE_WINDOW_S)
         eta = None if not rate else backlog / rate
         dl = deadlines.get(kind)
         left = None if dl is None else (dl - now_ms) / 1000.0

@@ -176,6 +176,12 @@ def test_queue_forecast_against_the_nearest_deadline() -> None:
     q = {x["kind"]: x for x in queue_forecast(kinds, samples, {"ocr": now + 1_200_000}, now)}
     assert q["ocr"]["verdict"] == "on track" and q["idle"]["verdict"] == "empty"
     assert queue_forecast(kinds, [], {}, now)[1]["verdict"] == "stalled"  # no history: no rate
+    # idle for an hour (no samples: the ledger samples while counters change), then 300 done in
+    # the last minute: the recent rate, 300 / 300 s, not the hour's average 300 / 3600 s
+    idle = [{"ts_ms": now - 3_600_000, "kinds": {"ocr": {"acknowledged": 0}}},
+            {"ts_ms": now - 30_000, "kinds": {"ocr": {"acknowledged": 150}}}]
+    q = {x["kind"]: x for x in queue_forecast({"ocr": {"ready": 600, "acknowledged": 300}}, idle, {}, now)}
+    assert q["ocr"]["completed_per_s"] == 1.0 and q["ocr"]["drain_eta_s"] == 600.0, q
     page = render_html({
         "ledger_id": "x<y", "epoch": 1, "counters": {c: 0 for c in cli_counters()}, "states": {s: 0 for s in states()},
         "balanced": True, "windows": [], "queues": [], "series": [], "generated_ms": now,
