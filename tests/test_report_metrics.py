@@ -236,3 +236,20 @@ def test_accounting_samples_are_a_bounded_ring(tmp_path: Path, monkeypatch) -> N
         assert [d["counters"]["received"] for d in got] == [4, 5, 6, 7] and got[-1]["kinds"] == {"echo": {"ready": 7}}
     finally:
         led.close()
+
+
+def test_static_report_chart_keeps_equal_lines_visible() -> None:
+    """gap-report --html: when acknowledged equals completed (and both received), each line is
+    drawn narrower than the ones under it, so the acknowledged line is not hidden under the
+    completed one and every colour shows."""
+    import re
+
+    from ccsq.brokerd.report import CHART_COUNTERS, render_chart_svg
+
+    now = 1_700_000_000_000
+    series = [{"ts_ms": now - 60_000 + i * 10_000, **dict.fromkeys(CHART_COUNTERS, i * 10)} for i in range(6)]
+    svg = render_chart_svg(series, now_ms=now, counters=dict.fromkeys(CHART_COUNTERS, 60))
+    drawn = re.findall(r'<polyline data-counter="(\w+)" fill="none" stroke="[^"]+" stroke-width="([\d.]+)"', svg)
+    assert [c for c, _ in drawn] == list(CHART_COUNTERS) and drawn[-1][0] == "acknowledged"
+    widths = [float(w) for _, w in drawn]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths), drawn
