@@ -319,6 +319,14 @@ class Console:
             if item_id:
                 return self._finish(RedirectResponse(f"/items/{quote(item_id, safe='')}", status_code=303), new_sid)
             ctx["not_found"] = q
+        else:  # no search: the newest items, by state and kind
+            from ccsq.brokerd.ledger.schema import STATES
+
+            state = request.query_params.get("state", "").strip()
+            kind = request.query_params.get("kind", "").strip()
+            state = state if state in STATES else ""
+            found, read, why = await self.source.recent_items(state, kind)
+            ctx.update(states=STATES, state=state, kind=kind, recent=found, recent_read=read, recent_error=why)
         return self._page(request, "items.html", ctx, viewer, new_sid, status_code=404 if q else 200)
 
     async def item(self, request: Request) -> Response:

@@ -324,3 +324,30 @@ def test_the_completion_peer_counts_what_it_acknowledged(tmp_path: Path, capsys)
             return done if done == len(ids) else None
 
         assert wait_until(completion_done, 20.0, "the completion peer's done count") == len(ids)
+
+
+def test_the_console_items_page_lists_recent_items_by_state_and_kind(tmp_path: Path) -> None:
+    """/items without a search lists the newest items, filtered by state and kind (before: a
+    search box only): a typo'd kind waiting in ready is found without knowing its id."""
+    import urllib.request
+
+    with Swarm(tmp_path, workers=0) as swarm:
+        swarm.start_broker()
+        with swarm.client() as client:
+            typo = client.submit(b"a", "ocrr").item_id
+            other = client.submit(b"b", "echo").item_id
+            cancelled = client.submit(b"c", "echo").item_id
+            client.cancel([cancelled])
+        port = free_tcp_port()
+        swarm.procs.start("console", [bin_path("ccsq"), "console", "--config", str(swarm.configs["admin"]),
+                                      "--listen", f"127.0.0.1:{port}", "--refresh-s", "0"], ready_event="console_started")
+
+        def listed(query: str) -> list[str]:
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/items{query}", timeout=30).read().decode()
+            return re.findall(r'<tr data-item="([^"]+)">', page)
+
+        assert listed("") == [cancelled, other, typo]  # newest first
+        assert listed("?state=ready") == [other, typo]
+        assert listed("?state=ready&kind=ocrr") == [typo]
+        assert listed("?state=dead") == [cancelled]
+        assert listed("?kind=nothing") == []
