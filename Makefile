@@ -56,7 +56,12 @@ clean:
 install-systemd:
 	sh systemd/install.sh $(if $(DRY_RUN),--dry-run) $(if $(CCSQ_VENV),--venv $(CCSQ_VENV))
 
-## make dist: sdist and wheel in dist/ (the wheel is built from the sdist; it carries the units: VENV/share/ccsq/systemd)
-dist: $(VENV)/.installed-test
+## make dist: sdist and wheel in dist/ (the wheel is built from the sdist; it carries the units: VENV/share/ccsq/systemd);
+## needs only `build` in the venv, not the package or the test stack
+$(VENV)/.installed-build: $(VENV)/bin/python
+	$(PIP) install -q 'build>=1.0'
+	touch $@
+
+dist: $(VENV)/.installed-build
 	rm -rf dist
 	$(PY) -m build --outdir dist .

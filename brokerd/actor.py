@@ -585,11 +585,15 @@ class Broker:
             elif isinstance(msg, p.Ack):
                 done, unknown = [], []
                 quarantined = {q.item_id: q.error or "quarantined" for q in msg.quarantined}
+                newly = 0
                 for item_id in msg.item_ids:
                     r = txn.ack(item_id, now_ms, quarantined.get(item_id, "") if quarantined else "")
                     (unknown if r is None else done).append(item_id)
+                    newly += r is True
                 if done:
                     batch.effects.append(lambda ids=done: self._acknowledged_all(ids))
+                if newly:  # after the commit: the completion peer's "done" in `ccsq status` / the console
+                    batch.effects.append(lambda s=sess, n=newly: setattr(s, "acked", s.acked + n))
                 batch.crash("broker.after_ack_commit")
                 batch.replies.append((rid, p.AckOk(done, unknown)))
             elif isinstance(msg, (p.Status, p.Cancel)):

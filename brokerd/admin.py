@@ -168,7 +168,7 @@ class AdminCommands:
                     **(b.peers.store_health(s) if s.role is p.Role.WORKER else {}),
                     "draining": s.peer_id in b.peers.draining,
                     "busy": s.busy,
-                    "done": s.done,
+                    "done": s.acked if s.role is p.Role.COMPLETION else s.done,  # a completion peer: items it acknowledged
                     "info": s.info,
                     "leases": len(held),
                     "lease_list": [

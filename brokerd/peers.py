@@ -43,6 +43,7 @@ class Session:
     healthy: bool = True
     busy: int = 0
     done: int = 0
+    acked: int = 0  # a completion peer: items its ACKs acknowledged in this session (its "done"; heartbeats carry none)
     info: dict = dataclasses.field(default_factory=dict)  # HELLO info, updated by heartbeats
     info_hello: dict = dataclasses.field(default_factory=dict)  # HELLO info as sent
     # --- messages not yet sent while the peer's pipe is full (HWM); brokerd/outbound.py ---

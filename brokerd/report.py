@@ -36,7 +36,9 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
     ``completed``, ``acknowledged``, ``retried``, ``failed``, ``dead``, ``expired``,
     ``duplicate_submits``, ``fenced_completions``, ``redelivered``, ...); ``ready``
     and ``leased`` (current per-state counts); ``counters`` and ``states`` (dicts);
-    ``balanced`` (bool: received == sum of per-state counts); ``epoch``;
+    ``balanced`` (bool: received == sum of per-state counts); ``dead_listed``
+    (the dead letters ``ccsq dlq list`` lists: state ``dead`` less the purged ones,
+    which stay counted there); ``epoch``;
     ``rejects`` ({reason: count}; refused frames and items); ``reconnect_noise`` ({code:
     count}: frames of sessions that had ended here, counted apart: not refusals); ``backlog`` ({kind: {state: count}});
     ``ledger`` (map size and use, bytes); ``windows``: a list of
@@ -55,6 +57,7 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
             counters = view.counters()
             states = view.states()
             gap_counts = view.gap_counts()
+            dead_listed = view.dead_listed()  # state dead counts purged dead items too (the balance holds)
             epoch, rejects = view.epoch(), view.rejects()
             noise = {k[len(NOISE_PREFIX):]: v for k, v in rejects.items() if k.startswith(NOISE_PREFIX)}
             rejects = {k: v for k, v in rejects.items() if not k.startswith(NOISE_PREFIX)}
@@ -86,6 +89,7 @@ def load_report(data_dir: str | Path, *, recent: int = RECENT_EVENTS) -> dict[st
                 "deprecated_keys": sorted({*counters, "ready", "leased"}),
                 "counters": counters,
                 "states": states,
+                "dead_listed": dead_listed,
                 "balanced": counters["received"] == sum(states.values()),
                 "epoch": epoch,
                 "ledger_id": ledger.ledger_id,
@@ -115,8 +119,11 @@ def queue_forecast(
 
     ``kinds``: {kind: {state: count}} now; ``samples``: the ledger's accounting
     samples, oldest first; ``deadlines``: {kind: earliest deadline_ms of a ready or
-    leased item}. The rate is items/s that reached completed or acknowledged since
-    the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample).
+    leased item}. The rate is the recent one: items that reached completed or acknowledged
+    since the newest sample at least :data:`RATE_WINDOW_S` old (else the oldest sample),
+    per second of at most the last RATE_WINDOW_S (the ledger samples only while counters
+    change: after an idle hour the reference is an hour old, and dividing by that hour made
+    a busy queue's rate the hour's average).
     Returns a list of {kind, ready, leased, backlog, completed_per_s (None: no
     history), drain_eta_s (None: never at this rate), nearest_deadline_ms,
     deadline_in_s, verdict: empty | on track | late | stalled | no deadline}
@@ -135,7 +142,7 @@ def queue_forecast(
         rate = None
         if ref is not None and now_ms - ref["ts_ms"] >= 1000:
             then = _done(ref.get("kinds", {}).get(kind, {}))
-            rate = max(0, _done(st) - then) / ((now_ms - ref["ts_ms"]) / 1000.0)
+            rate = max(0, _done(st) - then) / min((now_ms - ref["ts_ms"]) / 1000.0, RATE_WINDOW_S)
         eta = None if not rate else backlog / rate
         dl = deadlines.get(kind)
         left = None if dl is None else (dl - now_ms) / 1000.0
@@ -202,7 +209,7 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
     acct.add_column("items", justify="right")
     flows = list(COUNTERS)
     rows = max(len(flows), len(STATES) + 2)
-    state_rows = [(s, str(report["states"][s])) for s in STATES]
+    state_rows = [(_state_label(s, report), str(report["states"][s])) for s in STATES]
     state_rows.append(("sum", str(sum(report["states"].values()))))
     state_rows.append(("received", str(report["counters"]["received"])))
     for i in range(rows):
@@ -240,6 +247,15 @@ def render_text(report: dict[str, Any], *, width: int = 120, verbose: bool = Fal
             )
         console.print(qt)
     return buf.getvalue()
+
+
+def _state_label(state: str, report: dict[str, Any]) -> str:
+    """A state's row label; ``dead`` says how many are dead letters and how many purged
+    (purged dead items stay counted in state dead; ``dlq list`` shows only the others)."""
+    listed = report.get("dead_listed")
+    if state != "dead" or listed is None or listed == report["states"]["dead"]:
+        return state
+    return f"dead ({listed} dead letters + {report['states']['dead'] - listed} purged)"
 
 
 def fmt_s(v: float | None) -> str:
@@ -361,13 +377,13 @@ def render_html(report: dict[str, Any]) -> str:
         "<h2>Accounting</h2><table id='accounting'><tr><th>flow counter</th><th>count</th><th>state now</th><th>items</th></tr>",
     ]
     flows = list(COUNTERS)
-    state_rows = [(s, states[s]) for s in STATES] + [("sum", sum(states.values()))]
+    state_rows = [(s, _state_label(s, report), states[s]) for s in STATES] + [("sum", "sum", sum(states.values()))]
     for i in range(max(len(flows), len(state_rows))):
         f = (flows[i], counters[flows[i]]) if i < len(flows) else ("", "")
-        st = state_rows[i] if i < len(state_rows) else ("", "")
+        st = state_rows[i] if i < len(state_rows) else ("", "", "")
         out.append(
             f"<tr><td>{e(f[0])}</td><td class='n' data-counter='{e(f[0])}'>{f[1]}</td>"
-            f"<td>{e(st[0])}</td><td class='n' data-state='{e(st[0])}'>{st[1]}</td></tr>"
+            f"<td>{e(st[1])}</td><td class='n' data-state='{e(st[0])}'>{st[2]}</td></tr>"
         )
     out.append("</table>")
     out.append(f"<h2>Over time</h2><p><small>{len(report.get('series', []))} samples kept in the ledger</small></p>")

@@ -140,6 +140,7 @@ class CompletionService:
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
         try:
+            await self._make_schema()
             await self._pump()
         finally:
             await self.link.stop("completion stopping")
@@ -151,6 +152,17 @@ class CompletionService:
             self._db_exec.shutdown(wait=True)
             self._io_exec.shutdown(wait=True)
             self.log.info("completion_stopped", landed=self.landed, acked=self.acked, quarantined=self.quarantined)
+
+    async def _make_schema(self) -> None:
+        """Connect and create the results schema now, so an empty database has its ``results``
+        table (readers and dashboards can query it) before the first result lands. A database
+        that is down is not fatal here: it is logged and :meth:`_land` retries with backoff."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._db_exec, self.db.connect)
+        except self.db.driver_errors() as exc:
+            self.log.warning("db_unhealthy", error=describe_error(exc)[:500], items=0, attempt=0,
+                             retry_in_s=None, when="start: the schema is made at the first write")
+            await asyncio.get_running_loop().run_in_executor(self._db_exec, self.db.reset)
 
     # --- link callbacks ---
     def _on_message(self, env: Envelope) -> None:

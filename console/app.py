@@ -63,6 +63,15 @@ TIME_LABELS = {"created_ms": "submitted", "nb_ms": "ready not before", "lease_ex
                "completed_ms": "completed", "acked_ms": "acknowledged", "ended_ms": "ended (dead/expired)",
                "deadline_ms": "deadline"}
 
+def item_times(rec: dict) -> dict[str, int]:
+    """The item page's history: {label: epoch ms} of the record's wall-clock fields that are
+    set. ``lease expires`` only while the item is leased: the field stays in the record after
+    the lease ends (a dead item would show an expiry in the future)."""
+    return {TIME_LABELS.get(k, k.removesuffix("_ms")): v for k, v in rec.items()
+            if k.endswith("_ms") and isinstance(v, int) and v > 10**11
+            and (k != "lease_expires_ms" or rec.get("state") == "leased")}
+
+
 ACTIONS: dict[str, dict[str, str]] = {
     "dlq_replay": {"verb": "Replay", "back": "/dlq",
                    "what": "The dead item becomes ready again with a fresh attempt budget (gap event G10)."},
@@ -310,6 +319,14 @@ class Console:
             if item_id:
                 return self._finish(RedirectResponse(f"/items/{quote(item_id, safe='')}", status_code=303), new_sid)
             ctx["not_found"] = q
+        else:  # no search: the newest items, by state and kind
+            from ccsq.brokerd.ledger.schema import STATES
+
+            state = request.query_params.get("state", "").strip()
+            kind = request.query_params.get("kind", "").strip()
+            state = state if state in STATES else ""
+            found, read, why = await self.source.recent_items(state, kind)
+            ctx.update(states=STATES, state=state, kind=kind, recent=found, recent_read=read, recent_error=why)
         return self._page(request, "items.html", ctx, viewer, new_sid, status_code=404 if q else 200)
 
     async def item(self, request: Request) -> Response:
@@ -327,10 +344,17 @@ class Console:
         extras = await self.source.item_extras(item_id)
         rec = doc["item"]
         time_keys = {k for k, v in rec.items() if k.endswith("_ms") and isinstance(v, int) and v > 10**11}
-        times = {TIME_LABELS.get(k, k.removesuffix("_ms")): rec[k] for k in time_keys}
+        times = item_times(rec)
+        fields = {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}
+        default_attempts = None
+        if not rec.get("max_attempts"):  # 0: the broker's max_attempts, as `ccsq items show` says
+            from ccsq.common.tools.admin_cmds import broker_max_attempts
+
+            default_attempts = broker_max_attempts(self.source.settings.config_path)
+            fields["max_attempts"] = f"broker default ({default_attempts})" if default_attempts else "broker default"
         ctx = {"title": f"item {item_id}", "status": {"source": doc.get("source")}, "rec": rec, "times": times,
-               "lease": doc.get("lease_in_memory"), "extras": extras,
-               "fields": {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}}
+               "lease": doc.get("lease_in_memory"), "extras": extras, "fields": fields,
+               "default_attempts": default_attempts}
         return self._page(request, "item.html", ctx, viewer, new_sid)
 
     async def dlq(self, request: Request) -> Response:

@@ -113,6 +113,14 @@ class Source:
         except Exception as exc:  # noqa: BLE001 - no ledger here: the page uses the broker's counts
             return None, {}, f"{exc}"
 
+    async def recent_items(self, state: str, kind: str) -> tuple[list[dict[str, Any]] | None, int, str]:
+        """(:func:`_recent_items`'s records, records read, "") or (None, 0, why the ledger is not readable here)."""
+        try:
+            found, read = await self.ledger(_recent_items, self.settings.data_dir, state, kind)
+            return found, read, ""
+        except Exception as exc:  # noqa: BLE001 - no ledger on this host: the page says so
+            return None, 0, f"{exc}"
+
     async def item_extras(self, item_id: str) -> dict[str, Any]:
         """{events: the item's gap events (newest first), payload, result: blob
         summaries or None}; {} when the ledger is not readable here."""
@@ -127,6 +135,34 @@ class Source:
             return await self.ledger(_find_key, self.settings.data_dir, key)
         except Exception:  # noqa: BLE001 - no ledger here: search by id only
             return None
+
+
+#: The Items page lists at most this many recent items, found among this many newest records.
+RECENT_LISTED = 50
+RECENT_SCANNED = 5000
+
+
+def _recent_items(data_dir: str | Path, state: str, kind: str, limit: int = RECENT_LISTED,
+                  scan: int = RECENT_SCANNED) -> tuple[list[dict[str, Any]], int]:
+    """(up to ``limit`` records of the newest items, newest first, in ``state`` and of
+    ``kind`` when given (""= any), how many records were read). Item ids grow with arrival,
+    so the ``items`` table read backwards is newest first; at most ``scan`` records are read
+    (an older match is not listed: search it by id or key)."""
+    from ccsq.brokerd.ledger import schema as sc
+
+    out: list[dict[str, Any]] = []
+    read = 0
+    with admin_client.offline_view(data_dir) as view:
+        cur = view.txn.cursor(db=view.db["items"])
+        ok = cur.last()
+        while ok and read < scan and len(out) < limit:
+            read += 1
+            rec = sc.unpack_item(cur.value(), cur.key().decode())
+            if (not state or rec["state"] == state) and (not kind or rec["kind"] == kind):
+                out.append({k: rec.get(k) for k in ("id", "kind", "state", "attempt", "priority", "created_ms",
+                                                    "worker", "error")})
+            ok = cur.prev()
+    return out, read
 
 
 def _blob(b: Any) -> dict[str, Any] | None:

@@ -38,6 +38,14 @@ def _drop_link_chatter(logger: object, method: str, event: MutableMapping[str, A
     return event
 
 
+def console_url(host: str, port: int) -> str:
+    """The URL to open for a console listening on ``host:port``: a wildcard address (0.0.0.0,
+    ::) is no address to browse to, so this host's name stands for it."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn() or "localhost"
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ConfigError when malformed."""
     host, sep, port = listen.rpartition(":")
@@ -135,7 +143,7 @@ def run(settings: AdminConfig, *, listen: str | None = None, token: str | None =
         sock.close()
         log.error("console_listen_failed", listen=f"{host}:{port}", error=str(exc))
         return ExitCode.TEMPFAIL  # port busy (transient) or address not here
-    log.info("console_started", listen=f"{host}:{port}", url=f"http://{host}:{port}/", tokens=len(console.auth.tokens),
+    log.info("console_started", listen=f"{host}:{port}", url=console_url(host, port), tokens=len(console.auth.tokens),
              broker=settings.broker_endpoint, data_dir=settings.data_dir, peer=settings.peer_id)
     config = uvicorn.Config(console.app, log_level="warning", access_log=False, lifespan="on", server_header=False)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the
@@ -154,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from ccsq.common.tools.cli import main as ccsq_main
 
-    return ccsq_main(["console", *(sys.argv[1:] if argv is None else argv)])
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--version"]:
+        from ccsq.common.runtime.daemon import version_string
+
+        print(version_string("ccsq-console"))
+        return 0
+    return ccsq_main(["console", *args])
 
 
 if __name__ == "__main__":

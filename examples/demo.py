@@ -78,10 +78,10 @@ def main() -> int:
 
         def done() -> bool:
             rep = load_report(str(root / "broker-data"))
-            if rep["acknowledged"] != last[0]:
-                last[0] = rep["acknowledged"]
-                console.print(f"  {time.monotonic() - t0:6.1f}s  acknowledged {rep['acknowledged']}/{submitted}")
-            return rep["acknowledged"] >= submitted
+            if rep["counters"]["acknowledged"] != last[0]:
+                last[0] = rep["counters"]["acknowledged"]
+                console.print(f"  {time.monotonic() - t0:6.1f}s  acknowledged {rep['counters']['acknowledged']}/{submitted}")
+            return rep["counters"]["acknowledged"] >= submitted
 
         try:
             wait_until(done, args.deadline_s, "every page acknowledged", interval_s=0.5)
@@ -110,10 +110,10 @@ def main() -> int:
     checked = sum(len(v) for k, v in truth.items() if any(json.loads(r["params"] or "{}").get("name") == k for r in rows))
     console.print(f"ground truth: {checked - len(misses)}/{checked} lines found" + ("" if not misses else f"; missing: {misses}"))
     print(render_text(report), flush=True)
-    rate = report["acknowledged"] / elapsed if elapsed > 0 else 0.0
+    rate = report["counters"]["acknowledged"] / elapsed if elapsed > 0 else 0.0
     console.print(f"execution provider(s): {', '.join(sorted(p for p in providers if p)) or 'unknown'}; "
-                  f"{report['acknowledged']} pages acknowledged in {elapsed:.1f}s = {rate:.2f} pages/s")
-    ok = (report["acknowledged"] == report["received"] == submitted and report["balanced"] and not misses
+                  f"{report['counters']['acknowledged']} pages acknowledged in {elapsed:.1f}s = {rate:.2f} pages/s")
+    ok = (report["counters"]["acknowledged"] == report["counters"]["received"] == submitted and report["balanced"] and not misses
           and len(rows) == submitted)
     console.print("[green]DEMO OK[/green]" if ok else "[red]DEMO FAILED[/red]")
     return 0 if ok else 4

@@ -41,6 +41,18 @@ run() {
     if [ "$dry_run" -eq 0 ]; then "$@"; fi
 }
 
+# every unit must be here before the first step (a --dry-run fails the same way): a copy that
+# lacks one (a wheel built from an incomplete data_files list) would stop halfway, after the
+# user and /etc/ccsq but before the links and daemon-reload
+missing=""
+for unit in $units; do
+    [ -f "$here/$unit" ] || missing="$missing $unit"
+done
+if [ -n "$missing" ]; then
+    echo "install.sh: unit file(s) missing from $here:$missing; nothing was changed. This copy of the units is incomplete: reinstall ccsq from a wheel built by \`make dist\` from a current checkout, or run systemd/install.sh of the checkout" >&2
+    exit 1
+fi
+
 if [ "$dry_run" -eq 0 ] && [ -z "$root" ] && [ "$(id -u)" -ne 0 ]; then
     echo "install.sh: run as root (or with --dry-run, or --root DIR for a staging tree)" >&2
     exit 1

@@ -93,4 +93,4 @@ class Swarm:
 
     def wait_acknowledged(self, n: int, timeout_s: float = 60.0) -> dict[str, Any]:
         """Wait until the ledger counts ``n`` acknowledged items; returns the report."""
-        return wait_until(lambda: (r := self.report())["acknowledged"] >= n and r, timeout_s, f"{n} acknowledged items")
+        return wait_until(lambda: (r := self.report())["counters"]["acknowledged"] >= n and r, timeout_s, f"{n} acknowledged items")

@@ -109,14 +109,16 @@ def test_reconcile_dead_letters_missing_payloads_then_dlq_and_offline_equivalenc
         assert gaps["G7"]["count"] == 2 and "payload_missing" in gaps["G7"]["recent"][0]["detail"]
         assert gaps["G10"]["count"] == 1 and gaps["G10"]["recent"][0]["item_id"] == ids[0]
         assert gaps["G11"]["count"] == 1 and gaps["G11"]["recent"][0]["item_id"] == ids[1]
-        assert rep["balanced"] and rep["dead_purged"] == 1 and rep["replayed"] == 1
+        assert rep["balanced"] and rep["counters"]["dead_purged"] == 1 and rep["counters"]["replayed"] == 1
         _, online = ccsq(capsys, "status", "--config", admin, "--json")
         swarm.procs.stop("broker")
         fast_admin(swarm)
 
-        # broker stopped: read-only commands fall back to the ledger by themselves ...
+        # broker stopped: read-only commands fall back to the ledger by themselves (status exits 69:
+        # a health check must not pass on a down broker) ...
         rc, fallback = ccsq(capsys, "status", "--config", admin, "--json")
-        assert rc == 0 and fallback["source"] == "ledger (offline)" and ledger_part(fallback) == ledger_part(online)
+        assert rc == ExitCode.UNAVAILABLE and fallback["source"] == "ledger (offline)"
+        assert ledger_part(fallback) == ledger_part(online)
         # ... and commands that change state refuse (only the broker writes the ledger)
         assert ccsq(capsys, "dlq", "replay", "--all", "--config", admin)[0] == ExitCode.UNAVAILABLE
         assert ccsq(capsys, "drain", "worker-1", "--config", admin)[0] == ExitCode.UNAVAILABLE

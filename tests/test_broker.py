@@ -137,7 +137,7 @@ def test_late_completion_is_fenced_and_result_delivered_once(h):
     with pytest.raises(TimeoutError):
         comp.recv_type(p.Result, 0.5)
     rep = h.report()
-    assert (rep["completed"], rep["acknowledged"], rep["fenced_completions"], rep["retried"]) == (1, 1, 1, 1)
+    assert (rep["counters"]["completed"], rep["counters"]["acknowledged"], rep["counters"]["fenced_completions"], rep["counters"]["retried"]) == (1, 1, 1, 1)
     windows = {w["id"]: w for w in rep["windows"]}
     assert windows["G4"]["count"] == 1 and windows["G4"]["recent"][0]["item_id"] == r.item_id
     assert windows["G2"]["count"] == 1
@@ -239,7 +239,7 @@ def test_poison_job_dead_lettered_attempts_survive_restart(h):
     assert (st.error, st.attempt) == ("worker_lost", 3)
     assert {s.state for s in prod.status([r.item_id for r in normal])} == {"completed"}
     rep = h.report()
-    assert rep["dead"] == 1 and rep["completed"] == 20 and rep["balanced"] and rep["epoch"] == 2
+    assert rep["counters"]["dead"] == 1 and rep["counters"]["completed"] == 20 and rep["balanced"] and rep["epoch"] == 2
     windows = {w["id"]: w["count"] for w in rep["windows"]}
     assert windows["G2"] == 2 and windows["G7"] == 1
 
@@ -284,7 +284,7 @@ def test_ledger_full_refuses_submit_then_recovers(h):
     st = adm.admin_status()
     assert st["ledger"]["map_size_bytes"] == 1 << 20 and 0 < st["ledger"]["used_bytes"] <= 1 << 20
     rep = h.report()
-    assert rep["received"] == len(accepted) + 1 and rep["acknowledged"] == 4 and rep["balanced"]
+    assert rep["counters"]["received"] == len(accepted) + 1 and rep["counters"]["acknowledged"] == 4 and rep["balanced"]
 
 
 def test_ledger_full_inline_results_of_accepted_work_still_land_and_ack(h):
@@ -540,7 +540,7 @@ def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
     # (a turn's duration is observed after its replies went out: wait for the last ones)
     assert TURN_ITEM_BUDGET < 2 * 200
     wait_for(lambda: turns() - before >= frames / 2, 10, what=f">= {frames // 2} turns for {frames} frames")
-    assert h.report()["received"] == 1 + frames * 200 and lease.item_id
+    assert h.report()["counters"]["received"] == 1 + frames * 200 and lease.item_id
 
 
 # --- C09 + invalid frames ---------------------------------------------------------------
@@ -629,7 +629,7 @@ def test_heartbeats_extend_leases_and_resume_after_broker_restart(h):
     w.send(p.Complete([result_of(t)]))
     assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
     rep = h.report()
-    assert (rep["completed"], rep["retried"], rep["routed"]) == (1, 0, 1) and rep["balanced"]
+    assert (rep["counters"]["completed"], rep["counters"]["retried"], rep["counters"]["routed"]) == (1, 0, 1) and rep["balanced"]
 
 
 # --- G3 redelivery, ACK idempotence ---------------------------------------------------
@@ -660,7 +660,7 @@ def test_unacknowledged_results_are_redelivered_to_a_new_session(h):
     comp.send(p.Ack(ids))
     assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(ids)
     rep = h.report()
-    assert (rep["acknowledged"], rep["redelivered"]) == (2, 2) and rep["balanced"]
+    assert (rep["counters"]["acknowledged"], rep["counters"]["redelivered"]) == (2, 2) and rep["balanced"]
 
 
 # --- crash point: SUBMIT committed, ack never sent --------------------------------------
@@ -685,7 +685,7 @@ def test_crash_after_submit_commit_then_duplicate_on_retry(h):
     (r,) = prod.submit([item("once")])
     assert r.duplicate and r.item_id
     assert prod.status([r.item_id])[0].state == "ready"
-    assert h.report()["received"] == 1
+    assert h.report()["counters"]["received"] == 1
 
 
 # --- admin -------------------------------------------------------------------------------
@@ -728,7 +728,7 @@ def test_sigterm_says_bye_and_exits_zero(h):
     assert prod.recv_type(p.Bye, 5).reason
     assert b.wait(5) == 0 and time.monotonic() - t0 < 5
     assert b.events("broker_stopped")
-    assert h.report()["ready"] == 1
+    assert h.report()["states"]["ready"] == 1
 
 
 def test_second_broker_exits_ledger_locked(h):
@@ -794,7 +794,7 @@ def test_frozen_broker_keeps_sessions_and_leases(h):
     wait_for(lambda: b.events("broker_stalled"), 5, what="stall logged")
     assert not [e for e in b.events("peer_disconnected") if e["peer"] == "wA"]
     rep = h.report()
-    assert (rep["completed"], rep["retried"]) == (1, 0) and rep["balanced"]
+    assert (rep["counters"]["completed"], rep["counters"]["retried"]) == (1, 0) and rep["balanced"]
 
 
 def test_sighup_reloads_authorized_keys(h):

@@ -93,15 +93,15 @@ def test_c01_dispatch_to_a_departed_worker_is_kept_ready_for_a_live_one(tmp_path
             gone = wait_until(lambda: events(swarm, "broker", "peer_disconnected", peer="worker-1"), 10,
                               "the broker to find worker-1 gone")
             assert gone[0]["reason"] == "unroutable (socket gone)"
-            rep = wait_until(lambda: (x := swarm.report())["ready"] == 1 and x, 10, "the item ready again")
-            assert rep["leased"] == 0 and rep["counters"]["released"] >= 1 and rep["routed"] >= 1
+            rep = wait_until(lambda: (x := swarm.report())["states"]["ready"] == 1 and x, 10, "the item ready again")
+            assert rep["states"]["leased"] == 0 and rep["counters"]["released"] >= 1 and rep["counters"]["routed"] >= 1
             swarm.start_worker(2)
             st = client.wait([r.item_id], timeout_s=30)[r.item_id]
         assert (st.state, st.attempt) == ("acknowledged", 1)  # released, never sent: no attempt counted
         assert events(swarm, "worker-2", "job_started", item_id=r.item_id)
         assert_landed_once(swarm, [r.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and window(rep, "G2") == 0 and rep["retried"] == 0
+    assert rep["balanced"] and window(rep, "G2") == 0 and rep["counters"]["retried"] == 0
 
 
 # --- C02 ---------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_c02_frozen_broker_worker_reconnects_and_resumes_its_lease(tmp_path: Pat
         assert len(events(swarm, "worker-1", "job_started", item_id=r.item_id)) == 1
         assert_landed_once(swarm, [r.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and rep["acknowledged"] == 1 and window(rep, "G2") == 0
+    assert rep["balanced"] and rep["counters"]["acknowledged"] == 1 and window(rep, "G2") == 0
 
 
 # --- C03 ---------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_c03_lease_shorter_than_the_job(tmp_path: Path) -> None:
         assert len(events(swarm, busy, "job_started", item_id=r2.item_id)) == 1
         assert_landed_once(swarm, [r1.item_id, r2.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and rep["acknowledged"] == 2 and window(rep, "G2") == 1  # the one duplicate execution
+    assert rep["balanced"] and rep["counters"]["acknowledged"] == 2 and window(rep, "G2") == 1  # the one duplicate execution
 
 
 # --- C04 ---------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
         (row,) = assert_landed_once(swarm, [r.item_id])
         assert b'"slept_s": 4.0' in row["result"]  # B's result, not A's echo
         rep = swarm.report()
-    assert rep["balanced"] and rep["completed"] + rep["acknowledged"] >= 1 and rep["fenced_completions"] == 1
+    assert rep["balanced"] and rep["counters"]["completed"] + rep["counters"]["acknowledged"] >= 1 and rep["counters"]["fenced_completions"] == 1
     assert window(rep, "G4") == 1 and window(rep, "G2") == 1
 
 
@@ -254,8 +254,8 @@ def test_c05_no_absolute_ack_deadline_but_max_runtime_is_enforced(tmp_path: Path
         assert not events(swarm, "worker-1", "session_lost")
         assert_landed_once(swarm, [long.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and rep["acknowledged"] == 1 and rep["dead"] == 1
-    assert window(rep, "G2") == 0 and rep["retried"] == 1 and rep["failed"] == 2
+    assert rep["balanced"] and rep["counters"]["acknowledged"] == 1 and rep["counters"]["dead"] == 1
+    assert window(rep, "G2") == 0 and rep["counters"]["retried"] == 1 and rep["counters"]["failed"] == 2
 
 
 # --- C07 ---------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_c07a_worker_sigkilled_mid_job_item_comes_back_as_attempt_2(tmp_path: Pa
         assert events(swarm, "worker-1", "job_lost_in_crash", item_id=r.item_id)
         assert_landed_once(swarm, [r.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and rep["acknowledged"] == 1 and window(rep, "G2") == 1
+    assert rep["balanced"] and rep["counters"]["acknowledged"] == 1 and window(rep, "G2") == 1
 
 
 @pytest.mark.timeout(150)
@@ -326,7 +326,7 @@ def test_c07b_poison_job_dead_lettered_others_complete_attempts_survive_restart(
             assert started_s >= nb_s - 0.01, (n, started_s, nb_s)
         assert_landed_once(swarm, [r.item_id for r in normal])
         rep = swarm.report()
-    assert rep["balanced"] and rep["dead"] == 1 and rep["acknowledged"] == 20 and rep["epoch"] == 2
+    assert rep["balanced"] and rep["counters"]["dead"] == 1 and rep["counters"]["acknowledged"] == 20 and rep["epoch"] == 2
     assert window(rep, "G2") == 2 and window(rep, "G7") == 1
 
 
@@ -390,6 +390,6 @@ def test_two_live_workers_with_one_peer_id_the_newcomer_stops(tmp_path: Path) ->
             states = client.wait(ids, timeout_s=60)
         assert {s.state for s in states.values()} == {"acknowledged"}
         rep = swarm.report()
-        assert rep["received"] == rep["acknowledged"] == 5 and rep["balanced"]
+        assert rep["counters"]["received"] == rep["counters"]["acknowledged"] == 5 and rep["balanced"]
         assert len(swarm.results()) == 5
         shutil.rmtree(tmp_path / "s" / "worker-1-twin-journal", ignore_errors=True)

@@ -83,6 +83,26 @@ def sqlite_rows(db: Path) -> dict[str, dict]:
         con.close()
 
 
+def test_an_empty_results_database_has_its_schema_at_start(env) -> None:
+    """Issue 22: the service makes the schema when it starts, so a reader of a database no
+    result has reached yet finds an empty ``results`` table (before: no such table)."""
+    e = env()
+    e.start()
+    db = e.root / "results.db"
+
+    def tables() -> set[str]:
+        if not db.exists():
+            return set()
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+
+    wait_until(lambda: "results" in tables(), 20, "the results table in an empty database")
+    assert sqlite_rows(db) == {} and "results_quarantine" in tables()
+
+
 def test_results_land_once_then_ack_within_credit(env) -> None:
     e = env()
     e.start()

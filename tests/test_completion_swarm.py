@@ -26,13 +26,13 @@ def test_completion_killed_between_commit_and_ack_lands_once(tmp_path: Path) -> 
         assert swarm.procs.wait_exit("completion", timeout_s=30) == -signal.SIGKILL
         before = swarm.results()
         assert [r["item_id"] for r in before] == [receipt.item_id]
-        assert swarm.report()["acknowledged"] == 0
+        assert swarm.report()["counters"]["acknowledged"] == 0
         swarm.start_completion()
         report = swarm.wait_acknowledged(1, timeout_s=60)
         rows = swarm.results()
     assert len(rows) == 1 and rows[0]["deliveries"] == 2
     assert rows[0]["landed_ts"] == before[0]["landed_ts"]  # the first write is kept
-    assert report["acknowledged"] == report["received"] == 1 and report["balanced"]
+    assert report["counters"]["acknowledged"] == report["counters"]["received"] == 1 and report["balanced"]
     g3 = next(w for w in report["windows"] if w["id"] == "G3")
     assert g3["count"] >= 1
 
@@ -50,17 +50,17 @@ def test_postgres_outage_no_acks_while_down_every_result_lands_once(tmp_path: Pa
             pg_server.stop()
             client.submit_many([(f"during {i}".encode(), "echo") for i in range(60)])
         wait_until(lambda: completion.count("db_unhealthy") >= 1, 30, "db_unhealthy")
-        acked_when_down = swarm.report()["acknowledged"]
+        acked_when_down = swarm.report()["counters"]["acknowledged"]
         wait_until(lambda: completion.count("db_unhealthy") >= 4, 30, "several failed retries")
-        assert swarm.report()["acknowledged"] == acked_when_down  # no ACK while the database is down
-        assert swarm.report()["completed"] >= 1  # results wait in the broker
+        assert swarm.report()["counters"]["acknowledged"] == acked_when_down  # no ACK while the database is down
+        assert swarm.report()["counters"]["completed"] >= 1  # results wait in the broker
         pg_server.start()
         report = swarm.wait_acknowledged(90, timeout_s=90)
         assert completion.count("db_recovered") >= 1
     with psycopg.connect(pg_database) as con:
         rows = con.execute("SELECT item_id, deliveries FROM results").fetchall()
     assert len(rows) == 90 and {d for _, d in rows} == {1}
-    assert report["received"] == report["acknowledged"] == 90 and report["balanced"]
+    assert report["counters"]["received"] == report["counters"]["acknowledged"] == 90 and report["balanced"]
 
 
 def _completed_with_result_blob(swarm, root):
@@ -77,7 +77,7 @@ def _completed_with_result_blob(swarm, root):
     swarm.start_worker(1)
     with swarm.client() as client:
         client.submit(payload, "echo")
-    wait_until(lambda: swarm.report()["completed"] >= 1, 30, "completed")
+    wait_until(lambda: swarm.report()["counters"]["completed"] >= 1, 30, "completed")
     blob = root / "blobs" / digest[:2] / digest[2:4] / digest
     return blob, blob.read_bytes()
 
@@ -95,7 +95,7 @@ def test_claim_store_read_failure_waits_then_lands_once(tmp_path) -> None:
         blob.mkdir()  # reading it now raises IsADirectoryError (an OSError), not PayloadMissing
         comp = swarm.start_completion()
         wait_until(lambda: comp.count("result_read_failed") >= 2, 30, "read failures logged")
-        assert swarm.report()["acknowledged"] == 0 and comp.running
+        assert swarm.report()["counters"]["acknowledged"] == 0 and comp.running
         shutil.rmtree(blob)
         blob.write_bytes(saved)
         rep = swarm.wait_acknowledged(1, timeout_s=30)
@@ -112,7 +112,7 @@ def test_missing_result_blob_lands_once_restored_without_restart(tmp_path) -> No
         blob.unlink()
         comp = swarm.start_completion()
         wait_until(lambda: comp.count("result_missing") >= 2, 30, "the missing result re-read")
-        assert swarm.report()["acknowledged"] == 0
+        assert swarm.report()["counters"]["acknowledged"] == 0
         blob.write_bytes(saved)
         rep = swarm.wait_acknowledged(1, timeout_s=30)
         assert rep["balanced"] and len(swarm.results()) == 1 and comp.running
@@ -141,7 +141,7 @@ def test_a_result_the_database_refuses_is_quarantined_and_the_ledger_shows_g12(t
         report = swarm.wait_acknowledged(6, timeout_s=60)
         with swarm.client() as client:
             statuses = {i: s.state for i, s in client.status([*good, bad]).items()}
-    assert report["balanced"] and report["acknowledged"] == report["received"] == 6
+    assert report["balanced"] and report["counters"]["acknowledged"] == report["counters"]["received"] == 6
     assert set(statuses.values()) == {"acknowledged"}
     assert [r["item_id"] for r in swarm.results()] == sorted(good)
     g12 = next(w for w in report["windows"] if w["id"] == "G12")
@@ -189,9 +189,9 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
         # the worker reports itself unhealthy for 1-2, 1-3, 1-5 ... s after each episode: fewer fetches than before
         wait_until(lambda: worker.count("payload_fetch_failed") >= 4, 60, "fetches failing during the outage")
         rep = swarm.report()
-        assert rep["dead"] == 0 and rep["acknowledged"] == 0 and worker.running
+        assert rep["counters"]["dead"] == 0 and rep["counters"]["acknowledged"] == 0 and worker.running
         blobs.unlink()
         shutil.move(root / "blobs-away", blobs)
         rep = swarm.wait_acknowledged(5, timeout_s=60)
-    assert rep["balanced"] and rep["dead"] == 0 and rep["acknowledged"] == rep["received"] == 5
+    assert rep["balanced"] and rep["counters"]["dead"] == 0 and rep["counters"]["acknowledged"] == rep["counters"]["received"] == 5
     assert sorted(r["item_id"] for r in swarm.results()) == sorted(ids)

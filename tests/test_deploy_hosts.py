@@ -233,7 +233,7 @@ def test_blob_missing_at_one_worker_is_requeued_uncounted_and_done_by_another(tm
         rep = swarm.wait_acknowledged(1, timeout_s=60)
         shown = _run([bin_path("ccsq"), "items", "show", item, "--json", "--config", str(swarm.configs["admin"])])
         rec = json.loads(shown.stdout)["item"]
-    assert rep["balanced"] and rep["dead"] == 0 and rep["acknowledged"] == 1
+    assert rep["balanced"] and rep["counters"]["dead"] == 0 and rep["counters"]["acknowledged"] == 1
     # max_attempts 1: had worker-2's miss counted, the item would be dead; worker-1's attempt is its first
     assert rec["state"] == "acknowledged" and rec["attempt"] == 1 and rec["worker"] in ("worker-1", "")
     assert [r["item_id"] for r in swarm.results()] == [item]

@@ -24,7 +24,7 @@ def _assert_exactly_once(swarm: Swarm, n: int) -> dict:
     assert len(rows) == n, rows
     assert len({r["item_id"] for r in rows}) == n
     rep = swarm.report()
-    assert rep["received"] == rep["acknowledged"] == n
+    assert rep["counters"]["received"] == rep["counters"]["acknowledged"] == n
     assert rep["balanced"] is True
     return rep
 
@@ -59,7 +59,7 @@ def test_broker_killed_after_submit_ack_before_dispatch(tmp_path: Path) -> None:
         assert not receipt.duplicate
         swarm.procs.kill("broker")
         rep = swarm.report()
-        assert rep["ready"] == 1 and rep["received"] == 1
+        assert rep["states"]["ready"] == 1 and rep["counters"]["received"] == 1
         swarm.start_all(workers=1)
         _assert_exactly_once(swarm, 1)
 
@@ -105,4 +105,4 @@ def test_crash_point_lands_exactly_once(tmp_path: Path, process: str, point: str
         if point in ("broker.after_complete_commit", "completion.after_db_commit", "broker.after_ack_commit"):
             # the result reached the database once even if it was delivered twice
             assert swarm.results()[0]["deliveries"] >= 1
-        assert rep["dead"] == 0 and rep["expired"] == 0
+        assert rep["counters"]["dead"] == 0 and rep["counters"]["expired"] == 0

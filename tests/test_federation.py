@@ -32,7 +32,7 @@ def _assert_landed_once(pair: FedPair, n: int) -> dict:
     rows = wait_until(lambda: r if len(r := pair.a.results()) >= n else None, 30, f"{n} rows in a's results")
     assert len(rows) == n and len({r["item_id"] for r in rows}) == n, rows
     rep_a = pair.a.report()
-    assert rep_a["received"] == rep_a["acknowledged"] == n and rep_a["balanced"] is True
+    assert rep_a["counters"]["received"] == rep_a["counters"]["acknowledged"] == n and rep_a["balanced"] is True
     # the link's books: every lease ended (acknowledged downstream after the upstream confirmed)
     def drained() -> dict | None:
         r = pair.report()
@@ -67,7 +67,7 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         # b has no worker: no capacity, so the relay takes nothing (observed over ~5 heartbeats of b)
         time.sleep(1.0)
         assert pair.counters()["leased"] == 0
-        assert pair.a.report()["ready"] == 10
+        assert pair.a.report()["states"]["ready"] == 10
         pair.b.start_worker(1)
         with pair.b.client() as client:  # b's own producer keeps being served
             own = [client.submit(f"b-own-{i}".encode(), "echo") for i in range(3)]
@@ -83,8 +83,8 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
         a_rows = pair.a.results()
         assert {r["item_id"] for r in a_rows} == {r.item_id for r in receipts}
         # the rows land before the completion service's ACK is committed: wait for it (flaked under load)
-        rep_b = wait_until(lambda: r if (r := pair.b.report())["acknowledged"] >= 13 else None, 30, "b's 13 acknowledged")
-        assert rep_b["received"] == rep_b["acknowledged"] == 13
+        rep_b = wait_until(lambda: r if (r := pair.b.report())["counters"]["acknowledged"] >= 13 else None, 30, "b's 13 acknowledged")
+        assert rep_b["counters"]["received"] == rep_b["counters"]["acknowledged"] == 13
         # the link b -> a (a hub of two links in one relay) moved nothing: a has no worker,
         # and a's items that ran in b are never relayed back (max_hops)
         assert pair.counters(1)["leased"] == 0
@@ -129,7 +129,7 @@ def test_both_busy_nothing_moves_until_capacity_frees(tmp_path: Path) -> None:
                 client.submit(f"a-{i}".encode(), "sleep", params={"seconds": 0.05})
         pair.b.start_worker(1)
         seen_busy = 0
-        while pair.b.report()["ready"] > 0:  # b still has its own work waiting
+        while pair.b.report()["states"]["ready"] > 0:  # b still has its own work waiting
             assert pair.counters()["leased"] == 0
             seen_busy += 1
             time.sleep(0.1)
@@ -137,7 +137,7 @@ def test_both_busy_nothing_moves_until_capacity_frees(tmp_path: Path) -> None:
         c = _assert_landed_once(pair, 3)
         assert c["returned"] == 3
         rep_b = pair.b.report()
-        assert rep_b["received"] == rep_b["acknowledged"] == 9
+        assert rep_b["counters"]["received"] == rep_b["counters"]["acknowledged"] == 9
 
 
 def test_policy_deadline_spills_into_a_busy_swarm(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ def test_policy_deadline_spills_into_a_busy_swarm(tmp_path: Path) -> None:
                 client.submit(f"due-{i}".encode(), "sleep", params={"seconds": 0.05}, deadline_ts=time.time() + 120,
                               priority=5)  # (priority travels: in b they go before b's own backlog)
         pair.start_relay()
-        wait_until(lambda: pair.counters()["leased"] == 3 and pair.b.report()["ready"] > 0, 30,
+        wait_until(lambda: pair.counters()["leased"] == 3 and pair.b.report()["states"]["ready"] > 0, 30,
                    "a's deadline items spilled while b still has its own backlog")
         c = _assert_landed_once(pair, 3)
         assert c["returned"] == 3
@@ -188,7 +188,7 @@ def test_misconfigured_trust_gives_work_back_not_dead_letters(tmp_path: Path) ->
         assert 1 <= c["proof_rejected"] <= 2 and c["returned"] == 0, c
         assert c["leased"] == c["ended_acked"] + c["ended_failed"] + c["ended_released"], c
         rep_a = pair.a.report()
-        assert rep_a["dead"] == 0 and rep_a["rejects"].get("RESULT_REJECTED", 0) >= 1
+        assert rep_a["counters"]["dead"] == 0 and rep_a["rejects"].get("RESULT_REJECTED", 0) >= 1
 
 
 def test_brokers_sigkilled_mid_flow(tmp_path: Path) -> None:
@@ -206,15 +206,15 @@ def test_brokers_sigkilled_mid_flow(tmp_path: Path) -> None:
         with pair.a.client() as client:
             for i in range(n):
                 client.submit(f"mid-{i}".encode(), "sleep", params={"seconds": 0.25})
-        wait_until(lambda: pair.a.report()["acknowledged"] >= 3, 60, "3 items home")
+        wait_until(lambda: pair.a.report()["counters"]["acknowledged"] >= 3, 60, "3 items home")
         pair.b.procs.kill("broker")
         pair.b.start_broker()
-        wait_until(lambda: pair.a.report()["acknowledged"] >= 7, 60, "7 items home")
+        wait_until(lambda: pair.a.report()["counters"]["acknowledged"] >= 7, 60, "7 items home")
         pair.a.procs.kill("broker")
         pair.a.start_broker()
         _assert_landed_once(pair, n)
         rep_b = pair.b.report()
-        assert rep_b["received"] == rep_b["acknowledged"] == n  # each ran downstream once (resubmits deduped)
+        assert rep_b["counters"]["received"] == rep_b["counters"]["acknowledged"] == n  # each ran downstream once (resubmits deduped)
 
 
 def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
@@ -265,7 +265,7 @@ def test_link_frozen_longer_than_the_lease(tmp_path: Path) -> None:
         # confirms it, so under load the one stale result may be fenced (and counted) twice
         assert w["G2"] >= 1 and w["F1"] >= 1 and 1 <= w["G4"] <= 2 and 1 <= w["F2"] <= 2 and w["G4"] == w["F2"], w
         rep_b = pair.b.report()
-        assert rep_b["received"] == rep_b["acknowledged"] == 1  # the relay acknowledged the fenced result
+        assert rep_b["counters"]["received"] == rep_b["counters"]["acknowledged"] == 1  # the relay acknowledged the fenced result
 
 
 CRASH_POINTS = ("relay.after_lease_journaled", "relay.after_submit_ack", "relay.after_result_journaled",
@@ -295,4 +295,4 @@ def test_relay_sigkilled_at_every_crash_point_resumes(tmp_path: Path) -> None:
         c = _assert_landed_once(pair, n)
         assert pair.procs.procs["relay"].starts == len(CRASH_POINTS) + 1
         assert c["returned"] + c["fenced"] + c["duplicate"] >= n, c
-        assert pair.b.report()["received"] == n  # each item ran downstream once: resubmissions were dedup hits
+        assert pair.b.report()["counters"]["received"] == n  # each item ran downstream once: resubmissions were dedup hits

@@ -66,8 +66,8 @@ def _books_balance(pair: FedPair, items: list[str]) -> dict:
     assert sorted(r["item_id"] for r in rows) == sorted(items)  # each item landed once, in a
     rep_a, rep_b = pair.a.report(), pair.b.report()
     assert rep_a["balanced"] and rep_b["balanced"], (rep_a, rep_b)
-    assert rep_a["received"] == rep_a["acknowledged"] == len(items)
-    assert rep_b["received"] == rep_b["acknowledged"]  # the relay acknowledged every result it took
+    assert rep_a["counters"]["received"] == rep_a["counters"]["acknowledged"] == len(items)
+    assert rep_b["counters"]["received"] == rep_b["counters"]["acknowledged"]  # the relay acknowledged every result it took
     return fed
 
 

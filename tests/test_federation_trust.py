@@ -127,9 +127,9 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         broker.stop()
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
-    assert rep["received"] == 2 and rep["acknowledged"] == 1 and rep["dead"] == 1 and rep["balanced"] is True
+    assert rep["counters"]["received"] == 2 and rep["counters"]["acknowledged"] == 1 and rep["counters"]["dead"] == 1 and rep["balanced"] is True
     assert rep["rejects"].get(fed.ORIGIN_KEY_TAKEN) == 1
-    assert rep["duplicate_submits"] == 3  # the replay, the squatted key, the re-lease
+    assert rep["counters"]["duplicate_submits"] == 3  # the replay, the squatted key, the re-lease
     windows = {w["id"]: w["count"] for w in rep["windows"]}
     assert windows["F3"] == 2 and windows["F4"] == len(forged) + 1  # gap windows of federation
     assert windows["G3"] == 1  # the acknowledged result delivered again
@@ -189,7 +189,7 @@ def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path:
         broker.stop()
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.RESULT_REJECTED) == 2
-    assert rep["fenced_completions"] == 1 and rep["completed"] == 1
+    assert rep["counters"]["fenced_completions"] == 1 and rep["counters"]["completed"] == 1
     windows = {w["id"]: w["count"] for w in rep["windows"]}
     assert windows["G4"] == 1 and windows["F2"] == 1  # the late relayed result, fenced
     assert windows["G2"] == 1 and windows["F1"] == 1  # the relay's lease expired

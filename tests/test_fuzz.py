@@ -147,6 +147,19 @@ def _fuzz_broker(root: Path, examples: int) -> None:
         seeds = [base, status_frames, intruder.codec.encode(p.Hello(role="producer"))]
         rss0 = _rss_kib(broker.proc.pid)
         sent = 0
+        alive_mono = [time.monotonic()]
+
+        def keep_bystanders_alive() -> None:
+            """A long run outlasts the broker's silence window (5 s) and the frames' clock-skew
+            window (60 s): the admin and the bystander worker heartbeat, and what the broker sent
+            them meanwhile is dropped unread (heartbeats; stale by the time the test would read)."""
+            if time.monotonic() - alive_mono[0] < 1.0:
+                return
+            alive_mono[0] = time.monotonic()
+            for peer in (adm, w):
+                while peer.sock.poll(0):
+                    peer.sock.recv_multipart()
+                peer.heartbeat()
 
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(seed=st.sampled_from(range(len(seeds))), which=st.integers(0, 1),
@@ -163,8 +176,12 @@ def _fuzz_broker(root: Path, examples: int) -> None:
             (intruder if via_intruder else fuzz).send_raw(frames)
             sent += 1
             assert broker.proc.poll() is None
+            keep_bystanders_alive()
 
         send()
+        for peer in (adm, w):  # what the broker sent the bystanders during the run, unread
+            while peer.sock.poll(0):
+                peer.sock.recv_multipart()
 
         def all_counted():
             st_ = adm.admin_status()
@@ -194,6 +211,7 @@ def test_fuzz_running_broker(tmp_path):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)  # 20000 frames take minutes (the suite's 120 s would end it mid-run)
 def test_fuzz_running_broker_long(tmp_path):
-    """The same, long (CCSQ_FUZZ_EXAMPLES, default 20000)."""
+    """The same, long (CCSQ_FUZZ_EXAMPLES, default 20000); the bystanders heartbeat meanwhile."""
     _fuzz_broker(tmp_path, SOAK_EXAMPLES)

@@ -485,7 +485,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         rep = _gap_report(sw.config)
         assert rep.returncode == 0, rep.stderr
         restored = json.loads(rep.stdout)
-        assert restored["received"] == out["received"] and restored["acknowledged"] == 600 and restored["balanced"]
+        assert restored["counters"]["received"] == out["received"] and restored["counters"]["acknowledged"] == 600 and restored["balanced"]
         ready = restored["states"]["ready"]
         assert ready == out["received"] - 600
         # workers and completion services with plenty of credit: only the ready items come
@@ -506,8 +506,8 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         with pytest.raises(TimeoutError):  # nothing else: no redispatch, no redelivery
             sw.comp.recv_type(p.Result, 1.0)
         final = json.loads(_gap_report(sw.config).stdout)
-        assert final["balanced"] and final["acknowledged"] == 600 + ready and final["redelivered"] == 0
-        assert final["routed"] == out["received"]  # each item leased once: none of the 600 again
+        assert final["balanced"] and final["counters"]["acknowledged"] == 600 + ready and final["counters"]["redelivered"] == 0
+        assert final["counters"]["routed"] == out["received"]  # each item leased once: none of the 600 again
         # ids the old broker issued after the copy (their results may be in the results database
         # already) are never issued again: the restored copy took a new id prefix at its first start
         after_backup = set(submitted)  # a superset of the ids issued after the copy (all of them fit)
@@ -556,7 +556,7 @@ def test_reconcile_pages_with_fresh_transactions_and_holds_no_snapshot_between_p
     assert len(seen) == 2500 and len({r[0] for r in seen}) == 2500 and all(r[1] == "ready" for r in seen)
     assert mid is not None and not [r for r in mid if r.pid == os.getpid() and r.txnid is not None], mid
     rep = load_report(data_dir)
-    assert rep["balanced"] and rep["received"] == 2500
+    assert rep["balanced"] and rep["counters"]["received"] == 2500
 
 
 # --- real errors from a real disk -----------------------------------------------------------------
@@ -609,7 +609,7 @@ def test_a_full_disk_exits_74_with_its_own_sentence_and_loses_nothing_confirmed(
         assert all(s.state == "ready" for s in states), states[:3]
         adm.close()
         rep = json.loads(_gap_report(cfg).stdout)
-        assert rep["balanced"] and rep["received"] >= len(confirmed)
+        assert rep["balanced"] and rep["counters"]["received"] >= len(confirmed)
     finally:
         b.kill()
 

@@ -315,7 +315,7 @@ def test_stranger_without_an_authorized_curve_key_is_dropped_at_the_handshake(cl
         "reconnect_backoff_max_s": 0.5, "hello_timeout_s": 2.0, "submit_timeout_s": 2.0,
     }))
     before = metric(cluster.scrape("completion-host"), "ccsq_zap_refused_total")
-    received_before = cluster.report()["received"]
+    received_before = cluster.report()["counters"]["received"]
 
     r = stranger.run([PY, "-c", STRANGER, str(cfg), "3"], timeout_s=40)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -347,7 +347,7 @@ def test_stranger_without_an_authorized_curve_key_is_dropped_at_the_handshake(cl
     after = wait_until(lambda: (v := metric(cluster.scrape("completion-host"), "ccsq_zap_refused_total")) >= before + 2 and v,
                        15, "the ZAP refusals to be counted")
     assert after >= before + 2
-    assert cluster.report()["received"] == received_before  # the stranger never submitted anything
+    assert cluster.report()["counters"]["received"] == received_before  # the stranger never submitted anything
     print(f"stranger flood: {flooded}, broker RSS {rss_before:.1f} -> peak {peak[0]:.1f} MiB, "
           f"ccsq_zap_refused_total {before:.0f} -> {after:.0f}")
     assert cluster.procs.procs["broker"].running
@@ -405,9 +405,9 @@ def test_gpu_host_cut_longer_than_the_lease_requeues_to_the_other_host(cluster):
     got = cluster.results()
     assert all(got.count(i) == 1 for i in first + second["ids"]), "an item landed twice or not at all"
     report = cluster.assert_balanced()
-    assert report["fenced_completions"] + report["late_results_accepted"] >= 1
+    assert report["counters"]["fenced_completions"] + report["counters"]["late_results_accepted"] >= 1
     print(f"cut: gpu-2 held {len(held)} leases, cut {t_restore - t_cut:.1f} s; G2 on worker-2 {len(g2) - g2_before}, "
-          f"fenced {report['fenced_completions']}, late accepted {report['late_results_accepted']}, "
+          f"fenced {report['counters']['fenced_completions']}, late accepted {report['counters']['late_results_accepted']}, "
           f"after the cut gpu-2 did {sum(r['worker_done'] == 'worker-2' for r in recs.values())}/10")
 
 
@@ -426,7 +426,7 @@ def test_late_result_for_an_expired_lease_nobody_took_is_accepted(cluster):
         broker = cluster.procs.procs["broker"]
         gone_before = broker.count("peer_disconnected", peer="worker-2")
         ready_before = cluster.procs.procs["worker-2"].count("broker_link_ready")
-        g8_before = cluster.report()["late_results_accepted"]
+        g8_before = cluster.report()["counters"]["late_results_accepted"]
         ids = cluster.produce(2, 0.5, "late")["ids"]  # gpu-2 runs them one after the other
         wait_until(lambda: set(cluster.leased_to("worker-2")) == set(ids), 30, "gpu-2 to hold both items")
         gpu2 = cluster.net["gpu-2"]
@@ -446,7 +446,7 @@ def test_late_result_for_an_expired_lease_nobody_took_is_accepted(cluster):
                           30, "gpu-2's late results to be accepted")
         assert {r["worker_done"] for r in recs.values()} == {"worker-2"}
         assert {e["item_id"] for e in cluster.events("G8")} >= set(ids)
-        assert cluster.report()["late_results_accepted"] - g8_before == 2
+        assert cluster.report()["counters"]["late_results_accepted"] - g8_before == 2
         assert not {e["item_id"] for e in cluster.events("G4")} & set(ids), "nothing ran twice"
     finally:
         drain("worker-1", undo=True)

@@ -34,8 +34,8 @@ def test_outbox_1000_items_with_broker_down_are_acknowledged_exactly_once(tmp_pa
             assert client.outbox_rejected() == []
         report = swarm.wait_acknowledged(1000, timeout_s=120)
         rows = wait_until(lambda: (r := swarm.results()) and len(r) >= 1000 and r, 30, "1000 result rows")
-    assert report["received"] == report["acknowledged"] == 1000 and report["balanced"]
-    assert report["duplicate_submits"] == 0
+    assert report["counters"]["received"] == report["counters"]["acknowledged"] == 1000 and report["balanced"]
+    assert report["counters"]["duplicate_submits"] == 0
     assert len(rows) == 1000 and {r["deliveries"] for r in rows} == {1}
     assert {r["idem_key"] for r in rows} == {r.key for r in receipts}
 
@@ -76,7 +76,7 @@ def test_queue_full_backpressure_then_drain(tmp_path: Path) -> None:
             t.join(timeout=60)
         assert out["r"].item_id
         report = swarm.wait_acknowledged(4, timeout_s=60)
-    assert report["received"] == 4 and report["balanced"]
+    assert report["counters"]["received"] == 4 and report["balanced"]
 
 
 _CRASHING_PRODUCER = """
@@ -98,7 +98,7 @@ def test_producer_killed_after_blob_put_reconcile_finds_the_orphan(tmp_path: Pat
                               env={**os.environ, **env_for("producer.after_blob_put")})
         assert proc.returncode == -9, proc.stdout + proc.stderr
         report = swarm.report()
-    assert report["received"] == 0
+    assert report["counters"]["received"] == 0
     store = FileStore(swarm.root / "blobs")
     found = reconcile([], store, grace_s=3600, dry_run=True, now_s=time.time() + 7200)
     assert (found.stored, found.orphans, found.orphans_deleted) == (1, 1, 0)
@@ -122,7 +122,7 @@ def test_broker_killed_after_submit_commit_resubmit_returns_the_same_item(tmp_pa
             status = client.status([receipt.item_id])[receipt.item_id]
         report = swarm.report()
     assert receipt.duplicate and status.state == "ready"
-    assert report["received"] == 1 and report["duplicate_submits"] == 1 and report["balanced"]
+    assert report["counters"]["received"] == 1 and report["counters"]["duplicate_submits"] == 1 and report["balanced"]
 
 
 def test_peer_without_the_producer_role_gets_unauthorized(tmp_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_cancel_dead_letters_ready_items_only(tmp_path) -> None:
             assert client.wait([done.item_id], timeout_s=30)[done.item_id].state == "acknowledged"
             assert client.cancel([done.item_id])[done.item_id].state == "acknowledged"
         rep = swarm.report()
-        assert rep["dead"] == 1 and rep["acknowledged"] == 1 and rep["balanced"]
+        assert rep["counters"]["dead"] == 1 and rep["counters"]["acknowledged"] == 1 and rep["balanced"]
         g7 = next(w for w in rep["windows"] if w["id"] == "G7")
         assert g7["count"] == 1 and "cancelled" in g7["recent"][0]["detail"]
 
@@ -204,7 +204,7 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
                 with pytest.raises(InvalidRequest):
                     client.submit(b"x" * 20_000, "echo", **kwargs)
             assert client.submit(b"fine", "echo", params={"x": 1.5}).item_id
-        assert swarm.report()["received"] == 1
+        assert swarm.report()["counters"]["received"] == 1
         assert not list((tmp_path / "s" / "blobs").glob("??/??/*"))  # nothing written for refused input
     blob = p.Blob("0" * 64, 0, b"")
     assert "finite" in p.submit_item_problem(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
@@ -255,7 +255,7 @@ def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_emp
         assert [r["state"] for r in rows] == ["acknowledged"] * 3 and all(r["item_id"] for r in rows)
         assert spooled() == 0
         rep = swarm.report()
-        assert rep["received"] == rep["acknowledged"] == 3 and rep["balanced"]
+        assert rep["counters"]["received"] == rep["counters"]["acknowledged"] == 3 and rep["balanced"]
 
 
 def test_wait_on_results_larger_than_one_status_frame(tmp_path: Path) -> None:

@@ -176,6 +176,12 @@ def test_queue_forecast_against_the_nearest_deadline() -> None:
     q = {x["kind"]: x for x in queue_forecast(kinds, samples, {"ocr": now + 1_200_000}, now)}
     assert q["ocr"]["verdict"] == "on track" and q["idle"]["verdict"] == "empty"
     assert queue_forecast(kinds, [], {}, now)[1]["verdict"] == "stalled"  # no history: no rate
+    # idle for an hour (no samples: the ledger samples while counters change), then 300 done in
+    # the last minute: the recent rate, 300 / 300 s, not the hour's average 300 / 3600 s
+    idle = [{"ts_ms": now - 3_600_000, "kinds": {"ocr": {"acknowledged": 0}}},
+            {"ts_ms": now - 30_000, "kinds": {"ocr": {"acknowledged": 150}}}]
+    q = {x["kind"]: x for x in queue_forecast({"ocr": {"ready": 600, "acknowledged": 300}}, idle, {}, now)}
+    assert q["ocr"]["completed_per_s"] == 1.0 and q["ocr"]["drain_eta_s"] == 600.0, q
     page = render_html({
         "ledger_id": "x<y", "epoch": 1, "counters": {c: 0 for c in cli_counters()}, "states": {s: 0 for s in states()},
         "balanced": True, "windows": [], "queues": [], "series": [], "generated_ms": now,
@@ -230,3 +236,20 @@ def test_accounting_samples_are_a_bounded_ring(tmp_path: Path, monkeypatch) -> N
         assert [d["counters"]["received"] for d in got] == [4, 5, 6, 7] and got[-1]["kinds"] == {"echo": {"ready": 7}}
     finally:
         led.close()
+
+
+def test_static_report_chart_keeps_equal_lines_visible() -> None:
+    """gap-report --html: when acknowledged equals completed (and both received), each line is
+    drawn narrower than the ones under it, so the acknowledged line is not hidden under the
+    completed one and every colour shows."""
+    import re
+
+    from ccsq.brokerd.report import CHART_COUNTERS, render_chart_svg
+
+    now = 1_700_000_000_000
+    series = [{"ts_ms": now - 60_000 + i * 10_000, **dict.fromkeys(CHART_COUNTERS, i * 10)} for i in range(6)]
+    svg = render_chart_svg(series, now_ms=now, counters=dict.fromkeys(CHART_COUNTERS, 60))
+    drawn = re.findall(r'<polyline data-counter="(\w+)" fill="none" stroke="[^"]+" stroke-width="([\d.]+)"', svg)
+    assert [c for c, _ in drawn] == list(CHART_COUNTERS) and drawn[-1][0] == "acknowledged"
+    widths = [float(w) for _, w in drawn]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths), drawn

@@ -185,7 +185,7 @@ def test_every_reject_reason_is_typed_counted_and_not_applied(env):
     rep = wait_for(lambda: {**(r := env.gap_report())["rejects"], **r["reconnect_noise"]} == expected and r, 10,
                    what="rejects (and reconnect noise) in gap-report")
     assert p.REJECT_NO_SESSION not in rep["rejects"] and rep["reconnect_noise"][p.REJECT_NO_SESSION] >= 1
-    assert rep["received"] == 0
+    assert rep["counters"]["received"] == 0
     lines = [e for e in env.broker.events("frame_rejected") if e["code"] == p.REJECT_BAD_SIGNATURE]
     assert len(lines) == 1  # one line per peer per interval, not 20
     reasons = [e["reason"] for e in env.broker.events("peer_disconnected")]

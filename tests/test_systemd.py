@@ -310,6 +310,20 @@ def test_install_into_a_staging_root(tmp_path: Path) -> None:
         assert stat.S_IMODE(installed.stat().st_mode) == 0o644
 
 
+def test_install_refuses_an_incomplete_copy_before_any_step(tmp_path: Path) -> None:
+    """A copy of the units lacking one (the wheel once left ccsq-relayd@.service out) fails before
+    the first step, and ``--dry-run`` fails the same way instead of printing steps that would fail."""
+    copy = tmp_path / "systemd"
+    shutil.copytree(UNIT_DIR, copy)
+    (copy / "ccsq-relayd@.service").unlink()
+    for args in (["--dry-run"], ["--root", str(tmp_path / "stage")]):
+        done = subprocess.run(["sh", str(copy / "install.sh"), *args], capture_output=True, text=True, timeout=20)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert "ccsq-relayd@.service" in done.stderr and "missing" in done.stderr, (args, done.stderr)
+        assert "+ " not in done.stdout, (args, done.stdout)
+    assert not (tmp_path / "stage").exists()
+
+
 @pytest.mark.parametrize(("venv", "why"), [
     ("/home/someone/venv", "ProtectHome"), ("/root/venv", "ProtectHome"), ("/run/user/0/venv", "ProtectHome"),
     ("/tmp/venv", "PrivateTmp"), ("/var/tmp/ccsq-venv", "PrivateTmp"),

@@ -7,8 +7,8 @@
   docs/operations.md says) runs a swarm: ``ccsq init``, broker, two workers, completion service,
   ``ccsq submit --wait``, ``ccsq gap-report`` balanced;
 - ``tests/systemd_box/box.sh`` boots the host's systemd (252 on Debian 12) as PID 1 of private
-  namespaces, installs this checkout's units with ``systemd/install.sh --venv`` pointing at that
-  venv, and checks: all active; a worker SIGKILLed comes back alone while the others keep their
+  namespaces, installs the units with the wheel's own ``VENV/share/ccsq/systemd/install.sh --venv``
+  for real, as an operator does (every unit loaded, every /usr/local/bin link), and checks: all active; a worker SIGKILLed comes back alone while the others keep their
   PIDs; a SIGSTOPped broker is killed by the watchdog and comes back; no process of a unit
   survives its restart; a crash loop is recovered by the recover timer, exits 78/79 are not;
   stop leaves nothing; every item submitted across all of it is acknowledged and the books
@@ -39,8 +39,8 @@ from ccsq.common.tools.procs import ProcessGroup, free_tcp_port
 
 REPO = Path(__file__).resolve().parent.parent
 BOX = REPO / "tests" / "systemd_box" / "box.sh"
-UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service", "ccsq-recover@.service",
-         "ccsq-recover@.timer", "install.sh"]
+# every file of systemd/ (the units and install.sh): the wheel must carry exactly these
+UNITS = sorted(p.name for p in (REPO / "systemd").iterdir() if p.is_file())
 DEBIAN_PYTHON = Path("/usr/bin/python3")
 
 
@@ -119,11 +119,17 @@ def test_wheel_ships_modules_scripts_units_and_docs(dist: dict[str, Path]) -> No
     with zipfile.ZipFile(dist["wheel"]) as whl:
         names = set(whl.namelist())
         data = next(n.split("/")[0] for n in names if ".data/" in n)
+        unit_dir = f"{data}/data/share/ccsq/systemd/"
+        shipped_units = sorted(n[len(unit_dir):] for n in names if n.startswith(unit_dir))
+        assert shipped_units == UNITS, f"the wheel's share/ccsq/systemd/ {shipped_units} is not systemd/ {UNITS}"
         for unit in UNITS:
-            shipped = whl.read(f"{data}/data/share/ccsq/systemd/{unit}")
+            shipped = whl.read(f"{unit_dir}{unit}")
             assert shipped == (REPO / "systemd" / unit).read_bytes(), f"{unit} in the wheel differs from systemd/{unit}"
-        for doc in ("README.md", "operations.md", "security.md", "gap-register.md", "grafana-dashboard.json"):
-            assert f"{data}/data/share/doc/ccsq/{doc}" in names
+        # every doc (docs/operations.md says the wheel carries them), and the console's screenshots
+        docs = ["README.md", "grafana-dashboard.json", *(p.name for p in (REPO / "docs").glob("*.md")),
+                *(f"console/{p.name}" for p in (REPO / "docs" / "console").glob("*.png"))]
+        for doc in docs:
+            assert f"{data}/data/share/doc/ccsq/{doc}" in names, f"{doc} is missing from the wheel's share/doc/ccsq/"
         for package, folder in package_dir.items():
             inside = package.replace(".", "/")
             # every file of the folder (modules, subpackages, templates...), not only what setup.cfg declares
@@ -144,6 +150,29 @@ def test_wheel_ships_modules_scripts_units_and_docs(dist: dict[str, Path]) -> No
     for path in ("setup.cfg", "pyproject.toml", "Makefile", "MANIFEST.in", "systemd/install.sh",
                  "docs/operations.md", "tests/test_systemd_real.py", "tests/systemd_box/box.sh"):
         assert path in members, f"{path} missing from the sdist"
+
+
+def test_the_wheels_installer_installs_every_unit(wheel_venv: Path, tmp_path: Path) -> None:
+    """``sh VENV/share/ccsq/systemd/install.sh`` as an operator runs it, from the installed wheel:
+    ``--root`` stages every unit of systemd/ for real, and ``--dry-run --venv`` passes too (it
+    fails like the real run when a unit is missing; before, the wheel lacked ccsq-relayd@.service,
+    the real run stopped at `install: cannot stat` and --dry-run said nothing)."""
+    installer = wheel_venv / "share" / "ccsq" / "systemd" / "install.sh"
+    assert installer.is_file(), f"the installed wheel has no {installer}"
+    staged = tmp_path / "stage"
+    done = subprocess.run(["sh", str(installer), "--root", str(staged)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"install.sh --root rc {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    units = [u for u in UNITS if u != "install.sh"]
+    for unit in units:
+        assert (staged / "etc/systemd/system" / unit).read_bytes() == (REPO / "systemd" / unit).read_bytes(), unit
+    assert sorted(p.name for p in (staged / "etc/systemd/system").iterdir()) == units
+    if str(wheel_venv).startswith(("/tmp/", "/home/", "/root/", "/var/tmp/")):
+        return  # --venv refuses a venv the units cannot see (not root: no venv under /opt)
+    done = subprocess.run(["sh", str(installer), "--dry-run", "--venv", str(wheel_venv)], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0, f"install.sh --dry-run rc {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    for unit in units:
+        assert f"install -m 0644 {installer.parent}/{unit} /etc/systemd/system/{unit}" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(600)
@@ -187,7 +216,7 @@ def test_the_wheel_runs_a_swarm(wheel_venv: Path, tmp_path: Path) -> None:
         report = run("ccsq", "gap-report", "--config", str(swarm / "brokerd.toml"), "--json")
         assert report.returncode == 0, report.stderr
         books = json.loads(report.stdout)
-        assert books["balanced"] and books["received"] == 20 and books["acknowledged"] == 20, books
+        assert books["balanced"] and books["counters"]["received"] == 20 and books["counters"]["acknowledged"] == 20, books
         for name in ("completion", "worker-2", "worker-1", "broker"):
             group.signal(name, signal.SIGTERM)
             assert group.wait_exit(name, timeout_s=30) == 0, group.tail(name)
@@ -225,7 +254,7 @@ def test_the_units_under_a_real_systemd(wheel_venv: Path, tmp_path: Path) -> Non
     if why:
         pytest.skip(why)
     logs = tmp_path / "box-logs"
-    done = subprocess.run(["bash", str(BOX), str(REPO), str(wheel_venv)], capture_output=True, text=True, timeout=400,
+    done = subprocess.run(["bash", str(BOX), str(wheel_venv)], capture_output=True, text=True, timeout=400,
                           env={**os.environ, "CCSQ_BOX_LOGS": str(logs)})
     out = done.stdout + done.stderr
     print(out)

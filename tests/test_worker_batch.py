@@ -300,7 +300,7 @@ def test_deadline_passed_at_the_worker_ends_expired_at_the_broker(tmp_path: Path
         worker = swarm.procs.procs["worker-1"]
     assert worker.count("deadline_skipped", item_id=late.item_id) == 1
     assert worker.count("job_started", item_id=late.item_id) == 0
-    assert rep["expired"] == 1 and rep["acknowledged"] == 1 and rep["balanced"]
+    assert rep["counters"]["expired"] == 1 and rep["counters"]["acknowledged"] == 1 and rep["balanced"]
     assert next(w for w in rep["windows"] if w["id"] == "G6")["count"] == 1
 
 

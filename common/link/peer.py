@@ -127,6 +127,11 @@ def id_in_use_message(settings: PeerSettings, link: BrokerLink) -> str:
 #: How long ending a session waits for its reader/writer/heartbeat tasks to finish
 #: before closing the socket under them.
 SESSION_TEARDOWN_S = 1.0
+#: A link that has not reached the broker for this long logs ``broker_unreachable`` (warning:
+#: endpoint, cause, fix), then again every BROKER_UNREACHABLE_REPEAT_S while it stays so; the
+#: attempts in between stay ``broker_link_lost`` at info (a broker restart is not worth a warning).
+BROKER_UNREACHABLE_WARN_AFTER_S = 10.0
+BROKER_UNREACHABLE_REPEAT_S = 60.0
 
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
@@ -293,6 +298,8 @@ class BrokerLink:
         """Connect, serve sessions and reconnect until :meth:`stop`."""
         attempt = 0
         stop_ev = self._stopped_ev
+        failing_since = time.monotonic()  # no session since then
+        warned_mono: float | None = None
         while not self._stopping:
             reason = await self._one_session()
             was_ready = self.state is LinkState.READY
@@ -300,6 +307,7 @@ class BrokerLink:
             self.ready.clear()
             if was_ready:
                 attempt = 0
+                failing_since, warned_mono = time.monotonic(), None
                 if self._on_disconnect:
                     self._on_disconnect(reason)
             if self._stopping:
@@ -312,6 +320,15 @@ class BrokerLink:
                 delay = max(0.0, min(poll_s, self._in_use_until_mono - time.monotonic() + 0.02))
             attempt += 1
             self.log.info("broker_link_lost", reason=reason, reconnect_in_s=round(delay, 3))
+            now = time.monotonic()
+            if now - failing_since >= BROKER_UNREACHABLE_WARN_AFTER_S and (
+                    warned_mono is None or now - warned_mono >= BROKER_UNREACHABLE_REPEAT_S):
+                warned_mono = now
+                self.log.warning(
+                    "broker_unreachable", endpoint=self.settings.broker_endpoint, down_for_s=round(now - failing_since, 1),
+                    cause=self.connect_problem or reason,
+                    fix=f"check that ccsq-brokerd runs (systemctl status ccsq-brokerd) and that broker_endpoint in "
+                        f"{self.settings.config_path or 'this peer config'} is the endpoint of its brokerd.toml")
             try:
                 await asyncio.wait_for(stop_ev.wait(), timeout=delay)
             except asyncio.TimeoutError:
@@ -456,7 +473,8 @@ class BrokerLink:
         try:
             await asyncio.wait_for(sock.send_multipart(frames), timeout=self.settings.hello_timeout_s)
         except asyncio.TimeoutError:
-            raise LinkLost("broker not reachable (HELLO not sent)") from None
+            raise LinkLost(f"broker at {self.settings.broker_endpoint} not reachable (HELLO not sent within "
+                           f"{self.settings.hello_timeout_s:g} s)") from None
         deadline = time.monotonic() + self.settings.hello_timeout_s
         while True:
             left = deadline - time.monotonic()

@@ -37,6 +37,7 @@ def config_path_from_argv(prog: str, description: str, config_help: str, argv: l
     (:func:`missing_default_config`) when it does not exist."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", required=default_name is None, default=None, help=config_help)
+    parser.add_argument("--version", action="version", version=version_string(prog))
     config = parser.parse_args(argv).config
     if config is None and default_name is not None:
         config = default_config(default_name)
@@ -89,6 +90,16 @@ def die(prog: str, code: int | BaseException, reason: str | None = None) -> int:
         code = exit_code_for(code)
     print(f"{prog}: {reason}", file=sys.stderr, flush=True)
     return int(code)
+
+
+def version_string(prog: str) -> str:
+    """``PROG VERSION`` of the installed ccsq distribution (``--version`` of every command)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{prog} {version('ccsq')}"
+    except PackageNotFoundError:
+        return f"{prog} unknown"
 
 
 #: Net container allocations between young collections after :func:`settle_gc` (CPython's

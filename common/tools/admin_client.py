@@ -75,16 +75,24 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     runner = asyncio.create_task(link.run(), name="admin-link")
     try:
         ready = asyncio.ensure_future(link.ready.wait())
+        deadline = time.monotonic() + connect_timeout_s
         try:
-            await asyncio.wait({ready, runner}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            until = link.in_use_until_mono
-            if not link.ready.is_set() and not runner.done() and until is not None:
-                # refused ID_IN_USE: another live session holds this admin id; the link retries
-                # until that session would lapse (a crashed one's window), then gives up
-                await asyncio.wait({ready, runner}, timeout=max(0.0, until - time.monotonic()) + 2.0,
-                                   return_when=asyncio.FIRST_COMPLETED)
+            # until a session, the link stops, the time is up or a CURVE mismatch shows (a
+            # configuration error: said at once, not after the timeout as "broker down");
+            # refused ID_IN_USE (another live session holds this admin id), the link retries
+            # until that session would lapse (a crashed one's window), then gives up
+            while not link.curve_mismatch:
+                until = link.in_use_until_mono
+                left = (deadline if until is None else max(deadline, until + 2.0)) - time.monotonic()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({ready, runner}, timeout=min(left, 0.05), return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    break
         finally:
             ready.cancel()
+        if link.curve_mismatch and not link.ready.is_set():
+            raise ConfigError(link.connect_problem or f"CURVE handshake with {settings.broker_endpoint} failed")
         if link.refused is not None:
             from ccsq.common.link.peer import refusal_fix
 
@@ -94,9 +102,14 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
 
             raise ConfigError(id_in_use_message(settings, link))
         if not link.ready.is_set():
-            why = f": {link.last_refusal.code}: {link.last_refusal.message}" if link.last_refusal else ""
+            if link.last_refusal:
+                why = f"{link.last_refusal.code}: {link.last_refusal.message}"
+            else:
+                why = link.connect_problem or ("no connection was made, or no WELCOME came (a wrong host or port, a "
+                                               "firewall dropping packets, or a broker too busy to answer)")
             raise BrokerUnavailable(
-                f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g}s{why}"
+                f"the broker at {settings.broker_endpoint} did not answer within {connect_timeout_s:g} s ({why}); "
+                + broker_down_fix(settings)
             ) from None
         return await fn(session)
     finally:
@@ -107,6 +120,59 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         runner.cancel()  # no session (or a slow close): nothing left to say
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await runner
+
+
+def ledger_lock_holder(data_dir: str | Path) -> int | None:
+    """The pid holding the broker's ``broker.lock`` under ``data_dir`` (a broker runs on this
+    host with that ledger), from ``/proc/locks``; None when nobody holds it or it cannot be told.
+    Reads only: taking the lock, even shared for a moment, could make a starting broker fail."""
+    from ccsq.brokerd.ledger import data_paths
+
+    _ledger_dir, lock_path = data_paths(Path(data_dir))
+    try:
+        st = lock_path.stat()
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    import os
+
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" (blocked waiters are "1: -> FLOCK ...")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].lower() == dev:
+            try:
+                return int(fields[4])
+            except ValueError:
+                return None
+    return None
+
+
+def broker_down_fix(settings: AdminConfig) -> str:
+    """What to do when the broker at ``settings.broker_endpoint`` does not answer, one
+    sentence: a broker that holds this ledger on this host runs elsewhere than the endpoint
+    (fix broker_endpoint), else none runs here (start it)."""
+    where = settings.config_path or "admin.toml"
+    holder = ledger_lock_holder(settings.data_dir)
+    if holder:
+        brokerd = Path(settings.config_path).with_name("brokerd.toml") if settings.config_path else None
+        endpoint = ""
+        if brokerd is not None and brokerd.is_file():
+            import tomllib
+
+            try:
+                endpoint = str(tomllib.loads(brokerd.read_text()).get("endpoint", ""))
+            except (OSError, tomllib.TOMLDecodeError):
+                endpoint = ""
+        if endpoint == settings.broker_endpoint:
+            return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host and {brokerd} "
+                    "names this endpoint, so it runs but did not answer: it may be stopped or overloaded (journalctl -u "
+                    "ccsq-brokerd; systemctl status ccsq-brokerd), or run with another brokerd.toml")
+        said = f" ({brokerd} says endpoint = {endpoint!r})" if endpoint else ""
+        return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host, so it runs but not at "
+                f"{settings.broker_endpoint}: set broker_endpoint in {where} to the endpoint of its brokerd.toml{said}")
+    return (f"fix: start the broker (systemctl start ccsq-brokerd, or ccsq-brokerd --config brokerd.toml) or, if it runs "
+            f"on another host, set broker_endpoint in {where} to its endpoint")
 
 
 def with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Awaitable[T]], *, connect_timeout_s: float | None = None) -> T:
@@ -181,5 +247,6 @@ def run_command(settings: AdminConfig, command: str, args: dict | None = None, *
             raise BrokerUnavailable(f"{exc}, and there is no ledger at {ledger_dir} to read offline: start ccsq-brokerd "
                                     "(systemctl start ccsq-brokerd) and run again, or fix data_dir in the admin config") from None
         doc = offline(settings.data_dir, command, args)
+        doc["broker_unavailable"] = str(exc)  # why the answer comes from the ledger (endpoint, cause, fix)
     doc.setdefault("source", "broker")
     return doc

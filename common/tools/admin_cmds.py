@@ -38,17 +38,21 @@ def _read_query(args: argparse.Namespace, command: str, params: dict | None = No
     mode = _admin_mode(args)
     doc = run_command(settings, command, params, mode=mode)
     if doc.get("source") != "broker" and mode != "offline":
-        print(f"(broker not answering: read the ledger at {settings.data_dir} directly)", file=sys.stderr)
+        print(f"ccsq: warning: {doc.get('broker_unavailable') or f'the broker at {settings.broker_endpoint} did not answer'}"
+              f"\nccsq: warning: the answer below is read from the ledger in {settings.data_dir} directly (no peers, no "
+              "leases held in memory); --offline reads it without asking the broker", file=sys.stderr)
     return doc
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    """Exit 0 with the broker's answer (or with --offline), 69 when the broker did not answer
+    and the screen comes from the ledger: a health check must not pass on a down broker."""
     doc = _read_query(args, "status")
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
         print(render_status(doc))
-    return ExitCode.OK
+    return ExitCode.UNAVAILABLE if "broker_unavailable" in doc else ExitCode.OK
 
 
 def render_status(doc: dict, *, width: int = 120) -> str:
@@ -162,13 +166,31 @@ def _when(key: str, value: object) -> object:
 FAILED_STATES = ("dead", "expired")
 
 
+#: ``items show`` (text) names the record's fields in words (``--json`` keeps the ledger's
+#: names, docs/ledger.md); a field not listed here shows with its underscores as spaces.
+ITEM_LABELS = {
+    "id": "item id", "key": "idempotency key", "created_ms": "submitted", "nb_ms": "ready not before",
+    "seq": "arrival seq", "cseq": "completion seq", "token": "fencing token", "lease_expires_ms": "lease expires",
+    "completed_ms": "completed", "acked_ms": "acknowledged", "ended_ms": "ended", "deadline_ms": "deadline",
+    "completed_token": "completed token", "completed_epoch": "completed epoch", "fail_token": "failed token",
+    "max_attempts": "max attempts", "max_runtime_s": "max runtime (s)", "runtime_s": "runtime (s)",
+    "worker_done": "done by worker", "token_worker": "token holder", "handler_version": "handler version",
+    "error_message": "error message", "reply_to": "relay (reply to)",
+}
+
+
 def _item_rows(doc: dict) -> list[tuple[str, object]]:
-    """The rows of ``items show`` (text): times as ISO dates, 0 (unset) times as "-",
-    ``max_attempts`` 0 as the broker default, an error of an earlier attempt labelled so."""
+    """The rows of ``items show`` (text), labelled by :data:`ITEM_LABELS`: times as ISO
+    dates, 0 (unset) times as "-", ``max_attempts`` 0 as the broker default, an error of an
+    earlier attempt labelled so; ``lease_expires_ms`` only while the item is leased (it stays
+    in the record after the lease ends)."""
     rec = doc["item"]
     stale = rec.get("state") not in FAILED_STATES
     rows: list[tuple[str, object]] = []
     for k, v in rec.items():
+        label = ITEM_LABELS.get(k, k.replace("_", " "))
+        if k == "lease_expires_ms" and rec.get("state") != "leased":
+            continue
         if k.endswith(("_ms", "_ts")) and v in (0, None):
             v = "-"
         elif k == "max_attempts" and v == 0:
@@ -177,15 +199,15 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
         elif k in ("error", "error_message") and stale:
             if not v:
                 continue
-            k = "last error" if k == "error" else "last error msg"
-            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "last error" else v
+            label = "last error" if k == "error" else "last error msg"
+            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "error" else v
         else:
             v = _when(k, v)
-        rows.append((k, v))
+        rows.append((label, v))
     return rows
 
 
-def _broker_max_attempts(admin_config: str | None) -> int | None:
+def broker_max_attempts(admin_config: str | None) -> int | None:
     """``max_attempts`` of the brokerd.toml next to ``admin_config`` (what an item's
     max_attempts 0 means), or None when there is none to read."""
     from ccsq.common.wire.config import BrokerConfig, load
@@ -201,7 +223,7 @@ def _cmd_items_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        for k, v in _item_rows({**doc, "default_max_attempts": _broker_max_attempts(admin_settings(args).config_path)}):
+        for k, v in _item_rows({**doc, "default_max_attempts": broker_max_attempts(admin_settings(args).config_path)}):
             print(f"{k:>16}  {v}")
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")

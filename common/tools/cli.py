@@ -31,7 +31,7 @@ from ccsq.common.tools.admin_cmds import (
 )
 from ccsq.common.tools.init import _cmd_init, _cmd_keygen
 from ccsq.common.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
-from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_submit, _param
+from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_outbox_flush, _cmd_submit, _param
 from ccsq.common.wire.errors import (
     CcsqError,
     ConfigError,
@@ -52,6 +52,8 @@ def _peer_id_arg(text: str) -> str:
 
 
 def _cmd_completion(args: argparse.Namespace) -> int:
+    if args.shell:  # `ccsq completion bash`, as kubectl/gh users type it: the shell script, not the service
+        return _cmd_completion_script(args)
     from ccsq.completiond.completion import main as completion_main  # = ccsq-completiond
 
     return completion_main(args.config)
@@ -114,8 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+").complete = FILE_COMPLETION  # type: ignore[attr-defined]
     p.set_defaults(func=_cmd_submit)
 
-    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond)")
+    outbox = sub.add_parser("outbox", help="the producer's local outbox (outbox_dir): flush what it spooled")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    p = outbox_sub.add_parser("flush", help="send the items spooled while the broker was away and wait until the "
+                                            "outbox is empty (exit 69 if the broker does not take them in time)")
+    _config_arg(p, "producer")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up after this (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_outbox_flush)
+
+    p = sub.add_parser("completion", help="run the completion service (results -> database, then ACK; = ccsq-completiond); "
+                                          "`ccsq completion SHELL` prints shell completion instead")
     _config_arg(p, "completion")
+    p.add_argument("shell", nargs="?", choices=SHELLS, help="print the completion script for this shell and exit "
+                   "(= ccsq completion-script SHELL) instead of running the service")
     p.set_defaults(func=_cmd_completion)
 
     p = sub.add_parser("gap-report", help="accounting, balance and gap-register windows (reads the ledger)")
@@ -198,11 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-s", type=float, default=5.0, help="pages reload this often, 0 = never (default %(default)s)")
     p.set_defaults(func=_cmd_console)
 
-    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh or tcsh)",
+    p = sub.add_parser("completion-script", help="print a shell completion script (bash, zsh, tcsh or fish)",
                        epilog="examples:\n  ccsq completion-script bash > /etc/bash_completion.d/ccsq\n"
-                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq",
+                              "  ccsq completion-script zsh > ~/.zfunc/_ccsq\n"
+                              "  ccsq completion-script fish > ~/.config/fish/completions/ccsq.fish",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+    p.add_argument("shell", choices=SHELLS)
     p.set_defaults(func=_cmd_completion_script)
     return parser
 
@@ -215,11 +230,12 @@ examples:
   ccsq status                                   # peers, their kinds, backlog per kind
   ccsq dlq list && ccsq dlq replay --all        # dead letters: why, and retry
   ccsq gap-report --html report.html            # accounting and every at-least-once window
-  source <(ccsq completion-script bash)         # tab completion
+  source <(ccsq completion bash)                # tab completion (zsh, tcsh, fish too)
 
 exit codes: 0 ok, 1 unexpected failure, 2 usage, 3 gap report unbalanced, 4 not acknowledged in time,
 5 an item ended dead or expired, 65 the broker refused the request, 66 an input file is missing,
-69 the broker did not answer, 74 ledger write failed, 75 ledger locked / port busy,
+69 the broker did not answer (status: shown from the ledger), 74 ledger write failed,
+75 temporary: queue full, claim store unreachable, ledger locked, port busy,
 77 the broker refused this peer (unknown id, wrong key, wrong role), 78 configuration error,
 79 GPU required but unusable, 80 ledger file corrupt or unreadable (restore a `ccsq backup`)
 """
@@ -254,20 +270,102 @@ def _config_arg(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(config_name=name)
 
 
+def _other_kind_of_config(command: str, name: str, path: str) -> str | None:
+    """``$CCSQ_CONFIG`` names one file (not a directory), so every command reads it: when it is
+    not a ``<name>.toml`` (its name differs and it does not load as one), the sentence that
+    says which file this command needs; None when it is fine or cannot be told."""
+    import os
+
+    env = os.environ.get(CONFIG_ENV)
+    if not env or Path(env).is_dir() or Path(path).name == f"{name}.toml":
+        return None
+    from ccsq.common.wire.config import AdminConfig, BrokerConfig, CompletionConfig, ProducerConfig, load
+
+    cls = {"brokerd": BrokerConfig, "producer": ProducerConfig, "completion": CompletionConfig, "admin": AdminConfig}.get(name)
+    if cls is None:
+        return None
+    try:
+        load(cls, path)
+    except ConfigError as exc:
+        return (f"ccsq {command}: configuration error: {CONFIG_ENV}={env} names one file, which every command then "
+                f"reads, but `ccsq {command}` needs {name}.toml and {path} does not load as one ({exc}): set "
+                f"{CONFIG_ENV} to the directory that holds {name}.toml (the one `ccsq init` wrote), or pass "
+                f"--config {name}.toml")
+    return None
+
+
+SHELLS = ("bash", "zsh", "tcsh", "fish")
+
+
 def _cmd_completion_script(args: argparse.Namespace) -> int:
+    if args.shell == "fish":  # shtab has no fish: made from the same parser
+        print(fish_completion(build_parser()))
+        return ExitCode.OK
     import shtab
 
     print(shtab.complete(build_parser(), shell=args.shell))
     return ExitCode.OK
 
 
+def fish_completion(parser: argparse.ArgumentParser) -> str:
+    """A fish completion script for ``parser`` (``complete -c PROG ...`` lines): each
+    command and sub-command with its help, each option of each, choices, files for
+    arguments that complete files."""
+    prog = parser.prog
+    lines = [f"# fish completion for {prog} (ccsq completion-script fish)", f"complete -c {prog} -f"]
+
+    def quote(text: str | None) -> str:
+        return "'" + (text or "").replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    def walk(p: argparse.ArgumentParser, path: list[str]) -> None:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        names = [n for a in subs for n in a.choices]
+        seen = [f"__fish_seen_subcommand_from {w}" for w in path]
+        cond = "; and ".join(seen) or "__fish_use_subcommand"  # this (sub)command's options
+        here = "; and ".join([*seen, f"not __fish_seen_subcommand_from {' '.join(names)}"])  # its sub-commands
+        for a in subs:
+            helps = {c.dest: c.help for c in a._choices_actions}
+            for name in a.choices:
+                lines.append(f"complete -c {prog} -n {quote(here)} -a {name} -d {quote(helps.get(name))}")
+        for action in p._actions:
+            if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)):
+                continue
+            opt = ""
+            for o in action.option_strings:
+                opt += f" -l {o[2:]}" if o.startswith("--") else f" -s {o[1:]}"
+            extra = ""
+            if action.choices and not isinstance(action.choices, dict):
+                extra = f" -x -a {quote(' '.join(map(str, action.choices)))}"
+            elif getattr(action, "complete", None) is not None:
+                extra = " -r -F"
+            elif action.option_strings and action.nargs != 0:
+                extra = " -r"
+            if not opt and not extra:
+                continue
+            try:
+                text = (action.help or "") % {**vars(action), "default": action.default}
+            except (KeyError, TypeError, ValueError):
+                text = action.help or ""
+            lines.append(f"complete -c {prog} -n {quote(cond)}{opt}{extra} -d {quote(text)}")
+        for a in subs:
+            for name, child in a.choices.items():
+                walk(child, [*path, name])
+
+    walk(parser, [])
+    return "\n".join(lines)
+
+
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
 QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
-                                "completion-script", "backup"})
+                                "completion-script", "backup", "outbox"})
+
+
+#: The link's own log lines about why it got no session: a command prints that as its sentence.
+QUIET_LINK_EVENTS = frozenset({"broker_refused_peer", "broker_unreachable", "curve_mismatch", "curve_handshake_failed"})
 
 
 def _not_refusal(record) -> bool:
-    return (getattr(record, "ccsq_event", None) or {}).get("event") != "broker_refused_peer"
+    return (getattr(record, "ccsq_event", None) or {}).get("event") not in QUIET_LINK_EVENTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,10 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "group_config", None) and args.config is None:
         args.config = args.group_config
-    if getattr(args, "config_name", None) and args.config is None:
+    if getattr(args, "config_name", None) and args.config is None and not (args.command == "completion" and args.shell):
         args.config = default_config(args.config_name)
         if not Path(args.config).exists():
             return die(f"ccsq {args.command}", missing_default_config(args.config))
+        wrong = _other_kind_of_config(args.command, args.config_name, args.config)
+        if wrong:
+            print(wrong, file=sys.stderr)
+            return ExitCode.CONFIG
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 

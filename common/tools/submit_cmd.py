@@ -148,3 +148,39 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         print(f"ccsq submit: not every item was acknowledged within {args.timeout_s:g} s (`ccsq status` shows the backlog"
               " and the workers)", file=sys.stderr)
     return status_code
+
+
+def _cmd_outbox_flush(args: argparse.Namespace) -> int:
+    """``ccsq outbox flush``: send what the producer's outbox spooled while the broker was away,
+    and wait until it is empty. Exit 0 when empty (the items the broker refused for good are
+    listed: they moved to the outbox's rejected table), 69 when the broker did not take
+    them within --timeout-s (they stay spooled), 78 without an outbox_dir."""
+    from ccsq.producer.client import Client
+
+    with Client.from_config_file(args.config) as client:
+        if not client.config.outbox_dir:
+            raise ConfigError(f"{args.config}: no outbox_dir is set, so there is no outbox to flush (set outbox_dir "
+                              "there to spool while the broker is away)")
+        before = client.outbox_count()
+        rejected_before = {key for key, _code, _msg in client.outbox_rejected()}
+        problem = None
+        if before:
+            try:
+                client.flush(timeout_s=args.timeout_s)
+            except BrokerUnavailable as exc:
+                problem = exc
+        left = client.outbox_count()
+        rejected = [r for r in client.outbox_rejected() if r[0] not in rejected_before]
+        out = {"outbox": str(client.config.outbox_dir), "spooled_before": before, "sent": before - left - len(rejected),
+               "left": left, "rejected": [{"key": k, "error": c, "message": m} for k, c, m in rejected]}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"outbox {out['outbox']}: {out['sent']} sent and confirmed, {len(rejected)} refused for good, "
+              f"{left} still spooled (of {before})")
+        for r in out["rejected"]:
+            print(f"  refused {r['key']}: {r['error']}: {r['message']}")
+    if problem is not None:
+        raise BrokerUnavailable(f"{left} item(s) still spooled in {out['outbox']} after {args.timeout_s:g} s: {problem}; "
+                                "run `ccsq outbox flush` again once the broker answers")
+    return ExitCode.OK

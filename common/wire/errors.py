@@ -44,7 +44,11 @@ class CcsqError(Exception):
 
 
 class RetryableError(CcsqError):
-    """The operation may succeed if retried later (back off first)."""
+    """The operation may succeed if retried later (back off first). A command stopped by
+    one exits 75 (TEMPFAIL: a claim store or disk that is down now, a lock held), as
+    QUEUE_FULL does; BrokerUnavailable has its own 69."""
+
+    exit_code = ExitCode.TEMPFAIL
 
 
 class PermanentError(CcsqError):
@@ -107,6 +111,7 @@ class BrokerUnavailable(RetryableError):
     """No reply from the broker in time: check that ccsq-brokerd runs and the endpoint is right."""
 
     code = "BROKER_UNAVAILABLE"
+    exit_code = ExitCode.UNAVAILABLE
 
 
 class Unauthorized(PermanentError):

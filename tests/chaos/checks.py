@@ -141,12 +141,12 @@ def check(*, data_dir: Path, results_db: Path, workers: list[Proc], accepted: di
 
     # --- the books ---
     if not report["balanced"]:
-        bad(f"ledger unbalanced: received={report['received']} states={report['states']}")
+        bad(f"ledger unbalanced: received={report['counters']['received']} states={report['states']}")
     for s in STATES:
         if report["states"][s] != state_counts.get(s, 0):
             bad(f"state counter {s}={report['states'][s]} but {state_counts.get(s, 0)} records are {s}")
-    if report["received"] != len(items) + report["purged"]:
-        bad(f"received={report['received']} but {len(items)} records (+{report['purged']} purged)")
+    if report["counters"]["received"] != len(items) + report["counters"]["purged"]:
+        bad(f"received={report['counters']['received']} but {len(items)} records (+{report['counters']['purged']} purged)")
 
     # --- every accepted item: exactly one ledger item, terminal ---
     lost = 0

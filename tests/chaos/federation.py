@@ -137,7 +137,7 @@ def run_federation_chaos(root: Path, seed: int, duration_s: float, *, item_s: fl
         # --- b: balanced, terminal, relayed results never in b's own table ---
         rep_b = pair.b.report()
         if not rep_b["balanced"]:
-            violations.append(f"b: ledger unbalanced: received={rep_b['received']} states={rep_b['states']}")
+            violations.append(f"b: ledger unbalanced: received={rep_b['counters']['received']} states={rep_b['states']}")
         b_items = checks.ledger_items(pair.b.root / "broker-data")
         origin_of = {r["id"]: r["origin"]["item_id"] for r in b_items if r.get("origin")}
         for r in b_items:

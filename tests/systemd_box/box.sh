@@ -1,21 +1,24 @@
 #!/bin/bash
-# box.sh CHECKOUT VENV — the ccsq systemd units under a REAL systemd (the host's
+# box.sh VENV — the ccsq systemd units of an installed wheel under a REAL systemd (the host's
 # /lib/systemd/systemd, 252 on Debian 12), booted as PID 1 of private pid, mount, uts, ipc,
 # net and cgroup namespaces, on an overlay of / (all writes go to a tmpfs that vanishes with
 # the box: the host's /etc, /var, /usr/local stay untouched). Run by tests/test_systemd_real.py.
 #
-#   sudo tests/systemd_box/box.sh /path/to/checkout /opt/some/venv
+#   sudo tests/systemd_box/box.sh /opt/some/venv
 #
-# CHECKOUT: its systemd/ (units and install.sh) is what gets installed. VENV: a virtual
-# environment with ccsq installed NOT editable, made from a Python the units can see (e.g.
-# /usr/bin/python3 -m venv /opt/x/venv && /opt/x/venv/bin/pip install ccsq-*.whl), at a path
-# outside /home, /root, /tmp and /var/tmp: the box sees the host's files through the overlay,
-# so nothing is installed inside it and its network is loopback only from the start.
+# VENV: a virtual environment with the ccsq wheel installed NOT editable, made from a Python
+# the units can see (e.g. /usr/bin/python3 -m venv /opt/x/venv && /opt/x/venv/bin/pip install
+# ccsq-*.whl), at a path outside /home, /root, /tmp and /var/tmp. What gets installed is what
+# an operator installs: the wheel's own VENV/share/ccsq/systemd/install.sh --venv VENV, run for
+# real (user, /etc/ccsq, units, /usr/local/bin links, daemon-reload). The box sees the host's
+# files through the overlay, so nothing is downloaded inside it and its network is loopback
+# only from the start.
 #   CCSQ_BOX_LOGS=DIR   keep the box's journal and console log in DIR
 # The swarm runs with CURVE on (libsodium under the units' seccomp and W^X rules).
 # The real units, with two drop-ins that only shorten waits so the run fits in the suite:
 # broker WatchdogSec=6 (20 in the unit) and ccsq-recover@.timer OnActiveSec=3s (5min).
-# Checks, one line each (PASS|FAIL name: evidence): boot, install, (a) all active, (b) a worker
+# Checks, one line each (PASS|FAIL name: evidence): boot, install (every unit of the wheel
+# loaded, every /usr/local/bin/ccsq* link into VENV), (a) all active, (b) a worker
 # SIGKILLed comes back alone, (c) a SIGSTOPped broker is killed by the watchdog and comes back,
 # (d) no process of a unit survives its restart (also a stray one in its cgroup), (g) a crash
 # loop is recovered by the timer, (e) stop leaves nothing, (x) exits 78 and 79 are not
@@ -34,7 +37,7 @@ SELF=$(readlink -f "$0")
 # PID 1 of the new pid namespace: build the root, pivot, exec systemd.
 if [ "${1:-}" = __stage1 ]; then
     set -eu
-    BOX=$2 SRC=$3
+    BOX=$2
     cut -d' ' -f4 /proc/self/stat > "$BOX/state/pid1"      # our pid as the host sees it
     mount --make-rprivate /
     mount -t tmpfs -o mode=0755,size=2g ccsq-box "$BOX/mnt"
@@ -66,8 +69,6 @@ if [ "${1:-}" = __stage1 ]; then
     mkdir -p "$R/etc/systemd/journald.conf.d"
     printf '[Journal]\nStorage=volatile\nRateLimitBurst=0\n' > "$R/etc/systemd/journald.conf.d/ccsq-box.conf"
     rm -rf "$R/etc/ccsq" "$R/var/lib/ccsq" "$R/var/cache/ccsq"     # a host's own ccsq install stays out
-    mkdir -p "$R/opt/ccsq-box-src"
-    tar -C "$SRC" -cf - systemd | tar -C "$R/opt/ccsq-box-src" -xf -
     echo ccsq-box > "$R/etc/hostname"; hostname ccsq-box
     cd "$R"; mkdir -p .oldroot; pivot_root . .oldroot; cd /; umount -l /.oldroot; rmdir /.oldroot
     echo "stage1: booting systemd"
@@ -77,11 +78,12 @@ if [ "${1:-}" = __stage1 ]; then
 fi
 
 # ---------------------------------------------------------------- host side -----------
-usage() { sed -n '2,28p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2; }
-[ $# -eq 2 ] || usage
+usage() { sed -n '2,31p' "$SELF" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -eq 1 ] || usage
 [ "$(id -u)" -eq 0 ] || { echo "box.sh: needs root" >&2; exit 2; }
-CHECKOUT=$(readlink -f "$1") VENV=$2
-[ -f "$CHECKOUT/systemd/install.sh" ] || { echo "box.sh: $CHECKOUT/systemd/install.sh not found" >&2; exit 2; }
+VENV=$1
+INSTALLER=$VENV/share/ccsq/systemd/install.sh
+[ -f "$INSTALLER" ] || { echo "box.sh: $INSTALLER not found (install the ccsq wheel into $VENV)" >&2; exit 2; }
 [ -x "$VENV/bin/ccsq-brokerd" ] || { echo "box.sh: $VENV/bin/ccsq-brokerd not found" >&2; exit 2; }
 [ -x /lib/systemd/systemd ] || { echo "box.sh: /lib/systemd/systemd not found" >&2; exit 2; }
 CG2=$(findmnt -rn -t cgroup2 -o TARGET | head -1)
@@ -164,7 +166,7 @@ oneline() { tr '\n' '|' | sed 's/|$//'; }
 
 W0=ccsq-workerd@0.service W1=ccsq-workerd@1.service BR=ccsq-brokerd.service CO=ccsq-completion.service
 UNITS="$BR $W0 $W1 $CO"
-echo "box: $BOX, cgroup $HOSTCG, checkout $CHECKOUT, venv $VENV"
+echo "box: $BOX, cgroup $HOSTCG, venv $VENV"
 
 # ---- boot
 setsid /usr/bin/python3 -c '
@@ -182,7 +184,7 @@ while True:
         break
     log.write(b)
 sys.exit(p.wait())
-' "$BOX/state/console.log" sh -c "echo \$\$ > '$HOSTCG/cgroup.procs' && exec unshare --pid --fork --mount --uts --ipc --cgroup --propagation private '$SELF' __stage1 '$BOX' '$CHECKOUT'" \
+' "$BOX/state/console.log" sh -c "echo \$\$ > '$HOSTCG/cgroup.procs' && exec unshare --pid --fork --mount --uts --ipc --cgroup --propagation private '$SELF' __stage1 '$BOX'" \
     </dev/null >"$BOX/state/helper.out" 2>&1 &
 HELPER=$!
 T_BOOT=$(now)
@@ -201,16 +203,29 @@ state=$(B timeout 90 systemctl is-system-running --wait 2>&1)
 check boot "$([ "$state" = running ] && echo 0 || echo 1)" "systemd $(B systemctl --version | head -1 | cut -d' ' -f2-3) is PID 1 of the box (host pid $P), is-system-running=$state after $(since "$T_BOOT") s; failed units: $(B systemctl --failed --no-legend --plain | awk '{ print $1 }' | oneline)"
 [ "$state" = running ] || [ "$state" = degraded ] || { tail -30 "$BOX/state/console.log"; exit 2; }
 
-# ---- install the units with the project's own installer, then the two timing drop-ins
-if ! out=$(B sh /opt/ccsq-box-src/systemd/install.sh --venv "$VENV" 2>&1); then
-    echo "$out"; check install 1 "systemd/install.sh --venv $VENV failed"; exit 1
+# ---- install the units with the wheel's own installer, for real, then the two timing drop-ins
+if ! out=$(B sh "$INSTALLER" --venv "$VENV" 2>&1); then
+    echo "$out"; check install 1 "$INSTALLER --venv $VENV failed"; exit 1
+fi
+# everything the installer promises: each unit it carries loaded by systemd, each link into VENV
+bad_units="" bad_links=""
+for f in "$VENV"/share/ccsq/systemd/*.service "$VENV"/share/ccsq/systemd/*.timer; do
+    u=$(basename "$f"); probe=$u
+    case "$u" in *@.*) probe="${u%%@.*}@probe.${u##*@.}" ;; esac
+    B cmp -s "$f" "/etc/systemd/system/$u" && [ "$(prop "$probe" LoadState)" = loaded ] || bad_units="$bad_units $u"
+done
+for bin in ccsq ccsq-brokerd ccsq-workerd ccsq-completiond ccsq-console ccsq-relayd; do
+    [ "$(B readlink "/usr/local/bin/$bin")" = "$VENV/bin/$bin" ] || bad_links="$bad_links $bin"
+done
+if [ -n "$bad_units$bad_links" ]; then
+    echo "$out"; check install 1 "$INSTALLER --venv $VENV: units not installed or not loaded:${bad_units:- none}; /usr/local/bin links missing:${bad_links:- none}"; exit 1
 fi
 B sh -euc '
 mkdir -p /etc/systemd/system/ccsq-brokerd.service.d /etc/systemd/system/ccsq-recover@.timer.d
 printf "[Service]\n# box: shorter than the unit'"'"'s 20 s so the test is quick\nWatchdogSec=6\n" > /etc/systemd/system/ccsq-brokerd.service.d/zz-box.conf
 printf "[Timer]\n# box: shorter than the unit'"'"'s 5min\nOnActiveSec=\nOnActiveSec=3s\nAccuracySec=1s\n" > /etc/systemd/system/ccsq-recover@.timer.d/zz-box.conf
 systemctl daemon-reload'
-check install 0 "install.sh --venv $VENV: $(echo "$out" | grep -c '^+ ') steps incl. $(echo "$out" | grep -E '^\+ (useradd|systemctl)' | cut -c3-40 | oneline); drop-ins: broker WatchdogSec=6, recover timer OnActiveSec=3s"
+check install 0 "$INSTALLER --venv $VENV: $(ls "$VENV"/share/ccsq/systemd/ | grep -vc install.sh) units loaded, 6 links in /usr/local/bin, $(echo "$out" | grep -c '^+ ') steps incl. $(echo "$out" | grep -E '^\+ (useradd|systemctl)' | cut -c3-40 | oneline); drop-ins: broker WatchdogSec=6, recover timer OnActiveSec=3s"
 
 # ---- a swarm (ccsq init), configured for the units as docs/operations.md says
 B bash -euc '
@@ -354,8 +369,9 @@ import json, sys
 r = json.load(sys.stdin); n = int(sys.argv[1])
 keys = ("received", "completed", "acknowledged", "dead", "expired", "redelivered", "duplicate_submits")
 gaps = ", ".join("%s=%s" % (w["id"], w["count"]) for w in r["windows"] if w["count"])
-ok = r["balanced"] and r["received"] == n and r["acknowledged"] == n
-print("ok" if ok else "bad", "balanced=%s" % r["balanced"], " ".join("%s=%s" % (k, r.get(k)) for k in keys),
+c = r["counters"]
+ok = r["balanced"] and c["received"] == n and c["acknowledged"] == n
+print("ok" if ok else "bad", "balanced=%s" % r["balanced"], " ".join("%s=%s" % (k, c.get(k)) for k in keys),
       "gap windows hit: %s" % (gaps or "none"))
 '
 summ() { /usr/bin/python3 -c "$SUMM" "$TOTAL"; }
