@@ -239,20 +239,28 @@ class Election:
         return None if at is None else at + self.ttl_s - self.margin_s
 
     def start_keepalive(self, on_lost: Callable[[str], None] | None = None) -> None:
-        """Renew every ``ttl_s / 3`` in a daemon thread until :meth:`resign` or the lease is
-        lost (then ``on_lost(why)``). A failed request is retried at the next tick."""
+        """Renew every ``ttl_s / 3`` in a daemon thread until :meth:`resign` or etcd says
+        the lease is gone (then ``on_lost("lease expired at etcd")`` and the thread ends).
+        A failed request is retried at the next tick; once :meth:`may_confirm` has run
+        out meanwhile, ``on_lost("cannot renew: ...")`` is called (once per outage). A
+        later successful renewal means etcd still held the lease, so no other broker
+        can have taken the key, and confirming may go on."""
         self._stop.clear()
 
         def loop() -> None:
+            told = False
             while not self._stop.wait(self.ttl_s / 3):
                 try:
                     if not self.renew():
                         if on_lost:
                             on_lost("lease expired at etcd")
                         return
+                    told = False
                 except EtcdUnavailable as exc:
-                    if not self.may_confirm(self.clock()) and on_lost is not None and self.renewed_at is not None:
-                        on_lost(f"cannot renew: {exc}")
+                    if not told and not self.may_confirm(self.clock()) and self.renewed_at is not None:
+                        told = True
+                        if on_lost is not None:
+                            on_lost(f"cannot renew: {exc}")
 
         self._keepalive = threading.Thread(target=loop, name="ccsq-etcd-keepalive", daemon=True)
         self._keepalive.start()
@@ -286,12 +294,17 @@ class Election:
             left = deadline - self.clock()
             if left <= 0:
                 return False
-            try:
-                event = self._clients[0].watch_once(self.key, timeout=left, start_revision=start)
-            except ex.WatchTimedOut:
-                return False
-            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError) as exc:
-                raise EtcdUnavailable(f"watching {self.key}: {exc}") from None
+            event = None
+            for i, client in enumerate(self._clients):  # the first endpoint that takes the watch
+                try:
+                    event = client.watch_once(self.key, timeout=left, start_revision=start)
+                    break
+                except ex.WatchTimedOut:
+                    return False
+                except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, OSError) as exc:
+                    if i == len(self._clients) - 1:
+                        raise EtcdUnavailable(f"watching {self.key}: {exc}") from None
+            assert event is not None
             if event.get("type") == "DELETE":
                 return True
             start = int((event.get("kv") or {}).get("mod_revision", start - 1)) + 1

@@ -33,8 +33,8 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def etcd(tmp_path):
-    """A one-member etcd in tmp_path; yields its client URL; stopped (SIGTERM, then SIGKILL)."""
+def etcd_server(tmp_path):
+    """A one-member etcd in tmp_path; yields (client URL, process); stopped (SIGTERM, then SIGKILL)."""
     if ETCD is None:
         if os.environ.get("CI"):
             pytest.fail("etcd is not installed (.ci/run installs Debian's etcd-server)")
@@ -59,7 +59,8 @@ def etcd(tmp_path):
             proc.kill()
             raise RuntimeError(f"etcd did not become healthy: {(tmp_path / 'etcd.log').read_text()[-2000:]}")
         time.sleep(0.05)
-    yield client
+    yield client, proc
+    proc.send_signal(signal.SIGCONT)
     proc.terminate()
     try:
         proc.wait(10)
@@ -67,6 +68,11 @@ def etcd(tmp_path):
         proc.kill()
         proc.wait()
     log.close()
+
+
+@pytest.fixture
+def etcd(etcd_server):
+    return etcd_server[0]
 
 
 def election(url: str, me: str, **kw) -> Election:
@@ -190,3 +196,39 @@ def test_a_dead_endpoint_is_passed_over(etcd):
     e.check()
     assert e.campaign() == 1 and e.renew()
     e.resign()
+
+
+def test_a_primary_that_cannot_renew_stops_confirming_in_time(etcd_server):
+    url, proc = etcd_server
+    a = election(url, "tcp://a:5555", request_timeout_s=0.3)
+    assert a.campaign()
+    lost: list[str] = []
+    a.start_keepalive(lost.append)
+    try:
+        granted_at, deadline = a.renewed_at, time.monotonic() + 5
+        while a.renewed_at == granted_at and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert a.renewed_at > granted_at  # a keep-alive went through
+        proc.send_signal(signal.SIGSTOP)  # etcd stops answering: no renewal can succeed
+        stopped = time.monotonic()
+        last_ok = a.renewed_at
+        assert last_ok is not None and last_ok <= stopped
+        while not lost and time.monotonic() < stopped + TTL_S * 3:
+            time.sleep(0.02)
+        assert lost and lost[0].startswith("cannot renew"), lost
+        assert not a.may_confirm(time.monotonic())
+        assert a.confirm_deadline() == last_ok + TTL_S - MARGIN_S  # at most ttl - margin after the last renewal
+        time.sleep(TTL_S / 3 * 2)
+        assert len(lost) == 1  # told once per outage
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        a._stop.set()
+
+
+def test_wait_vacant_passes_over_a_dead_endpoint(etcd):
+    a = election(etcd, "tcp://a:1")
+    assert a.campaign()
+    b = Election([f"http://127.0.0.1:{free_port()}", etcd], "s1", "tcp://b:1", ttl_s=TTL_S, margin_s=MARGIN_S)
+    assert not b.wait_vacant(0.5)
+    a.resign()
+    assert b.wait_vacant(5)
