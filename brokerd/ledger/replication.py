@@ -179,12 +179,14 @@ class RecordingTxn:
     Everything else is LMDB's transaction. Writes through a cursor are not recorded:
     the ledger writes only with ``put`` and ``delete``."""
 
-    __slots__ = ("_txn", "_names", "ops")
+    __slots__ = ("_txn", "_names", "ops", "get", "cursor", "id", "stat")
 
     def __init__(self, txn: lmdb.Transaction, names: dict[Any, str]) -> None:
         self._txn = txn
         self._names = names
         self.ops: list[tuple[str, bytes, bytes | None]] = []
+        # reads go straight to LMDB's bound methods (no Python frame per read)
+        self.get, self.cursor, self.id, self.stat = txn.get, txn.cursor, txn.id, txn.stat
 
     def put(self, key: bytes, value: bytes, *, db: Any = None, dupdata: bool = True, overwrite: bool = True,
             append: bool = False) -> bool:
@@ -198,9 +200,6 @@ class RecordingTxn:
         if ok:
             self.ops.append((self._names[db], bytes(key), None))
         return ok
-
-    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
-        return self._txn.get(key, default, db=db)
 
     def commit(self) -> None:
         self._txn.commit()
