@@ -290,3 +290,28 @@ def sc_unpack(raw: bytes):
     from ccsq.brokerd.ledger import schema
 
     return schema.unpack(raw)
+
+
+def test_adopted_epoch_is_a_turn_and_never_goes_back(primary, tmp_path):
+    log = primary.replicate(9)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    assert primary.adopt_epoch(9) == 9
+    with pytest.raises(rp.StaleEpoch):
+        primary.adopt_epoch(8)
+    for ws in log.since((0, 0)):
+        standby.apply(ws)
+    with primary.read() as v:
+        assert v.epoch() == 9
+    assert rp.dump(standby.env)["meta"][b"m:epoch"] == rp.dump(primary.env)["meta"][b"m:epoch"]
+    standby.close()
+
+
+def test_a_failing_sink_does_not_undo_a_committed_turn(primary):
+    def sink(ws):
+        raise RuntimeError("link down")
+
+    log = primary.replicate(1, sink=sink)
+    turn(primary, lambda t: t.submit(p.SubmitItem("k", "echo", blob()), 1_000))  # no exception
+    assert log.position == (1, 1) and len(log.backlog) == 1
+    with primary.read() as v:
+        assert v.counter("received") == 1

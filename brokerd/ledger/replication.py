@@ -34,9 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import structlog
 
 from ccsq.brokerd.ledger import schema as sc
 from ccsq.common.wire.errors import CcsqError, ExitCode
+
+log = structlog.get_logger("ccsq.brokerd")
 
 #: Meta key of the replication position: ``>QQ`` (epoch, seq) of the last turn in this ledger.
 REPL_POS = sc.META + b"repl_pos"
@@ -152,10 +155,15 @@ class ReplicationLog:
         return self.position[1] + 1
 
     def committed(self, ws: WriteSet) -> None:
+        """After the LMDB commit of ``ws``: keep it and pass it on. A sink that raises is
+        logged, not raised (the commit stands; a standby catches up from the backlog)."""
         self.position = (ws.epoch, ws.seq)
         self.backlog.append(ws)
         if self.sink is not None:
-            self.sink(ws)
+            try:
+                self.sink(ws)
+            except Exception:  # noqa: BLE001 - the turn is committed whatever the link does
+                log.exception("replication_sink_failed", epoch=ws.epoch, seq=ws.seq)
 
     def since(self, position: tuple[int, int]) -> list[WriteSet]:
         """The turns after ``position`` (a standby's, or a copy's), oldest first.

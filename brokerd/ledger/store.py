@@ -307,6 +307,25 @@ class Ledger:
             txn.put(sc.EPOCH, sc.pack_num(epoch), db=self.db["meta"])
         return epoch
 
+    def adopt_epoch(self, epoch: int) -> int:
+        """Make ``epoch`` (an election's, docs/ha.md) the broker epoch in meta ``m:epoch``
+        (what WELCOME carries), in a turn of its own. Returns it. Raises
+        :class:`~ccsq.brokerd.ledger.replication.StaleEpoch` when the ledger already holds
+        a higher one: epochs never go back."""
+        from ccsq.brokerd.ledger.replication import StaleEpoch  # replication builds on this module
+
+        txn = self.begin()
+        try:
+            have = txn.epoch()
+            if epoch < have:
+                raise StaleEpoch(f"epoch {epoch} is below the ledger's epoch {have} ({self.path})")
+            if epoch > have:
+                txn._add(sc.EPOCH, epoch - have)  # noqa: SLF001 - the ledger's own transaction
+            txn.commit()
+        finally:
+            txn.abort()
+        return epoch
+
     def map_size_bytes(self) -> int:
         return self.env.info()["map_size"]
 
