@@ -176,7 +176,7 @@ def test_a_stale_fail_from_the_same_worker_is_fenced_by_the_broker(h):
     wa.send(p.Complete([result_of(t2, b"attempt 2")]))
     assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t2.item_id, t2.token, "accepted")]
     rep = h.report()
-    assert (rep["completed"], rep["dead"], rep["failed"], rep["fenced_failures"]) == (1, 0, 0, 1)
+    assert (rep["counters"]["completed"], rep["counters"]["dead"], rep["counters"]["failed"], rep["counters"]["fenced_failures"]) == (1, 0, 0, 1)
     assert rep["balanced"]
 
 
@@ -196,7 +196,7 @@ def test_a_late_complete_with_an_older_token_is_fenced_by_the_broker(h):
     (d,) = comp.recv_type(p.Result).deliveries
     assert (d.item_id, d.result, d.attempt) == (r.item_id, blob(b"attempt 2"), 2)
     rep = h.report()
-    assert (rep["completed"], rep["fenced_completions"], rep["late_results_accepted"]) == (1, 1, 1)
+    assert (rep["counters"]["completed"], rep["counters"]["fenced_completions"], rep["counters"]["late_results_accepted"]) == (1, 1, 1)
     windows = {w["id"]: w for w in rep["windows"]}
     assert windows["G4"]["count"] == 1 and windows["G8"]["count"] == 1
     assert rep["balanced"]

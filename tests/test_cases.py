@@ -358,7 +358,7 @@ def test_c07c_a_lease_the_dead_worker_never_journaled_is_released_without_an_att
         assert events(swarm, "broker", "lease_released", item=behind.item_id)
         assert_landed_once(swarm, [behind.item_id])
         rep = swarm.report()
-    assert rep["balanced"] and rep["dead"] == 1 and rep["acknowledged"] == 1
+    assert rep["balanced"] and rep["counters"]["dead"] == 1 and rep["counters"]["acknowledged"] == 1
 
 
 def test_two_live_workers_with_one_peer_id_the_newcomer_stops(tmp_path: Path) -> None:

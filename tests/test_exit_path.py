@@ -33,7 +33,7 @@ CASES = [
     (LedgerError("disk full", exit_code=X.LEDGER_IO), X.LEDGER_IO),
     (LedgerLocked("held by 12"), X.TEMPFAIL),
     (EndpointInUse("bound"), X.TEMPFAIL),
-    (e.QueueFull("full"), X.FAILURE),  # a command that lets it out: a bug of that command
+    (e.QueueFull("full"), X.TEMPFAIL),  # every RetryableError is transient: 75, retry later
     (ValueError("bug"), X.FAILURE),
 ]
 

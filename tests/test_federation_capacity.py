@@ -56,11 +56,11 @@ def test_relayed_items_waiting_downstream_stay_within_its_capacity(tmp_path: Pat
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             rep_b, rep_a = pair.b.report(), pair.a.report()
-            samples.append(rep_b["ready"])
-            if rep_a["acknowledged"] >= n:
+            samples.append(rep_b["states"]["ready"])
+            if rep_a["counters"]["acknowledged"] >= n:
                 break
             time.sleep(0.05)
-        assert pair.a.report()["acknowledged"] == n, "the backlog did not drain through the relay"
+        assert pair.a.report()["counters"]["acknowledged"] == n, "the backlog did not drain through the relay"
         # capacity 4 (idle), one heartbeat (0.2 s) of 2 workers running 0.1 s items: <= 4 results
         assert max(samples) <= 4, f"b's ready queue held up to {max(samples)} relayed items: {samples}"
         assert len(samples) >= 10  # sampled through the drain, not once
@@ -93,6 +93,6 @@ def test_credit_withdrawn_when_the_downstream_gets_busy_and_home_workers_come_fi
                 client.submit(f"a-{i}".encode(), "sleep", params={"seconds": 0.1})
         pair.a.wait_acknowledged(10, timeout_s=60)
         took_s = time.monotonic() - t0
-        assert pair.b.report()["ready"] > 0  # b was busy all along (its own backlog still waits) ...
+        assert pair.b.report()["states"]["ready"] > 0  # b was busy all along (its own backlog still waits) ...
         assert pair.counters()["leased"] == 0, pair.counters()  # ... and none of a's items went to its queue
         assert took_s < 8.0, took_s

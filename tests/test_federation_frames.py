@@ -35,9 +35,9 @@ def _submit(pair: FedPair, tag: str, n: int) -> list[str]:
 def _landed(pair: FedPair, n: int) -> None:
     rows = wait_until(lambda: r if len(r := pair.a.results()) >= n else None, 180, f"{n} rows in a's results")
     assert len(rows) == n and len({r["item_id"] for r in rows}) == n
-    rep = wait_until(lambda: r if (r := pair.a.report())["acknowledged"] >= n else None, 60, f"{n} acknowledged in a")
-    assert rep["dead"] == 0, rep  # not one item dead-lettered as payload_too_large
-    assert rep["received"] == rep["acknowledged"] == n and rep["balanced"] is True
+    rep = wait_until(lambda: r if (r := pair.a.report())["counters"]["acknowledged"] >= n else None, 60, f"{n} acknowledged in a")
+    assert rep["counters"]["dead"] == 0, rep  # not one item dead-lettered as payload_too_large
+    assert rep["counters"]["received"] == rep["counters"]["acknowledged"] == n and rep["balanced"] is True
 
 
 def test_items_at_inline_max_through_a_relay_and_its_restart(tmp_path: Path) -> None:

@@ -138,8 +138,8 @@ def test_refused_link_beside_a_working_one_and_capacity_across_namespaces(tmp_pa
         samples = []
 
         def drained() -> bool:
-            samples.append(pair.b.report()["ready"])  # every item ready in b came by relay
-            return pair.a.report()["acknowledged"] >= n
+            samples.append(pair.b.report()["states"]["ready"])  # every item ready in b came by relay
+            return pair.a.report()["counters"]["acknowledged"] >= n
 
         wait_until(drained, 120, "a's backlog drained through the a -> b link")
         assert relay.running  # the refused link did not stop the relay

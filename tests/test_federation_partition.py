@@ -64,6 +64,6 @@ def test_partition_gives_submitted_items_back_and_cancels_their_copies(tmp_path:
         c = fed["links"][0]["counters"]
         assert c["partition_released"] + c["returned"] == n and c["ended_failed"] == c["partition_released"] >= 3, c
         rep_a = pair.a.report()
-        assert rep_a["balanced"] and rep_a["acknowledged"] == n and rep_a["dead"] == 0, rep_a
+        assert rep_a["balanced"] and rep_a["counters"]["acknowledged"] == n and rep_a["counters"]["dead"] == 0, rep_a
         rep_b = wait_until(lambda: r if (r := pair.b.report())["balanced"] else None, 30, "b balanced")
-        assert rep_b["dead"] >= c["cancelled_down"], rep_b  # a cancelled copy is a dead letter (cancelled) in b
+        assert rep_b["counters"]["dead"] >= c["cancelled_down"], rep_b  # a cancelled copy is a dead letter (cancelled) in b

@@ -114,4 +114,4 @@ def test_refused_origins_break_the_link_in_report_and_status(tmp_path: Path) -> 
                              capture_output=True, text=True, timeout=30).stdout
         assert "relay-a-to-b-up: federation link BROKEN" in out and "trusted_swarms" in out, out
         assert relay.running
-        assert pair.a.report()["dead"] == 0
+        assert pair.a.report()["counters"]["dead"] == 0

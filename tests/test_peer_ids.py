@@ -48,7 +48,7 @@ def test_a_second_completion_service_with_a_live_ones_id_exits_78_and_the_live_o
         assert len(swarm.results()) == 5 and service.running
         assert service.count("broker_link_ready") == 1  # its one session was never displaced
         rep = swarm.report()
-    assert rep["balanced"] and rep["acknowledged"] == 5
+    assert rep["balanced"] and rep["counters"]["acknowledged"] == 5
 
 
 def test_a_frozen_workers_successor_gets_in_when_the_liveness_window_lapses(tmp_path: Path) -> None:

@@ -74,6 +74,8 @@ def test_every_message_class_round_trips_with_defaults() -> None:
         p.Cancel(5, ["i1"]),
         p.Admin(4, "status", {}),
         p.AdminReply(4, True, b"\x80"),
+        p.ReplTurns(3, [b"\x94"], partial=True),
+        p.ReplAck(3, 41),
     ]
     assert {type(m) for m in broker_side + sample_messages()} == set(p.MESSAGE_CLASSES.values())
     for msg in broker_side:

@@ -28,7 +28,7 @@ def test_a_restore_counts_every_item_it_may_run_again_in_g13(tmp_path: Path) -> 
         swarm.start_all(workers=1)
         with swarm.client() as client:
             ids = [client.submit(f"doc {i}".encode(), "sleep", params={"seconds": 0.1}).item_id for i in range(40)]
-            wait_until(lambda: 3 <= swarm.report()["acknowledged"] <= 30, 60, "a few acknowledged, most not done")
+            wait_until(lambda: 3 <= swarm.report()["counters"]["acknowledged"] <= 30, 60, "a few acknowledged, most not done")
             dest = tmp_path / "backup"
             done = subprocess.run([bin_path("ccsq"), "backup", "--config", str(swarm.configs["brokerd"]), str(dest), "--json"],
                                   capture_output=True, text=True, timeout=120)

@@ -100,6 +100,10 @@ class LedgerTxn(LedgerView):
         # written here: a rewrite packs only the state part.
         self._heads: dict[str, bytes] = {}
         self._forgotten: set[str] = set()  # ids purged here (they leave the ledger's record cache)
+        if ledger.replication is not None:  # a primary: record this turn's writes (replication.py)
+            from ccsq.brokerd.ledger.replication import RecordingTxn
+
+            self.txn = RecordingTxn(self.txn, ledger.db_names)  # type: ignore[assignment]  # LMDB's, recording
         db = self.db
         self._items_db, self._ready_db, self._leased_db = db["items"], db["ready"], db["leased"]
         self._completed_db, self._dead_db, self._acked_db = db["completed"], db["dead"], db["acked"]
@@ -109,22 +113,38 @@ class LedgerTxn(LedgerView):
             self.abort()
 
     def commit(self) -> None:
-        """Write the counters and commit (fsync). Raises MapFullError (txn aborted) on a full map."""
+        """Write the counters and commit (fsync). Raises MapFullError (txn aborted) on a full map.
+        With replication on, a transaction that wrote anything is a turn: its position is
+        its last write, and its write set goes to the ledger's replication log after the commit."""
         meta = self.db["meta"]
+        ws = None
+        rep = self.ledger.replication
         try:
             self._fold_moves()
             put, nums = self.txn.put, self._nums
             for key, d in self._delta.items():
                 if d:
                     put(key, sc.pack_num((nums[key] if key in nums else self._base(key)) + d), db=meta)
+            if rep is not None and getattr(self.txn, "ops", None):
+                ws = self._write_set(rep)
             self.txn.commit()
         except BaseException:
             self.txn.abort()
             self.txn = None  # type: ignore[assignment]  # ended: the object is not used again
             raise
         self.txn = None  # type: ignore[assignment]
+        if ws is not None and rep is not None:
+            rep.committed(ws)
         if self.ledger.record_cache_max:
             self._keep_records()
+
+    def _write_set(self, rep: Any) -> Any:
+        """Write this turn's replication position (its last write) and return its write set."""
+        from ccsq.brokerd.ledger.replication import REPL_POS, WriteSet, pack_pos
+
+        seq = rep.next_seq()
+        self.txn.put(REPL_POS, pack_pos(rep.epoch, seq), db=self.db["meta"])
+        return WriteSet(self.ledger.ledger_id, rep.epoch, seq, tuple(getattr(self.txn, "ops")))
 
     def _keep_records(self) -> None:
         """After commit: the records this transaction wrote go to the ledger's record cache

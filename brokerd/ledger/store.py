@@ -29,6 +29,7 @@ from ccsq.brokerd.ledger import schema as sc
 from ccsq.common.wire.errors import CcsqError, ExitCode, ledger_failure
 
 if TYPE_CHECKING:
+    from ccsq.brokerd.ledger.replication import ReplicationLog, WriteSet
     from ccsq.brokerd.ledger.rules import LedgerTxn
     from ccsq.brokerd.ledger.view import LedgerView
 
@@ -121,6 +122,8 @@ class Ledger:
         self.max_map_size_bytes = max(max_map_size_bytes, map_size_bytes)
         self.readonly = readonly
         self.rng = rng or random.Random()
+        #: the turns' write sets when replication is on (:meth:`replicate`); None: a single broker
+        self.replication: ReplicationLog | None = None
         # Committed records of items not yet done (ready, leased, completed), kept by the
         # writer between its transactions: item id -> (record, its format-3 head, payload,
         # result; a blob only when small, else None). Off (0) unless the broker turns it
@@ -167,6 +170,8 @@ class Ledger:
         except LedgerError:
             self.env.close()
             raise
+        #: sub-database handle -> name (a recorded write names its sub-database)
+        self.db_names: dict[Any, str] = {handle: name for name, handle in self.db.items()}
         self.ledger_id = ""
         #: what new item ids begin with: the ledger id, or the prefix a restore gave it
         self.id_prefix = ""
@@ -299,12 +304,53 @@ class Ledger:
                 raise
         return mode, None
 
+    def replicate(self, epoch: int, *, sink: Callable[[WriteSet], None] | None = None,
+                  backlog_turns: int | None = None) -> ReplicationLog:
+        """Turn replication on (a primary, docs/ha.md): from now on every committed write
+        transaction is a :class:`~ccsq.brokerd.ledger.replication.WriteSet` of ``epoch``
+        numbered after the ledger's replication position, passed to ``sink`` after its
+        commit and kept in the returned log's backlog. Raises
+        :class:`~ccsq.brokerd.ledger.replication.StaleEpoch` when ``epoch`` is older than
+        the ledger's. Only with no write transaction open."""
+        from ccsq.brokerd.ledger import replication as rp  # replication builds on this module
+
+        with self.read() as view:
+            pos = rp.unpack_pos(view.txn.get(rp.REPL_POS, db=self.db["meta"]))
+        kw = {} if backlog_turns is None else {"backlog_turns": backlog_turns}
+        self.replication = rp.ReplicationLog(epoch, pos, sink=sink, **kw)
+        return self.replication
+
     def bump_epoch(self) -> int:
-        """Increment and return the broker epoch (once per broker start)."""
+        """Increment and return the broker epoch (once per broker start); with replication
+        on, a turn like any other."""
+        if self.replication is not None:
+            turn = self.begin()
+            epoch = turn.next_num(sc.EPOCH)
+            turn.commit()
+            return epoch
         with self.env.begin(write=True) as txn:
             raw = txn.get(sc.EPOCH, db=self.db["meta"])
             epoch = sc.unpack_num(raw) + 1
             txn.put(sc.EPOCH, sc.pack_num(epoch), db=self.db["meta"])
+        return epoch
+
+    def adopt_epoch(self, epoch: int) -> int:
+        """Make ``epoch`` (an election's, docs/ha.md) the broker epoch in meta ``m:epoch``
+        (what WELCOME carries), in a turn of its own. Returns it. Raises
+        :class:`~ccsq.brokerd.ledger.replication.StaleEpoch` when the ledger already holds
+        a higher one: epochs never go back."""
+        from ccsq.brokerd.ledger.replication import StaleEpoch  # replication builds on this module
+
+        txn = self.begin()
+        try:
+            have = txn.epoch()
+            if epoch < have:
+                raise StaleEpoch(f"epoch {epoch} is below the ledger's epoch {have} ({self.path})")
+            if epoch > have:
+                txn._add(sc.EPOCH, epoch - have)  # noqa: SLF001 - the ledger's own transaction
+            txn.commit()
+        finally:
+            txn.abort()
         return epoch
 
     def map_size_bytes(self) -> int:
@@ -360,15 +406,16 @@ class Ledger:
         self.stale_readers_cleared += n
         return n
 
-    def backup(self, dest: Path) -> dict[str, Any]:
+    def backup(self, dest: Path, *, mark_restore: bool = True) -> dict[str, Any]:
         """A consistent, compacting copy of the ledger into the new or empty directory
         ``dest`` (``dest/data.mdb``; LMDB's ``mdb_env_copy2`` with ``MDB_CP_COMPACT``:
         one read snapshot, free pages left out, pages renumbered). Safe while the
         broker writes; the copy's snapshot pins history only while it runs. The copy is
         marked: the first broker (or tool) that opens it for writing, i.e. once it is
         restored, takes a new item id prefix, so ids the source broker issued after the copy
-        are never issued again (their results may already be in the results database). The file
-        is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
+        are never issued again (their results may already be in the results database);
+        ``mark_restore=False`` leaves that mark out (a standby's seed, which continues this
+        ledger: :func:`~ccsq.brokerd.ledger.replication.take_copy`). The file is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
         :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
         dest = Path(dest)
         try:
@@ -382,7 +429,8 @@ class Ledger:
                 self.env.copy(str(dest), compact=True, txn=txn)
             finally:
                 txn.abort()
-            _mark_restore_pending(dest)
+            if mark_restore:
+                _mark_restore_pending(dest)
             out = dest / "data.mdb"
             fd = os.open(out, os.O_RDONLY)
             try:

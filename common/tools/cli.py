@@ -287,7 +287,7 @@ def _other_kind_of_config(command: str, name: str, path: str) -> str | None:
     try:
         load(cls, path)
     except ConfigError as exc:
-        return (f"ccsq {command}: configuration error: {CONFIG_ENV}={env} names one file, which every command then "
+        return (f"configuration error: {CONFIG_ENV}={env} names one file, which every command then "
                 f"reads, but `ccsq {command}` needs {name}.toml and {path} does not load as one ({exc}): set "
                 f"{CONFIG_ENV} to the directory that holds {name}.toml (the one `ccsq init` wrote), or pass "
                 f"--config {name}.toml")
@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             return die(f"ccsq {args.command}", missing_default_config(args.config))
         wrong = _other_kind_of_config(args.command, args.config_name, args.config)
         if wrong:
-            print(wrong, file=sys.stderr)
-            return ExitCode.CONFIG
+            return die(f"ccsq {args.command}", ExitCode.CONFIG, wrong)
     if args.command in QUIET_LOG_COMMANDS:
         import logging
 

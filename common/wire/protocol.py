@@ -122,6 +122,9 @@ class Role(str, enum.Enum):
     #: a federation relay (ccsq-relayd): toward an upstream swarm it holds leases like a
     #: worker; toward a downstream swarm it submits relayed items and takes their results
     RELAY = "relay"
+    #: a standby broker (docs/ha.md): it receives the primary's committed turns
+    #: (REPL_TURNS) and acknowledges what it applied (REPL_ACK)
+    STANDBY = "standby"
 
 
 class MsgType(enum.IntEnum):
@@ -151,6 +154,9 @@ class MsgType(enum.IntEnum):
     # admin <-> broker
     ADMIN = 40
     ADMIN_REPLY = 41
+    # primary broker <-> standby broker (docs/ha.md; brokerd/replica.py)
+    REPL_TURNS = 50
+    REPL_ACK = 51
 
 
 class ItemState(str, enum.Enum):
@@ -206,6 +212,7 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
             MsgType.RESULT,
             MsgType.ACK_OK,
             MsgType.ADMIN_REPLY,
+            MsgType.REPL_TURNS,
         }
     ),
     Role.PRODUCER: frozenset(
@@ -222,6 +229,7 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL,
          MsgType.SUBMIT, MsgType.STATUS, MsgType.ACK, MsgType.CANCEL}
     ),
+    Role.STANDBY: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.REPL_ACK}),
 }
 #: Roles whose sessions hold leases (fencing tokens, heartbeat extension, resume at HELLO).
 LEASE_HOLDER_ROLES = frozenset({Role.WORKER, Role.RELAY})
@@ -708,6 +716,28 @@ class AdminReply(Message):
     error: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplTurns(Message):
+    """Primary -> standby: committed turns of ``epoch`` in order, each a packed write set
+    (:meth:`ccsq.brokerd.ledger.replication.WriteSet.pack`). ``partial``: ``turns`` holds one
+    piece of a turn too big for one frame; the pieces go in order, the last with
+    ``partial`` false (brokerd/replica.py)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REPL_TURNS
+    epoch: int
+    turns: list[bytes]
+    partial: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplAck(Message):
+    """Standby -> primary: every turn up to ``(epoch, seq)`` is applied and fsynced here."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REPL_ACK
+    epoch: int
+    seq: int
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -732,6 +762,8 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         AckOk,
         Admin,
         AdminReply,
+        ReplTurns,
+        ReplAck,
     )
 }
 
