@@ -448,7 +448,8 @@ def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys
 def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path, capsys) -> None:
     """The broker keeps the kinds its workers served (HELLO) in the ledger (meta w:<kind>),
     so right after a restart, within what used to be a silent grace of two liveness
-    windows, `ccsq submit` of a kind no recent worker served warns, and a served kind does not."""
+    windows, `ccsq submit` of a kind no recent worker served warns, naming the kinds that
+    are served (and the near one, for a typo), and a served kind does not."""
     from tests.broker_harness import ScriptedPeer
 
     with Swarm(tmp_path, workers=1, broker={"liveness": 50}) as swarm:  # grace: 2 x 0.2 s x 50 = 20 s
@@ -468,6 +469,9 @@ def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path
         doc.write_text("hello")
         rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "classify", doc)
         assert rc == 0 and "serves kind 'classify'" in err, err
+        assert "kinds served: 'echo'" in err and "did you mean" not in err and "ccsq items cancel" in err, err
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "ecko", doc)
+        assert rc == 0 and "serves kind 'ecko'" in err and "kinds served: 'echo' (did you mean 'echo'?)" in err, err  # a typo
         rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "echo", doc)
         assert rc == 0 and "serves kind" not in err, err
         assert time.monotonic() - t0 < 20.0  # both answered inside the old grace period
