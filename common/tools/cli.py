@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admin.toml (same as the action's --config)").complete = FILE_COMPLETION  # type: ignore[attr-defined]
         return gp.add_subparsers(dest=dest, required=True)
 
-    items = group("items", "look at items", "items_command")
+    items = group("items", "items: show one, cancel ready ones", "items_command")
     p = admin_parser("show", "one item's ledger record", items, read_only=True)
     p.add_argument("item_id")
     p.set_defaults(func=_cmd_items_show)
