@@ -1,6 +1,6 @@
 """Admin commands of the ``ccsq`` CLI against a real broker (tests/swarm.py).
 
-``ccsq status``, ``items show``, ``dlq list|replay|purge``, ``drain`` and
+``ccsq status``, ``items show|cancel``, ``dlq list|replay|purge``, ``drain`` and
 ``reconcile`` run in-process through :func:`ccsq.common.tools.cli.main` (the same
 code path as the console script) and talk to a real ``ccsq-brokerd`` over the
 signed protocol; the offline path reads the same ledger read-only.
@@ -192,6 +192,13 @@ def test_reconcile_refuses_a_wrong_store_and_defaults_to_the_producers(tmp_path:
         assert rc == 0 and out["dead_lettered"] == [item_id]
 
 
+class Terminal(io.StringIO):
+    """A stdin that says it is a terminal (the question of ``items cancel --kind`` is asked)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_items_cancel_takes_a_stuck_ready_item_and_leaves_a_leased_one(tmp_path: Path, capsys, monkeypatch) -> None:
     """Issue 27: an item of a typo'd kind waits in ready forever; ``ccsq items cancel ID``
     makes it dead (reason cancelled, G7) through the broker, a leased item is left as it is
@@ -218,6 +225,11 @@ def test_items_cancel_takes_a_stuck_ready_item_and_leaves_a_leased_one(tmp_path:
         _, shown = ccsq(capsys, "items", "show", running, "--config", admin, "--json")
         assert shown["item"]["state"] == "leased" and shown["lease_in_memory"]["worker"] == "worker-1"
 
+        rc, text = ccsq(capsys, "status", "--config", admin)
+        text = " ".join(text.split())  # the screen wraps at its width
+        assert "no connected worker serves kind 'slep'" in text and "kinds served: 'sleep'" in text, text
+        assert "ccsq items cancel --kind slep" in text
+
         # by kind: not confirmed (no terminal) -> refused, nothing cancelled
         monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: no question is asked
         capsys.readouterr()
@@ -226,16 +238,24 @@ def test_items_cancel_takes_a_stuck_ready_item_and_leaves_a_leased_one(tmp_path:
         assert rc == ExitCode.USAGE and "would cancel 2 ready item(s) of kind 'slep'" in err and "--yes" in err
         _, st = ccsq(capsys, "status", "--config", admin, "--json")
         assert st["backlog"]["slep"] == {"dead": 1, "ready": 2}
+        monkeypatch.setattr("sys.stdin", Terminal("n\n"))  # asked, and answered no
+        rc = cli.main(["items", "cancel", "--kind", "slep", "--config", str(admin)])
+        assert rc == ExitCode.USAGE and "cancel 2 ready item(s) of kind 'slep'" in capsys.readouterr().out
         rc, out = ccsq(capsys, "items", "cancel", "--kind", "slep", "--yes", "--config", admin, "--json")
         assert rc == 0 and sorted(out["cancelled"]) == sorted(typos[1:])
+        with swarm.client() as client:
+            typos.append(client.submit(b"typo again", "slep").item_id)
+        monkeypatch.setattr("sys.stdin", Terminal("y\n"))  # asked, and answered yes
+        rc, text = ccsq(capsys, "items", "cancel", "--kind", "slep", "--config", admin)
+        assert rc == 0 and "cancelled 1 ready item(s) of kind 'slep'" in text and "dlq replay" in text
         capsys.readouterr()
         rc = cli.main(["items", "cancel", "--kind", "slep", "--yes", "--config", str(admin)])
         assert rc == ExitCode.REFUSED and "no ready item of kind 'slep'" in capsys.readouterr().err
 
         _, st = ccsq(capsys, "status", "--config", admin, "--json")
-        assert st["backlog"]["slep"] == {"dead": 3} and st["backlog"]["sleep"] == {"leased": 1} and st["balanced"]
+        assert st["backlog"]["slep"] == {"dead": 4} and st["backlog"]["sleep"] == {"leased": 1} and st["balanced"]
         _, dlq = ccsq(capsys, "dlq", "list", "--config", admin, "--json")
         assert {r["id"]: r["error"] for r in dlq["items"]} == {i: "cancelled" for i in typos}
         rep = swarm.report()
         g7 = next(w for w in rep["windows"] if w["id"] == "G7")
-        assert rep["balanced"] and g7["count"] == 3 and "cancelled" in g7["recent"][0]["detail"]
+        assert rep["balanced"] and g7["count"] == 4 and "cancelled" in g7["recent"][0]["detail"]

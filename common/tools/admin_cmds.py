@@ -111,9 +111,12 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     console.print(bt)
     if doc.get("source") == "broker":
         workers = [x for x in doc.get("peers", []) if x["role"] == "worker"]
+        served = sorted({k for w in workers for k in w.get("kinds") or []})
         for kind, per in sorted(doc.get("backlog", {}).items()):
             if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
-                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
+                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one; kinds "
+                              f"served: {', '.join(map(repr, served)) or 'none'}; a mistaken kind: "
+                              f"`ccsq items cancel --kind {kind}`)")
     return buf.getvalue()
 
 
