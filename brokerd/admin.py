@@ -281,7 +281,9 @@ class AdminCommands:
             ids = txn.ready_ids(kind, MAX_ITEMS_PER_COMMAND + 1)
             more, ids = len(ids) > MAX_ITEMS_PER_COMMAND, ids[:MAX_ITEMS_PER_COMMAND]
         else:
-            ids = [i for i in _str_arg(args, "item_ids").split(",") if i]
+            if not isinstance(args.get("item_ids"), str):
+                raise AdminFailed("give 'item_ids' (comma-separated) or 'kind'")
+            ids = [i for i in args["item_ids"].split(",") if i]
             if not ids or len(ids) > MAX_ITEMS_PER_COMMAND:
                 raise AdminFailed(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
         now_ms = self.broker.clock.wall_ms()
