@@ -240,7 +240,7 @@ def next_steps(directory: Path, written: dict[str, Path], handler: str, *, hosts
         ("ccsq gap-report", "the books balance: nothing lost"),
     ]
     width = max(len(cmd) for cmd, _ in steps)
-    lines = ["", "next steps (README.md \"Run your own swarm\"), each in a terminal of its own (or with &):"]
+    lines = ["", "next steps (README.md \"Run your own swarm\"; the daemons each in a terminal of its own, or with &):"]
     lines += [f"  {cmd:{width}}  # {why}" for cmd, why in steps]
     if hosts:
         lines.append(f"  on several hosts: {d}/hosts/<host>/MANIFEST says what each host runs (docs/deployment.md)")
