@@ -74,6 +74,7 @@ BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
 DISK_CHECK_INTERVAL_S = 1.0
+MAX_SERVED_LISTED = 100  # kinds named as served next to an unserved-kind warning (SUBMIT_ACK ``served``)
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
 GROW_AT_FRACTION = 0.75  # grow the map before a turn when this share is in use
 #: Admission control (C08): room kept in the ledger for the result of every accepted
@@ -340,13 +341,20 @@ class Broker:
         """Kinds of ``items`` that no worker connected since the broker started serves, for a
         producer that asked (HELLO info ``features``); [] in the first liveness windows after
         start (workers are still reconnecting)."""
-        if "unserved_kinds" not in str(sess.info_hello.get("features", "")):
+        if "unserved_kinds" not in _features(sess):
             return []
         if not self._kinds_recorded and self.clock.monotonic_s() - self._started_mono < 2 * self.silence_s:
             return []  # no record of recent workers (new ledger): they may still be reconnecting
         if "" in self._kinds_seen:  # a worker that takes every kind
             return []
         return sorted({it.kind for it in items} - self._kinds_seen.keys())
+
+    def _served(self, sess: Session) -> list[str]:
+        """The kinds :meth:`_unserved` counts as served (up to 100), for a producer whose HELLO
+        ``features`` list ``kinds_served`` (older producers would refuse the field)."""
+        if "kinds_served" not in _features(sess):
+            return []
+        return sorted(k for k in self._kinds_seen if k)[:MAX_SERVED_LISTED]
 
     def _worker_hello(self, kinds: tuple[str, ...]) -> None:
         """A worker said HELLO serving ``kinds`` (("",): every kind): for :meth:`_unserved`,
@@ -548,7 +556,9 @@ class Broker:
                         admitted += cost
                         open_items += 1
                     results.append(r)
-                batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=self._unserved(sess, msg.items))))
+                unserved = self._unserved(sess, msg.items)
+                batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=unserved,
+                                                       served=self._served(sess) if unserved else [])))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
                     batch.effects.append(self._wake_dispatch)
@@ -720,6 +730,11 @@ class Broker:
         """Unsent messages to peers whose pipe has room again, then liveness and heartbeats."""
         self.outbound.flush()
         self.sessions.tick(now)
+
+
+def _features(sess: Session) -> set[str]:
+    """The optional replies a peer's HELLO info ``features`` asks for (comma- or space-separated)."""
+    return set(str(sess.info_hello.get("features", "")).replace(",", " ").split())
 
 
 def _op_items(msg: p.Message) -> int:

@@ -21,6 +21,10 @@ Commands (arguments are scalars, see :class:`ccsq.common.wire.protocol.Admin`):
 - ``dead_letter`` (``item_id`` or ``item_ids`` comma-separated, ``reason``
   ``payload_missing``/``operator``, ``message``): dead-letter *ready* items
   (``ccsq reconcile --apply``), G7 events.
+- ``items_cancel`` (``item_ids`` comma-separated, or ``kind``: its ready items, up to
+  1000 per call, ``more`` says whether to call again): the ledger transition of the
+  protocol's CANCEL: a *ready* item becomes dead with reason ``cancelled`` (G7 event);
+  a leased, completed or terminal item is left as it is and reported with its state.
 
 ``status``, ``items_show`` and ``dlq_list`` build their ledger part with the
 module functions :func:`ledger_status`, :func:`item_doc` and :func:`dlq_doc`,
@@ -133,7 +137,7 @@ class BrokerView:
 
 
 class AdminCommands:
-    COMMANDS = ("status", "items_show", "dlq_list", "dlq_replay", "dlq_purge", "drain", "dead_letter")
+    COMMANDS = ("status", "items_show", "dlq_list", "dlq_replay", "dlq_purge", "drain", "dead_letter", "items_cancel")
 
     def __init__(self, broker: BrokerView) -> None:
         self.broker = broker
@@ -266,6 +270,37 @@ class AdminCommands:
         now_ms = self.broker.clock.wall_ms()
         done = [i for i in ids if txn.dead_letter_ready(i, reason, message, now_ms)]
         return {"dead": done, "not_ready": [i for i in ids if i not in done], "reason": reason}
+
+    def cmd_items_cancel(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
+        """``{"cancelled": [ids], "not_ready": {id: state}, "unknown": [ids], "more": bool}``:
+        the same transition as a producer's CANCEL (only a ready item; a running one is its
+        worker's to finish)."""
+        more = False
+        if isinstance(args.get("kind"), str) and "item_ids" not in args:
+            kind = _str_arg(args, "kind")
+            ids = txn.ready_ids(kind, MAX_ITEMS_PER_COMMAND + 1)
+            more, ids = len(ids) > MAX_ITEMS_PER_COMMAND, ids[:MAX_ITEMS_PER_COMMAND]
+        else:
+            if not isinstance(args.get("item_ids"), str):
+                raise AdminFailed("give 'item_ids' (comma-separated) or 'kind'")
+            ids = [i for i in args["item_ids"].split(",") if i]
+            if not ids or len(ids) > MAX_ITEMS_PER_COMMAND:
+                raise AdminFailed(f"give 1..{MAX_ITEMS_PER_COMMAND} item ids")
+        now_ms = self.broker.clock.wall_ms()
+        message = f"cancelled by {sess.peer_id} (ccsq items cancel)"
+        out: dict[str, Any] = {"cancelled": [], "not_ready": {}, "unknown": [], "more": more}
+        for i in ids:
+            if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, message, now_ms):
+                out["cancelled"].append(i)
+            else:
+                rec = txn.get(i)
+                if rec is None:
+                    out["unknown"].append(i)
+                else:
+                    out["not_ready"][i] = rec["state"]
+        if out["cancelled"]:
+            batch.log("info", "items_cancelled", count=len(out["cancelled"]), by=sess.peer_id, first=out["cancelled"][0])
+        return out
 
     def _worker_ids(self) -> list[str]:
         authorized = self.broker.authorized

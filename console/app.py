@@ -80,7 +80,17 @@ ACTIONS: dict[str, dict[str, str]] = {
     "drain": {"verb": "Drain", "back": "/workers",
               "what": "The broker stops dispatching to this worker; its leases finish. Kept in the ledger (survives restarts)."},
     "undrain": {"verb": "Resume", "back": "/workers", "what": "The broker dispatches to this worker again."},
+    "items_cancel": {"verb": "Cancel", "back": "/items/{target}",
+                     "what": "The ready item becomes dead with reason cancelled (gap event G7): it leaves the queue, the "
+                             "dead letters list it and a replay brings it back. A leased or finished item is left as it is."},
 }
+
+
+def _back(spec: dict[str, str], target: str) -> str:
+    """Where an action's confirm page goes back to and its apply redirects (an item's page for a cancel)."""
+    import urllib.parse
+
+    return spec["back"].replace("{target}", urllib.parse.quote(target, safe=""))
 
 
 @dataclass(frozen=True)
@@ -453,6 +463,9 @@ class Console:
                                                       "changing state needs the admin role", 403)
         if form.get("action") not in ACTIONS or not form.get("target"):
             return viewer, new_sid, form, self._error(request, viewer, new_sid, "unknown action or no target", 400)
+        if form["action"] == "items_cancel" and form["target"] == "*":  # one item at a time here; the CLI takes a kind
+            return viewer, new_sid, form, self._error(request, viewer, new_sid, "cancel takes one item (`ccsq items cancel --kind` "
+                                                      "takes a kind)", 400)
         return viewer, new_sid, form, None
 
     async def confirm(self, request: Request) -> Response:
@@ -462,13 +475,13 @@ class Console:
         assert viewer is not None
         action, target = form["action"], form["target"]
         detail = None
-        if action.startswith("dlq_") and target != "*":
+        if (action.startswith("dlq_") or action == "items_cancel") and target != "*":
             try:
                 detail = (await self.source.read("items_show", {"item_id": target}))["item"]
             except CcsqError:
                 detail = None
         ctx = {"title": "confirm", "action": action, "target": target, "spec": ACTIONS[action], "detail": detail,
-               "status": None}
+               "status": None, "back": _back(ACTIONS[action], target)}
         return self._page(request, "confirm.html", ctx, viewer, new_sid)
 
     async def apply(self, request: Request) -> Response:
@@ -484,6 +497,8 @@ class Console:
         async def go(session) -> dict[str, Any]:
             if action in ("drain", "undrain"):
                 return await session.call("drain", {"worker": target, "undo": action == "undrain"})
+            if action == "items_cancel":
+                return await session.call("items_cancel", {"item_ids": target})
             key = "replayed" if action == "dlq_replay" else "purged"
             done: list[str] = []
             not_dead: list[str] = []
@@ -511,13 +526,17 @@ class Console:
         log.info("console_action", who=who, role=viewer.role, remote=remote, action=action, target=target, result=out)
         if action in ("drain", "undrain"):
             msg = f"{target}: {'draining' if out['draining'] else 'dispatching again'}; {out['leases']} lease(s) held"
+        elif action == "items_cancel":
+            msg = (f"{target}: cancelled (dead, reason cancelled)" if out["cancelled"] else
+                   f"{target}: not cancelled: unknown item" if out["unknown"] else
+                   f"{target}: not cancelled: not ready (state {out['not_ready'].get(target, '?')}), left as it is")
         else:
             key = "replayed" if action == "dlq_replay" else "purged"
             msg = f"{key} {len(out[key])} item(s)" + (f": {', '.join(out[key][:10])}" if out[key] else "")
             if out["not_dead"]:
                 msg += f"; not dead: {', '.join(out['not_dead'])}"
         viewer.flash.append(msg)
-        return self._finish(RedirectResponse(spec["back"], status_code=303), new_sid)
+        return self._finish(RedirectResponse(_back(spec, target), status_code=303), new_sid)
 
 
 def relay_links(peers: list) -> list[dict]:

@@ -132,6 +132,7 @@ class AsyncClient:
             log.warning("claim_store_unavailable", error=str(exc))
         self._items = ItemBuilder(store, config.inline_max_bytes)
         self._link = None
+        self._served: list[str] = []  # kinds the broker last named as served (with an unserved-kind warning)
         self._tasks = []
         self._requests = RequestTracker()
         self._budget = FrameBudget(config.max_frame_bytes)  # the one frame budget (common/wire/frames.py)
@@ -162,7 +163,7 @@ class AsyncClient:
             return
         self._link = BrokerLink(
             self.config,
-            hello=lambda: p.Hello(role=p.Role.PRODUCER.value, info={"features": "unserved_kinds"}),
+            hello=lambda: p.Hello(role=p.Role.PRODUCER.value, info={"features": "unserved_kinds,kinds_served"}),
             on_message=self._on_message,
             on_connect=self._on_connect,
         )
@@ -279,6 +280,12 @@ class AsyncClient:
         ``timeout_s``. :meth:`connect_problem` then says why."""
         return await self._wait_ready(timeout_s, refused_grace_s=refused_grace_s)
 
+    def kinds_served(self) -> list[str]:
+        """The kinds that workers seen by the broker recently serve, as the broker named them
+        with its last unserved-kind answer (a receipt with ``unserved``); [] before one, or
+        from a broker that does not name them."""
+        return list(self._served)
+
     async def connect_problem(self) -> str | None:
         """Why the link has no session yet, when known: ``"connection to ... refused ..."``
         or a CURVE mismatch with its fix; None otherwise (e.g. a silent broker)."""
@@ -358,6 +365,8 @@ class AsyncClient:
                 return done, remaining, exc
             if unserved is not None:
                 unserved.update(ack.unserved)
+            if ack.served:
+                self._served = list(ack.served)
             by_key = {r.key: r for r in ack.results}
             retry: list[p.SubmitItem] = []
             last: p.SubmitResult | None = None
@@ -451,7 +460,7 @@ class AsyncClient:
             return [Receipt(item_id="", key=it.key, spooled=True) for it in items]
         results, unconfirmed, unserved = await self._send_frames(frames, deadline)
         if unserved:
-            self.log.info("kind_not_served", kinds=sorted(unserved),
+            self.log.info("kind_not_served", kinds=sorted(unserved), served=self._served,
                           hint="no worker seen by the broker recently serves these kinds; the items wait in ready")
         if self._replay is not None and unconfirmed:
             await self._replay.spool(unconfirmed, reason="not_confirmed_in_time")
@@ -660,6 +669,10 @@ class Client:
     def wait_connected(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
         """See :meth:`AsyncClient.wait_connected`."""
         return self._call(self._async.wait_connected(timeout_s, refused_grace_s=refused_grace_s))
+
+    def kinds_served(self) -> list[str]:
+        """See :meth:`AsyncClient.kinds_served`."""
+        return self._async.kinds_served()
 
     def connect_problem(self) -> str | None:
         """See :meth:`AsyncClient.connect_problem`."""

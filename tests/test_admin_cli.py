@@ -1,6 +1,6 @@
 """Admin commands of the ``ccsq`` CLI against a real broker (tests/swarm.py).
 
-``ccsq status``, ``items show``, ``dlq list|replay|purge``, ``drain`` and
+``ccsq status``, ``items show|cancel``, ``dlq list|replay|purge``, ``drain`` and
 ``reconcile`` run in-process through :func:`ccsq.common.tools.cli.main` (the same
 code path as the console script) and talk to a real ``ccsq-brokerd`` over the
 signed protocol; the offline path reads the same ledger read-only.
@@ -8,6 +8,7 @@ signed protocol; the offline path reads the same ledger read-only.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -189,3 +190,72 @@ def test_reconcile_refuses_a_wrong_store_and_defaults_to_the_producers(tmp_path:
         assert shown["item"]["state"] == "ready"
         rc, out = ccsq(capsys, "reconcile", "--config", brokerd, "--store", f"file://{empty}", "--apply", "--force", "--json")
         assert rc == 0 and out["dead_lettered"] == [item_id]
+
+
+class Terminal(io.StringIO):
+    """A stdin that says it is a terminal (the question of ``items cancel --kind`` is asked)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_items_cancel_takes_a_stuck_ready_item_and_leaves_a_leased_one(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Issue 27: an item of a typo'd kind waits in ready forever; ``ccsq items cancel ID``
+    makes it dead (reason cancelled, G7) through the broker, a leased item is left as it is
+    and reported with its state, an unknown id is named; ``--kind`` cancels every ready item
+    of a kind only when confirmed (--yes; without a terminal it refuses and changes
+    nothing). The books stay balanced."""
+    with Swarm(tmp_path, workers=1, handler="sleep") as swarm:
+        admin = patient_admin(swarm)
+        swarm.start_broker()
+        swarm.start_worker(1)
+        with swarm.client() as client:
+            running = client.submit(b"long job", "sleep", params={"seconds": 30}).item_id
+            typos = [client.submit(f"typo {i}".encode(), "slep").item_id for i in range(3)]
+        wait_until(lambda: ccsq(capsys, "items", "show", running, "--config", admin, "--json")[1]["item"]["state"] == "leased",
+                   30, "the sleep item is leased")
+
+        rc, out = ccsq(capsys, "items", "cancel", typos[0], running, "no-such-item", "--config", admin, "--json")
+        assert rc == ExitCode.REFUSED
+        assert out == {"cancelled": [typos[0]], "not_ready": {running: "leased"}, "unknown": ["no-such-item"]}
+        rc, text = ccsq(capsys, "items", "cancel", typos[0], running, "--config", admin)
+        assert rc == ExitCode.REFUSED and f"{typos[0]}  not ready: state dead" in text and f"{running}  not ready: state leased" in text
+        _, shown = ccsq(capsys, "items", "show", typos[0], "--config", admin, "--json")
+        assert shown["item"]["state"] == "dead" and shown["item"]["error"] == "cancelled"
+        _, shown = ccsq(capsys, "items", "show", running, "--config", admin, "--json")
+        assert shown["item"]["state"] == "leased" and shown["lease_in_memory"]["worker"] == "worker-1"
+
+        rc, text = ccsq(capsys, "status", "--config", admin)
+        text = " ".join(text.split())  # the screen wraps at its width
+        assert "no connected worker serves kind 'slep'" in text and "kinds served: 'sleep'" in text, text
+        assert "ccsq items cancel --kind slep" in text
+
+        # by kind: not confirmed (no terminal) -> refused, nothing cancelled
+        monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # not a terminal: no question is asked
+        capsys.readouterr()
+        rc = cli.main(["items", "cancel", "--kind", "slep", "--config", str(admin)])
+        err = capsys.readouterr().err
+        assert rc == ExitCode.USAGE and "would cancel 2 ready item(s) of kind 'slep'" in err and "--yes" in err
+        _, st = ccsq(capsys, "status", "--config", admin, "--json")
+        assert st["backlog"]["slep"] == {"dead": 1, "ready": 2}
+        monkeypatch.setattr("sys.stdin", Terminal("n\n"))  # asked, and answered no
+        rc = cli.main(["items", "cancel", "--kind", "slep", "--config", str(admin)])
+        assert rc == ExitCode.USAGE and "cancel 2 ready item(s) of kind 'slep'" in capsys.readouterr().out
+        rc, out = ccsq(capsys, "items", "cancel", "--kind", "slep", "--yes", "--config", admin, "--json")
+        assert rc == 0 and sorted(out["cancelled"]) == sorted(typos[1:])
+        with swarm.client() as client:
+            typos.append(client.submit(b"typo again", "slep").item_id)
+        monkeypatch.setattr("sys.stdin", Terminal("y\n"))  # asked, and answered yes
+        rc, text = ccsq(capsys, "items", "cancel", "--kind", "slep", "--config", admin)
+        assert rc == 0 and "cancelled 1 ready item(s) of kind 'slep'" in text and "dlq replay" in text
+        capsys.readouterr()
+        rc = cli.main(["items", "cancel", "--kind", "slep", "--yes", "--config", str(admin)])
+        assert rc == ExitCode.REFUSED and "no ready item of kind 'slep'" in capsys.readouterr().err
+
+        _, st = ccsq(capsys, "status", "--config", admin, "--json")
+        assert st["backlog"]["slep"] == {"dead": 4} and st["backlog"]["sleep"] == {"leased": 1} and st["balanced"]
+        _, dlq = ccsq(capsys, "dlq", "list", "--config", admin, "--json")
+        assert {r["id"]: r["error"] for r in dlq["items"]} == {i: "cancelled" for i in typos}
+        rep = swarm.report()
+        g7 = next(w for w in rep["windows"] if w["id"] == "G7")
+        assert rep["balanced"] and g7["count"] == 4 and "cancelled" in g7["recent"][0]["detail"]

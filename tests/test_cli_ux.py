@@ -401,7 +401,7 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
 #: The ``ccsq`` command line: every subcommand (and the sub-subcommands), as users type them.
 SUBCOMMANDS = ["init", "keygen", "submit", "outbox", "completion", "gap-report", "status", "items", "dlq", "drain",
                "reconcile", "init-relay", "federation", "backup", "console", "completion-script"]
-NESTED = {"outbox": ["flush"], "items": ["show"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
+NESTED = {"outbox": ["flush"], "items": ["show", "cancel"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
 
 
 def test_every_subcommand_is_parsed_runs_a_command_and_completes(capsys) -> None:
@@ -448,7 +448,8 @@ def test_submit_without_kind_uses_the_swarms_default_kind(tmp_path: Path, capsys
 def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path, capsys) -> None:
     """The broker keeps the kinds its workers served (HELLO) in the ledger (meta w:<kind>),
     so right after a restart, within what used to be a silent grace of two liveness
-    windows, `ccsq submit` of a kind no recent worker served warns, and a served kind does not."""
+    windows, `ccsq submit` of a kind no recent worker served warns, naming the kinds that
+    are served (and the near one, for a typo), and a served kind does not."""
     from tests.broker_harness import ScriptedPeer
 
     with Swarm(tmp_path, workers=1, broker={"liveness": 50}) as swarm:  # grace: 2 x 0.2 s x 50 = 20 s
@@ -468,6 +469,9 @@ def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path
         doc.write_text("hello")
         rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "classify", doc)
         assert rc == 0 and "serves kind 'classify'" in err, err
+        assert "kinds served: 'echo'" in err and "did you mean" not in err and "ccsq items cancel" in err, err
+        rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "ecko", doc)
+        assert rc == 0 and "serves kind 'ecko'" in err and "kinds served: 'echo' (did you mean 'echo'?)" in err, err  # a typo
         rc, _out, err = run_ccsq(capsys, "submit", "--config", swarm.configs["producer"], "--kind", "echo", doc)
         assert rc == 0 and "serves kind" not in err, err
         assert time.monotonic() - t0 < 20.0  # both answered inside the old grace period
@@ -520,3 +524,27 @@ def test_config_before_the_action_of_a_command_family(tmp_path: Path, capsys) ->
                  ("dlq", "list", "--config", str(missing))):
         rc, _, err = run_ccsq(capsys, *argv)
         assert rc == ExitCode.CONFIG and str(missing) in err, (argv, err)
+
+
+def test_init_prints_the_next_steps_with_this_swarms_paths(tmp_path: Path, capsys) -> None:
+    """Issue 27: `ccsq init` says what to run next, as README's "Run your own swarm" does:
+    the broker, each worker's config, the completion service, a submit of the workers'
+    kind, `ccsq status`; every config it names exists."""
+    import re
+
+    root = tmp_path / "myswarm"
+    rc, out, _ = run_ccsq(capsys, "init", root, "--workers", "3", "--handler", "sleep")
+    assert rc == 0 and "next steps" in out
+    steps = out[out.index("next steps"):]
+    assert f"export CCSQ_CONFIG={root.resolve()}" in steps
+    commands = [ln.split("#")[0].split() for ln in steps.splitlines()[1:] if ln.strip().startswith("ccsq")]
+    assert [c[0] for c in commands] == ["ccsq-brokerd", "ccsq-workerd", "ccsq-workerd", "ccsq-workerd", "ccsq-completiond",
+                                        "ccsq", "ccsq", "ccsq"]
+    assert [c[2] for c in commands[:5]] == [f"{root}/{n}.toml" for n in
+                                            ("brokerd", "workerd-0", "workerd-1", "workerd-2", "completion")]
+    assert all(Path(c[2]).is_file() for c in commands[:5])
+    assert commands[5][:4] == ["ccsq", "submit", "--kind", "sleep"] and commands[6] == ["ccsq", "status"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    own_swarm = readme[readme.index("## Run your own swarm"):readme.index("## Using it from Python")]
+    for daemon in ("ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq submit", "ccsq status"):
+        assert re.search(re.escape(daemon), own_swarm), daemon  # the README shows the same steps

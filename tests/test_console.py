@@ -297,6 +297,7 @@ def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         with swarm.client() as client:
             item = client.submit(b"x", "nobody-serves-this").item_id
             client.cancel([item])
+            stuck = client.submit(b"y", "nobody-serves-this").item_id  # waits in ready: the console cancels it
         url = start_console(swarm, "--refresh-s", "0")
 
         def opener() -> urllib.request.OpenerDirector:
@@ -362,6 +363,21 @@ def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert admin_client.offline(load(AdminConfig, admin).data_dir, "status")["draining"] == ["worker-1"]
         code, page, _ = get(alice, "/workers")
         assert "Drained but not connected" in page and 'value="undrain"' in page
+        # a ready item's page offers cancel (confirm, then apply), a dead one's does not
+        code, page, _ = get(alice, f"/items/{stuck}")
+        assert code == 200 and 'value="items_cancel"' in page
+        assert 'value="items_cancel"' not in get(alice, f"/items/{item}")[1]
+        assert post(alice, "/confirm", {"action": "items_cancel", "target": "*", "csrf": csrf})[0] == 400
+        code, page, _ = post(alice, "/confirm", {"action": "items_cancel", "target": stuck, "csrf": csrf})
+        assert code == 200 and "reason cancelled" in page and f'href="/items/{stuck}" id="cancel">Keep it' in page
+        assert post(alice, "/confirm", {"action": "items_cancel", "target": stuck, "csrf": "forged"})[0] == 403
+        assert admin_client.offline(load(AdminConfig, admin).data_dir, "items_show", {"item_id": stuck})["item"]["state"] == "ready"
+        code, _, headers = post(alice, "/apply", {"action": "items_cancel", "target": stuck, "csrf": csrf, "confirm": "yes"})
+        assert code == 303 and headers["location"] == f"/items/{stuck}"
+        rec = admin_client.offline(load(AdminConfig, admin).data_dir, "items_show", {"item_id": stuck})["item"]
+        assert (rec["state"], rec["error"]) == ("dead", "cancelled")
+        code, page, _ = get(alice, f"/items/{stuck}")
+        assert "cancelled (dead, reason cancelled)" in page and 'value="dlq_replay"' in page  # the flash, then a dead item's forms
         events = [json.loads(ln) for ln in swarm.procs.tail("console").splitlines() if ln.startswith("{")]
         assert any(e["event"] == "console_action" and e["who"] == "alice" and e["action"] == "dlq_purge" for e in events)
         assert any(e["event"] == "console_action_refused" and e["who"] == "bob" for e in events)

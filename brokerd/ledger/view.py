@@ -217,6 +217,18 @@ class LedgerView:
             ok = cur.set_range(kind + b"\x01")
         return kinds
 
+    def ready_ids(self, kind: str, limit: int) -> list[str]:
+        """Up to ``limit`` ids of ready items of ``kind``, backing-off ones included, in
+        dispatch order (``ccsq items cancel --kind``)."""
+        out: list[str] = []
+        prefix = sc.ready_prefix(kind)
+        cur = self.txn.cursor(db=self.db["ready"])
+        ok = cur.set_range(prefix)
+        while ok and len(out) < limit and cur.key().startswith(prefix):
+            out.append(cur.value().decode())
+            ok = cur.next()
+        return out
+
     def oldest_ready_created_ms(self) -> int | None:
         """Creation time of the oldest ready item (heads of each kind/priority bucket)."""
         best: int | None = None

@@ -1,5 +1,5 @@
 """The admin commands: ``ccsq status`` (and its screen, :func:`render_status`,
-:func:`render_readers`), ``items show``, ``dlq list|replay|purge``, ``drain``.
+:func:`render_readers`), ``items show|cancel``, ``dlq list|replay|purge``, ``drain``.
 
 They talk to the broker as its admin peer (:mod:`ccsq.common.tools.admin_client`); the
 read-only ones (status, items show, dlq list) read the ledger directly when the broker does
@@ -111,9 +111,12 @@ def render_status(doc: dict, *, width: int = 120) -> str:
     console.print(bt)
     if doc.get("source") == "broker":
         workers = [x for x in doc.get("peers", []) if x["role"] == "worker"]
+        served = sorted({k for w in workers for k in w.get("kinds") or []})
         for kind, per in sorted(doc.get("backlog", {}).items()):
             if per.get("ready") and not any(not w.get("kinds") or kind in w["kinds"] for w in workers):
-                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one)")
+                console.print(f"no connected worker serves kind {kind!r} ({per['ready']} ready item(s) wait for one; kinds "
+                              f"served: {', '.join(map(repr, served)) or 'none'}; a mistaken kind: "
+                              f"`ccsq items cancel --kind {kind}`)")
     return buf.getvalue()
 
 
@@ -228,6 +231,76 @@ def _cmd_items_show(args: argparse.Namespace) -> int:
         if doc.get("lease_in_memory"):
             print(f"{'lease (memory)':>16}  {doc['lease_in_memory']}")
     return ExitCode.OK
+
+
+CANCELLED_NOTE = ("cancelled items are dead letters with reason 'cancelled': `ccsq dlq list` shows them, "
+                  "`ccsq dlq replay ID` makes one ready again, `ccsq dlq purge` deletes them")
+
+
+def _cmd_items_cancel(args: argparse.Namespace) -> int:
+    """items cancel ID... | --kind KIND [--yes]: ready items become dead (reason cancelled),
+    through the broker (the transition of the protocol's CANCEL); each id is reported
+    cancelled, not ready (its state), or unknown. Exit 0 when every named item was
+    cancelled, 65 when one was not, 2 when --kind was not confirmed."""
+    from ccsq.common.tools.admin_client import with_broker
+
+    if bool(args.item_ids) == bool(args.kind):
+        raise ConfigError("items cancel: give item ids or --kind KIND (not both)")
+    settings = admin_settings(args)
+    if args.kind:
+        async def backlog(session) -> dict:
+            return (await session.call("status"))["backlog"]
+
+        queues = with_broker(settings, backlog)
+        ready = queues.get(args.kind, {}).get("ready", 0)
+        if not ready:
+            others = ", ".join(f"{k} ({v['ready']})" for k, v in sorted(queues.items()) if v.get("ready"))
+            print(f"ccsq items cancel: no ready item of kind {args.kind!r}; kinds with ready items: {others or 'none'}",
+                  file=sys.stderr)
+            return ExitCode.REFUSED
+        if not args.yes:
+            what = f"cancel {ready} ready item(s) of kind {args.kind!r} (they become dead letters, reason 'cancelled')"
+            if not sys.stdin.isatty():
+                print(f"ccsq items cancel: would {what}; no terminal to ask: run again with --yes", file=sys.stderr)
+                return ExitCode.USAGE
+            if input(f"{what}? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("ccsq items cancel: nothing cancelled", file=sys.stderr)
+                return ExitCode.USAGE
+
+    async def go(session) -> dict:
+        out: dict = {"cancelled": [], "not_ready": {}, "unknown": []}
+        if args.kind:
+            while True:
+                doc = await session.call("items_cancel", {"kind": args.kind})
+                out["cancelled"] += doc["cancelled"]
+                if not doc["more"] or not doc["cancelled"]:
+                    break
+        else:
+            ids = list(dict.fromkeys(args.item_ids))  # an id named twice is cancelled once
+            for start in range(0, len(ids), 1000):
+                doc = await session.call("items_cancel", {"item_ids": ",".join(ids[start:start + 1000])})
+                out["cancelled"] += doc["cancelled"]
+                out["not_ready"].update(doc["not_ready"])
+                out["unknown"] += doc["unknown"]
+        return out
+
+    out = with_broker(settings, go)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        if args.kind:
+            print(f"cancelled {len(out['cancelled'])} ready item(s) of kind {args.kind!r}")
+        else:
+            for item_id in dict.fromkeys(args.item_ids):
+                if item_id in out["not_ready"]:
+                    print(f"{item_id}  not ready: state {out['not_ready'][item_id]} (left as it is)")
+                elif item_id in out["unknown"]:
+                    print(f"{item_id}  unknown (no such item in the ledger)")
+                else:
+                    print(f"{item_id}  cancelled")
+        if out["cancelled"]:
+            print(CANCELLED_NOTE)
+    return ExitCode.OK if not out["not_ready"] and not out["unknown"] else ExitCode.REFUSED
 
 
 def _cmd_dlq_list(args: argparse.Namespace) -> int:

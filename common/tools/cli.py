@@ -25,6 +25,7 @@ from ccsq.common.tools.admin_cmds import (
     _cmd_dlq_change,
     _cmd_dlq_list,
     _cmd_drain,
+    _cmd_items_cancel,
     _cmd_items_show,
     _cmd_status,
     admin_settings,
@@ -158,10 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="admin.toml (same as the action's --config)").complete = FILE_COMPLETION  # type: ignore[attr-defined]
         return gp.add_subparsers(dest=dest, required=True)
 
-    items = group("items", "look at items", "items_command")
+    items = group("items", "items: show one, cancel ready ones", "items_command")
     p = admin_parser("show", "one item's ledger record", items, read_only=True)
     p.add_argument("item_id")
     p.set_defaults(func=_cmd_items_show)
+    p = admin_parser("cancel", "cancel ready items (by id, or every ready item of --kind): they become dead with "
+                     "reason cancelled; a leased or finished item is left as it is", items)
+    p.add_argument("item_ids", nargs="*")
+    p.add_argument("--kind", default="", help="every ready item of this kind (asks first; --yes does not)")
+    p.add_argument("--yes", action="store_true", help="with --kind: do not ask (a script, or no terminal)")
+    p.set_defaults(func=_cmd_items_cancel)
 
     dlq = group("dlq", "dead letters: list, replay, purge", "dlq_command")
     p = admin_parser("list", "list dead items", dlq, read_only=True)

@@ -218,7 +218,33 @@ def _cmd_init(args: argparse.Namespace) -> int:
         from ccsq.common.tools.hosts import render_layout, write_host_layout
 
         print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
+    print(next_steps(Path(args.dir), written, args.handler, hosts=args.hosts))
     return ExitCode.OK
+
+
+def next_steps(directory: Path, written: dict[str, Path], handler: str, *, hosts: bool = False) -> str:
+    """What to run after ``ccsq init`` (README "Run your own swarm"): the broker, each
+    worker, the completion service, a submit and ``ccsq status``, with this swarm's paths."""
+    d = str(directory)
+    steps = [
+        (f"export CCSQ_CONFIG={directory.resolve()}", "every ccsq command finds its <name>.toml there"),
+        (f"ccsq-brokerd --config {d}/brokerd.toml", f"the broker first (ledger in {d}/broker-data)"),
+    ]
+    for name in sorted((n for n in written if n.startswith("workerd-")), key=lambda n: int(n.split("-")[1])):
+        gpu = int(name.split("-")[1])
+        steps.append((f"ccsq-workerd --config {d}/{name}.toml", f"worker-{gpu + 1} (GPU {gpu}), handler {handler}"))
+    steps += [
+        (f"ccsq-completiond --config {d}/completion.toml", f"results into {d}/results.db, then ACK"),
+        (f"ccsq submit --kind {handler} --wait FILE...", "submit files, wait until each is acknowledged"),
+        ("ccsq status", "peers, their kinds, backlog per kind"),
+        ("ccsq gap-report", "the books balance: nothing lost"),
+    ]
+    width = max(len(cmd) for cmd, _ in steps)
+    lines = ["", "next steps (README.md \"Run your own swarm\"; the daemons each in a terminal of its own, or with &):"]
+    lines += [f"  {cmd:{width}}  # {why}" for cmd, why in steps]
+    if hosts:
+        lines.append(f"  on several hosts: {d}/hosts/<host>/MANIFEST says what each host runs (docs/deployment.md)")
+    return "\n".join(lines)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:

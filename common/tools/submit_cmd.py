@@ -4,6 +4,7 @@ acknowledged (exit 4 on timeout, 5 when one ends dead or expired, 75 on QUEUE_FU
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from pathlib import Path
@@ -94,11 +95,15 @@ def _cmd_submit(args: argparse.Namespace) -> int:
                   "recognised as duplicates), or set outbox_dir in the producer config to spool", file=sys.stderr)
             return ExitCode.TEMPFAIL
         unserved = sorted({args.kind for r in receipts if getattr(r, "unserved", False)})
+        served = client.kinds_served() if unserved else []
         for kind in unserved:
+            near = difflib.get_close_matches(kind, served, n=1)
+            named = (f"; kinds served: {', '.join(map(repr, served))}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                     if served else "; `ccsq status` lists the kinds served")
             print(f"ccsq submit: warning: no worker seen by the broker recently (since it started, or in the day before) serves "
                   f"kind {kind!r}: the items wait in "
                   "`ready` until one connects (a worker serves the kinds in its workerd.toml `kinds`, default its "
-                  "handler's name; `ccsq status` lists them)", file=sys.stderr)
+                  f"handler's name){named}. `ccsq items cancel ID...` takes a mistaken item out", file=sys.stderr)
         out = [{"file": str(f), "item_id": r.item_id, "key": r.key, "duplicate": r.duplicate, "spooled": r.spooled,
                 "state": _submit_state(r)} for f, r in zip(items, receipts)]
         status_code = ExitCode.OK

@@ -596,6 +596,9 @@ class SubmitAck(Message):
     #: kinds of these items that no worker seen since the broker started serves; sent only
     #: to producers whose HELLO info has ``features = "unserved_kinds"``
     unserved: list[str] = extension(list)
+    #: with ``unserved``, the kinds workers seen recently do serve (up to 100, sorted), for a
+    #: producer whose HELLO ``features`` list ``kinds_served`` (a typo'd kind is then plain)
+    served: list[str] = extension(list)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
