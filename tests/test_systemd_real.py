@@ -39,8 +39,7 @@ from ccsq.common.tools.procs import ProcessGroup, free_tcp_port
 
 REPO = Path(__file__).resolve().parent.parent
 BOX = REPO / "tests" / "systemd_box" / "box.sh"
-UNITS = ["ccsq-brokerd.service", "ccsq-workerd@.service", "ccsq-completion.service", "ccsq-recover@.service",
-         "ccsq-recover@.timer", "install.sh"]
+UNITS = sorted(p.name for p in (REPO / "systemd").iterdir() if p.is_file())  # every unit, and install.sh
 DEBIAN_PYTHON = Path("/usr/bin/python3")
 
 
