@@ -137,18 +137,25 @@ def test_c02_frozen_broker_worker_reconnects_and_resumes_its_lease(tmp_path: Pat
 
 # --- C03 ---------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_c03_lease_shorter_than_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefetch", [0, pytest.param(1, marks=pytest.mark.xfail(
+    strict=False, reason="tester: with prefetch the expired item may go back to the frozen worker (it still has "
+    "credit; the dispatcher's round robin decides), expire again and burn an attempt; fix in review (dispatch: "
+    "no DISPATCH to a peer whose lease expired unextended until it speaks again)"))])  # 1: what `ccsq init` swarms run with
+def test_c03_lease_shorter_than_the_job(tmp_path: Path, prefetch: int) -> None:
     """C03, scaled 1:2 (lease_ttl 1 s, heartbeat 0.25 s, a job of 3 x lease_ttl, a
     second idle worker). Delivered once, the idle worker gets nothing, completed
     once. Control: SIGSTOP the busy worker: the item is re-leased to the idle worker
     once (attempt 2), not before lease_ttl and not after lease_ttl + one heartbeat
     interval after the last heartbeat (<= the SIGSTOP); once the stopped worker
     resumes, its late result (if it reports one) is fenced: still one result row,
-    and the duplicate execution is the one G2 event."""
+    and the duplicate execution is the one G2 event. With prefetch the frozen worker still
+    has credit when its lease expires: the item must not go back to it (a silent worker gets
+    no DISPATCH), else each re-lease there burns an attempt and can dead-letter the item
+    as worker_lost while the idle worker waits (tester)."""
     lease_s, hb_s, job_s = 1.0, 0.25, 3.0
     with Swarm(tmp_path / "s", workers=2, handler="sleep",
                broker={"lease_ttl_s": lease_s, "heartbeat_interval_s": hb_s, "liveness": 5},
-               worker={"prefetch": 0}) as swarm:
+               worker={"prefetch": prefetch}) as swarm:
         swarm.start_all(workers=2)
         workers = ("worker-1", "worker-2")
         with swarm.client() as client:

@@ -322,3 +322,34 @@ def test_leases_arriving_after_the_link_broke_go_straight_back(tmp_path: Path) -
     fails = [f for m in sent["up"] if isinstance(m, p.Fail) for f in m.failures]
     assert [(f.token, f.reason) for f in fails] == [(5, p.FailReason.RELEASED.value)]
     journal.close()
+
+
+def test_an_item_the_upstream_accepts_passes_the_downstreams_origin_check(tmp_path) -> None:
+    """An item whose params the upstream's SUBMIT admits (it fits a DISPATCH to a relay,
+    origin record included) must pass the downstream's origin check: a record cap below
+    the frame budget made the downstream refuse it as forged (ORIGIN_REJECTED) and the
+    relay then stop pulling on the whole link, stranding every item behind it (tester)."""
+    import base64
+    import hashlib
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from ccsq.brokerd.outbound import dispatch_refusal
+    from ccsq.common.wire.frames import FrameBudget
+
+    key = Ed25519PrivateKey.generate()
+    pub = base64.b64encode(key.public_key().public_bytes_raw()).decode()
+    (tmp_path / "trusted_swarms.toml").write_text(f'[swarms.site-a]\npublic_key = "{pub}"\n')
+    trust = fed.TrustedSwarms(tmp_path / "trusted_swarms.toml")
+    inline = b"x" * 16384
+    payload = p.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline)
+    for n in (70_000, 300_000, 500_000):
+        params = {"big": "p" * n}
+        sub = p.SubmitItem(key="k", kind="echo", payload=payload, params=params)
+        assert dispatch_refusal(sub, FrameBudget(1 << 20), id_len=20, swarm_id="site-a", relayed=False) == ""
+        item_id = "db05330d0000000000c9"
+        rec = {"id": item_id, "kind": "echo", "params": params, "deadline_ms": None, "priority": 0, "max_runtime_s": 0.0}
+        origin = fed.origin_record("site-a", rec, payload, 5)
+        relayed = dataclasses.replace(sub, key=fed.origin_key("site-a", item_id), max_attempts=5,
+                                      origin=origin, origin_sig=key.sign(origin))
+        assert fed.check_origin(relayed, trust, "site-b") == ({"swarm": "site-a", "item_id": item_id, "hops": 1}, ""), n

@@ -213,6 +213,19 @@ def test_each_daemon_unit_runs_its_own_console_script() -> None:
         assert script in scripts, f"{script} is not a console script in setup.cfg"
 
 
+
+def test_the_wheel_carries_every_unit_install_sh_installs() -> None:
+    """setup.cfg's data_files ship every file of systemd/ in the wheel (VENV/share/ccsq/systemd):
+    install.sh from the wheel installs each unit of its ``units=`` list from there, so a unit
+    left out (ccsq-relayd@.service was) makes the documented install fail half-way, before
+    it links /usr/local/bin/ccsq* (tester)."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    shipped = {line.strip() for line in cfg["options.data_files"]["share/ccsq/systemd"].splitlines() if line.strip()}
+    assert shipped == {f"systemd/{p.name}" for p in (REPO / "systemd").iterdir() if p.is_file()}
+    units = re.search(r'^units="([^"]*)"', (REPO / "systemd" / "install.sh").read_text(), re.M)
+    assert units and {f"systemd/{u}" for u in units.group(1).split()} <= shipped
+
 # --- C11: the recovery unit -------------------------------------------------------------
 def _recover_argv(target: str) -> list[str]:
     """ccsq-recover@TARGET's ExecStart as systemd runs it (``$$`` -> ``$``, ``%i`` -> TARGET)."""

@@ -65,7 +65,11 @@ CREDIT_INFO, CREDIT_MSGS_INFO = "credit", "credit_msgs"
 BROKEN_INFO, BROKEN_SINCE_INFO, BROKEN_FIX_INFO = "link_broken", "link_broken_since", "link_broken_fix"
 #: Hello.info key by which a relay names its link's policy (``capacity`` | ``deadline``).
 POLICY = "policy"
-MAX_RECORD_BYTES = 64 * 1024
+#: An origin record carries the item's params, which SUBMIT admits up to what fits a DISPATCH
+#: to a relay (brokerd/outbound.py dispatch_refusal): so the record is bounded by the frame it
+#: arrived in (max_frame_bytes, at most 1 GiB), not by a cap of its own; a smaller cap refused
+#: items the upstream had accepted as forged, and the relay then stopped the whole link.
+MAX_RECORD_BYTES = 1 << 30
 RECORD_VERSION = 1
 
 
