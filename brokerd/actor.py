@@ -669,6 +669,9 @@ class Broker:
         for lease in due:
             new = txn.expire_lease(lease.item_id, lease.token, now_ms, "lease expired")
             self.relaying.note_lease_lost(txn, lease.item_id, lease.worker, now_ms, new)
+            holder = self.peers.by_id.get(lease.worker)
+            if new and holder is not None:  # silent since its last frame: no DISPATCH until it speaks again
+                holder.lease_lost_recv_mono = holder.last_recv_mono
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 batch.log("info", "lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)

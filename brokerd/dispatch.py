@@ -63,10 +63,14 @@ class Dispatcher:
         self.schedule(0.0)
 
     def takers(self) -> list[Session]:
-        """Workers and upstream relays that may get a DISPATCH now."""
+        """Workers and upstream relays that may get a DISPATCH now: not one whose lease expired
+        unextended and that has sent nothing since (frozen, cut off: the item would go back to
+        it on the credit it has left, expire again and count another attempt, up to a dead
+        letter ``worker_lost``, while another worker idles; C03)."""
         holders = self.peers.sessions(p.Role.WORKER) + relay_sessions(self.peers, fed.UPSTREAM)
         return [s for s in holders
-                if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining]
+                if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining
+                and s.lease_lost_recv_mono != s.last_recv_mono]
 
     def plan(self, txn: LedgerTxn, batch: Batch, now: float, now_ms: int) -> None:
         """One dispatch pass in the turn's transaction (``now``: monotonic, ``now_ms``: wall)."""

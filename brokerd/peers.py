@@ -35,6 +35,9 @@ class Session:
     # --- liveness (monotonic seconds) ---
     connected_mono: float = dataclasses.field(default_factory=time.monotonic)
     last_recv_mono: float = dataclasses.field(default_factory=time.monotonic)
+    #: last_recv_mono when a lease of this peer expired unextended (-1: never): until it sends
+    #: again it is silent (frozen, cut off) and gets no DISPATCH (brokerd/dispatch.py takers)
+    lease_lost_recv_mono: float = -1.0
     # --- flow control ---
     credit: int = 0  # deliveries (DISPATCH tasks / RESULT items) we may still send
     credit_msgs: int = 0  # CREDIT frames applied in this session (a relay's upstream side resyncs its credit by it)

@@ -137,10 +137,7 @@ def test_c02_frozen_broker_worker_reconnects_and_resumes_its_lease(tmp_path: Pat
 
 # --- C03 ---------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("prefetch", [0, pytest.param(1, marks=pytest.mark.xfail(
-    strict=False, reason="tester: with prefetch the expired item may go back to the frozen worker (it still has "
-    "credit; the dispatcher's round robin decides), expire again and burn an attempt; fix in review (dispatch: "
-    "no DISPATCH to a peer whose lease expired unextended until it speaks again)"))])  # 1: what `ccsq init` swarms run with
+@pytest.mark.parametrize("prefetch", [0, 1])  # 1: what `ccsq init` swarms run with
 def test_c03_lease_shorter_than_the_job(tmp_path: Path, prefetch: int) -> None:
     """C03, scaled 1:2 (lease_ttl 1 s, heartbeat 0.25 s, a job of 3 x lease_ttl, a
     second idle worker). Delivered once, the idle worker gets nothing, completed
