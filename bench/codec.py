@@ -1,4 +1,4 @@
-"""CPU cost of the message body codec (``common/wire/protocol.py``): encode and decode
+"""CPU cost of the message body codec (``common/wire/codec.py``, through ``protocol``): encode and decode
 microseconds per item for the messages on the hot path, with and without msgpack.
 
     python -m bench.codec [--repeat 7] [--json out.json]

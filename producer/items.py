@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Union
 import msgpack
 
 from ccsq.common.runtime.faults import crash_point
-from ccsq.common.storage.claimstore import ClaimStore
+from ccsq.common.storage.claimstore import ClaimStore, inline_blob
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import InvalidRequest
 
@@ -48,8 +48,6 @@ def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
 unchecked_constructor = p.trusted_constructor  # one builder of records without __init__ (the codec's)
 
 
-#: ``Blob(sha256, size, inline)`` for a digest from ``hexdigest()`` and ``size == len(inline)``
-_blob = unchecked_constructor(p.Blob, ("sha256", "size", "inline"))
 #: ``SubmitItem(...)`` (all ten fields, positional) for fields :func:`_checked_fields` passed
 _submit_item = unchecked_constructor(p.SubmitItem, ("key", "kind", "payload", "params", "priority", "deadline_ts",
                                                     "max_attempts", "max_runtime_s", "origin", "origin_sig"))
@@ -174,8 +172,8 @@ class ItemBuilder:
     def _blob_now(self, data: bytes) -> p.Blob | None:
         """The payload's blob when making it needs no I/O (inline: a digest, so no coroutine
         hop), else None: then await :meth:`_blob_stored`."""
-        if len(data) <= self._on_loop_max:  # the store's put_blob would be the base class's: digest, inline
-            return _blob(hashlib.sha256(data).hexdigest(), len(data), data)
+        if len(data) <= self._on_loop_max:  # the store's inline_without_io, its class part decided once
+            return inline_blob(data)  # what its put_blob makes
         return None
 
     async def _blob_stored(self, data: bytes) -> p.Blob:

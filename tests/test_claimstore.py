@@ -9,7 +9,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from ccsq.common.storage.claimstore import FileStore, open_store, sha256_hex
+from ccsq.common.storage.claimstore import FileStore, inline_blob, open_store, sha256_hex
 from ccsq.common.wire.errors import ConfigError, PayloadMissing
 from ccsq.common.wire.protocol import Blob
 from ccsq.common.tools.reconcile import reconcile
@@ -67,6 +67,26 @@ def test_put_blob_inline_below_threshold_and_get_blob_verifies(tmp_path: Path) -
         store.get_blob(Blob(sha256_hex(b"tinx"), 4, b"tiny"))
     with pytest.raises(PayloadMissing):
         store.get_blob(Blob(big.sha256, 99, None))
+
+
+def test_inline_blob_is_the_checked_blob_put_blob_made(tmp_path: Path) -> None:
+    """``inline_blob`` (no ``__init__``, the check passed by construction) makes the Blob the
+    checked constructor makes, for every size: equal, hashed alike, frozen; ``put_blob``'s
+    inline branch is it."""
+    import dataclasses
+    import random
+
+    rng = random.Random(26)
+    store = FileStore(tmp_path / "blobs")
+    for n in [0, 1, 2, 63, 64, 65, 255, 256, 4096, 16384, 16385, *(rng.randrange(70_000) for _ in range(60))]:
+        data = rng.randbytes(n)
+        checked = Blob(sha256_hex(data), n, data)
+        made = inline_blob(data)
+        assert made == checked and type(made) is Blob and hash(made) == hash(checked) and made.inline is data
+        assert store.put_blob(data, n) == checked and store.put_blob(data, n + rng.randrange(3)) == checked
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.size = n + 1  # type: ignore[misc]
+    assert list(store.list()) == []  # inline: nothing written
 
 
 def test_open_store_resolves_relative_paths_and_rejects_unknown_schemes(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""The producer's batch paths (issue 15's CPU work) keep what they replaced: the idempotency
-key of an input never changes (existing ledgers dedup across versions), ``build_many`` builds
-the items ``build`` builds and refuses bad input the same way, and the one-frame shortcut of
+"""The producer's fast batch paths agree with the one rule each copies: the idempotency key
+of an input never changes (existing ledgers dedup across versions), ``build_many`` builds
+the items ``build`` builds and refuses bad input the same way (on generated specs too), an
+inline blob made on the loop is the claim store's own, and the one-frame shortcut of
 ``AsyncClient._frames`` gives the frames the splitter gives. Pure, no sockets (fast)."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ccsq.producer.items import (ItemBuilder, canonical_params, derive_key, item
     (("ab" * 32, "kind-\u00e9", {"t": 1764604800.123}), "7a63069c3564c748fa2ee7ed3370e45d2721bd176809ee2ec180d6b35e8c2ae0"),
 ])
 def test_derived_keys_are_the_keys_of_earlier_versions(args: tuple, key: str) -> None:
-    assert derive_key(*args) == key  # computed by the version before issue 15's changes
+    assert derive_key(*args) == key  # the keys every earlier version derived: a ledger's dedup depends on them
 
 
 def _random_item(rng: random.Random) -> p.SubmitItem:
@@ -105,6 +106,101 @@ def test_build_many_builds_what_build_builds(tmp_path: Path) -> None:
         asyncio.run(main())
     finally:
         b.close()
+
+
+async def _outcome(coro: object) -> tuple:
+    try:
+        return ("ok", await coro)  # type: ignore[misc]
+    except Exception as exc:  # noqa: BLE001 - compared as is: type and message
+        return ("raised", type(exc), str(exc))
+
+
+def _packed(items: list[p.SubmitItem]) -> bytes:
+    return msgpack.packb([p.encode_body(item) for item in items], use_bin_type=True)  # tells 1 from 1.0 and True
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_build_many_agrees_with_build_on_generated_specs(tmp_path: Path, seed: int) -> None:
+    """``build_many``'s tuple specs take a copy of ``build``'s steps (``_checked_tuple_fields``,
+    the kind's key bytes once per batch, the item made positionally): on generated batches of
+    good and bad specs it gives the items ``build`` gives one by one, or the refusal ``build``
+    gives for the first bad spec (same type, same message)."""
+    rng = random.Random(seed)
+    b = _builder(tmp_path)
+
+    def pick(good: list[object], bad: list[object]) -> object:
+        return rng.choice(good if rng.random() < 0.85 else bad)
+
+    def kind() -> object:
+        return pick(["echo", "ocr", "echo", "e" * 128, "\u00e9\u6f22", "\U0001f600" * 3, "\x85"],
+                    ["", "e" * 129, "k\x00", "tab\t", 5, None, b"echo"])
+
+    def payload() -> object:
+        return pick([b"", b"doc", b"doc", b"x" * 64, b"y" * 65, b"z" * 300, bytearray(b"ba"), memoryview(b"mv")],
+                    [str(tmp_path / "missing-file"), 7])
+
+    def params() -> object:
+        if rng.random() < 0.15:
+            return pick([None, {f"k{i}": i for i in range(p.MAX_MAP_LEN)}], [{f"k{i}": i for i in range(p.MAX_MAP_LEN + 1)}])
+        good_keys, bad_keys = ["t", "lang", "", "\u00e9"], ["a\x00", 1, None]
+        good_values = [None, True, False, 0, -1, (1 << 64) - 1, 1.5, -0.0, "", "\u00e9", b"\x00"]
+        bad_values = [1 << 64, float("nan"), float("-inf"), "x\x00y", [1], object()]
+        return {pick(good_keys, bad_keys): pick(good_values, bad_values) for _ in range(rng.randint(0, 3))}
+
+    def spec() -> tuple:
+        return (payload(), kind()) if rng.random() < 0.3 else (payload(), kind(), params())
+
+    async def main() -> None:
+        agreed = refused = 0
+        for _ in range(150):
+            specs = [spec() for _ in range(rng.randint(1, 4))]
+            one: list[p.SubmitItem] = []
+            expected: tuple = ("ok", one)
+            for one_spec in specs:  # build, one by one, until the first refusal
+                got = await _outcome(b.build(one_spec[0], one_spec[1], params=one_spec[2] if len(one_spec) == 3 else None))
+                if got[0] != "ok":
+                    expected = got
+                    break
+                one.append(got[1])
+            many = await _outcome(b.build_many(specs))
+            assert many[0] == expected[0] and (many[1:] == expected[1:] if many[0] != "ok" else
+                                               many[1] == one and _packed(many[1]) == _packed(one)), (seed, specs)
+            agreed += many[0] == "ok"
+            refused += many[0] != "ok"
+        assert agreed > 20 and refused > 20  # both sides of the rule are exercised
+
+    try:
+        asyncio.run(main())
+    finally:
+        b.close()
+
+
+def test_blob_made_on_the_loop_is_what_the_store_makes(tmp_path: Path) -> None:
+    """``ItemBuilder._blob_now`` (no coroutine hop) gives the store's ``put_blob`` blob exactly
+    when the store says that needs no I/O (``inline_without_io``), else None: on the file
+    store and on a store with a ``put_blob`` of its own, for sizes around ``inline_max_bytes``."""
+    from ccsq.common.storage.claimstore import FileStore
+
+    class OwnPutBlob(FileStore):
+        def put_blob(self, data: bytes, inline_max_bytes: int) -> p.Blob:
+            return super().put_blob(data, inline_max_bytes)
+
+    rng = random.Random(26)
+    for store in (FileStore(tmp_path / "plain"), OwnPutBlob(tmp_path / "own")):
+        for inline_max in (0, 64, 4096):
+            b = ItemBuilder(store, inline_max)
+            try:
+                for n in {0, 1, inline_max - 1, inline_max, inline_max + 1, *(rng.randrange(2 * inline_max + 2) for _ in range(20))}:
+                    if n < 0:
+                        continue
+                    data = rng.randbytes(n)
+                    now = b._blob_now(data)
+                    if store.inline_without_io(n, inline_max):
+                        assert now == store.put_blob(data, inline_max) and type(now) is p.Blob, (n, inline_max)
+                    else:
+                        assert now is None, (n, inline_max)
+            finally:
+                b.close()
 
 
 @pytest.mark.parametrize(("spec", "error", "match"), [

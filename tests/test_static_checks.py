@@ -137,6 +137,7 @@ PLANTED = [
     ("tools-read-the-broker", "common/tools/_planted.py", "from ccsq.brokerd import actor\n"),
     ("tools-read-the-broker", "console/_planted.py", "import ccsq.brokerd.transport\n"),
     ("no-test-code", "producer/_planted.py", "import tests.swarm\n"),
+    ("protocol-facade", "workerd/_planted.py", "from ccsq.common.wire.messages import Blob\n"),  # past protocol.py
 ]
 
 

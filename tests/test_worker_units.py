@@ -208,6 +208,47 @@ def test_claim_store_trouble_is_one_episode_until_the_pause_ends() -> None:
     assert (len(said), claims.streak) == (3, 1)
 
 
+def test_inline_results_made_on_the_loop_are_what_put_result_makes(tmp_path: Path) -> None:
+    """``Claims.inline_result`` (the worker's loop, ``Reports._finish``) gives the blob
+    ``put_result`` gives exactly when that needs no I/O, else None: on the file store and on
+    a store with a ``put_blob`` of its own, for sizes around ``INLINE_RESULT_MAX_BYTES``."""
+    import concurrent.futures
+
+    import structlog
+
+    from ccsq.common.storage.claimstore import FileStore
+    from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims
+
+    class OwnPutBlob(FileStore):
+        def put_blob(self, data: bytes, inline_max_bytes: int) -> p.Blob:
+            return super().put_blob(data, inline_max_bytes)
+
+    rng = random.Random(26)
+    sizes = [0, 1, INLINE_RESULT_MAX_BYTES - 1, INLINE_RESULT_MAX_BYTES, INLINE_RESULT_MAX_BYTES + 1,
+             *(rng.randrange(2 * INLINE_RESULT_MAX_BYTES) for _ in range(30))]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    async def main() -> None:
+        for store in (FileStore(tmp_path / "plain"), OwnPutBlob(tmp_path / "own")):
+            claims = Claims(store, pool, on_unhealthy=lambda: None, log=structlog.get_logger("test"))
+            made_here = 0
+            for n in sizes:
+                data = rng.randbytes(n)
+                here = claims.inline_result(data)
+                stored = await claims.put_result(data)
+                if store.inline_without_io(n, INLINE_RESULT_MAX_BYTES):
+                    assert here == stored and type(here) is p.Blob and here.inline is not None, n
+                    made_here += 1
+                else:
+                    assert here is None, n
+            assert made_here == (0 if isinstance(store, OwnPutBlob) else sum(n <= INLINE_RESULT_MAX_BYTES for n in sizes))
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
 def test_workerd_makes_every_failure_through_the_policy() -> None:
     """The worker names a reason only: no TaskFailure is built in workerd/ except by
     ``jobs.failure``, which is ``policy.task_failure`` (retryable from FAIL_POLICY)."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from ccsq.common.storage.claimstore import HASH_ON_LOOP_MAX_BYTES, ClaimStore, sha256_hex
+from ccsq.common.storage.claimstore import HASH_ON_LOOP_MAX_BYTES, ClaimStore, inline_blob, sha256_hex
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.errors import PayloadMissing
@@ -91,10 +91,13 @@ class Claims:
         Raises the backend's error."""
         return await self.store.aput_blob(data, INLINE_RESULT_MAX_BYTES, self._io_pool)
 
-    def inline_without_io(self, data: bytes) -> bool:
-        """Would :meth:`put_result` keep ``data`` inline without any I/O (see
-        :meth:`~ccsq.common.storage.claimstore.ClaimStore.inline_without_io`)?"""
-        return self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES)
+    def inline_result(self, data: bytes) -> p.Blob | None:
+        """:meth:`put_result`'s blob for ``data`` when making it needs no I/O (it stays inline and
+        the store's ``put_blob`` is the base class's: ``ClaimStore.inline_without_io``), made here
+        on the caller's thread (one SHA-256); else None, and :meth:`put_result` stores it."""
+        if self.store.inline_without_io(len(data), INLINE_RESULT_MAX_BYTES):
+            return inline_blob(data)
+        return None
 
     @property
     def ok(self) -> bool:

@@ -57,12 +57,12 @@ from typing import Any, cast
 
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.runtime.faults import crash_point, crash_point_armed
-from ccsq.common.storage.claimstore import sha256_hex, store_failure
+from ccsq.common.storage.claimstore import store_failure
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
 from ccsq.common.wire.frames import FrameBudget, encoded_size
-from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims
+from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
 from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
@@ -221,11 +221,11 @@ class Reports:
         reports: list[tuple[Job, Report]] = []
         dropped: list[Job] = []
         big: list[tuple[Job, bytes, float]] = []
-        inline_ok = self._claims.inline_without_io(b"")
+        inline_result = self._claims.inline_result
         after_infer = crash_point_armed("worker.after_infer")
         name, version = self.handler.name, self._handler_version
         rt = 0.0 if runtime_s is None else round(runtime_s, 6)
-        task_result, blob = p.TaskResult, p.Blob
+        task_result = p.TaskResult
         for job, x in pairs:
             if job.given_back:
                 continue
@@ -247,10 +247,9 @@ class Reports:
                 crash_point("worker.after_infer")
             if job.released:
                 dropped.append(job)
-            elif inline_ok and len(data) <= INLINE_RESULT_MAX_BYTES:  # ClaimStore.put_blob's inline branch, without its calls
+            elif (inline := inline_result(data)) is not None:  # put_result's blob, made here (no I/O)
                 t = job.task
-                reports.append((job, task_result(t.item_id, t.token, blob(sha256_hex(data), len(data), data),
-                                                 name, version, job_rt)))
+                reports.append((job, task_result(t.item_id, t.token, inline, name, version, job_rt)))
             else:
                 big.append((job, data, job_rt))
         if big:  # results the claim store must write: in the I/O threads, together

@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from ccsq.common.wire.errors import ConfigError, PayloadMissing, StoreUnavailable
-from ccsq.common.wire.protocol import Blob, FailReason
+from ccsq.common.wire.protocol import Blob, FailReason, trusted_constructor
 
 
 #: Inline blobs up to this size are digest-checked on the caller's event loop (tens of µs);
@@ -31,6 +31,19 @@ HASH_ON_LOOP_MAX_BYTES = 65536
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+#: ``Blob(sha256, size, inline)`` without ``__init__`` or its check: for :func:`inline_blob`, whose
+#: digest comes from ``hexdigest()`` and size from ``len``, so the check passes by construction
+_trusted_blob = trusted_constructor(Blob, ("sha256", "size", "inline"))
+
+
+def inline_blob(data: bytes) -> Blob:
+    """The inline :class:`Blob` of ``data``: its SHA-256 hex, its length in bytes, the bytes
+    themselves. What :meth:`ClaimStore.put_blob` makes for data up to ``inline_max_bytes``
+    (no I/O), and what the producer's and the worker's loops make for it when
+    :meth:`ClaimStore.inline_without_io` says so: the one rule for an inline blob."""
+    return _trusted_blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def store_failure(exc: BaseException, blob: Blob | None = None) -> FailReason:
@@ -105,10 +118,10 @@ class ClaimStore(abc.ABC):
         return await asyncio.get_running_loop().run_in_executor(executor, self.get_blob, blob)
 
     def put_blob(self, data: bytes, inline_max_bytes: int) -> Blob:
-        """Make a Blob: inline when ``len(data) <= inline_max_bytes``, else stored here."""
-        digest = sha256_hex(data)
+        """Make a Blob: inline when ``len(data) <= inline_max_bytes`` (:func:`inline_blob`), else stored here."""
         if len(data) <= inline_max_bytes:
-            return Blob(digest, len(data), data)
+            return inline_blob(data)
+        digest = sha256_hex(data)
         self.put(data)
         return Blob(digest, len(data), None)
 
