@@ -72,9 +72,12 @@ def _swarm(directory: Path) -> dict:
             "authorized": (directory / broker.get("authorized_keys", "authorized_keys.toml")).resolve()}
 
 
-def _id_source(sw: dict) -> str:
-    """Where swarm ``sw``'s id came from, in words (for the same-id error)."""
-    return "swarm_id in brokerd.toml" if sw["named"] else "no swarm_id in brokerd.toml: the directory's name"
+def _id_sources(a: dict, b: dict) -> str:
+    """Where two swarms' one id came from, in words (for the same-id error): said once when
+    both got it the same way."""
+    how = ["swarm_id in brokerd.toml" if sw["named"] else "no swarm_id in brokerd.toml: the directory's name"
+           for sw in (a, b)]
+    return how[0] if how[0] == how[1] else "; ".join(how)
 
 
 def _check_ids(pairs: list[tuple[dict, dict]]) -> None:
@@ -85,7 +88,7 @@ def _check_ids(pairs: list[tuple[dict, dict]]) -> None:
         other = seen.setdefault(sw["swarm_id"], sw)
         if other["dir"] != sw["dir"]:
             raise ConfigError(
-                f"{other['dir']} and {sw['dir']} have the same swarm_id {sw['swarm_id']!r} ({_id_source(other)}; {_id_source(sw)}); "
+                f"{other['dir']} and {sw['dir']} have the same swarm_id {sw['swarm_id']!r} ({_id_sources(other, sw)}); "
                 f"a swarm id names one swarm in the other's trust file: set swarm_id = \"<unique name>\" in "
                 f"{sw['dir'] / 'brokerd.toml'} (e.g. \"site-b\"; `ccsq init --swarm-id` does it for a new swarm), "
                 "then run ccsq init-relay again")

@@ -548,3 +548,13 @@ def test_init_prints_the_next_steps_with_this_swarms_paths(tmp_path: Path, capsy
     own_swarm = readme[readme.index("## Run your own swarm"):readme.index("## Using it from Python")]
     for daemon in ("ccsq-brokerd", "ccsq-workerd", "ccsq-completiond", "ccsq submit", "ccsq status"):
         assert re.search(re.escape(daemon), own_swarm), daemon  # the README shows the same steps
+
+
+def test_init_refuses_an_empty_swarm_id(tmp_path, capsys) -> None:
+    """`ccsq init --swarm-id ''` is refused (78, nothing written) like any other invalid id;
+    it used to write a swarm with no swarm_id and print an empty name."""
+    from ccsq.common.tools.cli import main
+
+    assert main(["init", str(tmp_path / "s"), "--endpoint", "tcp://127.0.0.1:5998", "--swarm-id", ""]) == 78
+    assert "--swarm-id: '' is not a valid swarm id" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

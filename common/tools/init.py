@@ -70,9 +70,7 @@ def init_swarm(
         check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
-    swarm_id = default_swarm_id(directory) if swarm_id is None else swarm_id
-    if swarm_id:
-        check_swarm_id(swarm_id, where="--swarm-id")
+    swarm_id = default_swarm_id(directory) if swarm_id is None else check_swarm_id(swarm_id, where="--swarm-id")
     directory.mkdir(parents=True, exist_ok=True)
     _write_keys(directory, workers)
     (directory / "blobs").mkdir(exist_ok=True)
