@@ -201,7 +201,8 @@ cfg, n, size, tag, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.arg
 def payload(i):
     head = f"{tag}-{i}-".encode()
     return head + b"p" * (size - len(head))  # exactly inline_max_bytes: still inline
-items = [(payload(i), "echo") for i in range(n)]
+# params travel twice in a DISPATCH to a relay (in the task and in its signed origin record)
+items = [(payload(i), "echo", {"lang": "deu+eng", "source": f"s3://scans/{tag}/{i:06d}/" + "p" * 300}) for i in range(n)]
 with Client.from_config_file(cfg) as client:
     assert client.wait_connected(60), client.connect_problem()
     if go:
@@ -214,7 +215,7 @@ with Client.from_config_file(cfg) as client:
 
 def _submitter(swarm, n: int, tag: str, *, go: bool = False) -> subprocess.Popen:
     """A producer on the swarm's host that submits ``n`` echo items of exactly ``INLINE_MAX``
-    bytes (few SUBMIT frames); with ``go`` it connects, prints CONNECTED and submits only
+    bytes with ~330 bytes of params (few SUBMIT frames); with ``go`` it connects, prints CONNECTED and submits only
     once a line arrives on its stdin."""
     return subprocess.Popen([*swarm.wrap, sys.executable, "-c", SUBMIT_AT_LIMIT, str(swarm.configs["producer"]), str(n),
                              str(INLINE_MAX), tag, "go" if go else "now"], stdin=subprocess.PIPE,
