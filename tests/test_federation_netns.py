@@ -245,22 +245,23 @@ def _settled(pair: FedPair, relay, n: int, timeout_s: float) -> dict:
 
 def test_items_at_inline_max_through_the_relay_host_and_its_restart(tmp_path: Path) -> None:
     """Payloads and results (echo) at ``inline_max_bytes`` across the three hosts (issue 22
-    defect 3). Phase 1: a backlog of 100 in a (no worker there) is leased to the relay at
-    once: DISPATCH frames full of origin records and signatures, then SUBMIT frames to b
-    and COMPLETE frames back, each near ``max_frame_bytes`` only if sized on what is sent.
-    Phase 2: b's broker frozen (SIGSTOP), a leases 300 more to the relay, which journals
-    them and cannot submit; the relay is SIGKILLed with hundreds of rows in its journal, b
-    thaws, the relay restarts and resends every row at once. Every item is acknowledged
-    once in a, none dead-lettered (``payload_too_large``), both swarms' books and the
-    link's balance, the relay started exactly twice (no crash loop)."""
+    defect 3). Phase 1: a backlog of 50 in a (no worker there) crosses through b's GPU
+    and back. Phase 2: b's broker frozen (SIGSTOP), a leases 300 more to the relay at once
+    (DISPATCH frames full of origin records and signatures: over ``max_frame_bytes``
+    unless sized on what is sent), which journals them and cannot submit; the relay is
+    SIGKILLed with hundreds of rows in its journal, b thaws, the relay restarts, resumes
+    those leases (a's outlive it: lease_ttl_s 10) and resends every row at once. Every
+    item is acknowledged once in a, none is dead-lettered (``payload_too_large``), both
+    swarms' books and the link's balance, the relay started exactly twice (no crash loop)."""
     with NetNs() as net, FedPair(tmp_path, net=net, worker={"prefetch": 600}, link={"max_in_flight": 600},
-                                 relay={"resend_interval_s": 3.0}, b_broker={"liveness": 15}) as pair:
+                                 relay={"resend_interval_s": 3.0}, broker={"lease_ttl_s": 10.0},
+                                 b_broker={"liveness": 15}) as pair:
         pair.a.start_broker()
         pair.a.start_completion()  # a runs no worker: everything runs in b
         pair.b.start_broker()
         pair.b.start_completion()
         pair.b.start_worker(1)
-        first = _item_ids(_submitter(pair.a, 100, "one"))  # a backlog: a's first pass leases all of it to the relay
+        first = _item_ids(_submitter(pair.a, 50, "one"))  # a backlog: a's first pass leases all of it to the relay
         relay = pair.start_relay()
         pair.wait_connected()
         _settled(pair, relay, len(first), 90)
@@ -273,13 +274,29 @@ def test_items_at_inline_max_through_the_relay_host_and_its_restart(tmp_path: Pa
             producer.stdin.write("go\n")  # within b's liveness window (3 s): the relay's credit still stands
             producer.stdin.flush()
             second = _item_ids(producer)
-            wait_until(lambda: pair.report()["links"][0]["in_flight"] >= 200, 60, "hundreds of rows leased to the relay")
+
+            def piled_up() -> bool:
+                dead = pair.a.report()["states"]["dead"]  # a DISPATCH that came out too large dead-letters its items
+                assert dead == 0, f"{dead} items dead-lettered in a (payload_too_large?)"
+                return pair.report()["links"][0]["in_flight"] >= 200
+
+            wait_until(piled_up, 60, "hundreds of rows leased to the relay")
             pair.procs.kill("relay")
             rows = pair.report()["links"][0]["in_flight"]
             assert rows >= 200, rows
         finally:
             pair.b.procs.signal("broker", signal.SIGCONT)
         pair.start_relay()
+        # a's leases outlived the relay (lease_ttl_s 10): the new relay resumes every row and resends them at once
+
+        def reconnected() -> bool:
+            assert relay.running, f"the relay died (exit {relay.popen.returncode}):\n{pair.procs.tail('relay')}"
+            return relay.count("upstream_connected") >= 2 and relay.count("downstream_connected") >= 2
+
+        wait_until(reconnected, 60, "the restarted relay connected to both brokers")
+        up, down = ([e for e in relay.events() if e.get("event") == name][1] for name in ("upstream_connected",
+                                                                                        "downstream_connected"))
+        assert up["resumed"] >= 200 and down["in_flight"] >= 200, (up, down)
         items = first + second
         _settled(pair, relay, len(items), 120)
         assert relay.starts == 2 and relay.running  # it never died on a frame of its own (no crash loop)
