@@ -1,7 +1,8 @@
 """Federation across real network links: each swarm and the relay on its own host, a
 network namespace of ``tests/netns.py`` (one bridge, created and removed here; needs
 root, iproute2 and, for the DROP cut, iptables, as in CI). The same cases run on
-loopback in ``tests/test_federation.py``; without namespaces this file is skipped.
+loopback in ``tests/test_federation.py``; without namespaces this file is skipped (under
+``CI`` it fails instead: it must run there).
 
 Two cuts longer than the lease (3 s), then restored; this kernel has no netem:
 
