@@ -12,16 +12,17 @@ from tests.swarm import Swarm
 
 
 class FedPair:
-    """Upstream swarm ``a`` (lends work), downstream swarm ``b`` (lends GPUs), relay in ``relay/``."""
+    """Upstream swarm ``a`` (lends work), downstream swarm ``b`` (lends GPUs), relay in ``relay/``.
+    ``broker`` overrides both brokerd.toml files, ``b_broker`` b's on top of it."""
 
     def __init__(self, root: Path, *, a_workers: int = 1, b_workers: int = 1, kinds: tuple[str, ...] = ("echo",),
                  broker: dict | None = None, relay: dict | None = None, producer: dict | None = None,
                  handler: str = "echo", both_ways: bool = False, net=None, link: dict | None = None,
-                 worker: dict | None = None) -> None:
+                 worker: dict | None = None, b_broker: dict | None = None) -> None:
         self.net = net  # tests.netns.NetNs: each swarm and the relay in its own network namespace
         hosts = {h: dict(host=net.HOSTS[h], wrap=net.wrap(h)) if net else {} for h in ("a", "b")}
         self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler, worker=worker, **hosts["a"])
-        self.b = Swarm(root / "b", workers=b_workers, broker=broker, producer=producer, handler=handler, worker=worker, **hosts["b"])
+        self.b = Swarm(root / "b", workers=b_workers, broker={**(broker or {}), **(b_broker or {})}, producer=producer, handler=handler, worker=worker, **hosts["b"])
         self.relay_dir = root / "relay"
         links = [(root / "a", root / "b")] + ([(root / "b", root / "a")] if both_ways else [])
         self.relay_cfg = init_relay(self.relay_dir, links, kinds=list(kinds),

@@ -1,4 +1,5 @@
-"""Federation without processes: docs/federation.md lists every relayd.toml key, the gap
+"""Federation without processes: docs/federation.md lists every relayd.toml key and says
+what every counter of both swarms' gap reports and of the federation report means, the gap
 register documents every federation window the code counts."""
 
 from pathlib import Path
@@ -19,6 +20,24 @@ def test_federation_windows_are_documented() -> None:
     for w in gaps.WINDOWS:
         if w.id.startswith("F"):
             assert f"| {w.id} |" in register, w.id
+
+
+def test_every_counter_is_explained() -> None:
+    """Each counter of ``ccsq gap-report`` (both swarms) and of ``ccsq federation report``
+    has its row in docs/federation.md's "What each counter means" (issue 22)."""
+    from ccsq.brokerd.ledger.schema import COUNTERS as SWARM
+    from ccsq.relayd.journal import COUNTERS as LINK
+
+    text = (ROOT / "docs" / "federation.md").read_text()
+    section = text.split("What each counter means.", 1)[1].split("\n### ", 1)[0]
+    swarm, link = section.split("The link's (`ccsq federation report`", 1)
+
+    def rows(part: str) -> set[str]:  # the names in a table's first column ("`a` / `b`": both)
+        return {c for line in part.splitlines() if line.startswith("| `")
+                for c in line.split(" | ", 1)[0].strip("| ").replace("`", "").split(" / ")}
+
+    assert set(SWARM) | {"rejects", "reconnect_noise"} <= rows(swarm), set(SWARM) - rows(swarm)
+    assert set(LINK) <= rows(link), set(LINK) - rows(link)
 
 
 # --- small unit checks of federation pieces (no processes) ---------------------------
