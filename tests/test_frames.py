@@ -244,6 +244,35 @@ def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: 
         broker.stop()
 
 
+def test_a_broker_without_federation_hands_no_item_to_a_relay(tmp_path: Path) -> None:
+    """Without trusted_swarms an item is sized at SUBMIT for a DISPATCH with no origin record
+    (and a relay's results would be refused): an upstream relay session gets no DISPATCH (the
+    old dispatcher leased to it, and a lone task over the frame was dead-lettered); a worker
+    gets the item, whose ~630 KB params fit its DISPATCH."""
+    from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
+
+    cfg = make_swarm(tmp_path, {"p": "producer", "r": "relay", "w": "worker"})
+    broker = BrokerProcess(cfg).start()
+    peers = []
+    try:
+        producer, relay, worker = (ScriptedPeer(tmp_path, n, broker.endpoint) for n in ("p", "r", "w"))
+        peers = [producer, relay, worker]
+        producer.hello("producer")
+        relay.hello("relay", credit=4, kinds=["ocr"], info={fed.RELAY_SIDE: fed.UPSTREAM})
+        params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
+        [r] = producer.submit([p.SubmitItem("big" * 20, "ocr", _relay_task(1).payload, params)], timeout_s=20)
+        assert r.error == "" and r.item_id, r
+        with pytest.raises(TimeoutError):
+            relay.recv_type(p.Dispatch, timeout_s=1.5)
+        worker.hello("worker", credit=1, kinds=["ocr"])
+        [task] = worker.recv_type(p.Dispatch, timeout_s=20).tasks
+        assert task.item_id == r.item_id and task.params == params and not task.origin
+    finally:
+        for peer in peers:
+            peer.close()
+        broker.stop()
+
+
 def test_broker_link_sends_a_frame_over_the_limit_as_halves(tmp_path: Path) -> None:
     """BrokerLink's writer (every peer: producer, worker, relay): a message whose frame
     comes out over max_frame_bytes goes as several frames holding every record, and the
