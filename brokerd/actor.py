@@ -542,7 +542,8 @@ class Broker:
                                                + txn.state_count(p.ItemState.LEASED.value))
                 for item in msg.items:
                     too_big = dispatch_refusal(item, self.outbound.budget, id_len=len(self.ledger.id_prefix) + 16,
-                                               swarm_id=self.fed.swarm_id, relayed=sess.role is p.Role.RELAY)
+                                               swarm_id=self.fed.swarm_id, relayed=sess.role is p.Role.RELAY,
+                                               federated=self.fed.enabled)
                     if too_big:  # it could never be sent to a taker: refused now, not dead-lettered later
                         results.append(p.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big))
                         continue

@@ -66,8 +66,11 @@ class Dispatcher:
         """Workers and upstream relays that may get a DISPATCH now: not one whose lease expired
         unextended and that has sent nothing since (frozen, cut off: the item would go back to
         it on the credit it has left, expire again and count another attempt, up to a dead
-        letter ``worker_lost``, while another worker idles; C03)."""
-        holders = self.peers.sessions(p.Role.WORKER) + relay_sessions(self.peers, fed.UPSTREAM)
+        letter ``worker_lost``, while another worker idles; C03). Relays only with federation
+        on (``trusted_swarms``): without it their results are refused, and an item was sized
+        at SUBMIT for a DISPATCH without an origin record (``outbound.dispatch_refusal``)."""
+        relays = relay_sessions(self.peers, fed.UPSTREAM) if self.fed.enabled else []
+        holders = self.peers.sessions(p.Role.WORKER) + relays
         return [s for s in holders
                 if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining
                 and s.lease_lost_recv_mono != s.last_recv_mono]

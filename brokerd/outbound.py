@@ -193,13 +193,14 @@ _MAX_INT = (1 << 63) - 1  # every number of a record at its widest (9 bytes)
 _SIG = b"\0" * p.SIGNATURE_BYTES
 
 
-def largest_task(item: p.SubmitItem, *, id_len: int, swarm_id: str, relayed: bool) -> p.Task:
+def largest_task(item: p.SubmitItem, *, id_len: int, swarm_id: str, relayed: bool, federated: bool) -> p.Task:
     """The largest DISPATCH record ``item`` can become: its id at ``id_len`` characters, every
-    number at its widest, and (unless it came by relay, which is never relayed on: max_hops)
-    the origin record and signature a DISPATCH to a relay carries (``fed.origin_record``)."""
+    number at its widest, and (when this broker hands items to relays, ``federated``, and the
+    item did not come by relay, which is never relayed on: max_hops) the origin record and
+    signature a DISPATCH to a relay carries (``fed.origin_record``)."""
     item_id = "x" * id_len
     origin = b""
-    if not relayed:
+    if federated and not relayed:
         rec = {"id": item_id, "kind": item.kind, "params": item.params, "deadline_ms": _MAX_INT,
                "priority": _MAX_INT, "max_runtime_s": item.max_runtime_s}
         origin = fed.origin_record(swarm_id, rec, item.payload, _MAX_INT, fed.MAX_HOPS)
@@ -216,15 +217,32 @@ def _task_bound(item: p.SubmitItem, id_len: int, swarm_id: str) -> int:
     return n
 
 
-def dispatch_refusal(item: p.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool) -> str:
+def dispatch_refusal(item: p.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool,
+                     federated: bool) -> str:
     """"" when ``item`` fits a DISPATCH frame on its own, else why not (the broker refuses
     it at SUBMIT with PAYLOAD_TOO_LARGE, before it is accepted: an accepted item always
-    fits a frame, so a DISPATCH that comes out too large is split, never dead-lettered)."""
+    fits a frame, so a DISPATCH that comes out too large is split, never dead-lettered).
+
+    ``federated``: this broker hands items to relays (``trusted_swarms`` set), so a DISPATCH
+    may carry the item's origin record too (its params a second time); without federation
+    only the task itself counts. The reason names the cause, params or the inline payload,
+    and its fix."""
     if _task_bound(item, id_len, swarm_id) <= budget.room_bytes:
         return ""  # surely fits: nothing encoded
-    n = encoded_size(largest_task(item, id_len=id_len, swarm_id=swarm_id, relayed=relayed))
+    with_origin = federated and not relayed
+    n = encoded_size(largest_task(item, id_len=id_len, swarm_id=swarm_id, relayed=relayed, federated=federated))
     if budget.fits(n):
         return ""
-    return (f"item would take {n} bytes in a DISPATCH{'' if relayed else ' to a relay (origin record included)'}, "
-            f"over the {budget.room_bytes} bytes a frame holds (max_frame_bytes={budget.max_frame_bytes}); "
-            "use the claim store for the payload (lower inline_max_bytes) or shrink params")
+    copies = 2 if with_origin else 1  # the params are in the task, and again in the origin record
+    params_n = copies * encoded_size(item.params)
+    payload_n = blob_size(item.payload)  # the origin record holds its digest, not its bytes
+    where = "a DISPATCH to a relay (origin record included)" if with_origin else "a DISPATCH"
+    head = (f"item would take {n} bytes in {where}, over the {budget.room_bytes} bytes a frame holds "
+            f"(max_frame_bytes={budget.max_frame_bytes}): ")
+    params_why = (f"its params are too large ({params_n} bytes"
+                  + (", counted twice: in the task and in its origin record" if with_origin else "")
+                  + "); lower params (send large data as the payload, which can go by reference)")
+    payload_why = (f"its inline payload is too large ({payload_n} bytes); send the payload by reference: lower inline_max_bytes so it goes through the claim store")
+    if params_n >= payload_n:
+        return head + params_why + ("; and " + payload_why if payload_n > budget.room_bytes // 4 else "")
+    return head + payload_why + ("; and " + params_why if params_n > budget.room_bytes // 4 else "")

@@ -57,7 +57,7 @@ from ccsq.completiond.resultsdb import (
 )
 
 log = structlog.get_logger("ccsq.completion")
-PROG = "ccsq completion"  # how its errors begin on stderr (the same for ccsq-completiond)
+PROG = "ccsq completion"  # how its errors begin on stderr as `ccsq completion` (main(prog=...) for ccsq-completiond)
 
 _DB_BACKOFF_BASE_S = 0.05
 #: first delay before a delivery whose result blob is missing is looked at again (doubles, jittered)
@@ -437,8 +437,9 @@ async def _serve(service: CompletionService) -> None:
         await service.run()
 
 
-def main(config_path: str | Path) -> int:
-    """Entry point of ``ccsq completion --config completion.toml``; returns an :class:`ExitCode`."""
+def main(config_path: str | Path, prog: str = PROG) -> int:
+    """Entry point of ``ccsq completion --config completion.toml`` (and of ``ccsq-completiond``,
+    ``prog`` the name its errors begin with on stderr); returns an :class:`ExitCode`."""
     try:
         notifier = Notifier.from_env()
         config = load(CompletionConfig, config_path)
@@ -448,11 +449,11 @@ def main(config_path: str | Path) -> int:
 
         metrics = start_completion_metrics(service, config.metrics_listen, where=f"{config_path}: metrics_listen")
     except ConfigError as exc:
-        return die(PROG, exc, f"configuration error: {exc}")
+        return die(prog, exc, f"configuration error: {exc}")
     except StoreUnavailable as exc:
-        return die(PROG, exc, f"claim store unavailable (transient, restart later): {exc}")
+        return die(prog, exc, f"claim store unavailable (transient, restart later): {exc}")
     except PortInUse as exc:
-        return die(PROG, exc, f"transient: {exc}")
+        return die(prog, exc, f"transient: {exc}")
     settle_gc(young_threshold=None)  # start-up's heap out of the collector's way (its thresholds as they were)
     try:
         asyncio.run(_serve(service))
@@ -465,11 +466,11 @@ def main(config_path: str | Path) -> int:
     if service.link.refused is not None:
         from ccsq.common.link.peer import refusal_fix
 
-        return die(PROG, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
+        return die(prog, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
     if service.link.replaced:
         from ccsq.common.link.peer import id_in_use_message
 
-        return die(PROG, ExitCode.CONFIG, f"configuration error: {id_in_use_message(config, service.link)}")
+        return die(prog, ExitCode.CONFIG, f"configuration error: {id_in_use_message(config, service.link)}")
     return ExitCode.OK
 
 

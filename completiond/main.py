@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         return die("ccsq-completiond", exc)
     from ccsq.completiond.completion import main as completion_main
 
-    return int(completion_main(config))
+    return int(completion_main(config, prog="ccsq-completiond"))
 
 
 if __name__ == "__main__":

@@ -381,15 +381,28 @@ def test_peer_ids_are_validated_everywhere(tmp_path: Path, capsys, bad: str) -> 
 
 def test_items_show_labels_an_earlier_attempts_error() -> None:
     """A replayed then acknowledged item keeps the dead attempt's error in the ledger;
-    ``items show`` labels it "last error (an earlier attempt ...)"; a dead item's error stays "error"."""
+    ``items show`` labels it "last error (an earlier attempt ...)"; a dead item's error stays "error".
+    A replayed item now ``ready`` shows no ``ended`` of its dead letter as its own (the tester's
+    case: it did, and the message as ``last error msg`` where README says ``last error``)."""
     rec = {"id": "x", "state": "acknowledged", "attempt": 2, "error": "handler_failed", "error_message": "boom",
            "lease_expires_ms": 0, "max_attempts": 0, "created_ms": 1_700_000_000_000}
     rows = dict(admin_cmds._item_rows({"item": rec, "default_max_attempts": 5}))
-    assert "error" not in rows and rows["last error"].startswith("handler_failed (an earlier attempt; the item is acknowledged")
-    assert rows["last error msg"] == "boom" and "lease expires" not in rows and rows["max attempts"] == "broker default (5)"
+    assert "error" not in rows and rows["last error"].startswith("handler_failed: boom (an earlier attempt; the item is acknowledged")
+    assert "error message" not in rows and "last error msg" not in rows
+    assert "lease expires" not in rows and rows["max attempts"] == "broker default (5)"
+    # replayed (the ledger clears error, keeps error_message and ended_ms), now ready
+    replayed = {**rec, "state": "ready", "attempt": 0, "error": "", "ended_ms": 1_700_000_050_000}
+    shown = admin_cmds._item_rows({"item": replayed, "default_max_attempts": 5})
+    labels = [k for k, _ in shown]
+    assert "ended" not in labels and "error message" not in labels and "error" not in labels, shown
+    assert labels.count("last error") == 1 and dict(shown)["last error"] == (
+        "boom (an earlier attempt, ended 2023-11-14T22:14:10.000Z; the item is ready now)"), shown
+    assert "last error" not in dict(admin_cmds._item_rows({"item": {**replayed, "error_message": ""}}))
     assert rows["submitted"].startswith("2023-11-14T")
-    rows = dict(admin_cmds._item_rows({"item": {**rec, "state": "dead", "lease_expires_ms": 1_700_000_060_000}}))
+    rows = dict(admin_cmds._item_rows({"item": {**rec, "state": "dead", "lease_expires_ms": 1_700_000_060_000,
+                                                 "ended_ms": 1_700_000_050_000}}))
     assert rows["error"] == "handler_failed" and "last error" not in rows
+    assert rows["error message"] == "boom" and rows["ended"].startswith("2023-11-14T")
     assert "lease expires" not in rows  # the lease ended with the dead letter: no (future) expiry shown
     assert rows["max attempts"] == "broker default (max_attempts in brokerd.toml)"
     rows = dict(admin_cmds._item_rows({"item": {**rec, "state": "leased", "lease_expires_ms": 1_700_000_060_000,

@@ -250,14 +250,20 @@ def test_sigterm_finishes_the_batch_says_bye_and_exits_0(env) -> None:
 @pytest.mark.parametrize("how", ["ccsq completion", "ccsq-completiond", "ccsq-completiond, $CCSQ_CONFIG"])
 def test_bad_database_url_is_a_config_error(env, how: str) -> None:
     """The unit's ``ccsq-completiond`` and the ``ccsq completion`` alias are one command:
-    same config (``--config`` or the default from ``$CCSQ_CONFIG``), same refusal, same exit."""
+    same config (``--config`` or the default from ``$CCSQ_CONFIG``), same refusal, same exit;
+    the refusal begins with the name it was started by (``ccsq-completiond`` used to say
+    ``ccsq completion:``)."""
     e = env(database="mysql://nope")
     argv = {"ccsq completion": [bin_path("ccsq"), "completion", "--config", str(e.config)],
             "ccsq-completiond": [bin_path("ccsq-completiond"), "--config", str(e.config)],
             "ccsq-completiond, $CCSQ_CONFIG": [bin_path("ccsq-completiond")]}[how]
     proc = e.procs.start("completion", argv, env={"CCSQ_CONFIG": str(e.config)})
     assert e.procs.wait_exit("completion", timeout_s=20) == 78
-    assert "mysql://nope" in e.procs.tail("completion") and proc.starts == 1
+    tail = e.procs.tail("completion")
+    assert "mysql://nope" in tail and proc.starts == 1
+    prog = how.split(",")[0]
+    assert f"{prog}: configuration error" in tail, tail
+    assert f"{'ccsq completion' if prog == 'ccsq-completiond' else 'ccsq-completiond'}:" not in tail, tail
 
 
 def test_results_database_in_a_missing_directory_is_a_config_error(env, tmp_path: Path) -> None:

@@ -365,7 +365,7 @@ def test_an_item_the_upstream_accepts_passes_the_downstreams_origin_check(tmp_pa
     for n in (70_000, 300_000, 500_000):
         params = {"big": "p" * n}
         sub = p.SubmitItem(key="k", kind="echo", payload=payload, params=params)
-        assert dispatch_refusal(sub, FrameBudget(1 << 20), id_len=20, swarm_id="site-a", relayed=False) == ""
+        assert dispatch_refusal(sub, FrameBudget(1 << 20), id_len=20, swarm_id="site-a", relayed=False, federated=True) == ""
         item_id = "db05330d0000000000c9"
         rec = {"id": item_id, "kind": "echo", "params": params, "deadline_ms": None, "priority": 0, "max_runtime_s": 0.0}
         origin = fed.origin_record("site-a", rec, payload, 5)

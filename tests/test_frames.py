@@ -178,29 +178,49 @@ def test_outbound_splits_a_dispatch_that_does_not_fit_instead_of_dead_lettering(
 
 
 def test_an_item_that_could_never_fit_a_dispatch_is_refused_at_submit() -> None:
-    """dispatch_refusal: an item at inline_max_bytes fits; one whose params (counted twice:
-    in the task and in the origin record a relay's DISPATCH carries) would make a lone
-    DISPATCH over the frame is refused, with the sizes and the fix named."""
+    """dispatch_refusal: an item at inline_max_bytes fits; one whose params (counted twice
+    with federation on: in the task and in the origin record a relay's DISPATCH carries)
+    would make a lone DISPATCH over the frame is refused, with the sizes, the cause (params,
+    not the 2 KB payload) and its fix named. Without federation no DISPATCH carries an origin
+    record: the same item fits (the old code counted the origin record always, and advised
+    lowering inline_max_bytes whatever the cause)."""
     budget = FrameBudget(MiB)
     ok = p.SubmitItem("k" * 64, "ocr", _relay_task(1).payload, {"lang": "en"})
-    assert dispatch_refusal(ok, budget, id_len=28, swarm_id="swarm-a", relayed=False) == ""
+    for federated in (True, False):
+        assert dispatch_refusal(ok, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=federated) == ""
     params = {f"p{i:03d}": "v" * 2500 for i in range(250)}  # ~630 KB: the SUBMIT fits, a relay's DISPATCH does not
     big = p.SubmitItem("k" * 64, "ocr", ok.payload, params)
     assert encoded_size(big) < budget.room_bytes
-    why = dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=False)
-    assert "DISPATCH" in why and "max_frame_bytes=1048576" in why and "inline_max_bytes" in why
+    why = dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=True)
+    assert "DISPATCH to a relay" in why and "max_frame_bytes=1048576" in why, why
+    assert "params are too large" in why and "lower params" in why and "inline_max_bytes" not in why, why
+    # no relay to hand it to: the task alone fits
+    assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=False) == ""
     # an item that came by relay is never relayed on (max_hops): no origin record in its DISPATCH
-    assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=True) == ""
+    assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=True, federated=True) == ""
+    # a payload too large inline: named as the cause, with its fix (by reference)
+    inline = b"x" * (MiB - 4096)
+    fat = p.SubmitItem("k" * 64, "ocr", p.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline), {"lang": "en"})
+    why = dispatch_refusal(fat, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=False)
+    assert why.startswith("item would take") and "inline payload is too large" in why, why
+    assert "by reference" in why and "inline_max_bytes" in why and "params are too large" not in why, why
 
 
-def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: Path) -> None:
-    """A real broker: an item whose lone DISPATCH to a relay (params twice, the origin
-    record, its signature) would not fit max_frame_bytes is refused in its SUBMIT_ACK with
-    PAYLOAD_TOO_LARGE, before it is accepted (the old broker accepted it, and it was
-    dead-lettered once a relay leased it); the item next to it in the frame is accepted."""
+@pytest.mark.parametrize("federated", [False, True])
+def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: Path, federated: bool) -> None:
+    """A real broker: an item whose lone DISPATCH would not fit max_frame_bytes is refused in
+    its SUBMIT_ACK with PAYLOAD_TOO_LARGE, before it is accepted (the old broker accepted it,
+    and it was dead-lettered once a relay leased it); the item next to it in the frame is
+    accepted. ~630 KB params fit a DISPATCH to a worker, not one to a relay (params twice,
+    the origin record, its signature): refused, params named, only with federation on
+    (trusted_swarms set); without it the item is accepted (the old broker refused it)."""
     from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
 
-    cfg = make_swarm(tmp_path, {"p": "producer"})
+    overrides = {}
+    if federated:
+        (tmp_path / "trusted_swarms.toml").write_text("[swarms]\n")
+        overrides = {"swarm_id": "a", "trusted_swarms": "trusted_swarms.toml"}
+    cfg = make_swarm(tmp_path, {"p": "producer"}, **overrides)
     broker = BrokerProcess(cfg).start()
     peer = ScriptedPeer(tmp_path, "p", broker.endpoint)
     try:
@@ -209,12 +229,47 @@ def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: 
         params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
         big = p.SubmitItem("big" * 20, "ocr", payload, params)
         ok = p.SubmitItem("ok" * 30, "ocr", payload, {"lang": "en"})
-        refused, accepted = peer.submit([big, ok], timeout_s=20)
-        assert refused.error == "PAYLOAD_TOO_LARGE" and not refused.item_id and "DISPATCH" in refused.message, refused
+        first, accepted = peer.submit([big, ok], timeout_s=20)
         assert accepted.error == "" and accepted.item_id
-        assert [s.state for s in peer.status([accepted.item_id], timeout_s=20)] == ["ready"]
+        if federated:
+            assert first.error == "PAYLOAD_TOO_LARGE" and not first.item_id, first
+            assert "DISPATCH to a relay" in first.message and "params are too large" in first.message, first
+            assert [s.state for s in peer.status([accepted.item_id], timeout_s=20)] == ["ready"]
+        else:
+            assert first.error == "" and first.item_id, first
+            states = peer.status([first.item_id, accepted.item_id], timeout_s=20)
+            assert [s.state for s in states] == ["ready", "ready"]
     finally:
         peer.close()
+        broker.stop()
+
+
+def test_a_broker_without_federation_hands_no_item_to_a_relay(tmp_path: Path) -> None:
+    """Without trusted_swarms an item is sized at SUBMIT for a DISPATCH with no origin record
+    (and a relay's results would be refused): an upstream relay session gets no DISPATCH (the
+    old dispatcher leased to it, and a lone task over the frame was dead-lettered); a worker
+    gets the item, whose ~630 KB params fit its DISPATCH."""
+    from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
+
+    cfg = make_swarm(tmp_path, {"p": "producer", "r": "relay", "w": "worker"})
+    broker = BrokerProcess(cfg).start()
+    peers = []
+    try:
+        producer, relay, worker = (ScriptedPeer(tmp_path, n, broker.endpoint) for n in ("p", "r", "w"))
+        peers = [producer, relay, worker]
+        producer.hello("producer")
+        relay.hello("relay", credit=4, kinds=["ocr"], info={fed.RELAY_SIDE: fed.UPSTREAM})
+        params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
+        [r] = producer.submit([p.SubmitItem("big" * 20, "ocr", _relay_task(1).payload, params)], timeout_s=20)
+        assert r.error == "" and r.item_id, r
+        with pytest.raises(TimeoutError):
+            relay.recv_type(p.Dispatch, timeout_s=1.5)
+        worker.hello("worker", credit=1, kinds=["ocr"])
+        [task] = worker.recv_type(p.Dispatch, timeout_s=20).tasks
+        assert task.item_id == r.item_id and task.params == params and not task.origin
+    finally:
+        for peer in peers:
+            peer.close()
         broker.stop()
 
 

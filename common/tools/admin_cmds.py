@@ -163,10 +163,12 @@ def _when(key: str, value: object) -> object:
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-#: States in which an item's ``error``/``error_message`` is history, not its present:
-#: the fields stay in the ledger (what the last failed attempt said) and ``items show``
-#: labels them "last error (attempt N)"; only dead/expired items show them as the error.
+#: States in which an item's ``error``/``error_message``/``ended_ms`` are history, not its
+#: present: the fields stay in the ledger (what the last failed attempt said and when it was
+#: dead-lettered; a replay keeps them) and ``items show`` folds them into one row
+#: "last error" marked as an earlier attempt's; only dead/expired items show them as theirs.
 FAILED_STATES = ("dead", "expired")
+_FAILURE_FIELDS = ("error", "error_message", "ended_ms")
 
 
 #: ``items show`` (text) names the record's fields in words (``--json`` keeps the ledger's
@@ -185,8 +187,9 @@ ITEM_LABELS = {
 def _item_rows(doc: dict) -> list[tuple[str, object]]:
     """The rows of ``items show`` (text), labelled by :data:`ITEM_LABELS`: times as ISO
     dates, 0 (unset) times as "-", ``max_attempts`` 0 as the broker default, an error of an
-    earlier attempt labelled so; ``lease_expires_ms`` only while the item is leased (it stays
-    in the record after the lease ends)."""
+    earlier attempt (error, message, when it ended) in one row "last error" marked so;
+    ``lease_expires_ms`` only while the item is leased (it stays in the record after the
+    lease ends)."""
     rec = doc["item"]
     stale = rec.get("state") not in FAILED_STATES
     rows: list[tuple[str, object]] = []
@@ -194,20 +197,29 @@ def _item_rows(doc: dict) -> list[tuple[str, object]]:
         label = ITEM_LABELS.get(k, k.replace("_", " "))
         if k == "lease_expires_ms" and rec.get("state") != "leased":
             continue
+        if k in _FAILURE_FIELDS and stale:
+            if k == next((f for f in rec if f in _FAILURE_FIELDS), None) and (last := _last_error(rec)):
+                rows.append(("last error", last))  # at the place of the first of them
+            continue
         if k.endswith(("_ms", "_ts")) and v in (0, None):
             v = "-"
         elif k == "max_attempts" and v == 0:
             default = doc.get("default_max_attempts")
             v = f"broker default ({default})" if default else "broker default (max_attempts in brokerd.toml)"
-        elif k in ("error", "error_message") and stale:
-            if not v:
-                continue
-            label = "last error" if k == "error" else "last error msg"
-            v = f"{v} (an earlier attempt; the item is {rec.get('state')} now)" if k == "error" else v
         else:
             v = _when(k, v)
         rows.append((label, v))
     return rows
+
+
+def _last_error(rec: dict) -> str:
+    """The "last error" row of an item not dead/expired now: its earlier attempt's error and
+    message, and when it ended (dead-lettered, before a replay); "" when it has none."""
+    what = ": ".join(str(rec[f]) for f in ("error", "error_message") if rec.get(f))
+    if not what:
+        return ""
+    ended = f", ended {_when('ended_ms', rec['ended_ms'])}" if rec.get("ended_ms") else ""
+    return f"{what} (an earlier attempt{ended}; the item is {rec.get('state')} now)"
 
 
 def broker_max_attempts(admin_config: str | None) -> int | None:
