@@ -146,15 +146,18 @@ def test_late_completion_is_fenced_and_result_delivered_once(h):
 
 def _lease_twice(h, b, *, expire_second: bool) -> tuple[ScriptedPeer, ScriptedPeer, p.SubmitResult, p.Task, p.Task]:
     """One item leased to wA, its lease left to expire (wA stays connected, silent about
-    it), the item leased to wA again; ``expire_second``: that lease expires too (wA has no
-    credit left, so the item stays ready with the second token)."""
+    it), then wA heartbeats without it (a silent peer gets no DISPATCH until it speaks
+    again) and the item is leased to wA again; ``expire_second``: that lease expires too
+    (wA has no credit left, so the item stays ready with the second token)."""
     prod = h.peer("prod", b.endpoint)
     prod.hello("producer")
     (r,) = prod.submit([item("again", max_attempts=5)])
     wa = h.peer("wA", b.endpoint)
     wa.hello("worker", slots=2, credit=2)
     (t1,) = recv_tasks(wa, 1)
-    (t2,) = recv_tasks(wa, 1)  # after t1's lease expired: the same worker gets the next attempt
+    wait_for(lambda: prod.status([r.item_id])[0].state == "ready", 10, what="the first lease to expire")
+    wa.heartbeat([])  # wA speaks again, not listing t1's lease
+    (t2,) = recv_tasks(wa, 1)  # the same worker gets the next attempt
     assert (t2.item_id, t2.attempt) == (t1.item_id, 2) and t2.token > t1.token
     if expire_second:
         wait_for(lambda: prod.status([r.item_id])[0].state == "ready", 10, what="the second lease to expire")
