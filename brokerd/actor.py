@@ -106,7 +106,7 @@ class Batch:
     happens if the transaction aborts."""
 
     replies: list[tuple[bytes, p.Message]] = dataclasses.field(default_factory=list)
-    effects: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    effects: list[Callable[..., object]] = dataclasses.field(default_factory=list)  # called with no arguments; `...`: mypy cannot infer lambdas that bind values as defaults against `[]`
     crash_points: list[str] = dataclasses.field(default_factory=list)
 
     def crash(self, name: str) -> None:
@@ -567,16 +567,16 @@ class Broker:
                 outcomes = []
                 ended = []  # (item_id, token) whose lease timer goes after commit
                 relay = sess.role is p.Role.RELAY
-                for r in msg.results:
-                    outcome = self.relaying.complete(txn, batch, sess, r, now_ms) if relay \
-                        else txn.complete(r, now_ms, env.sender)
-                    outcomes.append(p.ItemOutcome(r.item_id, r.token, outcome))
+                for res in msg.results:
+                    outcome = self.relaying.complete(txn, batch, sess, res, now_ms) if relay \
+                        else txn.complete(res, now_ms, env.sender)
+                    outcomes.append(p.ItemOutcome(res.item_id, res.token, outcome))
                     if self.fed.enabled and outcome == _ACCEPTED:
-                        reply_to = (txn.record(r.item_id) or {}).get("reply_to")
+                        reply_to = (txn.record(res.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
-                            self.fed.route(reply_to, r.item_id)  # (a hint: delivery checks the ledger state)
+                            self.fed.route(reply_to, res.item_id)  # (a hint: delivery checks the ledger state)
                     if outcome == _ACCEPTED or outcome == _DUPLICATE:
-                        ended.append((r.item_id, r.token))
+                        ended.append((res.item_id, res.token))
                 if ended:
                     batch.effects.append(lambda e=ended: self._leases_end(e))
                 batch.crash("broker.after_complete_commit")
@@ -594,13 +594,14 @@ class Broker:
                 batch.effects.append(self._wake_dispatch)
                 batch.replies.append((rid, p.FailAck(outcomes)))
             elif isinstance(msg, p.Ack):
-                done, unknown = [], []
+                done: list[str] = []
+                unknown: list[str] = []
                 quarantined = {q.item_id: q.error or "quarantined" for q in msg.quarantined}
                 newly = 0
                 for item_id in msg.item_ids:
-                    r = txn.ack(item_id, now_ms, quarantined.get(item_id, "") if quarantined else "")
-                    (unknown if r is None else done).append(item_id)
-                    newly += r is True
+                    acked = txn.ack(item_id, now_ms, quarantined.get(item_id, "") if quarantined else "")
+                    (unknown if acked is None else done).append(item_id)
+                    newly += acked is True
                 if done:
                     batch.effects.append(lambda ids=done: self._acknowledged_all(ids))
                 if newly:  # after the commit: the completion peer's "done" in `ccsq status` / the console

@@ -304,7 +304,7 @@ class AdminCommands:
 
     def _worker_ids(self) -> list[str]:
         authorized = self.broker.authorized
-        return sorted(i for i in authorized.ids() if authorized.get(i).role is p.Role.WORKER)[:20]
+        return sorted(i for i in authorized.ids() if (k := authorized.get(i)) is not None and k.role is p.Role.WORKER)[:20]
 
     def _dead_ids(self, txn: LedgerTxn, args: dict) -> tuple[list[str], bool]:
         if args.get("all") is True:

@@ -25,8 +25,8 @@ transaction and only reads the tracker; what changes it is queued on the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd.outbound import delivery_size
 from ccsq.brokerd.peers import PeerStatus
@@ -70,7 +70,7 @@ class DeliveryTracker:
             return len(self._sent_to)
         return len(self._by_peer.get(peer_id, ()))
 
-    def redelivery(self, item_id: str, rec: dict | None, why: str) -> tuple[bool, str]:
+    def redelivery(self, item_id: str, rec: Mapping[str, Any] | None, why: str) -> tuple[bool, str]:
         """Whether the next delivery of ``item_id`` is a redelivery (G3) and why: its last
         receiver's session ended before ACK (``why``), or it completed under an older
         broker epoch (it may have been delivered before the restart)."""

@@ -198,7 +198,11 @@ def _free_bytes(path: Path) -> int | None:
 
 async def _main(broker: Broker, notifier: Notifier, endpoint: str) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, broker.reload_keys)
-    async with stop_signals_and_watchdog(notifier, lambda _sig: (notifier.stopping(), broker.stop())):
+    def on_stop(_sig: str) -> None:
+        notifier.stopping()
+        broker.stop()
+
+    async with stop_signals_and_watchdog(notifier, on_stop):
         notifier.ready(f"serving on {endpoint}")
         await broker.run()
 

@@ -262,6 +262,6 @@ def start_metrics(broker: Broker, listen: str | int, *, where: str = "brokerd.to
     from ccsq.common.runtime.metrics import start_exporter
 
     registry = broker.stats.registry
-    registry.register(_SnapshotCollector(broker))  # type: ignore[arg-type]
+    registry.register(_SnapshotCollector(broker))
     listen = f"127.0.0.1:{listen}" if isinstance(listen, int) else listen
     return start_exporter(registry, listen, process="brokerd", where=where)

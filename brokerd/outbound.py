@@ -46,7 +46,7 @@ class Outbound:
     transaction (for the leases of a DISPATCH never sent); ``unblocked()`` is called
     when a peer's queue has emptied (dispatch and delivery may go on)."""
 
-    def __init__(self, transport: tp.Transport, peers: PeerTable, max_frame_bytes: int, *,
+    def __init__(self, transport: tp.FrameTransport, peers: PeerTable, max_frame_bytes: int, *,
                  end_session: Callable[[Session, str], None], defer: Callable[[str, str, int, str], None],
                  unblocked: Callable[[], None]) -> None:
         self.transport = transport

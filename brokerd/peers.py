@@ -75,7 +75,7 @@ class PeerTable:
         """``store_ok`` (the worker's last heartbeat; True when it never said), the
         worker's ``store_error`` while unhealthy, and the broker's count ``store_failures``."""
         ok = s.info.get("store_ok", True) is not False
-        doc = {"store_ok": ok, "store_failures": self.store_failures.get(s.peer_id, 0)}
+        doc: dict[str, object] = {"store_ok": ok, "store_failures": self.store_failures.get(s.peer_id, 0)}
         if not ok:
             doc["store_error"] = str(s.info.get("store_error", ""))
         return doc

@@ -15,7 +15,7 @@ effects go on the :class:`~ccsq.brokerd.actor.Batch`, except the result routes
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd import gaps
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
@@ -50,7 +50,7 @@ class Relaying:
         self.ledger = ledger
         self.delivery = delivery
         self.rejects = rejects  # the intake's counters (refused frames and items, by code)
-        self._forecast: tuple[float, dict] | None = None  # (monotonic when computed, queue forecast)
+        self._forecast: tuple[float, list[dict[str, Any]]] | None = None  # (monotonic when computed, queue forecast)
 
     def submit(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
                refuse: str) -> p.SubmitResult:
@@ -114,12 +114,13 @@ class Relaying:
             out = {s.peer_id: fed.capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
             if pressed:
                 now = self.clock.monotonic_s()
-                if self._forecast is None or now - self._forecast[0] >= FORECAST_EVERY_S:
+                forecast = self._forecast
+                if forecast is None or now - forecast[0] >= FORECAST_EVERY_S:
                     from ccsq.brokerd.report import queue_forecast
 
-                    self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
-                                                          self.clock.wall_ms()))
-                out.update({s.peer_id: fed.deadline_pressure(self._forecast[1], s.kinds) for s in pressed})
+                    forecast = self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
+                                                                     self.clock.wall_ms()))
+                out.update({s.peer_id: fed.deadline_pressure(forecast[1], s.kinds) for s in pressed})
         for peer_id, info in credits.items():
             out[peer_id] = {**out.get(peer_id, {}), **info}
         return out

@@ -330,8 +330,8 @@ def render_chart_svg(series: list[dict], *, now_ms: int, counters: dict[str, int
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" stroke="#999"/>',
     ]
     for frac in (0.0, 0.5, 1.0):
-        v = int(round(vmax * frac))
-        parts.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">{v}</text>')
+        mark = int(round(vmax * frac))
+        parts.append(f'<text x="{left - 6}" y="{y(mark) + 4:.1f}" font-size="11" text-anchor="end">{mark}</text>')
     for t, anchor in ((t0, "start"), (t1, "end")):
         label = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t / 1000))
         parts.append(f'<text x="{x(t):.1f}" y="{top + ph + 16}" font-size="11" text-anchor="{anchor}">{label}</text>')

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import structlog
 import zmq
@@ -160,6 +160,7 @@ class Transport:
         self.ctx = zmq.Context()
         self.auth = None
         if curve_secret_key is not None:
+            assert curve_allow is not None  # refused above without one
             self.auth = _start_zap(self.ctx, curve_allow)
         self.rcvhwm = rcvhwm_for(max_frame_bytes)
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -181,7 +182,7 @@ class Transport:
             raise
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.handshakes = HandshakeWatch(self.sock, curve=self.curve)
-        self.fd = self.sock.getsockopt(zmq.FD)
+        self.fd = cast(int, self.sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
         self._waiter: asyncio.Future | None = None
         self.sent_again = 0  # sends refused with EAGAIN (peer pipe full)
         self.sent_unroutable = 0
@@ -190,7 +191,7 @@ class Transport:
     async def wait_readable(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for input. ZMQ_FD is edge-triggered, so EVENTS is
         checked before sleeping and after every wake-up."""
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return True
         if timeout_s <= 0:
             return False
@@ -209,7 +210,7 @@ class Transport:
             self._waiter = None
             timer.cancel()
             loop.remove_reader(self.fd)
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def wake(self) -> None:
         """End a pending :meth:`wait_readable` now (e.g. on SIGTERM)."""

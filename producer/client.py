@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import FrameBudget
@@ -92,9 +92,10 @@ class Receipt:
 _receipt = p.trusted_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
 
 
-def _whole_status(request: Any, parts: list[p.StatusReply]) -> p.StatusReply | None:
+def _whole_status(request: Any, frames: list[p.Message]) -> p.StatusReply | None:
     """The STATUS_REPLY frames of one STATUS / CANCEL merged, once they answer every id
     asked (in the order asked); None while some are still to come."""
+    parts = cast(list[p.StatusReply], frames)  # only STATUS_REPLY frames are added as parts (_on_message)
     by_id = {st.item_id: st for part in parts for st in part.items}
     asked = list(getattr(request, "item_ids", None) or ())
     if any(i not in by_id for i in asked):
@@ -360,7 +361,7 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                ack = await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono)
+                ack = cast(p.SubmitAck, await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono))  # SUBMIT is answered by SUBMIT_ACK
             except BrokerUnavailable as exc:
                 return done, remaining, exc
             if unserved is not None:
@@ -541,7 +542,7 @@ class AsyncClient:
         replies = await asyncio.gather(
             *(self._roundtrip(lambda req, c=c: msg_cls(req=req, item_ids=c), deadline) for c in chunks)
         )
-        for reply in replies:
+        for reply in cast(list[p.StatusReply], replies):  # STATUS / CANCEL are answered by STATUS_REPLY
             for st in reply.items:
                 out[st.item_id] = st
         for i in ids:

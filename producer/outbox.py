@@ -19,6 +19,7 @@ import sqlite3
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import msgpack
 
@@ -47,7 +48,8 @@ def _pack(item: p.SubmitItem) -> bytes:
 
 def _unpack(raw: bytes) -> p.SubmitItem:
     body = {"req": 0, "items": [msgpack.unpackb(raw, raw=False)]}
-    return p.decode_body(p.MsgType.SUBMIT, body).items[0]  # strict schema check on what we read back
+    submit = cast(p.Submit, p.decode_body(p.MsgType.SUBMIT, body))  # strict schema check on what we read back
+    return submit.items[0]
 
 
 class Outbox:

@@ -115,7 +115,7 @@ def load_relay_config(path: str | Path) -> RelayConfig:
     parse_listen(cfg.metrics_listen, where=f"{path}: metrics_listen")
     if not isinstance(raw_links, list) or not raw_links:
         raise ConfigError(f"{path}: needs at least one [[links]] table")
-    links = []
+    links: list[LinkConfig] = []
     for i, raw in enumerate(raw_links):
         where = f"{path}: links[{i}]"
         if not isinstance(raw, dict):

@@ -198,7 +198,7 @@ def init_relay(out: Path, links: list[tuple[Path, Path]], *, kinds: list[str], r
         raise ConfigError(f"{out} already holds a relay (relayd.toml exists); choose another directory")
     pairs = [(_swarm(u), _swarm(d)) for u, d in links]
     by_dir: dict[Path, dict] = {}
-    pairs = [tuple(by_dir.setdefault(s["dir"], s) for s in pair) for pair in pairs]  # one dict per swarm (a link back)
+    pairs = [(by_dir.setdefault(u["dir"], u), by_dir.setdefault(d["dir"], d)) for u, d in pairs]  # one dict per swarm (a link back)
     _check_ids(pairs)
     swarms = {s["swarm_id"]: s for s in by_dir.values()}
     stores = dict(stores or {})

@@ -123,7 +123,7 @@ def start_relay_metrics(relay: Relay, listen: str, *, where: str) -> Any:
     registry = CollectorRegistry(auto_describe=True)
     commit = Histogram("ccsq_relay_journal_commit_seconds", "one relay journal transaction including its fsync",
                        buckets=COMMIT_BUCKETS_S, registry=registry)
-    registry.register(_RelayCollector(relay))  # type: ignore[arg-type]
+    registry.register(_RelayCollector(relay))
     server = start_exporter(registry, listen, process="relayd", where=where)
     relay.journal.observe_commit = commit.observe
     return server

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgpack
 import structlog
@@ -203,7 +203,7 @@ class LinkRunner:
         self._fixed("upstream_refused")
         self._resend(force=True)
 
-    def _up_message(self, env: Envelope) -> Callable | None:
+    def _up_message(self, env: Envelope) -> Awaitable[None] | None:
         msg = env.message
         if isinstance(msg, p.Dispatch):
             return self._on_dispatch(msg.tasks)
@@ -259,6 +259,7 @@ class LinkRunner:
         failures = []
         for t in tasks:
             try:
+                assert self.up_store is not None and self.down_store is not None  # set together (__init__)
                 data = await self.up_store.aget_blob(t.payload)
                 await asyncio.to_thread(self.down_store.put, data)
             except Exception as exc:  # any store error; a stored blob missing in our view is the store's problem (G7)
@@ -384,7 +385,7 @@ class LinkRunner:
             self.log.debug("credit_granted" if delta > 0 else "credit_withdrawn", credit=delta, capacity=self.capacity,
                            outstanding=outstanding, want=want)
 
-    def _down_message(self, env: Envelope) -> Callable | None:
+    def _down_message(self, env: Envelope) -> Awaitable[None] | None:
         msg = env.message
         if isinstance(msg, p.SubmitAck):
             self._on_submit_ack(msg.results)
@@ -485,6 +486,7 @@ class LinkRunner:
                 continue
             result = d.result
             if self.up_store is not None and result.inline is None:
+                assert self.down_store is not None  # set together with up_store (__init__)
                 try:
                     data = await self.down_store.aget_blob(result)
                     await asyncio.to_thread(self.up_store.put, data)
@@ -627,10 +629,12 @@ class LinkRunner:
         wrong role, a broker key we do not pin): this link stops pulling; the other side
         stays connected to give back what the link holds and to show the break in that
         broker's ``ccsq status``. Other links are not affected."""
-        why = f"{side} broker refused the relay ({link.refused.code}: {link.refused.message})"
+        refused = link.refused
+        assert refused is not None  # run() calls this only for a side whose link was refused
+        why = f"{side} broker refused the relay ({refused.code}: {refused.message})"
         self.refused[side] = why
-        self.log.error("link_refused", side=side, code=link.refused.code, endpoint=link.settings.broker_endpoint)
-        self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, p.Role.RELAY.value, link.refused))
+        self.log.error("link_refused", side=side, code=refused.code, endpoint=link.settings.broker_endpoint)
+        self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, p.Role.RELAY.value, refused))
         if side == "downstream":
             # nothing held here can run downstream any more: give every lease not yet back
             # to the upstream (released: no attempt counted) so its own workers run them; a
@@ -658,8 +662,8 @@ class LinkRunner:
                     # than run a link that will never reconnect
                     from ccsq.common.link.peer import id_in_use_message
 
-                    side = self.up if self.up.replaced else self.down
-                    raise ConfigError(f"link {self.name}: {id_in_use_message(side.settings, side)}")
+                    twin = self.up if self.up.replaced else self.down
+                    raise ConfigError(f"link {self.name}: {id_in_use_message(twin.settings, twin)}")
                 refused = [sides[t] for t in done if t in sides and sides[t][1].refused is not None]
                 for side, link in refused:
                     self._side_refused(side, link)
@@ -715,8 +719,8 @@ class Relay:
             refusal.cancel()
             self._refusal.clear()
             for t in done:
-                if t in tasks and t.exception() is not None:
-                    raise t.exception()
+                if t in tasks and (exc := t.exception()) is not None:
+                    raise exc
             running = [t for t in running if not t.done()]
             if all(link.refused for link in self.links):
                 all_refused = True

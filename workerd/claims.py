@@ -55,7 +55,7 @@ class Claims:
     error: str  # the last failure, for the heartbeat
     _bad_until_mono: float  # unhealthy (no new DISPATCH) until then
 
-    def __init__(self, store: ClaimStore, io_pool: Executor, on_unhealthy: Callable[[], None], log: Any) -> None:
+    def __init__(self, store: ClaimStore, io_pool: Executor, on_unhealthy: Callable[[], object], log: Any) -> None:
         self.store = store
         self.failures = 0
         self.streak = 0

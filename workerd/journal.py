@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
+from typing import cast
 
 import msgpack
 
@@ -318,7 +319,8 @@ def _record_row(r: p.TaskResult | p.TaskFailure, kind: str) -> list:
             return [r.item_id, r.token, kind, _FINISHED, encode_report(r)]
         b = r.result
         return [r.item_id, r.token, kind, _FINISHED, [b.sha256, b.size, b.inline, r.handler, r.handler_version, r.runtime_s]]
-    return [r.item_id, r.token, kind, _FAILED, [r.reason, r.retryable, r.message]]
+    f = cast(p.TaskFailure, r)  # the only other report type (TaskResult has no subclasses)
+    return [f.item_id, f.token, kind, _FAILED, [f.reason, f.retryable, f.message]]
 
 
 def _decode_entry_report(item_id: str, token: int, state: EntryState, rep: bytes | list) -> p.TaskResult | p.TaskFailure:

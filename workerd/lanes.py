@@ -82,8 +82,8 @@ class Lanes:
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, jw: GroupCommit, log: Any, *,
                  more_coming: Callable[[], bool], on_capacity_change: Callable[[], None],
-                 on_outcomes: Callable[[list[tuple[Job, RunOutcome]]], None],
-                 on_outputs: Callable[[list[Job], list[Any], float], None]) -> None:
+                 on_outcomes: Callable[[list[tuple[Job, RunOutcome]]], object],
+                 on_outputs: Callable[[list[Job], list[Any], float], object]) -> None:
         self.cfg = cfg
         self.handler = handler
         self.gate = SlotGate(cfg.slots)

@@ -20,7 +20,7 @@ worker's own counters when Prometheus scrapes. Label ``worker`` = peer id.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -29,6 +29,7 @@ from ccsq.common.wire.errors import PayloadMissing
 from ccsq.common.runtime.metrics import start_exporter
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ccsq.common.storage.claimstore import ClaimStore
     from ccsq.workerd.worker import Worker
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -122,10 +123,10 @@ def start_worker_metrics(worker: Worker, listen: str, *, where: str) -> Any:
     if not listen:
         return None
     stats = WorkerStats(worker.cfg.peer_id)
-    stats.registry.register(_WorkerCollector(worker, worker.cfg.peer_id))  # type: ignore[arg-type]
+    stats.registry.register(_WorkerCollector(worker, worker.cfg.peer_id))
     server = start_exporter(stats.registry, listen, process="workerd", where=where)
     worker.lanes.observe_batch = stats.batch
     worker.journal_writer.observe_commit = stats.journal_commit  # the journal's group commit (once per commit)
-    worker.store = CountingStore(worker.store, stats)
+    worker.store = cast("ClaimStore", CountingStore(worker.store, stats))  # a pass-through wrapper, duck-typed
     worker.metrics_stats = stats  # type: ignore[attr-defined]
     return server

@@ -52,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, cast
 
 from ccsq.common.link.peer import BrokerLink, LinkState
@@ -296,7 +296,7 @@ class Reports:
         """:meth:`report_many` of one report."""
         await self.report_many([(job, report)])
 
-    async def report_many(self, reports: list[tuple[Job, Report]]) -> None:
+    async def report_many(self, reports: Sequence[tuple[Job, Report]]) -> None:
         """Journal the reports (one write, fsync), then send them (one frame each way at the
         end of the loop tick) and grant credit back. Released jobs are forgotten instead."""
         live = [(job, rep) for job, rep in reports if not job.released]
@@ -329,8 +329,9 @@ class Reports:
                                    result_bytes=rep.result.size)
             else:
                 self.failed += 1
-                self._log.info("job_failed", item_id=key[0], token=key[1], reason=rep.reason,
-                               retryable=rep.retryable, message=rep.message[:200])
+                fail = cast(p.TaskFailure, rep)  # the only other report type (TaskResult has no subclasses)
+                self._log.info("job_failed", item_id=key[0], token=key[1], reason=fail.reason,
+                               retryable=fail.retryable, message=fail.message[:200])
         self.done += done
         self._queue_send_many(sent)
         self._unconfirmed_changed()

@@ -227,7 +227,7 @@ def catch_early_stop() -> bool:
 
 @contextlib.asynccontextmanager
 async def stop_signals_and_watchdog(
-    notifier: Notifier, on_stop: Callable[[str], None], healthy: Callable[[], bool] | None = None
+    notifier: Notifier, on_stop: Callable[[str], object], healthy: Callable[[], bool] | None = None
 ) -> AsyncIterator[None]:
     """The serving boilerplate of every daemon: while the block runs, SIGTERM and SIGINT
     call ``on_stop(signal name)`` (which tells systemd STOPPING and asks the daemon to

@@ -60,7 +60,7 @@ class Proc:
 
     def events(self) -> list[dict]:
         """Parsed JSON log lines of this process so far (non-JSON lines are skipped)."""
-        out = []
+        out: list[dict] = []
         try:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
@@ -115,6 +115,7 @@ class ProcessGroup:
         if ready_event:
             def ready() -> bool:
                 if not proc.running:
+                    assert proc.popen is not None  # set just above
                     raise RuntimeError(f"{name} exited with {proc.popen.returncode} before {ready_event}; log:\n{self.tail(name)}")
                 return proc.count(ready_event) > before
             try:
@@ -132,18 +133,22 @@ class ProcessGroup:
     def signal(self, name: str, sig: int) -> None:
         proc = self.procs[name]
         if proc.running:
+            assert proc.popen is not None  # running implies started
             proc.popen.send_signal(sig)
 
     def kill(self, name: str) -> None:
         """SIGKILL ``name`` and reap it."""
         proc = self.procs[name]
         if proc.running:
+            assert proc.popen is not None  # running implies started
             proc.popen.kill()
         if proc.popen is not None:
             proc.popen.wait(timeout=10)
 
     def wait_exit(self, name: str, timeout_s: float = 10.0) -> int:
-        return self.procs[name].popen.wait(timeout=timeout_s)
+        popen = self.procs[name].popen
+        assert popen is not None, f"{name} was never started"  # a name is in procs only once start() ran it
+        return popen.wait(timeout=timeout_s)
 
     def stop(self, name: str, timeout_s: float = 10.0) -> int | None:
         """SIGCONT + SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""

@@ -8,6 +8,7 @@ import difflib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from ccsq.common.tools.progress import progress
 from ccsq.common.wire.errors import BrokerUnavailable, ConfigError, ExitCode, NoInput, QueueFull
@@ -176,7 +177,7 @@ def _cmd_outbox_flush(args: argparse.Namespace) -> int:
                 problem = exc
         left = client.outbox_count()
         rejected = [r for r in client.outbox_rejected() if r[0] not in rejected_before]
-        out = {"outbox": str(client.config.outbox_dir), "spooled_before": before, "sent": before - left - len(rejected),
+        out: dict[str, Any] = {"outbox": str(client.config.outbox_dir), "spooled_before": before, "sent": before - left - len(rejected),
                "left": left, "rejected": [{"key": k, "error": c, "message": m} for k, c, m in rejected]}
     if args.json:
         print(json.dumps(out, indent=2))

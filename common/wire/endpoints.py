@@ -140,7 +140,7 @@ def check_bind_local(value: str, *, where: str = "") -> None:
         raise ConfigError(f"{prefix}: {host} is not an address of this host, so it cannot be bound; {fix}")
 
 
-def bind_error(value: str, err: int, strerror: str, *, where: str = "") -> ConfigError | None:
+def bind_error(value: str, err: int | None, strerror: str, *, where: str = "") -> ConfigError | None:
     """A ZeroMQ bind failure as a ConfigError when it means "not a local address"
     (``No such device``, ``Cannot assign requested address``, ...), else None
     (e.g. EADDRINUSE stays transient)."""

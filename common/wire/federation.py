@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +279,7 @@ class Federation:
         record = origin_record(self.swarm_id, rec, task.payload, rec["max_attempts"] or default_max_attempts)
         return dataclasses.replace(task, origin=record, origin_sig=self.sign(record))
 
-    def sign_delivery(self, rec: dict, d: p.Delivery) -> p.Delivery:
+    def sign_delivery(self, rec: Mapping[str, Any], d: p.Delivery) -> p.Delivery:
         proof = result_proof(self.swarm_id, rec["origin"], d.item_id, d.result)
         return dataclasses.replace(d, proof=proof, proof_sig=self.sign(proof))
 

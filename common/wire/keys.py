@@ -21,6 +21,7 @@ import dataclasses
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 import tomli_w
@@ -170,7 +171,7 @@ def parse_authorized_keys(path: Path) -> dict[str, PeerKey]:
     return peers
 
 
-def write_authorized_keys(path: Path, entries: dict[str, tuple[str, ...]]) -> None:
+def write_authorized_keys(path: Path, entries: Mapping[str, tuple[str, ...]]) -> None:
     """Write ``{peer_id: (role, public_key_b64[, curve_public_key_z85])}`` as an authorized-keys TOML file."""
     doc: dict = {"peers": {}}
     for pid, (role, pub, *curve) in entries.items():
