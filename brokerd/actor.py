@@ -73,6 +73,10 @@ COMMIT_DELAY_S = 0.001  # after a turn that committed peer frames, gather this l
 BACKGROUND_INTERVAL_S = 1.0  # deadline and purge scans
 BACKGROUND_BUSY_INTERVAL_S = 0.02  # ... while they still have a backlog
 SLICE_ENTRIES = 500  # index entries per deadline/purge slice
+#: A turn the full map cut down to "minimal" or "acks" (or nothing) then purges up to
+#: this many entries, one per delete-only transaction (``Broker._purge_while_full``,
+#: docs/ledger.md).
+FULL_PURGE_ENTRIES = 16
 DISK_CHECK_INTERVAL_S = 1.0
 MAX_SERVED_LISTED = 100  # kinds named as served next to an unserved-kind warning (SUBMIT_ACK ``served``)
 SOFT_FULL_FRACTION = 0.9  # at the max map size, refuse SUBMIT above this share in use
@@ -462,6 +466,7 @@ class Broker:
             self.deferred = deferred + self.deferred
             for lease in due:
                 self.leases.requeue_check(lease)
+            self._purge_while_full()
             if not committed:
                 return
         if background:
@@ -478,6 +483,36 @@ class Broker:
             fn()
         for rid, msg in batch.replies:
             self._send(rid, msg)
+
+    def _purge_while_full(self) -> int:
+        """The map is full at its maximum and the turn ran without background work: purge
+        acknowledged items past ``retention_s`` (and expired idempotency keys, old gap
+        events), one entry per delete-only transaction, up to :data:`FULL_PURGE_ENTRIES`
+        transactions. One entry each because LMDB reuses the pages a commit frees only
+        from the commit after the next (its previous meta page still points at them), so
+        each purge commit unlocks the room the one before it freed. Without this a full
+        map stays full (completions need room that only a purge frees). Only
+        acknowledged items go: nothing unacknowledged is touched. Returns the entries
+        purged (0: none due, or none fitted)."""
+
+        def step(txn: LedgerTxn, mode: str) -> int:
+            n = maintenance.purge(txn, self.clock.wall_ms(), 1)
+            if txn.changed:
+                txn.commit()
+            else:
+                txn.abort()
+            return n
+
+        done = 0
+        for _ in range(FULL_PURGE_ENTRIES):
+            _mode, n = self.ledger.transact(step)
+            if not n:
+                break
+            done += n
+        if done:
+            self._ledger_stats_due_mono = 0.0  # measure the freed room on the next turn
+            log.info("ledger_full_purged", entries=done)
+        return done
 
     def _refresh_snapshot(self) -> None:
         """Replace :attr:`snapshot` (read by the metrics thread; never the ledger itself)."""

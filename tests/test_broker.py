@@ -366,6 +366,55 @@ def test_ledger_full_at_max_size_still_commits_acks_and_says_how_to_fix(h):
     assert b.proc.poll() is None
 
 
+def test_ledger_full_at_max_size_purges_acknowledged_items_and_goes_on(h):
+    """C08 (tester's wedge): with the map full at its maximum, the turns that fall back
+    to "acks" skip background work, so acknowledged items past ``retention_s`` must be
+    purged in a transaction of their own; the room they free lets the COMPLETE that did
+    not fit commit on its resend (before: ``purged`` stayed 0 and it never did)."""
+    b = h.start(map_size_bytes=1 << 20, max_map_size_bytes=1 << 20, retention_s=3.0, result_reserve_bytes=1024,
+                lease_ttl_s=120.0)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    accepted = [r for r in prod.submit([item(f"x{i}", data=b"x") for i in range(6)]) if not r.error]
+    assert len(accepted) == 6
+    w = h.peer("wA", b.endpoint)
+    w.hello("worker", slots=6, credit=6)
+    tasks = recv_tasks(w, 6)
+    comp = h.peer("comp", b.endpoint)
+    comp.hello("completion", credit=100)
+    for t in tasks[:2]:  # two 300 KB results, delivered and acknowledged
+        w.send(p.Complete([result_of(t, os.urandom(300_000))]))
+        assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+        (d,) = comp.recv_type(p.Result).deliveries
+        comp.send(p.Ack([d.item_id]))
+        assert comp.recv_type(p.AckOk).item_ids == [d.item_id]
+    stuck = None
+    for t in tasks[2:]:  # 300 KB more each: the map (1 MiB, no growth) runs out
+        res = result_of(t, os.urandom(300_000))
+        w.send(p.Complete([res]))
+        try:
+            w.recv_type(p.CompleteAck, timeout_s=3)
+        except TimeoutError:
+            stuck = res
+            break
+    else:
+        pytest.fail("the map never filled")
+    wait_for(lambda: b.events("ledger_full_batch_dropped"), 10, what="ledger_full_batch_dropped logged")
+
+    def resent_fits():
+        w.send(p.Complete([stuck]))
+        try:
+            return w.recv_type(p.CompleteAck, timeout_s=1).outcomes[0].outcome == "accepted"
+        except TimeoutError:
+            return False
+
+    wait_for(resent_fits, 20, interval_s=0.5, what="the stuck COMPLETE committed after the purge")
+    assert b.events("ledger_full_purged")
+    assert b.proc.poll() is None
+    rep = h.report()
+    assert rep["counters"]["purged"] >= 2 and rep["counters"]["acknowledged"] == 2 and rep["balanced"]
+
+
 # --- C01 -------------------------------------------------------------------------------
 @pytest.fixture
 def ipc_dir():
