@@ -52,6 +52,13 @@ def test_a_planted_defect_is_found_shrunk_and_replayed(plant):
     assert rc2 == 1 and "VIOLATION" in out2, out2[-3000:]
 
 
+def test_a_late_complete_with_an_older_token_is_found():
+    # issue 25's blind spot: lease, expire, lease to the same worker, expire, the first
+    # token's COMPLETE accepted while the item is ready again (seed 2: 4 workers, 60 open)
+    rc, out = sim("--seed", "2", "--items", "3000", "--plant", "late_old_token", "--no-shrink")
+    assert rc == 1 and "VIOLATION fenced_result_accepted" in out, out[-3000:]
+
+
 def test_a_duplicate_execution_without_its_gap_event_is_found():
     rc, out = sim("--seed", "1", "--items", "3000", "--plant", "no_gap_event", "--no-shrink")
     assert rc == 1 and "VIOLATION duplicate_without_gap" in out, out[-3000:]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 
 from ccsq.common.wire import protocol as p
+from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.errors import DecodeError
 from tests.sim.world import RESTART_DELAY_S
 
@@ -27,6 +28,9 @@ RECONNECT_S = (0.05, 0.5)
 SESSION_GONE = {p.REJECT_NO_SESSION, p.ERROR_REPLACED, p.REJECT_REPLAY, p.REJECT_STALE, p.REJECT_BAD_SIGNATURE,
                 p.REJECT_FORGED_ORIGIN}
 KIND = "echo"
+#: every URGENT_EVERY-th item is submitted with a higher priority (a mixed workload): an expired
+#: urgent item goes back to the head of the ready queue, ahead of never-leased ones
+URGENT_EVERY, URGENT_PRIORITY = 10, 5
 
 
 def payload_of(n: int) -> bytes:
@@ -54,6 +58,7 @@ class Peer:
         self.down = False  # crashed, not yet restarted
         self.skew_ms = 0
         self.partitioned_until = 0.0
+        self.crash_at_welcome = False  # fault flap_then_die: the process dies as its next WELCOME arrives
         self.last_recv = 0.0
         self.hb_s = world.cfg.heartbeat_interval_s
         self.liveness = world.cfg.liveness
@@ -118,6 +123,10 @@ class Peer:
         msg = env.message
         if isinstance(msg, p.Welcome):
             if self.up:
+                return
+            if self.crash_at_welcome:
+                self.crash_at_welcome = False
+                self.crash()
                 return
             self.up = True
             self.hb_s, self.liveness = msg.heartbeat_interval_s, msg.liveness
@@ -193,12 +202,16 @@ class Producer(Peer):
     """Submits its items in frames of up to ``BATCH``, at most ``WINDOW`` frames unconfirmed,
     while the swarm holds fewer than ``world.max_open`` items not yet landed (an application
     pacing itself). Unconfirmed items are re-sent on a timer and on every new session (the
-    broker's dedup by key makes that safe); a crash keeps the outbox (what is unconfirmed)."""
+    broker's dedup by key makes that safe); a crash keeps the outbox (what is unconfirmed).
+    Items refused with QUEUE_FULL / DISK_FULL are retried after the producer library's
+    backoff (``producer/client.py``: full jitter from 0.2 s doubling per refusal, capped at
+    ``reconnect_backoff_max_s``, 5 s), nothing sent meanwhile (the submit call waits)."""
 
     role = p.Role.PRODUCER
     BATCH = 64
     WINDOW = 4
     RESEND_S = 3.0
+    REFUSED_BASE_S, REFUSED_CAP_S = 0.2, 5.0  # producer/client.py: _RETRY_BASE_S x 4, reconnect_backoff_max_s
 
     def __init__(self, world, peer_id: str, numbers: range) -> None:
         super().__init__(world, peer_id)
@@ -208,6 +221,9 @@ class Producer(Peer):
         self.req = 0
         self.accepted = 0
         self.total = len(numbers)
+        self.refusals = 0  # refusals in a row (the backoff's attempt)
+        self.retry_at = 0.0  # refused items wait until then
+        self.pump_due = False  # a pump is scheduled (paced by max_open or the refusal backoff)
 
     def hello(self) -> p.Hello:
         return p.Hello(role=self.role.value)
@@ -219,6 +235,7 @@ class Producer(Peer):
         for _, nums in self.inflight.values():
             self.retry.extend(nums)
         self.inflight.clear()
+        self.pump_due = False  # (the scheduled pump belonged to the session)
 
     def on_crash(self) -> None:
         self.on_link_lost()
@@ -226,13 +243,25 @@ class Producer(Peer):
     def finished(self) -> bool:
         return self.accepted >= self.total
 
+    def _pump_later(self, dt: float) -> None:
+        if not self.pump_due:
+            self.pump_due = True
+            self.later(dt, self._pumped)
+
+    def _pumped(self) -> None:
+        self.pump_due = False
+        self.pump()
+
     def pump(self) -> None:
         if not self.up:
             return
         w = self.w
+        if self.retry and w.clock.t < self.retry_at:
+            self._pump_later(self.retry_at - w.clock.t)
+            return
         while len(self.inflight) < self.WINDOW and (self.retry or self.todo):
             if w.open_items() >= w.max_open and not self.retry:
-                self.later(0.05, self.pump)
+                self._pump_later(0.05)
                 return
             nums = []
             while len(nums) < self.BATCH and self.retry:
@@ -243,7 +272,8 @@ class Producer(Peer):
 
     def _send(self, nums: list[int]) -> None:
         self.req += 1
-        items = [p.SubmitItem(f"k{n}", KIND, blob(payload_of(n))) for n in nums]
+        items = [p.SubmitItem(f"k{n}", KIND, blob(payload_of(n)), priority=URGENT_PRIORITY if n % URGENT_EVERY == 0 else 0)
+                 for n in nums]
         self.inflight[self.req] = (self.w.clock.t, nums)
         self.send(p.Submit(self.req, items))
 
@@ -279,9 +309,11 @@ class Producer(Peer):
             else:
                 w.fail("submit_refused", f"{r.key}: {r.error} {r.message}")
         if refused:
-            self.later(w.rng.uniform(0.1, 0.5), self.pump)
-        else:
-            self.pump()
+            self.retry_at = w.clock.t + backoff_delay_s(self.refusals, self.REFUSED_BASE_S, self.REFUSED_CAP_S, w.rng)
+            self.refusals += 1
+        elif msg.results:
+            self.refusals = 0
+        self.pump()
 
 
 class Worker(Peer):

@@ -38,8 +38,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 BASE_WALL_MS = 1_800_000_000_000  # the simulated wall clock starts here (2027)
 LATENCY_S = (0.0002, 0.002)  # one frame's network latency, uniform
-TURN_COST_S = 0.003  # simulated time one broker turn takes (a commit's fsync), plus per frame
-TURN_COST_PER_FRAME_S = 0.00005
+TURN_COST_S = 0.003  # simulated time one broker turn takes (a commit's fsync), plus per frame and per record written
+TURN_COST_PER_FRAME_S = 0.00005  # decoding a frame (MAC, msgpack)
+TURN_COST_PER_RECORD_S = 0.000025  # an item operation (brokerd/actor.py: ~25 us each), so a loaded turn batches more
 RESTART_DELAY_S = (0.2, 2.0)  # a crashed process comes back after this
 STUCK_S = 90.0  # once the faults are over, an item must end at least this often (leases: 8 s, backoff <= 1 s)
 S, L, C, A, D, E = (p.ItemState.READY.value, p.ItemState.LEASED.value, p.ItemState.COMPLETED.value,
@@ -205,8 +206,10 @@ class World:
         self.slow_fsync: list[float] = []  # seconds the next commits take
         self.crash_at: str = ""  # "commit", "send:N" or a crash point name: the broker dies there
         self._sends_this_turn = 0
+        self.turn_records = 0  # item records the turn's commit wrote (its simulated cost)
         self.durable_image: Path | None = None  # the LMDB file as last fsynced, when the env does not sync each commit
         self._pending: dict[int, list] = {}  # id(txn) -> what it did, counted when it commits
+        self._txn_leases: dict[int, dict[str, list[int]]] = {}  # id(txn) -> item id -> tokens it leased (not committed)
         self.peers = self._make_peers(peers_mod, workers, producers, completions)
 
     # --- set-up ---
@@ -446,6 +449,7 @@ class World:
                                  else actor_mod.TRICKLE_BYTES)
         self.stats["turns"] += 1
         self._sends_this_turn = 0
+        self.turn_records = 0
         b._committed_ops = 0
         try:
             b.turn(frames)
@@ -459,7 +463,7 @@ class World:
                 self._broker_died(f"ledger write failed: {type(exc).__name__}")
                 return
             raise
-        self.clock.t += TURN_COST_S + TURN_COST_PER_FRAME_S * len(frames)
+        self.clock.t += TURN_COST_S + TURN_COST_PER_FRAME_S * len(frames) + TURN_COST_PER_RECORD_S * self.turn_records
         if b._committed_ops and not self.inbox and not b._carry:
             self.wake_broker(self.clock.t + actor_mod.COMMIT_DELAY_S)  # as Broker.run: gather for the next commit
         elif self.inbox or b._carry:
@@ -499,6 +503,7 @@ class World:
         for conn in list(self.conns.values()):
             conn.broken = True  # every connection to the dead process is gone; ZeroMQ reconnects the peers' sockets
         self._pending.clear()
+        self._txn_leases.clear()
         self.ledger.close()
         self.ledger = None
         self._power_loss()
@@ -539,6 +544,8 @@ class World:
         orig = self._saved
         pending = self._pending
 
+        txn_leases = self._txn_leases  # id(txn) -> item id -> tokens this transaction leased it with (incremental)
+
         def rec(txn) -> list:
             r = pending.get(id(txn))
             if r is None:
@@ -548,15 +555,16 @@ class World:
         def lease(txn, item_id, worker, now_ms, ttl_ms):
             task = orig["lease"](txn, item_id, worker, now_ms, ttl_ms)
             if task is not None:
-                r = rec(txn)
-                r.append(("lease", item_id, task.token))
-                earlier = len(world.leases.get(item_id, ())) + sum(1 for x in r if x[0] == "lease" and x[1] == item_id)
+                rec(txn).append(("lease", item_id, task.token))
+                mine = txn_leases.setdefault(id(txn), {}).setdefault(item_id, [])
+                mine.append(task.token)
+                earlier = len(world.leases.get(item_id, ())) + len(mine)
                 if task.attempt > earlier:
                     world.fail("attempt_overcounted", f"{item_id} leased with attempt {task.attempt} on its lease #{earlier}")
             return task
 
         def newest_token(txn, item_id) -> int:
-            toks = [x[2] for x in pending.get(id(txn), ()) if x[0] == "lease" and x[1] == item_id]
+            toks = txn_leases.get(id(txn), {}).get(item_id)
             if toks:
                 return toks[-1]
             committed = world.leases.get(item_id)
@@ -592,7 +600,9 @@ class World:
                 raise SimCrash()  # power lost before the commit was durable (the caller aborts the txn)
             if world.slow_fsync:
                 world.clock.t += world.slow_fsync.pop(0)  # the fsync took this long: the turn's clock reads see it
+            world.turn_records += txn.records
             orig["commit"](txn)
+            txn_leases.pop(id(txn), None)
             for what, item_id, x in pending.pop(id(txn), ()):
                 if what == "lease":
                     world.leases.setdefault(item_id, []).append(x)
@@ -608,6 +618,7 @@ class World:
 
         def abort(txn):
             pending.pop(id(txn), None)
+            txn_leases.pop(id(txn), None)
             orig["abort"](txn)
 
         for name, fn in (("lease", lease), ("complete", complete), ("fail", fail), ("event", event),
