@@ -221,7 +221,8 @@ def test_the_wheel_carries_every_unit_install_sh_installs() -> None:
     it links /usr/local/bin/ccsq* (tester)."""
     cfg = configparser.ConfigParser(interpolation=None)
     cfg.read(REPO / "setup.cfg")
-    shipped = {line.strip() for line in cfg["options.data_files"]["share/ccsq/systemd"].splitlines() if line.strip()}
+    patterns = [line.strip() for line in cfg["options.data_files"]["share/ccsq/systemd"].splitlines() if line.strip()]
+    shipped = {str(p.relative_to(REPO)) for pattern in patterns for p in REPO.glob(pattern)}  # setuptools expands globs
     assert shipped == {f"systemd/{p.name}" for p in (REPO / "systemd").iterdir() if p.is_file()}
     units = re.search(r'^units="([^"]*)"', (REPO / "systemd" / "install.sh").read_text(), re.M)
     assert units and {f"systemd/{u}" for u in units.group(1).split()} <= shipped
