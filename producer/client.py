@@ -359,11 +359,14 @@ class AsyncClient:
         done: dict[str, p.SubmitResult] = {}
         remaining = items
         attempt = 0
+        refused: CcsqError | None = None  # the broker's last retryable refusal of these items
         while True:
             try:
                 ack = cast(p.SubmitAck, await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono))  # SUBMIT is answered by SUBMIT_ACK
             except BrokerUnavailable as exc:
-                return done, remaining, exc
+                # the time ran out on a retry: the broker's own last word (QUEUE_FULL, ...) says
+                # why better than "no answer" (a loaded broker answers a retry late)
+                return done, remaining, refused or exc
             if unserved is not None:
                 unserved.update(ack.unserved)
             if ack.served:
@@ -383,6 +386,7 @@ class AsyncClient:
             remaining = retry
             err = refusal_error(last.error, last.message) if last is not None else BrokerUnavailable(
                 "broker answered without a result for some items")
+            refused = err
             delay = backoff_delay_s(attempt, _RETRY_BASE_S * 4, self.config.reconnect_backoff_max_s)
             attempt += 1
             if time.monotonic() + delay >= deadline_mono:

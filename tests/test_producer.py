@@ -93,6 +93,39 @@ def test_queue_full_is_retried_then_raised(swarm) -> None:
         assert len(broker.items) == 1
 
 
+def test_queue_full_then_silence_raises_queue_full(swarm) -> None:
+    """The broker refuses a SUBMIT with QUEUE_FULL, then does not answer the retry before
+    the deadline (a loaded broker answers late): the producer raises QueueFull, the
+    broker's own last word, not BrokerUnavailable "no answer" (seen as a CI flake of
+    test_queue_full_backpressure_then_drain)."""
+    import threading
+
+    root, endpoint, cfg = swarm
+    with ScriptedBroker(root, endpoint) as broker, Client.from_config_file(cfg) as client:
+        client.submit(b"a", "echo")  # the session is up
+        frames = broker.submit_frames
+        broker.queue_full_frames = 1
+        stop = threading.Event()
+
+        def silence_after_the_refusal() -> None:
+            while not stop.is_set():
+                with broker.lock:
+                    if broker.submit_frames > frames:
+                        broker.drop_submit_frames = 10_000
+                        return
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=silence_after_the_refusal, daemon=True)
+        watcher.start()
+        try:
+            with pytest.raises(QueueFull):
+                client.submit(b"b", "echo", timeout_s=1.5)
+        finally:
+            stop.set()
+            watcher.join(5)
+        assert broker.submit_frames >= frames + 2  # refused once, the retry went unanswered
+
+
 def test_broker_unreachable_without_outbox_raises_broker_unavailable(swarm) -> None:
     _, _, cfg = swarm
     with Client.from_config_file(cfg) as client:
