@@ -32,7 +32,7 @@ from bench.ccsq_pipeline import acknowledged, check_alive, start_swarm
 from bench.common import claim_ref, disk_bytes, dist, hist_delta, hist_summary, rss_bytes, rss_split_bytes, scrape_histograms
 from tests.broker_harness import ScriptedPeer
 from ccsq.common.wire import protocol as p
-from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.tools.procs import bin_path, free_tcp_port
 
 FRAME_ITEMS = 500  # 500 x ~1.1 KiB stays under max_frame_bytes (1 MiB)
 WINDOW = 4

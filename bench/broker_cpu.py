@@ -34,7 +34,7 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
         signed: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
     from bench.ccsq_pipeline import start_swarm
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
     from ccsq.common.wire import protocol as p
     from tests.broker_harness import ScriptedPeer
 

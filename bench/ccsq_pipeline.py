@@ -25,8 +25,8 @@ from bench.common import claim_ref, cpu_s, disk_bytes, hist_summary, pipeline_re
 from bench.driver import produce
 from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.store import Ledger, data_paths
-from ccsq.common.tools.init import init_swarm
-from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.tools.init import init_swarm
+from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 
 #: Worker/completion tuning used by the benchmark (stated in docs/benchmarks.md).
 WORKER_SLOTS = 4

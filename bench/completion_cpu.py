@@ -40,7 +40,7 @@ def _user_sys_s(pid: int) -> tuple[float, float]:
 def run(n: int = 20_000, *, credit: int = 512, database: str = "sqlite:///results.db",
         profile: Path | None = None) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+    from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
     from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,7 @@ def through_ccsq(root: Path, model: Path, items: list[bytes], *, max_batch: int,
                  rounds: int = 1, watch_memory: bool = False) -> dict[str, Any]:
     """Submit ``items`` ``rounds`` times (each round at once, waiting until all acknowledged)."""
     from bench.ccsq_pipeline import AckCounter, check_alive, start_swarm
-    from ccsq.common.tools.procs import wait_until
+    from ccsq.tools.procs import wait_until
     from ccsq.producer.client import Client
 
     procs, configs = start_swarm(root, workers=workers, handler="onnx",

@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--dir", default="", help="swarm directory (default: a fresh temporary one)")
     args = ap.parse_args()
 
-    from ccsq.common.tools.init import init_swarm
-    from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port
+    from ccsq.tools.init import init_swarm
+    from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ccsq-flood-"))
     port = free_tcp_port()

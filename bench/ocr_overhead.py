@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.ccsq_pipeline import AckCounter, check_alive, start_swarm
 from bench.common import ROOT
-from ccsq.common.tools.procs import wait_until
+from ccsq.tools.procs import wait_until
 
 DOCS = ROOT / "examples" / "documents"
 BATCHED = 4  # max_batch of the batched run

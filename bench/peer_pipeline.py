@@ -47,7 +47,7 @@ from typing import Any
 
 from bench.common import ROOT, claim_ref, cpu_s, pipeline_record
 from bench.driver import produce
-from ccsq.common.tools.procs import wait_until
+from ccsq.tools.procs import wait_until
 
 SYSTEMS = ("redis", "rabbit", "celery", "dramatiq")
 

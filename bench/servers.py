@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ccsq.common.tools.procs import free_tcp_port, wait_until
+from ccsq.tools.procs import free_tcp_port, wait_until
 
 PACKAGES = {"redis-server": "redis-server", "rabbitmq-server": "rabbitmq-server"}
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")

@@ -42,7 +42,7 @@ def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: 
             if profile is not None:
                 import subprocess
 
-                from ccsq.common.tools.procs import bin_path
+                from ccsq.tools.procs import bin_path
 
                 spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(proc.pid), "-r", "250", "--format", "raw",
                                         "-o", str(profile), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL,

@@ -8,6 +8,6 @@
 * :mod:`ccsq.common.link` — the ZeroMQ side of every peer (``BrokerLink``) and the one
   request tracker.
 * :mod:`ccsq.common.storage` — claim stores (file, S3) and the local SQLite journals.
-* :mod:`ccsq.common.tools` — operator tools (the ``ccsq`` command, the admin client,
+* :mod:`ccsq.tools` — operator tools (the ``ccsq`` command, the admin client,
   reconcile, ``init --hosts``, the process supervisor of the demo and tests); the top layer.
 """

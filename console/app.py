@@ -358,7 +358,7 @@ class Console:
         fields = {k: v for k, v in rec.items() if k not in time_keys and k not in ("params",)}
         default_attempts = None
         if not rec.get("max_attempts"):  # 0: the broker's max_attempts, as `ccsq items show` says
-            from ccsq.common.tools.admin_cmds import broker_max_attempts
+            from ccsq.tools.admin_cmds import broker_max_attempts
 
             default_attempts = broker_max_attempts(self.source.settings.config_path)
             fields["max_attempts"] = f"broker default ({default_attempts})" if default_attempts else "broker default"

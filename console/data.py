@@ -1,10 +1,10 @@
 """Where the console's numbers come from.
 
-Online: one short admin session per page (:func:`ccsq.common.tools.admin_client._with_broker`,
+Online: one short admin session per page (:func:`ccsq.tools.admin_client._with_broker`,
 the same request tracker as ``ccsq status``), one at a time (a second session
 under the same peer id would replace the first). Offline (the broker gave no
 WELCOME within ``connect_timeout_s``): the read-only commands answer from the
-ledger with :func:`ccsq.common.tools.admin_client.offline`, the code path of
+ledger with :func:`ccsq.tools.admin_client.offline`, the code path of
 ``ccsq status --offline``. The chart series, the drain forecast and the recent
 gap events come from :func:`ccsq.brokerd.report.load_report`, the code path of
 ``ccsq gap-report``, whether the broker runs or not.
@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ccsq.common.tools import admin_client
-from ccsq.common.tools.admin_client import AdminSession
+from ccsq.tools import admin_client
+from ccsq.tools.admin_client import AdminSession
 from ccsq.common.wire.config import AdminConfig
 from ccsq.common.wire.errors import BrokerUnavailable, CcsqError
 

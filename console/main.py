@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     """``ccsq-console ARGS`` = ``ccsq console ARGS`` (a console script for service managers)."""
     import sys
 
-    from ccsq.common.tools.cli import main as ccsq_main
+    from ccsq.tools.cli import main as ccsq_main
 
     args = sys.argv[1:] if argv is None else argv
     if args == ["--version"]:

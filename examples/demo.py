@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ccsq.brokerd.report import load_report, render_text
-from ccsq.common.tools.init import init_swarm
-from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.tools.init import init_swarm
+from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from ccsq.producer.client import Client
 
 HERE = Path(__file__).resolve().parent

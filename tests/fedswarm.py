@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ccsq.common.tools.procs import bin_path, wait_until
+from ccsq.tools.procs import bin_path, wait_until
 from ccsq.relayd.init import init_relay
 from tests.swarm import Swarm
 

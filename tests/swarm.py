@@ -7,8 +7,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from ccsq.common.tools.init import init_swarm
-from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.tools.init import init_swarm
+from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 
 __all__ = ["Swarm", "wait_until"]
 
@@ -16,7 +16,7 @@ __all__ = ["Swarm", "wait_until"]
 class Swarm:
     """A swarm directory plus its processes. Names: ``broker``, ``worker-N``, ``completion``.
 
-    Config overrides are passed to :func:`ccsq.common.tools.init.init_swarm`. Defaults
+    Config overrides are passed to :func:`ccsq.tools.init.init_swarm`. Defaults
     are tuned for fast tests: heartbeat 0.2 s, liveness 5, lease 3 s.
     """
 

@@ -1,7 +1,7 @@
 """Admin commands of the ``ccsq`` CLI against a real broker (tests/swarm.py).
 
 ``ccsq status``, ``items show|cancel``, ``dlq list|replay|purge``, ``drain`` and
-``reconcile`` run in-process through :func:`ccsq.common.tools.cli.main` (the same
+``reconcile`` run in-process through :func:`ccsq.tools.cli.main` (the same
 code path as the console script) and talk to a real ``ccsq-brokerd`` over the
 signed protocol; the offline path reads the same ledger read-only.
 """
@@ -16,7 +16,7 @@ import pytest
 
 from ccsq.brokerd.admin import LEDGER_STATUS_KEYS
 from ccsq.brokerd.report import iter_blob_refs
-from ccsq.common.tools import cli
+from ccsq.tools import cli
 from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.errors import ExitCode
 from tests.swarm import Swarm, wait_until

@@ -567,7 +567,7 @@ def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
     import urllib.request
 
     from ccsq.brokerd.actor import TURN_ITEM_BUDGET
-    from ccsq.common.tools.procs import free_tcp_port
+    from ccsq.tools.procs import free_tcp_port
 
     port = free_tcp_port()
     b = h.start(metrics_port=port)

@@ -374,7 +374,7 @@ def test_two_live_workers_with_one_peer_id_the_newcomer_stops(tmp_path: Path) ->
     import tomli_w
     import tomllib
 
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
 
     with Swarm(tmp_path / "s") as swarm:
         swarm.start_broker()

@@ -12,7 +12,7 @@ import pytest
 from ccsq.common.storage.claimstore import FileStore, inline_blob, open_store, sha256_hex
 from ccsq.common.wire.errors import ConfigError, PayloadMissing
 from ccsq.common.wire.protocol import Blob
-from ccsq.common.tools.reconcile import reconcile
+from ccsq.tools.reconcile import reconcile
 
 BUCKET = "ccsq-test"
 

@@ -17,12 +17,12 @@ import msgpack
 import pytest
 import zmq
 
-from ccsq.common.tools import admin_cmds, cli
+from ccsq.tools import admin_cmds, cli
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ExitCode, Unauthorized
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, write_keypair
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.swarm import Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -566,7 +566,7 @@ def test_init_prints_the_next_steps_with_this_swarms_paths(tmp_path: Path, capsy
 def test_init_refuses_an_empty_swarm_id(tmp_path, capsys) -> None:
     """`ccsq init --swarm-id ''` is refused (78, nothing written) like any other invalid id;
     it used to write a swarm with no swarm_id and print an empty name."""
-    from ccsq.common.tools.cli import main
+    from ccsq.tools.cli import main
 
     assert main(["init", str(tmp_path / "s"), "--endpoint", "tcp://127.0.0.1:5998", "--swarm-id", ""]) == 78
     assert "--swarm-id: '' is not a valid swarm id" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import pytest
 
 from ccsq.common.storage.claimstore import FileStore, sha256_hex
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from ccsq.common.wire.protocol import Blob, Delivery
 from tests.pg import pg_database, pg_server  # noqa: F401 (fixtures)
 from tests.scripted_broker import ScriptedBroker, make_pki, write_config

@@ -167,7 +167,7 @@ def test_worker_claim_store_outage_dead_letters_nothing(tmp_path: Path) -> None:
 
     import subprocess
 
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
 
     root = tmp_path / "s"
     with Swarm(root, broker={"max_attempts": 2}, producer={"inline_max_bytes": 0}) as swarm:

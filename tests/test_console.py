@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools import admin_client
+from ccsq.tools import admin_client
 from ccsq.common.wire.config import AdminConfig, load
 from ccsq.common.wire.errors import ConfigError, ExitCode
-from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.tools.procs import bin_path, free_tcp_port
 from tests.swarm import Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(150)
@@ -272,7 +272,7 @@ def test_console_pages_match_gap_report_and_replay_from_the_page_completes(tmp_p
 def test_console_is_safe_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Beyond loopback without a token: refused at start (exit 78). With tokens: no page
     without signing in; a state change needs the CSRF token of the session and the admin role."""
-    from ccsq.common.tools import cli
+    from ccsq.tools import cli
 
     with Swarm(tmp_path, workers=1) as swarm:  # worker-1 is authorized, never started
         admin = fast_admin(swarm)

@@ -17,10 +17,10 @@ import pytest
 import tomli_w
 
 from ccsq.common.wire import config as cfgmod
-from ccsq.common.tools.cli import main as ccsq_main
+from ccsq.tools.cli import main as ccsq_main
 from ccsq.common.wire.endpoints import bind_error, check_bind_local, check_endpoint, default_bind
 from ccsq.common.wire.errors import ConfigError, ExitCode
-from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import bin_path, free_tcp_port, wait_until
 from tests.swarm import Swarm
 
 
@@ -154,7 +154,7 @@ def test_init_writes_bind_and_a_layout_per_host(tmp_path: Path, capsys) -> None:
     # any file a config names travels with it (a model file here), with its mode
     import shutil
 
-    from ccsq.common.tools.hosts import write_host_layout
+    from ccsq.tools.hosts import write_host_layout
 
     shutil.rmtree(hosts)
     (root / "models").mkdir()

@@ -21,9 +21,9 @@ import tomli_w
 import tomllib
 
 from ccsq.common.storage.claimstore import open_store
-from ccsq.common.tools.cli import main as ccsq_main
+from ccsq.tools.cli import main as ccsq_main
 from ccsq.common.wire.errors import ConfigError
-from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.tools.procs import bin_path, free_tcp_port
 
 pytestmark = [
     pytest.mark.soak,

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from ccsq.common.tools.procs import ProcessGroup, bin_path, wait_until
+from ccsq.tools.procs import ProcessGroup, bin_path, wait_until
 from ccsq.common.wire.errors import ExitCode
 from tests.netns import netns  # noqa: F401 (fixture)
 

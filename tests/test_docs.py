@@ -77,7 +77,7 @@ def test_readme_walk_through_commands_parse() -> None:
     """Every ``ccsq ...`` line of README's "Run your own swarm" is a command the CLI accepts."""
     import shlex
 
-    from ccsq.common.tools.cli import build_parser
+    from ccsq.tools.cli import build_parser
 
     section = (ROOT / "README.md").read_text().split("## Run your own swarm", 1)[1].split("\n## ", 1)[0]
     lines = [ln.split("#", 1)[0].strip() for ln in section.splitlines() if ln.startswith("ccsq ")]

@@ -52,7 +52,7 @@ def test_die_prints_one_line_and_returns_the_code(capsys) -> None:
 
 
 MAINS = ["brokerd/main.py", "workerd/main.py", "relayd/main.py", "completiond/main.py", "completiond/completion.py",
-         "common/tools/cli.py", "console/main.py"]
+         "tools/cli.py", "console/main.py"]
 
 
 def _parse(path: Path) -> ast.Module:

@@ -20,7 +20,7 @@ import pytest
 
 from ccsq.common.storage.claimstore import FileStore
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.fedswarm import FedPair
 from tests.swarm import wait_until
 
@@ -49,7 +49,7 @@ def test_idle_swarm_drains_backlogged_one(tmp_path: Path) -> None:
     """Nothing moves while b has no free worker; once b's worker is up, a's backlog
     (inline and claim-check payloads, two different stores) drains through b and
     lands only in a's results; b's own work is unaffected."""
-    from ccsq.common.tools.procs import free_tcp_port
+    from ccsq.tools.procs import free_tcp_port
 
     metrics_port = free_tcp_port()
     with FedPair(tmp_path, producer={"inline_max_bytes": 64}, both_ways=True,

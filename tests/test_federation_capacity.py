@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.fedswarm import FedPair
 from tests.swarm import wait_until
 

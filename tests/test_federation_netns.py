@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.fedswarm import FedPair, submit_in
 from tests.netns import NetNs, require_netns
 from tests.swarm import wait_until

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.tools.procs import bin_path, free_tcp_port
 from tests.fedswarm import FedPair, deauthorize
 from tests.swarm import wait_until
 

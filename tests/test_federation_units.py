@@ -125,7 +125,7 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
     import tomllib
 
     from ccsq.common.wire.federation import TrustedSwarms
-    from ccsq.common.tools.cli import main
+    from ccsq.tools.cli import main
     from ccsq.common.wire.keys import parse_authorized_keys
 
     assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1",
@@ -153,7 +153,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
     which the unit does not restart, naming the row (it exited 1 before, a restart loop)."""
     import sqlite3
 
-    from ccsq.common.tools.cli import main
+    from ccsq.tools.cli import main
     from ccsq.relayd.journal import RelayJournal
 
     for site, port in (("site-a", 5611), ("site-b", 5612)):
@@ -177,7 +177,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
 def test_init_relay_refuses_a_link_from_a_swarm_to_itself(tmp_path, capsys) -> None:
     """A link whose two ends share a swarm_id is a config error (exit 78) naming both
     directories (the check raised NameError before: issue 26, found by ruff's F821)."""
-    from ccsq.common.tools.cli import main
+    from ccsq.tools.cli import main
 
     assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
     code = main(["init-relay", str(tmp_path / "relay"), "--upstream", str(tmp_path / "site-a"), "--downstream",
@@ -212,7 +212,7 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     import tomli_w
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ccsq.common.tools.cli import main
+    from ccsq.tools.cli import main
     from ccsq.relayd.journal import RelayJournal
     from ccsq.relayd.metrics import start_relay_metrics
     from ccsq.relayd.relay import Relay

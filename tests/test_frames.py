@@ -281,7 +281,7 @@ def test_broker_link_sends_a_frame_over_the_limit_as_halves(tmp_path: Path) -> N
     import asyncio
 
     from ccsq.common.link.peer import BrokerLink, LinkState
-    from ccsq.common.tools.procs import free_tcp_port
+    from ccsq.tools.procs import free_tcp_port
     from ccsq.common.wire.config import ProducerConfig, load
     from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 

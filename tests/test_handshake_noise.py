@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ccsq.common.tools.procs import free_tcp_port
+from ccsq.tools.procs import free_tcp_port
 from tests.swarm import Swarm, wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -30,7 +30,7 @@ from ccsq.brokerd.report import iter_blob_refs, load_report
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode, ledger_failure
-from ccsq.common.tools.procs import free_tcp_port
+from ccsq.tools.procs import free_tcp_port
 
 FARM = Path(__file__).resolve().parent / "ledger_reader_farm.py"
 PEERS = {"prod": "producer", "w": "worker", "comp": "completion", "adm": "admin", "cli": "admin"}
@@ -150,7 +150,7 @@ def farms():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ccsq.tools.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def _admin_toml(sw: Swarm) -> Path:
@@ -172,7 +172,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _gap_report(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "gap-report", "--config", str(config), "--json"],
+    return subprocess.run([sys.executable, "-m", "ccsq.tools.cli", "gap-report", "--config", str(config), "--json"],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -461,7 +461,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         t.start()
         wait_for(lambda: len(submitted) >= 50, 30, 0.01, "submits before the backup")
         dest = tmp_path / "backup-1"
-        done = subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "backup", "--config", str(sw.config), str(dest), "--json"],
+        done = subprocess.run([sys.executable, "-m", "ccsq.tools.cli", "backup", "--config", str(sw.config), str(dest), "--json"],
                               capture_output=True, text=True, timeout=120)
         wait_for(lambda: len(submitted) >= 100, 30, 0.01, "submits after the backup")
         stop.set()
@@ -471,7 +471,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         assert out["balanced"] and out["received"] >= 650 and (dest / "data.mdb").is_file() and not (dest / "lock.mdb").exists()
         assert out["bytes"] <= out["source_bytes"]
         # a second backup into a non-empty directory is refused (usage), nothing overwritten
-        again = subprocess.run([sys.executable, "-m", "ccsq.common.tools.cli", "backup", "--config", str(sw.config), str(dest)],
+        again = subprocess.run([sys.executable, "-m", "ccsq.tools.cli", "backup", "--config", str(sw.config), str(dest)],
                                capture_output=True, text=True, timeout=60)
         assert again.returncode == ExitCode.USAGE and "not empty" in again.stderr
         # the swap (docs/ledger.md, Backups): stop, move the copy into place, start
@@ -638,7 +638,7 @@ def test_console_overview_shows_the_oldest_reader(tmp_path) -> None:
                "stale_cleared": 4, "last_txnid": 900, "warn_age_s": 300.0, "readers": [],
                "oldest": {"pid": 4242, "thread": "7f", "txnid": 100, "lag_txns": 800, "age_s": 612.0, "age_at_least": False,
                           "pinned_bytes": 37 * MIB, "pinned_upper_bound": False, "self": False}}
-    from ccsq.common.tools.admin_client import offline
+    from ccsq.tools.admin_client import offline
 
     Ledger(data_paths(tmp_path / "broker-data")[0], map_size_bytes=1 << 22).close()
     status = offline(tmp_path / "broker-data", "status")  # a real reply, with a real (quiet) reader report

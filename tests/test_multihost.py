@@ -37,7 +37,7 @@ import tomli_w
 from ccsq.brokerd.ledger.store import Ledger, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.wire.keys import write_curve_keypair, write_keypair
-from ccsq.common.tools.procs import ProcessGroup, bin_path, wait_until
+from ccsq.tools.procs import ProcessGroup, bin_path, wait_until
 from tests.netns import Network, netns_module, remove_stale, require_netns  # noqa: F401 (netns_module: fixture)
 
 REPO = Path(__file__).resolve().parents[1]

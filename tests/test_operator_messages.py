@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools import cli
-from ccsq.common.tools.procs import bin_path, free_tcp_port
+from ccsq.tools import cli
+from ccsq.tools.procs import bin_path, free_tcp_port
 from ccsq.common.wire.errors import ExitCode
 from tests.swarm import Swarm, wait_until
 

@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.swarm import Swarm, wait_until
 
 
@@ -93,7 +93,7 @@ def test_a_frozen_workers_successor_gets_in_when_the_liveness_window_lapses(tmp_
 
 _HOLD_ADMIN = """
 import asyncio, sys
-from ccsq.common.tools.admin_client import with_broker
+from ccsq.tools.admin_client import with_broker
 from ccsq.common.wire.config import AdminConfig, load
 
 async def hold(session):

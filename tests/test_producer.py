@@ -15,10 +15,10 @@ import pytest
 from ccsq.common.storage.claimstore import FileStore
 from ccsq.common.wire.errors import BrokerUnavailable, InvalidRequest, PayloadTooLarge, QueueFull
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import bin_path, free_tcp_port, wait_until
 from ccsq.common.wire.protocol import ItemState
 from ccsq.producer import Client, derive_key
-from ccsq.common.tools.reconcile import reconcile
+from ccsq.tools.reconcile import reconcile
 from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 
 

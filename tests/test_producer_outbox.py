@@ -7,7 +7,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from ccsq.common.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from ccsq.producer import Client
 from tests.scripted_broker import ScriptedBroker, make_pki, write_config
 

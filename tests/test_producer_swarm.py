@@ -16,7 +16,7 @@ import pytest
 from ccsq.common.storage.claimstore import FileStore
 from ccsq.common.wire.errors import QueueFull
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.tools.reconcile import reconcile
+from ccsq.tools.reconcile import reconcile
 from tests.swarm import Swarm, wait_until
 
 
@@ -219,7 +219,7 @@ def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_emp
     import sqlite3
     import subprocess
 
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
     from tests.swarm import Swarm, wait_until
 
     with Swarm(tmp_path / "s", producer={"outbox_dir": "outbox", "submit_timeout_s": 1.0}) as swarm:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import bin_path, free_tcp_port, wait_until
 from ccsq.relayd.init import init_relay
 from tests.swarm import Swarm
 
@@ -192,7 +192,7 @@ def test_metrics_listen_is_validated(tmp_path):
             parse_listen(bad, where="workerd-1.toml: metrics_listen")
     swarm = Swarm(tmp_path / "swarm", workers=1, worker={"metrics_listen": "0.0.0.0:not-a-port"},
                   completion={"metrics_listen": "nowhere:"})
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
 
     for argv in ([bin_path("ccsq-workerd"), "--config", str(swarm.configs["workerd-0"])],
                  [bin_path("ccsq"), "completion", "--config", str(swarm.configs["completion"])]):
@@ -207,7 +207,7 @@ def test_a_busy_metrics_port_is_transient_75_not_78(tmp_path):
     broker, a worker, the completion service and a relay (real processes)."""
     import socket
 
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.procs import bin_path
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

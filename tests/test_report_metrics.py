@@ -20,9 +20,9 @@ import pytest
 
 from ccsq.brokerd.report import load_report, queue_forecast, render_html
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common.tools import cli
+from ccsq.tools import cli
 from ccsq.common.wire import protocol as p
-from ccsq.common.tools.procs import free_tcp_port
+from ccsq.tools.procs import free_tcp_port
 
 pytestmark = pytest.mark.timeout(60)
 

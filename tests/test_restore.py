@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from ccsq.brokerd.ledger.store import Ledger, data_paths
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.swarm import Swarm, wait_until
 
 

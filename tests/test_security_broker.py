@@ -22,7 +22,7 @@ from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_f
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.wire.keys import write_keypair
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 
 PEERS = {"prod": "producer", "prod2": "producer", "wA": "worker", "adm": "admin"}
 LIMIT = 65536  # max_frame_bytes of these brokers
@@ -286,7 +286,7 @@ def test_daemon_refuses_group_readable_key(tmp_path, daemon):
     """Every daemon refuses to start with a group/world-readable private key:
     exit 78 (CONFIG) and one line naming the file and the fix (the broker's case
     is in tests/test_broker.py::test_bad_config_exits_config)."""
-    from ccsq.common.tools.init import init_swarm
+    from ccsq.tools.init import init_swarm
 
     configs = init_swarm(tmp_path / "swarm", endpoint="tcp://127.0.0.1:9", workers=1)
     key = tmp_path / "swarm" / "keys" / ("worker-1.key" if daemon == "workerd" else "completion-1.key")

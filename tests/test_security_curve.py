@@ -17,7 +17,7 @@ from tests.broker_harness import ScriptedPeer
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ConfigError, ExitCode
 from ccsq.common.wire.keys import load_curve_public, load_curve_secret, write_curve_keypair
-from ccsq.common.tools.procs import bin_path
+from ccsq.tools.procs import bin_path
 from tests.swarm import Swarm
 
 CURVE = {"curve": True}

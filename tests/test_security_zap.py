@@ -21,12 +21,12 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ccsq.brokerd.transport import FRAME_SLACK_BYTES, is_loopback_endpoint, rcvhwm_for
-from ccsq.common.tools.init import init_swarm
+from ccsq.tools.init import init_swarm
 from ccsq.common.wire.config import ProducerConfig, load
 from ccsq.common.wire.errors import ConfigError, ExitCode
 from ccsq.common.wire.keys import write_curve_keypair, write_keypair
 from ccsq.common.link.peer import make_codec
-from ccsq.common.tools.procs import bin_path, free_tcp_port, wait_until
+from ccsq.tools.procs import bin_path, free_tcp_port, wait_until
 from tests.swarm import Swarm
 
 CURVE = {"curve": True}

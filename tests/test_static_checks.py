@@ -129,12 +129,12 @@ def test_the_import_contracts_are_kept(site: Path) -> None:
 PLANTED = [
     ("layers", "common/wire/_planted.py", "import ccsq.common.runtime.log\n"),  # wire imports up
     ("layers", "common/link/_planted.py", "from ccsq.producer import client\n"),  # layer 2 imports layer 3
-    ("layers", "brokerd/_planted.py", "import ccsq.common.tools.cli\n"),  # a daemon imports the tools
+    ("layers", "brokerd/_planted.py", "import ccsq.tools.cli\n"),  # a daemon imports the tools
     ("layers", "newtop/__init__.py", ""),  # a top-level package in no layer
     ("common-layers", "common/newsub/__init__.py", ""),  # a common/ sub-package in no layer
     ("daemons-independent", "workerd/_planted.py", "from ccsq.brokerd.ledger import schema\n"),
     ("daemons-independent", "relayd/_planted.py", "import ccsq.completiond.resultsdb\n"),
-    ("tools-read-the-broker", "common/tools/_planted.py", "from ccsq.brokerd import actor\n"),
+    ("tools-read-the-broker", "tools/_planted.py", "from ccsq.brokerd import actor\n"),
     ("tools-read-the-broker", "console/_planted.py", "import ccsq.brokerd.transport\n"),
     ("no-test-code", "producer/_planted.py", "import tests.swarm\n"),
     ("protocol-facade", "workerd/_planted.py", "from ccsq.common.wire.messages import Blob\n"),  # past protocol.py

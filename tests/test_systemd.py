@@ -36,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.init import init_swarm
+from ccsq.tools.init import init_swarm
 from ccsq.common.wire.errors import ExitCode
-from ccsq.common.tools.procs import ProcessGroup, free_tcp_port, wait_until
+from ccsq.tools.procs import ProcessGroup, free_tcp_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT_DIR = REPO / "systemd"

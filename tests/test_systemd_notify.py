@@ -174,8 +174,8 @@ def test_broker_stopped_while_starting_exits_cleanly(tmp_path: Path) -> None:
     during start-up) must end in exit 0, not death by the signal."""
     import subprocess
 
-    from ccsq.common.tools.cli import main as ccsq_main
-    from ccsq.common.tools.procs import bin_path
+    from ccsq.tools.cli import main as ccsq_main
+    from ccsq.tools.procs import bin_path
 
     root = tmp_path / "s"
     assert ccsq_main(["init", str(root)]) == 0

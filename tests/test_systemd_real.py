@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.tools.procs import ProcessGroup, free_tcp_port
+from ccsq.tools.procs import ProcessGroup, free_tcp_port
 
 REPO = Path(__file__).resolve().parent.parent
 BOX = REPO / "tests" / "systemd_box" / "box.sh"

@@ -32,7 +32,7 @@ from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.schema import STATES
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
-from ccsq.common.tools.procs import Proc
+from ccsq.tools.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}
 REFUSED_KEY_SUFFIX = "37"  # the chaos run's results-table rule refuses these keys (gap G12)

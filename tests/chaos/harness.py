@@ -39,7 +39,7 @@ import tomli_w
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
 from ccsq.brokerd.report import load_report
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.tools.procs import Proc
+from ccsq.tools.procs import Proc
 from tests.chaos.checks import REFUSED_KEY_SUFFIX, EventLog, Verdict, check
 from tests.chaos.hostile import HostilePeer
 from tests.chaos.producer import key_for, payload_for, read_progress
@@ -417,7 +417,7 @@ class ChaosRun:
         ("holds none of the payloads": a wrong --store?); the operator who knows adds --force."""
         import subprocess
 
-        from ccsq.common.tools.procs import bin_path
+        from ccsq.tools.procs import bin_path
 
         if self.blob_outage:
             return

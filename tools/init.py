@@ -194,7 +194,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
     if args.hosts and (Path(args.dir) / "brokerd.toml").exists():
         # a swarm written before (and its configs edited since, e.g. an s3:// claim_store): split it as it is now
-        from ccsq.common.tools.hosts import render_layout, write_host_layout
+        from ccsq.tools.hosts import render_layout, write_host_layout
 
         print(f"{args.dir} holds a swarm: writing only its per-host layout, from its configs as they are "
               "(the other options of init are not applied)")
@@ -213,7 +213,7 @@ def _cmd_init(args: argparse.Namespace) -> int:
     swarm_id = tomllib.loads(written["brokerd"].read_text()).get("swarm_id", "")
     print(f"swarm_id {swarm_id} (its name in federation; set with --swarm-id)")
     if args.hosts:
-        from ccsq.common.tools.hosts import render_layout, write_host_layout
+        from ccsq.tools.hosts import render_layout, write_host_layout
 
         print(render_layout(write_host_layout(Path(args.dir), gpu_hosts=args.gpu_hosts)))
     print(next_steps(Path(args.dir), written, args.handler, hosts=args.hosts))

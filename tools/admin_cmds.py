@@ -1,7 +1,7 @@
 """The admin commands: ``ccsq status`` (and its screen, :func:`render_status`,
 :func:`render_readers`), ``items show|cancel``, ``dlq list|replay|purge``, ``drain``.
 
-They talk to the broker as its admin peer (:mod:`ccsq.common.tools.admin_client`); the
+They talk to the broker as its admin peer (:mod:`ccsq.tools.admin_client`); the
 read-only ones (status, items show, dlq list) read the ledger directly when the broker does
 not answer, or with ``--offline``.
 """
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ccsq.common.tools.progress import progress
+from ccsq.tools.progress import progress
 from ccsq.common.wire.errors import ConfigError, ExitCode
 
 
@@ -32,7 +32,7 @@ def _admin_mode(args: argparse.Namespace) -> str:
 def _read_query(args: argparse.Namespace, command: str, params: dict | None = None) -> dict:
     """Run a read-only admin ``command`` (status, items_show, dlq_list) against the
     broker, or against the ledger when it does not answer or with --offline."""
-    from ccsq.common.tools.admin_client import run_command
+    from ccsq.tools.admin_client import run_command
 
     settings = admin_settings(args)
     mode = _admin_mode(args)
@@ -254,7 +254,7 @@ def _cmd_items_cancel(args: argparse.Namespace) -> int:
     through the broker (the transition of the protocol's CANCEL); each id is reported
     cancelled, not ready (its state), or unknown. Exit 0 when every named item was
     cancelled, 65 when one was not, 2 when --kind was not confirmed."""
-    from ccsq.common.tools.admin_client import with_broker
+    from ccsq.tools.admin_client import with_broker
 
     if bool(args.item_ids) == bool(args.kind):
         raise ConfigError("items cancel: give item ids or --kind KIND (not both)")
@@ -329,7 +329,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
 
 def _cmd_dlq_change(args: argparse.Namespace) -> int:
     """dlq replay / dlq purge: item ids, or --all (in calls of up to 1000)."""
-    from ccsq.common.tools.admin_client import with_broker
+    from ccsq.tools.admin_client import with_broker
 
     if bool(args.item_ids) == bool(args.all):
         raise ConfigError(f"dlq {args.action}: give item ids or --all (not both)")
@@ -371,7 +371,7 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
 def _cmd_drain(args: argparse.Namespace) -> int:
     import time
 
-    from ccsq.common.tools.admin_client import with_broker
+    from ccsq.tools.admin_client import with_broker
 
     async def go(session) -> dict:
         import asyncio

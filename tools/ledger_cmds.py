@@ -1,6 +1,6 @@
 """The commands that read the ledger file itself: ``ccsq gap-report`` (the accounting and
 every at-least-once window, :mod:`ccsq.brokerd.report`), ``ccsq reconcile`` (the ledger
-against the claim store, :mod:`ccsq.common.tools.reconcile`) and ``ccsq backup`` (a
+against the claim store, :mod:`ccsq.tools.reconcile`) and ``ccsq backup`` (a
 consistent hot copy). They open the ledger read-only (short transactions), safe while the
 broker runs; ``reconcile --apply`` changes it only through the broker (admin ``dead_letter``).
 """
@@ -46,7 +46,7 @@ def _name_unserved_queues(report: dict, admin_path: Path) -> None:
     stalled = [q for q in report.get("queues", []) if q.get("verdict") == "stalled"]
     if not stalled or not admin_path.is_file():
         return
-    from ccsq.common.tools.admin_client import with_broker
+    from ccsq.tools.admin_client import with_broker
     from ccsq.common.wire.config import AdminConfig, load
 
     async def status(session) -> dict:
@@ -68,7 +68,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     from ccsq.brokerd.report import iter_blob_refs
     from ccsq.common.storage.claimstore import open_store
     from ccsq.common.wire.config import AdminConfig, BrokerConfig, load
-    from ccsq.common.tools.reconcile import ReconcileReport, reconcile
+    from ccsq.tools.reconcile import ReconcileReport, reconcile
 
     cfg = load(BrokerConfig, args.config)
     s3 = {"endpoint_url": args.s3_endpoint_url, "region": args.s3_region, "profile": args.s3_profile}
@@ -98,7 +98,7 @@ def _cmd_reconcile(args: argparse.Namespace) -> int:
     out["leased_missing"] = sorted({m.item_id for m in report.missing if m.state != "ready"})
     status = ExitCode.OK
     if args.apply and ready_missing:
-        from ccsq.common.tools.admin_client import with_broker
+        from ccsq.tools.admin_client import with_broker
 
         admin_path = Path(args.admin_config) if args.admin_config else Path(args.config).resolve().parent / "admin.toml"
         settings = load(AdminConfig, admin_path)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ccsq.common.tools.progress import progress
+from ccsq.tools.progress import progress
 from ccsq.common.wire.errors import BrokerUnavailable, ConfigError, ExitCode, NoInput, QueueFull
 
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ccsq.common.runtime.daemon import CONFIG_DIR, CONFIG_ENV, default_config, die, missing_default_config
-from ccsq.common.tools.admin_cmds import (
+from ccsq.tools.admin_cmds import (
     _cmd_dlq_change,
     _cmd_dlq_list,
     _cmd_drain,
@@ -30,9 +30,9 @@ from ccsq.common.tools.admin_cmds import (
     _cmd_status,
     admin_settings,
 )
-from ccsq.common.tools.init import _cmd_init, _cmd_keygen
-from ccsq.common.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
-from ccsq.common.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_outbox_flush, _cmd_submit, _param
+from ccsq.tools.init import _cmd_init, _cmd_keygen
+from ccsq.tools.ledger_cmds import _cmd_backup, _cmd_gap_report, _cmd_reconcile
+from ccsq.tools.submit_cmd import SUBMIT_REFUSED_GRACE_S, _cmd_outbox_flush, _cmd_submit, _param
 from ccsq.common.wire.errors import (
     CcsqError,
     ConfigError,
