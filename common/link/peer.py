@@ -433,6 +433,16 @@ class BrokerLink:
                 self.curve_mismatch = True
                 raise LinkLost(hint)
             if self._curve_secret is None:
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    # a CURVE broker often closes a plain peer's connection before libzmq can
+                    # name the mechanism mismatch: still a configuration error, said at once
+                    hint = curve_mismatch_hint(self.settings) + " (or this endpoint is not a ccsq broker)"
+                    if self.connect_problem != hint:
+                        self.log.error("curve_mismatch", endpoint=self.settings.broker_endpoint, curve=False,
+                                       zmq_event=name, hint=hint)
+                    self.connect_problem = hint
+                    self.curve_mismatch = True
+                    raise LinkLost(hint)
                 raise LinkLost(f"handshake with {self.settings.broker_endpoint} failed ({name})")
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
                 # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
