@@ -47,6 +47,11 @@ REJECT_ID_IN_USE = "ID_IN_USE"
 #: reconnecting (it replaces its old session); another instance is refused with
 #: REJECT_ID_IN_USE while that session is live. Older brokers ignore it.
 INSTANCE_INFO = "instance"
+#: A HELLO to a standby broker (docs/ha.md): refused, this broker does not serve peers.
+#: ``Error.primary`` names the primary's peer endpoint as etcd has it ("" while no broker
+#: holds the swarm's key, i.e. during an election): the peer goes there at once (its
+#: ``broker_endpoint`` list, common/link/peer.py), or retries by backoff when "".
+REJECT_NOT_PRIMARY = "NOT_PRIMARY"
 #: Worker HELLO ``info`` key: the leases whose jobs were running when this worker's
 #: previous process died (journaled ``started``), as ``"item_id:token item_id:token"``
 #: ("" when none). Present (even empty): of the leases the broker holds for this
@@ -459,6 +464,8 @@ class Error(Message):
     #: (the refused peer retries until then, then gives up); sent to peers whose HELLO
     #: carried INSTANCE_INFO
     retry_in_s: float = extension(float)
+    #: REJECT_NOT_PRIMARY only: the primary's peer endpoint ("" during an election)
+    primary: str = extension(str)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
