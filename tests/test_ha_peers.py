@@ -1,0 +1,263 @@
+"""Peers follow the primary (issue 23, docs/ha.md "Peers"), with real processes.
+
+Every peer's ``broker_endpoint`` may list the brokers of a pair. These tests run a real
+broker behind a list whose first entry is dead (nothing listens), behind a scripted
+standby (tests/standby_stub.py: a real ROUTER signing as the pair's service identity,
+answering HELLO with NOT_PRIMARY), and across a "failover": broker A SIGKILLed at a
+crash point, broker B started on a copy of A's ledger directory (taken after A's death:
+the disk that survived) at the second endpoint. Nothing is lost and nothing lands twice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from ccsq.common.runtime.faults import env_for
+from ccsq.common.wire.config import PeerSettings, WorkerConfig, load
+from ccsq.common.wire.errors import ConfigError
+from ccsq.tools.procs import bin_path, free_tcp_port
+from tests.standby_stub import StandbyStub
+from tests.swarm import Swarm, wait_until
+
+PEER_CONFIGS = ("workerd-0", "producer", "completion", "admin")
+
+
+def _set_broker_endpoints(swarm: Swarm, value: str) -> None:
+    """Rewrite ``broker_endpoint`` in every peer config of ``swarm`` (workers, producer,
+    completion service, admin)."""
+    for name in PEER_CONFIGS:
+        path = Path(swarm.configs[name])
+        doc = tomllib.loads(path.read_text())
+        doc["broker_endpoint"] = value
+        path.write_text(tomli_w.dumps(doc))
+
+
+def _dead_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_tcp_port()}"  # free a moment ago: nothing listens there
+
+
+def _events(swarm: Swarm, name: str, event: str) -> list[dict]:
+    return [e for e in swarm.procs.procs[name].events() if e.get("event") == event]
+
+
+def _assert_landed_once(swarm: Swarm, n: int, data_dir: Path | None = None) -> dict:
+    from ccsq.brokerd.report import load_report
+
+    data_dir = data_dir or swarm.root / "broker-data"
+    rep = wait_until(lambda: (r := load_report(str(data_dir)))["counters"]["acknowledged"] >= n and r, 90,
+                     f"{n} acknowledged items")
+    rows = wait_until(lambda: r if len(r := swarm.results()) >= n else None, 30, f"{n} result rows")
+    assert len(rows) == n and len({r["item_id"] for r in rows}) == n, rows
+    rep = load_report(str(data_dir))
+    assert rep["counters"]["received"] == rep["counters"]["acknowledged"] == n, rep["counters"]
+    assert rep["balanced"] is True
+    return rep
+
+
+def _gap_report(config: Path) -> dict:
+    out = subprocess.run([bin_path("ccsq"), "gap-report", "--config", str(config), "--json"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+# --- the config key ------------------------------------------------------------------------
+def test_broker_endpoint_takes_a_list_each_entry_checked(tmp_path: Path) -> None:
+    """One endpoint loads as before; a list loads as its entries; a bad entry is named with its
+    position, an empty or repeated entry is refused (file and key named: exit 78)."""
+    path = tmp_path / "workerd-0.toml"
+
+    def load_with(value: str) -> WorkerConfig:
+        path.write_text(tomli_w.dumps({"peer_id": "worker-1", "broker_endpoint": value}))
+        return load(WorkerConfig, path)
+
+    assert load_with("tcp://127.0.0.1:5555").broker_endpoint == "tcp://127.0.0.1:5555"
+    assert load_with("tcp://b1:5555, tcp://b2:5555").broker_endpoint == "tcp://b1:5555, tcp://b2:5555"
+    for value, needle in [
+        ("tcp://b1:5555,tcp://b2", "entry 2 of 2.*'tcp://b2'.*no port"),
+        ("tcp://b1:5555,", "entry 2 of 2 is empty"),
+        ("tcp://b1:5555,tcp://b1:5555", "entry 2.*listed twice"),
+        ("tcp://b1:5555,udp://b2:1", "entry 2 of 2.*unknown scheme"),
+        ("tcp://b1", "broker_endpoint = 'tcp://b1': no port"),  # one endpoint: today's sentence
+    ]:
+        with pytest.raises(ConfigError, match=needle) as err:
+            load_with(value)
+        assert str(path) in str(err.value) and "broker_endpoint" in str(err.value)
+
+
+def test_a_relay_link_takes_lists_and_refuses_a_broker_on_both_sides(tmp_path: Path) -> None:
+    from ccsq.relayd.config import load_relay_config
+
+    path = tmp_path / "relayd.toml"
+    link = {"name": "a-to-b", "kinds": ["echo"], "upstream_endpoint": "tcp://a1:5555,tcp://a2:5555",
+            "downstream_endpoint": "tcp://b1:5555,tcp://b2:5555", "upstream_authorized_keys": "a.toml",
+            "downstream_authorized_keys": "b.toml"}
+    path.write_text(tomli_w.dumps({"peer_id": "relay", "private_key": "relay.key", "links": [link]}))
+    cfg = load_relay_config(path)
+    assert cfg.side(cfg.links[0], upstream=True).broker_endpoint == "tcp://a1:5555,tcp://a2:5555"
+    path.write_text(tomli_w.dumps({"peer_id": "relay", "private_key": "relay.key",
+                                   "links": [{**link, "downstream_endpoint": "tcp://b1:5555,tcp://a2:5555"}]}))
+    with pytest.raises(ConfigError, match="same broker.*tcp://a2:5555"):
+        load_relay_config(path)
+    path.write_text(tomli_w.dumps({"peer_id": "relay", "private_key": "relay.key",
+                                   "links": [{**link, "upstream_endpoint": "tcp://a1:5555,a2"}]}))
+    with pytest.raises(ConfigError, match="upstream_endpoint entry 2 of 2"):
+        load_relay_config(path)
+
+
+# --- a dead first entry --------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_peers_pass_a_dead_first_endpoint_and_a_flow_completes(tmp_path: Path) -> None:
+    """broker_endpoint = "DEAD,BROKER" for worker, producer, completion service and admin CLI:
+    each connects to the broker (a refused connect moves to the next entry at once, not after
+    hello_timeout_s), the items land once, the books balance."""
+    with Swarm(tmp_path / "s", worker={"hello_timeout_s": 30.0}, producer={"hello_timeout_s": 30.0},
+               completion={"hello_timeout_s": 30.0}) as swarm:
+        dead = _dead_endpoint()
+        _set_broker_endpoints(swarm, f"{dead},{swarm.endpoint}")
+        swarm.start_all(workers=1)
+        for name in ("worker-1", "completion"):
+            ready = _events(swarm, name, "broker_link_ready")
+            assert ready and ready[0]["endpoint"] == swarm.endpoint, ready
+            lost = _events(swarm, name, "broker_link_lost")
+            assert lost and dead in lost[0]["reason"] and "refused" in lost[0]["reason"], lost
+        with swarm.client() as client:
+            t0 = time.monotonic()
+            receipts = client.submit_many([(f"item-{i}".encode(), "echo") for i in range(5)], timeout_s=60)
+            # hello_timeout_s is 30 s: only the refused connect's rotation makes this quick
+            assert time.monotonic() - t0 < 15.0
+        assert len({r.item_id for r in receipts}) == 5
+        _assert_landed_once(swarm, 5)
+        out = subprocess.run([bin_path("ccsq"), "status", "--config", str(swarm.configs["admin"]), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["counters"]["acknowledged"] == 5
+        assert _gap_report(Path(swarm.configs["brokerd"]))["balanced"] is True
+
+
+# --- a standby first ----------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_standby_sends_every_peer_to_the_primary_at_once(tmp_path: Path) -> None:
+    """broker_endpoint = "STANDBY,DEAD": the standby answers NOT_PRIMARY naming the real broker
+    (not in the list: followed, its keys are the pinned ones). Every peer goes there at once
+    (reconnect_in_s 0, no backoff: rotating would only reach the dead entry), a flow completes."""
+    with Swarm(tmp_path / "s", worker={"reconnect_backoff_max_s": 30.0},
+               producer={"reconnect_backoff_max_s": 30.0}, completion={"reconnect_backoff_max_s": 30.0}) as swarm:
+        stub_endpoint = _dead_endpoint()
+        with StandbyStub(swarm.root, stub_endpoint, [swarm.endpoint]):
+            _set_broker_endpoints(swarm, f"{stub_endpoint},{_dead_endpoint()}")
+            swarm.start_all(workers=1)
+            for name in ("worker-1", "completion"):
+                ready = _events(swarm, name, "broker_link_ready")
+                assert ready and ready[0]["endpoint"] == swarm.endpoint, ready
+                redirect = _events(swarm, name, "broker_not_primary")
+                assert redirect and redirect[0]["primary"] == swarm.endpoint and redirect[0]["endpoint"] == stub_endpoint
+                lost = _events(swarm, name, "broker_link_lost")
+                assert lost[0]["reconnect_in_s"] == 0.0 and lost[0]["next_endpoint"] == swarm.endpoint, lost
+                gap_s = _ts(ready[0]) - _ts(redirect[0])
+                assert gap_s < 2.0, gap_s
+            with swarm.client() as client:
+                receipts = client.submit_many([(f"item-{i}".encode(), "echo") for i in range(3)], timeout_s=60)
+            assert len(receipts) == 3
+            _assert_landed_once(swarm, 3)
+
+
+def _ts(event: dict) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.timeout(120)
+def test_no_primary_named_means_retry_by_backoff_then_follow(tmp_path: Path) -> None:
+    """A standby during an election answers primary = "": the peer stays on (not refused for
+    good), retries by the backoff, and once the standby names the primary it goes there.
+    broker_endpoint lists only the standby: without following NOT_PRIMARY it never arrives."""
+    with Swarm(tmp_path / "s") as swarm:
+        stub_endpoint = _dead_endpoint()
+        with StandbyStub(swarm.root, stub_endpoint, ["", "", swarm.endpoint]) as stub:
+            _set_broker_endpoints(swarm, stub_endpoint)
+            swarm.start_broker()
+            swarm.start_worker(1)
+            assert stub.hello_count("worker-1") >= 3
+            redirects = _events(swarm, "worker-1", "broker_not_primary")
+            assert [e["primary"] for e in redirects[:3]] == ["", "", swarm.endpoint], redirects
+            lost = _events(swarm, "worker-1", "broker_link_lost")
+            assert "not the primary" in lost[0]["reason"] and lost[0]["next_endpoint"] == stub_endpoint
+            assert _events(swarm, "worker-1", "broker_link_ready")[0]["endpoint"] == swarm.endpoint
+
+
+# --- a failover -----------------------------------------------------------------------------
+FAILOVER_POINTS = [
+    # (crash point of broker A, the Nth time): what is unconfirmed when A dies
+    ("broker.after_submit_commit", 2),    # a producer's SUBMIT: committed, never acknowledged
+    ("broker.after_complete_commit", 1),  # a worker's COMPLETE, with three more leases held
+    ("broker.after_ack_commit", 1),       # the completion service's ACK, with leases held
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point,nth", FAILOVER_POINTS)
+def test_failover_to_a_second_broker_loses_nothing_lands_once(tmp_path: Path, point: str, nth: int) -> None:
+    """Broker A dies (SIGKILL at ``point``) with leases held and something unconfirmed; broker
+    B starts at the second endpoint of every peer's list on a copy of A's ledger directory.
+    Workers resume their leases by HELLO at B and report what they finished; the producer's
+    unconfirmed SUBMIT is resent and confirmed once; the completion service's results land
+    once; gap-report on B balances."""
+    with Swarm(tmp_path / "s", handler="sleep", broker={"lease_ttl_s": 60.0},
+               worker={"slots": 4, "prefetch": 0, "max_batch": 1}) as swarm:
+        port_b = free_tcp_port()
+        endpoint_b = f"tcp://127.0.0.1:{port_b}"
+        _set_broker_endpoints(swarm, f"{swarm.endpoint},{endpoint_b}")
+        doc = tomllib.loads(Path(swarm.configs["brokerd"]).read_text())
+        config_b = swarm.root / "brokerd-b.toml"
+        config_b.write_text(tomli_w.dumps({**doc, "endpoint": endpoint_b, "data_dir": "broker-b-data"}))
+        env = {**env_for(point), "CCSQ_CRASH_AFTER_N": str(nth)}
+        swarm.start_broker(env=env)
+        swarm.start_worker(1)
+        swarm.start_completion()
+        done: list = []
+        with swarm.client() as client:
+            # one quick item (its COMPLETE and ACK come first), three that run across the failover
+            first = client.submit_many([(b"quick", "sleep", {"seconds": 0.05})]
+                                       + [(f"slow-{i}".encode(), "sleep", {"seconds": 5.0}) for i in range(3)],
+                                       timeout_s=30)
+            assert len(first) == 4
+            wait_until(lambda: len(_events(swarm, "worker-1", "job_started")) >= 4, 60, "4 jobs started")
+            if point == "broker.after_submit_commit":
+                t = threading.Thread(target=lambda: done.extend(
+                    client.submit_many([(b"late", "sleep", {"seconds": 0.05})], timeout_s=120)))
+                t.start()
+            wait_until(lambda: not swarm.procs.procs["broker"].running, 60, "broker A to die at " + point)
+            held = [e for e in _events(swarm, "worker-1", "job_started")]
+            # the disk survived: B opens a copy of A's ledger, taken after A's death
+            shutil.copytree(swarm.root / "broker-data", swarm.root / "broker-b-data",
+                            ignore=shutil.ignore_patterns("broker.lock"))
+            swarm.procs.start("broker-b", [bin_path("ccsq-brokerd"), "--config", str(config_b)],
+                              ready_event="broker_started")
+            if point == "broker.after_submit_commit":
+                t.join(120)
+                assert done and done[0].item_id and done[0].duplicate, done  # confirmed by B: A had committed it
+        n = 5 if point == "broker.after_submit_commit" else 4
+        rep = _assert_landed_once(swarm, n, swarm.root / "broker-b-data")
+        assert len(held) >= 4
+        # the worker's new session at B resumed the leases it held (three slow jobs still running or
+        # finished and unconfirmed), by HELLO, as after a broker restart
+        sessions = _events(swarm, "worker-1", "session_started")
+        assert len(sessions) >= 2 and sessions[-1]["resumed"] >= 3, sessions
+        assert _events(swarm, "worker-1", "broker_link_ready")[-1]["endpoint"] == endpoint_b
+        assert _events(swarm, "completion", "broker_link_ready")[-1]["endpoint"] == endpoint_b
+        assert rep["counters"]["dead"] == 0 and rep["counters"]["expired"] == 0, rep["counters"]
+        rows = swarm.results()
+        assert sorted(json.loads(r["params"]).get("seconds") for r in rows).count(5.0) == 3
+        gap = _gap_report(config_b)
+        assert gap["balanced"] is True and gap["counters"]["acknowledged"] == n
