@@ -22,7 +22,7 @@ import pytest
 import tomli_w
 
 from ccsq.common.runtime.faults import env_for
-from ccsq.common.wire.config import PeerSettings, WorkerConfig, load
+from ccsq.common.wire.config import WorkerConfig, load
 from ccsq.common.wire.errors import ConfigError
 from ccsq.tools.procs import bin_path, free_tcp_port
 from tests.standby_stub import StandbyStub
@@ -238,7 +238,7 @@ def test_failover_to_a_second_broker_loses_nothing_lands_once(tmp_path: Path, po
                     client.submit_many([(b"late", "sleep", {"seconds": 0.05})], timeout_s=120)))
                 t.start()
             wait_until(lambda: not swarm.procs.procs["broker"].running, 60, "broker A to die at " + point)
-            held = [e for e in _events(swarm, "worker-1", "job_started")]
+            held = _events(swarm, "worker-1", "job_started")
             # the disk survived: B opens a copy of A's ledger, taken after A's death
             shutil.copytree(swarm.root / "broker-data", swarm.root / "broker-b-data",
                             ignore=shutil.ignore_patterns("broker.lock"))
@@ -261,3 +261,114 @@ def test_failover_to_a_second_broker_loses_nothing_lands_once(tmp_path: Path, po
         assert sorted(json.loads(r["params"]).get("seconds") for r in rows).count(5.0) == 3
         gap = _gap_report(config_b)
         assert gap["balanced"] is True and gap["counters"]["acknowledged"] == n
+
+
+# --- no request waits on a broker that is gone ----------------------------------------------
+@pytest.mark.timeout(60)
+def test_an_admin_command_in_flight_fails_at_once_when_the_session_ends(tmp_path: Path) -> None:
+    """The broker WELCOMEs the admin, takes its command and goes silent (a primary lost
+    mid-command): the command fails as soon as the link's disconnect rule ends the session
+    (heartbeat x liveness = 1 s), naming it, instead of after its 20 s reply timeout; not
+    re-sent to the next broker (a state-changing command may have taken effect)."""
+    from ccsq.common.wire.config import AdminConfig
+    from ccsq.common.wire.errors import BrokerUnavailable
+    from ccsq.tools.admin_client import with_broker
+    from tests.scripted_broker import ScriptedBroker, make_pki, write_config
+
+    make_pki(tmp_path, {"broker": "broker", "admin": "admin"})
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    cfg = load(AdminConfig, write_config(tmp_path, "admin", "admin", endpoint, data_dir="nowhere"))
+    with ScriptedBroker(tmp_path, endpoint) as broker:
+        async def run(session) -> dict:
+            broker.set_silent(True)  # the command goes out; nothing ever answers it
+            return await session.call("status", timeout_s=20.0)
+
+        t0 = time.monotonic()
+        with pytest.raises(BrokerUnavailable, match="session ended before the reply"):
+            with_broker(cfg, run)
+        assert time.monotonic() - t0 < 10.0
+
+
+@pytest.mark.timeout(60)
+def test_two_standbys_naming_each_other_cost_the_backoff_not_a_busy_loop(tmp_path: Path, caplog) -> None:
+    """Standby 1 names standby 2 as primary and 2 names 1 (stale etcd answers): the first
+    redirect is taken at once, the next one in a row waits the backoff (never a busy loop)."""
+    import asyncio
+    import logging
+
+    from ccsq.common.link.peer import BrokerLink
+    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire.config import PeerSettings
+    from tests.scripted_broker import make_pki
+
+    make_pki(tmp_path, {"broker": "broker", "worker-1": "worker"})
+    e1, e2 = _dead_endpoint(), _dead_endpoint()
+    settings = PeerSettings(peer_id="worker-1", private_key=str(tmp_path / "keys" / "worker-1.key"),
+                            authorized_keys=str(tmp_path / "authorized_keys.toml"), broker_endpoint=e1,
+                            reconnect_backoff_max_s=0.2, hello_timeout_s=2.0)
+
+    async def run_until(stubs: tuple[StandbyStub, ...], hellos: int) -> BrokerLink:
+        link = BrokerLink(settings, hello=lambda: p.Hello(role="worker"), on_message=lambda env: None)
+        task = asyncio.create_task(link.run())
+        deadline = time.monotonic() + 30
+        while sum(s.hello_count() for s in stubs) < hellos and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await link.stop()
+        await asyncio.wait_for(task, 5)
+        return link
+
+    caplog.set_level(logging.INFO, logger="ccsq.peer")
+    with StandbyStub(tmp_path, e1, [e2]) as s1, StandbyStub(tmp_path, e2, [e1]) as s2:
+        link = asyncio.run(run_until((s1, s2), 12))
+    assert link.sessions == 0 and s1.hello_count() >= 5 and s2.hello_count() >= 5
+    delays = [r.ccsq_event["reconnect_in_s"] for r in caplog.records
+              if getattr(r, "ccsq_event", {}).get("event") == "broker_link_lost"][:10]
+    assert len(delays) == 10
+    immediate = [d == 0.0 for d in delays]
+    # at once, then by the backoff, alternately: two immediate redirects never follow each other
+    assert immediate[0] and not any(a and b for a, b in zip(immediate, immediate[1:])), delays
+
+
+@pytest.mark.timeout(300)
+def test_after_a_failover_the_standby_leads_peers_to_the_new_primary(tmp_path: Path) -> None:
+    """The pair as peers see it: broker_endpoint = "STANDBY,A". The standby names A; every peer
+    works with A. A is SIGKILLed with leases held; B starts on a copy of A's ledger at an
+    endpoint no peer lists, and the standby now names B. Each peer comes back to the
+    standby (whose session it met before A's: not a replay), follows it to B, resumes its
+    leases there, and the items land once. The producer's outbox spools what is submitted
+    while no broker answers and delivers it to B."""
+    with Swarm(tmp_path / "s", handler="sleep", broker={"lease_ttl_s": 60.0},
+               worker={"slots": 3, "prefetch": 0, "max_batch": 1}, producer={"outbox_dir": "outbox"}) as swarm:
+        endpoint_b = _dead_endpoint()
+        doc = tomllib.loads(Path(swarm.configs["brokerd"]).read_text())
+        config_b = swarm.root / "brokerd-b.toml"
+        config_b.write_text(tomli_w.dumps({**doc, "endpoint": endpoint_b, "data_dir": "broker-b-data"}))
+        stub_endpoint = _dead_endpoint()
+        with StandbyStub(swarm.root, stub_endpoint, [swarm.endpoint]) as stub:
+            _set_broker_endpoints(swarm, f"{stub_endpoint},{swarm.endpoint}")
+            swarm.start_all(workers=1)
+            with swarm.client() as client:
+                client.submit_many([(f"slow-{i}".encode(), "sleep", {"seconds": 4.0}) for i in range(3)], timeout_s=30)
+            wait_until(lambda: len(_events(swarm, "worker-1", "job_started")) >= 3, 60, "3 jobs started")
+            swarm.procs.kill("broker")
+            with stub.lock:
+                stub.primaries = [swarm.endpoint] * len(stub.hellos) + [endpoint_b]  # the election's outcome
+            shutil.copytree(swarm.root / "broker-data", swarm.root / "broker-b-data",
+                            ignore=shutil.ignore_patterns("broker.lock"))
+            with swarm.client() as client:
+                # no broker answers (A dead, B not started): spooled after submit_timeout_s
+                spooled = client.submit_many([(f"spooled-{i}".encode(), "sleep", {"seconds": 0.05}) for i in range(2)],
+                                             timeout_s=60)
+                assert len(spooled) == 2 and all(r.spooled for r in spooled), spooled
+                swarm.procs.start("broker-b", [bin_path("ccsq-brokerd"), "--config", str(config_b)],
+                                  ready_event="broker_started")
+                client.flush(timeout_s=60)
+            rep = _assert_landed_once(swarm, 5, swarm.root / "broker-b-data")
+            assert rep["counters"]["dead"] == 0 and rep["counters"]["expired"] == 0, rep["counters"]
+            for name in ("worker-1", "completion"):
+                ready = _events(swarm, name, "broker_link_ready")
+                assert [e["endpoint"] for e in ready][-1] == endpoint_b, ready
+                assert _events(swarm, name, "broker_not_primary")[-1]["primary"] == endpoint_b
+            sessions = _events(swarm, "worker-1", "session_started")
+            assert sessions[-1]["resumed"] == 3, sessions
+            assert not stub.errors, stub.errors

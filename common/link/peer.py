@@ -415,6 +415,7 @@ class BrokerLink:
             curve_client_setup(sock, self._curve_server_key, self._curve_secret)
         monitor = sock.get_monitor_socket(CONNECT_EVENTS)
         sock.connect(self.endpoint)
+        self.codec.replay_scope(self.endpoint)  # each broker of a pair: its own sessions (docs/ha.md)
         self.codec.new_session()
         self._outbox = asyncio.Queue()
         tasks: list[asyncio.Task] = []
