@@ -372,3 +372,37 @@ def test_after_a_failover_the_standby_leads_peers_to_the_new_primary(tmp_path: P
             sessions = _events(swarm, "worker-1", "session_started")
             assert sessions[-1]["resumed"] == 3, sessions
             assert not stub.errors, stub.errors
+
+
+# --- a relay: both sides ----------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_a_relay_follows_lists_on_both_sides(tmp_path: Path) -> None:
+    """The relay's upstream_endpoint = "DEAD,A" and downstream_endpoint = "B's STANDBY,DEAD":
+    both sides reach their brokers (the downstream at once, by NOT_PRIMARY), and a's items run
+    on b's worker and land once in a's results."""
+    from tests.fedswarm import FedPair
+
+    with FedPair(tmp_path, a_workers=0) as pair:
+        stub_endpoint = _dead_endpoint()
+        doc = tomllib.loads(Path(pair.relay_cfg).read_text())
+        doc["links"][0]["upstream_endpoint"] = f"{_dead_endpoint()},{pair.a.endpoint}"
+        doc["links"][0]["downstream_endpoint"] = f"{stub_endpoint},{_dead_endpoint()}"
+        Path(pair.relay_cfg).write_text(tomli_w.dumps(doc))
+        with StandbyStub(pair.b.root, stub_endpoint, [pair.b.endpoint]) as stub:
+            pair.a.start_broker()
+            pair.a.start_completion()
+            pair.b.start_broker()
+            pair.b.start_worker(1)
+            pair.start_relay()
+            pair.wait_connected()
+            with pair.a.client() as client:
+                receipts = client.submit_many([(f"fed-{i}".encode(), "echo") for i in range(4)], timeout_s=60)
+            assert len({r.item_id for r in receipts}) == 4
+            pair.a.wait_acknowledged(4, timeout_s=90)
+            rows = wait_until(lambda: r if len(r := pair.a.results()) >= 4 else None, 30, "4 rows in a's results")
+            assert len({r["item_id"] for r in rows}) == 4
+            assert pair.a.report()["balanced"] is True and pair.b.report()["balanced"] is True
+            assert stub.hello_count() >= 1 and not stub.errors
+            relay = pair.procs.procs["relay"].events()
+            ready = {e.get("endpoint") for e in relay if e.get("event") == "broker_link_ready"}
+            assert {pair.a.endpoint, pair.b.endpoint} <= ready, ready
