@@ -406,3 +406,24 @@ def test_a_relay_follows_lists_on_both_sides(tmp_path: Path) -> None:
             relay = pair.procs.procs["relay"].events()
             ready = {e.get("endpoint") for e in relay if e.get("event") == "broker_link_ready"}
             assert {pair.a.endpoint, pair.b.endpoint} <= ready, ready
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_primary_is_left_at_once_not_after_the_silence(tmp_path: Path) -> None:
+    """With a list, a peer ends its session as soon as the broker's TCP connection closes (the
+    process was SIGKILLed), not after heartbeat x liveness (10 s here), and tries the next
+    entry: the failover does not wait for the peers' silence rule."""
+    with Swarm(tmp_path / "s", broker={"heartbeat_interval_s": 1.0, "liveness": 10, "lease_ttl_s": 60.0}) as swarm:
+        stub_endpoint = _dead_endpoint()
+        with StandbyStub(swarm.root, stub_endpoint, [""]) as stub:
+            _set_broker_endpoints(swarm, f"{swarm.endpoint},{stub_endpoint}")
+            swarm.start_broker()
+            swarm.start_worker(1)
+            swarm.start_completion()
+            t0 = time.time()
+            swarm.procs.kill("broker")
+            for name in ("worker-1", "completion"):
+                lost = wait_until(lambda: _events(swarm, name, "broker_link_lost"), 30, f"{name} to lose the broker")
+                assert "closed" in lost[0]["reason"] and lost[0]["next_endpoint"] == stub_endpoint, lost
+                assert _ts(lost[0]) - t0 < 4.0, (_ts(lost[0]) - t0, lost[0])
+            wait_until(lambda: stub.hello_count("worker-1") >= 1, 10, "the worker at the next entry")

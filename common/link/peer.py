@@ -25,7 +25,8 @@ endpoint at once (listed or not: the broker there must prove the same pinned key
 immediate redirect in a row, a second one waits the backoff), and with ``primary = ""``
 (an election) it tries the next endpoint after the backoff. A refused connect, no
 WELCOME in time, or a broker gone by the disconnect rule: the next endpoint of the
-list (after the backoff). A WELCOME whose ``broker_epoch`` differs from the last
+list (after the backoff). With a list, a session also ends as soon as its TCP
+connection closes (a ZeroMQ monitor event: the broker process died), not after the silence. A WELCOME whose ``broker_epoch`` differs from the last
 session's is counted and logged (``broker_epoch_changed``: a restart or a failover); the
 owners' ``on_connect`` resends what they hold either way.
 """
@@ -179,6 +180,10 @@ CURVE_FAILED_EVENTS = (
 #: TCP/IPC connect (CONNECT_RETRIED before any CONNECTED: nothing listens, fail fast) and a
 #: ZMTP security-mechanism mismatch (curve on one side only: say so, not "broker down").
 CONNECT_EVENTS = CURVE_FAILED_EVENTS | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: With a list of brokers (a pair, docs/ha.md) the link also watches its connection close: a
+#: broker process that died (its host's kernel closes the TCP connection) ends the session
+#: at once, so the link moves to the next broker without waiting heartbeat x liveness.
+PAIR_EVENTS = CONNECT_EVENTS | zmq.EVENT_DISCONNECTED
 
 
 def curve_mismatch_hint(settings: PeerSettings, endpoint: str | None = None) -> str:
@@ -413,7 +418,8 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + FRAME_SLACK_BYTES)
         if self._curve_server_key is not None:
             curve_client_setup(sock, self._curve_server_key, self._curve_secret)
-        monitor = sock.get_monitor_socket(CONNECT_EVENTS)
+        pair = len(self.endpoints) > 1 or self.endpoint not in self.endpoints
+        monitor = sock.get_monitor_socket(PAIR_EVENTS if pair else CONNECT_EVENTS)
         sock.connect(self.endpoint)
         self.codec.replay_scope(self.endpoint)  # each broker of a pair: its own sessions (docs/ha.md)
         self.codec.new_session()
@@ -432,6 +438,8 @@ class BrokerLink:
                 asyncio.create_task(self._ticker(), name="link-heartbeat"),
                 asyncio.create_task(self._stopped_ev.wait(), name="link-stop"),
             ]
+            if pair and monitor is not None:
+                tasks.append(asyncio.create_task(self._closed_watch(monitor), name="link-closed-watch"))
             if self._on_connect:
                 res = self._on_connect(self._welcome)
                 if asyncio.iscoroutine(res):
@@ -487,6 +495,8 @@ class BrokerLink:
                 event = parse_monitor_message(failed.result())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.refused_since_mono = None  # something listens; WELCOME may still be slow
+                elif event["event"] == zmq.EVENT_DISCONNECTED:  # a list only (PAIR_EVENTS)
+                    raise LinkLost(f"connection to {self.endpoint} closed before WELCOME")
                 elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
                     if self.refused_since_mono is None:
                         self.refused_since_mono = time.monotonic()
@@ -681,6 +691,14 @@ class BrokerLink:
                     raise LinkLost(f"socket error: {exc}") from None
             if isinstance(msg, p.Bye):
                 raise LinkLost("bye sent")
+
+    async def _closed_watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A session of a broker pair: end it when its TCP connection closes (the broker
+        process died or closed it): the disconnect rule, without waiting for the silence."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                raise LinkLost(f"connection to {self.endpoint} closed (the broker process is gone)")
 
     async def _ticker(self) -> None:
         while True:
