@@ -26,9 +26,12 @@ immediate redirect in a row, a second one waits the backoff), and with ``primary
 (an election) it tries the next endpoint after the backoff. A refused connect, no
 WELCOME in time, or a broker gone by the disconnect rule: the next endpoint of the
 list (after the backoff). With a list, a session also ends as soon as its TCP
-connection closes (a ZeroMQ monitor event: the broker process died), not after the silence. A WELCOME whose ``broker_epoch`` differs from the last
-session's is counted and logged (``broker_epoch_changed``: a restart or a failover); the
-owners' ``on_connect`` resends what they hold either way.
+connection closes (a ZeroMQ monitor event: the broker process died), not after the
+silence. The codec keeps its replay memory per endpoint (``EnvelopeCodec.replay_scope``:
+every broker of a pair signs as the one service identity). A WELCOME whose
+``broker_epoch`` differs from the last session's is counted and logged
+(``broker_epoch_changed``: a restart or a failover); the owners' ``on_connect`` resends
+what they hold either way.
 """
 
 from __future__ import annotations
