@@ -23,7 +23,7 @@ import tomli_w
 
 from ccsq.common.runtime.faults import env_for
 from ccsq.common.wire.config import WorkerConfig, load
-from ccsq.common.wire.errors import ConfigError
+from ccsq.common.wire.errors import ConfigError, DecodeError
 from ccsq.tools.procs import bin_path, free_tcp_port
 from tests.standby_stub import StandbyStub
 from tests.swarm import Swarm, wait_until
@@ -112,6 +112,36 @@ def test_a_relay_link_takes_lists_and_refuses_a_broker_on_both_sides(tmp_path: P
                                    "links": [{**link, "upstream_endpoint": "tcp://a1:5555,a2"}]}))
     with pytest.raises(ConfigError, match="upstream_endpoint entry 2 of 2"):
         load_relay_config(path)
+
+
+def test_the_peer_codec_keeps_replay_memory_per_broker_of_the_pair(tmp_path: Path) -> None:
+    """Two broker processes of a pair sign as the one service identity, each with its own
+    session: a peer that met the standby, then the primary, then the standby again reads the
+    standby's answer (its own scope), while a replay inside one broker's scope stays refused."""
+    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire.envelope import EnvelopeCodec
+    from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
+    from tests.scripted_broker import make_pki
+
+    ak = make_pki(tmp_path, {"broker": "broker", "worker-1": "worker"})
+    key = load_private_key(tmp_path / "keys" / "broker.key")
+    standby, primary = (EnvelopeCodec("broker", key, AuthorizedKeys(ak)) for _ in range(2))
+    peer = EnvelopeCodec("worker-1", load_private_key(tmp_path / "keys" / "worker-1.key"), AuthorizedKeys(ak),
+                         require_hello=False)
+
+    def meet(scope: str, broker: EnvelopeCodec) -> list[bytes]:
+        peer.replay_scope(scope)
+        peer.new_session()
+        frames = broker.encode(p.Error(p.REJECT_NOT_PRIMARY, "standby", 0, primary="tcp://b2:5555"))
+        peer.decode(frames, bound_sender="broker")
+        return frames
+
+    meet("tcp://b1:5555", standby)
+    meet("tcp://b2:5555", primary)
+    old = meet("tcp://b1:5555", standby)  # refused as a replay with one memory for the pair
+    with pytest.raises(DecodeError) as err:
+        peer.decode(old, bound_sender="broker")  # the same frame again, in the same scope
+    assert err.value.code == p.REJECT_REPLAY
 
 
 # --- a dead first entry --------------------------------------------------------------------
