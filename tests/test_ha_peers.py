@@ -63,6 +63,13 @@ def _assert_landed_once(swarm: Swarm, n: int, data_dir: Path | None = None) -> d
     return rep
 
 
+def _copy_ledger(src: Path, dst: Path) -> None:
+    """What survives a broker host's death for this simulation: the ledger's data file,
+    copied after the broker was SIGKILLed (LMDB commits are fsynced: the copy is what a restart
+    on that disk would open). Not the locks (LMDB's reader table, the broker's flock)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("broker.lock", "lock.mdb"))
+
+
 def _gap_report(config: Path) -> dict:
     out = subprocess.run([bin_path("ccsq"), "gap-report", "--config", str(config), "--json"], capture_output=True,
                          text=True, timeout=60)
@@ -270,8 +277,7 @@ def test_failover_to_a_second_broker_loses_nothing_lands_once(tmp_path: Path, po
             wait_until(lambda: not swarm.procs.procs["broker"].running, 60, "broker A to die at " + point)
             held = _events(swarm, "worker-1", "job_started")
             # the disk survived: B opens a copy of A's ledger, taken after A's death
-            shutil.copytree(swarm.root / "broker-data", swarm.root / "broker-b-data",
-                            ignore=shutil.ignore_patterns("broker.lock"))
+            _copy_ledger(swarm.root / "broker-data", swarm.root / "broker-b-data")
             swarm.procs.start("broker-b", [bin_path("ccsq-brokerd"), "--config", str(config_b)],
                               ready_event="broker_started")
             if point == "broker.after_submit_commit":
@@ -383,8 +389,7 @@ def test_after_a_failover_the_standby_leads_peers_to_the_new_primary(tmp_path: P
             swarm.procs.kill("broker")
             with stub.lock:
                 stub.primaries = [swarm.endpoint] * len(stub.hellos) + [endpoint_b]  # the election's outcome
-            shutil.copytree(swarm.root / "broker-data", swarm.root / "broker-b-data",
-                            ignore=shutil.ignore_patterns("broker.lock"))
+            _copy_ledger(swarm.root / "broker-data", swarm.root / "broker-b-data")
             with swarm.client() as client:
                 # no broker answers (A dead, B not started): spooled after submit_timeout_s
                 spooled = client.submit_many([(f"spooled-{i}".encode(), "sleep", {"seconds": 0.05}) for i in range(2)],
