@@ -462,3 +462,55 @@ def test_a_killed_primary_is_left_at_once_not_after_the_silence(tmp_path: Path) 
                 assert "closed" in lost[0]["reason"] and lost[0]["next_endpoint"] == stub_endpoint, lost
                 assert _ts(lost[0]) - t0 < 4.0, (_ts(lost[0]) - t0, lost[0])
             wait_until(lambda: stub.hello_count("worker-1") >= 1, 10, "the worker at the next entry")
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_and_its_downstream_swarm_follow_a_downstream_failover(tmp_path: Path) -> None:
+    """The downstream broker b dies (SIGKILL) while b's worker runs three of a's items the
+    relay submitted there; b2 starts on a copy of b's ledger at the second endpoint of the
+    relay's downstream_endpoint and of b's worker. The worker resumes its leases at b2, b2
+    routes the results to the relay, the relay completes them upstream: each lands once in a's
+    results, and a's, b2's and the link's books balance."""
+    from tests.fedswarm import FedPair
+
+    with FedPair(tmp_path, a_workers=0, handler="sleep", kinds=("sleep",), broker={"lease_ttl_s": 60.0},
+                 worker={"slots": 3, "prefetch": 0, "max_batch": 1}) as pair:
+        b = pair.b
+        endpoint_b2 = _dead_endpoint()
+        doc = tomllib.loads(Path(b.configs["brokerd"]).read_text())
+        config_b2 = b.root / "brokerd-b2.toml"
+        config_b2.write_text(tomli_w.dumps({**doc, "endpoint": endpoint_b2, "data_dir": "broker-b2-data"}))
+        _set_broker_endpoints(b, f"{b.endpoint},{endpoint_b2}")
+        relay_doc = tomllib.loads(Path(pair.relay_cfg).read_text())
+        relay_doc["links"][0]["downstream_endpoint"] = f"{b.endpoint},{endpoint_b2}"
+        Path(pair.relay_cfg).write_text(tomli_w.dumps(relay_doc))
+        pair.a.start_broker()
+        pair.a.start_completion()
+        b.start_broker()
+        b.start_worker(1)
+        pair.start_relay()
+        pair.wait_connected()
+        with pair.a.client() as client:
+            client.submit_many([(f"fed-slow-{i}".encode(), "sleep", {"seconds": 4.0}) for i in range(3)], timeout_s=60)
+        wait_until(lambda: len(_events(b, "worker-1", "job_started")) >= 3, 60, "b's worker runs the 3 relayed items")
+        b.procs.kill("broker")
+        _copy_ledger(b.root / "broker-data", b.root / "broker-b2-data")
+        b.procs.start("broker-b2", [bin_path("ccsq-brokerd"), "--config", str(config_b2)], ready_event="broker_started")
+        pair.a.wait_acknowledged(3, timeout_s=120)
+        rows = wait_until(lambda: r if len(r := pair.a.results()) >= 3 else None, 30, "3 rows in a's results")
+        assert len(rows) == 3 and len({r["item_id"] for r in rows}) == 3, rows
+        rep_a = pair.a.report()
+        assert rep_a["counters"]["received"] == rep_a["counters"]["acknowledged"] == 3 and rep_a["balanced"] is True
+        def drained() -> dict | None:
+            r = pair.report()
+            return r if all(k["in_flight"] == 0 for k in r["links"]) else None
+
+        fed = wait_until(drained, 60, "the link drained")
+        assert fed["balanced"] is True, fed
+        from ccsq.brokerd.report import load_report
+
+        rep_b2 = load_report(str(b.root / "broker-b2-data"))
+        assert rep_b2["balanced"] is True and rep_b2["counters"]["dead"] == 0, rep_b2["counters"]
+        assert _events(b, "worker-1", "session_started")[-1]["resumed"] == 3
+        relay = pair.procs.procs["relay"].events()
+        assert endpoint_b2 in {e.get("endpoint") for e in relay if e.get("event") == "broker_link_ready"}
