@@ -25,6 +25,7 @@ import dataclasses
 from pathlib import Path
 
 from ccsq.common.wire.config import PeerSettings, from_mapping, opt, read_toml
+from ccsq.common.wire.endpoints import split_endpoints
 from ccsq.common.wire.errors import ConfigError
 from ccsq.common.runtime.metrics import parse_listen
 
@@ -42,14 +43,14 @@ class LinkConfig:
                       " credit; deadline: also spill (up to max_in_flight) while the upstream forecasts a missed deadline")
     max_hops: int = opt(1, min=1, max=1, doc="an item is relayed at most this many times (only 1 is supported)")
     max_in_flight: int = opt(256, min=1, max=65536, doc="most items held by this link at once")
-    upstream_endpoint: str = opt("", doc="ZeroMQ endpoint of the upstream broker")
+    upstream_endpoint: str = opt("", endpoint="connect-list", doc="ZeroMQ endpoint of the upstream broker (a broker pair: a comma-separated list, like a peer's broker_endpoint)")
     upstream_broker_id: str = opt("broker", doc="the upstream broker's peer id in upstream_authorized_keys")
     upstream_peer_id: str = opt("", doc="this relay's peer id at the upstream broker ('' = <peer_id>-<name>-up)")
     upstream_authorized_keys: str = opt("", path=True, doc="file with the upstream broker's public key")
     upstream_claim_store: str = opt("", doc="the upstream's claim store URI ('' = payloads are inline only)")
     upstream_curve: bool = opt(False, doc="CURVE toward the upstream broker")
     upstream_broker_curve_public_key: str = opt("", path=True, doc="the upstream broker's CURVE public key (curve = true)")
-    downstream_endpoint: str = opt("", doc="ZeroMQ endpoint of the downstream broker")
+    downstream_endpoint: str = opt("", endpoint="connect-list", doc="ZeroMQ endpoint of the downstream broker (a broker pair: a comma-separated list, like a peer's broker_endpoint)")
     downstream_broker_id: str = opt("broker", doc="the downstream broker's peer id in downstream_authorized_keys")
     downstream_peer_id: str = opt("", doc="this relay's peer id at the downstream broker ('' = <peer_id>-<name>-down)")
     downstream_authorized_keys: str = opt("", path=True, doc="file with the downstream broker's public key")
@@ -130,8 +131,8 @@ def load_relay_config(path: str | Path) -> RelayConfig:
         if len(link.kinds) > MAX_KINDS_PER_LINK or not all(0 < len(k) <= 128 for k in link.kinds):
             # the brokers' heartbeats carry two entries per kind in a map of at most 256
             raise ConfigError(f"{where}: kinds must be 1..{MAX_KINDS_PER_LINK} names of 1..128 characters")
-        if link.upstream_endpoint == link.downstream_endpoint:
-            raise ConfigError(f"{where}: upstream_endpoint and downstream_endpoint are the same broker")
+        if both := set(split_endpoints(link.upstream_endpoint)) & set(split_endpoints(link.downstream_endpoint)):
+            raise ConfigError(f"{where}: upstream_endpoint and downstream_endpoint name the same broker ({', '.join(sorted(both))})")
         if any(c in link.name for c in " \t:/"):
             raise ConfigError(f"{where}: name {link.name!r} may not contain spaces, ':' or '/'")
         if link.name in {x.name for x in links}:

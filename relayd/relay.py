@@ -633,7 +633,7 @@ class LinkRunner:
         assert refused is not None  # run() calls this only for a side whose link was refused
         why = f"{side} broker refused the relay ({refused.code}: {refused.message})"
         self.refused[side] = why
-        self.log.error("link_refused", side=side, code=refused.code, endpoint=link.settings.broker_endpoint)
+        self.log.error("link_refused", side=side, code=refused.code, endpoint=link.endpoint)
         self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, p.Role.RELAY.value, refused))
         if side == "downstream":
             # nothing held here can run downstream any more: give every lease not yet back

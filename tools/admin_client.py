@@ -47,6 +47,14 @@ class AdminSession:
         elif isinstance(msg, p.Error):
             self._requests.fail_all(AdminFailed(f"{msg.code}: {msg.message}"))
 
+    def on_disconnect(self, reason: str) -> None:
+        """The session ended (the broker restarted, failed over to its standby, or went
+        silent): a command sent in it gets no reply; fail it now, not after its timeout.
+        Not re-sent: a state-changing command may have taken effect (``ccsq status`` says)."""
+        self._requests.fail_all(BrokerUnavailable(
+            f"the broker session ended before the reply ({reason}); check with `ccsq status` whether the command "
+            "took effect, then run it again if it did not"))
+
     async def call(self, command: str, args: dict | None = None, timeout_s: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         """Run one command; returns the reply document. Raises AdminFailed (the broker
         said no), BrokerUnavailable (session lost or no reply within ``timeout_s``)."""
@@ -70,7 +78,8 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     from ccsq.common.link.peer import BrokerLink
 
     session = AdminSession()
-    link = BrokerLink(settings, hello=lambda: p.Hello(role=p.Role.ADMIN.value), on_message=session.on_message)
+    link = BrokerLink(settings, hello=lambda: p.Hello(role=p.Role.ADMIN.value), on_message=session.on_message,
+                      on_disconnect=session.on_disconnect)
     session.link = link
     runner = asyncio.create_task(link.run(), name="admin-link")
     try:
@@ -152,6 +161,8 @@ def broker_down_fix(settings: AdminConfig) -> str:
     """What to do when the broker at ``settings.broker_endpoint`` does not answer, one
     sentence: a broker that holds this ledger on this host runs elsewhere than the endpoint
     (fix broker_endpoint), else none runs here (start it)."""
+    from ccsq.common.wire.endpoints import split_endpoints
+
     where = settings.config_path or "admin.toml"
     holder = ledger_lock_holder(settings.data_dir)
     if holder:
@@ -164,7 +175,7 @@ def broker_down_fix(settings: AdminConfig) -> str:
                 endpoint = str(tomllib.loads(brokerd.read_text()).get("endpoint", ""))
             except (OSError, tomllib.TOMLDecodeError):
                 endpoint = ""
-        if endpoint == settings.broker_endpoint:
+        if endpoint in split_endpoints(settings.broker_endpoint):
             return (f"fix: a broker (pid {holder}) holds the ledger in {settings.data_dir} on this host and {brokerd} "
                     "names this endpoint, so it runs but did not answer: it may be stopped or overloaded (journalctl -u "
                     "ccsq-brokerd; systemctl status ccsq-brokerd), or run with another brokerd.toml")

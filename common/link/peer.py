@@ -17,6 +17,21 @@ the at-least-once pattern; the broker deduplicates.
 The one disconnect rule (docs/architecture.md, layer 2): the broker is gone when nothing
 arrived for ``heartbeat_interval_s x liveness``, on any socket error, or on an
 invalid envelope from it. Then the DEALER is closed (LINGER 0) and rebuilt.
+
+A broker pair (docs/ha.md, "Peers"): ``broker_endpoint`` may list several endpoints
+(comma-separated). The link talks to one at a time, the first one first. A standby
+answers HELLO with ``Error(NOT_PRIMARY, primary=ENDPOINT)``: the link connects to that
+endpoint at once (listed or not: the broker there must prove the same pinned keys; one
+immediate redirect in a row, a second one waits the backoff), and with ``primary = ""``
+(an election) it tries the next endpoint after the backoff. A refused connect, no
+WELCOME in time, or a broker gone by the disconnect rule: the next endpoint of the
+list (after the backoff). With a list, a session also ends as soon as its TCP
+connection closes (a ZeroMQ monitor event: the broker process died), not after the
+silence. The codec keeps its replay memory per endpoint (``EnvelopeCodec.replay_scope``:
+every broker of a pair signs as the one service identity). A WELCOME whose
+``broker_epoch`` differs from the last session's is counted and logged
+(``broker_epoch_changed``: a restart or a failover); the owners' ``on_connect`` resends
+what they hold either way.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.config import PeerSettings
+from ccsq.common.wire.endpoints import check_endpoint, split_endpoints
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, DecodeError
 from ccsq.common.wire.frames import FRAME_SLACK_BYTES, encode_fitting
@@ -140,7 +156,22 @@ class LinkState(enum.Enum):
 
 
 class LinkLost(Exception):
-    """Internal: the current session ended (reason in args[0])."""
+    """Internal: the current session ended (reason in args[0]). ``rotate``: the broker at
+    this endpoint is unreachable or gone (try the next endpoint of the list); False when it
+    answered and is alive (a refusal to retry there, or it ended our session)."""
+
+    def __init__(self, reason: str, *, rotate: bool = True) -> None:
+        super().__init__(reason)
+        self.rotate = rotate
+
+
+class NotPrimary(LinkLost):
+    """Internal: the broker answered HELLO with NOT_PRIMARY (a standby); ``primary`` is the
+    endpoint it named ("" during an election)."""
+
+    def __init__(self, reason: str, primary: str) -> None:
+        super().__init__(reason, rotate=True)
+        self.primary = primary
 
 
 #: ZeroMQ handshake outcomes watched on a CURVE link (a wrong pinned key fails at once).
@@ -152,15 +183,21 @@ CURVE_FAILED_EVENTS = (
 #: TCP/IPC connect (CONNECT_RETRIED before any CONNECTED: nothing listens, fail fast) and a
 #: ZMTP security-mechanism mismatch (curve on one side only: say so, not "broker down").
 CONNECT_EVENTS = CURVE_FAILED_EVENTS | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+#: With a list of brokers (a pair, docs/ha.md) the link also watches its connection close: a
+#: broker process that died (its host's kernel closes the TCP connection) ends the session
+#: at once, so the link moves to the next broker without waiting heartbeat x liveness.
+PAIR_EVENTS = CONNECT_EVENTS | zmq.EVENT_DISCONNECTED
 
 
-def curve_mismatch_hint(settings: PeerSettings) -> str:
-    """One sentence for a ZMTP mechanism mismatch: which side has CURVE on, and the fix."""
+def curve_mismatch_hint(settings: PeerSettings, endpoint: str | None = None) -> str:
+    """One sentence for a ZMTP mechanism mismatch: which side has CURVE on, and the fix.
+    ``endpoint``: the broker endpoint tried (default ``settings.broker_endpoint``)."""
     where = settings.config_path or "this peer's config"
+    endpoint = endpoint or settings.broker_endpoint
     if settings.curve:
-        return (f"CURVE mismatch: this peer has curve = true but the broker at {settings.broker_endpoint} runs without "
+        return (f"CURVE mismatch: this peer has curve = true but the broker at {endpoint} runs without "
                 f"CURVE: set curve = true in the broker's brokerd.toml (docs/security.md), or curve = false in {where}")
-    return (f"CURVE mismatch: the broker at {settings.broker_endpoint} requires CURVE (curve = true) but {where} has "
+    return (f"CURVE mismatch: the broker at {endpoint} requires CURVE (curve = true) but {where} has "
             "curve = false: set curve = true there with broker_curve_public_key and curve_secret_key "
             "(`ccsq init` writes them; docs/security.md)")
 
@@ -213,6 +250,9 @@ class BrokerLink:
     heartbeat_interval_s: float  # from the broker's WELCOME
     liveness: int  # from the broker's WELCOME
     broker_epoch: int
+    endpoints: tuple[str, ...]  # broker_endpoint's entries, tried in order (a broker pair: docs/ha.md)
+    endpoint: str  # the endpoint of the current (or next) attempt: an entry, or the primary a standby named
+    epoch_changes: int  # WELCOMEs whose broker_epoch differed from the session before (restart or failover)
     sessions: int  # sessions opened so far
     last_recv_mono: float
     last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
@@ -251,6 +291,11 @@ class BrokerLink:
         self.heartbeat_interval_s = 1.0
         self.liveness = 5
         self.broker_epoch = 0
+        self.endpoints = split_endpoints(settings.broker_endpoint)
+        self._endpoint_index = 0  # the entry of endpoints tried last (or now)
+        self.endpoint = self.endpoints[0]
+        self._redirected = False  # the last attempt followed a NOT_PRIMARY answer at once
+        self.epoch_changes = 0
         self.sessions = 0
         self.last_recv_mono = time.monotonic()
         self.last_refusal = None
@@ -301,7 +346,8 @@ class BrokerLink:
         failing_since = time.monotonic()  # no session since then
         warned_mono: float | None = None
         while not self._stopping:
-            reason = await self._one_session()
+            lost = await self._one_session()
+            reason = str(lost)
             was_ready = self.state is LinkState.READY
             self.state = LinkState.CONNECTING
             self.ready.clear()
@@ -313,13 +359,15 @@ class BrokerLink:
             if self._stopping:
                 break
             delay = backoff_delay_s(attempt, 0.05, self.settings.reconnect_backoff_max_s)
+            if self._next_endpoint(lost):
+                delay = 0.0  # a standby named the primary: go there now (no backoff)
             if self._in_use_retry and self._in_use_until_mono is not None:
                 # the holder's session lapses by then unless it is alive: poll until just after it
                 self._in_use_retry = False
                 poll_s = backoff_delay_s(attempt, 0.05, min(self.settings.reconnect_backoff_max_s, 1.0))
                 delay = max(0.0, min(poll_s, self._in_use_until_mono - time.monotonic() + 0.02))
             attempt += 1
-            self.log.info("broker_link_lost", reason=reason, reconnect_in_s=round(delay, 3))
+            self.log.info("broker_link_lost", reason=reason, reconnect_in_s=round(delay, 3), next_endpoint=self.endpoint)
             now = time.monotonic()
             if now - failing_since >= BROKER_UNREACHABLE_WARN_AFTER_S and (
                     warned_mono is None or now - warned_mono >= BROKER_UNREACHABLE_REPEAT_S):
@@ -335,8 +383,36 @@ class BrokerLink:
                 pass
         self.state = LinkState.STOPPED
 
+    def _next_endpoint(self, lost: LinkLost) -> bool:
+        """Choose the endpoint of the next attempt after a session (or attempt) ended with
+        ``lost``; True when it is to be tried at once (a standby named the primary, and the
+        attempt before was not itself such a redirect: two standbys naming each other, or a
+        stale primary, cost the backoff, never a busy loop)."""
+        redirected, self._redirected = self._redirected, False
+        if isinstance(lost, NotPrimary) and lost.primary:
+            try:
+                check_endpoint(lost.primary, bind=False, where="NOT_PRIMARY primary")
+            except ConfigError as exc:
+                self.log.warning("broker_not_primary_bad_endpoint", endpoint=self.endpoint, error=str(exc)[:300])
+            else:
+                self.log.info("broker_not_primary", endpoint=self.endpoint, primary=lost.primary)
+                if lost.primary in self.endpoints:
+                    self._endpoint_index = self.endpoints.index(lost.primary)
+                self.endpoint = lost.primary
+                self._redirected = not redirected
+                return not redirected
+        elif isinstance(lost, NotPrimary):
+            self.log.info("broker_not_primary", endpoint=self.endpoint, primary="",
+                          note="no primary during an election: next endpoint after the backoff")
+        if not lost.rotate:
+            return False  # the broker there answered and lives: retry the same endpoint
+        if self.endpoint in self.endpoints:
+            self._endpoint_index = (self.endpoints.index(self.endpoint) + 1) % len(self.endpoints)
+        self.endpoint = self.endpoints[self._endpoint_index]
+        return False
+
     # --- one session ---
-    async def _one_session(self) -> str:
+    async def _one_session(self) -> LinkLost:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -345,8 +421,10 @@ class BrokerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes + FRAME_SLACK_BYTES)
         if self._curve_server_key is not None:
             curve_client_setup(sock, self._curve_server_key, self._curve_secret)
-        monitor = sock.get_monitor_socket(CONNECT_EVENTS)
-        sock.connect(self.settings.broker_endpoint)
+        pair = len(self.endpoints) > 1 or self.endpoint not in self.endpoints
+        monitor = sock.get_monitor_socket(PAIR_EVENTS if pair else CONNECT_EVENTS)
+        sock.connect(self.endpoint)
+        self.codec.replay_scope(self.endpoint)  # each broker of a pair: its own sessions (docs/ha.md)
         self.codec.new_session()
         self._outbox = asyncio.Queue()
         tasks: list[asyncio.Task] = []
@@ -356,13 +434,15 @@ class BrokerLink:
             self.state = LinkState.READY
             self.ready.set()
             self.log.info("broker_link_ready", session=self.codec.session, broker_epoch=self.broker_epoch,
-                          session_mac=self.codec.mac_active)
+                          session_mac=self.codec.mac_active, endpoint=self.endpoint)
             tasks = [
                 asyncio.create_task(self._reader(sock), name="link-reader"),
                 asyncio.create_task(self._writer(sock), name="link-writer"),
                 asyncio.create_task(self._ticker(), name="link-heartbeat"),
                 asyncio.create_task(self._stopped_ev.wait(), name="link-stop"),
             ]
+            if pair and monitor is not None:
+                tasks.append(asyncio.create_task(self._closed_watch(monitor), name="link-closed-watch"))
             if self._on_connect:
                 res = self._on_connect(self._welcome)
                 if asyncio.iscoroutine(res):
@@ -371,14 +451,14 @@ class BrokerLink:
             for t in done:
                 exc = t.exception()
                 if isinstance(exc, LinkLost):
-                    return str(exc)
+                    return exc
                 if exc is not None:
                     raise exc
-            return "stopped"
+            return LinkLost("stopped", rotate=False)
         except LinkLost as exc:
-            return str(exc)
+            return exc
         except zmq.ZMQError as exc:
-            return f"socket error: {exc}"
+            return LinkLost(f"socket error: {exc}")
         finally:
             for t in tasks:
                 t.cancel()
@@ -411,23 +491,31 @@ class BrokerLink:
                     self.connect_problem = None
                     self.refused_since_mono = None
                     self.curve_mismatch = False
+                    if isinstance(exc := hello.exception(), NotPrimary):
+                        self.connect_problem = (f"the broker at {self.endpoint} is a standby (NOT_PRIMARY); primary: "
+                                                f"{exc.primary or 'none named (an election is on)'}")
                     return hello.result()
                 event = parse_monitor_message(failed.result())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.refused_since_mono = None  # something listens; WELCOME may still be slow
+                elif event["event"] == zmq.EVENT_DISCONNECTED:  # a list only (PAIR_EVENTS)
+                    raise LinkLost(f"connection to {self.endpoint} closed before WELCOME")
                 elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
                     if self.refused_since_mono is None:
                         self.refused_since_mono = time.monotonic()
-                    self.connect_problem = f"connection to {self.settings.broker_endpoint} refused (nothing listens there)"
+                    self.connect_problem = f"connection to {self.endpoint} refused (nothing listens there)"
+                    if len(self.endpoints) > 1 or self.endpoint not in self.endpoints:
+                        # a list (a broker pair): the next broker now, not after hello_timeout_s
+                        raise LinkLost(self.connect_problem)
                 else:
                     break
                 failed = asyncio.ensure_future(monitor.recv_multipart())
             name = getattr(event["event"], "name", str(event["event"]))
             if (event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
-                hint = curve_mismatch_hint(self.settings)
+                hint = curve_mismatch_hint(self.settings, self.endpoint)
                 if self.connect_problem != hint:
-                    self.log.error("curve_mismatch", endpoint=self.settings.broker_endpoint, curve=self.settings.curve,
+                    self.log.error("curve_mismatch", endpoint=self.endpoint, curve=self.settings.curve,
                                    hint=hint)
                 self.connect_problem = hint
                 self.curve_mismatch = True
@@ -436,14 +524,14 @@ class BrokerLink:
                 if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                     # a CURVE broker often closes a plain peer's connection before libzmq can
                     # name the mechanism mismatch: still a configuration error, said at once
-                    hint = curve_mismatch_hint(self.settings) + " (or this endpoint is not a ccsq broker)"
+                    hint = curve_mismatch_hint(self.settings, self.endpoint) + " (or this endpoint is not a ccsq broker)"
                     if self.connect_problem != hint:
-                        self.log.error("curve_mismatch", endpoint=self.settings.broker_endpoint, curve=False,
+                        self.log.error("curve_mismatch", endpoint=self.endpoint, curve=False,
                                        zmq_event=name, hint=hint)
                     self.connect_problem = hint
                     self.curve_mismatch = True
                     raise LinkLost(hint)
-                raise LinkLost(f"handshake with {self.settings.broker_endpoint} failed ({name})")
+                raise LinkLost(f"handshake with {self.endpoint} failed ({name})")
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
                 # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
                 self.refused = self.last_refusal = p.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "
@@ -451,21 +539,21 @@ class BrokerLink:
                 self._stopping = True
                 self.log.error("broker_refused_peer", code=CURVE_REFUSED, message=self.refused.message,
                                fix=refusal_fix(self.settings, self._hello_role, self.refused))
-                raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} refused (ZAP): {CURVE_REFUSED}")
+                raise LinkLost(f"CURVE handshake with {self.endpoint} refused (ZAP): {CURVE_REFUSED}")
             # libzmq often reports a mechanism mismatch as NO_DETAIL too (the plain broker closes
             # first): name both causes, each a configuration fix, never "broker down"
             self.connect_problem = (
-                f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): either a "
-                + curve_mismatch_hint(self.settings)
+                f"CURVE handshake with {self.endpoint} failed ({name}): either a "
+                + curve_mismatch_hint(self.settings, self.endpoint)
                 + f"; or broker_curve_public_key ({self.settings.broker_curve_public_key}) is not the broker's key")
             self.curve_mismatch = True
             self.log.error(
-                "curve_handshake_failed", endpoint=self.settings.broker_endpoint, zmq_event=name,
+                "curve_handshake_failed", endpoint=self.endpoint, zmq_event=name,
                 broker_curve_public_key=self.settings.broker_curve_public_key,
                 hint="the pinned broker CURVE public key is wrong, the broker does not run with curve = true, or "
                      "this peer's curve_public_key is not in the broker's authorized_keys.toml (ZAP refused it)",
             )
-            raise LinkLost(f"CURVE handshake with {self.settings.broker_endpoint} failed ({name}): check broker_curve_public_key")
+            raise LinkLost(f"CURVE handshake with {self.endpoint} failed ({name}): check broker_curve_public_key")
         finally:
             for fut in (hello, failed):
                 if not fut.done():
@@ -483,23 +571,29 @@ class BrokerLink:
         try:
             await asyncio.wait_for(sock.send_multipart(frames), timeout=self.settings.hello_timeout_s)
         except asyncio.TimeoutError:
-            raise LinkLost(f"broker at {self.settings.broker_endpoint} not reachable (HELLO not sent within "
+            raise LinkLost(f"broker at {self.endpoint} not reachable (HELLO not sent within "
                            f"{self.settings.hello_timeout_s:g} s)") from None
         deadline = time.monotonic() + self.settings.hello_timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LinkLost("no WELCOME within hello_timeout_s")
+                raise LinkLost(f"no WELCOME from {self.endpoint} within hello_timeout_s")
             try:
                 raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=left)
             except asyncio.TimeoutError:
-                raise LinkLost("no WELCOME within hello_timeout_s") from None
+                raise LinkLost(f"no WELCOME from {self.endpoint} within hello_timeout_s") from None
             env = self._decode(raw, answer_to_hello=True)
             msg = env.message
             if isinstance(msg, p.Welcome):
                 self._welcome = msg
                 self.heartbeat_interval_s = msg.heartbeat_interval_s
                 self.liveness = msg.liveness
+                if self.sessions and msg.broker_epoch != self.broker_epoch:
+                    # a broker restart or a failover (docs/ha.md): the owners' on_connect resends
+                    # what they hold (leases in HELLO, SUBMITs, COMPLETEs, ACKs) either way
+                    self.epoch_changes += 1
+                    self.log.info("broker_epoch_changed", endpoint=self.endpoint, broker_epoch=msg.broker_epoch,
+                                  previous=self.broker_epoch)
                 self.broker_epoch = msg.broker_epoch
                 self.last_recv_mono = time.monotonic()
                 self.last_refusal = None
@@ -509,7 +603,9 @@ class BrokerLink:
                 self.last_refusal = msg
                 if msg.code == p.REJECT_ID_IN_USE:
                     self._id_in_use(msg)
-                    raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
+                    raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}", rotate=False)
+                if msg.code == p.REJECT_NOT_PRIMARY:  # a standby: the primary is elsewhere (docs/ha.md)
+                    raise NotPrimary(f"broker at {self.endpoint} is not the primary: {msg.message}", msg.primary)
                 if refusal_final(msg.code):  # by error type (Unauthorized), the one failure policy
                     # for good: reconnecting cannot help until authorized_keys changes
                     self.refused = msg
@@ -517,8 +613,8 @@ class BrokerLink:
                     self.log.error("broker_refused_peer", code=msg.code, message=msg.message,
                                    fix=refusal_fix(self.settings, self._hello_role, msg))
                 else:
-                    self.log.warning("broker_refused_hello", code=msg.code, message=msg.message)
-                raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}")
+                    self.log.warning("broker_refused_hello", code=msg.code, message=msg.message, endpoint=self.endpoint)
+                raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}", rotate=False)
 
     def _id_in_use(self, msg: p.Error) -> None:
         """The broker refused our HELLO: another live session holds our peer id. Retry until
@@ -558,7 +654,7 @@ class BrokerLink:
             try:
                 raw = await asyncio.wait_for(sock.recv_multipart(copy=True), timeout=silence_s)
             except asyncio.TimeoutError:
-                raise LinkLost(f"broker silent for {silence_s:.2f}s") from None
+                raise LinkLost(f"broker at {self.endpoint} silent for {silence_s:.2f}s") from None
             except zmq.ZMQError as exc:
                 raise LinkLost(f"socket error: {exc}") from None
             self.last_recv_mono = time.monotonic()
@@ -575,7 +671,7 @@ class BrokerLink:
                 raise LinkLost(f"replaced: another process uses peer id {self.settings.peer_id}")
             if isinstance(env.message, p.Error) and env.message.code == p.REJECT_NO_SESSION:
                 # the broker ended this session (one disconnect rule): start a new one now
-                raise LinkLost(f"broker has no session for us: {env.message.message}")
+                raise LinkLost(f"broker has no session for us: {env.message.message}", rotate=False)
             res = self._on_message(env)
             if asyncio.iscoroutine(res):
                 await res
@@ -598,6 +694,14 @@ class BrokerLink:
                     raise LinkLost(f"socket error: {exc}") from None
             if isinstance(msg, p.Bye):
                 raise LinkLost("bye sent")
+
+    async def _closed_watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A session of a broker pair: end it when its TCP connection closes (the broker
+        process died or closed it): the disconnect rule, without waiting for the silence."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                raise LinkLost(f"connection to {self.endpoint} closed (the broker process is gone)")
 
     async def _ticker(self) -> None:
         while True:

@@ -23,7 +23,8 @@ T = TypeVar("T")
 def opt(default: Any, *, min: float | None = None, max: float | None = None, path: bool = False, choices: tuple = (), doc: str = "",
         endpoint: str = "") -> Any:
     """A config field: default, inclusive range, whether it is a filesystem path, allowed values;
-    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint (checked by :mod:`ccsq.common.wire.endpoints`)."""
+    ``endpoint``: "connect" or "bind" for a ZeroMQ endpoint, "connect-list" for one or a comma-separated
+    list of connect endpoints (checked by :mod:`ccsq.common.wire.endpoints`)."""
     return dataclasses.field(default=default, metadata={"min": min, "max": max, "path": path, "choices": choices, "doc": doc,
                                                         "endpoint": endpoint})
 
@@ -58,7 +59,11 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         raise ConfigError(f"{key} = {value!r} is above the maximum {md['max']}")
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {list(md['choices'])}")
-    if md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
+    if md.get("endpoint") == "connect-list":  # a peer's brokers: one endpoint, or a comma-separated list
+        from ccsq.common.wire.endpoints import check_endpoint_list
+
+        check_endpoint_list(value, where=key)
+    elif md.get("endpoint") and (value or md["endpoint"] != "bind"):  # "" = unset, for an optional bind
         from ccsq.common.wire.endpoints import check_endpoint
 
         check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
@@ -144,7 +149,7 @@ class PeerSettings:
     peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
     private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
-    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH)")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect-list", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH); for a broker pair a comma-separated list (tcp://b1:5555,tcp://b2:5555): tried first to last, the standby's NOT_PRIMARY answer leads to the primary (docs/ha.md)")
     broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")

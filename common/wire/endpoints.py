@@ -4,7 +4,9 @@ Two kinds of endpoint appear in ccsq's configs:
 
 * a *connect* endpoint (``broker_endpoint`` of every peer, the broker's advertised
   ``endpoint``): ``tcp://HOST:PORT`` (PORT 1..65535; HOST a name, an IPv4 address
-  or ``[IPv6]``) or ``ipc://PATH``;
+  or ``[IPv6]``) or ``ipc://PATH``; a peer's ``broker_endpoint`` may be a
+  comma-separated list of them (the brokers of a pair, docs/ha.md):
+  :func:`check_endpoint_list`;
 * a *bind* endpoint (the broker's ``bind``, or its ``endpoint`` when ``bind`` is
   empty): the same, plus PORT ``0`` or ``*`` (an ephemeral port) and HOST ``*``;
   at bind time HOST must name a local address (``0.0.0.0``, ``::``, an address of
@@ -91,6 +93,33 @@ def check_endpoint(value: str, *, bind: bool, where: str = "") -> str:
         if not _HOST_RE.match(host) or ".." in host:
             raise bad(f"host {host!r} is not a host name or IP address") from None
     return value
+
+
+def split_endpoints(value: str) -> tuple[str, ...]:
+    """The entries of a comma-separated endpoint list (``broker_endpoint`` of a peer of a
+    broker pair: ``"tcp://b1:5555,tcp://b2:5555"``), whitespace around each stripped, in
+    order. One endpoint is a list of one. No checks (:func:`check_endpoint_list` does)."""
+    return tuple(part.strip() for part in value.split(","))
+
+
+def check_endpoint_list(value: str, *, where: str = "") -> tuple[str, ...]:
+    """Check a comma-separated list of *connect* endpoints, each as :func:`check_endpoint`
+    checks one; returns the entries. Raises ConfigError naming ``where``, the bad entry and
+    its position (an empty entry, a repeated one, a malformed one). A value without a
+    comma is checked exactly as one endpoint."""
+    if "," not in value:
+        check_endpoint(value, bind=False, where=where)
+        return (value,)
+    entries = split_endpoints(value)
+    prefix = f"{where} = {value!r}" if where else f"endpoint list {value!r}"
+    for i, entry in enumerate(entries, 1):
+        if not entry:
+            raise ConfigError(f"{prefix}: entry {i} of {len(entries)} is empty; write the brokers of a pair as "
+                              "\"tcp://broker-1.example:5555,tcp://broker-2.example:5555\"")
+        if entry in entries[:i - 1]:
+            raise ConfigError(f"{prefix}: entry {i} ({entry!r}) is listed twice; list each broker once")
+        check_endpoint(entry, bind=False, where=f"{where} entry {i} of {len(entries)}" if where else f"entry {i}")
+    return entries
 
 
 def _is_wildcard_or_ip_local(host: str) -> bool | None:

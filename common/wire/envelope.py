@@ -285,6 +285,8 @@ class EnvelopeCodec:
         self.session = 0
         self._seq = 0
         self._replay = ReplayGuard(window_ms=int(2 * max_clock_skew_s * 1000))
+        self._replay_scope: Hashable = None  # the remote the replay memory above is of (see replay_scope)
+        self._replay_scopes: OrderedDict[Hashable, ReplayGuard] = OrderedDict()  # the other remotes', newest last
         self._offer: X25519PrivateKey | None = None  # our HELLO's ephemeral key, until WELCOME
         self._rx: dict[str, MacSession] = {}  # remote id -> the MAC session its tagged frames verify against
         self._tx: dict[Hashable, MacSession] = {}  # channel (broker: routing id; peer: None) -> MAC session
@@ -300,6 +302,31 @@ class EnvelopeCodec:
         self._rx.clear()
         self._tx.clear()
         return self.session
+
+    #: Most remotes whose replay memory :meth:`replay_scope` keeps besides the current one.
+    REPLAY_SCOPES_MAX = 64
+
+    def replay_scope(self, scope: Hashable) -> None:
+        """Keep the replay memory (sessions and sequence numbers seen) separately per remote:
+        ``scope`` names the one this codec talks to from now on. A peer of a broker pair
+        (docs/ha.md) talks to several broker processes that all sign as the one service
+        identity, each with sessions of its own: going from the standby to the primary must
+        not retire the standby's session, or the standby's next answer (NOT_PRIMARY naming
+        the primary) would be refused as a replay. The first scope named takes the memory
+        built so far; at most :data:`REPLAY_SCOPES_MAX` others are kept (the oldest forgotten:
+        its remote's next frames are checked as a new remote's). Call it before
+        :meth:`new_session`."""
+        if scope == self._replay_scope:
+            return
+        if self._replay_scope is None and not self._replay_scopes:
+            self._replay_scope = scope  # the first remote: the memory so far is its own
+            return
+        self._replay_scopes[self._replay_scope] = self._replay
+        guard = self._replay_scopes.pop(scope, None)
+        self._replay = guard or ReplayGuard(window_ms=self._replay.window_ms)
+        self._replay_scope = scope
+        while len(self._replay_scopes) > self.REPLAY_SCOPES_MAX:
+            self._replay_scopes.popitem(last=False)
 
     @property
     def mac_active(self) -> bool:
