@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.outbound import task_size
-from ccsq.brokerd.relaying import relay_sessions
+from ccsq.brokerd.relaying import Federation, relay_sessions, scan_for_relay
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
@@ -38,7 +38,7 @@ class Dispatcher:
     """Leases ready items to lease holders with credit, round-robin, within
     ``cfg.slice_budget_ms`` per pass."""
 
-    def __init__(self, cfg: BrokerConfig, peers: PeerTable, leases: LeaseTimers, fed_state: fed.Federation,
+    def __init__(self, cfg: BrokerConfig, peers: PeerTable, leases: LeaseTimers, fed_state: Federation,
                  reply_budget: Callable[[], int], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -101,7 +101,7 @@ class Dispatcher:
                 break
             limit = min(sess.credit, self.cfg.max_batch_items)
             relay = sess.role is p.Role.RELAY  # never an item that came by relay (max_hops); signed
-            ids, hint = (fed.scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
+            ids, hint = (scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
                          else txn.scan_ready(list(sess.kinds) or None, limit, now_ms))
             if hint is not None:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)

@@ -12,7 +12,7 @@ from ccsq.brokerd.actor import Batch
 from ccsq.brokerd.delivery import DeliveryTracker
 from ccsq.brokerd.ledger import Ledger, Policy
 from ccsq.brokerd.peers import PeerStatus, Session
-from ccsq.common.wire import federation as fed
+from ccsq.brokerd.relaying import Federation
 from ccsq.common.wire import protocol as p
 
 
@@ -37,7 +37,7 @@ def ledger(tmp_path):
 def tracker(ledger: Ledger) -> DeliveryTracker:
     with ledger.read() as view:
         epoch = view.epoch()
-    return DeliveryTracker(epoch, fed.Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
+    return DeliveryTracker(epoch, Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
 
 
 def completion(peer: str = "c1", credit: int = 3) -> Session:

@@ -47,6 +47,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
+from ccsq.brokerd.relaying import capacity, deadline_pressure  # noqa: E402
 from ccsq.common.wire import federation as fed  # noqa: E402
 from ccsq.common.wire import protocol as p  # noqa: E402
 from ccsq.common.wire.errors import ConfigError  # noqa: E402
@@ -75,16 +76,16 @@ def test_capacity_is_free_worker_credit_minus_own_backlog() -> None:
     workers = [_W("w1", 2, ("ocr",)), _W("w2", 3), _W("w3", 5, ("ocr",), healthy=False), _W("w4", 4, ("ocr",))]
     states = {"ocr": {"ready": 3}, "echo": {"ready": 10}}
     # w3 unhealthy, w4 draining: 2 + 3 free for ocr, 3 of b's own ocr items wait -> 2
-    assert fed.capacity(workers, {"w4"}, states, ("ocr", "echo")) == {"cap:ocr": 2, "cap:echo": 0,
-                                                                      "workers:ocr": 2, "workers:echo": 1}
-    assert fed.capacity([_W("w1", 0)], set(), {}, ("ocr",))["cap:ocr"] == 0  # all busy: nothing moves
+    assert capacity(workers, {"w4"}, states, ("ocr", "echo")) == {"cap:ocr": 2, "cap:echo": 0,
+                                                                  "workers:ocr": 2, "workers:echo": 1}
+    assert capacity([_W("w1", 0)], set(), {}, ("ocr",))["cap:ocr"] == 0  # all busy: nothing moves
 
 
 def test_deadline_pressure_from_the_queue_forecast() -> None:
     forecast = [{"kind": "ocr", "verdict": "late", "nearest_deadline_ms": 5},
                 {"kind": "echo", "verdict": "stalled", "nearest_deadline_ms": None},  # no deadline: no pressure
                 {"kind": "asr", "verdict": "on track", "nearest_deadline_ms": 5}]
-    assert fed.deadline_pressure(forecast, ("ocr", "echo", "asr", "none")) == {
+    assert deadline_pressure(forecast, ("ocr", "echo", "asr", "none")) == {
         "late:ocr": 1, "late:echo": 0, "late:asr": 0, "late:none": 0}
 
 
