@@ -40,7 +40,7 @@ from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
-from ccsq.brokerd.intake import Intake
+from ccsq.brokerd.frame_intake import FrameIntake
 from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.ledger import maintenance
@@ -155,7 +155,7 @@ class Broker:
     leases: LeaseTimers
     epoch: int
     relaying: Relaying  # what relays bring in (origins, proofs, F1-F4), what they are told
-    intake: Intake  # verifies every frame; counts, logs and answers refusals
+    intake: FrameIntake  # verifies every frame; counts, logs and answers refusals
     dispatcher: Dispatcher  # ready items to lease holders with credit
     delivery: DeliveryTracker  # results sent and not yet acknowledged, redeliveries owed
     sessions: Sessions  # HELLO, HEARTBEAT, CREDIT, BYE, liveness
@@ -201,7 +201,7 @@ class Broker:
         self.fed = Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
-        self.intake = Intake(self.codec, self.peers, self.outbound, self._end_session, clock=clock)
+        self.intake = FrameIntake(self.codec, self.peers, self.outbound, self._end_session, clock=clock)
         self.rejects = self.intake.rejects  # (the same counters: the metrics and admin read them here)
         self._rejects_unsaved = self.intake.unsaved  # written to the ledger and cleared by _transact
         self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget, clock=clock)
@@ -337,7 +337,7 @@ class Broker:
         log.warning("broker_stalled", stalled_s=round(gap, 3), peers=len(self.peers), leases=len(self.leases))
         return now
 
-    # --- decoding (brokerd/intake.py) ---
+    # --- decoding (brokerd/frame_intake.py) ---
     def _decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
         return self.intake.decode(raw, now)
 

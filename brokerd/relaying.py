@@ -113,7 +113,7 @@ def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, d
 
 
 def deadline_pressure(forecast: list[dict], kinds: tuple[str, ...]) -> dict[str, int]:
-    """``late:<kind>`` = 1 when the queue forecast (``brokerd.report.queue_forecast``) of a
+    """``late:<kind>`` = 1 when the queue forecast (``brokerd.gap_report.queue_forecast``) of a
     kind with a deadline says it will not drain in time here (late, or stalled: no rate)."""
     by_kind = {q["kind"]: q for q in forecast}
     out = {}
@@ -208,7 +208,7 @@ class Relaying:
                 now = self.clock.monotonic_s()
                 forecast = self._forecast
                 if forecast is None or now - forecast[0] >= FORECAST_EVERY_S:
-                    from ccsq.brokerd.report import queue_forecast
+                    from ccsq.brokerd.gap_report import queue_forecast
 
                     forecast = self._forecast = (now, queue_forecast(kind_states, view.samples(), view.nearest_deadlines(),
                                                                      self.clock.wall_ms()))

@@ -6,7 +6,7 @@ under the same peer id would replace the first). Offline (the broker gave no
 WELCOME within ``connect_timeout_s``): the read-only commands answer from the
 ledger with :func:`ccsq.tools.admin_client.offline`, the code path of
 ``ccsq status --offline``. The chart series, the drain forecast and the recent
-gap events come from :func:`ccsq.brokerd.report.load_report`, the code path of
+gap events come from :func:`ccsq.brokerd.gap_report.load_report`, the code path of
 ``ccsq gap-report``, whether the broker runs or not.
 
 Every ledger read opens one read-only snapshot, reads, and closes it (a few
@@ -95,7 +95,7 @@ class Source:
 
     async def report(self) -> tuple[dict[str, Any] | None, str]:
         """(``ccsq gap-report --json``'s document, "") or (None, why the ledger is not readable here)."""
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         try:
             return await self.ledger(load_report, self.settings.data_dir), ""
@@ -192,7 +192,7 @@ def _item_extras(data_dir: str | Path, item_id: str) -> dict[str, Any]:
 
 def _gap_windows(data_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
     from ccsq.brokerd import gaps
-    from ccsq.brokerd.report import RECENT_EVENTS
+    from ccsq.brokerd.gap_report import RECENT_EVENTS
 
     with admin_client.offline_view(data_dir) as view:
         counts = view.gap_counts()

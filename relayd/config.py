@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ccsq.common.wire.config import PeerSettings, from_mapping, opt, read_toml
 from ccsq.common.wire.errors import ConfigError
-from ccsq.common.runtime.metrics import parse_listen
+from ccsq.common.runtime.metrics_exporter import parse_listen
 
 
 MAX_KINDS_PER_LINK = 100

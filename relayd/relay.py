@@ -21,7 +21,7 @@ their copies are cancelled once the downstream is reachable.
   item's RESULT back to this session; the relay ACKs it only after the upstream
   confirmed the COMPLETE (ack-mode on-confirm).
 
-Every step is journaled (:mod:`ccsq.relayd.journal`) before the next message goes out,
+Every step is journaled (:mod:`ccsq.relayd.relay_journal`) before the next message goes out,
 so a SIGKILL anywhere resumes every item after a restart. Crash points (tests):
 ``relay.after_lease_journaled``, ``relay.after_submit_ack``,
 ``relay.after_result_journaled``, ``relay.after_complete_ack``.
@@ -49,7 +49,7 @@ from ccsq.common.runtime.faults import crash_point
 from ccsq.common.link.peer import BrokerLink, LinkState, refusal_fix
 from ccsq.common.wire.policy import task_failure
 from ccsq.relayd.config import LinkConfig, RelayConfig
-from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
+from ccsq.relayd.relay_journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
 
 log = structlog.get_logger("ccsq.relayd")
 

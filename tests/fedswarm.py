@@ -47,7 +47,7 @@ class FedPair:
         return proc
 
     def report(self) -> dict[str, Any]:
-        from ccsq.relayd.report import load_federation_report
+        from ccsq.relayd.federation_report import load_federation_report
 
         return load_federation_report(self.relay_cfg)
 

@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import tomli_w
 
-from ccsq.brokerd.report import load_report, render_text
+from ccsq.brokerd.gap_report import load_report, render_text
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode

@@ -49,14 +49,14 @@ def _ledger(path: Path) -> Ledger:
 
 # --- the stores, opened through the daemons' own open functions ------------------------------
 def _open_journal(d: Path):
-    from ccsq.workerd.journal import Journal
+    from ccsq.workerd.worker_journal import Journal
 
     j = Journal.open(d)
     return j, j._db, j.close
 
 
 def _open_relay_journal(d: Path):
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
 
     j = RelayJournal.open(d)
     return j, j._db, j.close

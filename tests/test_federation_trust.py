@@ -14,7 +14,7 @@ import pytest
 import tomli_w
 
 from ccsq.common.wire import federation as fed
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.keys import load_private_key, write_keypair

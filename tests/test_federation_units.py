@@ -26,7 +26,7 @@ def test_every_counter_is_explained() -> None:
     """Each counter of ``ccsq gap-report`` (both swarms) and of ``ccsq federation report``
     has its row in docs/federation.md's "What each counter means" (issue 22)."""
     from ccsq.brokerd.ledger.schema import COUNTERS as SWARM
-    from ccsq.relayd.journal import COUNTERS as LINK
+    from ccsq.relayd.relay_journal import COUNTERS as LINK
 
     text = (ROOT / "docs" / "federation.md").read_text()
     section = text.split("What each counter means.", 1)[1].split("\n### ", 1)[0]
@@ -155,7 +155,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
     import sqlite3
 
     from ccsq.tools.cli import main
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
 
     for site, port in (("site-a", 5611), ("site-b", 5612)):
         assert main(["init", str(tmp_path / site), "--endpoint", f"tcp://127.0.0.1:{port}", "--workers", "1",
@@ -214,10 +214,10 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from ccsq.tools.cli import main
-    from ccsq.relayd.journal import RelayJournal
-    from ccsq.relayd.metrics import start_relay_metrics
+    from ccsq.relayd.relay_journal import RelayJournal
+    from ccsq.relayd.relay_metrics import start_relay_metrics
     from ccsq.relayd.relay import Relay
-    from ccsq.relayd.report import load_federation_report
+    from ccsq.relayd.federation_report import load_federation_report
 
     assert main(["init", str(tmp_path / "a"), "--endpoint", "tcp://127.0.0.1:5611", "--workers", "1"]) == 0
     assert main(["init", str(tmp_path / "b"), "--endpoint", "tcp://127.0.0.1:5612", "--workers", "1"]) == 0
@@ -271,7 +271,7 @@ def _scripted_link(tmp_path: Path):
     """A LinkRunner over a real relay journal whose two broker sessions are READY and
     record what the relay sends (the scripted upstream and downstream brokers)."""
     from ccsq.common.link.peer import LinkState
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
     from ccsq.relayd.relay import LinkRunner
     from tests.fedswarm import FedPair
 

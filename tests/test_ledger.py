@@ -341,7 +341,7 @@ def test_readonly_open_requires_existing_ledger(tmp_path):
 
 def test_blob_refs_for_reconcile(tmp_path):
     """Only claim-store references (not inline blobs) are listed, with the item's state."""
-    from ccsq.brokerd.report import iter_blob_refs
+    from ccsq.brokerd.gap_report import iter_blob_refs
 
     led = Ledger(tmp_path / "ledger", map_size_bytes=1 << 20)
     ref = p.Blob("a" * 64, 100_000, None)

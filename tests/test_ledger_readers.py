@@ -26,7 +26,7 @@ import tomli_w
 
 from ccsq.brokerd.ledger.maintenance import parse_readers
 from ccsq.brokerd.ledger.store import Ledger, ReadersFull, data_paths
-from ccsq.brokerd.report import iter_blob_refs, load_report
+from ccsq.brokerd.gap_report import iter_blob_refs, load_report
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode, ledger_failure

@@ -35,7 +35,7 @@ import pytest
 import tomli_w
 
 from ccsq.brokerd.ledger.store import Ledger, data_paths
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.common.wire.keys import write_curve_keypair, write_keypair
 from ccsq.tools.procs import ProcessGroup, bin_path, wait_until
 from tests.netns import Network, netns_module, remove_stale, require_netns  # noqa: F401 (netns_module: fixture)

@@ -132,7 +132,7 @@ def test_dead_counts_say_how_many_are_purged(tmp_path: Path) -> None:
 
     from ccsq.brokerd.admin import ledger_status
     from ccsq.brokerd.ledger.store import Ledger, Policy
-    from ccsq.brokerd.report import load_report, render_html, render_text
+    from ccsq.brokerd.gap_report import load_report, render_html, render_text
     from ccsq.common.wire import protocol as p
 
     data_dir = tmp_path / "broker-data"

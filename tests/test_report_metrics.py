@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.brokerd.report import load_report, queue_forecast, render_html
+from ccsq.brokerd.gap_report import load_report, queue_forecast, render_html
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.tools import cli
 from ccsq.common.wire import protocol as p
@@ -244,7 +244,7 @@ def test_static_report_chart_keeps_equal_lines_visible() -> None:
     completed one and every colour shows."""
     import re
 
-    from ccsq.brokerd.report import CHART_COUNTERS, render_chart_svg
+    from ccsq.brokerd.gap_report import CHART_COUNTERS, render_chart_svg
 
     now = 1_700_000_000_000
     series = [{"ts_ms": now - 60_000 + i * 10_000, **dict.fromkeys(CHART_COUNTERS, i * 10)} for i in range(6)]

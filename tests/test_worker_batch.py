@@ -24,7 +24,7 @@ from ccsq.common.wire.errors import ConfigError, HandlerError, PermanentHandlerE
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import EchoHandler, SleepHandler, load_handler
-from ccsq.workerd.journal import EntryState, Journal
+from ccsq.workerd.worker_journal import EntryState, Journal
 from ccsq.workerd.onnx_handler import OnnxHandler, decode_tensors, encode_tensors
 from tests.swarm import Swarm
 from tests.worker_harness import WorkerBroker, Workers, broker, task, wait_until, workers  # noqa: F401 (fixtures)
@@ -347,7 +347,7 @@ def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: Worke
 def test_group_commit_merges_adjacent_ops_of_one_name() -> None:
     """The group commit applies adjacent same-name ops as one op (one executemany), rows in
     order, without touching the callers' lists; different names keep their order."""
-    from ccsq.workerd.journal import OpKind, _merge_adjacent
+    from ccsq.workerd.worker_journal import OpKind, _merge_adjacent
 
     record, forget = OpKind.RECORD, OpKind.FORGET
     a, b = [("x", 1)], [("y", 2)]

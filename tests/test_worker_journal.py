@@ -14,8 +14,8 @@ import pytest
 from ccsq.common.runtime.faults import env_for
 from ccsq.common.storage.claimstore import sha256_hex
 from ccsq.common.wire import protocol as p
-from ccsq.workerd import journal as jmod
-from ccsq.workerd.journal import EntryState, Journal, encode_report
+from ccsq.workerd import worker_journal
+from ccsq.workerd.worker_journal import EntryState, Journal, encode_report
 from tests.worker_harness import (WorkerBroker, Workers, broker, stop_with_empty_journal, task,  # noqa: F401 (fixtures)
                                      wait_until, workers)
 
@@ -40,7 +40,7 @@ def _write_format1(directory: Path, rows: list[tuple[str, int, str, str, bytes |
     """A journal as the format-1 worker wrote it: table entries, one row per lease."""
     directory.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(directory / "journal.sqlite3")
-    db.execute(jmod._LEGACY_SCHEMA)
+    db.execute(worker_journal._LEGACY_SCHEMA)
     for n, (item_id, token, kind, state, report) in enumerate(rows):
         db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (item_id, token, kind, state, report, 1000.0 + n))
     db.commit()
@@ -48,7 +48,7 @@ def _write_format1(directory: Path, rows: list[tuple[str, int, str, str, bytes |
 
 
 def test_log_replays_in_order_and_compacts_to_one_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jmod, "COMPACT_ROWS", 4)
+    monkeypatch.setattr(worker_journal, "COMPACT_ROWS", 4)
     j = Journal.open(tmp_path / "j")
     j.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")])
     j.mark_started(("a", 1), ("b", 2))
@@ -88,7 +88,7 @@ def test_a_failed_commit_changes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         j.forget([("a", 1), ("b", 2)])  # empties the journal: compaction fails
     assert _state(j) == before
     with pytest.raises(ValueError):
-        j.apply([(jmod.OpKind.FORGET, [("a", 1)]), ("bogus", [])])
+        j.apply([(worker_journal.OpKind.FORGET, [("a", 1)]), ("bogus", [])])
     assert _state(j) == before
     j.close()
     assert _state(Journal.open(tmp_path / "j")) == before
@@ -217,7 +217,7 @@ def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: Wor
 def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot taken while format-1 entries are live keeps their report bytes as they
     were (decoded by the strict codec on the next open) and deletes the format-1 rows."""
-    monkeypatch.setattr(jmod, "COMPACT_ROWS", 1)
+    monkeypatch.setattr(worker_journal, "COMPACT_ROWS", 1)
     d = tmp_path / "j"
     _write_format1(d, [("done", 5, "echo", "finished", encode_report(_result("done", 5)))])
     j = Journal.open(d)

@@ -17,7 +17,7 @@ from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import ConfigError, GpuUnavailable, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.handlers import EchoHandler, FailHandler, SleepHandler, load_handler
-from ccsq.workerd.journal import EntryState, Journal, JournalLocked
+from ccsq.workerd.worker_journal import EntryState, Journal, JournalLocked
 from ccsq.workerd.slots import SlotGate
 
 DOCS = Path(__file__).resolve().parent.parent / "examples" / "documents"
@@ -93,7 +93,7 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     an error fails every waiter of that commit and writes nothing of it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ccsq.workerd.journal import GroupCommit
+    from ccsq.workerd.worker_journal import GroupCommit
 
     j = Journal.open(tmp_path / "j")
     pool = ThreadPoolExecutor(1)
@@ -126,7 +126,7 @@ def test_journal_lazy_forget_rides_with_the_next_commit_or_its_timer(tmp_path: P
     else it is committed lazy_s later, and drain() commits what is still queued."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ccsq.workerd.journal import GroupCommit
+    from ccsq.workerd.worker_journal import GroupCommit
 
     j = Journal.open(tmp_path / "j")
     pool = ThreadPoolExecutor(1)
@@ -159,7 +159,7 @@ def test_journal_report_rows_are_the_one_element_complete_and_fail_bodies() -> N
     """encode_report's shortcut writes exactly the bytes of the message it stands for."""
     import msgpack
 
-    from ccsq.workerd.journal import decode_report, encode_report
+    from ccsq.workerd.worker_journal import decode_report, encode_report
 
     res = _result("a", 1)
     fail = p.TaskFailure("b", 2, "released", True, "bye")

@@ -32,7 +32,7 @@ from ccsq.common.storage.claimstore import sha256_hex
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
-from ccsq.workerd.journal import Journal
+from ccsq.workerd.worker_journal import Journal
 
 T = TypeVar("T")
 HB_S = 0.2  # heartbeat interval the scripted broker hands out

@@ -1,7 +1,7 @@
 """What the worker's parts hand each other: a held lease (:class:`Job`), the verdict of
 its run (:class:`RunOutcome`), and the one way a failure report is made (:func:`failure`).
 
-A job lives in the intake's table (``Intake.jobs``, :mod:`ccsq.workerd.intake`) from
+A job lives in the intake's table (``DispatchIntake.jobs``, :mod:`ccsq.workerd.dispatch_intake`) from
 DISPATCH until its report is journaled (:mod:`ccsq.workerd.reports`); its
 ``state`` says where it is::
 
@@ -26,7 +26,7 @@ from collections.abc import Hashable
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.policy import task_failure
-from ccsq.workerd.journal import Key
+from ccsq.workerd.worker_journal import Key
 
 __all__ = ["Job", "JobState", "Key", "RunOutcome", "failure"]
 

@@ -8,14 +8,14 @@ broker confirms it, a report is *unconfirmed* (:attr:`Reports.unconfirmed`): it 
 listed in HELLO and heartbeats, re-sent on every new session and on a timer (every
 2 x heartbeat interval; the broker treats replays idempotently), and kept in the
 journal for the next start. The deletion of a confirmed report's row is a lazy
-journal write (:class:`~ccsq.workerd.journal.GroupCommit`): it rides with the next commit.
+journal write (:class:`~ccsq.workerd.worker_journal.GroupCommit`): it rides with the next commit.
 
 Per batch, not per item: a lane hands :meth:`Reports.finish_many` the outcomes of a
 whole batch (one task); their reports are journaled in one write
 (:meth:`Reports.report_many`) and sent in one frame.
 
 Group commit (throughput): the reports journaled in one commit of the
-:class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
+:class:`~ccsq.workerd.worker_journal.GroupCommit` are sent at the end of that loop tick,
 together: one COMPLETE (and one FAIL) frame for all of them (split by the one frame
 budget, :class:`ccsq.common.wire.frames.FrameBudget`), then one CREDIT.
 
@@ -65,7 +65,7 @@ from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
-from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
+from ccsq.workerd.worker_journal import EntryState, GroupCommit, JournalEntry
 
 _FENCED = p.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
 _CONFIRMED_QUIETLY = frozenset((p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value))

@@ -2,10 +2,10 @@
 
 One :class:`Worker` owns, on one event loop, the broker link (a
 :class:`~ccsq.common.link.peer.BrokerLink`), the journal (whose calls all run on one
-dedicated thread, written through one :class:`~ccsq.workerd.journal.GroupCommit`) and
+dedicated thread, written through one :class:`~ccsq.workerd.worker_journal.GroupCommit`) and
 its lifecycle, and wires together the parts that do the work, one module each:
 
-- :mod:`ccsq.workerd.intake` (:class:`Intake`): DISPATCH -> hold in the journal ->
+- :mod:`ccsq.workerd.dispatch_intake` (:class:`DispatchIntake`): DISPATCH -> hold in the journal ->
   fetch the payload (claim check, digest verified) -> batch queue; owns the held jobs;
 - :mod:`ccsq.workerd.lanes` (:class:`Lanes`): the GPU slots, batches, deadlines,
   timeouts, each item's :class:`~ccsq.workerd.jobs.RunOutcome`;
@@ -80,9 +80,9 @@ from ccsq.common.wire.errors import ConfigError
 from ccsq.workerd import providers
 from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims  # noqa: F401 (INLINE_RESULT_MAX_BYTES: named here by docs)
 from ccsq.workerd.handlers import Handler
-from ccsq.workerd.intake import Intake
+from ccsq.workerd.dispatch_intake import DispatchIntake
 from ccsq.workerd.jobs import Job, Key
-from ccsq.workerd.journal import EntryState, GroupCommit, Journal
+from ccsq.workerd.worker_journal import EntryState, GroupCommit, Journal
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Credit, Reports
 from ccsq.workerd.slots import SlotGate
@@ -115,12 +115,12 @@ class Worker:
     link: BrokerLink
     kinds: list[str]
     # --- the parts ---
-    jobs: dict[Key, Job]  # held leases, not reported yet: Intake adds them, Reports removes them
+    jobs: dict[Key, Job]  # held leases, not reported yet: DispatchIntake adds them, Reports removes them
     claims: Claims
     lanes: Lanes
     credit: Credit
     reports: Reports
-    intake: Intake
+    intake: DispatchIntake
     capacity: int  # slots x max_batch + prefetch: the credit outstanding when idle
     # --- lifecycle ---
     _runners: set[asyncio.Task]
@@ -172,7 +172,7 @@ class Worker:
                              draining=lambda: self._draining, log=self.log)
         self.reports = Reports(cfg, handler, self.claims, self.link, self.journal_writer, self.jobs, self.credit,
                                poke=self.lanes.poke, spawn=self._spawn, log=self.log)
-        self.intake = Intake(cfg, self.kinds, handler, self.claims, self.journal_writer, self.jobs, self.lanes,
+        self.intake = DispatchIntake(cfg, self.kinds, handler, self.claims, self.journal_writer, self.jobs, self.lanes,
                              self.reports, draining=lambda: self._draining, spawn=self._spawn, log=self.log)
 
     # the claim store (the metrics wrapper replaces it) and the slots, as main and metrics see them

@@ -58,7 +58,7 @@ import msgpack
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
-from ccsq.common.storage.journal import open_locked_sqlite
+from ccsq.common.storage.sqlite_journal import open_locked_sqlite
 
 Key = tuple[str, int]
 

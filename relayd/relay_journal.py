@@ -20,7 +20,7 @@ restart after the lease expired): the row carries on, and its result is still
 reported under the old token (the upstream fences it, G4, or accepts it late, G8).
 
 Per link counters live in the same transaction as the rows they count, so the
-federation report (:mod:`ccsq.relayd.report`) balances after any crash::
+federation report (:mod:`ccsq.relayd.federation_report`) balances after any crash::
 
     leased == in_flight (rows) + ended_acked + ended_failed + ended_released
 
@@ -28,7 +28,7 @@ Table ``link_status`` holds one row per broken link (a swarm refused it: cause, 
 fix, since when), kept until the cause is seen fixed; the federation report shows it.
 
 The journal is single-writer (``flock`` on ``<journal_dir>/LOCK``; a second relay
-on the same directory gets :class:`~ccsq.workerd.journal.JournalLocked`).
+on the same directory gets :class:`~ccsq.workerd.worker_journal.JournalLocked`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import msgpack
 
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import JournalCorrupt, JournalLocked  # noqa: F401 (JournalLocked: raised by open)
-from ccsq.common.storage.journal import open_locked_sqlite
+from ccsq.common.storage.sqlite_journal import open_locked_sqlite
 
 Key = tuple[str, int]  # (up_item, token)
 

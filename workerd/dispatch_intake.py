@@ -1,4 +1,4 @@
-"""Intake: DISPATCH -> hold in the journal -> fetch the payload -> the batch queue.
+"""The worker's dispatch intake: DISPATCH -> hold in the journal -> fetch the payload -> the batch queue.
 
 For each new lease of a DISPATCH the intake makes a :class:`~ccsq.workerd.jobs.Job`
 in the worker's table of held jobs (the leases it holds and has not reported yet;
@@ -25,7 +25,7 @@ else ``handler_error``).
 
 A lease of a kind not served here, or one that arrives while draining, is given
 back ``released`` (no attempt consumed) once held. WELCOME ``released`` leases
-(:meth:`Intake.release`): a job not yet running is dropped at once; a running one
+(:meth:`DispatchIntake.release`): a job not yet running is dropped at once; a running one
 is finished and its result discarded; neither is ever reported.
 """
 
@@ -44,14 +44,14 @@ from ccsq.common.wire.errors import PayloadMissing, PermanentHandlerError
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, JobState, Key, failure
-from ccsq.workerd.journal import GroupCommit, OpKind
+from ccsq.workerd.worker_journal import GroupCommit, OpKind
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Reports, Spawn
 
 _NOT_RUNNING = (JobState.HOLDING, JobState.FETCHING, JobState.QUEUED)
 
 
-class Intake:
+class DispatchIntake:
     """New leases and their runners (see module doc). ``jobs`` is the worker's table of
     held jobs: the intake adds each new lease to it. ``draining()`` True gives every
     new lease back at once."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.relayd.config import load_relay_config
-from ccsq.relayd.journal import RelayJournal
+from ccsq.relayd.relay_journal import RelayJournal
 
 
 def load_federation_report(config_path: str | Path) -> dict[str, Any]:

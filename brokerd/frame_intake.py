@@ -8,11 +8,11 @@ and, where allowed, answered (docs/security.md).
 - An unauthenticated sender gets at most a fixed sentence naming the id it claimed,
   rate-limited per claimed id and for all strangers together, so a flood costs the
   broker no more than its frames.
-- Counts: :attr:`Intake.rejects` (since start; metric ``ccsq_frames_rejected``) and
-  :attr:`Intake.unsaved` (not yet added to the ledger's counters; the actor's next
+- Counts: :attr:`FrameIntake.rejects` (since start; metric ``ccsq_frames_rejected``) and
+  :attr:`FrameIntake.unsaved` (not yet added to the ledger's counters; the actor's next
   transaction writes and clears it). Reconnect noise (:data:`RECONNECT_NOISE`: a known
   peer's frame of a session this broker no longer has, e.g. after a broker restart or a
-  session it ended) is not a refusal: it counts apart, in :attr:`Intake.noise` (metric
+  session it ended) is not a refusal: it counts apart, in :attr:`FrameIntake.noise` (metric
   ``ccsq_reconnect_noise_frames``; in the ledger under ``noise:<code>``, the gap report's
   ``reconnect_noise``), and logs at info level, rate-limited like refusals.
 """
@@ -54,13 +54,13 @@ STRANGER_ANSWERS = {
 #: Codes that mean "this peer's session is gone here, it must say HELLO again" (every
 #: reconnect after a broker restart or a session the broker ended): counted apart.
 RECONNECT_NOISE = frozenset({p.REJECT_NO_SESSION})
-#: Ledger reject-counter prefix of reconnect noise (``brokerd/report.py`` splits it off).
+#: Ledger reject-counter prefix of reconnect noise (``brokerd/gap_report.py`` splits it off).
 NOISE_PREFIX = "noise:"
 STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
 STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
 
-class Intake:
+class FrameIntake:
     """Verifies frames with ``codec``; ``end_session(sess, reason)`` is the one disconnect rule."""
 
     def __init__(self, codec: EnvelopeCodec, peers: PeerTable, outbound: Outbound,
