@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd.outbound import delivery_size
 from ccsq.brokerd.peers import PeerStatus
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import split_frames
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,7 +91,7 @@ class DeliveryTracker:
         """The one setter of :attr:`possible`."""
         self._possible = possible
 
-    def sent(self, sess: Session, deliveries: list[p.Delivery]) -> bool:
+    def sent(self, sess: Session, deliveries: list[protocol.Delivery]) -> bool:
         """After commit: ``deliveries`` went to ``sess``. False (and nothing in flight) when
         the session ended between the scan and the commit: the items are then owed a
         redelivery."""
@@ -167,7 +167,7 @@ class DeliveryTracker:
         self._floor_generation += 1
 
     # --- planning (inside the transaction: reads only; changes go on the batch) ---
-    def plan(self, txn: LedgerTxn, batch: Batch, takers: list[Session], on_sent: Callable[[Session, list[p.Delivery]], None],
+    def plan(self, txn: LedgerTxn, batch: Batch, takers: list[Session], on_sent: Callable[[Session, list[protocol.Delivery]], None],
              now_ms: int) -> bool:
         """Results for completion services ``takers`` (connected, with credit, nothing
         unsent), oldest completion first, up to :data:`DELIVER_PER_TURN`; replies and
@@ -201,7 +201,7 @@ class DeliveryTracker:
         return more
 
     def plan_routed(self, txn: LedgerTxn, batch: Batch, relays: list[Session],
-                    on_sent: Callable[[Session, list[p.Delivery]], None], now_ms: int) -> bool:
+                    on_sent: Callable[[Session, list[protocol.Delivery]], None], now_ms: int) -> bool:
         """Completed relayed items to the downstream ``relays`` that submitted them (when
         connected with credit and nothing unsent; kept otherwise), each with this
         broker's signed proof. Returns whether more are waiting."""
@@ -217,10 +217,10 @@ class DeliveryTracker:
             deliveries = []
             for item_id in todo:
                 rec = txn.record(item_id)  # read only
-                if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
+                if rec is None or rec["state"] not in (protocol.ItemState.COMPLETED.value, protocol.ItemState.ACKNOWLEDGED.value):
                     batch.effects.append(lambda i=item_id: self.unroute(i))
                     continue
-                if rec["state"] == p.ItemState.ACKNOWLEDGED.value:  # its upstream leased the item again
+                if rec["state"] == protocol.ItemState.ACKNOWLEDGED.value:  # its upstream leased the item again
                     redelivery, why = True, "acknowledged result asked for again by a relay (its upstream leased the item again)"
                 else:
                     redelivery, why = self.redelivery(item_id, rec, "relay session ended before ACK")
@@ -231,10 +231,10 @@ class DeliveryTracker:
                 self._queue(batch, sess, deliveries, on_sent)
         return more
 
-    def _queue(self, batch: Batch, sess: Session, deliveries: list[p.Delivery],
-               on_sent: Callable[[Session, list[p.Delivery]], None]) -> None:
+    def _queue(self, batch: Batch, sess: Session, deliveries: list[protocol.Delivery],
+               on_sent: Callable[[Session, list[protocol.Delivery]], None]) -> None:
         batch.effects.append(lambda s=sess, ds=deliveries: on_sent(s, ds))
         for chunk in split_frames(deliveries, size_of=delivery_size, budget_bytes=self.reply_budget(),
                                   max_items=self.max_batch_items):
-            batch.replies.append((sess.routing_id, p.Result(chunk)))
+            batch.replies.append((sess.routing_id, protocol.Result(chunk)))
 

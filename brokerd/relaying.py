@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ccsq.brokerd import gaps
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.keys import load_private_key
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,13 +68,13 @@ class Federation:
             self._key = load_private_key(Path(self.private_key_path))
         return self._key.sign(data)
 
-    def sign_task(self, txn: Any, task: p.Task, default_max_attempts: int) -> p.Task:
+    def sign_task(self, txn: Any, task: protocol.Task, default_max_attempts: int) -> protocol.Task:
         """``task`` (leased to an upstream relay) with this broker's signed origin record."""
         rec = txn.get(task.item_id)
         record = fed.origin_record(self.swarm_id, rec, task.payload, rec["max_attempts"] or default_max_attempts)
         return dataclasses.replace(task, origin=record, origin_sig=self.sign(record))
 
-    def sign_delivery(self, rec: Mapping[str, Any], d: p.Delivery) -> p.Delivery:
+    def sign_delivery(self, rec: Mapping[str, Any], d: protocol.Delivery) -> protocol.Delivery:
         """``d`` (a RESULT to the downstream relay that submitted it) with this broker's signed proof."""
         proof = fed.result_proof(self.swarm_id, rec["origin"], d.item_id, d.result)
         return dataclasses.replace(d, proof=proof, proof_sig=self.sign(proof))
@@ -106,7 +106,7 @@ def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, d
     out = {}
     for kind in kinds:
         takers = [s for s in worker_sessions if s.healthy and s.peer_id not in draining and _takes(s, kind)]
-        ready = kind_states.get(kind, {}).get(p.ItemState.READY.value, 0)
+        ready = kind_states.get(kind, {}).get(protocol.ItemState.READY.value, 0)
         out[fed.CAP_PREFIX + kind] = max(0, sum(s.credit for s in takers) - ready)
         out[fed.WORKERS_PREFIX + kind] = len(takers)
     return out
@@ -127,7 +127,7 @@ def deadline_pressure(forecast: list[dict], kinds: tuple[str, ...]) -> dict[str,
 def relay_sessions(peers: PeerTable, side: str) -> list[Session]:
     """Relay sessions on ``side`` (``fed.UPSTREAM``: this broker leases to them;
     ``fed.DOWNSTREAM``: they submit here)."""
-    return [s for s in peers.sessions(p.Role.RELAY) if fed.relay_side(s) == side]
+    return [s for s in peers.sessions(protocol.Role.RELAY) if fed.relay_side(s) == side]
 
 
 class Relaying:
@@ -144,47 +144,47 @@ class Relaying:
         self.rejects = rejects  # the intake's counters (refused frames and items, by code)
         self._forecast: tuple[float, list[dict[str, Any]]] | None = None  # (monotonic when computed, queue forecast)
 
-    def submit(self, txn: LedgerTxn, batch: Batch, sess: Session, item: p.SubmitItem, now_ms: int,
-               refuse: str) -> p.SubmitResult:
+    def submit(self, txn: LedgerTxn, batch: Batch, sess: Session, item: protocol.SubmitItem, now_ms: int,
+               refuse: str) -> protocol.SubmitResult:
         """A relay's SUBMIT: only items whose origin signature verifies; the item records its
         origin and the relay, and its idempotency key is the origin (a resubmission is G9)."""
         origin, why = fed.check_origin(item, self.fed.trust, self.fed.swarm_id)
         if origin is None:
             self._refused(txn, batch, fed.ORIGIN_REJECTED, sess.peer_id, item.key, why)
             txn.event(gaps.F4_RELAYED_ITEM_REFUSED, item.key[:200], now_ms, f"from {sess.peer_id}: {why[:200]}")
-            return p.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
+            return protocol.SubmitResult(item.key, "", error=fed.ORIGIN_REJECTED, message=why)
         res = txn.submit(item, now_ms, refuse=refuse, origin=origin, reply_to=sess.peer_id)
         rec = (txn.record(res.item_id) or {}) if res.duplicate else {}  # read only
         if res.duplicate and rec.get("origin") != origin:
             # a producer took this origin key first: never hand the relay someone else's item
             why = f"key {item.key[:120]} belongs to an item that did not come by relay"
             self._refused(txn, batch, fed.ORIGIN_KEY_TAKEN, sess.peer_id, item.key, why)
-            return p.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
+            return protocol.SubmitResult(item.key, "", error=fed.ORIGIN_KEY_TAKEN, message=why)
         if res.duplicate:
             txn.event(gaps.F3_RELAYED_RESUBMIT, res.item_id, now_ms, f"origin {origin['swarm']}:{origin['item_id']} from {sess.peer_id}")
-            if rec.get("state") == p.ItemState.ACKNOWLEDGED.value:
+            if rec.get("state") == protocol.ItemState.ACKNOWLEDGED.value:
                 # the upstream leased it again after an earlier relay took this result home and
                 # it was fenced there: deliver the (still stored) result once more (G3)
                 self.delivery.route(sess.peer_id, res.item_id)
                 self.delivery.set_possible(True)  # at once, like the route: this turn's delivery may take it
         return res
 
-    def complete(self, txn: LedgerTxn, batch: Batch, sess: Session, r: p.TaskResult, now_ms: int) -> str:
+    def complete(self, txn: LedgerTxn, batch: Batch, sess: Session, r: protocol.TaskResult, now_ms: int) -> str:
         """A relay's COMPLETE counts only with the downstream broker's valid proof."""
         why = fed.check_proof(r, self.fed.trust, self.fed.swarm_id)
         if why:
             self._refused(txn, batch, fed.RESULT_REJECTED, sess.peer_id, r.item_id, why)
-            return p.Outcome.REJECTED.value
+            return protocol.Outcome.REJECTED.value
         before = txn.get(r.item_id) or {}
         outcome = txn.complete(r, now_ms, sess.peer_id)
-        if outcome == p.Outcome.FENCED.value or (outcome == p.Outcome.ACCEPTED.value and before.get("state") == p.ItemState.READY.value):
+        if outcome == protocol.Outcome.FENCED.value or (outcome == protocol.Outcome.ACCEPTED.value and before.get("state") == protocol.ItemState.READY.value):
             txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
         return outcome
 
     def note_lease_lost(self, txn: LedgerTxn, item_id: str, holder: str, now_ms: int, new_state: str) -> None:
         """Gap F1 when a lease that ended (``new_state``: "" if it did not) was a relay's."""
         key = self.authorized.get(holder)
-        if new_state and key is not None and key.role is p.Role.RELAY:
+        if new_state and key is not None and key.role is protocol.Role.RELAY:
             txn.event(gaps.F1_RELAY_LEASE_LOST, item_id, now_ms, f"lease of relay {holder}: item now {new_state}")
 
     def heartbeat_info(self) -> dict[str, dict]:
@@ -202,7 +202,7 @@ class Relaying:
             return credits
         with self.ledger.read() as view:
             kind_states = view.kind_states()
-            workers = self.peers.sessions(p.Role.WORKER)
+            workers = self.peers.sessions(protocol.Role.WORKER)
             out = {s.peer_id: capacity(workers, self.peers.draining, kind_states, s.kinds) for s in relays}
             if pressed:
                 now = self.clock.monotonic_s()

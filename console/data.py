@@ -148,7 +148,7 @@ def _recent_items(data_dir: str | Path, state: str, kind: str, limit: int = RECE
     ``kind`` when given (""= any), how many records were read). Item ids grow with arrival,
     so the ``items`` table read backwards is newest first; at most ``scan`` records are read
     (an older match is not listed: search it by id or key)."""
-    from ccsq.brokerd.ledger import schema as sc
+    from ccsq.brokerd.ledger import schema
 
     out: list[dict[str, Any]] = []
     read = 0
@@ -157,7 +157,7 @@ def _recent_items(data_dir: str | Path, state: str, kind: str, limit: int = RECE
         ok = cur.last()
         while ok and read < scan and len(out) < limit:
             read += 1
-            rec = sc.unpack_item(cur.value(), cur.key().decode())
+            rec = schema.unpack_item(cur.value(), cur.key().decode())
             if (not state or rec["state"] == state) and (not kind or rec["kind"] == kind):
                 out.append({k: rec.get(k) for k in ("id", "kind", "state", "attempt", "priority", "created_ms",
                                                     "worker", "error")})

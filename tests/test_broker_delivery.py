@@ -13,11 +13,11 @@ from ccsq.brokerd.delivery import DeliveryTracker
 from ccsq.brokerd.ledger import Ledger, Policy
 from ccsq.brokerd.peers import PeerStatus, Session
 from ccsq.brokerd.relaying import Federation
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 @pytest.fixture
@@ -25,10 +25,10 @@ def ledger(tmp_path):
     led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(), rng=random.Random(7))
     txn = led.begin()
     for n in range(5):
-        txn.submit(p.SubmitItem(f"k{n}", "echo", blob(b"x%d" % n)), 1_000)
+        txn.submit(protocol.SubmitItem(f"k{n}", "echo", blob(b"x%d" % n)), 1_000)
     ids, _ = txn.scan_ready(None, 10, 2_000)
     for t in [txn.lease(i, "w1", 2_000, 5_000) for i in ids]:
-        txn.complete(p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1")
+        txn.complete(protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1")
     txn.commit()
     yield led
     led.close()
@@ -41,7 +41,7 @@ def tracker(ledger: Ledger) -> DeliveryTracker:
 
 
 def completion(peer: str = "c1", credit: int = 3) -> Session:
-    return Session(peer_id=peer, role=p.Role.COMPLETION, routing_id=peer.encode(), session=1, credit=credit)
+    return Session(peer_id=peer, role=protocol.Role.COMPLETION, routing_id=peer.encode(), session=1, credit=credit)
 
 
 def plan(ledger: Ledger, tr: DeliveryTracker, *takers: Session) -> tuple[Batch, bool]:
@@ -55,7 +55,7 @@ def plan(ledger: Ledger, tr: DeliveryTracker, *takers: Session) -> tuple[Batch, 
     return batch, more
 
 
-def delivered(batch: Batch) -> list[p.Delivery]:
+def delivered(batch: Batch) -> list[protocol.Delivery]:
     return [d for _, msg in batch.replies for d in msg.deliveries]
 
 

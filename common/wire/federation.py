@@ -33,7 +33,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import read_toml
 from ccsq.common.wire.errors import ConfigError, DecodeError
 from ccsq.common.wire.keys import _unb64
@@ -80,7 +80,7 @@ def origin_key(swarm: str, item_id: str) -> str:
 
 def relay_side(sess: Any) -> str:
     """``upstream``/``downstream`` for a relay session, "" for any other peer."""
-    if sess.role is not p.Role.RELAY:
+    if sess.role is not protocol.Role.RELAY:
         return ""
     side = sess.info_hello.get(RELAY_SIDE)
     return side if side in (UPSTREAM, DOWNSTREAM) else ""
@@ -125,7 +125,7 @@ def _unpack_record(raw: bytes, what: str) -> dict:
         raise DecodeError(f"{what} missing or over {MAX_RECORD_BYTES} bytes")
     try:
         rec = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES,
-                              max_str_len=MAX_RECORD_BYTES, max_array_len=1024, max_map_len=p.MAX_MAP_LEN + 32)
+                              max_str_len=MAX_RECORD_BYTES, max_array_len=1024, max_map_len=protocol.MAX_MAP_LEN + 32)
     except Exception as exc:  # msgpack raises several types for bad input
         raise DecodeError(f"{what} is not valid msgpack: {exc}") from None
     if type(rec) is not dict or rec.get("v") != RECORD_VERSION:
@@ -133,7 +133,7 @@ def _unpack_record(raw: bytes, what: str) -> dict:
     return rec
 
 
-def origin_record(swarm: str, rec: dict, payload: p.Blob, max_attempts: int, hops: int = 1) -> bytes:
+def origin_record(swarm: str, rec: dict, payload: protocol.Blob, max_attempts: int, hops: int = 1) -> bytes:
     """The canonical record of a ledger item that the origin broker signs (msgpack map):
     id, kind, params (sorted), payload digest/size/reference, deadline (ms), priority,
     attempt budget, per-attempt runtime cap, hops."""
@@ -154,7 +154,7 @@ def origin_record(swarm: str, rec: dict, payload: p.Blob, max_attempts: int, hop
     })
 
 
-def check_origin(item: p.SubmitItem, trust: TrustedSwarms | None, own_swarm: str) -> tuple[dict | None, str]:
+def check_origin(item: protocol.SubmitItem, trust: TrustedSwarms | None, own_swarm: str) -> tuple[dict | None, str]:
     """Verify a relayed item against its signed origin record.
 
     Returns ``({"swarm", "item_id", "hops"}, "")`` or ``(None, reason)``: no trust file,
@@ -205,7 +205,7 @@ def check_origin(item: p.SubmitItem, trust: TrustedSwarms | None, own_swarm: str
     return {"swarm": swarm, "item_id": rec["item_id"], "hops": hops}, ""
 
 
-def result_proof(swarm: str, origin: dict, down_item_id: str, result: p.Blob) -> bytes:
+def result_proof(swarm: str, origin: dict, down_item_id: str, result: protocol.Blob) -> bytes:
     """The record a downstream broker signs for a relayed item's result."""
     return _pack({
         "v": RECORD_VERSION,
@@ -218,7 +218,7 @@ def result_proof(swarm: str, origin: dict, down_item_id: str, result: p.Blob) ->
     })
 
 
-def check_proof(res: p.TaskResult, trust: TrustedSwarms | None, own_swarm: str) -> str:
+def check_proof(res: protocol.TaskResult, trust: TrustedSwarms | None, own_swarm: str) -> str:
     """"" if ``res`` (a relay's COMPLETE) carries a downstream proof, signed by a trusted
     swarm, for exactly this item of this swarm and this result; else the reason."""
     if trust is None:
