@@ -4,7 +4,7 @@ envelopes). The producer submits ``n`` echo jobs in frames of ``frame`` (1 KiB i
 reference each, like benchmark 1), ``window`` frames in flight; the worker keeps ``credit``
 and completes every DISPATCH frame with one COMPLETE; the completion service ACKs every
 RESULT frame. The broker's CPU seconds are read from /proc around the run. Used to A/B broker
-changes on a shared machine (issue 15), where the whole pipeline's figures move with the
+changes on a shared machine, where the whole pipeline's figures move with the
 neighbours' load.
 
     python -m bench.broker_cpu [--n 20000] [--profile broker.txt] [--signed]

@@ -1,4 +1,4 @@
-"""Ledger bytes per queued item (issue 15): submit N items the way benchmark 4 does
+"""Ledger bytes per queued item: submit N items the way benchmark 4 does
 (frames of 500 in one transaction each, 1 KiB inline claim reference, key
 ``bench-<i>``, kind ``echo``) straight into a :class:`~ccsq.brokerd.ledger.store.Ledger`
 and print the pages in use per sub-database and in all, per item.

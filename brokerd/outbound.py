@@ -242,7 +242,8 @@ def dispatch_refusal(item: protocol.SubmitItem, budget: FrameBudget, *, id_len: 
     params_why = (f"its params are too large ({params_n} bytes"
                   + (", counted twice: in the task and in its origin record" if with_origin else "")
                   + "); lower params (send large data as the payload, which can go by reference)")
-    payload_why = (f"its inline payload is too large ({payload_n} bytes); send the payload by reference: lower inline_max_bytes so it goes through the claim store")
+    payload_why = (f"its inline payload is too large ({payload_n} bytes); send the payload by reference: "
+                   "lower inline_max_bytes so it goes through the claim store")
     if params_n >= payload_n:
         return head + params_why + ("; and " + payload_why if payload_n > budget.room_bytes // 4 else "")
     return head + payload_why + ("; and " + params_why if params_n > budget.room_bytes // 4 else "")

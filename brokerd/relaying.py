@@ -177,7 +177,8 @@ class Relaying:
             return protocol.Outcome.REJECTED.value
         before = txn.get(r.item_id) or {}
         outcome = txn.complete(r, now_ms, sess.peer_id)
-        if outcome == protocol.Outcome.FENCED.value or (outcome == protocol.Outcome.ACCEPTED.value and before.get("state") == protocol.ItemState.READY.value):
+        late = outcome == protocol.Outcome.ACCEPTED.value and before.get("state") == protocol.ItemState.READY.value
+        if outcome == protocol.Outcome.FENCED.value or late:
             txn.event(gaps.F2_RELAYED_RESULT_LATE, r.item_id, now_ms, f"token {r.token} from {sess.peer_id}: {outcome}")
         return outcome
 

@@ -362,7 +362,8 @@ class AsyncClient:
         refused: CcsqError | None = None  # the broker's last retryable refusal of these items
         while True:
             try:
-                ack = cast(protocol.SubmitAck, await self._roundtrip(lambda req: protocol.Submit(req=req, items=remaining), deadline_mono))  # SUBMIT is answered by SUBMIT_ACK
+                # SUBMIT is answered by SUBMIT_ACK
+                ack = cast(protocol.SubmitAck, await self._roundtrip(lambda req: protocol.Submit(req=req, items=remaining), deadline_mono))
             except BrokerUnavailable as exc:
                 # the time ran out on a retry: the broker's own last word (QUEUE_FULL, ...) says
                 # why better than "no answer" (a loaded broker answers a retry late)

@@ -21,7 +21,8 @@ from ccsq.common.wire.errors import BrokerUnavailable, CcsqError
 from ccsq.producer.outbox import Outbox
 
 #: ``send_frame(items, deadline_mono)`` -> ``(results by key, unconfirmed items, last retryable error)``
-SendFrame = Callable[[list[protocol.SubmitItem], float], Awaitable[tuple[dict[str, protocol.SubmitResult], list[protocol.SubmitItem], CcsqError | None]]]
+SendFrame = Callable[[list[protocol.SubmitItem], float],
+                     Awaitable[tuple[dict[str, protocol.SubmitResult], list[protocol.SubmitItem], CcsqError | None]]]
 
 #: spooled items read per flush round (the first SUBMIT frame of them is sent)
 PEEK_ITEMS = 1000

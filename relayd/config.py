@@ -65,11 +65,17 @@ class RelayConfig:
     peer_id: str = opt("", doc="the relay's name; its peer ids are <peer_id>-<link>-up/-down")
     private_key: str = opt("", path=True, doc="the relay's Ed25519 private key (mode 0600)")
     journal_dir: str = opt("relay-journal", path=True, doc="the relay's local journal (SQLite)")
-    curve_secret_key: str = opt("", path=True, doc="the relay's CURVE secret key (Z85, mode 0600) for links with upstream_curve/downstream_curve; its public key is the relay's curve_public_key in both swarms' authorized_keys.toml")
+    curve_secret_key: str = opt("", path=True, doc="the relay's CURVE secret key (Z85, mode 0600) for links with "
+                                "upstream_curve/downstream_curve; its public key is the relay's curve_public_key in both swarms' "
+                                "authorized_keys.toml")
     result_credit: int = opt(64, min=1, max=65536, doc="results in flight from each downstream broker")
     resend_interval_s: float = opt(2.0, min=0.05, max=3600.0, doc="unconfirmed SUBMIT/COMPLETE/ACK are resent this often")
     status_interval_s: float = opt(5.0, min=0.1, max=3600.0, doc="ask the downstream about submitted items this often (dead/expired there)")
-    downstream_hold_max_s: float = opt(30.0, min=0.0, max=86400.0, doc="downstream unreachable this long: items already submitted there are given back to the upstream (released, no attempt counted) so its own workers run them; their downstream copies are cancelled once it is reachable (0 = hold them for the whole partition)")
+    downstream_hold_max_s: float = opt(30.0, min=0.0, max=86400.0,
+                                       doc="downstream unreachable this long: items already submitted there are "
+                                         "given back to the upstream (released, no attempt counted) so its own workers run them; "
+                                         "their downstream copies are cancelled once it is reachable (0 = hold them for the whole "
+                                         "partition)")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
     reconnect_backoff_max_s: float = opt(5.0, min=0.05, max=300.0, doc="cap of the reconnect backoff")

@@ -120,7 +120,8 @@ def render_html(report: dict[str, Any]) -> str:
                    f"(kinds {escape(', '.join(link['kinds']))})</h2>")
         if link.get("broken"):
             b = link["broken"]
-            out.append(f"<p class='bad'>BROKEN since {escape(b['since'])} ({escape(b['cause'])}): {escape(b['reason'])}<br>fix: {escape(b['fix'])}</p>")
+            out.append(f"<p class='bad'>BROKEN since {escape(b['since'])} ({escape(b['cause'])}): {escape(b['reason'])}"
+                       f"<br>fix: {escape(b['fix'])}</p>")
         out.append("<table>")
         out += [f"<tr><th>{escape(label)}</th><td>{c.get(key, 0)}</td></tr>" for label, key in rows]
         states = ", ".join(f"{escape(k)} {v}" for k, v in sorted(link["states"].items())) or "none"

@@ -232,8 +232,8 @@ class LinkRunner:
         if self.broken:
             # credit granted before the link broke is still being spent upstream: give each
             # such lease straight back (released, uncounted) instead of running it downstream
-            # again, where its result would be refused once more and bounce (the loop seen
-            # when the upstream does not trust the downstream's proofs)
+            # again, where its result would be refused once more and bounce (a loop for as
+            # long as the upstream does not trust the downstream's proofs)
             self._fail([task_failure(t.item_id, t.token, protocol.FailReason.RELEASED, self.broken)
                         for t in new], "released")
             return
@@ -544,7 +544,8 @@ class LinkRunner:
         """The downstream's answer to our CANCEL of copies given back after a partition: dead
         (cancelled) = never ran there; any other state = it ran or runs (its result, if any,
         comes back with no row: an orphan, acknowledged and discarded)."""
-        cancelled = [st.item_id for st in items if st.state == protocol.ItemState.DEAD.value and st.error == protocol.FailReason.CANCELLED.value]
+        cancelled = [st.item_id for st in items
+                     if st.state == protocol.ItemState.DEAD.value and st.error == protocol.FailReason.CANCELLED.value]
         self._cancel_down.difference_update(st.item_id for st in items)
         if cancelled:
             self.journal.count(self.name, "cancelled_down", len(cancelled))

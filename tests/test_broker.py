@@ -137,7 +137,8 @@ def test_late_completion_is_fenced_and_result_delivered_once(h):
     with pytest.raises(TimeoutError):
         comp.recv_type(protocol.Result, 0.5)
     rep = h.report()
-    assert (rep["counters"]["completed"], rep["counters"]["acknowledged"], rep["counters"]["fenced_completions"], rep["counters"]["retried"]) == (1, 1, 1, 1)
+    counts = rep["counters"]
+    assert (counts["completed"], counts["acknowledged"], counts["fenced_completions"], counts["retried"]) == (1, 1, 1, 1)
     windows = {w["id"]: w for w in rep["windows"]}
     assert windows["G4"]["count"] == 1 and windows["G4"]["recent"][0]["item_id"] == r.item_id
     assert windows["G2"]["count"] == 1
@@ -179,7 +180,8 @@ def test_a_stale_fail_from_the_same_worker_is_fenced_by_the_broker(h):
     wa.send(protocol.Complete([result_of(t2, b"attempt 2")]))
     assert wa.recv_type(protocol.CompleteAck).outcomes == [protocol.ItemOutcome(t2.item_id, t2.token, "accepted")]
     rep = h.report()
-    assert (rep["counters"]["completed"], rep["counters"]["dead"], rep["counters"]["failed"], rep["counters"]["fenced_failures"]) == (1, 0, 0, 1)
+    counts = rep["counters"]
+    assert (counts["completed"], counts["dead"], counts["failed"], counts["fenced_failures"]) == (1, 0, 0, 1)
     assert rep["balanced"]
 
 
@@ -466,8 +468,9 @@ peer = ScriptedPeer(root, "prod", endpoint, rcvhwm=2)
 peer.hello("producer")
 for req in range(1, 51):
     keys = [f"r{req}-{i}-" + "k" * 100 for i in range(200)]
-    peer.send(protocol.Submit(req, [protocol.SubmitItem(k, "echo", protocol.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
-                             for k in keys]))
+    peer.send(protocol.Submit(req, [protocol.SubmitItem(k, "echo",
+                                                        protocol.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
+                                    for k in keys]))
 print("sent", flush=True)
 sys.stdin.readline()
 acks = {}

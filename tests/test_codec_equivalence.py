@@ -272,8 +272,8 @@ def test_submit_item_problem_matches_the_full_rule(seed: int) -> None:
     blob = protocol.Blob("a" * 64, 2, b"ok")
     texts = ["", "a", "echo", "k" * 128, "k" * 129, "k" * 400, "k" * 401, "é" * 200, "é" * 201, "a\x00b", "tab\t",
              "del\x7f", "\x85next", "\u2028", "ok key", "🙂" * 100, "🙂" * 101, "\ud800"]
-    numbers = [0, 1, -1, 1000, 1001, protocol.PRIO_MAX, protocol.PRIO_MAX + 1, protocol.PRIO_MIN, protocol.PRIO_MIN - 1, True, 2**2000, 0.0, 1.5,
-               -0.0, -0.5, 0.5, -1.5, float("inf"), float("-inf"), float("nan"), 1e308, IntSub(5)]
+    numbers = [0, 1, -1, 1000, 1001, protocol.PRIO_MAX, protocol.PRIO_MAX + 1, protocol.PRIO_MIN, protocol.PRIO_MIN - 1, True, 2**2000,
+               0.0, 1.5, -0.0, -0.5, 0.5, -1.5, float("inf"), float("-inf"), float("nan"), 1e308, IntSub(5)]
     params = [{}, {"t": 0.0}, {"a\x00": 1}, {"a": "x\x00"}, {"a": float("nan")}, {"a": float("inf")}, {"a": 2**70},
               {"a": None, "b": b"\x00", "c": True}, {"a": StrSub("x")}, {"a": [1]}, {1: 2}]
     choices = {"key": texts, "kind": texts, "params": params, "priority": numbers, "deadline_ts": [None, *numbers],

@@ -127,7 +127,8 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         broker.stop()
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
-    assert rep["counters"]["received"] == 2 and rep["counters"]["acknowledged"] == 1 and rep["counters"]["dead"] == 1 and rep["balanced"] is True
+    counts = rep["counters"]
+    assert counts["received"] == 2 and counts["acknowledged"] == 1 and counts["dead"] == 1 and rep["balanced"] is True
     assert rep["rejects"].get(fed.ORIGIN_KEY_TAKEN) == 1
     assert rep["counters"]["duplicate_submits"] == 3  # the replay, the squatted key, the re-lease
     windows = {w["id"]: w["count"] for w in rep["windows"]}

@@ -69,7 +69,7 @@ class _W:
     peer_id: str
     credit: int
     kinds: tuple = ()
-    healthy: bool = True  # only the fields a broker Session has (a method here once hid a call to a removed one)
+    healthy: bool = True  # only the fields a broker Session has: no method that could stand in for a missing one
 
 
 def test_capacity_is_free_worker_credit_minus_own_backlog() -> None:
@@ -177,7 +177,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
 
 def test_init_relay_refuses_a_link_from_a_swarm_to_itself(tmp_path, capsys) -> None:
     """A link whose two ends share a swarm_id is a config error (exit 78) naming both
-    directories (the check raised NameError before: issue 26, found by ruff's F821)."""
+    directories, not a crash of the check itself."""
     from ccsq.tools.cli import main
 
     assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0

@@ -102,7 +102,8 @@ def test_one_budget_for_every_sender_is_the_encoded_size(tmp_path: Path) -> None
     results = [protocol.TaskResult(t.item_id, t.token, t.payload, "echo", "1", 0.1, b"p" * 200, b"s" * 64) for t in tasks]
     deliveries = [protocol.Delivery(t.item_id, "k" * 64, t.kind, t.payload, t.params, 1, "echo", "1", time.time(), False,
                              b"p" * 200, b"s" * 64) for t in tasks]
-    for codec, cls, records in ((relay, protocol.Submit, items), (relay, protocol.Complete, results), (broker, protocol.Result, deliveries)):
+    for codec, cls, records in ((relay, protocol.Submit, items), (relay, protocol.Complete, results),
+                                (broker, protocol.Result, deliveries)):
         chunks = budget.split(records)
         assert [r for c in chunks for r in c] == records
         assert len(chunks) >= 5  # 300 x 16 KiB: several frames

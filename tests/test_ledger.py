@@ -16,6 +16,7 @@ from ccsq.brokerd.ledger.store import FULL_MODES, Ledger, LedgerError, Policy
 from ccsq.common.wire import protocol
 
 S = protocol.ItemState
+ACCEPTED, FENCED = protocol.Outcome.ACCEPTED.value, protocol.Outcome.FENCED.value
 
 
 def blob(data: bytes = b"x") -> protocol.Blob:
@@ -126,10 +127,10 @@ def test_complete_accept_duplicate_fenced_and_late(ledger):
     assert t2.attempt == 2 and t2.token > t1.token
     txn = ledger.begin()
     res = lambda t: protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1")  # noqa: E731
-    assert txn.complete(res(t1), 5_000) == protocol.Outcome.FENCED.value
-    assert txn.complete(res(t2), 5_000) == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(res(t1), 5_000) == FENCED
+    assert txn.complete(res(t2), 5_000) == ACCEPTED
     assert txn.complete(res(t2), 5_001) == protocol.Outcome.DUPLICATE.value
-    assert txn.complete(res(t1), 5_002) == protocol.Outcome.FENCED.value
+    assert txn.complete(res(t1), 5_002) == FENCED
     assert txn.complete(protocol.TaskResult("nope", 1, blob(), "echo", "1"), 5_002) == protocol.Outcome.UNKNOWN.value
     txn.commit()
     with ledger.read() as v:
@@ -144,7 +145,7 @@ def test_late_result_after_expiry_accepted_when_nobody_holds_it(ledger):
     (t,) = lease_all(ledger)
     txn = ledger.begin()
     txn.expire_lease(t.item_id, t.token, 3_000)
-    assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 3_100) == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 3_100) == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.get(t.item_id)["state"] == S.COMPLETED.value
@@ -173,10 +174,10 @@ def test_a_stale_fail_from_the_same_worker_leaves_its_new_lease_alone(ledger, re
     txn = ledger.begin()
     for sender in ("w1", ""):  # from the holder itself, and with the sender unknown
         late = protocol.TaskFailure(t1.item_id, t1.token, reason, reason != "fatal", "late report of attempt 1")
-        assert txn.fail(late, 9_100, sender) == protocol.Outcome.FENCED.value
+        assert txn.fail(late, 9_100, sender) == FENCED
     rec = txn.get(r.item_id)
     assert (rec["state"], rec["token"], rec["attempt"], rec["worker"]) == (S.LEASED.value, t2.token, 2, "w1")
-    assert txn.complete(protocol.TaskResult(t2.item_id, t2.token, blob(b"r2"), "echo", "1"), 9_200, "w1") == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(t2.item_id, t2.token, blob(b"r2"), "echo", "1"), 9_200, "w1") == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.counter("fenced_failures") == 2 and v.counter("failed") == 0 and v.counter("dead") == 0
@@ -199,11 +200,11 @@ def test_a_late_complete_with_an_older_token_is_fenced_while_ready_again(ledger)
     res = lambda t, data: protocol.TaskResult(t.item_id, t.token, blob(data), "echo", "1")  # noqa: E731
     txn = ledger.begin()
     for sender in ("w1", ""):
-        assert txn.complete(res(t1, b"attempt 1"), 15_100, sender) == protocol.Outcome.FENCED.value
+        assert txn.complete(res(t1, b"attempt 1"), 15_100, sender) == FENCED
     rec = txn.get(r.item_id)
     assert (rec["state"], rec["token"]) == (S.READY.value, t2.token)
-    assert txn.complete(res(t2, b"attempt 2"), 15_200, "w1") == protocol.Outcome.ACCEPTED.value
-    assert txn.complete(res(t1, b"attempt 1"), 15_300, "w1") == protocol.Outcome.FENCED.value
+    assert txn.complete(res(t2, b"attempt 2"), 15_200, "w1") == ACCEPTED
+    assert txn.complete(res(t1, b"attempt 1"), 15_300, "w1") == FENCED
     txn.commit()
     with ledger.read() as v:
         assert v.item_status(r.item_id).result == blob(b"attempt 2")
@@ -321,7 +322,8 @@ def test_map_full_aborts_whole_txn_then_grow(tmp_path):
             txn = led.begin()
             try:
                 for j in range(10):
-                    txn.submit(protocol.SubmitItem(f"k{n_ok}-{j}", "echo", protocol.Blob(hashlib.sha256(big).hexdigest(), len(big), big)), 1_000)
+                    big_blob = protocol.Blob(hashlib.sha256(big).hexdigest(), len(big), big)
+                    txn.submit(protocol.SubmitItem(f"k{n_ok}-{j}", "echo", big_blob), 1_000)
                 txn.commit()
             finally:
                 txn.abort()  # no-op after commit; the broker actor does the same on MapFullError
@@ -361,12 +363,12 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
     submit(ledger, item("a"), item("b"))
     ta, tb = lease_all(ledger, worker="w1")
     txn = ledger.begin()
-    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"forged"), "echo", "1"), 2_100, "w2") == protocol.Outcome.FENCED.value
-    assert txn.fail(protocol.TaskFailure(ta.item_id, ta.token, "fatal", False, "forged"), 2_100, "w2") == protocol.Outcome.FENCED.value
-    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"real"), "echo", "1"), 2_200, "w1") == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"forged"), "echo", "1"), 2_100, "w2") == FENCED
+    assert txn.fail(protocol.TaskFailure(ta.item_id, ta.token, "fatal", False, "forged"), 2_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"real"), "echo", "1"), 2_200, "w1") == ACCEPTED
     txn.expire_lease(tb.item_id, tb.token, 3_000)  # b is ready again, same token: a late result would be accepted ...
-    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"forged"), "echo", "1"), 3_100, "w2") == protocol.Outcome.FENCED.value
-    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"late"), "echo", "1"), 3_200, "w1") == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"forged"), "echo", "1"), 3_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"late"), "echo", "1"), 3_200, "w1") == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.get(ta.item_id)["worker_done"] == "w1"
@@ -407,9 +409,9 @@ def test_records_of_older_brokers_keep_their_token_holder(ledger):
     txn = ledger.begin()
     for t in (ta, tc):
         forged = protocol.TaskResult(t.item_id, t.token, blob(b"forged"), "echo", "1")
-        assert txn.complete(forged, 3_100, "w2") == protocol.Outcome.FENCED.value
-    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == protocol.Outcome.ACCEPTED.value
-    assert txn.complete(protocol.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == protocol.Outcome.ACCEPTED.value
+        assert txn.complete(forged, 3_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == ACCEPTED
+    assert txn.complete(protocol.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == ACCEPTED
     txn.commit()
     _rewrite_record(ledger, tb.item_id, worker="", token_worker="w1")
     (tb2,) = lease_all(ledger, worker="w2", now_ms=4_000)
@@ -418,8 +420,8 @@ def test_records_of_older_brokers_keep_their_token_holder(ledger):
         assert v.get(tb.item_id)["worker"] == "w2" and "token_worker" not in v.get(tb.item_id)
         assert any("leased to w1, reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
     txn = ledger.begin()
-    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == protocol.Outcome.FENCED.value
-    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == protocol.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == FENCED
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == ACCEPTED
     txn.commit()
     check_balance(ledger)
 
@@ -463,7 +465,8 @@ def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger
     ref = b"s3://bucket/payloads/000000000001.png#" + b"x" * 990
     data = protocol.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref)
     claim = protocol.Blob(hashlib.sha256(b"big").hexdigest(), 1 << 20, None)
-    (ra, rb, rc) = submit(ledger, protocol.SubmitItem("a", "echo", data), protocol.SubmitItem("b", "echo", claim), item("c", params={"n": 1}))
+    (ra, rb, rc) = submit(ledger, protocol.SubmitItem("a", "echo", data), protocol.SubmitItem("b", "echo", claim),
+                          item("c", params={"n": 1}))
     with ledger.env.begin() as raw:
         rec2 = raw.get(ra.item_id.encode(), db=ledger.db["items"])
         blob2 = raw.get(ra.item_id.encode(), db=ledger.db["payloads"])
@@ -485,7 +488,7 @@ def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger
     assert tasks[ra.item_id].payload == data and tasks[rb.item_id].payload == claim
     txn = ledger.begin()
     for t in tasks.values():
-        assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1") == protocol.Outcome.ACCEPTED.value
+        assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1") == ACCEPTED
         assert txn.ack(t.item_id, 3_100) is True
     txn.commit()
     with ledger.read() as v:

@@ -42,9 +42,11 @@ def pki(tmp_path: Path):
 
 def sample_messages() -> list[protocol.Message]:
     return [
-        protocol.Hello(role="worker", slots=2, credit=3, kinds=["ocr"], leases=[protocol.LeaseRef("i1", 7)], info={"provider": "cpu", "cpu_fallback": False}),
+        protocol.Hello(role="worker", slots=2, credit=3, kinds=["ocr"], leases=[protocol.LeaseRef("i1", 7)],
+                       info={"provider": "cpu", "cpu_fallback": False}),
         protocol.Heartbeat(leases=[protocol.LeaseRef("i1", 7)], busy=1, done=4, healthy=True, info={"gpu_mem_free_bytes": 123}),
-        protocol.Submit(req=1, items=[protocol.SubmitItem(key="k", kind="ocr", payload=BLOB, params={"name": "x.png"}, priority=3, deadline_ts=time.time() + 60)]),
+        protocol.Submit(req=1, items=[protocol.SubmitItem(key="k", kind="ocr", payload=BLOB, params={"name": "x.png"}, priority=3,
+                                                          deadline_ts=time.time() + 60)]),
         protocol.Credit(credit=2),
         protocol.Complete(results=[protocol.TaskResult("i1", 7, BLOB, "ocr", "1.0", 0.5)]),
         protocol.Fail(failures=[protocol.TaskFailure("i1", 7, protocol.FailReason.HANDLER_ERROR.value, True, "boom")]),
@@ -130,7 +132,8 @@ def test_flipped_byte_is_bad_signature(pki) -> None:
         tampered[i] ^= 0x01
         with pytest.raises(DecodeError) as exc:
             broker.decode([bytes(tampered), sig])
-        assert exc.value.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_MALFORMED, protocol.REJECT_UNKNOWN_SENDER, protocol.REJECT_VERSION, protocol.REJECT_UNKNOWN_TYPE)
+        assert exc.value.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_MALFORMED, protocol.REJECT_UNKNOWN_SENDER,
+                                  protocol.REJECT_VERSION, protocol.REJECT_UNKNOWN_TYPE)
     # a flip in the body (last byte) can only be caught by the signature
     tampered = bytearray(payload)
     tampered[-1] ^= 0x01

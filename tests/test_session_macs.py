@@ -130,7 +130,8 @@ def test_mac_session_against_the_real_broker(tmp_path: Path, broker: BrokerProce
 
     # a tagged frame of a session that ended (BYE): NO_SESSION, nothing applied
     work.send(protocol.Bye(reason="test"))
-    frames = work.codec.encode(protocol.Complete(results=[protocol.TaskResult(ids[0], 1, protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok"), "echo", "1")]))
+    ok = protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
+    frames = work.codec.encode(protocol.Complete(results=[protocol.TaskResult(ids[0], 1, ok, "echo", "1")]))
     assert len(frames[1]) == MAC_BYTES
     work.send_raw(frames)
     assert work.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION

@@ -61,7 +61,8 @@ HISTORY_INTERVAL_MS = 1000
 HISTORY_KEEP_MS = 3600 * 1000
 
 _REFUSE_MESSAGES = {
-    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: result_reserve_bytes): retry with backoff or spool",
+    "QUEUE_FULL": ("the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: "
+                   "result_reserve_bytes): retry with backoff or spool"),
     "DISK_FULL": "the broker's disk is nearly full (min_free_disk_bytes): retry with backoff or spool",
 }
 

@@ -239,7 +239,7 @@ def blob_from_wire(d: dict) -> protocol.Blob:
 
 
 # --- blobs (``payloads``, ``results``) ---
-# Format 1 (before issue 15): the map ``{sha256: hex str, size, inline}``.
+# Format 1 (older brokers): the map ``{sha256: hex str, size, inline}``.
 # Format 2: the array ``[sha256 (32 raw bytes), size, inline]``, or, for an inline
 # payload that LZ4 shrinks by at least an eighth, ``[sha256, size, lz4 block, 1]``
 # (``lz4.block`` without the size header: ``size`` is the length). Both are read.
@@ -353,17 +353,18 @@ class Item(TypedDict, total=False):
     reply_to: str
 
 
-# Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
+# Item record formats. Format 1 (older brokers): the map of :class:`Item` with its
 # long field names, ``id`` included. Format 2: the array of the fields every record has
 # from SUBMIT on (:data:`ITEM_CORE`, in that order), then a map of the other fields
-# present (long names); no ``id`` (it is the record's key). Format 3 (written since the
-# broker's CPU work of issue 15): the byte 0x03, the length of the *fixed* part (a msgpack
+# present (long names); no ``id`` (it is the record's key). Format 3 (what this broker
+# writes): the byte 0x03, the length of the *fixed* part (a msgpack
 # unsigned integer), the fixed part, then the *state* part. The fixed part is what SUBMIT
 # sets once and nothing changes (:data:`ITEM_FIXED`, then a map of ``origin`` /
 # ``reply_to`` when the item was relayed), packed once and copied as bytes into every
 # later rewrite; the state part is the array of :data:`ITEM_STATE`, then of
 # :data:`ITEM_STATE_MORE` (nil: the field is absent; trailing nils left out), then, only
-# when a record has other fields (or one of :data:`ITEM_STATE_MORE` holding None), a map of them. A map is format 1, an array format 2, a value
+# when a record has other fields (or one of :data:`ITEM_STATE_MORE` holding None), a map of them.
+# A map is format 1, an array format 2, a value
 # that starts with 0x03 format 3 (msgpack would read it as the integer 3 followed by more
 # data, so an older broker refuses it loudly instead of misreading it): :func:`unpack_item`
 # reads all three.

@@ -415,7 +415,8 @@ class Ledger:
         restored, takes a new item id prefix, so ids the source broker issued after the copy
         are never issued again (their results may already be in the results database);
         ``mark_restore=False`` leaves that mark out (a standby's seed, which continues this
-        ledger: :func:`~ccsq.brokerd.ledger.replication.take_copy`). The file is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
+        ledger: :func:`~ccsq.brokerd.ledger.replication.take_copy`). The file is fsynced.
+        Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
         :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
         dest = Path(dest)
         try:

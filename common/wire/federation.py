@@ -67,8 +67,8 @@ BROKEN_INFO, BROKEN_SINCE_INFO, BROKEN_FIX_INFO = "link_broken", "link_broken_si
 POLICY = "policy"
 #: An origin record carries the item's params, which SUBMIT admits up to what fits a DISPATCH
 #: to a relay (brokerd/outbound.py dispatch_refusal): so the record is bounded by the frame it
-#: arrived in (max_frame_bytes, at most 1 GiB), not by a cap of its own; a smaller cap refused
-#: items the upstream had accepted as forged, and the relay then stopped the whole link.
+#: arrived in (max_frame_bytes, at most 1 GiB), not by a cap of its own: a smaller cap would
+#: refuse as forged items the upstream accepted, and the relay would stop the whole link.
 MAX_RECORD_BYTES = 1 << 30
 RECORD_VERSION = 1
 

@@ -40,7 +40,8 @@ MAX_ITEMS_PER_FRAME = 512
 
 #: Message type -> the field holding its records (the list a frame is split on).
 RECORD_LISTS: dict[type, str] = {
-    protocol.Submit: "items", protocol.Dispatch: "tasks", protocol.Complete: "results", protocol.Fail: "failures", protocol.Result: "deliveries",
+    protocol.Submit: "items", protocol.Dispatch: "tasks", protocol.Complete: "results", protocol.Fail: "failures",
+    protocol.Result: "deliveries",
     protocol.Status: "item_ids", protocol.Cancel: "item_ids", protocol.StatusReply: "items", protocol.CompleteAck: "outcomes",
     protocol.FailAck: "outcomes",
 }

@@ -25,8 +25,8 @@ from tests.sim.world import RESTART_DELAY_S
 
 HELLO_TIMEOUT_S = 3.0
 RECONNECT_S = (0.05, 0.5)
-SESSION_GONE = {protocol.REJECT_NO_SESSION, protocol.ERROR_REPLACED, protocol.REJECT_REPLAY, protocol.REJECT_STALE, protocol.REJECT_BAD_SIGNATURE,
-                protocol.REJECT_FORGED_ORIGIN}
+SESSION_GONE = {protocol.REJECT_NO_SESSION, protocol.ERROR_REPLACED, protocol.REJECT_REPLAY, protocol.REJECT_STALE,
+                protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_FORGED_ORIGIN}
 KIND = "echo"
 #: every URGENT_EVERY-th item is submitted with a higher priority (a mixed workload): an expired
 #: urgent item goes back to the head of the ready queue, ahead of never-leased ones
