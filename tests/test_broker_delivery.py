@@ -94,3 +94,24 @@ def test_a_session_gone_before_commit_gets_nothing_in_flight_and_a_stale_scan_ke
     assert tr.count() == 0 and tr.possible
     again, _ = plan(ledger, tr, completion("c2", credit=10))  # the floor was not raised past them
     assert len(delivered(again)) == 5 and all(d.redelivery for d in delivered(again))
+
+
+def test_a_result_owed_to_a_relay_goes_to_no_completion_service_and_its_route_is_rebuilt_at_start(ledger):
+    """The tracker owns the routes too (results owed to the downstream relay that submitted
+    them): a routed item is skipped by completion deliveries until acknowledged, and a new
+    tracker (a broker restart) rebuilds the routes from the records' ``reply_to``."""
+    txn = ledger.begin()
+    relayed = txn.submit(protocol.SubmitItem("origin:a:1", "echo", blob(b"r1")), 1_000,
+                         origin={"swarm": "a", "item_id": "1", "hops": 1}, reply_to="relay-down").item_id
+    ids, _ = txn.scan_ready(None, 10, 2_000)
+    (task,) = [t for t in (txn.lease(i, "w1", 2_000, 5_000) for i in ids) if t and t.item_id == relayed]
+    assert txn.complete(protocol.TaskResult(relayed, task.token, blob(b"r"), "echo", "1"), 3_000, "w1") == protocol.Outcome.ACCEPTED.value
+    txn.commit()
+    tr = tracker(ledger)
+    with ledger.read() as view:
+        assert tr.recover_routes(view) == 1
+    assert tr.routed_all == {relayed}
+    batch, _ = plan(ledger, tr, completion(credit=10))
+    assert len(delivered(batch)) == 5 and relayed not in {d.item_id for d in delivered(batch)}
+    tr.acknowledged(relayed)  # nothing more is owed for it: no delivery, no route
+    assert not tr.routed_all
