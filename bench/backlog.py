@@ -31,7 +31,7 @@ import zmq
 from bench.ccsq_pipeline import acknowledged, check_alive, start_swarm
 from bench.common import claim_ref, disk_bytes, dist, hist_delta, hist_summary, rss_bytes, rss_split_bytes, scrape_histograms
 from tests.broker_harness import ScriptedPeer
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.tools.procs import bin_path, free_tcp_port
 
 FRAME_ITEMS = 500  # 500 x ~1.1 KiB stays under max_frame_bytes (1 MiB)
@@ -40,10 +40,10 @@ PROBE_INTERVAL_S = 0.02
 LEASED = 1000
 
 
-def _item(i: int) -> p.SubmitItem:
+def _item(i: int) -> protocol.SubmitItem:
     ref = claim_ref(i)
     digest = hashlib.sha256(ref).hexdigest()
-    return p.SubmitItem(key=f"bench-{i}", kind="echo", payload=p.Blob(digest, len(ref), ref), params={"t": 0.0})
+    return protocol.SubmitItem(key=f"bench-{i}", kind="echo", payload=protocol.Blob(digest, len(ref), ref), params={"t": 0.0})
 
 
 def fill(peer: ScriptedPeer, start: int, stop: int) -> float:
@@ -54,10 +54,10 @@ def fill(peer: ScriptedPeer, start: int, stop: int) -> float:
     while nxt < stop or outstanding:
         while nxt < stop and len(outstanding) < WINDOW:
             req = peer.next_req()
-            peer.send(p.Submit(req, [_item(i) for i in range(nxt, min(stop, nxt + FRAME_ITEMS))]))
+            peer.send(protocol.Submit(req, [_item(i) for i in range(nxt, min(stop, nxt + FRAME_ITEMS))]))
             outstanding.add(req)
             nxt += FRAME_ITEMS
-        ack = peer.recv_type(p.SubmitAck, 60)
+        ack = peer.recv_type(protocol.SubmitAck, 60)
         bad = [r for r in ack.results if r.error]
         if bad:
             raise RuntimeError(f"broker refused items: {bad[0].error}: {bad[0].message}")
@@ -71,8 +71,8 @@ def probe_lag(peer: ScriptedPeer, duration_s: float) -> list[float]:
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
         t = time.monotonic()
-        peer.send(p.Credit(credit=0))
-        peer.recv_type(p.Error, 30)
+        peer.send(protocol.Credit(credit=0))
+        peer.recv_type(protocol.Error, 30)
         out.append((time.monotonic() - t) * 1000)
         left = PROBE_INTERVAL_S - (time.monotonic() - t)
         if left > 0:
@@ -147,16 +147,16 @@ def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
         # --- 3: restart recovery with LEASED leases held ---
         holder = ScriptedPeer(root, "worker-4", endpoint)
         holder.hello("worker", credit=LEASED, kinds=["echo"], slots=LEASED)
-        leases: list[p.LeaseRef] = []
+        leases: list[protocol.LeaseRef] = []
         while len(leases) < LEASED:
-            d = holder.recv_type(p.Dispatch, 30)
-            leases.extend(p.LeaseRef(t.item_id, t.token) for t in d.tasks)
+            d = holder.recv_type(protocol.Dispatch, 30)
+            leases.extend(protocol.LeaseRef(t.item_id, t.token) for t in d.tasks)
         holder.close()
         procs.kill("broker")
         holder = _fresh_peer(root, "worker-4", endpoint)
         taker = _fresh_peer(root, "worker-3", endpoint)
-        holder.send(p.Hello(role="worker", credit=0, kinds=["echo"], slots=LEASED, leases=leases))
-        taker.send(p.Hello(role="worker", credit=1, kinds=["echo"], slots=1))
+        holder.send(protocol.Hello(role="worker", credit=0, kinds=["echo"], slots=LEASED, leases=leases))
+        taker.send(protocol.Hello(role="worker", credit=1, kinds=["echo"], slots=1))
         t0, t0_wall = time.monotonic(), time.time()
         procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])])
         poller = zmq.Poller()
@@ -170,9 +170,9 @@ def run(root: Path, sizes: list[int], lag_s: float = 10.0) -> dict[str, Any]:
                 peer = holder if sock is holder.sock else taker
                 env = peer.codec.decode(sock.recv_multipart(), bound_sender="broker")
                 msg = env.message
-                if peer is taker and isinstance(msg, p.Dispatch) and first_dispatch_s is None:
+                if peer is taker and isinstance(msg, protocol.Dispatch) and first_dispatch_s is None:
                     first_dispatch_s = time.monotonic() - t0
-                elif peer is holder and isinstance(msg, p.Welcome) and resumed_s is None:
+                elif peer is holder and isinstance(msg, protocol.Welcome) and resumed_s is None:
                     resumed_s, resumed = time.monotonic() - t0, len(msg.resumed)
         started = [e for e in procs.procs["broker"].events() if e.get("event") == "broker_started"]
         recovered = [e for e in procs.procs["broker"].events() if e.get("event") == "ledger_recovered"]

@@ -4,7 +4,7 @@ envelopes). The producer submits ``n`` echo jobs in frames of ``frame`` (1 KiB i
 reference each, like benchmark 1), ``window`` frames in flight; the worker keeps ``credit``
 and completes every DISPATCH frame with one COMPLETE; the completion service ACKs every
 RESULT frame. The broker's CPU seconds are read from /proc around the run. Used to A/B broker
-changes on a shared machine (issue 15), where the whole pipeline's figures move with the
+changes on a shared machine, where the whole pipeline's figures move with the
 neighbours' load.
 
     python -m bench.broker_cpu [--n 20000] [--profile broker.txt] [--signed]
@@ -35,15 +35,15 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
     sys.path.insert(0, str(ROOT))
     from bench.ccsq_pipeline import start_swarm
     from ccsq.tools.procs import bin_path
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from tests.broker_harness import ScriptedPeer
 
-    def item(i: int) -> p.SubmitItem:
+    def item(i: int) -> protocol.SubmitItem:
         ref = claim_ref(i)
-        return p.SubmitItem(key=f"bench-{i}", kind="echo", payload=p.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref),
+        return protocol.SubmitItem(key=f"bench-{i}", kind="echo", payload=protocol.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref),
                             params={"t": 0.0})
 
-    result = p.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
+    result = protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         procs, _configs = start_swarm(root, workers=1, start_workers=0, start_completion=False)
@@ -72,7 +72,7 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{acked} of {n} acknowledged")
                 while nxt < n and in_flight < window:
-                    prod.send(p.Submit(prod.next_req(), [item(i) for i in range(nxt, min(n, nxt + frame))]))
+                    prod.send(protocol.Submit(prod.next_req(), [item(i) for i in range(nxt, min(n, nxt + frame))]))
                     nxt, in_flight = nxt + frame, in_flight + 1
                 for sock, _ in poller.poll(1000):
                     peer = prod if sock is prod.sock else work if sock is work.sock else comp
@@ -80,15 +80,15 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
                     if env is None:
                         continue
                     msg = env.message
-                    if isinstance(msg, p.SubmitAck):
+                    if isinstance(msg, protocol.SubmitAck):
                         in_flight -= 1
-                    elif isinstance(msg, p.Dispatch):
-                        work.send(p.Complete([p.TaskResult(t.item_id, t.token, result, "echo", "1") for t in msg.tasks]))
-                        work.send(p.Credit(credit=len(msg.tasks)))
-                    elif isinstance(msg, p.Result):
-                        comp.send(p.Ack([d.item_id for d in msg.deliveries]))
-                        comp.send(p.Credit(credit=len(msg.deliveries)))
-                    elif isinstance(msg, p.AckOk):
+                    elif isinstance(msg, protocol.Dispatch):
+                        work.send(protocol.Complete([protocol.TaskResult(t.item_id, t.token, result, "echo", "1") for t in msg.tasks]))
+                        work.send(protocol.Credit(credit=len(msg.tasks)))
+                    elif isinstance(msg, protocol.Result):
+                        comp.send(protocol.Ack([d.item_id for d in msg.deliveries]))
+                        comp.send(protocol.Credit(credit=len(msg.deliveries)))
+                    elif isinstance(msg, protocol.AckOk):
                         acked += len(msg.item_ids)
             cpu, wall = cpu_s(pid) - cpu0, time.monotonic() - t0
             if spy is not None:

@@ -126,7 +126,7 @@ def latencies_ms(root: Path, facts: dict[str, int] | None = None) -> list[float]
     try:
         with ledger.read() as view:
             for k, raw in view.txn.cursor(db=view.db["items"]):
-                rec = schema.unpack_item(raw, k.decode())  # either record format (issue 15)
+                rec = schema.unpack_item(raw, k.decode())  # any record format (1, 2 or 3)
                 t = rec.get("params", {}).get("t")
                 rerun += rec.get("attempt", 0) > 1
                 if rec.get("acked_ms") and isinstance(t, float):

@@ -22,7 +22,7 @@ import time
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 
 def _ref(i: int, size_bytes: int = 1024) -> bytes:
@@ -30,29 +30,29 @@ def _ref(i: int, size_bytes: int = 1024) -> bytes:
     return head + b"x" * max(0, size_bytes - len(head))
 
 
-def _blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def _blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
-def messages(n: int = 100) -> dict[str, tuple[p.Message, int]]:
+def messages(n: int = 100) -> dict[str, tuple[protocol.Message, int]]:
     """name -> (message, items it carries)."""
     ok = _blob(b"ok")
-    items = [p.SubmitItem(key=f"bench-{i}", kind="echo", payload=_blob(_ref(i)), params={"t": 0.0}) for i in range(n)]
-    tasks = [p.Task(item_id=f"{i:032x}", token=i + 1, kind="echo", payload=it.payload, params=it.params, attempt=1,
+    items = [protocol.SubmitItem(key=f"bench-{i}", kind="echo", payload=_blob(_ref(i)), params={"t": 0.0}) for i in range(n)]
+    tasks = [protocol.Task(item_id=f"{i:032x}", token=i + 1, kind="echo", payload=it.payload, params=it.params, attempt=1,
                     max_runtime_s=30.0) for i, it in enumerate(items)]
-    results = [p.TaskResult(item_id=t.item_id, token=t.token, result=ok, handler="echo", handler_version="1",
+    results = [protocol.TaskResult(item_id=t.item_id, token=t.token, result=ok, handler="echo", handler_version="1",
                             runtime_s=0.001) for t in tasks]
-    deliveries = [p.Delivery(item_id=t.item_id, key=f"bench-{i}", kind="echo", result=ok, params={"t": 0.0},
+    deliveries = [protocol.Delivery(item_id=t.item_id, key=f"bench-{i}", kind="echo", result=ok, params={"t": 0.0},
                              attempt=1, handler="echo", handler_version="1", completed_ts=1.7e9 + i)
                   for i, t in enumerate(tasks)]
-    leases = [p.LeaseRef(f"{i:032x}", i + 1) for i in range(8)]
+    leases = [protocol.LeaseRef(f"{i:032x}", i + 1) for i in range(8)]
     return {
-        "SUBMIT": (p.Submit(req=1, items=items), n),
-        "DISPATCH": (p.Dispatch(tasks=tasks), n),
-        "COMPLETE": (p.Complete(results=results), n),
-        "RESULT": (p.Result(deliveries=deliveries), n),
-        "ACK": (p.Ack(item_ids=[t.item_id for t in tasks]), n),
-        "HEARTBEAT": (p.Heartbeat(leases=leases, busy=2, done=100, info={"gpu_mem_free_bytes": 1 << 30}), 1),
+        "SUBMIT": (protocol.Submit(req=1, items=items), n),
+        "DISPATCH": (protocol.Dispatch(tasks=tasks), n),
+        "COMPLETE": (protocol.Complete(results=results), n),
+        "RESULT": (protocol.Result(deliveries=deliveries), n),
+        "ACK": (protocol.Ack(item_ids=[t.item_id for t in tasks]), n),
+        "HEARTBEAT": (protocol.Heartbeat(leases=leases, busy=2, done=100, info={"gpu_mem_free_bytes": 1 << 30}), 1),
     }
 
 
@@ -77,15 +77,15 @@ def _per_item_us(fn, items: int, repeat: int, budget_s: float = 0.05) -> float:
 def run(repeat: int = 7) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, (msg, items) in messages().items():
-        body = p.encode_body(msg)
+        body = protocol.encode_body(msg)
         raw = msgpack.packb(body, use_bin_type=True)
         mtype = int(msg.TYPE)
-        assert p.decode_body(mtype, body) == msg
+        assert protocol.decode_body(mtype, body) == msg
         out[name] = {
-            "enc": _per_item_us(lambda: p.encode_body(msg), items, repeat),
-            "dec": _per_item_us(lambda: p.decode_body(mtype, body), items, repeat),
-            "enc+pack": _per_item_us(lambda: msgpack.packb(p.encode_body(msg), use_bin_type=True), items, repeat),
-            "unpack+dec": _per_item_us(lambda: p.decode_body(mtype, msgpack.unpackb(raw, raw=False)), items, repeat),
+            "enc": _per_item_us(lambda: protocol.encode_body(msg), items, repeat),
+            "dec": _per_item_us(lambda: protocol.decode_body(mtype, body), items, repeat),
+            "enc+pack": _per_item_us(lambda: msgpack.packb(protocol.encode_body(msg), use_bin_type=True), items, repeat),
+            "unpack+dec": _per_item_us(lambda: protocol.decode_body(mtype, msgpack.unpackb(raw, raw=False)), items, repeat),
         }
     return out
 

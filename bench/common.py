@@ -172,12 +172,12 @@ def _version(argv: list[str]) -> str:
 
 def machine() -> dict[str, Any]:
     """Facts about this machine and the software versions in play."""
-    import importlib.metadata as md
+    import importlib.metadata
 
     def pkg(name: str) -> str:
         try:
-            return md.version(name)
-        except md.PackageNotFoundError:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
     cpu = "?"

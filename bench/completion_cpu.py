@@ -85,15 +85,15 @@ def run(n: int = 20_000, *, credit: int = 512, database: str = "sqlite:///result
 
 def _deliveries(n: int) -> list:
     from ccsq.common.storage.claimstore import sha256_hex
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
 
     now = time.time()
     out = []
     for i in range(n):
         data = claim_ref(i)
-        out.append(p.Delivery(
+        out.append(protocol.Delivery(
             item_id=f"i{i:09d}", key=hashlib.sha256(b"k%d" % i).hexdigest(), kind="echo",
-            result=p.Blob(sha256_hex(data), len(data), data), params={"t": now}, attempt=1,
+            result=protocol.Blob(sha256_hex(data), len(data), data), params={"t": now}, attempt=1,
             handler="echo", handler_version="1", completed_ts=now))
     return out
 
@@ -104,7 +104,7 @@ def phases(n: int = 20_000, batch: int = 256) -> dict[str, dict[str, float]]:
     import resource
 
     sys.path.insert(0, str(ROOT))
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.wire.config import CompletionConfig, load
     from ccsq.common.wire.envelope import EnvelopeCodec
     from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
@@ -121,7 +121,7 @@ def phases(n: int = 20_000, batch: int = 256) -> dict[str, dict[str, float]]:
         keys = AuthorizedKeys(root / "authorized_keys.toml")
         broker = EnvelopeCodec("broker", load_private_key(root / "keys" / "broker.key"), keys)
         ds = _deliveries(n)
-        frames = [broker.encode(p.Result(deliveries=ds[k:k + batch])) for k in range(0, n, batch)]
+        frames = [broker.encode(protocol.Result(deliveries=ds[k:k + batch])) for k in range(0, n, batch)]
         config = load(CompletionConfig, write_config(root, "completion", "completion-1", "tcp://127.0.0.1:9"))
         svc = CompletionService(config)
         codec = EnvelopeCodec("completion-1", load_private_key(root / "keys" / "completion-1.key"), keys,
@@ -136,7 +136,7 @@ def phases(n: int = 20_000, batch: int = 256) -> dict[str, dict[str, float]]:
                 svc.db.land(r)
             t.append(now())
             for r in rows:
-                codec.encode(p.Ack(item_ids=sorted({x[0] for x in r}), quarantined=[]))
+                codec.encode(protocol.Ack(item_ids=sorted({x[0] for x in r}), quarantined=[]))
             t.append(now())
         finally:
             svc.db.close()

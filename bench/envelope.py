@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def _codecs(root: Path, macs: bool):
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.wire.envelope import EnvelopeCodec
     from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
@@ -33,20 +33,20 @@ def _codecs(root: Path, macs: bool):
     broker = EnvelopeCodec("broker", keys["broker"], AuthorizedKeys(d / "ak.toml"), session_macs=macs)
     peer = EnvelopeCodec("producer-1", keys["producer-1"], AuthorizedKeys(d / "ak.toml"), require_hello=False,
                          session_macs=macs)
-    hello = broker.decode(peer.encode(p.Hello(role="producer")))
+    hello = broker.decode(peer.encode(protocol.Hello(role="producer")))
     mac = broker.open_session_mac(hello, b"rid")
-    peer.decode(broker.encode(p.Welcome(1.0, 5, 1, mac_x25519=mac), channel=b"rid"), bound_sender="broker")
+    peer.decode(broker.encode(protocol.Welcome(1.0, 5, 1, mac_x25519=mac), channel=b"rid"), bound_sender="broker")
     assert peer.mac_active is macs
     return broker, peer
 
 
 def _items(n: int):
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
 
     out = []
     for i in range(n):
         ref = f"s3://bench-bucket/payloads/{i:012d}.png".encode()
-        out.append(p.SubmitItem(key=f"doc-{i:08d}", kind="ocr", payload=p.Blob(hashlib.sha256(ref).hexdigest(), 150_000),
+        out.append(protocol.SubmitItem(key=f"doc-{i:08d}", kind="ocr", payload=protocol.Blob(hashlib.sha256(ref).hexdigest(), 150_000),
                                 params={"lang": "en", "dpi": 300}))
     return out
 
@@ -82,13 +82,13 @@ def _decode_rate(broker, peer, msg, seconds: float) -> float:
 
 
 def run(seconds: float = 1.0) -> list[dict]:
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         pairs = {macs: _codecs(Path(tmp), macs) for macs in (False, True)}
-        for name, msg, items in (("HEARTBEAT", p.Heartbeat(), 1), ("SUBMIT, 1 item", p.Submit(1, _items(1)), 1),
-                                 ("SUBMIT, 100 items", p.Submit(1, _items(100)), 100)):
+        for name, msg, items in (("HEARTBEAT", protocol.Heartbeat(), 1), ("SUBMIT, 1 item", protocol.Submit(1, _items(1)), 1),
+                                 ("SUBMIT, 100 items", protocol.Submit(1, _items(100)), 100)):
             row = {"frame": name, "items": items}
             for macs, (broker, peer) in pairs.items():
                 what = "mac" if macs else "signed"

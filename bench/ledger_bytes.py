@@ -1,4 +1,4 @@
-"""Ledger bytes per queued item (issue 15): submit N items the way benchmark 4 does
+"""Ledger bytes per queued item: submit N items the way benchmark 4 does
 (frames of 500 in one transaction each, 1 KiB inline claim reference, key
 ``bench-<i>``, kind ``echo``) straight into a :class:`~ccsq.brokerd.ledger.store.Ledger`
 and print the pages in use per sub-database and in all, per item.
@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 
 from bench.common import claim_ref
-from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.store import Ledger
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 FRAME_ITEMS = 500
 
 
-def _payload(kind: str, i: int) -> p.Blob:
+def _payload(kind: str, i: int) -> protocol.Blob:
     if kind == "claim":
         digest = hashlib.sha256(str(i).encode()).hexdigest()
-        return p.Blob(digest, 1 << 20, None)
+        return protocol.Blob(digest, 1 << 20, None)
     data = os.urandom(1024) if kind == "random" else claim_ref(i)
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def measure(n: int, payload: str, root: Path) -> dict:
@@ -43,14 +43,14 @@ def measure(n: int, payload: str, root: Path) -> dict:
         for start in range(0, n, FRAME_ITEMS):
             txn = ledger.begin()
             for i in range(start, min(n, start + FRAME_ITEMS)):
-                item = p.SubmitItem(key=f"bench-{i}", kind="echo", payload=_payload(payload, i), params={"t": 0.0})
+                item = protocol.SubmitItem(key=f"bench-{i}", kind="echo", payload=_payload(payload, i), params={"t": 0.0})
                 res = txn.submit(item, now_ms)
                 assert not res.error, res
             txn.commit()
             now_ms += 5
         out: dict = {"n": n, "payload": payload, "page_bytes": 0, "per_db": {}}
         with ledger.env.begin() as t:
-            for name in sc.DB_NAMES:
+            for name in schema.DB_NAMES:
                 st = ledger.env.stat() if False else t.stat(ledger.db[name])
                 pages = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
                 out["per_db"][name] = {"entries": st["entries"], "pages": pages,

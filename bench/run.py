@@ -52,7 +52,7 @@ def _fsync_stats(trace: Path, jobs: int) -> dict[str, Any]:
                     "jobs_per_sync ~ jobs per commit; a job writes its record 4 times (submit, lease, complete, ack)"}
 
 
-#: Issue 15's targets: CPU per job of each ccsq process (µs), end-to-end ratios, paced latency.
+#: The targets (docs/benchmarks.md): CPU per job of each ccsq process (µs), end-to-end ratios, paced latency.
 CPU_TARGET_US = {"broker": 50, "worker": 25, "completion": 20, "producer": 15}
 RATIO_TARGET = {"redis": 0.8, "celery": 20.0, "dramatiq": 6.0, "rabbit": None}
 LATENCY_TARGET_MS = {"p50": 15.0, "p99": 40.0}

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: Path | None = None,
         signed: bool = False) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from tests.worker_harness import WorkerBroker, Workers, task, wait_until
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,7 +36,7 @@ def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: 
         try:
             proc = workers.start(handler="echo", slots=4, prefetch=64, max_batch=64, max_wait_ms=1.0,
                                  log_each_job=log_each_job)
-            broker.wait_for(p.Hello)
+            broker.wait_for(protocol.Hello)
             time.sleep(0.5)
             spy = None
             if profile is not None:
@@ -54,11 +54,11 @@ def run(rounds: int = 40, frames: int = 5, log_each_job: bool = False, profile: 
                     broker.dispatch(*[task(f"j{n + k:09d}", "echo", claim_ref(n + k), token=n + k + 1,
                                            params={"t": time.time()}) for k in range(64)])
                     n += 64
-                wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= n, 60, f"{n} results")
+                wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) >= n, 60, f"{n} results")
             time.sleep(0.3)  # the last confirmations and journal forgets
             cpu = cpu_s(proc.pid) - cpu0
             el = time.monotonic() - t0
-            frames_in = {cls.__name__: len(broker.of(cls)) for cls in (p.Complete, p.Credit, p.Heartbeat)}
+            frames_in = {cls.__name__: len(broker.of(cls)) for cls in (protocol.Complete, protocol.Credit, protocol.Heartbeat)}
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(30)

@@ -40,14 +40,14 @@ from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
 from ccsq.brokerd.delivery import DeliveryTracker
-from ccsq.brokerd.intake import Intake
+from ccsq.brokerd.frame_intake import FrameIntake
 from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, dispatch_refusal, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
-from ccsq.brokerd.relaying import Relaying, relay_sessions
+from ccsq.brokerd.relaying import Federation, Relaying, relay_sessions
 from ccsq.brokerd.sessions import Sessions
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.frames import split_frames
@@ -155,7 +155,7 @@ class Broker:
     leases: LeaseTimers
     epoch: int
     relaying: Relaying  # what relays bring in (origins, proofs, F1-F4), what they are told
-    intake: Intake  # verifies every frame; counts, logs and answers refusals
+    intake: FrameIntake  # verifies every frame; counts, logs and answers refusals
     dispatcher: Dispatcher  # ready items to lease holders with credit
     delivery: DeliveryTracker  # results sent and not yet acknowledged, redeliveries owed
     sessions: Sessions  # HELLO, HEARTBEAT, CREDIT, BYE, liveness
@@ -198,10 +198,10 @@ class Broker:
         self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
         self._reader_warn_next_mono = 0.0
         self.epoch = ledger.bump_epoch()
-        self.fed = fed.Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
+        self.fed = Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
-        self.intake = Intake(self.codec, self.peers, self.outbound, self._end_session, clock=clock)
+        self.intake = FrameIntake(self.codec, self.peers, self.outbound, self._end_session, clock=clock)
         self.rejects = self.intake.rejects  # (the same counters: the metrics and admin read them here)
         self._rejects_unsaved = self.intake.unsaved  # written to the ledger and cleared by _transact
         self.dispatcher = Dispatcher(cfg, self.peers, self.leases, self.fed, self.outbound.reply_budget, clock=clock)
@@ -215,7 +215,7 @@ class Broker:
         self._recover()
         if self.fed.enabled:
             with self.ledger.read() as view:
-                log.info("federation_recovered", swarm=self.fed.swarm_id, routed=self.fed.recover(view))
+                log.info("federation_recovered", swarm=self.fed.swarm_id, routed=self.delivery.recover_routes(view))
 
     # --- lifecycle ---
     def _recover(self) -> None:
@@ -337,7 +337,7 @@ class Broker:
         log.warning("broker_stalled", stalled_s=round(gap, 3), peers=len(self.peers), leases=len(self.leases))
         return now
 
-    # --- decoding (brokerd/intake.py) ---
+    # --- decoding (brokerd/frame_intake.py) ---
     def _decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
         return self.intake.decode(raw, now)
 
@@ -409,7 +409,7 @@ class Broker:
     def _result_takers(self) -> list[Session]:
         """Completion services, and downstream relays while a routed result waits for one."""
         takers = self.peers.sessions(p.Role.COMPLETION)
-        if self.fed.routed_all:
+        if self.delivery.routed_all:
             takers += relay_sessions(self.peers, fed.DOWNSTREAM)
         return takers
 
@@ -609,7 +609,7 @@ class Broker:
                     if self.fed.enabled and outcome == _ACCEPTED:
                         reply_to = (txn.record(res.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
-                            self.fed.route(reply_to, res.item_id)  # (a hint: delivery checks the ledger state)
+                            self.delivery.route(reply_to, res.item_id)  # (a hint: delivery checks the ledger state)
                     if outcome == _ACCEPTED or outcome == _DUPLICATE:
                         ended.append((res.item_id, res.token))
                 if ended:
@@ -739,11 +739,11 @@ class Broker:
             return
         now_ms = self.clock.wall_ms()
         more_routed = False
-        if self.fed.routed_all:
+        if self.delivery.routed_all:
             more_routed = self.delivery.plan_routed(txn, batch, relay_sessions(self.peers, fed.DOWNSTREAM), self._delivered, now_ms)
         takers = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.unsent]
         if not takers:
-            if self.fed.routed_all:
+            if self.delivery.routed_all:
                 batch.effects.append(lambda: self.delivery.set_possible(more_routed))
             return
         more = self.delivery.plan(txn, batch, takers, self._delivered, now_ms)
@@ -756,9 +756,8 @@ class Broker:
 
     def _acknowledged_all(self, item_ids: list[str]) -> None:
         """After commit: ACKs of ``item_ids``; they need neither delivery nor routing any more."""
-        unroute, acknowledged = self.fed.unroute, self.delivery.acknowledged
+        acknowledged = self.delivery.acknowledged
         for item_id in item_ids:
-            unroute(item_id)
             acknowledged(item_id)
 
 

@@ -10,6 +10,9 @@ first, the item becomes deliverable again and its next delivery is a *redelivery
 durable part: the completed index and each record's ``completed_epoch``):
 
 - in flight: item id -> the peer it was sent to, and per peer its item ids;
+- routes: per downstream relay, the completed items it submitted whose result is owed
+  to it (never to a completion service) until acknowledged (:meth:`route`;
+  :meth:`recover_routes` rebuilds them from the ledger's ``reply_to`` at start);
 - redeliver: item ids whose next delivery is a redelivery;
 - the scan floor: every completed-index entry below ``floor_cseq`` is in flight, so
   a scan starts there instead of skipping every in-flight item again; a session end
@@ -30,25 +33,26 @@ from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd.outbound import delivery_size
 from ccsq.brokerd.peers import PeerStatus
-from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import split_frames
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch
-    from ccsq.brokerd.ledger import LedgerTxn
+    from ccsq.brokerd.ledger import LedgerTxn, LedgerView
     from ccsq.brokerd.peers import Session
+    from ccsq.brokerd.relaying import Federation
 
 DELIVER_PER_TURN = 128  # results sent to completion services in one turn
 
 
 class DeliveryTracker:
-    """Deliveries in flight (sent, not acknowledged), redeliveries owed, the scan floor."""
+    """Deliveries in flight (sent, not acknowledged), redeliveries owed, results routed
+    to relays, the scan floor."""
 
-    def __init__(self, epoch: int, fed_state: fed.Federation, max_batch_items: int,
+    def __init__(self, epoch: int, fed_state: Federation, max_batch_items: int,
                  reply_budget: Callable[[], int]) -> None:
         self.epoch = epoch  # a result completed under an older epoch may have been delivered
-        self.fed = fed_state
+        self.fed = fed_state  # signs the proofs of routed results
         self.max_batch_items = max_batch_items
         self.reply_budget = reply_budget  # bytes a RESULT frame may carry
         self._sent_to: dict[str, str] = {}  # item id -> peer id (in flight)
@@ -57,6 +61,8 @@ class DeliveryTracker:
         self._floor_cseq = 0
         self._floor_generation = 0  # bumped by every reset of the floor
         self._possible = True
+        self._routed: dict[str, set[str]] = {}  # downstream relay peer id -> completed items owed to it
+        self.routed_all: set[str] = set()  # every routed item id (read: the actor and plan skip them)
 
     # --- queries ---
     @property
@@ -85,7 +91,7 @@ class DeliveryTracker:
         """The one setter of :attr:`possible`."""
         self._possible = possible
 
-    def sent(self, sess: Session, deliveries: list[p.Delivery]) -> bool:
+    def sent(self, sess: Session, deliveries: list[protocol.Delivery]) -> bool:
         """After commit: ``deliveries`` went to ``sess``. False (and nothing in flight) when
         the session ended between the scan and the commit: the items are then owed a
         redelivery."""
@@ -101,8 +107,34 @@ class DeliveryTracker:
             held.add(d.item_id)
         return True
 
+    def route(self, peer_id: str, item_id: str) -> None:
+        """``item_id``'s result is owed to the relay ``peer_id`` (a hint, set inside the
+        transaction so this turn's delivery skips it too; :meth:`plan_routed` checks the
+        ledger state)."""
+        self._routed.setdefault(peer_id, set()).add(item_id)
+        self.routed_all.add(item_id)
+
+    def unroute(self, item_id: str) -> None:
+        """``item_id`` is owed to no relay any more."""
+        if item_id in self.routed_all:
+            self.routed_all.discard(item_id)
+            for ids in self._routed.values():
+                ids.discard(item_id)
+
+    def recover_routes(self, view: LedgerView) -> int:
+        """At start: every completed item with a ``reply_to`` is owed to that relay.
+        Returns how many are."""
+        ids, _ = view.completed_ids(lambda _i: False, 1 << 62)
+        for item_id in ids:
+            rec = view.get(item_id)
+            if rec is not None and rec.get("reply_to"):
+                self.route(rec["reply_to"], item_id)
+        return len(self.routed_all)
+
     def acknowledged(self, item_id: str) -> None:
-        """After commit: ``item_id`` was acknowledged; nothing more is owed for it."""
+        """After commit: ``item_id`` was acknowledged; nothing more is owed for it (no
+        delivery, no route)."""
+        self.unroute(item_id)
         peer = self._sent_to.pop(item_id, None)
         self._redeliver.discard(item_id)
         if peer is not None:
@@ -135,7 +167,7 @@ class DeliveryTracker:
         self._floor_generation += 1
 
     # --- planning (inside the transaction: reads only; changes go on the batch) ---
-    def plan(self, txn: LedgerTxn, batch: Batch, takers: list[Session], on_sent: Callable[[Session, list[p.Delivery]], None],
+    def plan(self, txn: LedgerTxn, batch: Batch, takers: list[Session], on_sent: Callable[[Session, list[protocol.Delivery]], None],
              now_ms: int) -> bool:
         """Results for completion services ``takers`` (connected, with credit, nothing
         unsent), oldest completion first, up to :data:`DELIVER_PER_TURN`; replies and
@@ -144,7 +176,7 @@ class DeliveryTracker:
         more = False
         floor = self._floor_cseq
         budget = DELIVER_PER_TURN
-        routed = self.fed.routed_all  # results of relayed items go to their relay only
+        routed = self.routed_all  # results of relayed items go to their relay only
         for sess in takers:
             limit = min(sess.credit, self.max_batch_items, budget)
             if limit <= 0:
@@ -169,13 +201,13 @@ class DeliveryTracker:
         return more
 
     def plan_routed(self, txn: LedgerTxn, batch: Batch, relays: list[Session],
-                    on_sent: Callable[[Session, list[p.Delivery]], None], now_ms: int) -> bool:
+                    on_sent: Callable[[Session, list[protocol.Delivery]], None], now_ms: int) -> bool:
         """Completed relayed items to the downstream ``relays`` that submitted them (when
         connected with credit and nothing unsent; kept otherwise), each with this
         broker's signed proof. Returns whether more are waiting."""
         more = False
         for sess in relays:
-            ids = self.fed.routed.get(sess.peer_id)
+            ids = self._routed.get(sess.peer_id)
             if not ids or sess.credit <= 0 or sess.unsent:
                 continue
             limit = min(sess.credit, self.max_batch_items)
@@ -185,10 +217,10 @@ class DeliveryTracker:
             deliveries = []
             for item_id in todo:
                 rec = txn.record(item_id)  # read only
-                if rec is None or rec["state"] not in (p.ItemState.COMPLETED.value, p.ItemState.ACKNOWLEDGED.value):
-                    batch.effects.append(lambda i=item_id: self.fed.unroute(i))
+                if rec is None or rec["state"] not in (protocol.ItemState.COMPLETED.value, protocol.ItemState.ACKNOWLEDGED.value):
+                    batch.effects.append(lambda i=item_id: self.unroute(i))
                     continue
-                if rec["state"] == p.ItemState.ACKNOWLEDGED.value:  # its upstream leased the item again
+                if rec["state"] == protocol.ItemState.ACKNOWLEDGED.value:  # its upstream leased the item again
                     redelivery, why = True, "acknowledged result asked for again by a relay (its upstream leased the item again)"
                 else:
                     redelivery, why = self.redelivery(item_id, rec, "relay session ended before ACK")
@@ -199,10 +231,10 @@ class DeliveryTracker:
                 self._queue(batch, sess, deliveries, on_sent)
         return more
 
-    def _queue(self, batch: Batch, sess: Session, deliveries: list[p.Delivery],
-               on_sent: Callable[[Session, list[p.Delivery]], None]) -> None:
+    def _queue(self, batch: Batch, sess: Session, deliveries: list[protocol.Delivery],
+               on_sent: Callable[[Session, list[protocol.Delivery]], None]) -> None:
         batch.effects.append(lambda s=sess, ds=deliveries: on_sent(s, ds))
         for chunk in split_frames(deliveries, size_of=delivery_size, budget_bytes=self.reply_budget(),
                                   max_items=self.max_batch_items):
-            batch.replies.append((sess.routing_id, p.Result(chunk)))
+            batch.replies.append((sess.routing_id, protocol.Result(chunk)))
 

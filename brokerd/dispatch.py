@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.outbound import task_size
-from ccsq.brokerd.relaying import relay_sessions
+from ccsq.brokerd.relaying import Federation, relay_sessions, scan_for_relay
 from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import split_frames
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,7 +38,7 @@ class Dispatcher:
     """Leases ready items to lease holders with credit, round-robin, within
     ``cfg.slice_budget_ms`` per pass."""
 
-    def __init__(self, cfg: BrokerConfig, peers: PeerTable, leases: LeaseTimers, fed_state: fed.Federation,
+    def __init__(self, cfg: BrokerConfig, peers: PeerTable, leases: LeaseTimers, fed_state: Federation,
                  reply_budget: Callable[[], int], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -70,7 +70,7 @@ class Dispatcher:
         on (``trusted_swarms``): without it their results are refused, and an item was sized
         at SUBMIT for a DISPATCH without an origin record (``outbound.dispatch_refusal``)."""
         relays = relay_sessions(self.peers, fed.UPSTREAM) if self.fed.enabled else []
-        holders = self.peers.sessions(p.Role.WORKER) + relays
+        holders = self.peers.sessions(protocol.Role.WORKER) + relays
         return [s for s in holders
                 if s.credit > 0 and s.healthy and not s.unsent and s.peer_id not in self.peers.draining
                 and s.lease_lost_recv_mono != s.last_recv_mono]
@@ -82,7 +82,7 @@ class Dispatcher:
         takers = self.takers()
         if not takers:
             return
-        if txn.state_count(p.ItemState.READY.value) == 0:
+        if txn.state_count(protocol.ItemState.READY.value) == 0:
             batch.effects.append(lambda: self.schedule(float("inf")))
             return
         budget_end = self.clock.monotonic_s() + self.cfg.slice_budget_ms / 1000.0
@@ -90,7 +90,7 @@ class Dispatcher:
         takers = takers[k:] + takers[:k]
         # this swarm's own workers first, relays after them (stable: round-robin within each):
         # a relay gets only what the local workers with credit left (RabbitMQ federated queues)
-        takers.sort(key=lambda s: s.role is p.Role.RELAY)
+        takers.sort(key=lambda s: s.role is protocol.Role.RELAY)
         batch.effects.append(self._advance_round_robin)  # after commit: a retried step starts at the same taker
         ttl_ms = self.leases.ttl_ms
         next_at = float("inf")
@@ -100,8 +100,8 @@ class Dispatcher:
                 exhausted = True
                 break
             limit = min(sess.credit, self.cfg.max_batch_items)
-            relay = sess.role is p.Role.RELAY  # never an item that came by relay (max_hops); signed
-            ids, hint = (fed.scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
+            relay = sess.role is protocol.Role.RELAY  # never an item that came by relay (max_hops); signed
+            ids, hint = (scan_for_relay(txn, list(sess.kinds) or None, limit, now_ms) if relay
                          else txn.scan_ready(list(sess.kinds) or None, limit, now_ms))
             if hint is not None:
                 next_at = min(next_at, now + max(0, hint - now_ms) / 1000.0)
@@ -120,11 +120,11 @@ class Dispatcher:
             batch.crash("broker.after_lease_commit")
             batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
             for chunk in split_frames(tasks, size_of=task_size, budget_bytes=self.reply_budget(), max_items=self.cfg.max_batch_items):
-                batch.replies.append((sess.routing_id, p.Dispatch(chunk)))
+                batch.replies.append((sess.routing_id, protocol.Dispatch(chunk)))
         at = 0.0 if exhausted else next_at
         batch.effects.append(lambda: self.schedule(at))
 
-    def _leased(self, sess: Session, tasks: list[p.Task]) -> None:
+    def _leased(self, sess: Session, tasks: list[protocol.Task]) -> None:
         """After commit: lease timers for ``tasks``; they spend the taker's credit."""
         expires = self.leases.expiry(self.clock.monotonic_s())
         for t in tasks:

@@ -28,12 +28,12 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``ledger_pinned_bytes``, ``ledger_file_bytes``, ``ledger_live_bytes``, ``ledger_free_bytes``,
 ``ledger_stale_readers_cleared_total``;
 ``build_info{version,process,python,libzmq}``
-(every process, :mod:`ccsq.common.runtime.metrics`); ``zap_refused_total`` (CURVE
+(every process, :mod:`ccsq.common.runtime.metrics_exporter`); ``zap_refused_total`` (CURVE
 handshakes the ZAP allow-list refused; with ``curve = true``); ``handshake_failed_total{reason}``
 (connections whose ZeroMQ handshake failed: ``plain_client``, ``curve_client``, ``protocol``,
 ``auth``, ``no_detail``); ``reconnect_noise_frames_total{code}`` (frames of sessions that had
 ended here, e.g. after a broker restart: not refusals).
-Workers and the completion service export their own (``workerd/metrics.py``,
+Workers and the completion service export their own (``workerd/worker_metrics.py``,
 ``completiond/completion_metrics.py``).
 """
 
@@ -256,10 +256,10 @@ def broker_listen(metrics_listen: str, metrics_port: int) -> str:
 
 def start_metrics(broker: Broker, listen: str | int, *, where: str = "brokerd.toml: metrics_listen") -> Any:
     """Serve /metrics at ``listen`` (``metrics_listen`` syntax, see
-    :mod:`ccsq.common.runtime.metrics`; an int is a port on 127.0.0.1) from the broker's
+    :mod:`ccsq.common.runtime.metrics_exporter`; an int is a port on 127.0.0.1) from the broker's
     stats registry plus its snapshot and ``ccsq_build_info``; returns the server
     (call ``shutdown()``). Raises ConfigError if the address cannot be bound."""
-    from ccsq.common.runtime.metrics import start_exporter
+    from ccsq.common.runtime.metrics_exporter import start_exporter
 
     registry = broker.stats.registry
     registry.register(_SnapshotCollector(broker))

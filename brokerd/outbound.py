@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from ccsq.brokerd import transport as tp
+from ccsq.brokerd.transport import AGAIN, SENT, FrameTransport
 from ccsq.brokerd.peers import PeerStatus, PeerTable, Session
 from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.frames import FrameBudget, encoded_size, halves, too_large
 
@@ -46,7 +46,7 @@ class Outbound:
     transaction (for the leases of a DISPATCH never sent); ``unblocked()`` is called
     when a peer's queue has emptied (dispatch and delivery may go on)."""
 
-    def __init__(self, transport: tp.FrameTransport, peers: PeerTable, max_frame_bytes: int, *,
+    def __init__(self, transport: FrameTransport, peers: PeerTable, max_frame_bytes: int, *,
                  end_session: Callable[[Session, str], None], defer: Callable[[str, str, int, str], None],
                  unblocked: Callable[[], None]) -> None:
         self.transport = transport
@@ -78,14 +78,14 @@ class Outbound:
         """The session on ``rid`` ended: frames to it are signed again."""
         self.transport.codec.close_channel(rid)
 
-    def send_raw(self, rid: bytes, msg: p.Message) -> None:
+    def send_raw(self, rid: bytes, msg: protocol.Message) -> None:
         """Best effort to a routing id without a session (errors to strangers, BYE at shutdown)."""
         try:
             self.transport.send(rid, msg)
         except DecodeError:
             pass
 
-    def send(self, rid: bytes, msg: p.Message) -> None:
+    def send(self, rid: bytes, msg: protocol.Message) -> None:
         """Send to the session bound to ``rid`` now, or queue it behind its unsent messages."""
         sess = self.peers.by_routing(rid)
         if sess is None:
@@ -102,7 +102,7 @@ class Outbound:
             return
         self._try_send(sess, msg, queue_on_again=True)
 
-    def offer(self, sess: Session, msg: p.Message) -> None:
+    def offer(self, sess: Session, msg: protocol.Message) -> None:
         """Send ``msg`` (a heartbeat) only if nothing waits for ``sess`` and its pipe has room."""
         if not sess.unsent:
             self._try_send(sess, msg, queue_on_again=False)
@@ -121,12 +121,12 @@ class Outbound:
     def drop_unsent(self, sess: Session) -> None:
         """The session ended: its unsent DISPATCHes are released (never sent); the rest is lost."""
         for msg in sess.unsent:
-            if isinstance(msg, p.Dispatch):
+            if isinstance(msg, protocol.Dispatch):
                 for t in msg.tasks:
                     self._defer("release", t.item_id, t.token, "dispatch never sent")
         sess.unsent.clear()
 
-    def _try_send(self, sess: Session, msg: p.Message, *, queue_on_again: bool, head: bool = False) -> bool:
+    def _try_send(self, sess: Session, msg: protocol.Message, *, queue_on_again: bool, head: bool = False) -> bool:
         """Send ``msg`` now; True when it is done with (sent, or unsendable). ``head``: it is
         ``sess.unsent[0]`` (flush), where the halves of a split take its place."""
         try:
@@ -139,9 +139,9 @@ class Outbound:
                 return True
             log.info("frame_split", peer=sess.peer_id, type=msg.TYPE.name, error=str(exc))
             return self._send_split(sess, parts, queue_on_again=queue_on_again, head=head)
-        if r == tp.SENT:
+        if r == SENT:
             return True
-        if r == tp.AGAIN:
+        if r == AGAIN:
             if queue_on_again:
                 sess.unsent.append(msg)
             return False
@@ -149,7 +149,7 @@ class Outbound:
         self._unsendable(msg, "unroutable")
         return False
 
-    def _send_split(self, sess: Session, parts: tuple[p.Message, p.Message], *, queue_on_again: bool, head: bool) -> bool:
+    def _send_split(self, sess: Session, parts: tuple[protocol.Message, protocol.Message], *, queue_on_again: bool, head: bool) -> bool:
         """The two halves of a frame that came out too large, sent (or queued) in its place, in order."""
         if head:  # flush: the halves replace the head of the queue; the first is tried now
             sess.unsent.popleft()
@@ -164,36 +164,36 @@ class Outbound:
                 return False  # (a heartbeat offer: nothing splits there)
         return True
 
-    def _unsendable(self, msg: p.Message, why: str, *, dead: bool = False) -> None:
+    def _unsendable(self, msg: protocol.Message, why: str, *, dead: bool = False) -> None:
         """A message that cannot be sent: the leases of a DISPATCH go back (never sent)."""
-        if isinstance(msg, p.Dispatch):
+        if isinstance(msg, protocol.Dispatch):
             op = "dead" if dead else "release"
             for t in msg.tasks:
                 self._defer(op, t.item_id, t.token, "payload_too_large" if dead else f"dispatch {why}")
 
 
 # --- sizes of reply items (for the one frame splitter, common/wire/frames.py) ---
-def blob_size(b: p.Blob | None) -> int:
+def blob_size(b: protocol.Blob | None) -> int:
     return 0 if b is None or b.inline is None else len(b.inline)
 
 
-def status_size(s: p.ItemStatus) -> int:
+def status_size(s: protocol.ItemStatus) -> int:
     return encoded_size(s)
 
 
-def task_size(t: p.Task) -> int:
+def task_size(t: protocol.Task) -> int:
     return encoded_size(t)
 
 
-def delivery_size(d: p.Delivery) -> int:
+def delivery_size(d: protocol.Delivery) -> int:
     return encoded_size(d)
 
 
 _MAX_INT = (1 << 63) - 1  # every number of a record at its widest (9 bytes)
-_SIG = b"\0" * p.SIGNATURE_BYTES
+_SIG = b"\0" * protocol.SIGNATURE_BYTES
 
 
-def largest_task(item: p.SubmitItem, *, id_len: int, swarm_id: str, relayed: bool, federated: bool) -> p.Task:
+def largest_task(item: protocol.SubmitItem, *, id_len: int, swarm_id: str, relayed: bool, federated: bool) -> protocol.Task:
     """The largest DISPATCH record ``item`` can become: its id at ``id_len`` characters, every
     number at its widest, and (when this broker hands items to relays, ``federated``, and the
     item did not come by relay, which is never relayed on: max_hops) the origin record and
@@ -204,11 +204,11 @@ def largest_task(item: p.SubmitItem, *, id_len: int, swarm_id: str, relayed: boo
         rec = {"id": item_id, "kind": item.kind, "params": item.params, "deadline_ms": _MAX_INT,
                "priority": _MAX_INT, "max_runtime_s": item.max_runtime_s}
         origin = fed.origin_record(swarm_id, rec, item.payload, _MAX_INT, fed.MAX_HOPS)
-    return p.Task(item_id, _MAX_INT, item.kind, item.payload, item.params, _MAX_INT, float(item.max_runtime_s),
+    return protocol.Task(item_id, _MAX_INT, item.kind, item.payload, item.params, _MAX_INT, float(item.max_runtime_s),
                   float(item.deadline_ts or 0.0), origin, _SIG if origin else b"")
 
 
-def _task_bound(item: p.SubmitItem, id_len: int, swarm_id: str) -> int:
+def _task_bound(item: protocol.SubmitItem, id_len: int, swarm_id: str) -> int:
     """An upper bound (bytes) of ``encoded_size(largest_task(item, ...))`` from lengths alone:
     every string at 4 bytes a character, params and kind counted twice (task and origin)."""
     n = 1024 + 2 * id_len + 4 * len(swarm_id) + 8 * len(item.kind) + blob_size(item.payload)
@@ -217,7 +217,7 @@ def _task_bound(item: p.SubmitItem, id_len: int, swarm_id: str) -> int:
     return n
 
 
-def dispatch_refusal(item: p.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool,
+def dispatch_refusal(item: protocol.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool,
                      federated: bool) -> str:
     """"" when ``item`` fits a DISPATCH frame on its own, else why not (the broker refuses
     it at SUBMIT with PAYLOAD_TOO_LARGE, before it is accepted: an accepted item always
@@ -242,7 +242,8 @@ def dispatch_refusal(item: p.SubmitItem, budget: FrameBudget, *, id_len: int, sw
     params_why = (f"its params are too large ({params_n} bytes"
                   + (", counted twice: in the task and in its origin record" if with_origin else "")
                   + "); lower params (send large data as the payload, which can go by reference)")
-    payload_why = (f"its inline payload is too large ({payload_n} bytes); send the payload by reference: lower inline_max_bytes so it goes through the claim store")
+    payload_why = (f"its inline payload is too large ({payload_n} bytes); send the payload by reference: "
+                   "lower inline_max_bytes so it goes through the claim store")
     if params_n >= payload_n:
         return head + params_why + ("; and " + payload_why if payload_n > budget.room_bytes // 4 else "")
     return head + payload_why + ("; and " + params_why if params_n > budget.room_bytes // 4 else "")

@@ -14,7 +14,7 @@ import enum
 import heapq
 import time
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 
 class PeerStatus(enum.Enum):
@@ -28,7 +28,7 @@ class Session:
 
     # --- identity ---
     peer_id: str
-    role: p.Role
+    role: protocol.Role
     routing_id: bytes
     session: int  # the peer's envelope session id
     status: PeerStatus = PeerStatus.CONNECTED
@@ -105,7 +105,7 @@ class PeerTable:
                 del self.by_route[s.routing_id]
         return s
 
-    def sessions(self, role: p.Role | None = None) -> list[Session]:
+    def sessions(self, role: protocol.Role | None = None) -> list[Session]:
         return [s for s in self.by_id.values() if role is None or s.role is role]
 
 

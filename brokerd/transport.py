@@ -91,7 +91,7 @@ def check_exposure(cfg, authorized, config_path: str) -> None:
     malformed ``metrics_listen``. ``cfg`` is a BrokerConfig, ``authorized`` its
     AuthorizedKeys."""
     from ccsq.brokerd.metrics import broker_listen
-    from ccsq.common.runtime.metrics import parse_listen
+    from ccsq.common.runtime.metrics_exporter import parse_listen
 
     bound = getattr(cfg, "bind", "") or cfg.endpoint  # what the ROUTER binds (bind, else endpoint)
     if not cfg.curve and not cfg.allow_insecure_bind and not is_loopback_endpoint(bound):

@@ -36,7 +36,7 @@ from typing import cast
 
 import structlog
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.storage.claimstore import ClaimStore, open_configured_store
 from ccsq.common.wire.config import CompletionConfig, load
 from ccsq.common.wire.envelope import Envelope
@@ -82,9 +82,9 @@ class CompletionService:
     _db_exec: concurrent.futures.ThreadPoolExecutor  # the only thread that touches ``db``
     _io_exec: concurrent.futures.ThreadPoolExecutor  # claim-store reads
     # --- state (event loop only) ---
-    _incoming: collections.deque[tuple[int, Sequence[p.Delivery]]]  # (session number, a RESULT's deliveries)
+    _incoming: collections.deque[tuple[int, Sequence[protocol.Delivery]]]  # (session number, a RESULT's deliveries)
     _arrived: asyncio.Event  # set when a RESULT is appended to ``_incoming``
-    _ack_msg: p.Ack | None  # the ACK in flight (re-sent on reconnect); None: none
+    _ack_msg: protocol.Ack | None  # the ACK in flight (re-sent on reconnect); None: none
     _ack_ids: frozenset[str]  # its item ids (empty: none)
     _ack_ok: asyncio.Event
     _stop: asyncio.Event
@@ -115,13 +115,13 @@ class CompletionService:
         self._arrived = asyncio.Event()
         # deliveries whose result blob was missing: item_id -> (session, delivery, retry_at_mono, attempt);
         # re-read with backoff so a restored blob lands without a restart
-        self._parked: dict[str, tuple[int, p.Delivery, float, int]] = {}
+        self._parked: dict[str, tuple[int, protocol.Delivery, float, int]] = {}
         self._ack_ok = asyncio.Event()
         self._stop = asyncio.Event()
         self.log = log.bind(peer=config.peer_id)
         self.link = BrokerLink(  # loads the keys: ConfigError here, before READY
             config,
-            hello=lambda: p.Hello(role=p.Role.COMPLETION.value, credit=config.credit),
+            hello=lambda: protocol.Hello(role=protocol.Role.COMPLETION.value, credit=config.credit),
             on_message=self._on_message,
             on_connect=self._on_connect,
         )
@@ -167,21 +167,21 @@ class CompletionService:
     # --- link callbacks ---
     def _on_message(self, env: Envelope) -> None:
         msg = env.message
-        if isinstance(msg, p.Result):
+        if isinstance(msg, protocol.Result):
             if msg.deliveries:  # kept as the frame's list: no per-result queue entry
                 self._incoming.append((self.link.sessions, msg.deliveries))
                 self._arrived.set()
-        elif isinstance(msg, p.AckOk):
+        elif isinstance(msg, protocol.AckOk):
             if self._ack_ids and not (self._ack_ids.isdisjoint(msg.item_ids) and self._ack_ids.isdisjoint(msg.unknown)):
                 if msg.unknown:
                     self.log.info("ack_unknown_items", count=len(msg.unknown))
                 self._ack_ok.set()
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
         else:
             self.log.warning("unexpected_message", type=type(msg).__name__)
 
-    def _on_connect(self, welcome: p.Welcome) -> None:
+    def _on_connect(self, welcome: protocol.Welcome) -> None:
         if self._ack_msg is not None and not self._ack_ok.is_set():
             self.link.send(self._ack_msg)
 
@@ -205,10 +205,10 @@ class CompletionService:
             crash_point("completion.after_db_commit")
             if rows:
                 await self._ack(sorted({r[0] for r in rows}),
-                                [p.Quarantined(r[0], error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
+                                [protocol.Quarantined(r[0], error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
             self._grant(fresh, missing)
 
-    def _park(self, groups: list[tuple[int, Sequence[p.Delivery]]], missing: list[p.Delivery]) -> None:
+    def _park(self, groups: list[tuple[int, Sequence[protocol.Delivery]]], missing: list[protocol.Delivery]) -> None:
         """Remember deliveries whose result blob is missing (never ACKed); forget landed ones."""
         missing_ids = {d.item_id for d in missing}
         sessions: dict[str, int] = {}
@@ -222,7 +222,7 @@ class CompletionService:
             retry_at = time.monotonic() + backoff_delay_s(attempt, _PARK_BASE_S, self.config.backoff_max_s)
             self._parked[d.item_id] = (sessions[d.item_id], d, retry_at, attempt + 1)
 
-    def _due_parked(self) -> list[tuple[int, p.Delivery]]:
+    def _due_parked(self) -> list[tuple[int, protocol.Delivery]]:
         """Parked deliveries due for another read. Ones from an ended session are
         dropped: the broker redelivers them to the new session itself (G3)."""
         if not self._parked:
@@ -236,7 +236,7 @@ class CompletionService:
                 due.append((sess, d))
         return due
 
-    async def _gather(self) -> list[tuple[int, Sequence[p.Delivery]]]:
+    async def _gather(self) -> list[tuple[int, Sequence[protocol.Delivery]]]:
         """Up to ``batch_max`` deliveries as ``(session, deliveries)`` groups (whole RESULT
         frames, the last one split when it does not fit): wait for the first, then at most
         ``batch_wait_ms`` for more; returns early (possibly empty) when a parked delivery
@@ -254,7 +254,7 @@ class CompletionService:
                 arrived.cancel()
             if not self._incoming:
                 return []
-        groups: list[tuple[int, Sequence[p.Delivery]]] = []
+        groups: list[tuple[int, Sequence[protocol.Delivery]]] = []
         room = self.config.batch_max
         deadline = time.monotonic() + self.config.batch_wait_ms / 1000.0
         while True:
@@ -274,13 +274,13 @@ class CompletionService:
             except asyncio.TimeoutError:
                 return groups
 
-    async def _resolve(self, groups: list[tuple[int, Sequence[p.Delivery]]]) -> tuple[list[tuple], list[p.Delivery]]:
+    async def _resolve(self, groups: list[tuple[int, Sequence[protocol.Delivery]]]) -> tuple[list[tuple], list[protocol.Delivery]]:
         """One row per delivery (a tuple in the column order of :class:`ResultRow`), the
         result bytes read and verified (:meth:`ClaimStore.aget_blob`: an inline result on
         the loop, a stored one off it); deliveries whose result is missing or corrupt are
         returned separately (never acknowledged)."""
         rows: list[tuple] = []
-        missing: list[p.Delivery] = []
+        missing: list[protocol.Delivery] = []
         read = self._read_blob
         landed_ts = time.time()  # one database transaction: one landing time
         for _, ds in groups:
@@ -297,7 +297,7 @@ class CompletionService:
                              text_or_none(data), d.attempt, d.handler, d.handler_version, d.completed_ts, landed_ts))
         return rows, missing
 
-    async def _read_blob(self, d: p.Delivery) -> bytes:
+    async def _read_blob(self, d: protocol.Delivery) -> bytes:
         """The result of ``d``, digest verified. A store that is unreachable or failing
         (not "absent": that is PayloadMissing) is read again with backoff: the result
         waits safely in the broker and is never ACKed without it; raises _Stopping when
@@ -376,12 +376,12 @@ class CompletionService:
             except asyncio.TimeoutError:
                 pass
 
-    async def _ack(self, item_ids: list[str], quarantined: list[p.Quarantined]) -> None:
+    async def _ack(self, item_ids: list[str], quarantined: list[protocol.Quarantined]) -> None:
         """Send ACK and wait for ACK_OK, re-sending after a silent liveness window
         and on reconnect (the broker's ACK is idempotent)."""
         self._ack_ids = frozenset(item_ids)
         self._ack_ok.clear()
-        msg = self._ack_msg = p.Ack(item_ids=item_ids, quarantined=quarantined)
+        msg = self._ack_msg = protocol.Ack(item_ids=item_ids, quarantined=quarantined)
         stop_deadline: float | None = None
         try:
             self.link.send(msg)  # if not connected, on_connect sends it
@@ -403,11 +403,11 @@ class CompletionService:
             self._ack_ids = frozenset()
             self._ack_msg = None
 
-    def _grant(self, groups: list[tuple[int, Sequence[p.Delivery]]], missing: list[p.Delivery]) -> None:
+    def _grant(self, groups: list[tuple[int, Sequence[protocol.Delivery]]], missing: list[protocol.Delivery]) -> None:
         """Give back the credit these deliveries used, if they came in this session
         (a new session's HELLO already reset the credit)."""
         current = sum(len(ds) for session, ds in groups if session == self.link.sessions)
-        if current and self.link.send(p.Credit(credit=current)):
+        if current and self.link.send(protocol.Credit(credit=current)):
             self.log.debug("credit_granted", credit=current, missing=len(missing))
 
 
@@ -466,7 +466,7 @@ def main(config_path: str | Path, prog: str = PROG) -> int:
     if service.link.refused is not None:
         from ccsq.common.link.peer import refusal_fix
 
-        return die(prog, ExitCode.UNAUTHORIZED, refusal_fix(config, p.Role.COMPLETION.value, service.link.refused))
+        return die(prog, ExitCode.UNAUTHORIZED, refusal_fix(config, protocol.Role.COMPLETION.value, service.link.refused))
     if service.link.replaced:
         from ccsq.common.link.peer import id_in_use_message
 

@@ -1,4 +1,4 @@
-"""Completion-service metrics (``metrics_listen`` in completion.toml), served by :mod:`ccsq.common.runtime.metrics`.
+"""Completion-service metrics (``metrics_listen`` in completion.toml), served by :mod:`ccsq.common.runtime.metrics_exporter`.
 
 Label ``peer`` = the service's peer id. Observed once per landed batch (one
 database transaction), the rest read from the service when Prometheus scrapes:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ccsq.common.runtime.metrics import start_exporter
+from ccsq.common.runtime.metrics_exporter import start_exporter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.completiond.completion import CompletionService

@@ -36,7 +36,7 @@ from starlette.responses import HTMLResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Route
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.report import inline_code_html
+from ccsq.brokerd.gap_report import inline_code_html
 from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable, CcsqError
 from ccsq.console import charts
 from ccsq.console.data import Source

@@ -6,9 +6,9 @@ import html
 import time
 from typing import Any
 
-from ccsq.brokerd import report
-from ccsq.brokerd.report import CHART_COLOURS as COLOURS  # one palette with gap-report --html
-from ccsq.brokerd.report import CHART_COUNTERS
+from ccsq.brokerd import gap_report
+from ccsq.brokerd.gap_report import CHART_COLOURS as COLOURS  # one palette with gap-report --html
+from ccsq.brokerd.gap_report import CHART_COUNTERS
 
 WINDOW_S = 3600.0
 
@@ -113,7 +113,7 @@ def _num(v: float) -> str:
 
 def fmt_s(v: float | None) -> str:
     """A duration for people: '-', '12.0 s', '3.5 min', '1.2 h' (gap-report's format)."""
-    return report.fmt_s(v)
+    return gap_report.fmt_s(v)
 
 
 def fmt_ms(v: Any) -> str:

@@ -6,7 +6,7 @@ under the same peer id would replace the first). Offline (the broker gave no
 WELCOME within ``connect_timeout_s``): the read-only commands answer from the
 ledger with :func:`ccsq.tools.admin_client.offline`, the code path of
 ``ccsq status --offline``. The chart series, the drain forecast and the recent
-gap events come from :func:`ccsq.brokerd.report.load_report`, the code path of
+gap events come from :func:`ccsq.brokerd.gap_report.load_report`, the code path of
 ``ccsq gap-report``, whether the broker runs or not.
 
 Every ledger read opens one read-only snapshot, reads, and closes it (a few
@@ -95,7 +95,7 @@ class Source:
 
     async def report(self) -> tuple[dict[str, Any] | None, str]:
         """(``ccsq gap-report --json``'s document, "") or (None, why the ledger is not readable here)."""
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         try:
             return await self.ledger(load_report, self.settings.data_dir), ""
@@ -148,7 +148,7 @@ def _recent_items(data_dir: str | Path, state: str, kind: str, limit: int = RECE
     ``kind`` when given (""= any), how many records were read). Item ids grow with arrival,
     so the ``items`` table read backwards is newest first; at most ``scan`` records are read
     (an older match is not listed: search it by id or key)."""
-    from ccsq.brokerd.ledger import schema as sc
+    from ccsq.brokerd.ledger import schema
 
     out: list[dict[str, Any]] = []
     read = 0
@@ -157,7 +157,7 @@ def _recent_items(data_dir: str | Path, state: str, kind: str, limit: int = RECE
         ok = cur.last()
         while ok and read < scan and len(out) < limit:
             read += 1
-            rec = sc.unpack_item(cur.value(), cur.key().decode())
+            rec = schema.unpack_item(cur.value(), cur.key().decode())
             if (not state or rec["state"] == state) and (not kind or rec["kind"] == kind):
                 out.append({k: rec.get(k) for k in ("id", "kind", "state", "attempt", "priority", "created_ms",
                                                     "worker", "error")})
@@ -192,7 +192,7 @@ def _item_extras(data_dir: str | Path, item_id: str) -> dict[str, Any]:
 
 def _gap_windows(data_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
     from ccsq.brokerd import gaps
-    from ccsq.brokerd.report import RECENT_EVENTS
+    from ccsq.brokerd.gap_report import RECENT_EVENTS
 
     with admin_client.offline_view(data_dir) as view:
         counts = view.gap_counts()

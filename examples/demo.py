@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ccsq.brokerd.report import load_report, render_text
+from ccsq.brokerd.gap_report import load_report, render_text
 from ccsq.tools.init import init_swarm
 from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from ccsq.producer.client import Client

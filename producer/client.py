@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import FrameBudget
 from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.config import ProducerConfig, load
@@ -63,7 +63,7 @@ from ccsq.producer.replay import OutboxReplay
 log = get_logger("ccsq.producer")
 
 #: States after which an item will not change any more ("unknown": purged or never existed).
-DONE_STATES = frozenset({s.value for s in p.TERMINAL_STATES} | {"unknown"})
+DONE_STATES = frozenset({s.value for s in protocol.TERMINAL_STATES} | {"unknown"})
 #: ``wait``'s state for an item the broker never answered about in time (down or frozen):
 #: not a verdict on the item, so not in DONE_STATES ("unknown" is the broker's own answer).
 UNANSWERED_STATE = "unanswered"
@@ -89,18 +89,18 @@ class Receipt:
 
 
 #: ``Receipt(item_id, key, duplicate, spooled, unserved)`` without the frozen ``__init__`` (one per item)
-_receipt = p.trusted_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
+_receipt = protocol.trusted_constructor(Receipt, ("item_id", "key", "duplicate", "spooled", "unserved"))
 
 
-def _whole_status(request: Any, frames: list[p.Message]) -> p.StatusReply | None:
+def _whole_status(request: Any, frames: list[protocol.Message]) -> protocol.StatusReply | None:
     """The STATUS_REPLY frames of one STATUS / CANCEL merged, once they answer every id
     asked (in the order asked); None while some are still to come."""
-    parts = cast(list[p.StatusReply], frames)  # only STATUS_REPLY frames are added as parts (_on_message)
+    parts = cast(list[protocol.StatusReply], frames)  # only STATUS_REPLY frames are added as parts (_on_message)
     by_id = {st.item_id: st for part in parts for st in part.items}
     asked = list(getattr(request, "item_ids", None) or ())
     if any(i not in by_id for i in asked):
         return None
-    return p.StatusReply(parts[0].req, [by_id[i] for i in asked] if asked else list(by_id.values()))
+    return protocol.StatusReply(parts[0].req, [by_id[i] for i in asked] if asked else list(by_id.values()))
 
 
 class AsyncClient:
@@ -118,7 +118,7 @@ class AsyncClient:
     _link: BrokerLink | None
     _tasks: list[asyncio.Task]
     # --- request state (event loop only) ---
-    _requests: RequestTracker[p.Submit | p.Status | p.Cancel, p.Message]
+    _requests: RequestTracker[protocol.Submit | protocol.Status | protocol.Cancel, protocol.Message]
 
     def __init__(self, config: ProducerConfig, *, base_dir: str | Path | None = None) -> None:
         self.config = config
@@ -164,7 +164,7 @@ class AsyncClient:
             return
         self._link = BrokerLink(
             self.config,
-            hello=lambda: p.Hello(role=p.Role.PRODUCER.value, info={"features": "unserved_kinds,kinds_served"}),
+            hello=lambda: protocol.Hello(role=protocol.Role.PRODUCER.value, info={"features": "unserved_kinds,kinds_served"}),
             on_message=self._on_message,
             on_connect=self._on_connect,
         )
@@ -185,7 +185,7 @@ class AsyncClient:
         if self._link is None or self._link.refused is None:
             return
         self._requests.fail_all(
-            Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code))
+            Unauthorized(refusal_fix(self.config, protocol.Role.PRODUCER.value, self._link.refused), code=self._link.refused.code))
 
     def _replaced_error(self) -> ConfigError:
         from ccsq.common.link.peer import id_in_use_message
@@ -238,16 +238,16 @@ class AsyncClient:
     # --- link callbacks ---
     def _on_message(self, env: Any) -> None:
         msg = env.message
-        if isinstance(msg, p.SubmitAck):
+        if isinstance(msg, protocol.SubmitAck):
             self._requests.resolve(msg.req, msg)
-        elif isinstance(msg, p.StatusReply):  # the broker splits a large answer over several frames
+        elif isinstance(msg, protocol.StatusReply):  # the broker splits a large answer over several frames
             self._requests.add_part(msg.req, msg, _whole_status)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
         else:
             self.log.warning("unexpected_message", type=type(msg).__name__)
 
-    def _on_connect(self, welcome: p.Welcome) -> None:
+    def _on_connect(self, welcome: protocol.Welcome) -> None:
         assert self._link is not None
         resent = self._requests.resend_all(self._link.send)
         if resent:
@@ -268,7 +268,7 @@ class AsyncClient:
             raise self._replaced_error()
         refusal = link.refused or link.last_refusal
         if refusal is not None and refusal_final(refusal.code):
-            raise Unauthorized(refusal_fix(self.config, p.Role.PRODUCER.value, refusal), code=refusal.code)
+            raise Unauthorized(refusal_fix(self.config, protocol.Role.PRODUCER.value, refusal), code=refusal.code)
 
     async def wait_connected(self, timeout_s: float, *, refused_grace_s: float | None = None) -> bool:
         """Wait up to ``timeout_s`` for a session with the broker: True when connected,
@@ -312,7 +312,7 @@ class AsyncClient:
                 pass
         return True
 
-    async def _roundtrip(self, build: Any, deadline_mono: float) -> p.Message:
+    async def _roundtrip(self, build: Any, deadline_mono: float) -> protocol.Message:
         """Send ``build(req)`` and return the reply with the same ``req``.
 
         Re-sends the same message after ``submit_timeout_s`` without a reply and
@@ -349,20 +349,21 @@ class AsyncClient:
             self._requests.discard(req)
 
     async def _submit_confirmed(
-        self, items: list[p.SubmitItem], deadline_mono: float, unserved: set[str] | None = None
-    ) -> tuple[dict[str, p.SubmitResult], list[p.SubmitItem], CcsqError | None]:
+        self, items: list[protocol.SubmitItem], deadline_mono: float, unserved: set[str] | None = None
+    ) -> tuple[dict[str, protocol.SubmitResult], list[protocol.SubmitItem], CcsqError | None]:
         """Send ``items`` (one frame) until each is confirmed or refused for good.
 
         Returns ``(results by key, unconfirmed items, last retryable error)``;
         results include permanent refusals (``error`` set). Kinds the broker says no
         worker serves are added to ``unserved``."""
-        done: dict[str, p.SubmitResult] = {}
+        done: dict[str, protocol.SubmitResult] = {}
         remaining = items
         attempt = 0
         refused: CcsqError | None = None  # the broker's last retryable refusal of these items
         while True:
             try:
-                ack = cast(p.SubmitAck, await self._roundtrip(lambda req: p.Submit(req=req, items=remaining), deadline_mono))  # SUBMIT is answered by SUBMIT_ACK
+                # SUBMIT is answered by SUBMIT_ACK
+                ack = cast(protocol.SubmitAck, await self._roundtrip(lambda req: protocol.Submit(req=req, items=remaining), deadline_mono))
             except BrokerUnavailable as exc:
                 # the time ran out on a retry: the broker's own last word (QUEUE_FULL, ...) says
                 # why better than "no answer" (a loaded broker answers a retry late)
@@ -372,8 +373,8 @@ class AsyncClient:
             if ack.served:
                 self._served = list(ack.served)
             by_key = {r.key: r for r in ack.results}
-            retry: list[p.SubmitItem] = []
-            last: p.SubmitResult | None = None
+            retry: list[protocol.SubmitItem] = []
+            last: protocol.SubmitResult | None = None
             for item in remaining:
                 res = by_key.get(item.key)
                 if res is None or (res.error and refusal_retryable(res.error)):
@@ -394,14 +395,14 @@ class AsyncClient:
             self.log.info("submit_refused_retrying", code=err.code, items=len(remaining), in_s=round(delay, 3))
             await asyncio.sleep(delay)
 
-    def _frames(self, items: list[p.SubmitItem]) -> list[list[p.SubmitItem]]:
+    def _frames(self, items: list[protocol.SubmitItem]) -> list[list[protocol.SubmitItem]]:
         """Split items into SUBMIT frames under ``max_frame_bytes`` (order kept); an item
         that cannot fit a frame on its own raises :class:`PayloadTooLarge`."""
         if len(items) <= self._budget.max_items and sum(map(item_size_bound, items)) <= self._budget.room_bytes:
             return [items]  # surely one frame (exact sizes are below the bounds): what the split gives
         return self._budget.split(items, size_of=item_size, too_large=self._too_large)
 
-    def _too_large(self, item: p.SubmitItem, size_bytes: int) -> PayloadTooLarge:
+    def _too_large(self, item: protocol.SubmitItem, size_bytes: int) -> PayloadTooLarge:
         return PayloadTooLarge(
             f"item {item.key[:16]}... is {size_bytes} bytes encoded, over the {self._budget.room_bytes} bytes one frame "
             f"holds (max_frame_bytes={self.config.max_frame_bytes}); "
@@ -446,7 +447,7 @@ class AsyncClient:
         built = await self._items.build_many(items)
         return await self._submit_items(built, timeout_s)
 
-    async def _submit_items(self, items: list[p.SubmitItem], timeout_s: float) -> list[Receipt]:
+    async def _submit_items(self, items: list[protocol.SubmitItem], timeout_s: float) -> list[Receipt]:
         """Send ``items`` (one per key reaches the broker) in few frames until confirmed, or
         spool them; receipts in input order. Raises the first error that left an item
         neither confirmed nor spooled, or the first permanent refusal."""
@@ -487,8 +488,8 @@ class AsyncClient:
             )
         return deadline
 
-    async def _send_frames(self, frames: list[list[p.SubmitItem]], deadline_mono: float
-                           ) -> tuple[dict[str, p.SubmitResult], list[p.SubmitItem], set[str]]:
+    async def _send_frames(self, frames: list[list[protocol.SubmitItem]], deadline_mono: float
+                           ) -> tuple[dict[str, protocol.SubmitResult], list[protocol.SubmitItem], set[str]]:
         """Send every frame at once, each until confirmed or ``deadline_mono``. Returns
         ``(results by key, unconfirmed items, kinds no worker serves)``; without an outbox
         an unconfirmed item raises its frame's error (BrokerUnavailable, QueueFull...)."""
@@ -497,8 +498,8 @@ class AsyncClient:
             outcomes = [await self._submit_confirmed(frames[0], deadline_mono, unserved)]
         else:
             outcomes = await asyncio.gather(*(self._submit_confirmed(f, deadline_mono, unserved) for f in frames))
-        results: dict[str, p.SubmitResult] = {}
-        unconfirmed: list[p.SubmitItem] = []
+        results: dict[str, protocol.SubmitResult] = {}
+        unconfirmed: list[protocol.SubmitItem] = []
         errors: list[CcsqError] = []
         for done, left, err in outcomes:
             results.update(done)
@@ -523,22 +524,22 @@ class AsyncClient:
         """Items still in the local outbox (0 without one)."""
         return 0 if self._replay is None else await self._replay.outbox.count()
 
-    async def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    async def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """Current state of each item: ``{item_id: ItemStatus}`` (state "unknown" if the
         broker does not know it). Raises BrokerUnavailable after ``timeout_s``."""
-        return await self._per_item(p.Status, item_ids, timeout_s)
+        return await self._per_item(protocol.Status, item_ids, timeout_s)
 
-    async def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    async def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """Cancel items that have not started: a READY item becomes DEAD with error
         ``cancelled`` (gap event G7); leased, completed and terminal items are left
         alone. Returns every item's state after the cancel (idempotent, safe to
         retry). Raises BrokerUnavailable after ``timeout_s``."""
-        return await self._per_item(p.Cancel, item_ids, timeout_s)
+        return await self._per_item(protocol.Cancel, item_ids, timeout_s)
 
-    async def _per_item(self, msg_cls: Any, item_ids: Iterable[str], timeout_s: float) -> dict[str, p.ItemStatus]:
+    async def _per_item(self, msg_cls: Any, item_ids: Iterable[str], timeout_s: float) -> dict[str, protocol.ItemStatus]:
         """Send ``msg_cls(req, item_ids)`` in chunks; merge the STATUS_REPLYs."""
         ids = list(dict.fromkeys(item_ids))
-        out: dict[str, p.ItemStatus] = {}
+        out: dict[str, protocol.ItemStatus] = {}
         if not ids:
             return out
         deadline = time.monotonic() + timeout_s
@@ -546,14 +547,14 @@ class AsyncClient:
         replies = await asyncio.gather(
             *(self._roundtrip(lambda req, c=c: msg_cls(req=req, item_ids=c), deadline) for c in chunks)
         )
-        for reply in cast(list[p.StatusReply], replies):  # STATUS / CANCEL are answered by STATUS_REPLY
+        for reply in cast(list[protocol.StatusReply], replies):  # STATUS / CANCEL are answered by STATUS_REPLY
             for st in reply.items:
                 out[st.item_id] = st
         for i in ids:
-            out.setdefault(i, p.ItemStatus(item_id=i, state="unknown"))
+            out.setdefault(i, protocol.ItemStatus(item_id=i, state="unknown"))
         return out
 
-    async def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    async def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """Poll STATUS (with backoff, 50 ms up to 1 s) until every item is done
         (acknowledged, dead, expired, or unknown to the broker) or ``timeout_s`` passes.
         A broker that does not answer is waited for until ``timeout_s`` (it is not a
@@ -561,7 +562,7 @@ class AsyncClient:
         ones not done (:data:`UNANSWERED_STATE` when the broker never answered for it)."""
         ids = list(dict.fromkeys(item_ids))
         deadline = time.monotonic() + timeout_s
-        last: dict[str, p.ItemStatus] = {}
+        last: dict[str, protocol.ItemStatus] = {}
         todo = ids
         delay = 0.05
         while todo:
@@ -577,11 +578,11 @@ class AsyncClient:
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 1.5, 1.0)
         for i in ids:
-            last.setdefault(i, p.ItemStatus(item_id=i, state=UNANSWERED_STATE))
+            last.setdefault(i, protocol.ItemStatus(item_id=i, state=UNANSWERED_STATE))
         return last
 
 
-def _receipts(requested: list[p.SubmitItem], results: dict[str, p.SubmitResult], spooled_keys: set[str],
+def _receipts(requested: list[protocol.SubmitItem], results: dict[str, protocol.SubmitResult], spooled_keys: set[str],
               unserved: set[str], repeats: bool = True) -> list[Receipt]:
     """One receipt per requested item, in order (a repeated key is a duplicate of the first);
     raises the typed error of the first item the broker refused for good. ``repeats``:
@@ -650,15 +651,15 @@ class Client:
         """See :meth:`AsyncClient.submit_many` (the iterable is consumed on this thread)."""
         return self._call(self._async.submit_many(list(items), timeout_s=timeout_s))
 
-    def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    def status(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """See :meth:`AsyncClient.status`."""
         return self._call(self._async.status(list(item_ids), timeout_s=timeout_s))
 
-    def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    def cancel(self, item_ids: Iterable[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """See :meth:`AsyncClient.cancel`."""
         return self._call(self._async.cancel(list(item_ids), timeout_s=timeout_s))
 
-    def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, p.ItemStatus]:
+    def wait(self, item_ids: Iterable[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, protocol.ItemStatus]:
         """See :meth:`AsyncClient.wait`."""
         return self._call(self._async.wait(list(item_ids), timeout_s=timeout_s))
 

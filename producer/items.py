@@ -21,7 +21,7 @@ import msgpack
 
 from ccsq.common.runtime.faults import crash_point
 from ccsq.common.storage.claimstore import ClaimStore, inline_blob
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import InvalidRequest
 
 Payload = Union[bytes, bytearray, memoryview, str, Path, BinaryIO]
@@ -40,20 +40,20 @@ def _pack() -> Any:
         return pack
 
 
-def canonical_params(params: Mapping[str, p.Scalar]) -> bytes:
+def canonical_params(params: Mapping[str, protocol.Scalar]) -> bytes:
     """Deterministic bytes for a params map (sorted keys, msgpack)."""
     return _pack()(sorted(params.items()))
 
 
-unchecked_constructor = p.trusted_constructor  # one builder of records without __init__ (the codec's)
+unchecked_constructor = protocol.trusted_constructor  # one builder of records without __init__ (the codec's)
 
 
 #: ``SubmitItem(...)`` (all ten fields, positional) for fields :func:`_checked_fields` passed
-_submit_item = unchecked_constructor(p.SubmitItem, ("key", "kind", "payload", "params", "priority", "deadline_ts",
+_submit_item = unchecked_constructor(protocol.SubmitItem, ("key", "kind", "payload", "params", "priority", "deadline_ts",
                                                     "max_attempts", "max_runtime_s", "origin", "origin_sig"))
 
 
-def derive_key(payload_sha256: str, kind: str, params: Mapping[str, p.Scalar]) -> str:
+def derive_key(payload_sha256: str, kind: str, params: Mapping[str, protocol.Scalar]) -> str:
     """The default idempotency key: sha256 hex of payload digest, kind and canonical params."""
     return _key(payload_sha256, _kind_part(kind), canonical_params(params))
 
@@ -87,23 +87,23 @@ def read_payload(payload: Payload) -> bytes:
     raise InvalidRequest(f"payload must be bytes, a path or a binary file object, got {type(payload).__name__}")
 
 
-def check_params(params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
+def check_params(params: Mapping[str, Any] | None) -> dict[str, protocol.Scalar]:
     params = dict(params or {})
-    if len(params) > p.MAX_MAP_LEN:
-        raise InvalidRequest(f"params has {len(params)} keys; at most {p.MAX_MAP_LEN}")
+    if len(params) > protocol.MAX_MAP_LEN:
+        raise InvalidRequest(f"params has {len(params)} keys; at most {protocol.MAX_MAP_LEN}")
     for k, v in params.items():
         if not isinstance(k, str):
             raise InvalidRequest(f"params key {k!r} must be a string")
-        if not isinstance(v, p.SCALAR_TYPES):
+        if not isinstance(v, protocol.SCALAR_TYPES):
             raise InvalidRequest(f"params[{k!r}] must be str, int, float, bool, bytes or None, got {type(v).__name__}")
     return params
 
 
-def item_size(item: p.SubmitItem) -> int:
+def item_size(item: protocol.SubmitItem) -> int:
     """The msgpack size of ``item`` in a SUBMIT (bytes), without packing its inline payload:
     the rest of the item is packed with ``inline`` as nil (1 byte), which then counts as
     a bin of ``n`` bytes (a 2, 3 or 5 byte header + n)."""
-    body = p.encode_body(item)
+    body = protocol.encode_body(item)
     inline = item.payload.inline
     if inline is None:
         return len(_pack()(body))
@@ -118,7 +118,7 @@ def item_size(item: p.SubmitItem) -> int:
 _ITEM_FIXED_BOUND = 320  # counted: 252
 
 
-def item_size_bound(item: p.SubmitItem) -> int:
+def item_size_bound(item: protocol.SubmitItem) -> int:
     """An upper bound of :func:`item_size` (bytes) from lengths alone, nothing packed: every
     string, bytes value and map at its widest header (5 bytes), every number at 9 bytes, a
     string at 4 bytes per character unless ASCII. Lets the frame splitter skip exact sizing
@@ -159,7 +159,7 @@ class ItemBuilder:
         deadline_ts: float | None = None,
         max_attempts: int | None = None,
         max_runtime_s: float | None = None,
-    ) -> p.SubmitItem:
+    ) -> protocol.SubmitItem:
         """Check the fields (:func:`~ccsq.common.wire.protocol.submit_fields_problem`, the
         broker's rule), then read the payload, put it in the claim store when it is over
         ``inline_max_bytes``, and build the item. Raises InvalidRequest (bad input: nothing
@@ -169,27 +169,27 @@ class ItemBuilder:
         blob = self._blob_now(data) or await self._blob_stored(data)
         return _item(fields, key, blob)
 
-    def _blob_now(self, data: bytes) -> p.Blob | None:
+    def _blob_now(self, data: bytes) -> protocol.Blob | None:
         """The payload's blob when making it needs no I/O (inline: a digest, so no coroutine
         hop), else None: then await :meth:`_blob_stored`."""
         if len(data) <= self._on_loop_max:  # the store's inline_without_io, its class part decided once
             return inline_blob(data)  # what its put_blob makes
         return None
 
-    async def _blob_stored(self, data: bytes) -> p.Blob:
+    async def _blob_stored(self, data: bytes) -> protocol.Blob:
         """The payload put in the claim store (in the store's thread)."""
         blob = await self.store.aput_blob(data, self.inline_max_bytes, self._exec)
         if blob.inline is None:
             crash_point("producer.after_blob_put")
         return blob
 
-    async def build_many(self, specs: Iterable[Any]) -> list[p.SubmitItem]:
+    async def build_many(self, specs: Iterable[Any]) -> list[protocol.SubmitItem]:
         """:meth:`build` for each of ``specs`` in order, each checked before its payload is
         written, as a loop without a coroutine per tuple spec. A spec is ``(payload, kind)``,
         ``(payload, kind, params)`` or a dict of :meth:`build`'s arguments (``payload``,
         ``kind``, ``params``, ``key``...). Raises as :meth:`build` (items before the bad one
         may have written their blobs), InvalidRequest for a malformed spec."""
-        built: list[p.SubmitItem] = []
+        built: list[protocol.SubmitItem] = []
         append = built.append
         pack = _pack()  # this thread's: the loop's (an await below resumes on the same thread)
         kind_parts: dict[str, bytes] = {}  # kind -> its bytes in derive_key's input
@@ -244,28 +244,28 @@ def _checked_fields(kind: Any, params: Mapping[str, Any] | None, key: Any, prior
     deadline_ts = None if deadline_ts is None else float(deadline_ts)
     max_attempts = int(max_attempts or 0)
     max_runtime_s = float(max_runtime_s or 0.0)
-    problem = p.submit_fields_problem(kind=kind, key=key, params=params, priority=priority, deadline_ts=deadline_ts,
+    problem = protocol.submit_fields_problem(kind=kind, key=key, params=params, priority=priority, deadline_ts=deadline_ts,
                                       max_attempts=max_attempts, max_runtime_s=max_runtime_s)
     if problem:  # before the blob is written: bad input leaves no orphan
         raise InvalidRequest(problem)
     return kind, params, priority, deadline_ts, max_attempts, max_runtime_s
 
 
-def _checked_tuple_fields(kind: Any, params: Mapping[str, Any] | None) -> dict[str, p.Scalar]:
+def _checked_tuple_fields(kind: Any, params: Mapping[str, Any] | None) -> dict[str, protocol.Scalar]:
     """:func:`_checked_fields` for a ``(payload, kind[, params])`` spec (no key, every option at
     its default): the same checks, errors and order on the two fields there are; returns
     the checked params (a copy)."""
     if not isinstance(kind, str) or not kind:
         raise InvalidRequest("kind must be a non-empty string")
     params = check_params(params)
-    problem = p.submit_fields_problem(kind=kind, key=None, params=params, priority=0, deadline_ts=None,
+    problem = protocol.submit_fields_problem(kind=kind, key=None, params=params, priority=0, deadline_ts=None,
                                       max_attempts=0, max_runtime_s=0.0)
     if problem:  # before the blob is written: bad input leaves no orphan
         raise InvalidRequest(problem)
     return params
 
 
-def _item(fields: _Fields, key: str | None, blob: p.Blob) -> p.SubmitItem:
+def _item(fields: _Fields, key: str | None, blob: protocol.Blob) -> protocol.SubmitItem:
     kind, params, priority, deadline_ts, max_attempts, max_runtime_s = fields
     return _submit_item(key or derive_key(blob.sha256, kind, params), kind, blob, params, priority, deadline_ts,
                         max_attempts, max_runtime_s, b"", b"")  # no origin (relay submissions only)

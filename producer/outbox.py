@@ -23,7 +23,7 @@ from typing import cast
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (
@@ -42,13 +42,13 @@ CREATE TABLE IF NOT EXISTS rejected (
 """
 
 
-def _pack(item: p.SubmitItem) -> bytes:
-    return msgpack.packb(p.encode_body(item), use_bin_type=True)
+def _pack(item: protocol.SubmitItem) -> bytes:
+    return msgpack.packb(protocol.encode_body(item), use_bin_type=True)
 
 
-def _unpack(raw: bytes) -> p.SubmitItem:
+def _unpack(raw: bytes) -> protocol.SubmitItem:
     body = {"req": 0, "items": [msgpack.unpackb(raw, raw=False)]}
-    submit = cast(p.Submit, p.decode_body(p.MsgType.SUBMIT, body))  # strict schema check on what we read back
+    submit = cast(protocol.Submit, protocol.decode_body(protocol.MsgType.SUBMIT, body))  # strict schema check on what we read back
     return submit.items[0]
 
 
@@ -75,7 +75,7 @@ class Outbox:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     # --- sync bodies (outbox thread only) ---
-    def _add(self, items: Sequence[p.SubmitItem]) -> int:
+    def _add(self, items: Sequence[protocol.SubmitItem]) -> int:
         now = time.time()
         self._db.execute("BEGIN IMMEDIATE")
         try:
@@ -89,7 +89,7 @@ class Outbox:
             raise
         return cur.rowcount
 
-    def _peek(self, limit: int) -> list[tuple[int, p.SubmitItem]]:
+    def _peek(self, limit: int) -> list[tuple[int, protocol.SubmitItem]]:
         rows = self._db.execute("SELECT seq, item FROM outbox ORDER BY seq LIMIT ?", (limit,)).fetchall()
         return [(seq, _unpack(raw)) for seq, raw in rows]
 
@@ -98,7 +98,7 @@ class Outbox:
         self._db.executemany("DELETE FROM outbox WHERE key = ?", [(k,) for k in keys])
         self._db.execute("COMMIT")
 
-    def _reject(self, item: p.SubmitItem, error: str, message: str) -> None:
+    def _reject(self, item: protocol.SubmitItem, error: str, message: str) -> None:
         self._db.execute("BEGIN IMMEDIATE")
         self._db.execute(
             "INSERT OR REPLACE INTO rejected(key, item, error, message, rejected_ts) VALUES (?, ?, ?, ?, ?)",
@@ -114,12 +114,12 @@ class Outbox:
         return self._db.execute("SELECT key, error, message FROM rejected ORDER BY rejected_ts").fetchall()
 
     # --- async API (any task on the owner's loop) ---
-    async def add(self, items: Sequence[p.SubmitItem]) -> int:
+    async def add(self, items: Sequence[protocol.SubmitItem]) -> int:
         """Spool ``items`` durably (one fsync'd transaction); returns how many were new
         (an item whose key is already spooled is ignored)."""
         return await self._run(self._add, list(items))
 
-    async def peek(self, limit: int) -> list[tuple[int, p.SubmitItem]]:
+    async def peek(self, limit: int) -> list[tuple[int, protocol.SubmitItem]]:
         """The oldest ``limit`` spooled items as ``(seq, item)``, in order."""
         return await self._run(self._peek, limit)
 
@@ -127,7 +127,7 @@ class Outbox:
         """Forget items the broker confirmed (call only after SUBMIT_ACK)."""
         await self._run(self._remove, list(keys))
 
-    async def reject(self, item: p.SubmitItem, error: str, message: str) -> None:
+    async def reject(self, item: protocol.SubmitItem, error: str, message: str) -> None:
         """Move an item the broker refused for good to the ``rejected`` table."""
         await self._run(self._reject, item, error, message)
 

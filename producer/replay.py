@@ -15,13 +15,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.errors import BrokerUnavailable, CcsqError
 from ccsq.producer.outbox import Outbox
 
 #: ``send_frame(items, deadline_mono)`` -> ``(results by key, unconfirmed items, last retryable error)``
-SendFrame = Callable[[list[p.SubmitItem], float], Awaitable[tuple[dict[str, p.SubmitResult], list[p.SubmitItem], CcsqError | None]]]
+SendFrame = Callable[[list[protocol.SubmitItem], float],
+                     Awaitable[tuple[dict[str, protocol.SubmitResult], list[protocol.SubmitItem], CcsqError | None]]]
 
 #: spooled items read per flush round (the first SUBMIT frame of them is sent)
 PEEK_ITEMS = 1000
@@ -33,7 +34,7 @@ class OutboxReplay:
     rounds that left items unconfirmed (seconds)."""
 
     def __init__(self, outbox: Outbox, *, send_frame: SendFrame,
-                 first_frame: Callable[[list[p.SubmitItem]], list[p.SubmitItem]],
+                 first_frame: Callable[[list[protocol.SubmitItem]], list[protocol.SubmitItem]],
                  submit_timeout_s: float, retry_base_s: float, backoff_cap_s: float, log: Any) -> None:
         self.outbox = outbox
         self._send_frame = send_frame
@@ -52,7 +53,7 @@ class OutboxReplay:
         submission: an executor hop and a count per call otherwise)."""
         return self._known_empty or await self.outbox.count() == 0
 
-    async def spool(self, items: list[p.SubmitItem], reason: str) -> None:
+    async def spool(self, items: list[protocol.SubmitItem], reason: str) -> None:
         """Commit ``items`` to the outbox (fsync'd) and wake the flusher."""
         self._spools += 1
         self._known_empty = False
@@ -85,7 +86,7 @@ class OutboxReplay:
             else:
                 attempt = 0
 
-    async def _flush_frame(self, items: list[p.SubmitItem]) -> tuple[list[p.SubmitItem], CcsqError | None]:
+    async def _flush_frame(self, items: list[protocol.SubmitItem]) -> tuple[list[protocol.SubmitItem], CcsqError | None]:
         """Send one frame of spooled items; remove the confirmed, reject the refused for good.
         Returns ``(unconfirmed items, last retryable error)``."""
         done, unconfirmed, err = await self._send_frame(items, time.monotonic() + self._submit_timeout_s)

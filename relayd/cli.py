@@ -42,11 +42,11 @@ def _cmd_init_relay(args: argparse.Namespace) -> int:
 
 
 def _cmd_federation_report(args: argparse.Namespace) -> int:
-    from ccsq.relayd.report import load_federation_report, render_text
+    from ccsq.relayd.federation_report import load_federation_report, render_text
 
     report = load_federation_report(args.config)
     if args.html:
-        from ccsq.relayd.report import render_html
+        from ccsq.relayd.federation_report import render_html
 
         Path(args.html).write_text(render_html(report))
     print(json.dumps(report, indent=2, default=str) if args.json else render_text(report))

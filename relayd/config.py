@@ -27,7 +27,7 @@ from pathlib import Path
 from ccsq.common.wire.config import PeerSettings, from_mapping, opt, read_toml
 from ccsq.common.wire.endpoints import split_endpoints
 from ccsq.common.wire.errors import ConfigError
-from ccsq.common.runtime.metrics import parse_listen
+from ccsq.common.runtime.metrics_exporter import parse_listen
 
 
 MAX_KINDS_PER_LINK = 100
@@ -43,14 +43,18 @@ class LinkConfig:
                       " credit; deadline: also spill (up to max_in_flight) while the upstream forecasts a missed deadline")
     max_hops: int = opt(1, min=1, max=1, doc="an item is relayed at most this many times (only 1 is supported)")
     max_in_flight: int = opt(256, min=1, max=65536, doc="most items held by this link at once")
-    upstream_endpoint: str = opt("", endpoint="connect-list", doc="ZeroMQ endpoint of the upstream broker (a broker pair: a comma-separated list, like a peer's broker_endpoint)")
+    upstream_endpoint: str = opt("", endpoint="connect-list",
+                            doc="ZeroMQ endpoint of the upstream broker (a broker pair: a comma-separated list, "
+                            "like a peer's broker_endpoint)")
     upstream_broker_id: str = opt("broker", doc="the upstream broker's peer id in upstream_authorized_keys")
     upstream_peer_id: str = opt("", doc="this relay's peer id at the upstream broker ('' = <peer_id>-<name>-up)")
     upstream_authorized_keys: str = opt("", path=True, doc="file with the upstream broker's public key")
     upstream_claim_store: str = opt("", doc="the upstream's claim store URI ('' = payloads are inline only)")
     upstream_curve: bool = opt(False, doc="CURVE toward the upstream broker")
     upstream_broker_curve_public_key: str = opt("", path=True, doc="the upstream broker's CURVE public key (curve = true)")
-    downstream_endpoint: str = opt("", endpoint="connect-list", doc="ZeroMQ endpoint of the downstream broker (a broker pair: a comma-separated list, like a peer's broker_endpoint)")
+    downstream_endpoint: str = opt("", endpoint="connect-list",
+                            doc="ZeroMQ endpoint of the downstream broker (a broker pair: a comma-separated list, "
+                            "like a peer's broker_endpoint)")
     downstream_broker_id: str = opt("broker", doc="the downstream broker's peer id in downstream_authorized_keys")
     downstream_peer_id: str = opt("", doc="this relay's peer id at the downstream broker ('' = <peer_id>-<name>-down)")
     downstream_authorized_keys: str = opt("", path=True, doc="file with the downstream broker's public key")
@@ -66,11 +70,17 @@ class RelayConfig:
     peer_id: str = opt("", doc="the relay's name; its peer ids are <peer_id>-<link>-up/-down")
     private_key: str = opt("", path=True, doc="the relay's Ed25519 private key (mode 0600)")
     journal_dir: str = opt("relay-journal", path=True, doc="the relay's local journal (SQLite)")
-    curve_secret_key: str = opt("", path=True, doc="the relay's CURVE secret key (Z85, mode 0600) for links with upstream_curve/downstream_curve; its public key is the relay's curve_public_key in both swarms' authorized_keys.toml")
+    curve_secret_key: str = opt("", path=True, doc="the relay's CURVE secret key (Z85, mode 0600) for links with "
+                                "upstream_curve/downstream_curve; its public key is the relay's curve_public_key in both swarms' "
+                                "authorized_keys.toml")
     result_credit: int = opt(64, min=1, max=65536, doc="results in flight from each downstream broker")
     resend_interval_s: float = opt(2.0, min=0.05, max=3600.0, doc="unconfirmed SUBMIT/COMPLETE/ACK are resent this often")
     status_interval_s: float = opt(5.0, min=0.1, max=3600.0, doc="ask the downstream about submitted items this often (dead/expired there)")
-    downstream_hold_max_s: float = opt(30.0, min=0.0, max=86400.0, doc="downstream unreachable this long: items already submitted there are given back to the upstream (released, no attempt counted) so its own workers run them; their downstream copies are cancelled once it is reachable (0 = hold them for the whole partition)")
+    downstream_hold_max_s: float = opt(30.0, min=0.0, max=86400.0,
+                                       doc="downstream unreachable this long: items already submitted there are "
+                                         "given back to the upstream (released, no attempt counted) so its own workers run them; "
+                                         "their downstream copies are cancelled once it is reachable (0 = hold them for the whole "
+                                         "partition)")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
     reconnect_backoff_max_s: float = opt(5.0, min=0.05, max=300.0, doc="cap of the reconnect backoff")

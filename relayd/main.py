@@ -22,7 +22,7 @@ from ccsq.common.runtime.daemon import config_path_from_argv, die
 from ccsq.common.wire.errors import ConfigError, ExitCode, PortInUse, StoreUnavailable
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 from ccsq.relayd.config import load_relay_config
-from ccsq.relayd.journal import RelayJournal
+from ccsq.relayd.relay_journal import RelayJournal
 from ccsq.common.wire.errors import JournalCorrupt, JournalLocked
 
 log = structlog.get_logger("ccsq.relayd.main")
@@ -81,7 +81,7 @@ def run(config_path: str) -> int:
     except JournalLocked as exc:
         return _die(exc)
     try:
-        from ccsq.relayd.metrics import start_relay_metrics
+        from ccsq.relayd.relay_metrics import start_relay_metrics
         from ccsq.relayd.relay import Relay, RelayRefused
 
         try:

@@ -21,7 +21,7 @@ their copies are cancelled once the downstream is reachable.
   item's RESULT back to this session; the relay ACKs it only after the upstream
   confirmed the COMPLETE (ack-mode on-confirm).
 
-Every step is journaled (:mod:`ccsq.relayd.journal`) before the next message goes out,
+Every step is journaled (:mod:`ccsq.relayd.relay_journal`) before the next message goes out,
 so a SIGKILL anywhere resumes every item after a restart. Crash points (tests):
 ``relay.after_lease_journaled``, ``relay.after_submit_ack``,
 ``relay.after_result_journaled``, ``relay.after_complete_ack``.
@@ -40,7 +40,7 @@ import structlog
 from ccsq.common.wire.federation import (BROKEN_FIX_INFO, BROKEN_INFO, BROKEN_SINCE_INFO, CAP_PREFIX, CREDIT_INFO,
                                     CREDIT_MSGS_INFO, DOWNSTREAM, LATE_PREFIX,
                                     ORIGIN_REJECTED, POLICY, RELAY_SIDE, UPSTREAM, WORKERS_PREFIX, origin_key)
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.common.storage.claimstore import ClaimStore, open_store, store_failure
 from ccsq.common.wire.envelope import Envelope
@@ -49,7 +49,7 @@ from ccsq.common.runtime.faults import crash_point
 from ccsq.common.link.peer import BrokerLink, LinkState, refusal_fix
 from ccsq.common.wire.policy import task_failure
 from ccsq.relayd.config import LinkConfig, RelayConfig
-from ccsq.relayd.journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
+from ccsq.relayd.relay_journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Key, RelayJournal, Row
 
 log = structlog.get_logger("ccsq.relayd")
 
@@ -58,23 +58,23 @@ TICK_S = 0.1
 RETRY_LATER = frozenset({"QUEUE_FULL", "DISK_FULL"})
 
 
-def _reason(error: str) -> p.FailReason:
+def _reason(error: str) -> protocol.FailReason:
     """The downstream's dead-letter reason as ours (a reason this version does not know:
     handler_error, whose rule is then the upstream's FAIL_POLICY)."""
     try:
-        return p.FailReason(error)
+        return protocol.FailReason(error)
     except ValueError:
-        return p.FailReason.HANDLER_ERROR
+        return protocol.FailReason.HANDLER_ERROR
 
 
-def _origin_fields(task: p.Task) -> dict:
+def _origin_fields(task: protocol.Task) -> dict:
     return msgpack.unpackb(task.origin, raw=False) if task.origin else {}
 
 
-def submit_item(task: p.Task) -> p.SubmitItem:
+def submit_item(task: protocol.Task) -> protocol.SubmitItem:
     """The downstream SUBMIT of an upstream task: every field as the origin signed it."""
     rec = _origin_fields(task)
-    return p.SubmitItem(
+    return protocol.SubmitItem(
         key=origin_key(rec.get("swarm", ""), task.item_id),
         kind=task.kind,
         payload=task.payload,
@@ -138,8 +138,8 @@ class LinkRunner:
         self._req += 1
         return self._req
 
-    def _held(self) -> list[p.LeaseRef]:
-        return [p.LeaseRef(r.up_item, r.token) for r in self.rows.values() if not r.lost]
+    def _held(self) -> list[protocol.LeaseRef]:
+        return [protocol.LeaseRef(r.up_item, r.token) for r in self.rows.values() if not r.lost]
 
     def _rows_of(self, up_item: str) -> list[Row]:
         return [r for r in self.rows.values() if r.up_item == up_item]
@@ -155,8 +155,8 @@ class LinkRunner:
             self._journal_broken = None
             self.log.info("link_repaired", cause=cause)
 
-    def _up_hello(self) -> p.Hello:
-        return p.Hello(role=p.Role.RELAY.value, credit=0, kinds=list(self.cfg.kinds), leases=self._held(),
+    def _up_hello(self) -> protocol.Hello:
+        return protocol.Hello(role=protocol.Role.RELAY.value, credit=0, kinds=list(self.cfg.kinds), leases=self._held(),
                        info={RELAY_SIDE: UPSTREAM, "link": self.name, POLICY: self.cfg.policy})
 
     def _broken_info(self) -> dict:
@@ -165,12 +165,12 @@ class LinkRunner:
             return {}
         return {BROKEN_INFO: self.broken[:300], BROKEN_SINCE_INFO: int(self.broken_since), BROKEN_FIX_INFO: self.broken_fix[:300]}
 
-    def _up_heartbeat(self) -> p.Heartbeat:
+    def _up_heartbeat(self) -> protocol.Heartbeat:
         # a broken link says so and is unhealthy: the upstream dispatches nothing to it
-        return p.Heartbeat(leases=self._held(), busy=len(self.rows), healthy=not self.broken, info=self._broken_info())
+        return protocol.Heartbeat(leases=self._held(), busy=len(self.rows), healthy=not self.broken, info=self._broken_info())
 
-    def _down_heartbeat_out(self) -> p.Heartbeat:
-        return p.Heartbeat(healthy=not self.broken, info=self._broken_info())
+    def _down_heartbeat_out(self) -> protocol.Heartbeat:
+        return protocol.Heartbeat(healthy=not self.broken, info=self._broken_info())
 
     def _break(self, cause: str, reason: str, fix: str) -> None:
         """The link stops pulling (``cause``: upstream_refused, downstream_refused,
@@ -184,7 +184,7 @@ class LinkRunner:
         self._journal_broken = cause
         self._grant()  # withdraw the credit still unused upstream
 
-    def _up_connect(self, welcome: p.Welcome) -> None:
+    def _up_connect(self, welcome: protocol.Welcome) -> None:
         self.granted = self.received = self._credit_seen = 0
         self._credit_unseen = []
         self.can_withdraw = False
@@ -205,22 +205,22 @@ class LinkRunner:
 
     def _up_message(self, env: Envelope) -> Awaitable[None] | None:
         msg = env.message
-        if isinstance(msg, p.Dispatch):
+        if isinstance(msg, protocol.Dispatch):
             return self._on_dispatch(msg.tasks)
-        if isinstance(msg, p.CompleteAck):
+        if isinstance(msg, protocol.CompleteAck):
             self._on_complete_ack(msg.outcomes)
-        elif isinstance(msg, p.FailAck):
+        elif isinstance(msg, protocol.FailAck):
             keys = [(o.item_id, o.token) for o in msg.outcomes
                     if (o.item_id, o.token) in self.rows and self.rows[(o.item_id, o.token)].state == FAILING]
             self.journal.end(self.name, keys, "ended_failed")
             for k in keys:
                 self.rows.pop(k, None)
                 self._sent.pop(k, None)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             self.log.warning("upstream_error", code=msg.code, message=msg.message)
         return None
 
-    async def _on_dispatch(self, tasks: list[p.Task]) -> None:
+    async def _on_dispatch(self, tasks: list[protocol.Task]) -> None:
         self.received += len(tasks)
         unsigned = [t for t in tasks if not t.origin or not t.origin_sig]
         if unsigned:  # an upstream broker without federation support: give them back
@@ -232,20 +232,20 @@ class LinkRunner:
         if self.broken:
             # credit granted before the link broke is still being spent upstream: give each
             # such lease straight back (released, uncounted) instead of running it downstream
-            # again, where its result would be refused once more and bounce (the loop seen
-            # when the upstream does not trust the downstream's proofs)
-            self._fail([task_failure(t.item_id, t.token, p.FailReason.RELEASED, self.broken)
+            # again, where its result would be refused once more and bounce (a loop for as
+            # long as the upstream does not trust the downstream's proofs)
+            self._fail([task_failure(t.item_id, t.token, protocol.FailReason.RELEASED, self.broken)
                         for t in new], "released")
             return
         if unsigned:
-            self._fail([task_failure(t.item_id, t.token, p.FailReason.RELEASED, "upstream did not sign")
+            self._fail([task_failure(t.item_id, t.token, protocol.FailReason.RELEASED, "upstream did not sign")
                         for t in unsigned if (t.item_id, t.token) in self.rows], "refused")
         if self.down_store is not None:
             await self._copy_payloads([t for t in new if t.payload.inline is None])
         self._submit([self.rows[(t.item_id, t.token)] for t in new if (t.item_id, t.token) in self.rows
                       and self.rows[(t.item_id, t.token)].state == LEASED])
 
-    async def _copy_payloads(self, tasks: list[p.Task]) -> None:
+    async def _copy_payloads(self, tasks: list[protocol.Task]) -> None:
         """Claim-check payloads into the downstream store (digest-checked on read); a task
         whose copy is already under way (DISPATCH vs the tick) is skipped."""
         tasks = [t for t in tasks if (t.item_id, t.token) not in self._copying]
@@ -255,7 +255,7 @@ class LinkRunner:
         finally:
             self._copying.difference_update((t.item_id, t.token) for t in tasks)
 
-    async def _copy_each(self, tasks: list[p.Task]) -> None:
+    async def _copy_each(self, tasks: list[protocol.Task]) -> None:
         failures = []
         for t in tasks:
             try:
@@ -272,17 +272,17 @@ class LinkRunner:
         if failures:
             self._fail(failures, "refused")
 
-    def _on_complete_ack(self, outcomes: list[p.ItemOutcome]) -> None:
+    def _on_complete_ack(self, outcomes: list[protocol.ItemOutcome]) -> None:
         mine = [o for o in outcomes if (o.item_id, o.token) in self.rows and self.rows[(o.item_id, o.token)].state == RESULTED]
         self.journal.mark_returned(self.name, mine)
         for o in mine:
             row = self.rows[(o.item_id, o.token)]
             row.state, row.outcome = RETURNED, o.outcome
-            if o.outcome != p.Outcome.ACCEPTED.value:
+            if o.outcome != protocol.Outcome.ACCEPTED.value:
                 self.log.info("result_not_accepted_upstream", item=o.item_id, token=o.token, outcome=o.outcome)
-        if any(o.outcome == p.Outcome.ACCEPTED.value for o in mine):
+        if any(o.outcome == protocol.Outcome.ACCEPTED.value for o in mine):
             self._fixed("proof_rejected")
-        rejected = [o for o in mine if o.outcome == p.Outcome.REJECTED.value]
+        rejected = [o for o in mine if o.outcome == protocol.Outcome.REJECTED.value]
         if rejected:
             # the upstream cannot check the downstream's proofs (trust files): a misconfiguration.
             # Stop pulling and give these leases back uncounted, so the work runs at home
@@ -291,18 +291,18 @@ class LinkRunner:
             self._break("proof_rejected", "upstream rejected the downstream's result proofs",
                         "the upstream broker's trusted_swarms must hold the downstream swarm's broker public key "
                         "(and the downstream's the upstream's); fix the files, restart both brokers, then the relay")
-            self._send_up([task_failure(o.item_id, o.token, p.FailReason.RELEASED, self.broken)
-                           for o in rejected], p.Fail)
+            self._send_up([task_failure(o.item_id, o.token, protocol.FailReason.RELEASED, self.broken)
+                           for o in rejected], protocol.Fail)
         crash_point("relay.after_complete_ack")
         self._ack({self.rows[(o.item_id, o.token)].down_item for o in mine})
 
-    def _fail(self, failures: list[p.TaskFailure], counter: str) -> None:
+    def _fail(self, failures: list[protocol.TaskFailure], counter: str) -> None:
         self.journal.mark_failing(self.name, failures, counter)
         for f in failures:
             row = self.rows.get((f.item_id, f.token))
             if row is not None:
                 row.state, row.report = FAILING, f
-        self._send_up(failures, p.Fail)
+        self._send_up(failures, protocol.Fail)
 
     def _send_up(self, reports: list, cls: type) -> None:
         if not reports or not self._ready(self.up):
@@ -314,22 +314,22 @@ class LinkRunner:
                 self._sent[(r.item_id, r.token)] = now
 
     # --- downstream session ---
-    def _down_hello(self) -> p.Hello:
-        return p.Hello(role=p.Role.RELAY.value, credit=self.rcfg.result_credit, kinds=list(self.cfg.kinds),
+    def _down_hello(self) -> protocol.Hello:
+        return protocol.Hello(role=protocol.Role.RELAY.value, credit=self.rcfg.result_credit, kinds=list(self.cfg.kinds),
                        info={RELAY_SIDE: DOWNSTREAM, "link": self.name})
 
-    def _down_connect(self, welcome: p.Welcome) -> None:
+    def _down_connect(self, welcome: protocol.Welcome) -> None:
         self._down_lost_mono = None
         self.log.info("downstream_connected", in_flight=len(self.rows))
         if self._cancel_down:  # copies of leases given back during the partition: only those not started yet
             for chunk in self.budget.split(sorted(self._cancel_down)):
                 req = self._next_req()
                 self._cancel_reqs.add(req)
-                self.down.send(p.Cancel(req, chunk))
+                self.down.send(protocol.Cancel(req, chunk))
         self._fixed("downstream_refused")
         self._resend(force=True)
 
-    def _down_heartbeat(self, hb: p.Heartbeat) -> None:
+    def _down_heartbeat(self, hb: protocol.Heartbeat) -> None:
         if self._down_lost_mono is not None:
             return
         # the broker counted every SUBMIT it acknowledged before this heartbeat (one socket,
@@ -340,7 +340,7 @@ class LinkRunner:
                            and k[len(WORKERS_PREFIX):] in self.cfg.kinds)
         self._grant()
 
-    def _up_heartbeat_in(self, hb: p.Heartbeat) -> None:
+    def _up_heartbeat_in(self, hb: protocol.Heartbeat) -> None:
         late = any(hb.info.get(LATE_PREFIX + k) == 1 for k in self.cfg.kinds)
         if late != self.late:
             self.log.info("upstream_deadline_pressure", late=late)
@@ -377,7 +377,7 @@ class LinkRunner:
         delta = want - outstanding
         if delta == 0 or (delta < 0 and not self.can_withdraw):
             return
-        if self.up.send(p.Credit(delta)):
+        if self.up.send(protocol.Credit(delta)):
             self.granted += delta
             self._credit_unseen.append(delta)
             if len(self._credit_unseen) > 100_000:  # an upstream that never reports (cannot happen with can_withdraw)
@@ -387,18 +387,18 @@ class LinkRunner:
 
     def _down_message(self, env: Envelope) -> Awaitable[None] | None:
         msg = env.message
-        if isinstance(msg, p.SubmitAck):
+        if isinstance(msg, protocol.SubmitAck):
             self._on_submit_ack(msg.results)
-        elif isinstance(msg, p.Result):
+        elif isinstance(msg, protocol.Result):
             return self._on_result(msg.deliveries)
-        elif isinstance(msg, p.AckOk):
+        elif isinstance(msg, protocol.AckOk):
             self._on_ack_ok(set(msg.item_ids) | set(msg.unknown))
-        elif isinstance(msg, p.StatusReply) and msg.req in self._cancel_reqs:
+        elif isinstance(msg, protocol.StatusReply) and msg.req in self._cancel_reqs:
             self._cancel_reqs.discard(msg.req)
             self._on_cancelled(msg.items)
-        elif isinstance(msg, p.StatusReply):
+        elif isinstance(msg, protocol.StatusReply):
             self._on_status(msg.items)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             self.log.warning("downstream_error", code=msg.code, message=msg.message)
         return None
 
@@ -415,16 +415,16 @@ class LinkRunner:
         if lone:  # only with a smaller max_frame_bytes here than upstream: it runs at home instead
             why = f"item too large for one SUBMIT frame of this relay (max_frame_bytes={self.budget.max_frame_bytes})"
             self.log.error("submit_too_large", items=len(lone), reason=why, fix="raise max_frame_bytes in relayd.toml")
-            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, why) for r in lone], "released")
+            self._fail([task_failure(r.up_item, r.token, protocol.FailReason.RELEASED, why) for r in lone], "released")
         for chunk in self.budget.split([s for s in sized if self.budget.fits(s[2])], size_of=lambda s: s[2]):
             # one SubmitItem per upstream item (two leases of one item are one downstream item)
             items = {r.up_item: item for r, item, _ in chunk}
-            self.down.send(p.Submit(self._next_req(), list(items.values())))
+            self.down.send(protocol.Submit(self._next_req(), list(items.values())))
             for r, _, _ in chunk:
                 self._sent[r.key] = now
 
-    def _on_submit_ack(self, results: list[p.SubmitResult]) -> None:
-        refused: list[p.TaskFailure] = []
+    def _on_submit_ack(self, results: list[protocol.SubmitResult]) -> None:
+        refused: list[protocol.TaskFailure] = []
         for res in results:
             up_item = res.key.rsplit(":", 1)[-1]
             rows = [r for r in self._rows_of(up_item) if r.state == LEASED]
@@ -439,10 +439,10 @@ class LinkRunner:
                                 "the downstream broker's trusted_swarms must pin the upstream swarm's broker public key "
                                 "(its keys/broker.pub) under the upstream's swarm_id; fix it, restart the downstream "
                                 "broker, then the relay")
-                    reason = p.FailReason.RELEASED
+                    reason = protocol.FailReason.RELEASED
                 else:
                     self.log.warning("downstream_refused_item", item=up_item, error=res.error, message=res.message[:300])
-                    reason = p.FailReason.HANDLER_ERROR
+                    reason = protocol.FailReason.HANDLER_ERROR
                 refused += [task_failure(r.up_item, r.token, reason, f"downstream {res.error}: {res.message}"[:500])
                             for r in rows]
                 continue
@@ -464,17 +464,17 @@ class LinkRunner:
         deliver it again before our ACK): report that result under the new tokens too,
         instead of waiting for a delivery that never comes while extending the lease."""
         done = next((r.report for r in self._rows_of(up_item)
-                     if r.state in (RESULTED, RETURNED) and isinstance(r.report, p.TaskResult)), None)
+                     if r.state in (RESULTED, RETURNED) and isinstance(r.report, protocol.TaskResult)), None)
         if done is None:
             return
         reports = [(dataclasses.replace(done, token=r.token), down_item) for r in rows]
         self.journal.store_results(self.name, reports)
         for (rep, _), r in zip(reports, rows):
             r.state, r.report = RESULTED, rep
-        self._send_up([rep for rep, _ in reports], p.Complete)
+        self._send_up([rep for rep, _ in reports], protocol.Complete)
 
-    async def _on_result(self, deliveries: list[p.Delivery]) -> None:
-        reports: list[tuple[p.TaskResult, str]] = []
+    async def _on_result(self, deliveries: list[protocol.Delivery]) -> None:
+        reports: list[tuple[protocol.TaskResult, str]] = []
         orphans: list[str] = []
         for d in deliveries:
             rows = [r for r in self._rows_of(d.key.rsplit(":", 1)[-1]) if r.state in (LEASED, SUBMITTED)]
@@ -494,7 +494,7 @@ class LinkRunner:
                     self.log.warning("result_copy_failed", item=d.item_id, error=str(exc)[:300])
                     continue  # not acknowledged: the downstream redelivers it
             for r in rows:
-                reports.append((p.TaskResult(r.up_item, r.token, result, d.handler, d.handler_version, 0.0,
+                reports.append((protocol.TaskResult(r.up_item, r.token, result, d.handler, d.handler_version, 0.0,
                                              d.proof, d.proof_sig), d.item_id))
         if reports:
             # each finished item frees a downstream worker slot: refill now instead of at the
@@ -505,13 +505,13 @@ class LinkRunner:
                 row = self.rows[(rep.item_id, rep.token)]
                 row.state, row.report, row.down_item = RESULTED, rep, down_item
             crash_point("relay.after_result_journaled")
-            self._send_up([rep for rep, _ in reports], p.Complete)
+            self._send_up([rep for rep, _ in reports], protocol.Complete)
             self._grant()
         if orphans:
             self.journal.count(self.name, "orphan_results", len(orphans))
             self.log.warning("orphan_results", items=orphans[:20])
-            self.down.send(p.Ack(orphans))
-        self.down.send(p.Credit(len(deliveries)))
+            self.down.send(protocol.Ack(orphans))
+        self.down.send(protocol.Credit(len(deliveries)))
 
     def _ack(self, down_items: set[str]) -> None:
         """ACK downstream the items whose every row the upstream has confirmed."""
@@ -519,7 +519,7 @@ class LinkRunner:
         if not done or not self._ready(self.down):
             return
         now = time.monotonic()
-        self.down.send(p.Ack(done))
+        self.down.send(protocol.Ack(done))
         for r in self.rows.values():
             if r.down_item in done:
                 self._sent[r.key] = now
@@ -540,28 +540,29 @@ class LinkRunner:
                 except OSError as exc:
                     self.log.warning("blob_delete_failed", sha256=sha, error=str(exc)[:200])
 
-    def _on_cancelled(self, items: list[p.ItemStatus]) -> None:
+    def _on_cancelled(self, items: list[protocol.ItemStatus]) -> None:
         """The downstream's answer to our CANCEL of copies given back after a partition: dead
         (cancelled) = never ran there; any other state = it ran or runs (its result, if any,
         comes back with no row: an orphan, acknowledged and discarded)."""
-        cancelled = [st.item_id for st in items if st.state == p.ItemState.DEAD.value and st.error == p.FailReason.CANCELLED.value]
+        cancelled = [st.item_id for st in items
+                     if st.state == protocol.ItemState.DEAD.value and st.error == protocol.FailReason.CANCELLED.value]
         self._cancel_down.difference_update(st.item_id for st in items)
         if cancelled:
             self.journal.count(self.name, "cancelled_down", len(cancelled))
         self.log.info("downstream_copies_cancelled", cancelled=len(cancelled), ran=len(items) - len(cancelled))
 
-    def _on_status(self, items: list[p.ItemStatus]) -> None:
-        failures: list[p.TaskFailure] = []
+    def _on_status(self, items: list[protocol.ItemStatus]) -> None:
+        failures: list[protocol.TaskFailure] = []
         for st in items:
             rows = [r for r in self.rows.values() if r.down_item == st.item_id and r.state == SUBMITTED]
-            if st.state == p.ItemState.DEAD.value:
+            if st.state == protocol.ItemState.DEAD.value:
                 failures += [task_failure(r.up_item, r.token, _reason(st.error),
                                            f"dead in the downstream swarm ({st.error})") for r in rows]
-            elif st.state == p.ItemState.EXPIRED.value:
-                failures += [task_failure(r.up_item, r.token, p.FailReason.HANDLER_ERROR,
+            elif st.state == protocol.ItemState.EXPIRED.value:
+                failures += [task_failure(r.up_item, r.token, protocol.FailReason.HANDLER_ERROR,
                                            "deadline expired in the downstream swarm") for r in rows]
             elif st.state == "unknown":
-                failures += [task_failure(r.up_item, r.token, p.FailReason.RELEASED,
+                failures += [task_failure(r.up_item, r.token, protocol.FailReason.RELEASED,
                                            "the downstream swarm no longer knows the item") for r in rows]
         if failures:
             self._fail(failures, "failed_down")
@@ -571,8 +572,8 @@ class LinkRunner:
         now = time.monotonic()
         due = [r for r in self.rows.values() if force or now - self._sent.get(r.key, 0.0) >= self.rcfg.resend_interval_s]
         self._submit([r for r in due if r.state == LEASED])
-        self._send_up([r.report for r in due if r.state == RESULTED and r.report is not None], p.Complete)
-        self._send_up([r.report for r in due if r.state == FAILING and r.report is not None], p.Fail)
+        self._send_up([r.report for r in due if r.state == RESULTED and r.report is not None], protocol.Complete)
+        self._send_up([r.report for r in due if r.state == FAILING and r.report is not None], protocol.Fail)
         self._ack({r.down_item for r in due if r.state == RETURNED})
 
     def _poll_status(self) -> None:
@@ -582,7 +583,7 @@ class LinkRunner:
         self._last_status = now
         ids = sorted({r.down_item for r in self.rows.values() if r.state == SUBMITTED and r.down_item})
         for chunk in self.budget.split(ids):
-            self.down.send(p.Status(self._next_req(), chunk))
+            self.down.send(protocol.Status(self._next_req(), chunk))
 
     def _downstream_outage(self) -> None:
         """The downstream is unreachable: give the leases we have not submitted back to
@@ -599,7 +600,7 @@ class LinkRunner:
         give_back = [r for r in self.rows.values() if r.state == LEASED and not r.lost]
         if give_back and self._ready(self.up):
             self.log.warning("downstream_unreachable_release", items=len(give_back))
-            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, "downstream unreachable")
+            self._fail([task_failure(r.up_item, r.token, protocol.FailReason.RELEASED, "downstream unreachable")
                         for r in give_back], "released")
         hold_s = self.rcfg.downstream_hold_max_s
         pinned = [r for r in self.rows.values() if r.state == SUBMITTED and not r.lost]
@@ -609,7 +610,7 @@ class LinkRunner:
             # cancelled once the downstream is reachable, unless it has started there
             self.log.warning("downstream_partition_release", items=len(pinned), unreachable_s=round(now - self._down_lost_mono, 1))
             self._cancel_down.update(r.down_item for r in pinned if r.down_item)
-            self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED,
+            self._fail([task_failure(r.up_item, r.token, protocol.FailReason.RELEASED,
                                      f"downstream unreachable for {hold_s:g} s (downstream_hold_max_s)") for r in pinned],
                        "partition_released")
 
@@ -634,14 +635,14 @@ class LinkRunner:
         why = f"{side} broker refused the relay ({refused.code}: {refused.message})"
         self.refused[side] = why
         self.log.error("link_refused", side=side, code=refused.code, endpoint=link.endpoint)
-        self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, p.Role.RELAY.value, refused))
+        self._break(f"{side}_refused", why[:300], refusal_fix(link.settings, protocol.Role.RELAY.value, refused))
         if side == "downstream":
             # nothing held here can run downstream any more: give every lease not yet back
             # to the upstream (released: no attempt counted) so its own workers run them; a
             # copy already running downstream comes back, when it does, as an orphan result
             back = [r for r in self.rows.values() if r.state in (LEASED, SUBMITTED) and not r.lost]
             if back and self._ready(self.up):
-                self._fail([task_failure(r.up_item, r.token, p.FailReason.RELEASED, why[:300]) for r in back], "released")
+                self._fail([task_failure(r.up_item, r.token, protocol.FailReason.RELEASED, why[:300]) for r in back], "released")
         if self.on_refused is not None:
             self.on_refused()
 

@@ -22,7 +22,7 @@ from typing import Any
 import tomli_w
 import zmq
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, write_authorized_keys, write_keypair
 
@@ -181,7 +181,7 @@ class ScriptedPeer:
             self.sock.close(linger=0)
             self.sock = None
 
-    def send(self, msg: p.Message) -> None:
+    def send(self, msg: protocol.Message) -> None:
         assert self.sock is not None
         self.sock.send_multipart(self.codec.encode(msg))
 
@@ -195,7 +195,7 @@ class ScriptedPeer:
             return None
         return self.codec.decode(self.sock.recv_multipart(), bound_sender="broker")
 
-    def recv_type(self, cls: type, timeout_s: float = 5.0, *, skip: tuple[type, ...] = (p.Heartbeat,)) -> Any:
+    def recv_type(self, cls: type, timeout_s: float = 5.0, *, skip: tuple[type, ...] = (protocol.Heartbeat,)) -> Any:
         """Next message of type ``cls`` (skipping heartbeats and other types); TimeoutError if none."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -210,29 +210,29 @@ class ScriptedPeer:
             if isinstance(env.message, skip):
                 continue
 
-    def hello(self, role: str, **kw: Any) -> p.Welcome:
+    def hello(self, role: str, **kw: Any) -> protocol.Welcome:
         # one peer object is one process: its reconnects replace its own live session
         # (a HELLO of another instance would be refused ID_IN_USE while that one is live)
-        kw["info"] = {p.INSTANCE_INFO: f"harness/{self.peer_id}/{id(self):x}", **kw.get("info", {})}
-        self.send(p.Hello(role=role, **kw))
-        return self.recv_type(p.Welcome)
+        kw["info"] = {protocol.INSTANCE_INFO: f"harness/{self.peer_id}/{id(self):x}", **kw.get("info", {})}
+        self.send(protocol.Hello(role=role, **kw))
+        return self.recv_type(protocol.Welcome)
 
-    def heartbeat(self, leases: list[p.LeaseRef] | None = None, **kw: Any) -> None:
-        self.send(p.Heartbeat(leases=leases or [], **kw))
+    def heartbeat(self, leases: list[protocol.LeaseRef] | None = None, **kw: Any) -> None:
+        self.send(protocol.Heartbeat(leases=leases or [], **kw))
 
-    def submit(self, items: list[p.SubmitItem], timeout_s: float = 5.0) -> list[p.SubmitResult]:
+    def submit(self, items: list[protocol.SubmitItem], timeout_s: float = 5.0) -> list[protocol.SubmitResult]:
         req = self.next_req()
-        self.send(p.Submit(req, items))
+        self.send(protocol.Submit(req, items))
         while True:
-            ack = self.recv_type(p.SubmitAck, timeout_s)
+            ack = self.recv_type(protocol.SubmitAck, timeout_s)
             if ack.req == req:
                 return ack.results
 
-    def status(self, item_ids: list[str], timeout_s: float = 5.0) -> list[p.ItemStatus]:
+    def status(self, item_ids: list[str], timeout_s: float = 5.0) -> list[protocol.ItemStatus]:
         req = self.next_req()
-        self.send(p.Status(req, item_ids))
+        self.send(protocol.Status(req, item_ids))
         while True:
-            reply = self.recv_type(p.StatusReply, timeout_s)
+            reply = self.recv_type(protocol.StatusReply, timeout_s)
             if reply.req == req:
                 return reply.items
 
@@ -244,6 +244,6 @@ class ScriptedPeer:
         import msgpack
 
         req = self.next_req()
-        self.send(p.Admin(req, "status"))
-        reply = self.recv_type(p.AdminReply, timeout_s)
+        self.send(protocol.Admin(req, "status"))
+        reply = self.recv_type(protocol.AdminReply, timeout_s)
         return msgpack.unpackb(reply.body, raw=False)

@@ -22,7 +22,8 @@ class FedPair:
         self.net = net  # tests.netns.NetNs: each swarm and the relay in its own network namespace
         hosts = {h: dict(host=net.HOSTS[h], wrap=net.wrap(h)) if net else {} for h in ("a", "b")}
         self.a = Swarm(root / "a", workers=a_workers, broker=broker, producer=producer, handler=handler, worker=worker, **hosts["a"])
-        self.b = Swarm(root / "b", workers=b_workers, broker={**(broker or {}), **(b_broker or {})}, producer=producer, handler=handler, worker=worker, **hosts["b"])
+        self.b = Swarm(root / "b", workers=b_workers, broker={**(broker or {}), **(b_broker or {})}, producer=producer, handler=handler,
+                       worker=worker, **hosts["b"])
         self.relay_dir = root / "relay"
         links = [(root / "a", root / "b")] + ([(root / "b", root / "a")] if both_ways else [])
         self.relay_cfg = init_relay(self.relay_dir, links, kinds=list(kinds),
@@ -47,7 +48,7 @@ class FedPair:
         return proc
 
     def report(self) -> dict[str, Any]:
-        from ccsq.relayd.report import load_federation_report
+        from ccsq.relayd.federation_report import load_federation_report
 
         return load_federation_report(self.relay_cfg)
 

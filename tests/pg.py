@@ -36,7 +36,8 @@ def find_pg_bin() -> Path | None:
     """Directory holding ``pg_ctl``, ``initdb`` and ``postgres``, or None."""
     on_path = shutil.which("pg_ctl")
     candidates = [Path(on_path).resolve().parent] if on_path else []
-    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(Path(d).parent.name) if Path(d).parent.name.isdigit() else 0)
+    versions = sorted(glob.glob("/usr/lib/postgresql/*/bin"),
+                      key=lambda d: int(Path(d).parent.name) if Path(d).parent.name.isdigit() else 0)
     candidates += [Path(d) for d in reversed(versions)]
     for d in candidates:
         if all((d / exe).exists() for exe in ("pg_ctl", "initdb", "postgres")):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
@@ -40,10 +40,10 @@ def make_pki(root: Path, peers: dict[str, str]) -> Path:
 @dataclasses.dataclass
 class _Peer:
     peer_id: str
-    role: p.Role
+    role: protocol.Role
     session: int
     credit: int = 0
-    in_flight: dict[str, p.Delivery] = dataclasses.field(default_factory=dict)
+    in_flight: dict[str, protocol.Delivery] = dataclasses.field(default_factory=dict)
 
 
 class ScriptedBroker:
@@ -67,7 +67,7 @@ class ScriptedBroker:
         self._silent_seen = threading.Event()
         # --- recorded state ---
         self.item_by_key: dict[str, str] = {}
-        self.items: dict[str, p.SubmitItem] = {}  # item_id -> item
+        self.items: dict[str, protocol.SubmitItem] = {}  # item_id -> item
         self.state: dict[str, str] = {}  # item_id -> ItemState value
         self.submit_frames = 0
         self.submitted_keys: list[str] = []  # every key received, duplicates included
@@ -76,14 +76,14 @@ class ScriptedBroker:
         self.acks: list[tuple[float, list[str]]] = []  # (monotonic time, item ids) per ACK frame
         self.ack_count: dict[str, int] = {}
         self.quarantined: dict[str, str] = {}  # item id -> error, from ACK.quarantined
-        self.deliveries: list[p.Delivery] = []  # every delivery sent (redeliveries included)
+        self.deliveries: list[protocol.Delivery] = []  # every delivery sent (redeliveries included)
         self.max_in_flight = 0  # most unacknowledged deliveries a completion peer held at once
         self.errors: list[str] = []
         self.byes: list[str] = []  # peer ids that said BYE
         # --- internals ---
-        self._ready: list[p.Delivery] = []
+        self._ready: list[protocol.Delivery] = []
         self._peers: dict[bytes, _Peer] = {}
-        self._delayed: list[tuple[float, bytes, p.Message]] = []
+        self._delayed: list[tuple[float, bytes, protocol.Message]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context()
@@ -130,10 +130,10 @@ class ScriptedBroker:
         with self.lock:
             return len(self.acks)
 
-    def add_completed(self, delivery: p.Delivery) -> None:
+    def add_completed(self, delivery: protocol.Delivery) -> None:
         """Queue a completed result for the completion peer."""
         with self.lock:
-            self.state[delivery.item_id] = p.ItemState.COMPLETED.value
+            self.state[delivery.item_id] = protocol.ItemState.COMPLETED.value
             self._ready.append(delivery)
 
     # --- the loop ---
@@ -163,11 +163,11 @@ class ScriptedBroker:
                 if now >= next_hb:
                     next_hb = now + self.heartbeat_interval_s
                     for ident in list(self._peers):
-                        self._send(sock, ident, p.Heartbeat())
+                        self._send(sock, ident, protocol.Heartbeat())
         finally:
             sock.close(linger=0)
 
-    def _send(self, sock: zmq.Socket, ident: bytes, msg: p.Message) -> None:
+    def _send(self, sock: zmq.Socket, ident: bytes, msg: protocol.Message) -> None:
         try:
             sock.send_multipart([ident, *self.codec.encode(msg)])
         except zmq.ZMQError as exc:  # unroutable: the peer is gone, its results go back to ready
@@ -185,27 +185,27 @@ class ScriptedBroker:
             self.errors.append(f"{exc.code}: {exc}")
             return
         msg = env.message
-        if isinstance(msg, p.Hello):
+        if isinstance(msg, protocol.Hello):
             self._on_hello(sock, ident, env.sender, env.role, env.session, msg)
         elif peer is None or peer.session != env.session:
             return
-        elif isinstance(msg, p.Submit):
+        elif isinstance(msg, protocol.Submit):
             self._on_submit(sock, ident, msg)
-        elif isinstance(msg, p.Status):
+        elif isinstance(msg, protocol.Status):
             with self.lock:
-                items = [p.ItemStatus(item_id=i, state=self.state.get(i, "unknown")) for i in msg.item_ids]
-            self._send(sock, ident, p.StatusReply(req=msg.req, items=items))
-        elif isinstance(msg, p.Credit):
+                items = [protocol.ItemStatus(item_id=i, state=self.state.get(i, "unknown")) for i in msg.item_ids]
+            self._send(sock, ident, protocol.StatusReply(req=msg.req, items=items))
+        elif isinstance(msg, protocol.Credit):
             peer.credit += msg.credit
-        elif isinstance(msg, p.Ack):
+        elif isinstance(msg, protocol.Ack):
             self._on_ack(sock, ident, peer, msg)
-        elif isinstance(msg, p.Bye):
+        elif isinstance(msg, protocol.Bye):
             with self.lock:
                 self.byes.append(peer.peer_id)
             self._requeue(peer)
             self._peers.pop(ident, None)
 
-    def _on_hello(self, sock, ident, sender, role, session, msg: p.Hello) -> None:
+    def _on_hello(self, sock, ident, sender, role, session, msg: protocol.Hello) -> None:
         for other_ident, other in list(self._peers.items()):
             if other.peer_id == sender:
                 self._requeue(other)
@@ -213,17 +213,17 @@ class ScriptedBroker:
         self._peers[ident] = _Peer(sender, role, session, credit=msg.credit)
         with self.lock:
             self.hellos.append((sender, role.value))
-        self._send(sock, ident, p.Welcome(heartbeat_interval_s=self.heartbeat_interval_s, liveness=self.liveness,
+        self._send(sock, ident, protocol.Welcome(heartbeat_interval_s=self.heartbeat_interval_s, liveness=self.liveness,
                                           broker_epoch=1))
 
     def _requeue(self, peer: _Peer) -> None:
         with self.lock:
             for d in peer.in_flight.values():
-                if self.state.get(d.item_id) == p.ItemState.COMPLETED.value:
+                if self.state.get(d.item_id) == protocol.ItemState.COMPLETED.value:
                     self._ready.append(dataclasses.replace(d, redelivery=True))
             peer.in_flight.clear()
 
-    def _on_submit(self, sock, ident, msg: p.Submit) -> None:
+    def _on_submit(self, sock, ident, msg: protocol.Submit) -> None:
         with self.lock:
             self.submit_frames += 1
             if self.drop_submit_frames > 0:
@@ -231,9 +231,9 @@ class ScriptedBroker:
                 return
             if self.queue_full_frames > 0:
                 self.queue_full_frames -= 1
-                results = [p.SubmitResult(key=it.key, item_id="", error="QUEUE_FULL", message="scripted: full")
+                results = [protocol.SubmitResult(key=it.key, item_id="", error="QUEUE_FULL", message="scripted: full")
                            for it in msg.items]
-                reply = p.SubmitAck(req=msg.req, results=results)
+                reply = protocol.SubmitAck(req=msg.req, results=results)
             else:
                 results = []
                 for it in msg.items:
@@ -245,43 +245,43 @@ class ScriptedBroker:
                         item_id = f"i{len(self.items) + 1:06d}"
                         self.item_by_key[it.key] = item_id
                         self.items[item_id] = it
-                        self.state[item_id] = p.ItemState.READY.value
+                        self.state[item_id] = protocol.ItemState.READY.value
                         if self.auto_complete:
-                            self.state[item_id] = p.ItemState.COMPLETED.value
-                            self._ready.append(p.Delivery(
+                            self.state[item_id] = protocol.ItemState.COMPLETED.value
+                            self._ready.append(protocol.Delivery(
                                 item_id=item_id, key=it.key, kind=it.kind, result=it.payload, params=it.params,
                                 attempt=1, handler="echo", handler_version="test", completed_ts=time.time()))
-                    results.append(p.SubmitResult(key=it.key, item_id=self.item_by_key[it.key], duplicate=dup))
-                reply = p.SubmitAck(req=msg.req, results=results)
+                    results.append(protocol.SubmitResult(key=it.key, item_id=self.item_by_key[it.key], duplicate=dup))
+                reply = protocol.SubmitAck(req=msg.req, results=results)
             if self.submit_delay_s:
                 self._delayed.append((time.monotonic() + self.submit_delay_s, ident, reply))
                 return
         self._send(sock, ident, reply)
 
-    def _on_ack(self, sock, ident, peer: _Peer, msg: p.Ack) -> None:
+    def _on_ack(self, sock, ident, peer: _Peer, msg: protocol.Ack) -> None:
         known, unknown = [], []
         with self.lock:
             self.acks.append((time.monotonic(), list(msg.item_ids)))
             self.quarantined.update({q.item_id: q.error for q in msg.quarantined})
             for i in msg.item_ids:
                 self.ack_count[i] = self.ack_count.get(i, 0) + 1
-                if self.state.get(i) == p.ItemState.COMPLETED.value:
-                    self.state[i] = p.ItemState.ACKNOWLEDGED.value
+                if self.state.get(i) == protocol.ItemState.COMPLETED.value:
+                    self.state[i] = protocol.ItemState.ACKNOWLEDGED.value
                     known.append(i)
                 else:
                     unknown.append(i)
                 peer.in_flight.pop(i, None)
-        self._send(sock, ident, p.AckOk(item_ids=known, unknown=unknown))
+        self._send(sock, ident, protocol.AckOk(item_ids=known, unknown=unknown))
 
     def _deliver(self, sock) -> None:
         for ident, peer in list(self._peers.items()):
-            if peer.role is not p.Role.COMPLETION or peer.credit <= 0:
+            if peer.role is not protocol.Role.COMPLETION or peer.credit <= 0:
                 continue
             with self.lock:
                 batch = []
                 while self._ready and len(batch) < min(peer.credit, 256):
                     d = self._ready.pop(0)
-                    if self.state.get(d.item_id) != p.ItemState.COMPLETED.value:
+                    if self.state.get(d.item_id) != protocol.ItemState.COMPLETED.value:
                         continue  # acknowledged meanwhile
                     batch.append(d)
                 for d in batch:
@@ -290,7 +290,7 @@ class ScriptedBroker:
                 self.max_in_flight = max(self.max_in_flight, len(peer.in_flight))
             if batch:
                 peer.credit -= len(batch)
-                self._send(sock, ident, p.Result(deliveries=batch))
+                self._send(sock, ident, protocol.Result(deliveries=batch))
 
 
 def write_config(root: Path, name: str, peer_id: str, endpoint: str, **extra: object) -> Path:

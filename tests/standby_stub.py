@@ -16,7 +16,7 @@ from pathlib import Path
 
 import zmq
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
@@ -80,14 +80,14 @@ class StandbyStub:
                     with self.lock:
                         self.errors.append(f"{exc.code}: {exc}")
                     continue
-                if not isinstance(env.message, p.Hello):
+                if not isinstance(env.message, protocol.Hello):
                     continue  # a standby serves no session: anything else is dropped
                 with self.lock:
                     primary = self.primaries[min(len(self.hellos), len(self.primaries) - 1)]
                     self.hellos.append((time.monotonic(), env.sender, primary))
                 sentence = ("this broker is a standby; the primary is at " + primary) if primary else \
                     "this broker is a standby; no primary holds the swarm's key (an election is on)"
-                sock.send_multipart([routing_id, *self.codec.encode(p.Error(p.REJECT_NOT_PRIMARY, sentence, env.seq,
+                sock.send_multipart([routing_id, *self.codec.encode(protocol.Error(protocol.REJECT_NOT_PRIMARY, sentence, env.seq,
                                                                                primary=primary))])
         finally:
             sock.close(linger=0)

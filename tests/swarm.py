@@ -69,7 +69,7 @@ class Swarm:
 
     # --- observations ---
     def report(self) -> dict[str, Any]:
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         return load_report(str(self.root / "broker-data"))
 

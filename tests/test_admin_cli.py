@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ccsq.brokerd.admin import LEDGER_STATUS_KEYS
-from ccsq.brokerd.report import iter_blob_refs
+from ccsq.brokerd.gap_report import iter_blob_refs
 from ccsq.tools import cli
 from ccsq.common.storage.claimstore import open_store
 from ccsq.common.wire.errors import ExitCode

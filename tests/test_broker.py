@@ -21,9 +21,9 @@ import msgpack
 import pytest
 import tomli_w
 
-from ccsq.brokerd.report import load_report, render_text
+from ccsq.brokerd.gap_report import load_report, render_text
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.runtime.faults import env_for
 
@@ -36,16 +36,16 @@ PEERS = {
 }
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
-def item(key: str, kind: str = "echo", data: bytes | None = None, **kw) -> p.SubmitItem:
-    return p.SubmitItem(key, kind, blob(data if data is not None else key.encode()), **kw)
+def item(key: str, kind: str = "echo", data: bytes | None = None, **kw) -> protocol.SubmitItem:
+    return protocol.SubmitItem(key, kind, blob(data if data is not None else key.encode()), **kw)
 
 
-def result_of(t: p.Task, data: bytes = b"result") -> p.TaskResult:
-    return p.TaskResult(t.item_id, t.token, blob(data), "echo", "1", 0.01)
+def result_of(t: protocol.Task, data: bytes = b"result") -> protocol.TaskResult:
+    return protocol.TaskResult(t.item_id, t.token, blob(data), "echo", "1", 0.01)
 
 
 class Harness:
@@ -91,11 +91,11 @@ def h(tmp_path):
     harness.close()
 
 
-def recv_tasks(w: ScriptedPeer, n: int, timeout_s: float = 10.0) -> list[p.Task]:
-    tasks: list[p.Task] = []
+def recv_tasks(w: ScriptedPeer, n: int, timeout_s: float = 10.0) -> list[protocol.Task]:
+    tasks: list[protocol.Task] = []
     deadline = time.monotonic() + timeout_s
     while len(tasks) < n:
-        tasks += w.recv_type(p.Dispatch, max(0.01, deadline - time.monotonic())).tasks
+        tasks += w.recv_type(protocol.Dispatch, max(0.01, deadline - time.monotonic())).tasks
     return tasks
 
 
@@ -119,32 +119,33 @@ def test_late_completion_is_fenced_and_result_delivered_once(h):
     assert (tb.item_id, tb.attempt) == (ta.item_id, 2) and tb.token > ta.token
 
     a.connect()
-    welcome = a.hello("worker", slots=1, credit=0, leases=[p.LeaseRef(ta.item_id, ta.token)])
-    assert welcome.released == [p.LeaseRef(ta.item_id, ta.token)] and welcome.resumed == []
-    a.send(p.Complete([result_of(ta, b"from A")]))
-    assert a.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(ta.item_id, ta.token, "fenced")]
-    wb.send(p.Complete([result_of(tb, b"from B")]))
-    assert wb.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
-    wb.send(p.Complete([result_of(tb, b"from B")]))  # replay: idempotent
-    assert wb.recv_type(p.CompleteAck).outcomes[0].outcome == "duplicate"
+    welcome = a.hello("worker", slots=1, credit=0, leases=[protocol.LeaseRef(ta.item_id, ta.token)])
+    assert welcome.released == [protocol.LeaseRef(ta.item_id, ta.token)] and welcome.resumed == []
+    a.send(protocol.Complete([result_of(ta, b"from A")]))
+    assert a.recv_type(protocol.CompleteAck).outcomes == [protocol.ItemOutcome(ta.item_id, ta.token, "fenced")]
+    wb.send(protocol.Complete([result_of(tb, b"from B")]))
+    assert wb.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
+    wb.send(protocol.Complete([result_of(tb, b"from B")]))  # replay: idempotent
+    assert wb.recv_type(protocol.CompleteAck).outcomes[0].outcome == "duplicate"
 
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=10)
-    (d,) = comp.recv_type(p.Result).deliveries
+    (d,) = comp.recv_type(protocol.Result).deliveries
     assert (d.item_id, d.result, d.attempt, d.redelivery) == (r.item_id, blob(b"from B"), 2, False)
-    comp.send(p.Ack([d.item_id]))
-    assert comp.recv_type(p.AckOk).item_ids == [d.item_id]
+    comp.send(protocol.Ack([d.item_id]))
+    assert comp.recv_type(protocol.AckOk).item_ids == [d.item_id]
     with pytest.raises(TimeoutError):
-        comp.recv_type(p.Result, 0.5)
+        comp.recv_type(protocol.Result, 0.5)
     rep = h.report()
-    assert (rep["counters"]["completed"], rep["counters"]["acknowledged"], rep["counters"]["fenced_completions"], rep["counters"]["retried"]) == (1, 1, 1, 1)
+    counts = rep["counters"]
+    assert (counts["completed"], counts["acknowledged"], counts["fenced_completions"], counts["retried"]) == (1, 1, 1, 1)
     windows = {w["id"]: w for w in rep["windows"]}
     assert windows["G4"]["count"] == 1 and windows["G4"]["recent"][0]["item_id"] == r.item_id
     assert windows["G2"]["count"] == 1
     assert rep["balanced"] and "BALANCED" in render_text(rep)
 
 
-def _lease_twice(h, b, *, expire_second: bool) -> tuple[ScriptedPeer, ScriptedPeer, p.SubmitResult, p.Task, p.Task]:
+def _lease_twice(h, b, *, expire_second: bool) -> tuple[ScriptedPeer, ScriptedPeer, protocol.SubmitResult, protocol.Task, protocol.Task]:
     """One item leased to wA, its lease left to expire (wA stays connected, silent about
     it), then wA heartbeats without it (a silent peer gets no DISPATCH until it speaks
     again) and the item is leased to wA again; ``expire_second``: that lease expires too
@@ -171,15 +172,16 @@ def test_a_stale_fail_from_the_same_worker_is_fenced_by_the_broker(h):
     killed nor dead-lettered, and wA's COMPLETE with the new token is accepted."""
     b = h.start(lease_ttl_s=0.5)
     prod, wa, r, t1, t2 = _lease_twice(h, b, expire_second=False)
-    wa.heartbeat([p.LeaseRef(t2.item_id, t2.token)])
-    wa.send(p.Fail([p.TaskFailure(t1.item_id, t1.token, "fatal", False, "late report of attempt 1")]))
-    assert wa.recv_type(p.FailAck).outcomes == [p.ItemOutcome(t1.item_id, t1.token, "fenced")]
+    wa.heartbeat([protocol.LeaseRef(t2.item_id, t2.token)])
+    wa.send(protocol.Fail([protocol.TaskFailure(t1.item_id, t1.token, "fatal", False, "late report of attempt 1")]))
+    assert wa.recv_type(protocol.FailAck).outcomes == [protocol.ItemOutcome(t1.item_id, t1.token, "fenced")]
     st = prod.status([r.item_id])[0]
     assert (st.state, st.attempt, st.error) == ("leased", 2, "")
-    wa.send(p.Complete([result_of(t2, b"attempt 2")]))
-    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t2.item_id, t2.token, "accepted")]
+    wa.send(protocol.Complete([result_of(t2, b"attempt 2")]))
+    assert wa.recv_type(protocol.CompleteAck).outcomes == [protocol.ItemOutcome(t2.item_id, t2.token, "accepted")]
     rep = h.report()
-    assert (rep["counters"]["completed"], rep["counters"]["dead"], rep["counters"]["failed"], rep["counters"]["fenced_failures"]) == (1, 0, 0, 1)
+    counts = rep["counters"]
+    assert (counts["completed"], counts["dead"], counts["failed"], counts["fenced_failures"]) == (1, 0, 0, 1)
     assert rep["balanced"]
 
 
@@ -189,14 +191,14 @@ def test_a_late_complete_with_an_older_token_is_fenced_by_the_broker(h):
     COMPLETE with the second token is the late result accepted (G8) and delivered."""
     b = h.start(lease_ttl_s=0.5)
     prod, wa, r, t1, t2 = _lease_twice(h, b, expire_second=True)
-    wa.send(p.Complete([result_of(t1, b"attempt 1")]))
-    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t1.item_id, t1.token, "fenced")]
+    wa.send(protocol.Complete([result_of(t1, b"attempt 1")]))
+    assert wa.recv_type(protocol.CompleteAck).outcomes == [protocol.ItemOutcome(t1.item_id, t1.token, "fenced")]
     assert prod.status([r.item_id])[0].state == "ready"
-    wa.send(p.Complete([result_of(t2, b"attempt 2")]))
-    assert wa.recv_type(p.CompleteAck).outcomes == [p.ItemOutcome(t2.item_id, t2.token, "accepted")]
+    wa.send(protocol.Complete([result_of(t2, b"attempt 2")]))
+    assert wa.recv_type(protocol.CompleteAck).outcomes == [protocol.ItemOutcome(t2.item_id, t2.token, "accepted")]
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=10)
-    (d,) = comp.recv_type(p.Result).deliveries
+    (d,) = comp.recv_type(protocol.Result).deliveries
     assert (d.item_id, d.result, d.attempt) == (r.item_id, blob(b"attempt 2"), 2)
     rep = h.report()
     assert (rep["counters"]["completed"], rep["counters"]["fenced_completions"], rep["counters"]["late_results_accepted"]) == (1, 1, 1)
@@ -219,8 +221,8 @@ def test_poison_job_dead_lettered_attempts_survive_restart(h):
     wb = h.peer("wB", b.endpoint)
     wb.hello("worker", slots=4, credit=20, kinds=["echo"])
     tasks = recv_tasks(wb, 20)
-    wb.send(p.Complete([result_of(t) for t in tasks]))
-    assert {o.outcome for o in wb.recv_type(p.CompleteAck).outcomes} == {"accepted"}
+    wb.send(protocol.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in wb.recv_type(protocol.CompleteAck).outcomes} == {"accepted"}
 
     k = h.peer("wA", b.endpoint)
     attempts = []
@@ -269,13 +271,13 @@ def test_ledger_full_refuses_submit_then_recovers(h):
     assert {r.error for r in refused} == {"QUEUE_FULL"} and all(r.item_id == "" for r in refused)
     assert b.proc.poll() is None
     tasks = recv_tasks(w, 4)
-    w.send(p.Complete([result_of(t) for t in tasks]))
-    assert {o.outcome for o in w.recv_type(p.CompleteAck).outcomes} == {"accepted"}
+    w.send(protocol.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in w.recv_type(protocol.CompleteAck).outcomes} == {"accepted"}
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=10)
-    ids = [d.item_id for d in comp.recv_type(p.Result).deliveries]
-    comp.send(p.Ack(ids))
-    assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(t.item_id for t in tasks)
+    ids = [d.item_id for d in comp.recv_type(protocol.Result).deliveries]
+    comp.send(protocol.Ack(ids))
+    assert sorted(comp.recv_type(protocol.AckOk).item_ids) == sorted(t.item_id for t in tasks)
 
     def submit_ok():
         (r,) = prod.submit([item(f"again-{time.monotonic()}", data=b"small")])
@@ -312,8 +314,8 @@ def test_ledger_full_inline_results_of_accepted_work_still_land_and_ack(h):
     tasks = recv_tasks(w, len(accepted), timeout_s=30)
     for i in range(0, len(tasks), 8):
         chunk = tasks[i:i + 8]
-        w.send(p.Complete([result_of(t, os.urandom(12_000)) for t in chunk]))
-        ack = w.recv_type(p.CompleteAck, timeout_s=10)  # TimeoutError: dropped (ledger full)
+        w.send(protocol.Complete([result_of(t, os.urandom(12_000)) for t in chunk]))
+        ack = w.recv_type(protocol.CompleteAck, timeout_s=10)  # TimeoutError: dropped (ledger full)
         assert {o.outcome for o in ack.outcomes} == {"accepted"}
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=len(accepted))
@@ -321,9 +323,9 @@ def test_ledger_full_inline_results_of_accepted_work_still_land_and_ack(h):
     deadline = time.monotonic() + 30
     while len(acked) < len(accepted) and time.monotonic() < deadline:
         env = comp.recv(timeout_s=1)  # RESULT and ACK_OK frames interleave: take both kinds
-        if env is not None and isinstance(env.message, p.Result):
-            comp.send(p.Ack([d.item_id for d in env.message.deliveries]))
-        elif env is not None and isinstance(env.message, p.AckOk):
+        if env is not None and isinstance(env.message, protocol.Result):
+            comp.send(protocol.Ack([d.item_id for d in env.message.deliveries]))
+        elif env is not None and isinstance(env.message, protocol.AckOk):
             acked |= set(env.message.item_ids)
     assert acked == {r.item_id for r in accepted}
     assert not b.events("ledger_full_batch_dropped")
@@ -342,23 +344,23 @@ def test_ledger_full_at_max_size_still_commits_acks_and_says_how_to_fix(h):
     w = h.peer("wA", b.endpoint)
     w.hello("worker", slots=6, credit=6)
     tasks = recv_tasks(w, 6)
-    w.send(p.Complete([result_of(tasks[0])]))
-    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    w.send(protocol.Complete([result_of(tasks[0])]))
+    assert w.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=1)
-    (first,) = comp.recv_type(p.Result).deliveries
+    (first,) = comp.recv_type(protocol.Result).deliveries
     for t in tasks[1:]:  # 300 KB inline each: the map (1 MiB, no growth) runs out
-        w.send(p.Complete([result_of(t, os.urandom(300_000))]))
+        w.send(protocol.Complete([result_of(t, os.urandom(300_000))]))
         try:
-            w.recv_type(p.CompleteAck, timeout_s=3)
+            w.recv_type(protocol.CompleteAck, timeout_s=3)
         except TimeoutError:
             break
     else:
         pytest.fail("the map never filled")
     wait_for(lambda: b.events("ledger_full_batch_dropped"), 10, what="ledger_full_batch_dropped logged")
     assert "max_map_size_bytes" in b.events("ledger_full_batch_dropped")[0]["advice"]
-    comp.send(p.Ack([first.item_id]))
-    assert comp.recv_type(p.AckOk, timeout_s=10).item_ids == [first.item_id]
+    comp.send(protocol.Ack([first.item_id]))
+    assert comp.recv_type(protocol.AckOk, timeout_s=10).item_ids == [first.item_id]
     adm = h.peer("adm", b.endpoint)
     adm.hello("admin")
     led = adm.admin_status()["ledger"]
@@ -383,17 +385,17 @@ def test_ledger_full_at_max_size_purges_acknowledged_items_and_goes_on(h):
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=100)
     for t in tasks[:2]:  # two 300 KB results, delivered and acknowledged
-        w.send(p.Complete([result_of(t, os.urandom(300_000))]))
-        assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
-        (d,) = comp.recv_type(p.Result).deliveries
-        comp.send(p.Ack([d.item_id]))
-        assert comp.recv_type(p.AckOk).item_ids == [d.item_id]
+        w.send(protocol.Complete([result_of(t, os.urandom(300_000))]))
+        assert w.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
+        (d,) = comp.recv_type(protocol.Result).deliveries
+        comp.send(protocol.Ack([d.item_id]))
+        assert comp.recv_type(protocol.AckOk).item_ids == [d.item_id]
     stuck = None
     for t in tasks[2:]:  # 300 KB more each: the map (1 MiB, no growth) runs out
         res = result_of(t, os.urandom(300_000))
-        w.send(p.Complete([res]))
+        w.send(protocol.Complete([res]))
         try:
-            w.recv_type(p.CompleteAck, timeout_s=3)
+            w.recv_type(protocol.CompleteAck, timeout_s=3)
         except TimeoutError:
             stuck = res
             break
@@ -402,9 +404,9 @@ def test_ledger_full_at_max_size_purges_acknowledged_items_and_goes_on(h):
     wait_for(lambda: b.events("ledger_full_batch_dropped"), 10, what="ledger_full_batch_dropped logged")
 
     def resent_fits():
-        w.send(p.Complete([stuck]))
+        w.send(protocol.Complete([stuck]))
         try:
-            return w.recv_type(p.CompleteAck, timeout_s=1).outcomes[0].outcome == "accepted"
+            return w.recv_type(protocol.CompleteAck, timeout_s=1).outcomes[0].outcome == "accepted"
         except TimeoutError:
             return False
 
@@ -433,7 +435,7 @@ def test_full_producer_channel_delays_never_drops(h, ipc_dir):
     adm = h.peer("adm", b.endpoint)
     adm.hello("admin")
     for req in range(1, 51):
-        prod.send(p.Submit(req, [item(f"r{req}-{i}-" + "k" * 100) for i in range(200)]))
+        prod.send(protocol.Submit(req, [item(f"r{req}-{i}-" + "k" * 100) for i in range(200)]))
 
     def parked():
         st = adm.admin_status()
@@ -444,7 +446,7 @@ def test_full_producer_channel_delays_never_drops(h, ipc_dir):
     assert st["send"]["again"] > 0
     acks = {}
     while len(acks) < 50:  # the producer resumes reading
-        ack = prod.recv_type(p.SubmitAck, 10)
+        ack = prod.recv_type(protocol.SubmitAck, 10)
         acks[ack.req] = ack
     assert sorted(acks) == list(range(1, 51))
     assert all(r.item_id and not r.error for a in acks.values() for r in a.results)
@@ -459,20 +461,21 @@ STOPPED_PRODUCER = r"""
 import hashlib, json, sys
 from pathlib import Path
 from tests.broker_harness import ScriptedPeer
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 root, endpoint, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 peer = ScriptedPeer(root, "prod", endpoint, rcvhwm=2)
 peer.hello("producer")
 for req in range(1, 51):
     keys = [f"r{req}-{i}-" + "k" * 100 for i in range(200)]
-    peer.send(p.Submit(req, [p.SubmitItem(k, "echo", p.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
-                             for k in keys]))
+    peer.send(protocol.Submit(req, [protocol.SubmitItem(k, "echo",
+                                                        protocol.Blob(hashlib.sha256(k.encode()).hexdigest(), len(k), k.encode()))
+                                    for k in keys]))
 print("sent", flush=True)
 sys.stdin.readline()
 acks = {}
 while len(acks) < 50:
-    ack = peer.recv_type(p.SubmitAck, 30)
+    ack = peer.recv_type(protocol.SubmitAck, 30)
     acks[ack.req] = sum(1 for r in ack.results if r.item_id and not r.error)
 out.write_text(json.dumps(acks))
 """
@@ -540,18 +543,18 @@ def test_dispatch_to_departed_worker_goes_back_to_ready(h, ipc_dir):
     gone.close()  # the worker departs with DISPATCHes still queued for it
     live = h.peer("wB", b.endpoint)
     live.hello("worker", slots=1, credit=40)
-    tasks: list[p.Task] = []  # wB heartbeats its leases as a worker does (lease_ttl_s is 1 s)
+    tasks: list[protocol.Task] = []  # wB heartbeats its leases as a worker does (lease_ttl_s is 1 s)
     deadline = time.monotonic() + 20
     while len(tasks) < 40 and time.monotonic() < deadline:
-        live.heartbeat(leases=[p.LeaseRef(t.item_id, t.token) for t in tasks])
+        live.heartbeat(leases=[protocol.LeaseRef(t.item_id, t.token) for t in tasks])
         try:
-            tasks += live.recv_type(p.Dispatch, 0.2).tasks
+            tasks += live.recv_type(protocol.Dispatch, 0.2).tasks
         except TimeoutError:
             pass
     assert sorted(t.item_id for t in tasks) == sorted(r.item_id for r in res)
     assert any(t.attempt == 1 for t in tasks)  # released, never sent: no attempt counted
-    live.send(p.Complete([result_of(t) for t in tasks]))
-    assert {o.outcome for o in live.recv_type(p.CompleteAck, 10).outcomes} == {"accepted"}
+    live.send(protocol.Complete([result_of(t) for t in tasks]))
+    assert {o.outcome for o in live.recv_type(protocol.CompleteAck, 10).outcomes} == {"accepted"}
     st = adm.admin_status()
     assert st["counters"]["released"] > 0 and st["counters"]["completed"] == 40 and st["balanced"]
     assert "wA" not in {x["peer_id"] for x in st["peers"]}
@@ -584,16 +587,16 @@ def test_a_burst_over_the_turn_budget_is_carried_in_order(h):
         return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("ccsq_turn_seconds_count")))
 
     frames = 40
-    encoded = [prod.codec.encode(p.Submit(req, [item(f"burst-{req}-{i}") for i in range(200)]))
+    encoded = [prod.codec.encode(protocol.Submit(req, [item(f"burst-{req}-{i}") for i in range(200)]))
                for req in range(100, 100 + frames)]  # signed first, so that they arrive together
     before = turns()
     for raw in encoded:
         prod.send_raw(raw)
-    work.send(p.Complete([result_of(task)]))  # queued behind 8,000 item operations
-    acks = [prod.recv_type(p.SubmitAck, 30) for _ in range(frames)]
+    work.send(protocol.Complete([result_of(task)]))  # queued behind 8,000 item operations
+    acks = [prod.recv_type(protocol.SubmitAck, 30) for _ in range(frames)]
     assert [a.req for a in acks] == list(range(100, 100 + frames))
     assert all(r.item_id and not r.error and not r.duplicate for a in acks for r in a.results)
-    assert work.recv_type(p.CompleteAck, 10).outcomes[0].outcome == "accepted"
+    assert work.recv_type(protocol.CompleteAck, 10).outcomes[0].outcome == "accepted"
     # whole frames up to 256 item operations a turn: at most 2 of these frames per turn, so
     # >= 20 turns (idle turns come on top); read in one go they would take a handful
     # (a turn's duration is observed after its replies went out: wait for the last ones)
@@ -616,8 +619,8 @@ def _submit_of_size(sp: ScriptedPeer, size: int) -> list[bytes]:
     share = size // 8
     pad = share - 300
     for _ in range(10):
-        items = [p.SubmitItem(f"pad{i}", "echo", blob(b"x"), params={"pad": "p" * (share - 300)}) for i in range(7)]
-        frames = sp.codec.encode(p.Submit(1, [*items, p.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
+        items = [protocol.SubmitItem(f"pad{i}", "echo", blob(b"x"), params={"pad": "p" * (share - 300)}) for i in range(7)]
+        frames = sp.codec.encode(protocol.Submit(1, [*items, protocol.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
         if len(frames[0]) == size:
             return frames
         pad += size - len(frames[0])
@@ -638,25 +641,25 @@ def test_hostile_msgpack_and_invalid_frames(h):
     rss0 = _rss_kib(b.proc.pid)
     # (a) msgpack array header, then a bin32 header field that claims 4 GiB in a handful of bytes
     bad.send_raw([b"\x97\x01\x0a\xc6\xff\xff\xff\xff" + b"xx", b"\0" * 64])  # the sender field claims 4 GiB
-    err = bad.recv_type(p.Error)
-    assert err.code == p.REJECT_MALFORMED
-    bad.send(p.Status(1, []))  # the session is gone
-    assert bad.recv_type(p.Error).code == p.REJECT_NO_SESSION
+    err = bad.recv_type(protocol.Error)
+    assert err.code == protocol.REJECT_MALFORMED
+    bad.send(protocol.Status(1, []))  # the session is gone
+    assert bad.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
     # (b) one byte over the limit, properly signed
     bad.connect()
     bad.hello("producer")
     bad.send_raw(_submit_of_size(bad, limit + 1))
-    assert bad.recv_type(p.Error).code == p.REJECT_OVERSIZE
+    assert bad.recv_type(protocol.Error).code == protocol.REJECT_OVERSIZE
     # (c) exactly at the limit
     bad.connect()
     bad.hello("producer")
     bad.send_raw(_submit_of_size(bad, limit))
-    results = bad.recv_type(p.SubmitAck).results
+    results = bad.recv_type(protocol.SubmitAck).results
     assert len(results) == 8 and all(res.item_id and not res.error for res in results)
     st = adm.admin_status()
-    assert st["rejects"][p.REJECT_MALFORMED] == 1 and st["rejects"][p.REJECT_OVERSIZE] == 1
+    assert st["rejects"][protocol.REJECT_MALFORMED] == 1 and st["rejects"][protocol.REJECT_OVERSIZE] == 1
     assert _rss_kib(b.proc.pid) - rss0 < 8 * 1024
-    wait_for(lambda: h.report()["rejects"].get(p.REJECT_OVERSIZE) == 1, 5, what="rejects persisted")
+    wait_for(lambda: h.report()["rejects"].get(protocol.REJECT_OVERSIZE) == 1, 5, what="rejects persisted")
     reasons = [e["reason"] for e in b.events("peer_disconnected")]
     assert "invalid envelope: MALFORMED" in reasons and "invalid envelope: OVERSIZE" in reasons
 
@@ -674,7 +677,7 @@ def test_heartbeats_extend_leases_and_resume_after_broker_restart(h):
     w = h.peer("wA", b.endpoint)
     w.hello("worker", slots=1, credit=1)
     (t,) = recv_tasks(w, 1)
-    lease = p.LeaseRef(t.item_id, t.token)
+    lease = protocol.LeaseRef(t.item_id, t.token)
     end = time.monotonic() + 6 * 0.4
     while time.monotonic() < end:  # a job 6 x lease_ttl long, heartbeating every 0.1 s
         w.heartbeat([lease], busy=1)
@@ -685,8 +688,8 @@ def test_heartbeats_extend_leases_and_resume_after_broker_restart(h):
     w.connect()
     welcome = w.hello("worker", slots=1, credit=0, leases=[lease])
     assert welcome.resumed == [lease] and welcome.broker_epoch == 2
-    w.send(p.Complete([result_of(t)]))
-    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    w.send(protocol.Complete([result_of(t)]))
+    assert w.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
     rep = h.report()
     assert (rep["counters"]["completed"], rep["counters"]["retried"], rep["counters"]["routed"]) == (1, 0, 1) and rep["balanced"]
 
@@ -702,22 +705,22 @@ def test_unacknowledged_results_are_redelivered_to_a_new_session(h):
     w = h.peer("wA", b.endpoint)
     w.hello("worker", slots=2, credit=2)
     tasks = recv_tasks(w, 2)
-    w.send(p.Complete([result_of(t) for t in tasks]))
-    w.recv_type(p.CompleteAck)
+    w.send(protocol.Complete([result_of(t) for t in tasks]))
+    w.recv_type(protocol.CompleteAck)
     comp = h.peer("comp", b.endpoint)
     comp.hello("completion", credit=10)
-    first = comp.recv_type(p.Result).deliveries
+    first = comp.recv_type(protocol.Result).deliveries
     assert sorted(d.item_id for d in first) == sorted(r.item_id for r in res) and not any(d.redelivery for d in first)
     comp.connect()  # a new session before any ACK
     comp.hello("completion", credit=10)
-    again = comp.recv_type(p.Result).deliveries
+    again = comp.recv_type(protocol.Result).deliveries
     assert sorted(d.item_id for d in again) == sorted(r.item_id for r in res) and all(d.redelivery for d in again)
     ids = [d.item_id for d in again]
-    comp.send(p.Ack(ids + ["nope"]))
-    ok = comp.recv_type(p.AckOk)
+    comp.send(protocol.Ack(ids + ["nope"]))
+    ok = comp.recv_type(protocol.AckOk)
     assert sorted(ok.item_ids) == sorted(ids) and ok.unknown == ["nope"]
-    comp.send(p.Ack(ids))
-    assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(ids)
+    comp.send(protocol.Ack(ids))
+    assert sorted(comp.recv_type(protocol.AckOk).item_ids) == sorted(ids)
     rep = h.report()
     assert (rep["counters"]["acknowledged"], rep["counters"]["redelivered"]) == (2, 2) and rep["balanced"]
 
@@ -732,7 +735,7 @@ def test_crash_after_submit_commit_then_duplicate_on_retry(h):
     h.pin_endpoint(b.endpoint)
     prod = h.peer("prod", b.endpoint)
     prod.hello("producer")
-    prod.send(p.Submit(1, [item("once")]))
+    prod.send(protocol.Submit(1, [item("once")]))
     assert b.wait(10) == -signal.SIGKILL
     before_kill = []  # everything the producer's socket holds from the dead broker
     while (env := prod.recv(0.2)) is not None:
@@ -757,22 +760,22 @@ def test_admin_status_and_dlq_replay(h):
     w = h.peer("wA", b.endpoint)
     w.hello("worker", slots=1, credit=1, kinds=["ocr"], info={"provider": "cuda", "cpu_fallback": False})
     (t,) = recv_tasks(w, 1)
-    w.send(p.Fail([p.TaskFailure(t.item_id, t.token, "fatal", False, "bad input")]))
-    assert w.recv_type(p.FailAck).outcomes[0].outcome == "accepted"
+    w.send(protocol.Fail([protocol.TaskFailure(t.item_id, t.token, "fatal", False, "bad input")]))
+    assert w.recv_type(protocol.FailAck).outcomes[0].outcome == "accepted"
     adm = h.peer("adm", b.endpoint)
     adm.hello("admin")
     st = adm.admin_status()
     wa = next(x for x in st["peers"] if x["peer_id"] == "wA")
     assert wa["info"]["provider"] == "cuda" and wa["kinds"] == ["ocr"]
     assert st["backlog"]["ocr"] == {"dead": 1} and st["balanced"]
-    adm.send(p.Admin(7, "dlq_replay", {"item_id": r.item_id}))
-    reply = adm.recv_type(p.AdminReply)
+    adm.send(protocol.Admin(7, "dlq_replay", {"item_id": r.item_id}))
+    reply = adm.recv_type(protocol.AdminReply)
     assert reply.ok and msgpack.unpackb(reply.body)["replayed"] == [r.item_id]
-    w.send(p.Credit(1))
+    w.send(protocol.Credit(1))
     (t2,) = recv_tasks(w, 1)
     assert (t2.item_id, t2.attempt) == (r.item_id, 1)
-    adm.send(p.Admin(8, "no_such_command"))
-    assert not adm.recv_type(p.AdminReply).ok
+    adm.send(protocol.Admin(8, "no_such_command"))
+    assert not adm.recv_type(protocol.AdminReply).ok
 
 
 # --- lifecycle and exit codes ---------------------------------------------------------------
@@ -784,7 +787,7 @@ def test_sigterm_says_bye_and_exits_zero(h):
     prod.submit([item("kept")])
     t0 = time.monotonic()
     b.signal(signal.SIGTERM)
-    assert prod.recv_type(p.Bye, 5).reason
+    assert prod.recv_type(protocol.Bye, 5).reason
     assert b.wait(5) == 0 and time.monotonic() - t0 < 5
     assert b.events("broker_stopped")
     assert h.report()["states"]["ready"] == 1
@@ -838,7 +841,7 @@ def test_frozen_broker_keeps_sessions_and_leases(h):
     w = h.peer("wA", b.endpoint)
     w.hello("worker", slots=1, credit=1)
     (t,) = recv_tasks(w, 1)
-    lease = p.LeaseRef(t.item_id, t.token)
+    lease = protocol.LeaseRef(t.item_id, t.token)
     b.signal(signal.SIGSTOP)
     try:
         end = time.monotonic() + 2.5
@@ -848,8 +851,8 @@ def test_frozen_broker_keeps_sessions_and_leases(h):
     finally:
         b.signal(signal.SIGCONT)
     w.heartbeat([lease], busy=1)
-    w.send(p.Complete([result_of(t)]))
-    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    w.send(protocol.Complete([result_of(t)]))
+    assert w.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
     wait_for(lambda: b.events("broker_stalled"), 5, what="stall logged")
     assert not [e for e in b.events("peer_disconnected") if e["peer"] == "wA"]
     rep = h.report()
@@ -865,8 +868,8 @@ def test_sighup_reloads_authorized_keys(h):
     ak = h.root / "authorized_keys.toml"
     ak.write_text(ak.read_text() + f'\n[peers.late]\nrole = "producer"\npublic_key = "{pub.read_text().strip()}"\n')
     late = h.peer("late", b.endpoint)
-    late.send(p.Hello(role="producer"))
-    assert late.recv_type(p.Error).code == p.REJECT_UNKNOWN_SENDER  # unknown sender: told why (docs/security.md)
+    late.send(protocol.Hello(role="producer"))
+    assert late.recv_type(protocol.Error).code == protocol.REJECT_UNKNOWN_SENDER  # unknown sender: told why (docs/security.md)
     b.signal(signal.SIGHUP)
     wait_for(lambda: b.events("authorized_keys_reloaded"), 5)
     late.connect()

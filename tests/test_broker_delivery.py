@@ -12,12 +12,12 @@ from ccsq.brokerd.actor import Batch
 from ccsq.brokerd.delivery import DeliveryTracker
 from ccsq.brokerd.ledger import Ledger, Policy
 from ccsq.brokerd.peers import PeerStatus, Session
-from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.brokerd.relaying import Federation
+from ccsq.common.wire import protocol
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 @pytest.fixture
@@ -25,10 +25,10 @@ def ledger(tmp_path):
     led = Ledger(tmp_path / "l", map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(), rng=random.Random(7))
     txn = led.begin()
     for n in range(5):
-        txn.submit(p.SubmitItem(f"k{n}", "echo", blob(b"x%d" % n)), 1_000)
+        txn.submit(protocol.SubmitItem(f"k{n}", "echo", blob(b"x%d" % n)), 1_000)
     ids, _ = txn.scan_ready(None, 10, 2_000)
     for t in [txn.lease(i, "w1", 2_000, 5_000) for i in ids]:
-        txn.complete(p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1")
+        txn.complete(protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1")
     txn.commit()
     yield led
     led.close()
@@ -37,11 +37,11 @@ def ledger(tmp_path):
 def tracker(ledger: Ledger) -> DeliveryTracker:
     with ledger.read() as view:
         epoch = view.epoch()
-    return DeliveryTracker(epoch, fed.Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
+    return DeliveryTracker(epoch, Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
 
 
 def completion(peer: str = "c1", credit: int = 3) -> Session:
-    return Session(peer_id=peer, role=p.Role.COMPLETION, routing_id=peer.encode(), session=1, credit=credit)
+    return Session(peer_id=peer, role=protocol.Role.COMPLETION, routing_id=peer.encode(), session=1, credit=credit)
 
 
 def plan(ledger: Ledger, tr: DeliveryTracker, *takers: Session) -> tuple[Batch, bool]:
@@ -55,7 +55,7 @@ def plan(ledger: Ledger, tr: DeliveryTracker, *takers: Session) -> tuple[Batch, 
     return batch, more
 
 
-def delivered(batch: Batch) -> list[p.Delivery]:
+def delivered(batch: Batch) -> list[protocol.Delivery]:
     return [d for _, msg in batch.replies for d in msg.deliveries]
 
 
@@ -94,3 +94,24 @@ def test_a_session_gone_before_commit_gets_nothing_in_flight_and_a_stale_scan_ke
     assert tr.count() == 0 and tr.possible
     again, _ = plan(ledger, tr, completion("c2", credit=10))  # the floor was not raised past them
     assert len(delivered(again)) == 5 and all(d.redelivery for d in delivered(again))
+
+
+def test_a_result_owed_to_a_relay_goes_to_no_completion_service_and_its_route_is_rebuilt_at_start(ledger):
+    """The tracker owns the routes too (results owed to the downstream relay that submitted
+    them): a routed item is skipped by completion deliveries until acknowledged, and a new
+    tracker (a broker restart) rebuilds the routes from the records' ``reply_to``."""
+    txn = ledger.begin()
+    relayed = txn.submit(protocol.SubmitItem("origin:a:1", "echo", blob(b"r1")), 1_000,
+                         origin={"swarm": "a", "item_id": "1", "hops": 1}, reply_to="relay-down").item_id
+    ids, _ = txn.scan_ready(None, 10, 2_000)
+    (task,) = [t for t in (txn.lease(i, "w1", 2_000, 5_000) for i in ids) if t and t.item_id == relayed]
+    assert txn.complete(protocol.TaskResult(relayed, task.token, blob(b"r"), "echo", "1"), 3_000, "w1") == protocol.Outcome.ACCEPTED.value
+    txn.commit()
+    tr = tracker(ledger)
+    with ledger.read() as view:
+        assert tr.recover_routes(view) == 1
+    assert tr.routed_all == {relayed}
+    batch, _ = plan(ledger, tr, completion(credit=10))
+    assert len(delivered(batch)) == 5 and relayed not in {d.item_id for d in delivered(batch)}
+    tr.acknowledged(relayed)  # nothing more is owed for it: no delivery, no route
+    assert not tr.routed_all

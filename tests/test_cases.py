@@ -225,7 +225,8 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
         (row,) = assert_landed_once(swarm, [r.item_id])
         assert b'"slept_s": 4.0' in row["result"]  # B's result, not A's echo
         rep = swarm.report()
-    assert rep["balanced"] and rep["counters"]["completed"] + rep["counters"]["acknowledged"] >= 1 and rep["counters"]["fenced_completions"] == 1
+    counts = rep["counters"]
+    assert rep["balanced"] and counts["completed"] + counts["acknowledged"] >= 1 and counts["fenced_completions"] == 1
     assert window(rep, "G4") == 1 and window(rep, "G2") == 1
 
 

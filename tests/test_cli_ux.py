@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from ccsq.tools import admin_cmds, cli
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import ExitCode, Unauthorized
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, write_keypair
@@ -79,7 +79,7 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
             with pytest.raises(Unauthorized) as err:
                 client.submit(b"x", "echo")
             assert time.monotonic() - t0 < REFUSAL_S
-        assert err.value.code == p.REJECT_UNKNOWN_SENDER and "authorized_keys" in str(err.value)
+        assert err.value.code == protocol.REJECT_UNKNOWN_SENDER and "authorized_keys" in str(err.value)
 
         # the CLI: its own exit code and a sentence naming the fix
         doc = tmp_path / "doc.txt"
@@ -111,8 +111,8 @@ def test_refused_peers_learn_why_and_the_broker_counts_them(tmp_path: Path, caps
         # the broker counted and logged each kind of refusal
         rc, out, _ = run_ccsq(capsys, "status", "--config", swarm.configs["admin"], "--json")
         rejects = json.loads(out)["rejects"]
-        assert rejects.get(p.REJECT_UNKNOWN_SENDER, 0) >= 2 and rejects.get(p.REJECT_BAD_SIGNATURE, 0) >= 1
-        assert rejects.get(p.REJECT_ROLE, 0) >= 2
+        assert rejects.get(protocol.REJECT_UNKNOWN_SENDER, 0) >= 2 and rejects.get(protocol.REJECT_BAD_SIGNATURE, 0) >= 1
+        assert rejects.get(protocol.REJECT_ROLE, 0) >= 2
         log = [json.loads(ln) for ln in (tmp_path / "logs" / "broker.log").read_text().splitlines() if ln.startswith("{")]
         refused = {(e.get("peer"), e["code"]) for e in log if e["event"] == "frame_rejected"}
         assert {("stranger", "UNKNOWN_SENDER"), ("worker-1", "BAD_SIGNATURE"), ("producer-1", "ROLE")} <= refused
@@ -131,9 +131,9 @@ def test_broker_answers_strangers_rate_limited_and_never_unsigned_junk(tmp_path:
         sock.connect(swarm.endpoint)
         try:
             for _ in range(50):
-                sock.send_multipart(codec.encode(p.Hello(role="worker")))
+                sock.send_multipart(codec.encode(protocol.Hello(role="worker")))
             for _ in range(50):
-                sock.send_multipart([msgpack.packb([1, int(p.MsgType.HELLO), "junk", 1, 1, 0, {}]), b"\0" * 64])  # stale junk
+                sock.send_multipart([msgpack.packb([1, int(protocol.MsgType.HELLO), "junk", 1, 1, 0, {}]), b"\0" * 64])  # stale junk
                 sock.send_multipart([b"\xc1garbage"])
             answers = []
             deadline = time.monotonic() + 1.5
@@ -141,13 +141,13 @@ def test_broker_answers_strangers_rate_limited_and_never_unsigned_junk(tmp_path:
                 if sock.poll(100):
                     answers.append(codec.decode(sock.recv_multipart(), bound_sender="broker").message)
             assert len(answers) == 1, answers
-            assert isinstance(answers[0], p.Error) and answers[0].code == p.REJECT_UNKNOWN_SENDER
+            assert isinstance(answers[0], protocol.Error) and answers[0].code == protocol.REJECT_UNKNOWN_SENDER
             assert "'flooder'" in answers[0].message and "public" not in answers[0].message
 
             # made-up ids: at most the token bucket's burst is answered, the log stays bounded
             key = load_private_key(priv)
             for i in range(300):
-                sock.send_multipart(EnvelopeCodec(f"made-up-{i}", key, codec.authorized).encode(p.Hello(role="worker")))
+                sock.send_multipart(EnvelopeCodec(f"made-up-{i}", key, codec.authorized).encode(protocol.Hello(role="worker")))
             answers = []
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
@@ -469,8 +469,8 @@ def test_unserved_kind_warning_works_right_after_a_broker_restart(tmp_path: Path
         swarm.start_broker()
         worker = ScriptedPeer(swarm.root, "worker-1", swarm.endpoint)
         try:
-            worker.send(p.Hello(role="worker", slots=1, credit=1, kinds=["echo"]))
-            assert isinstance(worker.recv(10.0).message, p.Welcome)
+            worker.send(protocol.Hello(role="worker", slots=1, credit=1, kinds=["echo"]))
+            assert isinstance(worker.recv(10.0).message, protocol.Welcome)
             wait_until(lambda: any(w["peer_id"] == "worker-1" for w in json.loads(run_ccsq(
                 capsys, "status", "--config", swarm.configs["admin"], "--json")[1])["peers"]), 30, "worker seen")
         finally:

@@ -20,7 +20,7 @@ import typing
 import msgpack
 import pytest
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError
 
 SEEDS = range(6)
@@ -67,10 +67,10 @@ def _scalar(rng: random.Random):
                        rng.randbytes(rng.randint(0, 5))])
 
 
-def _blob(rng: random.Random) -> p.Blob:
+def _blob(rng: random.Random) -> protocol.Blob:
     data = rng.randbytes(rng.randint(0, 40))
     sha = "".join(rng.choice("0123456789abcdef") for _ in range(64))
-    return p.Blob(sha, len(data), data if rng.random() < 0.7 else None)
+    return protocol.Blob(sha, len(data), data if rng.random() < 0.7 else None)
 
 
 def gen_value(rng: random.Random, tp):
@@ -83,7 +83,7 @@ def gen_value(rng: random.Random, tp):
         return [gen_value(rng, elem) for _ in range(rng.randint(0, 3))]
     if origin is dict:
         return {_text(rng): _scalar(rng) for _ in range(rng.randint(0, 3))}
-    if tp is p.Blob:
+    if tp is protocol.Blob:
         return _blob(rng)
     if dataclasses.is_dataclass(tp):
         return gen_record(rng, tp)
@@ -173,7 +173,7 @@ def mutate(rng: random.Random, body):
             target[rng.choice(keys)] = _junk(rng)
     else:  # free-form maps: too long, non-string keys, non-scalar values
         k = rng.choice(keys)
-        target[k] = rng.choice([{f"k{i}": i for i in range(p.MAX_MAP_LEN + 1)}, {f"k{i}": i for i in range(p.MAX_MAP_LEN)},
+        target[k] = rng.choice([{f"k{i}": i for i in range(protocol.MAX_MAP_LEN + 1)}, {f"k{i}": i for i in range(protocol.MAX_MAP_LEN)},
                                 {1: 1}, {"a": [1]}, {"a": {"b": 1}}, {"a": b"x", "b": None}])
     return body
 
@@ -189,12 +189,12 @@ def outcome(fn, *args):
 
 
 def check_body(msg_type: int, body) -> tuple:
-    ref = outcome(p._slow_decode_body, msg_type, body)
-    new = outcome(p.decode_body, msg_type, body)
+    ref = outcome(protocol._slow_decode_body, msg_type, body)
+    new = outcome(protocol.decode_body, msg_type, body)
     assert new == ref, f"decode_body differs from the reference on {body!r}"
     if ref[0] == "ok":  # same values and same types all the way down
         assert pack(ref_encode(new[1])) == pack(ref_encode(ref[1]))
-    fast = outcome(p._FAST_DECODERS[msg_type], body)
+    fast = outcome(protocol._FAST_DECODERS[msg_type], body)
     if ref[0] != "ok":
         assert fast[0] != "ok", f"the fast decoder accepted what the reference refuses: {body!r} ({ref})"
     elif fast[0] == "ok":
@@ -206,18 +206,18 @@ def check_body(msg_type: int, body) -> tuple:
 def test_generated_codec_matches_references(seed: int) -> None:
     rng = random.Random(seed)
     refused = accepted_mutants = 0
-    classes = list(p.MESSAGE_CLASSES.values())
+    classes = list(protocol.MESSAGE_CLASSES.values())
     for i in range(PER_SEED):
         cls = classes[i % len(classes)]
         msg = gen_record(rng, cls)
-        body = p.encode_body(msg)
+        body = protocol.encode_body(msg)
         assert pack(body) == pack(ref_encode(msg)), f"seed {seed}: {cls.__name__} bytes differ"
-        assert pack(body) == pack(p._record_encoder(cls)(msg))
+        assert pack(body) == pack(protocol._record_encoder(cls)(msg))
         wire = msgpack.unpackb(pack(body), raw=False)
         # a well-formed message takes the fast path (no fallback) and round-trips
-        fast = p._FAST_DECODERS[int(cls.TYPE)](wire)
+        fast = protocol._FAST_DECODERS[int(cls.TYPE)](wire)
         assert fast == msg and type(fast) is cls, f"seed {seed}: {cls.__name__} did not round-trip"
-        assert p.decode_body(int(cls.TYPE), wire) == msg
+        assert protocol.decode_body(int(cls.TYPE), wire) == msg
         check_body(int(cls.TYPE), wire)
         for _ in range(MUTATIONS):
             ref = check_body(int(cls.TYPE), mutate(rng, wire))
@@ -225,13 +225,13 @@ def test_generated_codec_matches_references(seed: int) -> None:
                 accepted_mutants += 1
             else:
                 refused += 1
-                assert ref[1] == p.REJECT_MALFORMED, ref
+                assert ref[1] == protocol.REJECT_MALFORMED, ref
     assert refused > PER_SEED * MUTATIONS // 2 and accepted_mutants > 0  # the mutations bite, and not always
 
 
 def test_refusal_messages_name_the_path() -> None:
-    item = p.SubmitItem("k", "echo", p.Blob("a" * 64, 2, b"ok"), {"t": 1.0})
-    body = p.encode_body(p.Submit(1, [item, item]))
+    item = protocol.SubmitItem("k", "echo", protocol.Blob("a" * 64, 2, b"ok"), {"t": 1.0})
+    body = protocol.encode_body(protocol.Submit(1, [item, item]))
     cases = [
         ({**body, "items": [body["items"][0], {**body["items"][1], "priority": "9"}]},
          "Submit.items.priority: expected integer, got str"),
@@ -244,54 +244,54 @@ def test_refusal_messages_name_the_path() -> None:
     ]
     for bad, words in cases:
         with pytest.raises(DecodeError) as exc:
-            p.decode_body(p.MsgType.SUBMIT, bad)
-        assert exc.value.code == p.REJECT_MALFORMED and words in str(exc.value), str(exc.value)
+            protocol.decode_body(protocol.MsgType.SUBMIT, bad)
+        assert exc.value.code == protocol.REJECT_MALFORMED and words in str(exc.value), str(exc.value)
     with pytest.raises(DecodeError) as exc:
-        p.decode_body(999, body)
-    assert exc.value.code == p.REJECT_UNKNOWN_TYPE
+        protocol.decode_body(999, body)
+    assert exc.value.code == protocol.REJECT_UNKNOWN_TYPE
     with pytest.raises(DecodeError) as exc:
-        p.decode_body([10], body)  # unhashable: the reference words it
-    assert exc.value.code == p.REJECT_UNKNOWN_TYPE
+        protocol.decode_body([10], body)  # unhashable: the reference words it
+    assert exc.value.code == protocol.REJECT_UNKNOWN_TYPE
 
 
 def test_decoded_records_are_fresh_and_checked() -> None:
     """Lists and maps in a decoded message are copies (as the reference made them); a Blob
     built by the fast path ran its __post_init__ (a refusal there surfaces as MALFORMED)."""
-    body = p.encode_body(p.Submit(1, [p.SubmitItem("k", "echo", p.Blob("a" * 64, 2, b"ok"), {"t": 1})]))
-    msg = p.decode_body(p.MsgType.SUBMIT, body)
+    body = protocol.encode_body(protocol.Submit(1, [protocol.SubmitItem("k", "echo", protocol.Blob("a" * 64, 2, b"ok"), {"t": 1})]))
+    msg = protocol.decode_body(protocol.MsgType.SUBMIT, body)
     assert msg.items is not body["items"] and msg.items[0].params is not body["items"][0]["params"]
     assert type(msg.items[0].max_runtime_s) is float
     body["items"][0]["payload"]["size"] = 3
     with pytest.raises(DecodeError, match="inline blob length differs from size"):
-        p.decode_body(p.MsgType.SUBMIT, body)
+        protocol.decode_body(protocol.MsgType.SUBMIT, body)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_submit_item_problem_matches_the_full_rule(seed: int) -> None:
     rng = random.Random(seed)
-    blob = p.Blob("a" * 64, 2, b"ok")
+    blob = protocol.Blob("a" * 64, 2, b"ok")
     texts = ["", "a", "echo", "k" * 128, "k" * 129, "k" * 400, "k" * 401, "é" * 200, "é" * 201, "a\x00b", "tab\t",
              "del\x7f", "\x85next", "\u2028", "ok key", "🙂" * 100, "🙂" * 101, "\ud800"]
-    numbers = [0, 1, -1, 1000, 1001, p.PRIO_MAX, p.PRIO_MAX + 1, p.PRIO_MIN, p.PRIO_MIN - 1, True, 2**2000, 0.0, 1.5,
-               -0.0, -0.5, 0.5, -1.5, float("inf"), float("-inf"), float("nan"), 1e308, IntSub(5)]
+    numbers = [0, 1, -1, 1000, 1001, protocol.PRIO_MAX, protocol.PRIO_MAX + 1, protocol.PRIO_MIN, protocol.PRIO_MIN - 1, True, 2**2000,
+               0.0, 1.5, -0.0, -0.5, 0.5, -1.5, float("inf"), float("-inf"), float("nan"), 1e308, IntSub(5)]
     params = [{}, {"t": 0.0}, {"a\x00": 1}, {"a": "x\x00"}, {"a": float("nan")}, {"a": float("inf")}, {"a": 2**70},
               {"a": None, "b": b"\x00", "c": True}, {"a": StrSub("x")}, {"a": [1]}, {1: 2}]
     choices = {"key": texts, "kind": texts, "params": params, "priority": numbers, "deadline_ts": [None, *numbers],
                "max_attempts": numbers, "max_runtime_s": numbers}
-    fine = p.SubmitItem(key="k", kind="echo", payload=blob, params={"t": 0.0}, deadline_ts=1.7e9, max_runtime_s=1.0)
-    assert p.submit_item_problem(fine) == ""
+    fine = protocol.SubmitItem(key="k", kind="echo", payload=blob, params={"t": 0.0}, deadline_ts=1.7e9, max_runtime_s=1.0)
+    assert protocol.submit_item_problem(fine) == ""
     for _ in range(3000):  # a fine item with one to three fields changed
         changed = rng.sample(sorted(choices), rng.choice([1, 1, 2, 3]))
         item = dataclasses.replace(fine, **{name: rng.choice(choices[name]) for name in changed})
-        full = outcome(lambda: p.submit_fields_problem(
+        full = outcome(lambda: protocol.submit_fields_problem(
             kind=item.kind, key=item.key, priority=item.priority, max_attempts=item.max_attempts,
             max_runtime_s=item.max_runtime_s, deadline_ts=item.deadline_ts, params=item.params))
-        assert outcome(p.submit_item_problem, item) == full, item
+        assert outcome(protocol.submit_item_problem, item) == full, item
 
 
 def test_blob_rule_inlined_exactly() -> None:
     """The generated decoders inline Blob.__post_init__'s rule: same verdict on every corner."""
-    item = p.encode_body(p.SubmitItem("k", "echo", p.Blob("a" * 64, 2, b"ok")))
+    item = protocol.encode_body(protocol.SubmitItem("k", "echo", protocol.Blob("a" * 64, 2, b"ok")))
     shas = ["a" * 64, "0123456789abcdef" * 4, "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 63 + "\n", " " + "a" * 63,
             "é" * 64, "a" * 63 + "٣", ""]
     sizes = [0, 2, 3, -1, 2**64 - 1, True, 2.0]
@@ -301,16 +301,16 @@ def test_blob_rule_inlined_exactly() -> None:
             for inline in inlines:
                 blob = {"sha256": sha, "size": size, "inline": inline}
                 for payload in (blob, {k: v for k, v in blob.items() if k != "inline"}):
-                    ref = check_body(p.MsgType.SUBMIT, {"req": 1, "items": [{**item, "payload": payload}]})
+                    ref = check_body(protocol.MsgType.SUBMIT, {"req": 1, "items": [{**item, "payload": payload}]})
                     if ref[0] == "ok":
                         blob_out = ref[1].items[0].payload
-                        assert type(blob_out) is p.Blob and blob_out.sha256 == sha
+                        assert type(blob_out) is protocol.Blob and blob_out.sha256 == sha
 
 
 def test_fast_decoded_objects_are_the_real_frozen_classes() -> None:
-    msg = p.Dispatch([p.Task("i", 1, "echo", p.Blob("a" * 64, 0, b""), {}, 1)])
-    got = p._FAST_DECODERS[int(p.MsgType.DISPATCH)](msgpack.unpackb(pack(p.encode_body(msg)), raw=False))
-    assert type(got) is p.Dispatch and isinstance(got, p.Message) and got == msg and hash(got.tasks[0].payload)
+    msg = protocol.Dispatch([protocol.Task("i", 1, "echo", protocol.Blob("a" * 64, 0, b""), {}, 1)])
+    got = protocol._FAST_DECODERS[int(protocol.MsgType.DISPATCH)](msgpack.unpackb(pack(protocol.encode_body(msg)), raw=False))
+    assert type(got) is protocol.Dispatch and isinstance(got, protocol.Message) and got == msg and hash(got.tasks[0].payload)
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.tasks[0].token = 2  # type: ignore[misc]
     assert copy.deepcopy(got) == msg and dataclasses.replace(got.tasks[0], token=5).token == 5

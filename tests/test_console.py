@@ -427,7 +427,7 @@ def test_pages_render_fields_other_parts_add(tmp_path: Path) -> None:
 def test_static_report_legend_fits_and_renders_code() -> None:
     """gap-report --html: the legend carries whole numbers and wraps rather than running
     off the chart; Markdown `code` in the gap-register texts becomes <code>."""
-    from ccsq.brokerd.report import _LEGEND_CHAR_PX, inline_code_html, render_chart_svg
+    from ccsq.brokerd.gap_report import _LEGEND_CHAR_PX, inline_code_html, render_chart_svg
 
     for n in (79, 123_456_789_012):
         counters = {"received": n, "routed": n, "completed": n, "acknowledged": n}

@@ -318,7 +318,7 @@ def test_relay_bundle_onto_its_own_host(tmp_path: Path, netns) -> None:  # noqa:
         assert out["state"] == "acknowledged", out
         db = tmp_path / "site-a" / "completion" / "state" / "completion" / "results.db"
         wait_until(lambda: out["item_id"] in _results(db), 30, "the result in site-a's results database")
-        from ccsq.relayd.report import load_federation_report
+        from ccsq.relayd.federation_report import load_federation_report
 
         counters = wait_until(lambda: c if (c := load_federation_report(relay_etc / "relayd-relay.toml")["links"][0]
                                             ["counters"])["returned"] >= 1 else None, 30, "the relay's books show the item returned")

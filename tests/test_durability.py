@@ -34,13 +34,13 @@ from pathlib import Path
 import pytest
 
 from ccsq.brokerd.ledger.store import Ledger, Policy
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 SQLITE_FULL = 2  # PRAGMA synchronous: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA
 
 
-def _blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def _blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def _ledger(path: Path) -> Ledger:
@@ -49,14 +49,14 @@ def _ledger(path: Path) -> Ledger:
 
 # --- the stores, opened through the daemons' own open functions ------------------------------
 def _open_journal(d: Path):
-    from ccsq.workerd.journal import Journal
+    from ccsq.workerd.worker_journal import Journal
 
     j = Journal.open(d)
     return j, j._db, j.close
 
 
 def _open_relay_journal(d: Path):
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
 
     j = RelayJournal.open(d)
     return j, j._db, j.close
@@ -125,7 +125,7 @@ def write_commits(store: str, directory: str, commits: int = COMMITS) -> None:
         led = _ledger(d / "ledger")
         for n in range(commits):
             txn = led.begin()
-            txn.submit(p.SubmitItem(f"k{n}", "echo", _blob(b"x" * 100)), 1_000 + n)
+            txn.submit(protocol.SubmitItem(f"k{n}", "echo", _blob(b"x" * 100)), 1_000 + n)
             txn.commit()
             _mark(n)
         led.close()
@@ -138,7 +138,7 @@ def write_commits(store: str, directory: str, commits: int = COMMITS) -> None:
     elif store == "producer_outbox":
         ob, _, close = _open_outbox(d / store)
         for n in range(commits):
-            asyncio.run(ob.add([p.SubmitItem(f"k{n}", "echo", _blob(b"x" * 100))]))
+            asyncio.run(ob.add([protocol.SubmitItem(f"k{n}", "echo", _blob(b"x" * 100))]))
             _mark(n)
         close()
     elif store == "completion_results":

@@ -13,40 +13,40 @@ from ccsq.brokerd.ledger.store import LedgerError
 from ccsq.brokerd.main import LedgerLocked
 from ccsq.brokerd.transport import EndpointInUse
 from ccsq.common.runtime.daemon import die, exit_code_for
-from ccsq.common.wire import errors as e
+from ccsq.common.wire import errors
 
 ROOT = Path(__file__).resolve().parent.parent
-X = e.ExitCode
+X = errors.ExitCode
 
 CASES = [
-    (e.ConfigError("bad key"), X.CONFIG),
-    (e.JournalCorrupt("row 3"), X.CONFIG),
-    (e.NoInput("no file"), X.NOINPUT),
-    (e.Unauthorized("who"), X.UNAUTHORIZED),
-    (e.GpuUnavailable("no cuda"), X.GPU_UNAVAILABLE),
-    (e.BrokerUnavailable("silent"), X.UNAVAILABLE),
-    (e.AdminFailed("no such item"), X.REFUSED),
-    (e.JournalLocked("held"), X.TEMPFAIL),
-    (e.PortInUse("taken"), X.TEMPFAIL),
-    (e.StoreUnavailable("down"), X.TEMPFAIL),
-    (e.CantCreate("cannot write"), X.CANTCREAT),
+    (errors.ConfigError("bad key"), X.CONFIG),
+    (errors.JournalCorrupt("row 3"), X.CONFIG),
+    (errors.NoInput("no file"), X.NOINPUT),
+    (errors.Unauthorized("who"), X.UNAUTHORIZED),
+    (errors.GpuUnavailable("no cuda"), X.GPU_UNAVAILABLE),
+    (errors.BrokerUnavailable("silent"), X.UNAVAILABLE),
+    (errors.AdminFailed("no such item"), X.REFUSED),
+    (errors.JournalLocked("held"), X.TEMPFAIL),
+    (errors.PortInUse("taken"), X.TEMPFAIL),
+    (errors.StoreUnavailable("down"), X.TEMPFAIL),
+    (errors.CantCreate("cannot write"), X.CANTCREAT),
     (LedgerError("disk full", exit_code=X.LEDGER_IO), X.LEDGER_IO),
     (LedgerLocked("held by 12"), X.TEMPFAIL),
     (EndpointInUse("bound"), X.TEMPFAIL),
-    (e.QueueFull("full"), X.TEMPFAIL),  # every RetryableError is transient: 75, retry later
+    (errors.QueueFull("full"), X.TEMPFAIL),  # every RetryableError is transient: 75, retry later
     (ValueError("bug"), X.FAILURE),
 ]
 
 
 @pytest.mark.parametrize("exc,code", CASES, ids=[type(exc).__name__ for exc, _ in CASES])
-def test_exit_code_for(exc: BaseException, code: e.ExitCode) -> None:
+def test_exit_code_for(exc: BaseException, code: errors.ExitCode) -> None:
     assert exit_code_for(exc) is code
 
 
 def test_die_prints_one_line_and_returns_the_code(capsys) -> None:
-    assert die("ccsq-x", e.PortInUse("port 9 taken"), "transient: port 9 taken") == 75
+    assert die("ccsq-x", errors.PortInUse("port 9 taken"), "transient: port 9 taken") == 75
     assert die("ccsq-x", X.CONFIG, "config error: y") == 78
-    assert die("ccsq-x", e.Unauthorized("not in authorized_keys")) == 77
+    assert die("ccsq-x", errors.Unauthorized("not in authorized_keys")) == 77
     assert capsys.readouterr().err.splitlines() == ["ccsq-x: transient: port 9 taken", "ccsq-x: config error: y",
                                                     "ccsq-x: not in authorized_keys"]
 

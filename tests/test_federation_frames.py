@@ -42,7 +42,8 @@ def _landed(pair: FedPair, n: int) -> None:
 
 def test_items_at_inline_max_through_a_relay_and_its_restart(tmp_path: Path) -> None:
     """Phase 1: a backlog of 150 items of inline_max_bytes in a is leased to the relay at
-    once (DISPATCH frames full of origin records), runs through b's GPU and lands once in a. Phase 2: with b's broker frozen, a leases 300 more to the relay, which journals
+    once (DISPATCH frames full of origin records), runs through b's GPU and lands once in a.
+    Phase 2: with b's broker frozen, a leases 300 more to the relay, which journals
     them and cannot submit; the relay is SIGKILLed, b thaws, the relay restarts and resends
     every row at once: all land once, nothing dead, the relay started exactly twice."""
     with FedPair(tmp_path, worker={"prefetch": 600}, link={"max_in_flight": 600},

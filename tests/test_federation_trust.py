@@ -14,16 +14,16 @@ import pytest
 import tomli_w
 
 from ccsq.common.wire import federation as fed
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.keys import load_private_key, write_keypair
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def _blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def _trust(path: Path, swarms: dict[str, Path]) -> Path:
@@ -31,13 +31,13 @@ def _trust(path: Path, swarms: dict[str, Path]) -> Path:
     return path
 
 
-def _genuine(key, item_id: str = "a0000000000001", params: dict | None = None) -> p.SubmitItem:
+def _genuine(key, item_id: str = "a0000000000001", params: dict | None = None) -> protocol.SubmitItem:
     """A relayed item as swarm ``a``'s broker would have signed it."""
     params = {"n": 1} if params is None else params
     payload = _blob(b"hello")
     rec = {"id": item_id, "kind": "echo", "params": params, "deadline_ms": None, "priority": 3, "max_runtime_s": 0.0}
     record = fed.origin_record("a", rec, payload, 5)
-    return p.SubmitItem(key=fed.origin_key("a", item_id), kind="echo", payload=payload, params=params, priority=3,
+    return protocol.SubmitItem(key=fed.origin_key("a", item_id), kind="echo", payload=payload, params=params, priority=3,
                         max_attempts=5, origin=record, origin_sig=key.sign(record))
 
 
@@ -68,7 +68,7 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
             dataclasses.replace(item, params={"n": 2}),  # tampered params
             dataclasses.replace(item, priority=9),  # tampered priority
             dataclasses.replace(item, payload=_blob(b"evil!")),  # swapped payload (digest and bytes)
-            dataclasses.replace(item, payload=p.Blob(item.payload.sha256, 5, b"evil!")),  # swapped inline bytes
+            dataclasses.replace(item, payload=protocol.Blob(item.payload.sha256, 5, b"evil!")),  # swapped inline bytes
             dataclasses.replace(item, origin_sig=rogue.sign(item.origin)),  # signed by a rogue key
             dataclasses.replace(item, key="origin:a:a0000000000002"),  # another item's key
             dataclasses.replace(_genuine(a_key), origin=b"", origin_sig=b""),  # no origin at all
@@ -88,46 +88,47 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
         assert mine.item_id and not mine.error
         [r] = relay.submit([squat])
         assert r.error == fed.ORIGIN_KEY_TAKEN and not r.item_id
-        producer.send(p.Cancel(producer.next_req(), [mine.item_id]))  # (so the worker below gets the relayed item)
-        producer.recv_type(p.StatusReply)
+        producer.send(protocol.Cancel(producer.next_req(), [mine.item_id]))  # (so the worker below gets the relayed item)
+        producer.recv_type(protocol.StatusReply)
 
         # max_hops: a relay's upstream session never gets an item that came by relay
         up = ScriptedPeer(root, "relay-up", broker.endpoint)
         up.hello("relay", credit=4, kinds=["echo"], info={fed.RELAY_SIDE: fed.UPSTREAM})
         with pytest.raises(TimeoutError):
-            up.recv_type(p.Dispatch, timeout_s=1.0)
+            up.recv_type(protocol.Dispatch, timeout_s=1.0)
 
         worker = ScriptedPeer(root, "worker-1", broker.endpoint)
         worker.hello("worker", credit=1, kinds=["echo"])
-        [task] = worker.recv_type(p.Dispatch).tasks
+        [task] = worker.recv_type(protocol.Dispatch).tasks
         assert task.item_id == ok.item_id and not task.origin  # workers get no origin record
         result = _blob(b"HELLO")
-        worker.send(p.Complete([p.TaskResult(task.item_id, task.token, result, "echo", "1")]))
-        assert worker.recv_type(p.CompleteAck).outcomes[0].outcome == p.Outcome.ACCEPTED.value
+        worker.send(protocol.Complete([protocol.TaskResult(task.item_id, task.token, result, "echo", "1")]))
+        assert worker.recv_type(protocol.CompleteAck).outcomes[0].outcome == protocol.Outcome.ACCEPTED.value
 
-        [d] = relay.recv_type(p.Result).deliveries  # routed to the submitting relay
+        [d] = relay.recv_type(protocol.Result).deliveries  # routed to the submitting relay
         assert d.item_id == ok.item_id and d.result == result and d.key == item.key
         b_trust = fed.TrustedSwarms(_trust(tmp_path / "a-trusts.toml", {"b": root / "keys" / "broker.pub"}))
-        back = p.TaskResult("a0000000000001", 7, d.result, d.handler, d.handler_version, 0.0, d.proof, d.proof_sig)
+        back = protocol.TaskResult("a0000000000001", 7, d.result, d.handler, d.handler_version, 0.0, d.proof, d.proof_sig)
         assert fed.check_proof(back, b_trust, "a") == ""
         assert "tampered" in fed.check_proof(dataclasses.replace(back, result=_blob(b"WRONG")), b_trust, "a")
         assert "another item" in fed.check_proof(dataclasses.replace(back, item_id="a0000000000009"), b_trust, "a")
-        relay.send(p.Ack([d.item_id]))
-        assert relay.recv_type(p.AckOk).item_ids == [d.item_id]
+        relay.send(protocol.Ack([d.item_id]))
+        assert relay.recv_type(protocol.AckOk).item_ids == [d.item_id]
         # the upstream leased the item again later (its first result was fenced there): the
         # resubmission is a dedup hit and the stored result is delivered once more
         [third] = relay.submit([item])
         assert third.duplicate and third.item_id == ok.item_id
-        [d2] = relay.recv_type(p.Result).deliveries
+        [d2] = relay.recv_type(protocol.Result).deliveries
         assert d2.item_id == ok.item_id and d2.redelivery and d2.result == result and d2.proof_sig
-        relay.send(p.Ack([d2.item_id]))
-        assert relay.recv_type(p.AckOk).item_ids == [d2.item_id]
+        relay.send(protocol.Ack([d2.item_id]))
+        assert relay.recv_type(protocol.AckOk).item_ids == [d2.item_id]
         time.sleep(0.3)  # one more turn: the counters are in the ledger's last commit
     finally:
         broker.stop()
     rep = load_report(str(root / "broker-data"))
     assert rep["rejects"].get(fed.ORIGIN_REJECTED) == len(forged) + 1
-    assert rep["counters"]["received"] == 2 and rep["counters"]["acknowledged"] == 1 and rep["counters"]["dead"] == 1 and rep["balanced"] is True
+    counts = rep["counters"]
+    assert counts["received"] == 2 and counts["acknowledged"] == 1 and counts["dead"] == 1 and rep["balanced"] is True
     assert rep["rejects"].get(fed.ORIGIN_KEY_TAKEN) == 1
     assert rep["counters"]["duplicate_submits"] == 3  # the replay, the squatted key, the re-lease
     windows = {w["id"]: w["count"] for w in rep["windows"]}
@@ -153,13 +154,13 @@ def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path:
     try:
         producer = ScriptedPeer(root, "producer-1", broker.endpoint)
         producer.hello("producer")
-        [sub] = producer.submit([p.SubmitItem("k1", "echo", _blob(b"page"), {"x": "y"}, priority=2)])
+        [sub] = producer.submit([protocol.SubmitItem("k1", "echo", _blob(b"page"), {"x": "y"}, priority=2)])
         relay = ScriptedPeer(root, "relay-up", broker.endpoint)
         relay.hello("relay", credit=1, kinds=["echo"], info={fed.RELAY_SIDE: fed.UPSTREAM})
-        [task] = relay.recv_type(p.Dispatch).tasks
+        [task] = relay.recv_type(protocol.Dispatch).tasks
         assert task.item_id == sub.item_id and task.origin and task.origin_sig
         a_trust = fed.TrustedSwarms(_trust(tmp_path / "b-trusts.toml", {"a": root / "keys" / "broker.pub"}))
-        item = p.SubmitItem(fed.origin_key("a", task.item_id), task.kind, task.payload, task.params, priority=2,
+        item = protocol.SubmitItem(fed.origin_key("a", task.item_id), task.kind, task.payload, task.params, priority=2,
                             max_attempts=5, origin=task.origin, origin_sig=task.origin_sig)
         origin, why = fed.check_origin(item, a_trust, "b")
         assert why == "" and origin == {"swarm": "a", "item_id": task.item_id, "hops": 1}
@@ -168,20 +169,20 @@ def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path:
         good = fed.result_proof("b", origin, "b000001", result)
 
         def complete(proof: bytes, sig: bytes, token: int = task.token) -> str:
-            relay.send(p.Complete([p.TaskResult(task.item_id, token, result, "echo", "1", 0.0, proof, sig)]))
-            return relay.recv_type(p.CompleteAck).outcomes[0].outcome
+            relay.send(protocol.Complete([protocol.TaskResult(task.item_id, token, result, "echo", "1", 0.0, proof, sig)]))
+            return relay.recv_type(protocol.CompleteAck).outcomes[0].outcome
 
-        assert complete(good, rogue.sign(good)) == p.Outcome.REJECTED.value  # forged proof
+        assert complete(good, rogue.sign(good)) == protocol.Outcome.REJECTED.value  # forged proof
         other = fed.result_proof("b", {"swarm": "a", "item_id": "a-other"}, "b000001", result)
-        assert complete(other, b_key.sign(other)) == p.Outcome.REJECTED.value  # a proof for another item
+        assert complete(other, b_key.sign(other)) == protocol.Outcome.REJECTED.value  # a proof for another item
         # no heartbeat from the relay: its lease expires (G2) and a local worker takes the item
         worker = ScriptedPeer(root, "worker-1", broker.endpoint)
         worker.hello("worker", credit=1, kinds=["echo"])
-        [wtask] = worker.recv_type(p.Dispatch, timeout_s=10).tasks
+        [wtask] = worker.recv_type(protocol.Dispatch, timeout_s=10).tasks
         assert wtask.item_id == task.item_id and wtask.token != task.token and not wtask.origin
-        assert complete(good, b_key.sign(good)) == p.Outcome.FENCED.value  # late: counted, not landed
-        worker.send(p.Complete([p.TaskResult(wtask.item_id, wtask.token, _blob(b"LOCAL"), "echo", "1")]))
-        assert worker.recv_type(p.CompleteAck).outcomes[0].outcome == p.Outcome.ACCEPTED.value
+        assert complete(good, b_key.sign(good)) == protocol.Outcome.FENCED.value  # late: counted, not landed
+        worker.send(protocol.Complete([protocol.TaskResult(wtask.item_id, wtask.token, _blob(b"LOCAL"), "echo", "1")]))
+        assert worker.recv_type(protocol.CompleteAck).outcomes[0].outcome == protocol.Outcome.ACCEPTED.value
         [st] = producer.status([sub.item_id])
         assert st.state == "completed" and st.result == _blob(b"LOCAL")
         time.sleep(0.3)
@@ -214,7 +215,7 @@ def test_local_workers_come_first_and_a_relay_withdraws_credit(tmp_path: Path) -
         tasks, deadline = [], time.monotonic() + within_s
         while (left := deadline - time.monotonic()) > 0:
             env = peer.recv(left)
-            if env is not None and isinstance(env.message, p.Dispatch):
+            if env is not None and isinstance(env.message, protocol.Dispatch):
                 tasks += env.message.tasks
         return tasks
 
@@ -222,7 +223,7 @@ def test_local_workers_come_first_and_a_relay_withdraws_credit(tmp_path: Path) -
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             relay.heartbeat()
-            info = relay.recv_type(p.Heartbeat, skip=()).info
+            info = relay.recv_type(protocol.Heartbeat, skip=()).info
             if info.get(fed.CREDIT_MSGS_INFO) == msgs:
                 return info
         raise TimeoutError(f"no heartbeat with credit_msgs == {msgs}")
@@ -234,18 +235,18 @@ def test_local_workers_come_first_and_a_relay_withdraws_credit(tmp_path: Path) -
         worker.hello("worker", slots=1, credit=3, kinds=["echo"])
         producer = ScriptedPeer(root, "producer-1", broker.endpoint)
         producer.hello("producer")
-        producer.submit([p.SubmitItem("k-first", "echo", _blob(b"page"), {})])
+        producer.submit([protocol.SubmitItem("k-first", "echo", _blob(b"page"), {})])
         assert len(dispatched(worker, 1.0)) == 1  # (one pass: the round-robin now starts at the relay)
-        producer.submit([p.SubmitItem(f"k{i}", "echo", _blob(b"page"), {}) for i in range(2)])
+        producer.submit([protocol.SubmitItem(f"k{i}", "echo", _blob(b"page"), {}) for i in range(2)])
         assert len(dispatched(worker, 1.0)) == 2  # both to the local worker with credit left ...
         assert dispatched(relay, 0.5) == []  # ... none to the relay, though its turn came first and it has more credit
         assert credit_info(relay, 0)[fed.CREDIT_INFO] == 4
-        relay.send(p.Credit(-10))  # withdraw more than it holds: clamped at 0
+        relay.send(protocol.Credit(-10))  # withdraw more than it holds: clamped at 0
         assert credit_info(relay, 1)[fed.CREDIT_INFO] == 0
         worker.heartbeat()
-        producer.submit([p.SubmitItem("k-later", "echo", _blob(b"page"), {})])
+        producer.submit([protocol.SubmitItem("k-later", "echo", _blob(b"page"), {})])
         assert dispatched(relay, 1.0) == []  # no credit left: nothing relayed (the worker, full, holds 3)
-        worker.send(p.Credit(-1))
-        assert worker.recv_type(p.Error).code == p.REJECT_MALFORMED  # only a relay may withdraw
+        worker.send(protocol.Credit(-1))
+        assert worker.recv_type(protocol.Error).code == protocol.REJECT_MALFORMED  # only a relay may withdraw
     finally:
         broker.kill()

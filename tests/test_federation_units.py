@@ -26,7 +26,7 @@ def test_every_counter_is_explained() -> None:
     """Each counter of ``ccsq gap-report`` (both swarms) and of ``ccsq federation report``
     has its row in docs/federation.md's "What each counter means" (issue 22)."""
     from ccsq.brokerd.ledger.schema import COUNTERS as SWARM
-    from ccsq.relayd.journal import COUNTERS as LINK
+    from ccsq.relayd.relay_journal import COUNTERS as LINK
 
     text = (ROOT / "docs" / "federation.md").read_text()
     section = text.split("What each counter means.", 1)[1].split("\n### ", 1)[0]
@@ -47,20 +47,21 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
+from ccsq.brokerd.relaying import capacity, deadline_pressure  # noqa: E402
 from ccsq.common.wire import federation as fed  # noqa: E402
-from ccsq.common.wire import protocol as p  # noqa: E402
+from ccsq.common.wire import protocol  # noqa: E402
 from ccsq.common.wire.errors import ConfigError  # noqa: E402
 from ccsq.relayd.config import load_relay_config  # noqa: E402
 
 
 def test_new_protocol_fields_are_omitted_when_empty() -> None:
     """Version-1 peers reject unknown fields: the federation fields travel only to relays."""
-    task = p.Task("i", 1, "ocr", p.Blob("0" * 64, 0, b""), {}, 1)
-    assert "origin" not in p.encode_body(task) and "origin_sig" not in p.encode_body(task)
-    res = p.TaskResult("i", 1, p.Blob("0" * 64, 0, b""), "h", "1")
-    assert "proof" not in p.encode_body(res)
+    task = protocol.Task("i", 1, "ocr", protocol.Blob("0" * 64, 0, b""), {}, 1)
+    assert "origin" not in protocol.encode_body(task) and "origin_sig" not in protocol.encode_body(task)
+    res = protocol.TaskResult("i", 1, protocol.Blob("0" * 64, 0, b""), "h", "1")
+    assert "proof" not in protocol.encode_body(res)
     signed = dataclasses.replace(task, origin=b"x", origin_sig=b"y")
-    assert p.decode_body(p.MsgType.DISPATCH, p.encode_body(p.Dispatch([signed]))).tasks[0] == signed
+    assert protocol.decode_body(protocol.MsgType.DISPATCH, protocol.encode_body(protocol.Dispatch([signed]))).tasks[0] == signed
 
 
 @dataclasses.dataclass
@@ -68,23 +69,23 @@ class _W:
     peer_id: str
     credit: int
     kinds: tuple = ()
-    healthy: bool = True  # only the fields a broker Session has (a method here once hid a call to a removed one)
+    healthy: bool = True  # only the fields a broker Session has: no method that could stand in for a missing one
 
 
 def test_capacity_is_free_worker_credit_minus_own_backlog() -> None:
     workers = [_W("w1", 2, ("ocr",)), _W("w2", 3), _W("w3", 5, ("ocr",), healthy=False), _W("w4", 4, ("ocr",))]
     states = {"ocr": {"ready": 3}, "echo": {"ready": 10}}
     # w3 unhealthy, w4 draining: 2 + 3 free for ocr, 3 of b's own ocr items wait -> 2
-    assert fed.capacity(workers, {"w4"}, states, ("ocr", "echo")) == {"cap:ocr": 2, "cap:echo": 0,
-                                                                      "workers:ocr": 2, "workers:echo": 1}
-    assert fed.capacity([_W("w1", 0)], set(), {}, ("ocr",))["cap:ocr"] == 0  # all busy: nothing moves
+    assert capacity(workers, {"w4"}, states, ("ocr", "echo")) == {"cap:ocr": 2, "cap:echo": 0,
+                                                                  "workers:ocr": 2, "workers:echo": 1}
+    assert capacity([_W("w1", 0)], set(), {}, ("ocr",))["cap:ocr"] == 0  # all busy: nothing moves
 
 
 def test_deadline_pressure_from_the_queue_forecast() -> None:
     forecast = [{"kind": "ocr", "verdict": "late", "nearest_deadline_ms": 5},
                 {"kind": "echo", "verdict": "stalled", "nearest_deadline_ms": None},  # no deadline: no pressure
                 {"kind": "asr", "verdict": "on track", "nearest_deadline_ms": 5}]
-    assert fed.deadline_pressure(forecast, ("ocr", "echo", "asr", "none")) == {
+    assert deadline_pressure(forecast, ("ocr", "echo", "asr", "none")) == {
         "late:ocr": 1, "late:echo": 0, "late:asr": 0, "late:none": 0}
 
 
@@ -143,8 +144,8 @@ def test_init_relay_wires_two_swarms(tmp_path) -> None:
         trust = TrustedSwarms(tmp_path / me / broker["trusted_swarms"])
         assert set(trust.keys) == {other}
         peers = parse_authorized_keys(tmp_path / me / "authorized_keys.toml")
-        assert peers[f"relay-{me}-to-{other}-up"].role is p.Role.RELAY
-        assert peers[f"relay-{other}-to-{me}-down"].role is p.Role.RELAY
+        assert peers[f"relay-{me}-to-{other}-up"].role is protocol.Role.RELAY
+        assert peers[f"relay-{other}-to-{me}-down"].role is protocol.Role.RELAY
     assert (tmp_path / "relay" / "keys" / "relay.key").stat().st_mode & 0o077 == 0
 
 
@@ -154,7 +155,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
     import sqlite3
 
     from ccsq.tools.cli import main
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
 
     for site, port in (("site-a", 5611), ("site-b", 5612)):
         assert main(["init", str(tmp_path / site), "--endpoint", f"tcp://127.0.0.1:{port}", "--workers", "1",
@@ -176,7 +177,7 @@ def test_relayd_exits_78_on_a_journal_row_that_does_not_decode(tmp_path) -> None
 
 def test_init_relay_refuses_a_link_from_a_swarm_to_itself(tmp_path, capsys) -> None:
     """A link whose two ends share a swarm_id is a config error (exit 78) naming both
-    directories (the check raised NameError before: issue 26, found by ruff's F821)."""
+    directories, not a crash of the check itself."""
     from ccsq.tools.cli import main
 
     assert main(["init", str(tmp_path / "site-a"), "--endpoint", "tcp://127.0.0.1:5601", "--workers", "1"]) == 0
@@ -197,7 +198,7 @@ def test_a_delayed_hello_does_not_replace_a_newer_session() -> None:
     guard.accept("relay-x", 2, 1, 2_000)  # the newer session opened first
     with pytest.raises(AuthError) as exc:
         guard.check("relay-x", 1, 1, True, 1_000)  # ... then the older HELLO arrives
-    assert exc.value.code == p.REJECT_REPLAY
+    assert exc.value.code == protocol.REJECT_REPLAY
     guard.check("relay-x", 3, 1, True, 3_000)  # a genuinely newer session still may
 
 
@@ -213,10 +214,10 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from ccsq.tools.cli import main
-    from ccsq.relayd.journal import RelayJournal
-    from ccsq.relayd.metrics import start_relay_metrics
+    from ccsq.relayd.relay_journal import RelayJournal
+    from ccsq.relayd.relay_metrics import start_relay_metrics
     from ccsq.relayd.relay import Relay
-    from ccsq.relayd.report import load_federation_report
+    from ccsq.relayd.federation_report import load_federation_report
 
     assert main(["init", str(tmp_path / "a"), "--endpoint", "tcp://127.0.0.1:5611", "--workers", "1"]) == 0
     assert main(["init", str(tmp_path / "b"), "--endpoint", "tcp://127.0.0.1:5612", "--workers", "1"]) == 0
@@ -235,11 +236,11 @@ def test_relay_metrics_read_the_journal_books_at_scrape_time(tmp_path) -> None:
     server = start_relay_metrics(relay, cfg.metrics_listen, where="relayd.toml: metrics_listen")
     try:
         link = cfg.links[0].name
-        blob = p.Blob(sha256=hashlib.sha256(b"x").hexdigest(), size=1, inline=b"x")
-        tasks = [p.Task(f"it-{i}", 1, "ocr", blob, {}, 1) for i in range(5)]
+        blob = protocol.Blob(sha256=hashlib.sha256(b"x").hexdigest(), size=1, inline=b"x")
+        tasks = [protocol.Task(f"it-{i}", 1, "ocr", blob, {}, 1) for i in range(5)]
         journal.insert_leased(link, tasks)
         journal.mark_submitted(link, "it-0", "down-0", False)
-        journal.mark_failing(link, [p.TaskFailure("it-1", 1, p.FailReason.RELEASED.value, True)], "forged_rejected")
+        journal.mark_failing(link, [protocol.TaskFailure("it-1", 1, protocol.FailReason.RELEASED.value, True)], "forged_rejected")
         journal.end(link, [("it-1", 1)], "ended_failed")
         relay.links[0].granted, relay.links[0].received = 7, 5
 
@@ -270,7 +271,7 @@ def _scripted_link(tmp_path: Path):
     """A LinkRunner over a real relay journal whose two broker sessions are READY and
     record what the relay sends (the scripted upstream and downstream brokers)."""
     from ccsq.common.link.peer import LinkState
-    from ccsq.relayd.journal import RelayJournal
+    from ccsq.relayd.relay_journal import RelayJournal
     from ccsq.relayd.relay import LinkRunner
     from tests.fedswarm import FedPair
 
@@ -285,11 +286,11 @@ def _scripted_link(tmp_path: Path):
     return runner, journal, sent
 
 
-def _task(token: int) -> p.Task:
+def _task(token: int) -> protocol.Task:
     import msgpack
 
     origin = msgpack.packb({"swarm": "a", "item_id": "item-1", "priority": 0, "max_attempts": 3})
-    return p.Task("item-1", token, "echo", p.Blob("0" * 64, 2, b"hi"), {}, 1, origin=origin, origin_sig=b"s" * 64)
+    return protocol.Task("item-1", token, "echo", protocol.Blob("0" * 64, 2, b"hi"), {}, 1, origin=origin, origin_sig=b"s" * 64)
 
 
 def test_upstream_leases_again_while_the_result_waits_for_ack(tmp_path: Path) -> None:
@@ -303,24 +304,24 @@ def test_upstream_leases_again_while_the_result_waits_for_ack(tmp_path: Path) ->
     runner, journal, sent = _scripted_link(tmp_path)
     asyncio.run(runner._on_dispatch([_task(1)]))
     submit = sent["down"][-1]
-    assert isinstance(submit, p.Submit) and len(submit.items) == 1
+    assert isinstance(submit, protocol.Submit) and len(submit.items) == 1
     key = submit.items[0].key
-    runner._on_submit_ack([p.SubmitResult(key, "down-1")])
-    result = p.Blob("1" * 64, 2, b"ok")
-    asyncio.run(runner._on_result([p.Delivery("down-1", key, "echo", result, {}, 1, "echo", "1", 0.0,
+    runner._on_submit_ack([protocol.SubmitResult(key, "down-1")])
+    result = protocol.Blob("1" * 64, 2, b"ok")
+    asyncio.run(runner._on_result([protocol.Delivery("down-1", key, "echo", result, {}, 1, "echo", "1", 0.0,
                                               proof=b"proof", proof_sig=b"sig")]))
-    first = [m for m in sent["up"] if isinstance(m, p.Complete)]
+    first = [m for m in sent["up"] if isinstance(m, protocol.Complete)]
     assert first and first[-1].results[0].token == 1
     # the upstream re-leases (token 2) before the first COMPLETE is confirmed
     asyncio.run(runner._on_dispatch([_task(2)]))
-    runner._on_submit_ack([p.SubmitResult(key, "down-1", duplicate=True)])
-    completes = [r for m in sent["up"] if isinstance(m, p.Complete) for r in m.results]
+    runner._on_submit_ack([protocol.SubmitResult(key, "down-1", duplicate=True)])
+    completes = [r for m in sent["up"] if isinstance(m, protocol.Complete) for r in m.results]
     assert [r.token for r in completes] == [1, 2], completes
     assert completes[1].result == result and completes[1].proof == b"proof"
     # the upstream fences token 1 and accepts token 2: the downstream item is ACKed once
-    runner._on_complete_ack([p.ItemOutcome("item-1", 1, p.Outcome.FENCED.value),
-                             p.ItemOutcome("item-1", 2, p.Outcome.ACCEPTED.value)])
-    acks = [m for m in sent["down"] if isinstance(m, p.Ack)]
+    runner._on_complete_ack([protocol.ItemOutcome("item-1", 1, protocol.Outcome.FENCED.value),
+                             protocol.ItemOutcome("item-1", 2, protocol.Outcome.ACCEPTED.value)])
+    acks = [m for m in sent["down"] if isinstance(m, protocol.Ack)]
     assert acks and acks[-1].item_ids == ["down-1"]
     runner._on_ack_ok({"down-1"})
     assert runner.rows == {}
@@ -337,9 +338,9 @@ def test_leases_arriving_after_the_link_broke_go_straight_back(tmp_path: Path) -
     runner, journal, sent = _scripted_link(tmp_path)
     runner.broken = "upstream rejected the downstream's result proofs"
     asyncio.run(runner._on_dispatch([_task(5)]))
-    assert not any(isinstance(m, p.Submit) for m in sent["down"])
-    fails = [f for m in sent["up"] if isinstance(m, p.Fail) for f in m.failures]
-    assert [(f.token, f.reason) for f in fails] == [(5, p.FailReason.RELEASED.value)]
+    assert not any(isinstance(m, protocol.Submit) for m in sent["down"])
+    fails = [f for m in sent["up"] if isinstance(m, protocol.Fail) for f in m.failures]
+    assert [(f.token, f.reason) for f in fails] == [(5, protocol.FailReason.RELEASED.value)]
     journal.close()
 
 
@@ -361,10 +362,10 @@ def test_an_item_the_upstream_accepts_passes_the_downstreams_origin_check(tmp_pa
     (tmp_path / "trusted_swarms.toml").write_text(f'[swarms.site-a]\npublic_key = "{pub}"\n')
     trust = fed.TrustedSwarms(tmp_path / "trusted_swarms.toml")
     inline = b"x" * 16384
-    payload = p.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline)
+    payload = protocol.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline)
     for n in (70_000, 300_000, 500_000):
         params = {"big": "p" * n}
-        sub = p.SubmitItem(key="k", kind="echo", payload=payload, params=params)
+        sub = protocol.SubmitItem(key="k", kind="echo", payload=payload, params=params)
         assert dispatch_refusal(sub, FrameBudget(1 << 20), id_len=20, swarm_id="site-a", relayed=False, federated=True) == ""
         item_id = "db05330d0000000000c9"
         rec = {"id": item_id, "kind": "echo", "params": params, "deadline_ms": None, "priority": 0, "max_runtime_s": 0.0}

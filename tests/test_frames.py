@@ -15,7 +15,7 @@ from ccsq.brokerd.outbound import Outbound, dispatch_refusal, task_size
 from ccsq.brokerd.peers import PeerTable, Session
 from ccsq.brokerd.transport import Transport
 from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_frames
@@ -60,16 +60,16 @@ def _codecs(tmp_path: Path, max_frame_bytes: int = MiB) -> tuple[EnvelopeCodec, 
             EnvelopeCodec("relay", keys["relay"], ak, max_frame_bytes=max_frame_bytes, require_hello=False))
 
 
-def _relay_task(i: int, payload_bytes: int = INLINE_MAX, params: dict | None = None) -> p.Task:
+def _relay_task(i: int, payload_bytes: int = INLINE_MAX, params: dict | None = None) -> protocol.Task:
     """A DISPATCH record to a relay: an inline payload at inline_max_bytes, the origin
     record and its signature (what the upstream broker's DISPATCH carries)."""
     data = f"{i:08d}".encode() + b"x" * (payload_bytes - 8)
-    blob = p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+    blob = protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
     params = params if params is not None else {"lang": "en", "page": i}
     item_id = f"01JABCDEFGHJKMNPQ{i:012x}"
     rec = {"id": item_id, "kind": "ocr", "params": params, "deadline_ms": None, "priority": 0, "max_runtime_s": 0.0}
     origin = fed.origin_record("swarm-a", rec, blob, 3)
-    return p.Task(item_id, 10_000 + i, "ocr", blob, params, 1, 0.0, None, origin, b"s" * p.SIGNATURE_BYTES)
+    return protocol.Task(item_id, 10_000 + i, "ocr", blob, params, 1, 0.0, None, origin, b"s" * protocol.SIGNATURE_BYTES)
 
 
 def test_broker_dispatch_split_fits_when_encoded(tmp_path: Path) -> None:
@@ -83,7 +83,7 @@ def test_broker_dispatch_split_fits_when_encoded(tmp_path: Path) -> None:
     chunks = split_frames(tasks, size_of=task_size, budget_bytes=room, max_items=256)
     assert [t for c in chunks for t in c] == tasks  # all, in order
     for chunk in chunks:
-        payload, _sig = broker.encode(p.Dispatch(chunk))
+        payload, _sig = broker.encode(protocol.Dispatch(chunk))
         assert len(payload) <= MiB
     assert len(chunks) <= -(-sum(map(encoded_size, tasks)) // (MiB - FRAME_SLACK_BYTES)) + 1  # no frame wasted
 
@@ -96,18 +96,19 @@ def test_one_budget_for_every_sender_is_the_encoded_size(tmp_path: Path) -> None
     assert budget.room_bytes == MiB - FRAME_SLACK_BYTES and FrameBudget(4096).room_bytes == 2048
     tasks = [_relay_task(i) for i in range(300)]
     t = tasks[0]
-    assert encoded_size(t) == len(msgpack.packb(p.encode_body(t), use_bin_type=True))
-    items = [p.SubmitItem(f"origin:swarm-a:{t.item_id}", t.kind, t.payload, t.params, origin=t.origin, origin_sig=t.origin_sig)
+    assert encoded_size(t) == len(msgpack.packb(protocol.encode_body(t), use_bin_type=True))
+    items = [protocol.SubmitItem(f"origin:swarm-a:{t.item_id}", t.kind, t.payload, t.params, origin=t.origin, origin_sig=t.origin_sig)
              for t in tasks]
-    results = [p.TaskResult(t.item_id, t.token, t.payload, "echo", "1", 0.1, b"p" * 200, b"s" * 64) for t in tasks]
-    deliveries = [p.Delivery(t.item_id, "k" * 64, t.kind, t.payload, t.params, 1, "echo", "1", time.time(), False,
+    results = [protocol.TaskResult(t.item_id, t.token, t.payload, "echo", "1", 0.1, b"p" * 200, b"s" * 64) for t in tasks]
+    deliveries = [protocol.Delivery(t.item_id, "k" * 64, t.kind, t.payload, t.params, 1, "echo", "1", time.time(), False,
                              b"p" * 200, b"s" * 64) for t in tasks]
-    for codec, cls, records in ((relay, p.Submit, items), (relay, p.Complete, results), (broker, p.Result, deliveries)):
+    for codec, cls, records in ((relay, protocol.Submit, items), (relay, protocol.Complete, results),
+                                (broker, protocol.Result, deliveries)):
         chunks = budget.split(records)
         assert [r for c in chunks for r in c] == records
         assert len(chunks) >= 5  # 300 x 16 KiB: several frames
         for chunk in chunks:
-            msg = cls(7, chunk) if cls is p.Submit else cls(chunk)
+            msg = cls(7, chunk) if cls is protocol.Submit else cls(chunk)
             assert len(codec.encode(msg)[0]) <= MiB, cls
     small = FrameBudget(MiB, max_items=3).split(list(range(10)))
     assert small == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
@@ -121,15 +122,15 @@ def test_a_frame_over_the_limit_once_encoded_is_split_not_lost(tmp_path: Path) -
     cannot fit raises PAYLOAD_TOO_LARGE."""
     broker, _ = _codecs(tmp_path, max_frame_bytes=64 * 1024)
     tasks = [_relay_task(i) for i in range(11)]  # ~183 KiB: three times the limit
-    parts = encode_fitting(p.Dispatch(tasks), broker.encode)
+    parts = encode_fitting(protocol.Dispatch(tasks), broker.encode)
     assert len(parts) >= 4
     assert [t for msg, _ in parts for t in msg.tasks] == tasks
     assert all(len(frames[0]) <= 64 * 1024 for _, frames in parts)
-    sub = halves(p.Submit(9, [1, 2, 3]))  # type: ignore[list-item]
-    assert sub == (p.Submit(9, [1]), p.Submit(9, [2, 3]))  # type: ignore[list-item]
-    assert halves(p.Heartbeat()) is None and halves(p.Dispatch(tasks[:1])) is None
+    sub = halves(protocol.Submit(9, [1, 2, 3]))  # type: ignore[list-item]
+    assert sub == (protocol.Submit(9, [1]), protocol.Submit(9, [2, 3]))  # type: ignore[list-item]
+    assert halves(protocol.Heartbeat()) is None and halves(protocol.Dispatch(tasks[:1])) is None
     with pytest.raises(DecodeError) as exc:
-        encode_fitting(p.Dispatch([_relay_task(0, payload_bytes=70 * 1024)]), broker.encode)
+        encode_fitting(protocol.Dispatch([_relay_task(0, payload_bytes=70 * 1024)]), broker.encode)
     assert exc.value.code == "PAYLOAD_TOO_LARGE"
 
 
@@ -149,28 +150,28 @@ def test_outbound_splits_a_dispatch_that_does_not_fit_instead_of_dead_lettering(
     deferred: list[tuple] = []
     try:
         peers = PeerTable()
-        sess = Session("relay", p.Role.RELAY, b"relay-rid", 1)
+        sess = Session("relay", protocol.Role.RELAY, b"relay-rid", 1)
         peers.add(sess)
         out = Outbound(transport, peers, limit, end_session=lambda s, why: None,
                        defer=lambda *a: deferred.append(a), unblocked=lambda: None)
         deadline = time.monotonic() + 10
-        while transport.send(b"relay-rid", p.Heartbeat()) != "sent":  # the DEALER's connection is up
+        while transport.send(b"relay-rid", protocol.Heartbeat()) != "sent":  # the DEALER's connection is up
             assert time.monotonic() < deadline
             time.sleep(0.01)
         tasks = [_relay_task(i) for i in range(40)]  # ~680 KiB for a 256 KiB limit
-        out.send(b"relay-rid", p.Dispatch(tasks))
+        out.send(b"relay-rid", protocol.Dispatch(tasks))
         out.flush()
-        got: list[p.Task] = []
+        got: list[protocol.Task] = []
         while len(got) < len(tasks):
             assert dealer.poll(10_000), f"only {len(got)} of {len(tasks)} tasks arrived"
             frames = dealer.recv_multipart()
             assert len(frames[0]) <= limit
             msg = relay.decode(frames, bound_sender="broker").message
-            if isinstance(msg, p.Dispatch):
+            if isinstance(msg, protocol.Dispatch):
                 got += msg.tasks
         assert got == tasks and deferred == [] and not sess.unsent
         lone = _relay_task(99, payload_bytes=limit)
-        out.send(b"relay-rid", p.Dispatch([lone]))
+        out.send(b"relay-rid", protocol.Dispatch([lone]))
         assert deferred == [("dead", lone.item_id, lone.token, "payload_too_large")]
     finally:
         dealer.close(linger=0)
@@ -185,11 +186,11 @@ def test_an_item_that_could_never_fit_a_dispatch_is_refused_at_submit() -> None:
     record: the same item fits (the old code counted the origin record always, and advised
     lowering inline_max_bytes whatever the cause)."""
     budget = FrameBudget(MiB)
-    ok = p.SubmitItem("k" * 64, "ocr", _relay_task(1).payload, {"lang": "en"})
+    ok = protocol.SubmitItem("k" * 64, "ocr", _relay_task(1).payload, {"lang": "en"})
     for federated in (True, False):
         assert dispatch_refusal(ok, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=federated) == ""
     params = {f"p{i:03d}": "v" * 2500 for i in range(250)}  # ~630 KB: the SUBMIT fits, a relay's DISPATCH does not
-    big = p.SubmitItem("k" * 64, "ocr", ok.payload, params)
+    big = protocol.SubmitItem("k" * 64, "ocr", ok.payload, params)
     assert encoded_size(big) < budget.room_bytes
     why = dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=True)
     assert "DISPATCH to a relay" in why and "max_frame_bytes=1048576" in why, why
@@ -200,7 +201,7 @@ def test_an_item_that_could_never_fit_a_dispatch_is_refused_at_submit() -> None:
     assert dispatch_refusal(big, budget, id_len=28, swarm_id="swarm-a", relayed=True, federated=True) == ""
     # a payload too large inline: named as the cause, with its fix (by reference)
     inline = b"x" * (MiB - 4096)
-    fat = p.SubmitItem("k" * 64, "ocr", p.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline), {"lang": "en"})
+    fat = protocol.SubmitItem("k" * 64, "ocr", protocol.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline), {"lang": "en"})
     why = dispatch_refusal(fat, budget, id_len=28, swarm_id="swarm-a", relayed=False, federated=False)
     assert why.startswith("item would take") and "inline payload is too large" in why, why
     assert "by reference" in why and "inline_max_bytes" in why and "params are too large" not in why, why
@@ -227,8 +228,8 @@ def test_the_broker_refuses_at_submit_an_item_no_dispatch_could_carry(tmp_path: 
         peer.hello("producer")
         payload = _relay_task(1).payload
         params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
-        big = p.SubmitItem("big" * 20, "ocr", payload, params)
-        ok = p.SubmitItem("ok" * 30, "ocr", payload, {"lang": "en"})
+        big = protocol.SubmitItem("big" * 20, "ocr", payload, params)
+        ok = protocol.SubmitItem("ok" * 30, "ocr", payload, {"lang": "en"})
         first, accepted = peer.submit([big, ok], timeout_s=20)
         assert accepted.error == "" and accepted.item_id
         if federated:
@@ -260,12 +261,12 @@ def test_a_broker_without_federation_hands_no_item_to_a_relay(tmp_path: Path) ->
         producer.hello("producer")
         relay.hello("relay", credit=4, kinds=["ocr"], info={fed.RELAY_SIDE: fed.UPSTREAM})
         params = {f"p{i:03d}": "v" * 2500 for i in range(250)}
-        [r] = producer.submit([p.SubmitItem("big" * 20, "ocr", _relay_task(1).payload, params)], timeout_s=20)
+        [r] = producer.submit([protocol.SubmitItem("big" * 20, "ocr", _relay_task(1).payload, params)], timeout_s=20)
         assert r.error == "" and r.item_id, r
         with pytest.raises(TimeoutError):
-            relay.recv_type(p.Dispatch, timeout_s=1.5)
+            relay.recv_type(protocol.Dispatch, timeout_s=1.5)
         worker.hello("worker", credit=1, kinds=["ocr"])
-        [task] = worker.recv_type(p.Dispatch, timeout_s=20).tasks
+        [task] = worker.recv_type(protocol.Dispatch, timeout_s=20).tasks
         assert task.item_id == r.item_id and task.params == params and not task.origin
     finally:
         for peer in peers:
@@ -288,15 +289,15 @@ def test_broker_link_sends_a_frame_over_the_limit_as_halves(tmp_path: Path) -> N
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     make_pki(tmp_path, {"broker": "broker", "p": "producer"})
     cfg = load(ProducerConfig, write_config(tmp_path, "producer", "p", endpoint, max_frame_bytes=256 * 1024))
-    items = [p.SubmitItem(f"k{i:04d}", "echo", _relay_task(i).payload, {}) for i in range(40)]  # ~660 KiB
+    items = [protocol.SubmitItem(f"k{i:04d}", "echo", _relay_task(i).payload, {}) for i in range(40)]  # ~660 KiB
 
     async def run() -> BrokerLink:
-        link = BrokerLink(cfg, hello=lambda: p.Hello(role="producer"), on_message=lambda env: None)
+        link = BrokerLink(cfg, hello=lambda: protocol.Hello(role="producer"), on_message=lambda env: None)
         task = asyncio.create_task(link.run())
         await asyncio.wait_for(link.ready.wait(), 20)
-        assert link.send(p.Submit(1, items))
-        assert link.send(p.Submit(2, [p.SubmitItem("lone", "echo", _relay_task(0, payload_bytes=300 * 1024).payload, {})]))
-        assert link.send(p.Submit(3, items[:1]))
+        assert link.send(protocol.Submit(1, items))
+        assert link.send(protocol.Submit(2, [protocol.SubmitItem("lone", "echo", _relay_task(0, payload_bytes=300 * 1024).payload, {})]))
+        assert link.send(protocol.Submit(3, items[:1]))
         deadline = time.monotonic() + 20
         while len(broker.submitted_keys) < len(items) + 1:  # the 40, then SUBMIT 3's one
             assert time.monotonic() < deadline and not task.done(), broker.submitted_keys[-3:]

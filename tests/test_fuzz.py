@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
@@ -35,8 +35,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=16)
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
@@ -64,7 +64,7 @@ def _decode_or_typed_error(codec: EnvelopeCodec, frames: list[bytes]) -> Envelop
     try:
         return codec.decode(frames)
     except DecodeError as exc:
-        assert exc.code in p.ALL_REJECT_REASONS, exc.code
+        assert exc.code in protocol.ALL_REJECT_REASONS, exc.code
         return None
 
 
@@ -76,16 +76,16 @@ def test_fuzz_decoder_signed_hostile_bodies_and_headers(codecs):
     seq = iter(range(1, 10**9))
 
     @settings(max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(mtype=st.one_of(st.sampled_from([int(t) for t in p.MsgType]), values),
+    @given(mtype=st.one_of(st.sampled_from([int(t) for t in protocol.MsgType]), values),
            header=st.one_of(st.none(), st.tuples(values, values, values)), body=values)
     def check(mtype, header, body) -> None:
-        fields = [p.PROTOCOL_VERSION, mtype, "w", worker.session, next(seq), int(time.time() * 1000)]
+        fields = [protocol.PROTOCOL_VERSION, mtype, "w", worker.session, next(seq), int(time.time() * 1000)]
         if header is not None:
             fields[2], fields[3], fields[4] = header
         payload = msgpack.packb([*fields, body], use_bin_type=True)
         env = _decode_or_typed_error(broker, [payload, worker._key.sign(payload)])
         if env is not None:
-            assert env.sender == "w" and env.message.TYPE in p.ROLE_MAY_SEND[p.Role.WORKER]
+            assert env.sender == "w" and env.message.TYPE in protocol.ROLE_MAY_SEND[protocol.Role.WORKER]
 
     check()
 
@@ -95,7 +95,7 @@ def test_fuzz_decoder_mutations_never_forge(codecs):
     extension) are never accepted unless they are byte-identical to the original."""
     broker, worker = codecs
     worker.new_session()
-    good = worker.encode(p.Hello(role="worker", info={"note": "original"}))
+    good = worker.encode(protocol.Hello(role="worker", info={"note": "original"}))
 
     @settings(max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(which=st.integers(0, 1), edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=6),
@@ -137,14 +137,14 @@ def _fuzz_broker(root: Path, examples: int) -> None:
         intruder = ScriptedPeer(root, "intruder", broker.endpoint)
         peers += [fuzz, intruder]
         fuzz.hello("producer")
-        base = fuzz.codec.encode(p.Submit(1, [p.SubmitItem("base", "echo", blob(b"base"), params={"n": "x" * 40})]))
+        base = fuzz.codec.encode(protocol.Submit(1, [protocol.SubmitItem("base", "echo", blob(b"base"), params={"n": "x" * 40})]))
         fuzz.send_raw(base)
-        assert fuzz.recv_type(p.SubmitAck).results[0].item_id  # the one legitimate item
-        status_frames = fuzz.codec.encode(p.Status(2, ["x"]))
+        assert fuzz.recv_type(protocol.SubmitAck).results[0].item_id  # the one legitimate item
+        status_frames = fuzz.codec.encode(protocol.Status(2, ["x"]))
         fuzz.send_raw(status_frames)
-        fuzz.recv_type(p.StatusReply)
+        fuzz.recv_type(protocol.StatusReply)
         # every seed has been seen (a replay) or is from an unknown sender: each fuzz frame is a reject
-        seeds = [base, status_frames, intruder.codec.encode(p.Hello(role="producer"))]
+        seeds = [base, status_frames, intruder.codec.encode(protocol.Hello(role="producer"))]
         rss0 = _rss_kib(broker.proc.pid)
         sent = 0
         alive_mono = [time.monotonic()]
@@ -192,11 +192,11 @@ def _fuzz_broker(root: Path, examples: int) -> None:
         except TimeoutError:
             raise AssertionError(f"sent {sent}, rejects {adm.admin_status()['rejects']}") from None
         assert status["counters"]["received"] == 1  # no forgery was ever accepted
-        assert set(status["rejects"]) <= set(p.ALL_REJECT_REASONS)
+        assert set(status["rejects"]) <= set(protocol.ALL_REJECT_REASONS)
         assert _rss_kib(broker.proc.pid) - rss0 < 16 * 1024
         assert "wA" in {x["peer_id"] for x in status["peers"]}  # the bystander kept its session
         w.heartbeat()
-        assert isinstance(w.recv_type(p.Heartbeat, 2.0), p.Heartbeat)
+        assert isinstance(w.recv_type(protocol.Heartbeat, 2.0), protocol.Heartbeat)
     finally:
         for sp in peers:
             sp.close()

@@ -50,7 +50,7 @@ def _events(swarm: Swarm, name: str, event: str) -> list[dict]:
 
 
 def _assert_landed_once(swarm: Swarm, n: int, data_dir: Path | None = None) -> dict:
-    from ccsq.brokerd.report import load_report
+    from ccsq.brokerd.gap_report import load_report
 
     data_dir = data_dir or swarm.root / "broker-data"
     rep = wait_until(lambda: (r := load_report(str(data_dir)))["counters"]["acknowledged"] >= n and r, 90,
@@ -125,7 +125,7 @@ def test_the_peer_codec_keeps_replay_memory_per_broker_of_the_pair(tmp_path: Pat
     """Two broker processes of a pair sign as the one service identity, each with its own
     session: a peer that met the standby, then the primary, then the standby again reads the
     standby's answer (its own scope), while a replay inside one broker's scope stays refused."""
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.wire.envelope import EnvelopeCodec
     from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
     from tests.scripted_broker import make_pki
@@ -139,7 +139,7 @@ def test_the_peer_codec_keeps_replay_memory_per_broker_of_the_pair(tmp_path: Pat
     def meet(scope: str, broker: EnvelopeCodec) -> list[bytes]:
         peer.replay_scope(scope)
         peer.new_session()
-        frames = broker.encode(p.Error(p.REJECT_NOT_PRIMARY, "standby", 0, primary="tcp://b2:5555"))
+        frames = broker.encode(protocol.Error(protocol.REJECT_NOT_PRIMARY, "standby", 0, primary="tcp://b2:5555"))
         peer.decode(frames, bound_sender="broker")
         return frames
 
@@ -148,7 +148,7 @@ def test_the_peer_codec_keeps_replay_memory_per_broker_of_the_pair(tmp_path: Pat
     old = meet("tcp://b1:5555", standby)  # refused as a replay with one memory for the pair
     with pytest.raises(DecodeError) as err:
         peer.decode(old, bound_sender="broker")  # the same frame again, in the same scope
-    assert err.value.code == p.REJECT_REPLAY
+    assert err.value.code == protocol.REJECT_REPLAY
 
 
 # --- a dead first entry --------------------------------------------------------------------
@@ -333,7 +333,7 @@ def test_two_standbys_naming_each_other_cost_the_backoff_not_a_busy_loop(tmp_pat
     import logging
 
     from ccsq.common.link.peer import BrokerLink
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.wire.config import PeerSettings
     from tests.scripted_broker import make_pki
 
@@ -344,7 +344,7 @@ def test_two_standbys_naming_each_other_cost_the_backoff_not_a_busy_loop(tmp_pat
                             reconnect_backoff_max_s=0.2, hello_timeout_s=2.0)
 
     async def run_until(stubs: tuple[StandbyStub, ...], hellos: int) -> BrokerLink:
-        link = BrokerLink(settings, hello=lambda: p.Hello(role="worker"), on_message=lambda env: None)
+        link = BrokerLink(settings, hello=lambda: protocol.Hello(role="worker"), on_message=lambda env: None)
         task = asyncio.create_task(link.run())
         deadline = time.monotonic() + 30
         while sum(s.hello_count() for s in stubs) < hellos and time.monotonic() < deadline:
@@ -507,7 +507,7 @@ def test_a_relay_and_its_downstream_swarm_follow_a_downstream_failover(tmp_path:
 
         fed = wait_until(drained, 60, "the link drained")
         assert fed["balanced"] is True, fed
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         rep_b2 = load_report(str(b.root / "broker-b2-data"))
         assert rep_b2["balanced"] is True and rep_b2["counters"]["dead"] == 0, rep_b2["counters"]

@@ -13,17 +13,18 @@ from ccsq.brokerd import gaps
 from ccsq.brokerd.ledger import maintenance, schema
 from ccsq.brokerd.ledger.rules import backoff_ms
 from ccsq.brokerd.ledger.store import FULL_MODES, Ledger, LedgerError, Policy
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
-S = p.ItemState
-
-
-def blob(data: bytes = b"x") -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+S = protocol.ItemState
+ACCEPTED, FENCED = protocol.Outcome.ACCEPTED.value, protocol.Outcome.FENCED.value
 
 
-def item(key: str, kind: str = "echo", **kw) -> p.SubmitItem:
-    return p.SubmitItem(key, kind, blob(key.encode()), **kw)
+def blob(data: bytes = b"x") -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+
+
+def item(key: str, kind: str = "echo", **kw) -> protocol.SubmitItem:
+    return protocol.SubmitItem(key, kind, blob(key.encode()), **kw)
 
 
 def open_ledger(path: Path, **policy) -> Ledger:
@@ -37,14 +38,14 @@ def ledger(tmp_path):
     led.close()
 
 
-def submit(led: Ledger, *items: p.SubmitItem, now_ms: int = 1_000) -> list[p.SubmitResult]:
+def submit(led: Ledger, *items: protocol.SubmitItem, now_ms: int = 1_000) -> list[protocol.SubmitResult]:
     txn = led.begin()
     out = [txn.submit(i, now_ms) for i in items]
     txn.commit()
     return out
 
 
-def lease_all(led: Ledger, worker: str = "w1", now_ms: int = 2_000, kinds=None, limit: int = 100) -> list[p.Task]:
+def lease_all(led: Ledger, worker: str = "w1", now_ms: int = 2_000, kinds=None, limit: int = 100) -> list[protocol.Task]:
     txn = led.begin()
     ids, _ = txn.scan_ready(kinds, limit, now_ms)
     tasks = [t for t in (txn.lease(i, worker, now_ms, 5_000) for i in ids) if t]
@@ -125,12 +126,12 @@ def test_complete_accept_duplicate_fenced_and_late(ledger):
     (t2,) = lease_all(ledger, "B", now_ms=4_000)
     assert t2.attempt == 2 and t2.token > t1.token
     txn = ledger.begin()
-    res = lambda t: p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1")  # noqa: E731
-    assert txn.complete(res(t1), 5_000) == p.Outcome.FENCED.value
-    assert txn.complete(res(t2), 5_000) == p.Outcome.ACCEPTED.value
-    assert txn.complete(res(t2), 5_001) == p.Outcome.DUPLICATE.value
-    assert txn.complete(res(t1), 5_002) == p.Outcome.FENCED.value
-    assert txn.complete(p.TaskResult("nope", 1, blob(), "echo", "1"), 5_002) == p.Outcome.UNKNOWN.value
+    res = lambda t: protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1")  # noqa: E731
+    assert txn.complete(res(t1), 5_000) == FENCED
+    assert txn.complete(res(t2), 5_000) == ACCEPTED
+    assert txn.complete(res(t2), 5_001) == protocol.Outcome.DUPLICATE.value
+    assert txn.complete(res(t1), 5_002) == FENCED
+    assert txn.complete(protocol.TaskResult("nope", 1, blob(), "echo", "1"), 5_002) == protocol.Outcome.UNKNOWN.value
     txn.commit()
     with ledger.read() as v:
         assert v.counter("completed") == 1 and v.counter("fenced_completions") == 2
@@ -144,7 +145,7 @@ def test_late_result_after_expiry_accepted_when_nobody_holds_it(ledger):
     (t,) = lease_all(ledger)
     txn = ledger.begin()
     txn.expire_lease(t.item_id, t.token, 3_000)
-    assert txn.complete(p.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 3_100) == p.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 3_100) == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.get(t.item_id)["state"] == S.COMPLETED.value
@@ -152,7 +153,7 @@ def test_late_result_after_expiry_accepted_when_nobody_holds_it(ledger):
     assert check_balance(ledger)["ready"] == 0
 
 
-def _expire(led: Ledger, t: p.Task, now_ms: int) -> None:
+def _expire(led: Ledger, t: protocol.Task, now_ms: int) -> None:
     txn = led.begin()
     assert txn.expire_lease(t.item_id, t.token, now_ms) == S.READY.value
     txn.commit()
@@ -172,11 +173,11 @@ def test_a_stale_fail_from_the_same_worker_leaves_its_new_lease_alone(ledger, re
     assert t2.token > t1.token and t2.attempt == 2
     txn = ledger.begin()
     for sender in ("w1", ""):  # from the holder itself, and with the sender unknown
-        late = p.TaskFailure(t1.item_id, t1.token, reason, reason != "fatal", "late report of attempt 1")
-        assert txn.fail(late, 9_100, sender) == p.Outcome.FENCED.value
+        late = protocol.TaskFailure(t1.item_id, t1.token, reason, reason != "fatal", "late report of attempt 1")
+        assert txn.fail(late, 9_100, sender) == FENCED
     rec = txn.get(r.item_id)
     assert (rec["state"], rec["token"], rec["attempt"], rec["worker"]) == (S.LEASED.value, t2.token, 2, "w1")
-    assert txn.complete(p.TaskResult(t2.item_id, t2.token, blob(b"r2"), "echo", "1"), 9_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(t2.item_id, t2.token, blob(b"r2"), "echo", "1"), 9_200, "w1") == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.counter("fenced_failures") == 2 and v.counter("failed") == 0 and v.counter("dead") == 0
@@ -196,14 +197,14 @@ def test_a_late_complete_with_an_older_token_is_fenced_while_ready_again(ledger)
     _expire(ledger, t1, 8_000)
     (t2,) = lease_all(ledger, "w1", now_ms=9_000)
     _expire(ledger, t2, 15_000)
-    res = lambda t, data: p.TaskResult(t.item_id, t.token, blob(data), "echo", "1")  # noqa: E731
+    res = lambda t, data: protocol.TaskResult(t.item_id, t.token, blob(data), "echo", "1")  # noqa: E731
     txn = ledger.begin()
     for sender in ("w1", ""):
-        assert txn.complete(res(t1, b"attempt 1"), 15_100, sender) == p.Outcome.FENCED.value
+        assert txn.complete(res(t1, b"attempt 1"), 15_100, sender) == FENCED
     rec = txn.get(r.item_id)
     assert (rec["state"], rec["token"]) == (S.READY.value, t2.token)
-    assert txn.complete(res(t2, b"attempt 2"), 15_200, "w1") == p.Outcome.ACCEPTED.value
-    assert txn.complete(res(t1, b"attempt 1"), 15_300, "w1") == p.Outcome.FENCED.value
+    assert txn.complete(res(t2, b"attempt 2"), 15_200, "w1") == ACCEPTED
+    assert txn.complete(res(t1, b"attempt 1"), 15_300, "w1") == FENCED
     txn.commit()
     with ledger.read() as v:
         assert v.item_status(r.item_id).result == blob(b"attempt 2")
@@ -218,7 +219,7 @@ def test_fail_variants(ledger):
     tasks = {t.item_id: t for t in lease_all(ledger)}
     ids = list(tasks)
     txn = ledger.begin()
-    f = lambda t, reason, retry: p.TaskFailure(t.item_id, t.token, reason, retry, "boom")  # noqa: E731
+    f = lambda t, reason, retry: protocol.TaskFailure(t.item_id, t.token, reason, retry, "boom")  # noqa: E731
     assert txn.fail(f(tasks[ids[0]], "handler_error", True), 3_000) == "accepted"
     assert txn.fail(f(tasks[ids[0]], "handler_error", True), 3_000) == "duplicate"
     assert txn.fail(f(tasks[ids[1]], "released", True), 3_000) == "accepted"
@@ -279,7 +280,7 @@ def test_ack_idempotent_and_purge_keeps_counts(tmp_path):
     (r,) = submit(led, item("k"))
     (t,) = lease_all(led)
     txn = led.begin()
-    txn.complete(p.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 2_500)
+    txn.complete(protocol.TaskResult(t.item_id, t.token, blob(), "echo", "1"), 2_500)
     assert txn.ack(r.item_id, 3_000) is True
     assert txn.ack(r.item_id, 3_000) is False
     assert txn.ack("missing", 3_000) is None
@@ -321,7 +322,8 @@ def test_map_full_aborts_whole_txn_then_grow(tmp_path):
             txn = led.begin()
             try:
                 for j in range(10):
-                    txn.submit(p.SubmitItem(f"k{n_ok}-{j}", "echo", p.Blob(hashlib.sha256(big).hexdigest(), len(big), big)), 1_000)
+                    big_blob = protocol.Blob(hashlib.sha256(big).hexdigest(), len(big), big)
+                    txn.submit(protocol.SubmitItem(f"k{n_ok}-{j}", "echo", big_blob), 1_000)
                 txn.commit()
             finally:
                 txn.abort()  # no-op after commit; the broker actor does the same on MapFullError
@@ -341,14 +343,14 @@ def test_readonly_open_requires_existing_ledger(tmp_path):
 
 def test_blob_refs_for_reconcile(tmp_path):
     """Only claim-store references (not inline blobs) are listed, with the item's state."""
-    from ccsq.brokerd.report import iter_blob_refs
+    from ccsq.brokerd.gap_report import iter_blob_refs
 
     led = Ledger(tmp_path / "ledger", map_size_bytes=1 << 20)
-    ref = p.Blob("a" * 64, 100_000, None)
-    (r1, r2) = submit(led, p.SubmitItem("by-ref", "echo", ref), item("inline"))
+    ref = protocol.Blob("a" * 64, 100_000, None)
+    (r1, r2) = submit(led, protocol.SubmitItem("by-ref", "echo", ref), item("inline"))
     (t1, _t2) = lease_all(led)
     txn = led.begin()
-    txn.complete(p.TaskResult(t1.item_id, t1.token, p.Blob("b" * 64, 20_000, None), "echo", "1"), 3_000)
+    txn.complete(protocol.TaskResult(t1.item_id, t1.token, protocol.Blob("b" * 64, 20_000, None), "echo", "1"), 3_000)
     txn.commit()
     led.close()
     refs = sorted(iter_blob_refs(tmp_path))
@@ -361,12 +363,12 @@ def test_a_token_is_honoured_only_from_the_worker_it_was_leased_to(ledger):
     submit(ledger, item("a"), item("b"))
     ta, tb = lease_all(ledger, worker="w1")
     txn = ledger.begin()
-    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"forged"), "echo", "1"), 2_100, "w2") == p.Outcome.FENCED.value
-    assert txn.fail(p.TaskFailure(ta.item_id, ta.token, "fatal", False, "forged"), 2_100, "w2") == p.Outcome.FENCED.value
-    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"real"), "echo", "1"), 2_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"forged"), "echo", "1"), 2_100, "w2") == FENCED
+    assert txn.fail(protocol.TaskFailure(ta.item_id, ta.token, "fatal", False, "forged"), 2_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"real"), "echo", "1"), 2_200, "w1") == ACCEPTED
     txn.expire_lease(tb.item_id, tb.token, 3_000)  # b is ready again, same token: a late result would be accepted ...
-    assert txn.complete(p.TaskResult(tb.item_id, tb.token, blob(b"forged"), "echo", "1"), 3_100, "w2") == p.Outcome.FENCED.value
-    assert txn.complete(p.TaskResult(tb.item_id, tb.token, blob(b"late"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"forged"), "echo", "1"), 3_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb.token, blob(b"late"), "echo", "1"), 3_200, "w1") == ACCEPTED
     txn.commit()
     with ledger.read() as v:
         assert v.get(ta.item_id)["worker_done"] == "w1"
@@ -406,10 +408,10 @@ def test_records_of_older_brokers_keep_their_token_holder(ledger):
     _rewrite_record(ledger, tc.item_id, token_worker=None)  # the layout before token_worker: leased, worker only
     txn = ledger.begin()
     for t in (ta, tc):
-        forged = p.TaskResult(t.item_id, t.token, blob(b"forged"), "echo", "1")
-        assert txn.complete(forged, 3_100, "w2") == p.Outcome.FENCED.value
-    assert txn.complete(p.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
-    assert txn.complete(p.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == p.Outcome.ACCEPTED.value
+        forged = protocol.TaskResult(t.item_id, t.token, blob(b"forged"), "echo", "1")
+        assert txn.complete(forged, 3_100, "w2") == FENCED
+    assert txn.complete(protocol.TaskResult(ta.item_id, ta.token, blob(b"late"), "echo", "1"), 3_200, "w1") == ACCEPTED
+    assert txn.complete(protocol.TaskResult(tc.item_id, tc.token, blob(b"ok"), "echo", "1"), 3_200, "w1") == ACCEPTED
     txn.commit()
     _rewrite_record(ledger, tb.item_id, worker="", token_worker="w1")
     (tb2,) = lease_all(ledger, worker="w2", now_ms=4_000)
@@ -418,8 +420,8 @@ def test_records_of_older_brokers_keep_their_token_holder(ledger):
         assert v.get(tb.item_id)["worker"] == "w2" and "token_worker" not in v.get(tb.item_id)
         assert any("leased to w1, reported by w2" in e["detail"] for e in v.recent_events(gaps.G4_FENCED_COMPLETION, 10))
     txn = ledger.begin()
-    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == p.Outcome.FENCED.value
-    assert txn.complete(p.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == p.Outcome.ACCEPTED.value
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w1") == FENCED
+    assert txn.complete(protocol.TaskResult(tb.item_id, tb2.token, blob(b"x"), "echo", "1"), 4_100, "w2") == ACCEPTED
     txn.commit()
     check_balance(ledger)
 
@@ -461,9 +463,10 @@ def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger
     import msgpack
 
     ref = b"s3://bucket/payloads/000000000001.png#" + b"x" * 990
-    data = p.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref)
-    claim = p.Blob(hashlib.sha256(b"big").hexdigest(), 1 << 20, None)
-    (ra, rb, rc) = submit(ledger, p.SubmitItem("a", "echo", data), p.SubmitItem("b", "echo", claim), item("c", params={"n": 1}))
+    data = protocol.Blob(hashlib.sha256(ref).hexdigest(), len(ref), ref)
+    claim = protocol.Blob(hashlib.sha256(b"big").hexdigest(), 1 << 20, None)
+    (ra, rb, rc) = submit(ledger, protocol.SubmitItem("a", "echo", data), protocol.SubmitItem("b", "echo", claim),
+                          item("c", params={"n": 1}))
     with ledger.env.begin() as raw:
         rec2 = raw.get(ra.item_id.encode(), db=ledger.db["items"])
         blob2 = raw.get(ra.item_id.encode(), db=ledger.db["payloads"])
@@ -485,7 +488,7 @@ def test_records_and_blobs_of_format_1_still_read_and_format_2_is_compact(ledger
     assert tasks[ra.item_id].payload == data and tasks[rb.item_id].payload == claim
     txn = ledger.begin()
     for t in tasks.values():
-        assert txn.complete(p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1") == p.Outcome.ACCEPTED.value
+        assert txn.complete(protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1"), 3_000, "w1") == ACCEPTED
         assert txn.ack(t.item_id, 3_100) is True
     txn.commit()
     with ledger.read() as v:
@@ -538,7 +541,7 @@ def test_record_cache_holds_committed_records_of_items_not_done(ledger):
     with ledger.read() as v:
         assert v.get(rb.item_id) == cache[rb.item_id][0] and cache[rb.item_id][0]["state"] == "leased"
     txn = ledger.begin()
-    assert txn.complete(p.TaskResult(rb.item_id, tb.token, blob(b"r"), "echo", "1"), 3_000, "w1") == "accepted"
+    assert txn.complete(protocol.TaskResult(rb.item_id, tb.token, blob(b"r"), "echo", "1"), 3_000, "w1") == "accepted"
     txn.commit()
     assert cache[rb.item_id][3] == blob(b"r")
     txn = ledger.begin()
@@ -571,7 +574,7 @@ def test_a_backup_larger_than_ten_mib_is_marked_and_restores_with_a_new_id_prefi
     try:
         data = [random.Random(i).randbytes(1024) for i in range(12_000)]  # ~12 MiB, incompressible
         for start in range(0, len(data), 1000):
-            submit(led, *(p.SubmitItem(f"big-{i}", "echo", blob(d)) for i, d in enumerate(data[start:start + 1000], start)))
+            submit(led, *(protocol.SubmitItem(f"big-{i}", "echo", blob(d)) for i, d in enumerate(data[start:start + 1000], start)))
         before = led.id_prefix
         out = led.backup(tmp_path / "copy")
         assert out["bytes"] > 10 << 20

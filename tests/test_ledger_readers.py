@@ -26,9 +26,9 @@ import tomli_w
 
 from ccsq.brokerd.ledger.maintenance import parse_readers
 from ccsq.brokerd.ledger.store import Ledger, ReadersFull, data_paths
-from ccsq.brokerd.report import iter_blob_refs, load_report
+from ccsq.brokerd.gap_report import iter_blob_refs, load_report
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import ExitCode, ledger_failure
 from ccsq.tools.procs import free_tcp_port
 
@@ -38,8 +38,8 @@ MIB = 1 << 20
 pytestmark = pytest.mark.timeout(180)
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 class Farm:
@@ -108,23 +108,23 @@ class Swarm:
         ids: list[str] = []
         for start in range(0, n, batch):
             k = min(batch, n - start)
-            items = [p.SubmitItem(f"i{self.n + j}", "echo", blob(b"x%d" % (self.n + j))) for j in range(k)]
+            items = [protocol.SubmitItem(f"i{self.n + j}", "echo", blob(b"x%d" % (self.n + j))) for j in range(k)]
             self.n += k
             res = self.prod.submit(items, timeout_s=30)
             assert all(r.item_id and not r.error for r in res), res[:3]
             ids += [r.item_id for r in res]
-            self.w.send(p.Credit(k))
-            tasks: list[p.Task] = []
+            self.w.send(protocol.Credit(k))
+            tasks: list[protocol.Task] = []
             while len(tasks) < k:
-                tasks += self.w.recv_type(p.Dispatch, 30).tasks
-            self.w.send(p.Complete([p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.0) for t in tasks]))
-            self.w.recv_type(p.CompleteAck, 30)
-            self.comp.send(p.Credit(k))
+                tasks += self.w.recv_type(protocol.Dispatch, 30).tasks
+            self.w.send(protocol.Complete([protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.0) for t in tasks]))
+            self.w.recv_type(protocol.CompleteAck, 30)
+            self.comp.send(protocol.Credit(k))
             got: list[str] = []
             while len(got) < k:
-                got += [d.item_id for d in self.comp.recv_type(p.Result, 30).deliveries]
-            self.comp.send(p.Ack(got))
-            self.comp.recv_type(p.AckOk, 30)
+                got += [d.item_id for d in self.comp.recv_type(protocol.Result, 30).deliveries]
+            self.comp.send(protocol.Ack(got))
+            self.comp.recv_type(protocol.AckOk, 30)
         return ids
 
     def status(self) -> dict:
@@ -303,7 +303,7 @@ def _readers_sigkilled_while_submits_flow(tmp_path: Path, farms: list, *, reader
             try:
                 n = 0
                 while not stop.is_set():
-                    res = sw.prod.submit([p.SubmitItem(f"s{n + j}", "echo", blob(b"s%d" % (n + j))) for j in range(20)], 30)
+                    res = sw.prod.submit([protocol.SubmitItem(f"s{n + j}", "echo", blob(b"s%d" % (n + j))) for j in range(20)], 30)
                     assert all(r.item_id and not r.error for r in res), res[:2]
                     n += 20
                     acked.append(n)
@@ -453,7 +453,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         def submits() -> None:  # the broker keeps committing during the copy
             n = 0
             while not stop.is_set():
-                res = sw.prod.submit([p.SubmitItem(f"b{n + j}", "echo", blob(b"b%d" % (n + j))) for j in range(10)], 30)
+                res = sw.prod.submit([protocol.SubmitItem(f"b{n + j}", "echo", blob(b"b%d" % (n + j))) for j in range(10)], 30)
                 submitted.extend(r.item_id for r in res)
                 n += 10
 
@@ -490,28 +490,28 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         assert ready == out["received"] - 600
         # workers and completion services with plenty of credit: only the ready items come
         sw.connect()
-        sw.w.send(p.Credit(5000))
-        sw.comp.send(p.Credit(5000))
-        tasks: list[p.Task] = []
+        sw.w.send(protocol.Credit(5000))
+        sw.comp.send(protocol.Credit(5000))
+        tasks: list[protocol.Task] = []
         while len(tasks) < ready:
-            tasks += sw.w.recv_type(p.Dispatch, 30).tasks
+            tasks += sw.w.recv_type(protocol.Dispatch, 30).tasks
         assert not acked & {t.item_id for t in tasks}
-        sw.w.send(p.Complete([p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.0) for t in tasks]))
-        got: list[p.Delivery] = []
+        sw.w.send(protocol.Complete([protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.0) for t in tasks]))
+        got: list[protocol.Delivery] = []
         while len(got) < ready:
-            got += sw.comp.recv_type(p.Result, 30).deliveries
+            got += sw.comp.recv_type(protocol.Result, 30).deliveries
         assert not acked & {d.item_id for d in got} and not any(d.redelivery for d in got)
-        sw.comp.send(p.Ack([d.item_id for d in got]))
-        sw.comp.recv_type(p.AckOk, 30)
+        sw.comp.send(protocol.Ack([d.item_id for d in got]))
+        sw.comp.recv_type(protocol.AckOk, 30)
         with pytest.raises(TimeoutError):  # nothing else: no redispatch, no redelivery
-            sw.comp.recv_type(p.Result, 1.0)
+            sw.comp.recv_type(protocol.Result, 1.0)
         final = json.loads(_gap_report(sw.config).stdout)
         assert final["balanced"] and final["counters"]["acknowledged"] == 600 + ready and final["counters"]["redelivered"] == 0
         assert final["counters"]["routed"] == out["received"]  # each item leased once: none of the 600 again
         # ids the old broker issued after the copy (their results may be in the results database
         # already) are never issued again: the restored copy took a new id prefix at its first start
         after_backup = set(submitted)  # a superset of the ids issued after the copy (all of them fit)
-        fresh = [r.item_id for r in sw.prod.submit([p.SubmitItem(f"new{j}", "echo", blob(b"n%d" % j)) for j in range(100)], 30)]
+        fresh = [r.item_id for r in sw.prod.submit([protocol.SubmitItem(f"new{j}", "echo", blob(b"n%d" % j)) for j in range(100)], 30)]
         assert len(set(fresh)) == 100 and not after_backup & set(fresh) and not acked & set(fresh)
         assert {i[:8] for i in fresh} != {i[:8] for i in submitted}
         # a second start of the restored ledger keeps its prefix (it is a restore once)
@@ -520,7 +520,7 @@ def test_hot_compacting_backup_then_restore_balances_and_brings_back_nothing_ack
         assert sw.broker.stop() == 0
         sw.broker = BrokerProcess(sw.config).start()
         sw.connect()
-        again = [r.item_id for r in sw.prod.submit([p.SubmitItem(f"again{j}", "echo", blob(b"a%d" % j)) for j in range(5)], 30)]
+        again = [r.item_id for r in sw.prod.submit([protocol.SubmitItem(f"again{j}", "echo", blob(b"a%d" % j)) for j in range(5)], 30)]
         assert {i[:8] for i in again} == {i[:8] for i in fresh}
     finally:
         sw.close()
@@ -544,7 +544,7 @@ def test_reconcile_pages_with_fresh_transactions_and_holds_no_snapshot_between_p
     txn = led.begin()
     for i in range(2500):
         body = b"payload %d" % i
-        txn.submit(p.SubmitItem(f"k{i}", "ocr", p.Blob(hashlib.sha256(body).hexdigest(), len(body))), 1_000_000 + i)
+        txn.submit(protocol.SubmitItem(f"k{i}", "ocr", protocol.Blob(hashlib.sha256(body).hexdigest(), len(body))), 1_000_000 + i)
     txn.commit()
     led.close()
     seen, mid = [], None
@@ -585,7 +585,7 @@ def test_a_full_disk_exits_74_with_its_own_sentence_and_loses_nothing_confirmed(
         confirmed: list[str] = []
         for n in range(400):  # 400 x 8 x 4 KiB = 12.8 MiB: far past the 3 MiB disk
             try:
-                res = prod.submit([p.SubmitItem(f"f{n}-{j}", "echo", blob(os.urandom(4096))) for j in range(8)], timeout_s=5)
+                res = prod.submit([protocol.SubmitItem(f"f{n}-{j}", "echo", blob(os.urandom(4096))) for j in range(8)], timeout_s=5)
             except TimeoutError:
                 break
             confirmed += [r.item_id for r in res if r.item_id]

@@ -12,15 +12,15 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from ccsq.brokerd.ledger import maintenance, replication as rp
+from ccsq.brokerd.ledger import maintenance, replication
 from ccsq.brokerd.ledger.store import Ledger, Policy
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
-S = p.ItemState
+S = protocol.ItemState
 
 
-def blob(data: bytes = b"x") -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes = b"x") -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def open_ledger(path: Path) -> Ledger:
@@ -40,7 +40,7 @@ def lifecycle(led: Ledger, base_ms: int = 1_000, n: int = 12) -> None:
     """Submit, lease, complete, ack, lease expiry, fatal failure (dead letter), dead after
     max attempts, replay, purge of a dead item, deadline expiry, purges, samples, history."""
     t0 = base_ms
-    ids = turn(led, lambda t: [t.submit(p.SubmitItem(f"k{base_ms}-{i}", "echo", blob(b"%d" % i), priority=i % 3,
+    ids = turn(led, lambda t: [t.submit(protocol.SubmitItem(f"k{base_ms}-{i}", "echo", blob(b"%d" % i), priority=i % 3,
                                                deadline_ts=(t0 + 50_000) / 1000 if i == 0 else None), t0)
                          for i in range(n)])
     ids = [r.item_id for r in ids]
@@ -48,10 +48,10 @@ def lifecycle(led: Ledger, base_ms: int = 1_000, n: int = 12) -> None:
     tasks = turn(led, lambda t: [x for x in (t.lease(i, "w1", t0 + 10, 5_000) for i in ids) if x])
     assert len(tasks) == n
     done = tasks[1:5]
-    turn(led, lambda t: [t.complete(p.TaskResult(x.item_id, x.token, blob(b"r" * 3000), "echo", "1"), t0 + 20, "w1")
+    turn(led, lambda t: [t.complete(protocol.TaskResult(x.item_id, x.token, blob(b"r" * 3000), "echo", "1"), t0 + 20, "w1")
                          for x in done])
     turn(led, lambda t: [t.ack(x.item_id, t0 + 30) for x in done[:3]])
-    turn(led, lambda t: t.fail(p.TaskFailure(tasks[5].item_id, tasks[5].token, "fatal", False, "boom"), t0 + 40, "w1"))
+    turn(led, lambda t: t.fail(protocol.TaskFailure(tasks[5].item_id, tasks[5].token, "fatal", False, "boom"), t0 + 40, "w1"))
     turn(led, lambda t: [t.expire_lease(x.item_id, x.token, t0 + 6_000) for x in tasks[6:9]])  # back to ready
     again = turn(led, lambda t: [t.lease(x.item_id, "w2", t0 + 6_100, 5_000) for x in tasks[6:9]])
     turn(led, lambda t: [t.expire_lease(x.item_id, x.token, t0 + 12_000) for x in again])  # dead: max attempts
@@ -74,13 +74,13 @@ def primary(tmp_path):
     led.close()
 
 
-def seeded(primary: Ledger, dest: Path) -> tuple[rp.ReplicaLedger, tuple[int, int]]:
-    out = rp.take_copy(primary, dest)
-    return rp.ReplicaLedger(dest, map_size_bytes=1 << 16, max_map_size_bytes=64 << 20), out["position"]
+def seeded(primary: Ledger, dest: Path) -> tuple[replication.ReplicaLedger, tuple[int, int]]:
+    out = replication.take_copy(primary, dest)
+    return replication.ReplicaLedger(dest, map_size_bytes=1 << 16, max_map_size_bytes=64 << 20), out["position"]
 
 
 def test_replica_is_identical_after_every_kind_of_transition(primary, tmp_path):
-    shipped: list[rp.WriteSet] = []
+    shipped: list[replication.WriteSet] = []
     primary.replicate(1, sink=shipped.append)
     standby, pos = seeded(primary, tmp_path / "standby")  # seeded empty: the map grows as it applies
     assert pos == (0, 0)
@@ -89,10 +89,10 @@ def test_replica_is_identical_after_every_kind_of_transition(primary, tmp_path):
     kinds = {name for ws in shipped for name, _, v in ws.ops if v is None}
     assert {"ready", "leased", "completed", "acked", "items", "payloads", "keys", "meta", "deadline"} <= kinds
     for ws in shipped:
-        assert standby.apply(rp.WriteSet.unpack(ws.pack())) is True  # what a link carries
+        assert standby.apply(replication.WriteSet.unpack(ws.pack())) is True  # what a link carries
     assert standby.position == (1, len(shipped))
     assert standby.env.info()["map_size"] > 1 << 16
-    assert rp.dump(standby.env) == rp.dump(primary.env)
+    assert replication.dump(standby.env) == replication.dump(primary.env)
     with primary.read() as v:
         states = v.states()
         assert v.balanced() and states[S.DEAD.value] >= 2 and states[S.ACKNOWLEDGED.value] == 3
@@ -112,12 +112,12 @@ def test_apply_is_fsynced_and_one_transaction(primary, tmp_path):
     assert flags["sync"] and flags["metasync"]
     lifecycle(primary)
     ws = primary.replication.backlog[0]
-    broken = rp.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:2] + (("items", b"nope", None),) + ws.ops[2:])
-    with pytest.raises(rp.Diverged, match="absent"):
+    broken = replication.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:2] + (("items", b"nope", None),) + ws.ops[2:])
+    with pytest.raises(replication.Diverged, match="absent"):
         standby.apply(broken)
-    assert rp.dump(standby.env)["items"] == {} and standby.position == (0, 0)  # nothing half-applied
-    with pytest.raises(rp.ReplicationError, match="own position"):
-        standby.apply(rp.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:-1]))
+    assert replication.dump(standby.env)["items"] == {} and standby.position == (0, 0)  # nothing half-applied
+    with pytest.raises(replication.ReplicationError, match="own position"):
+        standby.apply(replication.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:-1]))
 
 
 def test_gap_older_epoch_duplicate_and_foreign_ledger_are_refused(primary, tmp_path):
@@ -126,29 +126,29 @@ def test_gap_older_epoch_duplicate_and_foreign_ledger_are_refused(primary, tmp_p
     lifecycle(primary)
     turns = list(log.backlog)
     assert standby.apply(turns[0]) and standby.apply(turns[1])
-    before = rp.dump(standby.env)
-    with pytest.raises(rp.ReplicationGap) as gap:
+    before = replication.dump(standby.env)
+    with pytest.raises(replication.ReplicationGap) as gap:
         standby.apply(turns[3])
     assert (gap.value.expected, gap.value.got) == (3, 4)
     assert standby.apply(turns[1]) is False  # a resend: already applied, nothing written
-    old = rp.WriteSet(turns[2].ledger_id, 2, turns[2].seq, turns[2].ops)
-    with pytest.raises(rp.StaleEpoch):
+    old = replication.WriteSet(turns[2].ledger_id, 2, turns[2].seq, turns[2].ops)
+    with pytest.raises(replication.StaleEpoch):
         standby.apply(old)
-    with pytest.raises(rp.Diverged, match="ledger"):
-        standby.apply(rp.WriteSet("deadbeef", 3, 3, turns[2].ops))
-    assert rp.dump(standby.env) == before and standby.position == (3, 2)
-    with pytest.raises(rp.ReplicationError, match="malformed"):
-        rp.WriteSet.unpack(b"\x93\x01\x02")
-    with pytest.raises(rp.StaleEpoch):
+    with pytest.raises(replication.Diverged, match="ledger"):
+        standby.apply(replication.WriteSet("deadbeef", 3, 3, turns[2].ops))
+    assert replication.dump(standby.env) == before and standby.position == (3, 2)
+    with pytest.raises(replication.ReplicationError, match="malformed"):
+        replication.WriteSet.unpack(b"\x93\x01\x02")
+    with pytest.raises(replication.StaleEpoch):
         primary.replicate(2)  # a primary never numbers turns under an older epoch than its ledger's
 
 
 def test_standby_needs_a_seed_and_refuses_a_restore_copy(primary, tmp_path):
-    with pytest.raises(rp.NotSeeded, match="empty"):
-        rp.ReplicaLedger(tmp_path / "empty")
+    with pytest.raises(replication.NotSeeded, match="empty"):
+        replication.ReplicaLedger(tmp_path / "empty")
     primary.backup(tmp_path / "restore-copy")  # `ccsq backup`: marked for a new id prefix
-    with pytest.raises(rp.Diverged, match="take_copy"):
-        rp.ReplicaLedger(tmp_path / "restore-copy")
+    with pytest.raises(replication.Diverged, match="take_copy"):
+        replication.ReplicaLedger(tmp_path / "restore-copy")
 
 
 def test_lagging_standby_catches_up_from_a_copy_taken_while_the_primary_writes(primary, tmp_path):
@@ -162,7 +162,7 @@ def test_lagging_standby_catches_up_from_a_copy_taken_while_the_primary_writes(p
         k = 0
         try:
             while not stop.is_set() or k < 5:
-                turn(primary, lambda t, k=k: t.submit(p.SubmitItem(f"bg{k}", "echo", blob(b"%d" % k)), 200_000 + k))
+                turn(primary, lambda t, k=k: t.submit(protocol.SubmitItem(f"bg{k}", "echo", blob(b"%d" % k)), 200_000 + k))
                 k += 1
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -180,9 +180,9 @@ def test_lagging_standby_catches_up_from_a_copy_taken_while_the_primary_writes(p
     for ws in log.since(pos):
         assert standby.apply(ws)
     assert standby.position == log.position
-    assert rp.dump(standby.env) == rp.dump(primary.env)
+    assert replication.dump(standby.env) == replication.dump(primary.env)
     assert log.since(log.position) == []
-    with pytest.raises(rp.Diverged):
+    with pytest.raises(replication.Diverged):
         log.since((1, log.position[1] + 1))
 
 
@@ -190,7 +190,7 @@ def test_backlog_truncated_means_a_new_copy(primary):
     log = primary.replicate(1, backlog_turns=4)
     lifecycle(primary)
     assert len(log.backlog) == 4
-    with pytest.raises(rp.BacklogTruncated, match="new copy"):
+    with pytest.raises(replication.BacklogTruncated, match="new copy"):
         log.since((1, 1))
     assert [ws.seq for ws in log.since((1, log.position[1] - 2))] == [log.position[1] - 1, log.position[1]]
 
@@ -212,15 +212,15 @@ def test_failover_new_epoch_continues_and_deposed_tail_is_refused(primary, tmp_p
     assert (first.epoch, first.seq) == (2, acked[-2].seq)
     # the deposed primary, as a standby of the new one, holds turns the new one never had
     primary.close()
-    deposed = rp.ReplicaLedger(tmp_path / "primary")
-    with pytest.raises(rp.Diverged, match="never confirmed"):
+    deposed = replication.ReplicaLedger(tmp_path / "primary")
+    with pytest.raises(replication.Diverged, match="never confirmed"):
         deposed.apply(first)
     deposed.close()
     # it rejoins from the new primary's copy, its tail discarded
     rejoin, pos = seeded(new, tmp_path / "rejoined")
     for ws in new_log.since(pos):
         rejoin.apply(ws)
-    assert rp.dump(rejoin.env) == rp.dump(new.env)
+    assert replication.dump(rejoin.env) == replication.dump(new.env)
     rejoin.close()
     new.close()
     primary.__init__(tmp_path / "primary")  # the fixture closes it
@@ -234,7 +234,7 @@ def test_replication_off_records_nothing(primary, tmp_path):
     primary.bump_epoch()
     assert primary.replication is None
     with primary.read() as v:
-        assert v.txn.get(rp.REPL_POS, db=primary.db["meta"]) is None
+        assert v.txn.get(replication.REPL_POS, db=primary.db["meta"]) is None
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -252,7 +252,7 @@ def test_random_turns_stay_identical_turn_by_turn(primary, tmp_path, seed):
             op = rng.random()
             if op < 0.3:
                 n += 1
-                txn.submit(p.SubmitItem(f"r{seed}-{n % 40}", rng.choice(["a", "b"]), blob(rng.randbytes(rng.randint(1, 3000))),
+                txn.submit(protocol.SubmitItem(f"r{seed}-{n % 40}", rng.choice(["a", "b"]), blob(rng.randbytes(rng.randint(1, 3000))),
                                         priority=rng.randint(0, 3)), now)
             elif op < 0.5:
                 for i in txn.scan_ready(None, rng.randint(1, 4), now)[0]:
@@ -263,9 +263,9 @@ def test_random_turns_stay_identical_turn_by_turn(primary, tmp_path, seed):
                     continue
                 iid, (token, worker) = rng.choice(leased)
                 if op < 0.65:
-                    txn.complete(p.TaskResult(iid, token, blob(b"r"), "h", "1"), now, worker)
+                    txn.complete(protocol.TaskResult(iid, token, blob(b"r"), "h", "1"), now, worker)
                 elif op < 0.75:
-                    txn.fail(p.TaskFailure(iid, token, rng.choice(["handler_error", "fatal", "released"]), True, "x"),
+                    txn.fail(protocol.TaskFailure(iid, token, rng.choice(["handler_error", "fatal", "released"]), True, "x"),
                              now, worker)
                 elif op < 0.85:
                     txn.expire_lease(iid, token, now)
@@ -280,8 +280,8 @@ def test_random_turns_stay_identical_turn_by_turn(primary, tmp_path, seed):
         else:
             txn.commit()
         while standby.position[1] < log.position[1]:
-            standby.apply(rp.WriteSet.unpack(log.backlog[standby.position[1] - log.backlog[0].seq + 1].pack()))
-        assert rp.dump(standby.env) == rp.dump(primary.env)
+            standby.apply(replication.WriteSet.unpack(log.backlog[standby.position[1] - log.backlog[0].seq + 1].pack()))
+        assert replication.dump(standby.env) == replication.dump(primary.env)
     assert log.position[1] > 20
     standby.close()
 
@@ -296,13 +296,13 @@ def test_adopted_epoch_is_a_turn_and_never_goes_back(primary, tmp_path):
     log = primary.replicate(9)
     standby, _ = seeded(primary, tmp_path / "standby")
     assert primary.adopt_epoch(9) == 9
-    with pytest.raises(rp.StaleEpoch):
+    with pytest.raises(replication.StaleEpoch):
         primary.adopt_epoch(8)
     for ws in log.since((0, 0)):
         standby.apply(ws)
     with primary.read() as v:
         assert v.epoch() == 9
-    assert rp.dump(standby.env)["meta"][b"m:epoch"] == rp.dump(primary.env)["meta"][b"m:epoch"]
+    assert replication.dump(standby.env)["meta"][b"m:epoch"] == replication.dump(primary.env)["meta"][b"m:epoch"]
     standby.close()
 
 
@@ -311,7 +311,7 @@ def test_a_failing_sink_does_not_undo_a_committed_turn(primary):
         raise RuntimeError("link down")
 
     log = primary.replicate(1, sink=sink)
-    turn(primary, lambda t: t.submit(p.SubmitItem("k", "echo", blob()), 1_000))  # no exception
+    turn(primary, lambda t: t.submit(protocol.SubmitItem("k", "echo", blob()), 1_000))  # no exception
     assert log.position == (1, 1) and len(log.backlog) == 1
     with primary.read() as v:
         assert v.counter("received") == 1

@@ -16,14 +16,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.ledger.store import Ledger, Policy
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 MAX_ATTEMPTS = 3
 RETENTION_S = 5.0
 
 
-def _blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def _blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -56,7 +56,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from([f"k{i}" for i in range(12)]), kind=st.sampled_from(["a", "b"]), max_attempts=st.integers(0, 2))
     def submit(self, key: str, kind: str, max_attempts: int) -> None:
         txn = self.ledger.begin()
-        r = txn.submit(p.SubmitItem(key, kind, _blob(key.encode()), max_attempts=max_attempts), self._tick())
+        r = txn.submit(protocol.SubmitItem(key, kind, _blob(key.encode()), max_attempts=max_attempts), self._tick())
         txn.commit()
         if key in self.by_key:
             assert r.duplicate and r.item_id == self.by_key[key]
@@ -98,7 +98,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def complete_with(self, item_id: str, token: int) -> None:
         m = self.model[item_id]
         txn = self.ledger.begin()
-        out = txn.complete(p.TaskResult(item_id, token, _blob(b"r"), "h", "1"), self._tick(), "w")
+        out = txn.complete(protocol.TaskResult(item_id, token, _blob(b"r"), "h", "1"), self._tick(), "w")
         txn.commit()
         if item_id in self.purged:
             assert out == "unknown"
@@ -123,7 +123,7 @@ class LedgerMachine(RuleBasedStateMachine):
         item_id = data.draw(st.sampled_from(self._ids("leased")))
         m = self.model[item_id]
         txn = self.ledger.begin()
-        out = txn.fail(p.TaskFailure(item_id, m["token"], how, how != "fatal"), self._tick(), "w")
+        out = txn.fail(protocol.TaskFailure(item_id, m["token"], how, how != "fatal"), self._tick(), "w")
         txn.commit()
         assert out == "accepted"
         m["fail_token"] = m["token"]
@@ -145,7 +145,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def fail_with(self, item_id: str, token: int, how: str) -> None:
         m = self.model[item_id]
         txn = self.ledger.begin()
-        out = txn.fail(p.TaskFailure(item_id, token, how, how != "fatal"), self._tick(), "w")
+        out = txn.fail(protocol.TaskFailure(item_id, token, how, how != "fatal"), self._tick(), "w")
         txn.commit()
         assert out == ("duplicate" if m.get("fail_token") == token else "fenced"), (m, token)
 
@@ -273,7 +273,7 @@ def test_stale_tokens_after_two_lease_expire_cycles() -> None:
         m.balanced_and_matches_model()
         assert m.model[item_id]["state"] == "ready"
         txn = m.ledger.begin()
-        assert txn.fail(p.TaskFailure(item_id, first, "fatal", False), m._tick(), "w") == "fenced"
+        assert txn.fail(protocol.TaskFailure(item_id, first, "fatal", False), m._tick(), "w") == "fenced"
         txn.commit()
         m.complete_with(item_id, second)
         m.balanced_and_matches_model()

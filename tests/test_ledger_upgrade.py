@@ -12,7 +12,7 @@ import msgpack
 
 from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.store import Ledger
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm
 
 # Format 2 as the brokers before record format 3 wrote it (their ``schema.pack_item``): the
@@ -26,8 +26,8 @@ def pack_format2(rec: dict) -> bytes:
     return msgpack.packb((*(rec[f] for f in FORMAT2_CORE), extra), use_bin_type=True)
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def _old_ledger(ledger_dir: Path) -> dict[str, tuple[str, int]]:
@@ -36,14 +36,14 @@ def _old_ledger(ledger_dir: Path) -> dict[str, tuple[str, int]]:
     led = Ledger(ledger_dir)
     try:
         txn = led.begin()
-        ids = {n: txn.submit(p.SubmitItem(f"key-{n}", "echo", blob(n.encode()), params={"n": n}), 1_000).item_id
+        ids = {n: txn.submit(protocol.SubmitItem(f"key-{n}", "echo", blob(n.encode()), params={"n": n}), 1_000).item_id
                for n in "abcd"}
         tokens = {}
         for n in "bcd":
             tokens[n] = txn.lease(ids[n], "worker-1", 2_000, 60_000).token
         for n in "cd":
-            assert txn.complete(p.TaskResult(ids[n], tokens[n], blob(b"r-" + n.encode()), "echo", "1"), 3_000,
-                                "worker-1") == p.Outcome.ACCEPTED.value
+            assert txn.complete(protocol.TaskResult(ids[n], tokens[n], blob(b"r-" + n.encode()), "echo", "1"), 3_000,
+                                "worker-1") == protocol.Outcome.ACCEPTED.value
         txn.commit()
         with led.env.begin(write=True) as raw:
             for n, iid in ids.items():
@@ -67,24 +67,24 @@ def test_a_ledger_of_format_2_records_is_served_and_balanced_then_rewritten_in_f
     worker = comp = None
     try:
         worker = ScriptedPeer(tmp_path, "worker-1", broker.endpoint)
-        worker.hello("worker", slots=4, credit=4, kinds=["echo"], leases=[p.LeaseRef(b, tb)])
-        dispatch = worker.recv_type(p.Dispatch, 10.0)
+        worker.hello("worker", slots=4, credit=4, kinds=["echo"], leases=[protocol.LeaseRef(b, tb)])
+        dispatch = worker.recv_type(protocol.Dispatch, 10.0)
         (task,) = dispatch.tasks
         assert task.item_id == a and task.payload == blob(b"a") and task.params == {"n": "a"}
-        worker.send(p.Complete([p.TaskResult(a, task.token, blob(b"r-a"), "echo", "1"),
-                                p.TaskResult(b, tb, blob(b"r-b"), "echo", "1")]))
-        outcomes = {o.item_id: o.outcome for o in worker.recv_type(p.CompleteAck, 10.0).outcomes}
-        assert outcomes == {a: p.Outcome.ACCEPTED.value, b: p.Outcome.ACCEPTED.value}
+        worker.send(protocol.Complete([protocol.TaskResult(a, task.token, blob(b"r-a"), "echo", "1"),
+                                protocol.TaskResult(b, tb, blob(b"r-b"), "echo", "1")]))
+        outcomes = {o.item_id: o.outcome for o in worker.recv_type(protocol.CompleteAck, 10.0).outcomes}
+        assert outcomes == {a: protocol.Outcome.ACCEPTED.value, b: protocol.Outcome.ACCEPTED.value}
         comp = ScriptedPeer(tmp_path, "completion-1", broker.endpoint)
         comp.hello("completion", credit=10)
-        got: dict[str, p.Delivery] = {}
+        got: dict[str, protocol.Delivery] = {}
         while len(got) < 4:
-            for dl in comp.recv_type(p.Result, 10.0).deliveries:
+            for dl in comp.recv_type(protocol.Result, 10.0).deliveries:
                 got[dl.item_id] = dl
         assert {i: dl.result.inline for i, dl in got.items()} == {a: b"r-a", b: b"r-b", c: b"r-c", d: b"r-d"}
         assert got[c].key == "key-c" and got[d].params == {"n": "d"} and got[c].redelivery  # (completed before a restart)
-        comp.send(p.Ack(list(got)))
-        assert sorted(comp.recv_type(p.AckOk, 10.0).item_ids) == sorted(got)
+        comp.send(protocol.Ack(list(got)))
+        assert sorted(comp.recv_type(protocol.AckOk, 10.0).item_ids) == sorted(got)
     finally:
         for peer in (worker, comp):
             if peer is not None:

@@ -35,7 +35,7 @@ import pytest
 import tomli_w
 
 from ccsq.brokerd.ledger.store import Ledger, data_paths
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.common.wire.keys import write_curve_keypair, write_keypair
 from ccsq.tools.procs import ProcessGroup, bin_path, wait_until
 from tests.netns import Network, netns_module, remove_stale, require_netns  # noqa: F401 (netns_module: fixture)
@@ -243,7 +243,8 @@ def test_netns_fixture_isolates_resolves_cuts_and_cleans_up():
     stop traffic and restore it; destroy leaves nothing; a dead run's leftovers are removed."""
     remove_stale()
     require_netns()
-    server = "import socket\ns=socket.socket();s.bind(('0.0.0.0',7000));s.listen(16)\nwhile True:\n c,_=s.accept();c.sendall(b'ok');c.close()"
+    server = ("import socket\ns=socket.socket();s.bind(('0.0.0.0',7000));s.listen(16)\n"
+              "while True:\n c,_=s.accept();c.sendall(b'ok');c.close()")
     probe = ("import socket,sys\ntry:\n s=socket.create_connection((sys.argv[1],7000),timeout=0.7);print(s.recv(2).decode())\n"
              "except OSError as e:\n print('unreachable')")
     with Network(["a", "b"]) as net:

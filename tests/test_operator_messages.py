@@ -132,15 +132,15 @@ def test_dead_counts_say_how_many_are_purged(tmp_path: Path) -> None:
 
     from ccsq.brokerd.admin import ledger_status
     from ccsq.brokerd.ledger.store import Ledger, Policy
-    from ccsq.brokerd.report import load_report, render_html, render_text
-    from ccsq.common.wire import protocol as p
+    from ccsq.brokerd.gap_report import load_report, render_html, render_text
+    from ccsq.common.wire import protocol
 
     data_dir = tmp_path / "broker-data"
     ledger = Ledger(data_dir / "ledger", map_size_bytes=1 << 20, max_map_size_bytes=8 << 20, policy=Policy(),
                     rng=random.Random(7))
     try:
         txn = ledger.begin()
-        ids = [txn.submit(p.SubmitItem(f"k{i}", "echo", p.Blob(hashlib.sha256(b"x").hexdigest(), 1, b"x")), 1_000).item_id
+        ids = [txn.submit(protocol.SubmitItem(f"k{i}", "echo", protocol.Blob(hashlib.sha256(b"x").hexdigest(), 1, b"x")), 1_000).item_id
                for i in range(3)]
         for item_id in ids:
             assert txn.dead_letter_ready(item_id, "cancelled", "test", 2_000)

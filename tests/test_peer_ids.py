@@ -54,7 +54,8 @@ def test_a_second_completion_service_with_a_live_ones_id_exits_78_and_the_live_o
 def test_a_frozen_workers_successor_gets_in_when_the_liveness_window_lapses(tmp_path: Path) -> None:
     """A process restarted beside a dead (here: SIGSTOPped, socket still open) holder of its
     id: refused while the holder's session is inside its liveness window (0.2 s x 50 =
-    10 s: a worker's start under a loaded CI machine takes a few seconds), admitted as soon as it lapses (not a window of backoff later), then it works.
+    10 s: a worker's start under a loaded CI machine takes a few seconds), admitted as soon as
+    it lapses (not a window of backoff later), then it works.
     The holder, resumed, finds its id taken by a live session: it exits 78."""
     import tomli_w
     import tomllib

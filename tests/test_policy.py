@@ -11,15 +11,15 @@ import pytest
 from ccsq.brokerd.ledger.rules import backoff_ms
 from ccsq.brokerd.ledger.store import Policy
 from ccsq.common.wire import errors
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.policy import (FAIL_POLICY, PEER_REFUSED_CODES, fail_rule, refusal_error, refusal_final, refusal_retryable,
                                      task_failure)
-from tests import test_ledger as tl  # its helpers (a module alias, so pytest does not collect its tests twice)
+from tests import test_ledger as ledger_tests  # its helpers (a module alias, so pytest does not collect its tests twice)
 
 
 def test_every_reason_has_one_consistent_rule():
-    assert set(FAIL_POLICY) == set(p.FailReason)
+    assert set(FAIL_POLICY) == set(protocol.FailReason)
     for reason, rule in FAIL_POLICY.items():
         assert rule.retryable != rule.dead_letters_at_once, reason
         assert task_failure("i", 1, reason, "m").retryable is rule.retryable
@@ -38,18 +38,18 @@ def test_backoff_is_full_jitter_capped_and_the_ledger_replays_it():
                                                              for n in range(1, 9)]
 
 
-@pytest.mark.parametrize("reason", list(p.FailReason))
+@pytest.mark.parametrize("reason", list(protocol.FailReason))
 def test_the_ledger_decides_from_the_table_not_the_wire_flag(tmp_path, reason):
     """A known reason is decided by FAIL_POLICY even if a sender's flag disagrees."""
-    if reason is p.FailReason.WORKER_LOST:
+    if reason is protocol.FailReason.WORKER_LOST:
         pytest.skip("the broker's own reason (lease expiry), never reported")
-    led = tl.open_ledger(tmp_path / "l", retry_backoff_base_s=0.0, max_attempts=3)
+    led = ledger_tests.open_ledger(tmp_path / "l", retry_backoff_base_s=0.0, max_attempts=3)
     try:
-        tl.submit(led, tl.item("a"))
-        (t,) = tl.lease_all(led)
+        ledger_tests.submit(led, ledger_tests.item("a"))
+        (t,) = ledger_tests.lease_all(led)
         rule = FAIL_POLICY[reason]
         txn = led.begin()
-        assert txn.fail(p.TaskFailure(t.item_id, t.token, reason.value, not rule.retryable, "x"), 3_000) == "accepted"
+        assert txn.fail(protocol.TaskFailure(t.item_id, t.token, reason.value, not rule.retryable, "x"), 3_000) == "accepted"
         rec = txn.get(t.item_id)
         txn.commit()
         assert rec["state"] == ("dead" if rule.dead_letters_at_once else "ready"), reason
@@ -69,4 +69,4 @@ def test_refusal_codes_map_to_error_types():
         assert isinstance(err, errors.Unauthorized) and err.code == code
         assert refusal_final(code) and not refusal_retryable(code)
     # the link and the producer stop for good on the type, not on a list of their own
-    assert not any(refusal_final(c) for c in ("QUEUE_FULL", "DISK_FULL", "MALFORMED", p.REJECT_NO_SESSION, "NEW"))
+    assert not any(refusal_final(c) for c in ("QUEUE_FULL", "DISK_FULL", "MALFORMED", protocol.REJECT_NO_SESSION, "NEW"))

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from ccsq.common.storage.claimstore import open_store
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import InvalidRequest, PayloadTooLarge
 from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, split_frames
 from ccsq.producer.client import AsyncClient
@@ -36,19 +36,19 @@ def test_derived_keys_are_the_keys_of_earlier_versions(args: tuple, key: str) ->
     assert derive_key(*args) == key  # the keys every earlier version derived: a ledger's dedup depends on them
 
 
-def _random_item(rng: random.Random) -> p.SubmitItem:
+def _random_item(rng: random.Random) -> protocol.SubmitItem:
     def text(n: int) -> str:
         return "".join(rng.choice(["a", "Z", "9", "\u00e9", "\u6f22", "\U0001f600", "-"]) for _ in range(n))
 
-    def scalar() -> p.Scalar:
+    def scalar() -> protocol.Scalar:
         return rng.choice([None, True, False, rng.randint(-(1 << 63), (1 << 64) - 1), rng.random() * 1e300, -0.0,
                            text(rng.choice([0, 5, 31, 32, 300])), bytes(rng.choice([0, 3, 255, 256, 70000]))])
 
     inline = rng.choice([None, b"", b"x" * rng.choice([1, 255, 256, 65535, 65536, 200_000])])
-    blob = p.Blob("c" * 64, rng.randint(0, 1 << 40) if inline is None else len(inline), inline)
-    return p.SubmitItem(text(rng.randint(1, 400)), text(rng.randint(1, 128)), blob,
+    blob = protocol.Blob("c" * 64, rng.randint(0, 1 << 40) if inline is None else len(inline), inline)
+    return protocol.SubmitItem(text(rng.randint(1, 400)), text(rng.randint(1, 128)), blob,
                         params={text(rng.choice([1, 40, 300])): scalar() for _ in range(rng.randint(0, 20))},
-                        priority=rng.randint(p.PRIO_MIN, p.PRIO_MAX), deadline_ts=rng.choice([None, 1e9, -1.5]),
+                        priority=rng.randint(protocol.PRIO_MIN, protocol.PRIO_MAX), deadline_ts=rng.choice([None, 1e9, -1.5]),
                         max_attempts=rng.randint(0, 1000), max_runtime_s=rng.choice([0.0, 3.5]),
                         origin=rng.choice([b"", b"o" * 300]), origin_sig=rng.choice([b"", b"s" * 64]))
 
@@ -57,7 +57,7 @@ def test_item_size_bound_is_never_below_the_packed_size() -> None:
     rng = random.Random(15)
     for _ in range(400):
         item = _random_item(rng)
-        exact = len(msgpack.packb(p.encode_body(item), use_bin_type=True))
+        exact = len(msgpack.packb(protocol.encode_body(item), use_bin_type=True))
         assert item_size(item) == exact
         assert exact <= item_size_bound(item) <= exact + 600 + 4 * (len(item.key) + len(item.kind)) + 20 * len(item.params) + \
             4 * sum(len(k) + (len(v) if isinstance(v, str) else 0) for k, v in item.params.items())
@@ -68,7 +68,7 @@ def test_item_size_bound_is_never_below_the_packed_size() -> None:
 def test_frames_are_what_the_splitter_gives(budget: int, count: int) -> None:
     rng = random.Random(budget + count)
     inlines = [b"y" * rng.choice([10, 1024]) for _ in range(count)]
-    items = [p.SubmitItem(f"{i:064x}", "echo", p.Blob("d" * 64, len(data), data), params={"t": 1.5})
+    items = [protocol.SubmitItem(f"{i:064x}", "echo", protocol.Blob("d" * 64, len(data), data), params={"t": 1.5})
              for i, data in enumerate(inlines)]
     frame = budget + FRAME_SLACK_BYTES if budget >= FRAME_SLACK_BYTES else 2 * budget  # room_bytes == budget
     client = types.SimpleNamespace(_budget=FrameBudget(frame, max_items=1000), _too_large=lambda item, n: PayloadTooLarge(f"{n}"))
@@ -115,8 +115,8 @@ async def _outcome(coro: object) -> tuple:
         return ("raised", type(exc), str(exc))
 
 
-def _packed(items: list[p.SubmitItem]) -> bytes:
-    return msgpack.packb([p.encode_body(item) for item in items], use_bin_type=True)  # tells 1 from 1.0 and True
+def _packed(items: list[protocol.SubmitItem]) -> bytes:
+    return msgpack.packb([protocol.encode_body(item) for item in items], use_bin_type=True)  # tells 1 from 1.0 and True
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -141,7 +141,7 @@ def test_build_many_agrees_with_build_on_generated_specs(tmp_path: Path, seed: i
 
     def params() -> object:
         if rng.random() < 0.15:
-            return pick([None, {f"k{i}": i for i in range(p.MAX_MAP_LEN)}], [{f"k{i}": i for i in range(p.MAX_MAP_LEN + 1)}])
+            return pick([None, {f"k{i}": i for i in range(protocol.MAX_MAP_LEN)}], [{f"k{i}": i for i in range(protocol.MAX_MAP_LEN + 1)}])
         good_keys, bad_keys = ["t", "lang", "", "\u00e9"], ["a\x00", 1, None]
         good_values = [None, True, False, 0, -1, (1 << 64) - 1, 1.5, -0.0, "", "\u00e9", b"\x00"]
         bad_values = [1 << 64, float("nan"), float("-inf"), "x\x00y", [1], object()]
@@ -154,7 +154,7 @@ def test_build_many_agrees_with_build_on_generated_specs(tmp_path: Path, seed: i
         agreed = refused = 0
         for _ in range(150):
             specs = [spec() for _ in range(rng.randint(1, 4))]
-            one: list[p.SubmitItem] = []
+            one: list[protocol.SubmitItem] = []
             expected: tuple = ("ok", one)
             for one_spec in specs:  # build, one by one, until the first refusal
                 got = await _outcome(b.build(one_spec[0], one_spec[1], params=one_spec[2] if len(one_spec) == 3 else None))
@@ -182,7 +182,7 @@ def test_blob_made_on_the_loop_is_what_the_store_makes(tmp_path: Path) -> None:
     from ccsq.common.storage.claimstore import FileStore
 
     class OwnPutBlob(FileStore):
-        def put_blob(self, data: bytes, inline_max_bytes: int) -> p.Blob:
+        def put_blob(self, data: bytes, inline_max_bytes: int) -> protocol.Blob:
             return super().put_blob(data, inline_max_bytes)
 
     rng = random.Random(26)
@@ -196,7 +196,7 @@ def test_blob_made_on_the_loop_is_what_the_store_makes(tmp_path: Path) -> None:
                     data = rng.randbytes(n)
                     now = b._blob_now(data)
                     if store.inline_without_io(n, inline_max):
-                        assert now == store.put_blob(data, inline_max) and type(now) is p.Blob, (n, inline_max)
+                        assert now == store.put_blob(data, inline_max) and type(now) is protocol.Blob, (n, inline_max)
                     else:
                         assert now is None, (n, inline_max)
             finally:
@@ -247,8 +247,8 @@ def test_outbox_emptiness_is_known_without_a_query_only_until_the_next_spool(tmp
     from ccsq.producer.outbox import Outbox
     from ccsq.producer.replay import OutboxReplay
 
-    async def confirm_all(items: list[p.SubmitItem], _deadline: float):
-        return {it.key: p.SubmitResult(it.key, f"id-{it.key}") for it in items}, [], None
+    async def confirm_all(items: list[protocol.SubmitItem], _deadline: float):
+        return {it.key: protocol.SubmitResult(it.key, f"id-{it.key}") for it in items}, [], None
 
     async def main() -> None:
         outbox = Outbox(tmp_path / "outbox")
@@ -258,7 +258,7 @@ def test_outbox_emptiness_is_known_without_a_query_only_until_the_next_spool(tmp
         flusher = asyncio.create_task(replay.run(ready))
         try:
             assert await replay.is_empty() and not replay._known_empty  # asked the database
-            item = p.SubmitItem("k1", "echo", p.Blob("e" * 64, 1, b"x"))
+            item = protocol.SubmitItem("k1", "echo", protocol.Blob("e" * 64, 1, b"x"))
             await replay.spool([item], reason="test")
             assert not await replay.is_empty()
             ready.set()
@@ -282,21 +282,21 @@ def test_unchecked_constructors_make_the_objects_the_classes_make() -> None:
     from ccsq.producer.client import Receipt, _receipt
 
     data = b"payload"
-    blob = p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
-    fast_blob = unchecked_constructor(p.Blob, ("sha256", "size", "inline"))(blob.sha256, blob.size, data)
-    assert fast_blob == blob and hash(fast_blob) == hash(blob) and type(fast_blob) is p.Blob
-    names = tuple(f.name for f in dataclasses.fields(p.SubmitItem))
-    item = p.SubmitItem("k", "echo", blob, {"a": 1}, 3, 1e9, 2, 1.5, b"o", b"s")
-    fast = unchecked_constructor(p.SubmitItem, names)(*(getattr(item, n) for n in names))
-    assert fast == item and repr(fast) == repr(item) and p.encode_body(fast) == p.encode_body(item)
+    blob = protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+    fast_blob = unchecked_constructor(protocol.Blob, ("sha256", "size", "inline"))(blob.sha256, blob.size, data)
+    assert fast_blob == blob and hash(fast_blob) == hash(blob) and type(fast_blob) is protocol.Blob
+    names = tuple(f.name for f in dataclasses.fields(protocol.SubmitItem))
+    item = protocol.SubmitItem("k", "echo", blob, {"a": 1}, 3, 1e9, 2, 1.5, b"o", b"s")
+    fast = unchecked_constructor(protocol.SubmitItem, names)(*(getattr(item, n) for n in names))
+    assert fast == item and repr(fast) == repr(item) and protocol.encode_body(fast) == protocol.encode_body(item)
     assert _receipt("id", "k", True, False, True) == Receipt("id", "k", True, False, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.key = "other"  # still frozen
     # a record whose fields are not the ones named (a changed wire record): the class itself, checks and all
-    assert unchecked_constructor(p.Blob, ("sha256", "size")) is p.Blob
+    assert unchecked_constructor(protocol.Blob, ("sha256", "size")) is protocol.Blob
     assert unchecked_constructor(tuple, ("a",)) is tuple  # not a dataclass at all
-    with pytest.raises(p.DecodeError):
-        unchecked_constructor(p.Blob, ("sha256", "size"))("not hex", 1, b"x")
+    with pytest.raises(protocol.DecodeError):
+        unchecked_constructor(protocol.Blob, ("sha256", "size"))("not hex", 1, b"x")
 
 
 class _Spec(NamedTuple):
@@ -322,10 +322,10 @@ def test_build_many_tuple_path_builds_what_build_builds_at_the_inline_limit(tmp_
             assert item.payload.sha256 == hashlib.sha256(data).hexdigest() and item.payload.size == len(data)
             assert item.payload.inline == (data if len(data) <= 64 else None)
             assert item.key == derive_key(item.payload.sha256, spec[1], spec[2] if len(spec) == 3 else {})
-            assert p.submit_item_problem(item) == ""
+            assert protocol.submit_item_problem(item) == ""
             # what the records' own __init__ (and any check it runs) makes of the same values
-            assert p.Blob(item.payload.sha256, item.payload.size, item.payload.inline) == item.payload
-            assert p.SubmitItem(*(getattr(item, f.name) for f in dataclasses.fields(p.SubmitItem))) == item
+            assert protocol.Blob(item.payload.sha256, item.payload.size, item.payload.inline) == item.payload
+            assert protocol.SubmitItem(*(getattr(item, f.name) for f in dataclasses.fields(protocol.SubmitItem))) == item
         assert b.store.exists(many[2].payload.sha256) and b.store.exists(many[5].payload.sha256)
         params = {"t": 1}
         item = (await b.build_many([(b"x", "echo", params)]))[0]
@@ -342,15 +342,15 @@ def test_receipts_of_a_batch_without_repeated_keys_are_the_general_ones() -> Non
     from ccsq.common.wire.errors import QueueFull
     from ccsq.producer.client import _receipts
 
-    blob = p.Blob("f" * 64, 1, b"x")
-    items = [p.SubmitItem(f"k{i}", "ocr" if i % 2 else "echo", blob) for i in range(6)]
-    results = {it.key: p.SubmitResult(it.key, f"id{i}", duplicate=i == 3) for i, it in enumerate(items)}
+    blob = protocol.Blob("f" * 64, 1, b"x")
+    items = [protocol.SubmitItem(f"k{i}", "ocr" if i % 2 else "echo", blob) for i in range(6)]
+    results = {it.key: protocol.SubmitResult(it.key, f"id{i}", duplicate=i == 3) for i, it in enumerate(items)}
     fast = _receipts(items, results, set(), {"ocr"}, repeats=False)
     assert fast == _receipts(items, results, set(), {"ocr"})
     assert [(r.item_id, r.duplicate, r.unserved, r.spooled) for r in fast][2:4] == [("id2", False, False, False),
                                                                                     ("id3", True, True, False)]
     spooled = _receipts(items, results, {"k1"}, set(), repeats=False)  # a spooled key: the general path
     assert spooled[1].spooled and spooled[1].item_id == "" and not spooled[0].spooled
-    results["k4"] = p.SubmitResult("k4", "", error="QUEUE_FULL", message="full")
+    results["k4"] = protocol.SubmitResult("k4", "", error="QUEUE_FULL", message="full")
     with pytest.raises(QueueFull):
         _receipts(items, results, set(), set(), repeats=False)

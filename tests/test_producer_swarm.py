@@ -192,7 +192,7 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
 
     import pytest
 
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.wire.errors import InvalidRequest
     from tests.swarm import Swarm
 
@@ -206,9 +206,9 @@ def test_items_no_database_can_store_are_refused_at_the_edge(tmp_path) -> None:
             assert client.submit(b"fine", "echo", params={"x": 1.5}).item_id
         assert swarm.report()["counters"]["received"] == 1
         assert not list((tmp_path / "s" / "blobs").glob("??/??/*"))  # nothing written for refused input
-    blob = p.Blob("0" * 64, 0, b"")
-    assert "finite" in p.submit_item_problem(p.SubmitItem("k", "echo", blob, {"x": float("nan")}))
-    assert "control" in p.submit_item_problem(p.SubmitItem("k\x00", "echo", blob))
+    blob = protocol.Blob("0" * 64, 0, b"")
+    assert "finite" in protocol.submit_item_problem(protocol.SubmitItem("k", "echo", blob, {"x": float("nan")}))
+    assert "control" in protocol.submit_item_problem(protocol.SubmitItem("k\x00", "echo", blob))
 
 
 def test_cli_submit_wait_with_outbox_follows_spooled_items_and_leaves_outbox_empty(tmp_path) -> None:

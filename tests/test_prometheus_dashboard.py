@@ -180,7 +180,7 @@ def test_metrics_listen_is_validated(tmp_path):
     """A malformed metrics_listen is refused at start (exit 78) naming the key; the
     loopback default stays when only a port is given."""
     from ccsq.common.wire.errors import ConfigError
-    from ccsq.common.runtime.metrics import parse_listen
+    from ccsq.common.runtime.metrics_exporter import parse_listen
 
     assert parse_listen("", where="x") is None
     assert parse_listen("9464", where="x") == ("127.0.0.1", 9464)
@@ -236,11 +236,11 @@ def test_worker_store_errors_and_build_info_are_counted(tmp_path):
 
     from prometheus_client import generate_latest
 
-    from ccsq.common.wire import protocol as p
+    from ccsq.common.wire import protocol
     from ccsq.common.storage.claimstore import open_store
     from ccsq.common.wire.errors import PayloadMissing
-    from ccsq.common.runtime.metrics import BuildInfo
-    from ccsq.workerd.metrics import CountingStore, WorkerStats
+    from ccsq.common.runtime.metrics_exporter import BuildInfo
+    from ccsq.workerd.worker_metrics import CountingStore, WorkerStats
 
     stats = WorkerStats("worker-1")
     store = CountingStore(open_store(f"file://{tmp_path / 'blobs'}"), stats)
@@ -248,7 +248,7 @@ def test_worker_store_errors_and_build_info_are_counted(tmp_path):
     assert store.get_blob(ref) == b"x" * 100_000 and store.inline_without_io(10, 16)
     digest = hashlib.sha256(b"gone").hexdigest()
     with pytest.raises(PayloadMissing):
-        store.get_blob(p.Blob(sha256=digest, size=4, inline=None))
+        store.get_blob(protocol.Blob(sha256=digest, size=4, inline=None))
     (tmp_path / "blobs").chmod(0o500)
     try:
         if os.geteuid() != 0:  # root ignores the mode: only the missing case is checked then

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import AuthError, ConfigError, DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
-BLOB = p.Blob(sha256="ab" * 32, size=3, inline=b"abc")
+BLOB = protocol.Blob(sha256="ab" * 32, size=3, inline=b"abc")
 
 
 @pytest.fixture
@@ -40,46 +40,48 @@ def pki(tmp_path: Path):
     return codec
 
 
-def sample_messages() -> list[p.Message]:
+def sample_messages() -> list[protocol.Message]:
     return [
-        p.Hello(role="worker", slots=2, credit=3, kinds=["ocr"], leases=[p.LeaseRef("i1", 7)], info={"provider": "cpu", "cpu_fallback": False}),
-        p.Heartbeat(leases=[p.LeaseRef("i1", 7)], busy=1, done=4, healthy=True, info={"gpu_mem_free_bytes": 123}),
-        p.Submit(req=1, items=[p.SubmitItem(key="k", kind="ocr", payload=BLOB, params={"name": "x.png"}, priority=3, deadline_ts=time.time() + 60)]),
-        p.Credit(credit=2),
-        p.Complete(results=[p.TaskResult("i1", 7, BLOB, "ocr", "1.0", 0.5)]),
-        p.Fail(failures=[p.TaskFailure("i1", 7, p.FailReason.HANDLER_ERROR.value, True, "boom")]),
-        p.Ack(item_ids=["i1", "i2"]),
-        p.Ack(item_ids=["i1", "i2"], quarantined=[p.Quarantined("i2", "CheckViolation: operator_rule")]),
+        protocol.Hello(role="worker", slots=2, credit=3, kinds=["ocr"], leases=[protocol.LeaseRef("i1", 7)],
+                       info={"provider": "cpu", "cpu_fallback": False}),
+        protocol.Heartbeat(leases=[protocol.LeaseRef("i1", 7)], busy=1, done=4, healthy=True, info={"gpu_mem_free_bytes": 123}),
+        protocol.Submit(req=1, items=[protocol.SubmitItem(key="k", kind="ocr", payload=BLOB, params={"name": "x.png"}, priority=3,
+                                                          deadline_ts=time.time() + 60)]),
+        protocol.Credit(credit=2),
+        protocol.Complete(results=[protocol.TaskResult("i1", 7, BLOB, "ocr", "1.0", 0.5)]),
+        protocol.Fail(failures=[protocol.TaskFailure("i1", 7, protocol.FailReason.HANDLER_ERROR.value, True, "boom")]),
+        protocol.Ack(item_ids=["i1", "i2"]),
+        protocol.Ack(item_ids=["i1", "i2"], quarantined=[protocol.Quarantined("i2", "CheckViolation: operator_rule")]),
     ]
 
 
 @pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
-def test_body_round_trip(msg: p.Message) -> None:
-    assert p.decode_body(msg.TYPE, msgpack.unpackb(msgpack.packb(p.encode_body(msg)))) == msg
+def test_body_round_trip(msg: protocol.Message) -> None:
+    assert protocol.decode_body(msg.TYPE, msgpack.unpackb(msgpack.packb(protocol.encode_body(msg)))) == msg
 
 
 def test_every_message_class_round_trips_with_defaults() -> None:
     broker_side = [
-        p.Welcome(1.0, 5, 3, resumed=[p.LeaseRef("a", 1)]),
-        p.SubmitAck(1, [p.SubmitResult("k", "i1", duplicate=True)]),
-        p.StatusReply(2, [p.ItemStatus("i1", "completed", 1, "ocr", "", BLOB)]),
-        p.Dispatch([p.Task("i1", 9, "ocr", BLOB, {}, 1)]),
-        p.CompleteAck([p.ItemOutcome("i1", 9, "fenced")]),
-        p.FailAck([p.ItemOutcome("i1", 9, "accepted")]),
-        p.Result([p.Delivery("i1", "k", "ocr", BLOB, {}, 1, "ocr", "1", 1.5, True)]),
-        p.AckOk(["i1"], ["i9"]),
-        p.Error("QUEUE_FULL", "full", 3),
-        p.Bye("bye"),
-        p.Status(3, ["i1"]),
-        p.Cancel(5, ["i1"]),
-        p.Admin(4, "status", {}),
-        p.AdminReply(4, True, b"\x80"),
-        p.ReplTurns(3, [b"\x94"], partial=True),
-        p.ReplAck(3, 41),
+        protocol.Welcome(1.0, 5, 3, resumed=[protocol.LeaseRef("a", 1)]),
+        protocol.SubmitAck(1, [protocol.SubmitResult("k", "i1", duplicate=True)]),
+        protocol.StatusReply(2, [protocol.ItemStatus("i1", "completed", 1, "ocr", "", BLOB)]),
+        protocol.Dispatch([protocol.Task("i1", 9, "ocr", BLOB, {}, 1)]),
+        protocol.CompleteAck([protocol.ItemOutcome("i1", 9, "fenced")]),
+        protocol.FailAck([protocol.ItemOutcome("i1", 9, "accepted")]),
+        protocol.Result([protocol.Delivery("i1", "k", "ocr", BLOB, {}, 1, "ocr", "1", 1.5, True)]),
+        protocol.AckOk(["i1"], ["i9"]),
+        protocol.Error("QUEUE_FULL", "full", 3),
+        protocol.Bye("bye"),
+        protocol.Status(3, ["i1"]),
+        protocol.Cancel(5, ["i1"]),
+        protocol.Admin(4, "status", {}),
+        protocol.AdminReply(4, True, b"\x80"),
+        protocol.ReplTurns(3, [b"\x94"], partial=True),
+        protocol.ReplAck(3, 41),
     ]
-    assert {type(m) for m in broker_side + sample_messages()} == set(p.MESSAGE_CLASSES.values())
+    assert {type(m) for m in broker_side + sample_messages()} == set(protocol.MESSAGE_CLASSES.values())
     for msg in broker_side:
-        assert p.decode_body(msg.TYPE, p.encode_body(msg)) == msg
+        assert protocol.decode_body(msg.TYPE, protocol.encode_body(msg)) == msg
 
 
 @pytest.mark.parametrize(
@@ -94,49 +96,50 @@ def test_every_message_class_round_trips_with_defaults() -> None:
 )
 def test_malformed_body_is_typed_error(body, fragment: str) -> None:
     with pytest.raises(DecodeError) as exc:
-        p.decode_body(p.MsgType.CREDIT, body)
-    assert exc.value.code == p.REJECT_MALFORMED
+        protocol.decode_body(protocol.MsgType.CREDIT, body)
+    assert exc.value.code == protocol.REJECT_MALFORMED
     assert fragment in str(exc.value)
 
 
 def test_nested_record_validation() -> None:
-    good = p.encode_body(sample_messages()[2])
+    good = protocol.encode_body(sample_messages()[2])
     bad = {**good, "items": [{**good["items"][0], "payload": {"sha256": "zz", "size": 1}}]}
     with pytest.raises(DecodeError, match="sha256"):
-        p.decode_body(p.MsgType.SUBMIT, bad)
+        protocol.decode_body(protocol.MsgType.SUBMIT, bad)
     bad = {**good, "items": [{**good["items"][0], "params": {"nested": {"a": 1}}}]}
     with pytest.raises(DecodeError, match="scalars"):
-        p.decode_body(p.MsgType.SUBMIT, bad)
+        protocol.decode_body(protocol.MsgType.SUBMIT, bad)
     with pytest.raises(DecodeError) as exc:
-        p.decode_body(999, {})
-    assert exc.value.code == p.REJECT_UNKNOWN_TYPE
+        protocol.decode_body(999, {})
+    assert exc.value.code == protocol.REJECT_UNKNOWN_TYPE
 
 
 def test_envelope_round_trip(pki) -> None:
     worker, broker = pki("worker-1"), pki("broker")
     frames = worker.encode(sample_messages()[0])
     env = broker.decode(frames)
-    assert (env.sender, env.role, env.seq) == ("worker-1", p.Role.WORKER, 1)
+    assert (env.sender, env.role, env.seq) == ("worker-1", protocol.Role.WORKER, 1)
     assert env.message == sample_messages()[0]
-    env2 = broker.decode(worker.encode(p.Credit(1)), bound_sender="worker-1")
-    assert env2.seq == 2 and env2.message == p.Credit(1)
+    env2 = broker.decode(worker.encode(protocol.Credit(1)), bound_sender="worker-1")
+    assert env2.seq == 2 and env2.message == protocol.Credit(1)
 
 
 def test_flipped_byte_is_bad_signature(pki) -> None:
     worker, broker = pki("worker-1"), pki("broker")
-    payload, sig = worker.encode(p.Hello(role="worker", info={"note": "hello"}))
+    payload, sig = worker.encode(protocol.Hello(role="worker", info={"note": "hello"}))
     for i in (0, len(payload) // 2, len(payload) - 1):
         tampered = bytearray(payload)
         tampered[i] ^= 0x01
         with pytest.raises(DecodeError) as exc:
             broker.decode([bytes(tampered), sig])
-        assert exc.value.code in (p.REJECT_BAD_SIGNATURE, p.REJECT_MALFORMED, p.REJECT_UNKNOWN_SENDER, p.REJECT_VERSION, p.REJECT_UNKNOWN_TYPE)
+        assert exc.value.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_MALFORMED, protocol.REJECT_UNKNOWN_SENDER,
+                                  protocol.REJECT_VERSION, protocol.REJECT_UNKNOWN_TYPE)
     # a flip in the body (last byte) can only be caught by the signature
     tampered = bytearray(payload)
     tampered[-1] ^= 0x01
     with pytest.raises(AuthError) as exc:
         broker.decode([bytes(tampered), sig])
-    assert exc.value.code == p.REJECT_BAD_SIGNATURE
+    assert exc.value.code == protocol.REJECT_BAD_SIGNATURE
 
 
 def test_wrong_key_is_bad_signature(pki, tmp_path: Path) -> None:
@@ -144,52 +147,52 @@ def test_wrong_key_is_bad_signature(pki, tmp_path: Path) -> None:
     broker = pki("broker")
     impostor = EnvelopeCodec("worker-1", pki("producer-1")._key, broker.authorized)
     with pytest.raises(AuthError) as exc:
-        broker.decode(impostor.encode(p.Hello(role="worker")))
-    assert exc.value.code == p.REJECT_BAD_SIGNATURE
+        broker.decode(impostor.encode(protocol.Hello(role="worker")))
+    assert exc.value.code == protocol.REJECT_BAD_SIGNATURE
 
 
 def test_unknown_sender(pki) -> None:
     with pytest.raises(AuthError) as exc:
-        pki("broker").decode(pki("intruder").encode(p.Hello(role="worker")))
-    assert exc.value.code == p.REJECT_UNKNOWN_SENDER
+        pki("broker").decode(pki("intruder").encode(protocol.Hello(role="worker")))
+    assert exc.value.code == protocol.REJECT_UNKNOWN_SENDER
 
 
 def test_forged_origin_and_role(pki) -> None:
     broker, worker, producer = pki("broker"), pki("worker-1"), pki("producer-1")
-    broker.decode(worker.encode(p.Hello(role="worker")))
+    broker.decode(worker.encode(protocol.Hello(role="worker")))
     with pytest.raises(AuthError) as exc:
-        broker.decode(producer.encode(p.Hello(role="producer")), bound_sender="worker-1")
-    assert exc.value.code == p.REJECT_FORGED_ORIGIN
-    broker.decode(producer.encode(p.Hello(role="producer")))
+        broker.decode(producer.encode(protocol.Hello(role="producer")), bound_sender="worker-1")
+    assert exc.value.code == protocol.REJECT_FORGED_ORIGIN
+    broker.decode(producer.encode(protocol.Hello(role="producer")))
     with pytest.raises(AuthError) as exc:  # a producer may not COMPLETE
-        broker.decode(producer.encode(p.Complete(results=[])))
-    assert exc.value.code == p.REJECT_ROLE
+        broker.decode(producer.encode(protocol.Complete(results=[])))
+    assert exc.value.code == protocol.REJECT_ROLE
 
 
 def test_replay_stale_and_session_rules(pki) -> None:
     broker, worker = pki("broker"), pki("worker-1")
     with pytest.raises(AuthError) as exc:
-        broker.decode(worker.encode(p.Credit(1)))
-    assert exc.value.code == p.REJECT_NO_SESSION
-    hello = worker.encode(p.Hello(role="worker"))
+        broker.decode(worker.encode(protocol.Credit(1)))
+    assert exc.value.code == protocol.REJECT_NO_SESSION
+    hello = worker.encode(protocol.Hello(role="worker"))
     broker.decode(hello)
     with pytest.raises(AuthError) as exc:
         broker.decode(hello)
-    assert exc.value.code == p.REJECT_REPLAY
-    old_credit = worker.encode(p.Credit(1))
+    assert exc.value.code == protocol.REJECT_REPLAY
+    old_credit = worker.encode(protocol.Credit(1))
     worker.new_session()
-    broker.decode(worker.encode(p.Hello(role="worker")))
+    broker.decode(worker.encode(protocol.Hello(role="worker")))
     with pytest.raises(AuthError) as exc:  # message of the retired session
         broker.decode(old_credit)
-    assert exc.value.code == p.REJECT_REPLAY
+    assert exc.value.code == protocol.REJECT_REPLAY
     skewed = pki("worker-1", max_clock_skew_s=1.0)
     strict_broker = pki("broker", max_clock_skew_s=1.0)
-    payload = msgpack.unpackb(skewed.encode(p.Hello(role="worker"))[0])
+    payload = msgpack.unpackb(skewed.encode(protocol.Hello(role="worker"))[0])
     payload[5] -= 10_000
     raw = msgpack.packb(payload)
     with pytest.raises(AuthError) as exc:
         strict_broker.decode([raw, skewed._key.sign(raw)])
-    assert exc.value.code == p.REJECT_STALE
+    assert exc.value.code == protocol.REJECT_STALE
 
 
 def test_a_peer_takes_a_restarted_broker_whose_clock_stepped_back(pki) -> None:
@@ -203,26 +206,26 @@ def test_a_peer_takes_a_restarted_broker_whose_clock_stepped_back(pki) -> None:
     now_ms = [1_800_000_000_000]
     broker1 = pki("broker", wall_ms=lambda: now_ms[0])
     worker = pki("worker-1", require_hello=False, wall_ms=lambda: now_ms[0])
-    broker1.decode(worker.encode(p.Hello(role="worker")))
-    first = broker1.encode(p.Welcome(1.0, 5, 1))
-    assert isinstance(worker.decode(first, bound_sender="broker").message, p.Welcome)
+    broker1.decode(worker.encode(protocol.Hello(role="worker")))
+    first = broker1.encode(protocol.Welcome(1.0, 5, 1))
+    assert isinstance(worker.decode(first, bound_sender="broker").message, protocol.Welcome)
     now_ms[0] += 5_000
-    late_old = broker1.encode(p.Heartbeat())
+    late_old = broker1.encode(protocol.Heartbeat())
     now_ms[0] -= 30_000  # the broker's clock steps back 30 s; then it restarts (a new session)
     broker2 = pki("broker", wall_ms=lambda: now_ms[0])
     worker.new_session()  # the peer reconnects on a new socket
-    broker2.decode(worker.encode(p.Hello(role="worker")))
-    env = worker.decode(broker2.encode(p.Welcome(1.0, 5, 2)), bound_sender="broker")
-    assert isinstance(env.message, p.Welcome) and env.session == broker2.session
+    broker2.decode(worker.encode(protocol.Hello(role="worker")))
+    env = worker.decode(broker2.encode(protocol.Welcome(1.0, 5, 2)), bound_sender="broker")
+    assert isinstance(env.message, protocol.Welcome) and env.session == broker2.session
     for replayed in (first, late_old):  # the retired session stays refused
         with pytest.raises(AuthError) as exc:
             worker.decode(replayed, bound_sender="broker")
-        assert exc.value.code == p.REJECT_REPLAY
+        assert exc.value.code == protocol.REJECT_REPLAY
     # without a new socket of its own, a peer still refuses an older broker session
     broker3 = pki("broker", wall_ms=lambda: now_ms[0] - 60_000)
     with pytest.raises(AuthError) as exc:
-        worker.decode(broker3.encode(p.Heartbeat()), bound_sender="broker")
-    assert exc.value.code == p.REJECT_REPLAY
+        worker.decode(broker3.encode(protocol.Heartbeat()), bound_sender="broker")
+    assert exc.value.code == protocol.REJECT_REPLAY
 
 
 def test_c09_hostile_msgpack_limits(pki) -> None:
@@ -234,12 +237,12 @@ def test_c09_hostile_msgpack_limits(pki) -> None:
     claim = b"\x97\x01\x01\xc6\xff\xff\xff\xff" + b"x" * 10  # the sender field claims 4 GiB
     with pytest.raises(DecodeError) as exc:
         broker.decode([claim, b"s" * 64])
-    assert exc.value.code == p.REJECT_MALFORMED
+    assert exc.value.code == protocol.REJECT_MALFORMED
     # (b)/(c): a HELLO padded so the payload is exactly limit+1 / limit bytes
     def padded(total: int) -> list[bytes]:
         pad = total
         for _ in range(20):
-            frames = worker.encode(p.Hello(role="worker", info={"pad": "x" * pad}))
+            frames = worker.encode(protocol.Hello(role="worker", info={"pad": "x" * pad}))
             if len(frames[0]) == total:
                 break
             pad -= len(frames[0]) - total
@@ -248,7 +251,7 @@ def test_c09_hostile_msgpack_limits(pki) -> None:
 
     with pytest.raises(DecodeError) as exc:
         broker.decode(padded(limit + 1))
-    assert exc.value.code == p.REJECT_OVERSIZE
+    assert exc.value.code == protocol.REJECT_OVERSIZE
     worker.new_session()
     assert broker.decode(padded(limit)).message.role == "worker"
 
@@ -257,26 +260,26 @@ def test_framing_errors(pki) -> None:
     broker = pki("broker")
     with pytest.raises(DecodeError) as exc:
         broker.decode([b"x"])
-    assert exc.value.code == p.REJECT_FRAMING
-    payload, _ = pki("worker-1").encode(p.Hello(role="worker"))
+    assert exc.value.code == protocol.REJECT_FRAMING
+    payload, _ = pki("worker-1").encode(protocol.Hello(role="worker"))
     with pytest.raises(DecodeError) as exc:
         broker.decode([payload, b"short"])
-    assert exc.value.code == p.REJECT_FRAMING
+    assert exc.value.code == protocol.REJECT_FRAMING
     bad_version = msgpack.packb([99, 1, "worker-1", 1, 1, int(time.time() * 1000), {}])
     with pytest.raises(DecodeError) as exc:
         broker.decode([bad_version, b"s" * 64])
-    assert exc.value.code == p.REJECT_VERSION
+    assert exc.value.code == protocol.REJECT_VERSION
 
 
-REJECT_CODES = frozenset(v for k, v in vars(p).items() if k.startswith("REJECT_") and type(v) is str)
+REJECT_CODES = frozenset(v for k, v in vars(protocol).items() if k.startswith("REJECT_") and type(v) is str)
 
 
-def _fuzz_sources() -> list[tuple[str, p.Message]]:
+def _fuzz_sources() -> list[tuple[str, protocol.Message]]:
     """(sender, message) pairs the fuzz mutates: each sample from a role that may send it."""
     out = []
     for msg in sample_messages():
-        for sender, role in (("worker-1", p.Role.WORKER), ("producer-1", p.Role.PRODUCER)):
-            if msg.TYPE in p.ROLE_MAY_SEND[role]:
+        for sender, role in (("worker-1", protocol.Role.WORKER), ("producer-1", protocol.Role.PRODUCER)):
+            if msg.TYPE in protocol.ROLE_MAY_SEND[role]:
                 out.append((sender, msg))
                 break
     return out
@@ -307,7 +310,7 @@ def test_random_frames_never_crash_decoder(pki) -> None:
         return _value_paths(envelopes[i][6]).index(path)
 
     types_ = [msg.TYPE for _, msg in _fuzz_sources()]
-    submit, complete = types_.index(p.MsgType.SUBMIT), types_.index(p.MsgType.COMPLETE)
+    submit, complete = types_.index(protocol.MsgType.SUBMIT), types_.index(protocol.MsgType.COMPLETE)
 
     @settings(max_examples=400, deadline=None)
     @given(st.one_of(
@@ -408,20 +411,20 @@ def assert_decoded_frame_is_sound(pki, payload: bytes, env) -> None:
     msg = env.message
     raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)  # ExtraData: bytes after the envelope
     assert type(raw) is list and len(raw) == 7, raw
-    assert raw[:6] == [p.PROTOCOL_VERSION, int(msg.TYPE), env.sender, env.session, env.seq, env.ts_ms], raw[:6]
-    assert type(msg) is p.MESSAGE_CLASSES[p.MsgType(raw[1])]
+    assert raw[:6] == [protocol.PROTOCOL_VERSION, int(msg.TYPE), env.sender, env.session, env.seq, env.ts_ms], raw[:6]
+    assert type(msg) is protocol.MESSAGE_CLASSES[protocol.MsgType(raw[1])]
     _assert_well_typed(msg, type(msg), type(msg).__name__)
-    assert _same(p._slow_decode_body(int(msg.TYPE), raw[6]), msg)
-    assert _same(p.decode_body(int(msg.TYPE), msgpack.unpackb(_packed(msg), raw=False)), msg)
+    assert _same(protocol._slow_decode_body(int(msg.TYPE), raw[6]), msg)
+    assert _same(protocol.decode_body(int(msg.TYPE), msgpack.unpackb(_packed(msg), raw=False)), msg)
     again = pki("broker", require_hello=False).decode(pki(env.sender).encode(msg))  # raises if over max_frame_bytes
     assert _same(again.message, msg)
 
 
-def _packed(msg: p.Message) -> bytes:
-    return msgpack.packb(p.encode_body(msg), use_bin_type=True)
+def _packed(msg: protocol.Message) -> bytes:
+    return msgpack.packb(protocol.encode_body(msg), use_bin_type=True)
 
 
-def _same(a: p.Message, b: p.Message) -> bool:
+def _same(a: protocol.Message, b: protocol.Message) -> bool:
     """Equal messages (a NaN field, which never equals itself, compared by its encoding)."""
     return type(a) is type(b) and (a == b or _packed(a) == _packed(b))
 
@@ -489,7 +492,7 @@ def test_private_key_permissions_enforced(tmp_path: Path) -> None:
 def test_extension_fields_are_omitted_when_empty_so_older_peers_still_decode() -> None:
     """ACK.quarantined (gap G12) came after version-1 brokers shipped, whose decoders
     reject unknown fields: an ACK without quarantined rows must encode exactly as before."""
-    assert p.encode_body(p.Ack(item_ids=["i1"])) == {"item_ids": ["i1"]}
-    body = p.encode_body(p.Ack(item_ids=["i1"], quarantined=[p.Quarantined("i1", "CheckViolation")]))
+    assert protocol.encode_body(protocol.Ack(item_ids=["i1"])) == {"item_ids": ["i1"]}
+    body = protocol.encode_body(protocol.Ack(item_ids=["i1"], quarantined=[protocol.Quarantined("i1", "CheckViolation")]))
     assert body == {"item_ids": ["i1"], "quarantined": [{"item_id": "i1", "error": "CheckViolation"}]}
-    assert p.encode_body(p.AckOk(item_ids=["i1"])) == {"item_ids": ["i1"], "unknown": []}  # plain defaults stay
+    assert protocol.encode_body(protocol.AckOk(item_ids=["i1"])) == {"item_ids": ["i1"], "unknown": []}  # plain defaults stay

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from ccsq.brokerd import replica as rl
-from ccsq.brokerd.ledger import replication as rp
+from ccsq.brokerd import replica as replica_link
+from ccsq.brokerd.ledger import replication
 from ccsq.brokerd.ledger.store import Ledger, Policy
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import AuthError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
@@ -69,22 +69,22 @@ def test_turns_reach_the_standby_over_signed_frames_and_acks_count(tmp_path, key
     log = primary.replicate(7)
     lifecycle(primary, base_ms=1_000)  # before the standby's copy
     replica_dir = tmp_path / "standby-ledger"
-    pos = rp.take_copy(primary, replica_dir)["position"]
+    pos = replication.take_copy(primary, replica_dir)["position"]
     lifecycle(primary, base_ms=100_000)  # after it: the standby catches up on these
-    replica = rp.ReplicaLedger(replica_dir)
+    replica = replication.ReplicaLedger(replica_dir)
     assert replica.position == pos and pos[1] < log.position[1]
     pc, sc_ = codec(tmp_path, "primary", "at_primary.toml"), codec(tmp_path, "standby", "at_standby.toml",
                                                                    require_hello=False)
-    dealer.send_multipart(sc_.encode(rl.standby_hello(replica)))
+    dealer.send_multipart(sc_.encode(replica_link.standby_hello(replica)))
     ident, *frames = recv(router)
     env = pc.decode(frames)
-    assert env.role is p.Role.STANDBY
-    shipper = rl.Shipper(log, primary.ledger_id, env.message, max_frame_bytes=64 << 10)
-    tracker = rl.SyncTracker(epoch=7, sync_standbys=1)
-    router.send_multipart([ident, *pc.encode(p.Welcome(1.0, 3, broker_epoch=7))])
-    standby = rl.Standby(replica, sc_.decode(recv(dealer)).message)
+    assert env.role is protocol.Role.STANDBY
+    shipper = replica_link.Shipper(log, primary.ledger_id, env.message, max_frame_bytes=64 << 10)
+    tracker = replica_link.SyncTracker(epoch=7, sync_standbys=1)
+    router.send_multipart([ident, *pc.encode(protocol.Welcome(1.0, 3, broker_epoch=7))])
+    standby = replica_link.Standby(replica, sc_.decode(recv(dealer)).message)
 
-    sent: list[p.ReplTurns] = []
+    sent: list[protocol.ReplTurns] = []
 
     def pump(turns=()) -> None:
         msgs = shipper.messages(turns)
@@ -104,18 +104,18 @@ def test_turns_reach_the_standby_over_signed_frames_and_acks_count(tmp_path, key
     assert tracker.durable_seq() == 0  # nothing acknowledged: a sync primary confirms nothing
     pump()  # the catch-up from the copy's position
     assert replica.position == log.position and tracker.durable_seq() == log.position[1]
-    shipped: list[rp.WriteSet] = []
+    shipped: list[replication.WriteSet] = []
     log.sink = shipped.append
     txn = primary.begin()  # one turn above the frame budget: it travels in pieces
     for i in range(40):
-        txn.submit(p.SubmitItem(f"big{i}", "echo", blob(random.Random(i).randbytes(4000))), 200_000)
+        txn.submit(protocol.SubmitItem(f"big{i}", "echo", blob(random.Random(i).randbytes(4000))), 200_000)
     txn.commit()
     assert len(shipped[0].pack()) > 64 << 10
     lifecycle(primary, base_ms=300_000)
     pump(shipped)
     assert sum(m.partial for m in sent) >= 2  # the big turn went in pieces
     assert replica.position == log.position and tracker.durable_seq() == log.position[1]
-    assert rp.dump(replica.env) == rp.dump(primary.env)
+    assert replication.dump(replica.env) == replication.dump(primary.env)
     replica.close()
     primary.close()
 
@@ -125,53 +125,53 @@ def test_roles_and_epochs_are_enforced_on_the_link(tmp_path, keys):
     sc_ = codec(tmp_path, "standby", "at_standby.toml", require_hello=False)
     wc = codec(tmp_path, "worker", "at_standby.toml", require_hello=False)
     with pytest.raises(AuthError) as err:  # only a broker sends turns
-        sc_.decode(wc.encode(p.ReplTurns(1, [b"x"])))
-    assert err.value.code == p.REJECT_ROLE
+        sc_.decode(wc.encode(protocol.ReplTurns(1, [b"x"])))
+    assert err.value.code == protocol.REJECT_ROLE
     with pytest.raises(AuthError) as err:  # only a standby acknowledges them
-        pc.decode(wc.encode(p.ReplAck(1, 1)))
-    assert err.value.code == p.REJECT_ROLE
-    frames = pc.encode(p.ReplTurns(1, [b"x"]))
+        pc.decode(wc.encode(protocol.ReplAck(1, 1)))
+    assert err.value.code == protocol.REJECT_ROLE
+    frames = pc.encode(protocol.ReplTurns(1, [b"x"]))
     frames[0] = frames[0].replace(b"x", b"y")
     with pytest.raises(AuthError) as err:
         sc_.decode(frames)
-    assert err.value.code == p.REJECT_BAD_SIGNATURE
+    assert err.value.code == protocol.REJECT_BAD_SIGNATURE
 
     primary = open_ledger(tmp_path / "primary")
     log = primary.replicate(5)
     replica_dir = tmp_path / "r"
-    rp.take_copy(primary, replica_dir)
+    replication.take_copy(primary, replica_dir)
     lifecycle(primary)
-    replica = rp.ReplicaLedger(replica_dir)
-    standby = rl.Standby(replica, p.Welcome(1.0, 3, broker_epoch=5))
-    with pytest.raises(rp.StaleEpoch):  # turns of another primary than the one this session welcomed
-        standby.on_turns(p.ReplTurns(4, [log.backlog[0].pack()]))
-    msg = rl.Shipper(log, primary.ledger_id, rl.standby_hello(replica)).messages()[0]
-    assert standby.on_turns(msg) == p.ReplAck(5, msg and rp.WriteSet.unpack(msg.turns[-1]).seq)
+    replica = replication.ReplicaLedger(replica_dir)
+    standby = replica_link.Standby(replica, protocol.Welcome(1.0, 3, broker_epoch=5))
+    with pytest.raises(replication.StaleEpoch):  # turns of another primary than the one this session welcomed
+        standby.on_turns(protocol.ReplTurns(4, [log.backlog[0].pack()]))
+    msg = replica_link.Shipper(log, primary.ledger_id, replica_link.standby_hello(replica)).messages()[0]
+    assert standby.on_turns(msg) == protocol.ReplAck(5, msg and replication.WriteSet.unpack(msg.turns[-1]).seq)
     assert standby.on_turns(msg) is None  # a resend: nothing new to acknowledge
-    with pytest.raises(rp.Diverged):  # a standby of another ledger: NEED_COPY
-        rl.Shipper(log, "other", rl.standby_hello(replica))
+    with pytest.raises(replication.Diverged):  # a standby of another ledger: NEED_COPY
+        replica_link.Shipper(log, "other", replica_link.standby_hello(replica))
     small = primary.replicate(5, backlog_turns=2)
     lifecycle(primary, base_ms=900_000)
-    with pytest.raises(rp.BacklogTruncated):
-        rl.Shipper(small, primary.ledger_id, rl.standby_hello(replica))
-    with pytest.raises(rp.ReplicationError, match="info"):
-        rl.standby_position(p.Hello(role="standby"))
+    with pytest.raises(replication.BacklogTruncated):
+        replica_link.Shipper(small, primary.ledger_id, replica_link.standby_hello(replica))
+    with pytest.raises(replication.ReplicationError, match="info"):
+        replica_link.standby_position(protocol.Hello(role="standby"))
     replica.close()
     primary.close()
 
 
 def test_sync_tracker_counts_the_slowest_of_the_needed_standbys():
-    t = rl.SyncTracker(epoch=3, sync_standbys=2)
-    t.ack("a", p.ReplAck(3, 10))
+    t = replica_link.SyncTracker(epoch=3, sync_standbys=2)
+    t.ack("a", protocol.ReplAck(3, 10))
     assert t.durable_seq() == 0  # one standby of the two needed
-    t.ack("b", p.ReplAck(3, 7))
+    t.ack("b", protocol.ReplAck(3, 7))
     assert t.durable_seq() == 7
-    t.ack("c", p.ReplAck(3, 9))
+    t.ack("c", protocol.ReplAck(3, 9))
     assert t.durable_seq() == 9
-    t.ack("a", p.ReplAck(3, 4))  # an old ack arriving late never moves a standby back
+    t.ack("a", protocol.ReplAck(3, 4))  # an old ack arriving late never moves a standby back
     assert t.acked["a"] == 10
     t.drop("a")
     assert t.durable_seq() == 7
-    with pytest.raises(rp.StaleEpoch):
-        t.ack("b", p.ReplAck(2, 100))
-    assert rl.SyncTracker(epoch=1, sync_standbys=0).durable_seq() > 1 << 40  # async: nothing to wait for
+    with pytest.raises(replication.StaleEpoch):
+        t.ack("b", protocol.ReplAck(2, 100))
+    assert replica_link.SyncTracker(epoch=1, sync_standbys=0).durable_seq() > 1 << 40  # async: nothing to wait for

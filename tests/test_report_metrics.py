@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.brokerd.report import load_report, queue_forecast, render_html
+from ccsq.brokerd.gap_report import load_report, queue_forecast, render_html
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from ccsq.tools import cli
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.tools.procs import free_tcp_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -78,23 +78,23 @@ def test_metrics_scrape_series_and_html_report(tmp_path: Path, capsys) -> None:
         prod, w, comp = (ScriptedPeer(tmp_path, pid, broker.endpoint) for pid in ("prod", "wA", "comp"))
         peers += [prod, w, comp]
         prod.hello("producer")
-        results = prod.submit([p.SubmitItem(f"k{i}", "echo", blob(f"doc {i}".encode())) for i in range(5)])
+        results = prod.submit([protocol.SubmitItem(f"k{i}", "echo", blob(f"doc {i}".encode())) for i in range(5)])
         deadline = time.time() + 3600
-        prod.submit([p.SubmitItem(f"late{i}", "ocr", blob(f"scan {i}".encode()), deadline_ts=deadline) for i in range(2)])
+        prod.submit([protocol.SubmitItem(f"late{i}", "ocr", blob(f"scan {i}".encode()), deadline_ts=deadline) for i in range(2)])
         w.hello("worker", slots=3, credit=5, kinds=["echo"])
-        tasks: list[p.Task] = []
+        tasks: list[protocol.Task] = []
         while len(tasks) < 5:
-            tasks += w.recv_type(p.Dispatch).tasks
-        w.heartbeat([p.LeaseRef(t.item_id, t.token) for t in tasks], busy=3, done=0)
-        w.send(p.Complete([p.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.01) for t in tasks]))
-        w.recv_type(p.CompleteAck)
+            tasks += w.recv_type(protocol.Dispatch).tasks
+        w.heartbeat([protocol.LeaseRef(t.item_id, t.token) for t in tasks], busy=3, done=0)
+        w.send(protocol.Complete([protocol.TaskResult(t.item_id, t.token, blob(b"r"), "echo", "1", 0.01) for t in tasks]))
+        w.recv_type(protocol.CompleteAck)
         w.heartbeat([], busy=0, done=5)
         comp.hello("completion", credit=10)
-        got: list[p.Delivery] = []
+        got: list[protocol.Delivery] = []
         while len(got) < 5:
-            got += comp.recv_type(p.Result).deliveries
-        comp.send(p.Ack([d.item_id for d in got]))
-        assert sorted(comp.recv_type(p.AckOk).item_ids) == sorted(r.item_id for r in results)
+            got += comp.recv_type(protocol.Result).deliveries
+        comp.send(protocol.Ack([d.item_id for d in got]))
+        assert sorted(comp.recv_type(protocol.AckOk).item_ids) == sorted(r.item_id for r in results)
 
         # --- the scrape (the snapshot is refreshed once a second) ---
         m = wait_for(lambda: (s := scrape(port)).get('ccsq_items_total{counter="acknowledged"}') == 5 and s, 10, what="scrape")
@@ -222,12 +222,12 @@ def test_accounting_samples_are_a_bounded_ring(tmp_path: Path, monkeypatch) -> N
         t = 1_000_000
         for i in range(7):
             with led.begin() as txn:
-                txn.submit(p.SubmitItem(f"k{i}", "echo", blob(b"x%d" % i)), t + i * 1000)
+                txn.submit(protocol.SubmitItem(f"k{i}", "echo", blob(b"x%d" % i)), t + i * 1000)
                 assert maintenance.append_sample(txn, t + i * 1000, interval_s=1.0)
                 txn.commit()
         with led.begin() as txn:
             assert not maintenance.append_sample(txn, t + 7000, interval_s=1.0)  # counters unchanged
-            txn.submit(p.SubmitItem("k7", "echo", blob(b"x7")), t + 7000)
+            txn.submit(protocol.SubmitItem("k7", "echo", blob(b"x7")), t + 7000)
             assert not maintenance.append_sample(txn, t + 7500, interval_s=2.0)  # too soon after the last (t + 6000)
             txn.abort()
         with led.read() as view:
@@ -244,7 +244,7 @@ def test_static_report_chart_keeps_equal_lines_visible() -> None:
     completed one and every colour shows."""
     import re
 
-    from ccsq.brokerd.report import CHART_COUNTERS, render_chart_svg
+    from ccsq.brokerd.gap_report import CHART_COUNTERS, render_chart_svg
 
     now = 1_700_000_000_000
     series = [{"ts_ms": now - 60_000 + i * 10_000, **dict.fromkeys(CHART_COUNTERS, i * 10)} for i in range(6)]

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from ccsq.common.link.requests import RequestTracker
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import AdminFailed, BrokerUnavailable
 from ccsq.producer.items import item_size
 
@@ -54,9 +54,9 @@ def test_fail_all_ends_every_wait_and_resend_all_skips_the_answered() -> None:
 @pytest.mark.parametrize("inline_len", [None, 0, 1, 255, 256, 65535, 65536, 300_000])
 def test_item_size_is_the_packed_size_without_packing_the_payload(inline_len: int | None) -> None:
     data = None if inline_len is None else b"x" * inline_len
-    blob = p.Blob("a" * 64, 7 if data is None else len(data), data)
-    item = p.SubmitItem("k" * 70, "ocr", blob, params={"lang": "en", "dpi": 300, "z": 1.5}, priority=-3, deadline_ts=1e9)
-    assert item_size(item) == len(msgpack.packb(p.encode_body(item), use_bin_type=True))
+    blob = protocol.Blob("a" * 64, 7 if data is None else len(data), data)
+    item = protocol.SubmitItem("k" * 70, "ocr", blob, params={"lang": "en", "dpi": 300, "z": 1.5}, priority=-3, deadline_ts=1e9)
+    assert item_size(item) == len(msgpack.packb(protocol.encode_body(item), use_bin_type=True))
     assert item.payload.inline == data  # sizing left the item as it was
 
 

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import ExitCode
 from ccsq.common.wire.keys import write_keypair
 from ccsq.tools.procs import bin_path
@@ -28,12 +28,12 @@ PEERS = {"prod": "producer", "prod2": "producer", "wA": "worker", "adm": "admin"
 LIMIT = 65536  # max_frame_bytes of these brokers
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
-def item(key: str) -> p.SubmitItem:
-    return p.SubmitItem(key, "echo", blob(key.encode()))
+def item(key: str) -> protocol.SubmitItem:
+    return protocol.SubmitItem(key, "echo", blob(key.encode()))
 
 
 class Env:
@@ -80,7 +80,7 @@ def env(tmp_path):
     e.close()
 
 
-def signed(sp: ScriptedPeer, mtype: int, body: object, *, version: int = p.PROTOCOL_VERSION, seq: int = 1_000_000,
+def signed(sp: ScriptedPeer, mtype: int, body: object, *, version: int = protocol.PROTOCOL_VERSION, seq: int = 1_000_000,
            ts_ms: int | None = None, sender: str | None = None) -> list[bytes]:
     """A frame with an arbitrary header, correctly signed by ``sp``'s key."""
     ts = int(time.time() * 1000) if ts_ms is None else ts_ms
@@ -95,8 +95,8 @@ def submit_of_size(sp: ScriptedPeer, size: int) -> list[bytes]:
     share = size // 8
     pad = share - 300
     for _ in range(10):
-        items = [p.SubmitItem(f"pad{i}", "echo", blob(b"x"), params={"pad": "p" * (share - 300)}) for i in range(7)]
-        frames = sp.codec.encode(p.Submit(1, [*items, p.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
+        items = [protocol.SubmitItem(f"pad{i}", "echo", blob(b"x"), params={"pad": "p" * (share - 300)}) for i in range(7)]
+        frames = sp.codec.encode(protocol.Submit(1, [*items, protocol.SubmitItem("pad", "echo", blob(b"x"), params={"pad": "p" * pad})]))
         if len(frames[0]) == size:
             return frames
         pad += size - len(frames[0])
@@ -120,76 +120,76 @@ def test_every_reject_reason_is_typed_counted_and_not_applied(env):
         env.expect_rejects(expected)
 
     # --- authenticated senders: typed ERROR, the bound session ends ---
-    prod.send(p.Complete([p.TaskResult("x", 1, blob(b"r"), "echo", "1")]))  # a producer may not COMPLETE
-    assert prod.recv_type(p.Error).code == p.REJECT_ROLE
-    bump(p.REJECT_ROLE)
-    prod.send(p.Status(1, []))
-    assert prod.recv_type(p.Error).code == p.REJECT_NO_SESSION  # its session is gone (not a codec reject)
-    wa.send(p.Submit(1, [item("from-a-worker")]))  # a worker may not SUBMIT
-    assert wa.recv_type(p.Error).code == p.REJECT_ROLE
-    bump(p.REJECT_ROLE)
+    prod.send(protocol.Complete([protocol.TaskResult("x", 1, blob(b"r"), "echo", "1")]))  # a producer may not COMPLETE
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_ROLE
+    bump(protocol.REJECT_ROLE)
+    prod.send(protocol.Status(1, []))
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION  # its session is gone (not a codec reject)
+    wa.send(protocol.Submit(1, [item("from-a-worker")]))  # a worker may not SUBMIT
+    assert wa.recv_type(protocol.Error).code == protocol.REJECT_ROLE
+    bump(protocol.REJECT_ROLE)
 
     prod.connect()
     prod.hello("producer")
     prod.send_raw(submit_of_size(prod, LIMIT + 1))
-    assert prod.recv_type(p.Error).code == p.REJECT_OVERSIZE
-    bump(p.REJECT_OVERSIZE)
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_OVERSIZE
+    bump(protocol.REJECT_OVERSIZE)
 
     prod.connect()
     prod.hello("producer")
-    prod.send_raw(wa.codec.encode(p.Heartbeat()))  # properly signed by wA, on prod's connection
-    assert prod.recv_type(p.Error).code == p.REJECT_FORGED_ORIGIN
-    bump(p.REJECT_FORGED_ORIGIN)
+    prod.send_raw(wa.codec.encode(protocol.Heartbeat()))  # properly signed by wA, on prod's connection
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_FORGED_ORIGIN
+    bump(protocol.REJECT_FORGED_ORIGIN)
 
     # --- authenticated but not acceptable, on an unbound connection: typed ERROR ---
     stranger.send_raw(signed(prod, 99, {}))
-    assert stranger.recv_type(p.Error).code == p.REJECT_UNKNOWN_TYPE
-    bump(p.REJECT_UNKNOWN_TYPE)
-    stranger.send_raw(signed(prod, int(p.MsgType.STATUS), {"req": 1, "item_ids": []}, ts_ms=int(time.time() * 1000) - 600_000))
-    assert stranger.recv_type(p.Error).code == p.REJECT_STALE
-    bump(p.REJECT_STALE)
+    assert stranger.recv_type(protocol.Error).code == protocol.REJECT_UNKNOWN_TYPE
+    bump(protocol.REJECT_UNKNOWN_TYPE)
+    stranger.send_raw(signed(prod, int(protocol.MsgType.STATUS), {"req": 1, "item_ids": []}, ts_ms=int(time.time() * 1000) - 600_000))
+    assert stranger.recv_type(protocol.Error).code == protocol.REJECT_STALE
+    bump(protocol.REJECT_STALE)
     prod.connect()
-    hello = prod.codec.encode(p.Hello(role="producer"))
+    hello = prod.codec.encode(protocol.Hello(role="producer"))
     prod.send_raw(hello)
-    prod.recv_type(p.Welcome)
+    prod.recv_type(protocol.Welcome)
     stranger.send_raw(hello)  # a captured HELLO replayed from another connection
-    assert stranger.recv_type(p.Error).code == p.REJECT_REPLAY
-    bump(p.REJECT_REPLAY)
+    assert stranger.recv_type(protocol.Error).code == protocol.REJECT_REPLAY
+    bump(protocol.REJECT_REPLAY)
     prod.codec.new_session()
-    prod.send(p.Status(1, []))  # a new session that does not open with HELLO
-    assert prod.recv_type(p.Error).code == p.REJECT_NO_SESSION
-    bump(p.REJECT_NO_SESSION)
+    prod.send(protocol.Status(1, []))  # a new session that does not open with HELLO
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
+    bump(protocol.REJECT_NO_SESSION)
 
     # --- unauthenticated: silence (no reflection), counted; a fresh HELLO from an unknown id
     # or with a bad signature gets one fixed refusal per id and interval (docs/security.md) ---
     stranger.send_raw([b"a", b"b", b"c"])
-    bump(p.REJECT_FRAMING)
+    bump(protocol.REJECT_FRAMING)
     stranger.send_raw([b"\xc1" * 10, b"s" * 64])  # 0xc1 is never valid msgpack
-    bump(p.REJECT_MALFORMED)
-    stranger.send_raw(signed(prod, int(p.MsgType.HELLO), {"role": "producer"}, version=2))
-    bump(p.REJECT_VERSION)
+    bump(protocol.REJECT_MALFORMED)
+    stranger.send_raw(signed(prod, int(protocol.MsgType.HELLO), {"role": "producer"}, version=2))
+    bump(protocol.REJECT_VERSION)
     intruder = env.peer("intruder")
-    intruder.send(p.Hello(role="producer"))
-    bump(p.REJECT_UNKNOWN_SENDER)
+    intruder.send(protocol.Hello(role="producer"))
+    bump(protocol.REJECT_UNKNOWN_SENDER)
     for i in range(20):
-        payload, sig = signed(prod, int(p.MsgType.HELLO), {"role": "producer"}, seq=i + 1)
+        payload, sig = signed(prod, int(protocol.MsgType.HELLO), {"role": "producer"}, seq=i + 1)
         stranger.send_raw([payload, bytes([sig[0] ^ 1]) + sig[1:]])
-    bump(p.REJECT_BAD_SIGNATURE, 20)
-    assert intruder.recv_type(p.Error).code == p.REJECT_UNKNOWN_SENDER
-    assert stranger.recv_type(p.Error).code == p.REJECT_BAD_SIGNATURE  # one answer for 20 frames
+    bump(protocol.REJECT_BAD_SIGNATURE, 20)
+    assert intruder.recv_type(protocol.Error).code == protocol.REJECT_UNKNOWN_SENDER
+    assert stranger.recv_type(protocol.Error).code == protocol.REJECT_BAD_SIGNATURE  # one answer for 20 frames
     assert stranger.recv(0.2) is None and intruder.recv(0.01) is None
 
-    assert set(expected) == set(p.ALL_REJECT_REASONS)
+    assert set(expected) == set(protocol.ALL_REJECT_REASONS)
     st = env.adm.admin_status()
     assert st["counters"]["received"] == 0 and st["balanced"]  # nothing half-applied
     rep = wait_for(lambda: {**(r := env.gap_report())["rejects"], **r["reconnect_noise"]} == expected and r, 10,
                    what="rejects (and reconnect noise) in gap-report")
-    assert p.REJECT_NO_SESSION not in rep["rejects"] and rep["reconnect_noise"][p.REJECT_NO_SESSION] >= 1
+    assert protocol.REJECT_NO_SESSION not in rep["rejects"] and rep["reconnect_noise"][protocol.REJECT_NO_SESSION] >= 1
     assert rep["counters"]["received"] == 0
-    lines = [e for e in env.broker.events("frame_rejected") if e["code"] == p.REJECT_BAD_SIGNATURE]
+    lines = [e for e in env.broker.events("frame_rejected") if e["code"] == protocol.REJECT_BAD_SIGNATURE]
     assert len(lines) == 1  # one line per peer per interval, not 20
     reasons = [e["reason"] for e in env.broker.events("peer_disconnected")]
-    for code in (p.REJECT_ROLE, p.REJECT_OVERSIZE, p.REJECT_FORGED_ORIGIN):
+    for code in (protocol.REJECT_ROLE, protocol.REJECT_OVERSIZE, protocol.REJECT_FORGED_ORIGIN):
         assert f"invalid envelope: {code}" in reasons
     # the broker still serves the same peer on a fresh session
     prod.connect()
@@ -207,8 +207,8 @@ def test_sighup_adds_and_removes_a_producer_key(env):
     original = ak.read_text()
     _priv, pub = write_keypair(env.root / "keys", "late")
     late = env.peer("late")
-    late.send(p.Hello(role="producer"))
-    env.expect_rejects({p.REJECT_UNKNOWN_SENDER: 1})
+    late.send(protocol.Hello(role="producer"))
+    env.expect_rejects({protocol.REJECT_UNKNOWN_SENDER: 1})
     ak.write_text(original + f'\n[peers.late]\nrole = "producer"\npublic_key = "{pub.read_text().strip()}"\n')
     env.broker.signal(signal.SIGHUP)
     wait_for(lambda: env.broker.events("authorized_keys_reloaded"), 5, what="reload")
@@ -220,14 +220,14 @@ def test_sighup_adds_and_removes_a_producer_key(env):
     ak.write_text(original)
     env.broker.signal(signal.SIGHUP)
     wait_for(lambda: len(env.broker.events("authorized_keys_reloaded")) == 2, 5, what="second reload")
-    late.send(p.Submit(2, [item("late-2")]))
-    err = late.recv_type(p.Error)
-    assert err.code == p.REJECT_UNKNOWN_SENDER
+    late.send(protocol.Submit(2, [item("late-2")]))
+    err = late.recv_type(protocol.Error)
+    assert err.code == protocol.REJECT_UNKNOWN_SENDER
     late.connect()
-    late.send(p.Hello(role="producer"))
+    late.send(protocol.Hello(role="producer"))
     reply = late.recv(0.3)  # a removed peer is told once per 2 s at most (docs/security.md, Rejections)
-    assert reply is None or (isinstance(reply.message, p.Error) and reply.message.code == p.REJECT_UNKNOWN_SENDER)
-    env.expect_rejects({p.REJECT_UNKNOWN_SENDER: 3})
+    assert reply is None or (isinstance(reply.message, protocol.Error) and reply.message.code == protocol.REJECT_UNKNOWN_SENDER)
+    env.expect_rejects({protocol.REJECT_UNKNOWN_SENDER: 3})
 
     prod = env.peer("prod")
     ak.write_text("this is = = not toml")
@@ -268,15 +268,15 @@ def test_c09_hostile_flood_leaves_other_peers_unaffected(env):
     while time.monotonic() - t0 < 2.0:  # the broker heartbeats every 0.25 s throughout
         env_ = wa.recv(1.0)  # (slack for a loaded 2-core CI machine; the silence window is 5 s)
         assert env_ is not None, "worker got no heartbeat for 1 s during the flood"
-        beats += isinstance(env_.message, p.Heartbeat)
+        beats += isinstance(env_.message, protocol.Heartbeat)
     assert beats >= 4
     prod2 = env.peer("prod2")
     t1 = time.monotonic()
     prod2.hello("producer")
     (r,) = prod2.submit([item("unaffected")])
     assert r.item_id and not r.error and time.monotonic() - t1 < 3.0
-    got = env.expect_rejects({p.REJECT_MALFORMED: 200, p.REJECT_OVERSIZE: 200})
-    assert got == {p.REJECT_MALFORMED: 200, p.REJECT_OVERSIZE: 200}
+    got = env.expect_rejects({protocol.REJECT_MALFORMED: 200, protocol.REJECT_OVERSIZE: 200})
+    assert got == {protocol.REJECT_MALFORMED: 200, protocol.REJECT_OVERSIZE: 200}
     assert _rss_kib(env.broker.proc.pid) - rss0 < 8 * 1024
     assert env.broker.proc.poll() is None
 

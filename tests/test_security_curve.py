@@ -14,7 +14,7 @@ import tomli_w
 import tomllib
 
 from tests.broker_harness import ScriptedPeer
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import ConfigError, ExitCode
 from ccsq.common.wire.keys import load_curve_public, load_curve_secret, write_curve_keypair
 from ccsq.tools.procs import bin_path
@@ -40,7 +40,7 @@ def test_curve_swarm_works_and_plain_peer_is_shut_out(swarm):
         assert receipt.item_id and client.status([receipt.item_id])[receipt.item_id].state == "ready"
     plain = ScriptedPeer(swarm.root, "producer-1", swarm.endpoint)
     try:
-        plain.send(p.Hello(role="producer"))
+        plain.send(protocol.Hello(role="producer"))
         assert plain.recv(1.0) is None
     finally:
         plain.close()

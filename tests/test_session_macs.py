@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import MAC_BYTES, MAC_OFFER_INFO, EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
@@ -24,7 +24,7 @@ from tests.worker_harness import WorkerBroker, Workers, task
 PEERS = {"producer-1": "producer", "worker-1": "worker", "completion-1": "completion"}
 
 
-def _raw(sp: ScriptedPeer, timeout_s: float = 10.0, *, want: type | None = None) -> tuple[list[bytes], p.Message]:
+def _raw(sp: ScriptedPeer, timeout_s: float = 10.0, *, want: type | None = None) -> tuple[list[bytes], protocol.Message]:
     """The next frames the broker sent to ``sp`` (of type ``want``, skipping heartbeats), decoded."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -37,9 +37,9 @@ def _raw(sp: ScriptedPeer, timeout_s: float = 10.0, *, want: type | None = None)
     raise TimeoutError(f"{sp.peer_id}: nothing of {want} within {timeout_s}s")
 
 
-def _item(i: int) -> p.SubmitItem:
+def _item(i: int) -> protocol.SubmitItem:
     data = f"payload {i}".encode()
-    return p.SubmitItem(key=f"k{i}", kind="echo", payload=p.Blob(hashlib.sha256(data).hexdigest(), len(data), data))
+    return protocol.SubmitItem(key=f"k{i}", kind="echo", payload=protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data))
 
 
 def _rejects(sp: ScriptedPeer) -> dict:
@@ -81,61 +81,62 @@ def test_mac_session_against_the_real_broker(tmp_path: Path, broker: BrokerProce
     assert all(MAC_OFFER_INFO not in e["info"] for e in connected)
 
     # producer -> broker tagged; broker -> producer tagged
-    frames = prod.codec.encode(p.Submit(prod.next_req(), [_item(i) for i in range(3)]))
+    frames = prod.codec.encode(protocol.Submit(prod.next_req(), [_item(i) for i in range(3)]))
     assert len(frames[1]) == MAC_BYTES
     prod.send_raw(frames)
-    ack_frames, ack = _raw(prod, want=p.SubmitAck)
+    ack_frames, ack = _raw(prod, want=protocol.SubmitAck)
     assert len(ack_frames[1]) == MAC_BYTES and not any(r.duplicate or r.error for r in ack.results)
     ids = [r.item_id for r in ack.results]
 
     # the worker runs them over MACs: DISPATCH tagged, COMPLETE tagged, COMPLETE_ACK tagged
     done: list[str] = []
     while len(done) < 3:
-        d_frames, dispatch = _raw(work, want=p.Dispatch)
+        d_frames, dispatch = _raw(work, want=protocol.Dispatch)
         assert len(d_frames[1]) == MAC_BYTES
-        res = [p.TaskResult(t.item_id, t.token, p.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok"), "echo", "1")
+        res = [protocol.TaskResult(t.item_id, t.token, protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok"), "echo", "1")
                for t in dispatch.tasks]
-        work.send(p.Complete(results=res))
-        a_frames, cack = _raw(work, want=p.CompleteAck)
+        work.send(protocol.Complete(results=res))
+        a_frames, cack = _raw(work, want=protocol.CompleteAck)
         assert len(a_frames[1]) == MAC_BYTES
         assert [o.outcome for o in cack.outcomes] == ["accepted"] * len(res)
         done += [t.item_id for t in dispatch.tasks]
     assert sorted(done) == sorted(ids)
-    assert {s.state for s in prod.status(ids)} == {p.ItemState.COMPLETED.value}
+    assert {s.state for s in prod.status(ids)} == {protocol.ItemState.COMPLETED.value}
 
     # a tampered tag: refused as a bad signature, the session ends (the next frame: NO_SESSION)
-    bad = prod.codec.encode(p.Status(prod.next_req(), ids))
+    bad = prod.codec.encode(protocol.Status(prod.next_req(), ids))
     prod.send_raw([bad[0], bytes([bad[1][0] ^ 1]) + bad[1][1:]])
-    err = prod.recv_type(p.Error)
-    assert err.code == p.REJECT_BAD_SIGNATURE and "MAC" in err.message
-    prod.send(p.Heartbeat())
-    assert prod.recv_type(p.Error).code == p.REJECT_NO_SESSION
+    err = prod.recv_type(protocol.Error)
+    assert err.code == protocol.REJECT_BAD_SIGNATURE and "MAC" in err.message
+    prod.send(protocol.Heartbeat())
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
 
     # a replayed tagged frame: REPLAY
     prod.connect()  # a new session (new socket, new keys)
     prod.hello("producer")
-    frames = prod.codec.encode(p.Status(prod.next_req(), ids))
+    frames = prod.codec.encode(protocol.Status(prod.next_req(), ids))
     prod.send_raw(frames)
-    _raw(prod, want=p.StatusReply)
+    _raw(prod, want=protocol.StatusReply)
     prod.send_raw(frames)
-    assert prod.recv_type(p.Error).code == p.REJECT_REPLAY
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_REPLAY
 
     # a frame tagged with the key of the peer's previous session: refused, never applied
     old_key = prod.codec._tx[None].tx
     prod.connect()
     prod.hello("producer")
-    payload = prod.codec.encode(p.Submit(prod.next_req(), [_item(99)]))[0]
+    payload = prod.codec.encode(protocol.Submit(prod.next_req(), [_item(99)]))[0]
     prod.send_raw([payload, hmac.digest(old_key, payload, "sha256")])
-    assert prod.recv_type(p.Error).code == p.REJECT_BAD_SIGNATURE
+    assert prod.recv_type(protocol.Error).code == protocol.REJECT_BAD_SIGNATURE
 
     # a tagged frame of a session that ended (BYE): NO_SESSION, nothing applied
-    work.send(p.Bye(reason="test"))
-    frames = work.codec.encode(p.Complete(results=[p.TaskResult(ids[0], 1, p.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok"), "echo", "1")]))
+    work.send(protocol.Bye(reason="test"))
+    ok = protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
+    frames = work.codec.encode(protocol.Complete(results=[protocol.TaskResult(ids[0], 1, ok, "echo", "1")]))
     assert len(frames[1]) == MAC_BYTES
     work.send_raw(frames)
-    assert work.recv_type(p.Error).code == p.REJECT_NO_SESSION
+    assert work.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
     rejects = _rejects(admin)
-    assert rejects.get(p.REJECT_BAD_SIGNATURE) == 2 and rejects.get(p.REJECT_REPLAY) == 1, rejects
+    assert rejects.get(protocol.REJECT_BAD_SIGNATURE) == 2 and rejects.get(protocol.REJECT_REPLAY) == 1, rejects
     for sp in (prod, work, admin):
         sp.close()
 
@@ -151,16 +152,16 @@ def test_tagged_frame_without_a_mac_session_is_refused(tmp_path: Path, broker: B
     forged = EnvelopeCodec("producer-1", load_private_key(tmp_path / "keys" / "producer-1.key"),
                            AuthorizedKeys(tmp_path / "authorized_keys.toml"), require_hello=False)
     intruder = ScriptedPeer(tmp_path, "producer-1", broker.endpoint)
-    payload = forged.encode(p.Submit(1, [_item(1)]))[0]
+    payload = forged.encode(protocol.Submit(1, [_item(1)]))[0]
     intruder.send_raw([payload, b"\0" * MAC_BYTES])
-    assert intruder.recv_type(p.Error).code == p.REJECT_NO_SESSION
+    assert intruder.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
     intruder.send_raw([payload, b"\1" * MAC_BYTES])
     assert intruder.recv(0.5) is None  # rate-limited: one answer per claimed id per 2 s
     # the live signing session is untouched, and the refused SUBMIT of k1 was never applied
     assert [r.duplicate for r in sp.submit([_item(1), _item(2)])] == [False, False]
     admin = ScriptedPeer(tmp_path, "admin", broker.endpoint)
     admin.hello("admin")
-    assert _rejects(admin).get(p.REJECT_NO_SESSION) == 2
+    assert _rejects(admin).get(protocol.REJECT_NO_SESSION) == 2
     admin.close()
     sp.close()
     intruder.close()
@@ -184,14 +185,14 @@ def test_real_worker_over_macs_or_signatures(tmp_path: Path, broker_macs: bool) 
     workers = Workers(tmp_path, broker)
     try:
         workers.start(slots=1, prefetch=1)
-        (hello,) = broker.wait_for(p.Hello)
+        (hello,) = broker.wait_for(protocol.Hello)
         assert MAC_OFFER_INFO in hello.msg.info
         for k in range(3):
             broker.dispatch(task(f"m{k}", "echo", token=k + 1))
-            broker.wait_for(p.Complete, n=k + 1)
-        broker.wait_for(p.Heartbeat)
-        want = MAC_BYTES if broker_macs else p.SIGNATURE_BYTES
-        assert lengths[0] == p.SIGNATURE_BYTES and set(lengths[1:]) == {want}, lengths
+            broker.wait_for(protocol.Complete, n=k + 1)
+        broker.wait_for(protocol.Heartbeat)
+        want = MAC_BYTES if broker_macs else protocol.SIGNATURE_BYTES
+        assert lengths[0] == protocol.SIGNATURE_BYTES and set(lengths[1:]) == {want}, lengths
         ready = [e for e in workers.log_events(1) if e["event"] == "broker_link_ready"]
         assert ready and ready[0]["session_mac"] is broker_macs
     finally:
@@ -215,30 +216,30 @@ def test_codec_refuses_what_a_mac_session_does_not_allow(tmp_path: Path) -> None
     b = EnvelopeCodec("broker", keys["broker"], AuthorizedKeys(ak_path), session_macs=True)
     w = EnvelopeCodec("w", keys["w"], AuthorizedKeys(ak_path), require_hello=False, session_macs=True)
     older = EnvelopeCodec("w", keys["w"], AuthorizedKeys(ak_path), require_hello=False)  # offers nothing itself
-    bad = b.decode(older.encode(p.Hello(role="worker", info={MAC_OFFER_INFO: "not base64!"})))
+    bad = b.decode(older.encode(protocol.Hello(role="worker", info={MAC_OFFER_INFO: "not base64!"})))
     assert b.open_session_mac(bad, "other") == b""
-    env = b.decode(w.encode(p.Hello(role="worker")))
+    env = b.decode(w.encode(protocol.Hello(role="worker")))
     mac = b.open_session_mac(env, "rid")
-    w.decode(b.encode(p.Welcome(1.0, 5, 1, mac_x25519=mac), channel="rid"), bound_sender="broker")
+    w.decode(b.encode(protocol.Welcome(1.0, 5, 1, mac_x25519=mac), channel="rid"), bound_sender="broker")
     assert w.mac_active
-    hb = w.encode(p.Heartbeat())
-    assert len(hb[1]) == MAC_BYTES and isinstance(b.decode(hb).message, p.Heartbeat)
-    assert len(b.encode(p.Heartbeat(), channel="other")[1]) == p.SIGNATURE_BYTES  # no MAC session there
-    tagged_hello = w.encode(p.Hello(role="worker"))[0]
+    hb = w.encode(protocol.Heartbeat())
+    assert len(hb[1]) == MAC_BYTES and isinstance(b.decode(hb).message, protocol.Heartbeat)
+    assert len(b.encode(protocol.Heartbeat(), channel="other")[1]) == protocol.SIGNATURE_BYTES  # no MAC session there
+    tagged_hello = w.encode(protocol.Hello(role="worker"))[0]
     with pytest.raises(DecodeError) as exc:
         b.decode([tagged_hello, hb[1]])
-    assert exc.value.code == p.REJECT_FRAMING
-    up = w.encode(p.Heartbeat())[0]
+    assert exc.value.code == protocol.REJECT_FRAMING
+    up = w.encode(protocol.Heartbeat())[0]
     with pytest.raises(DecodeError) as exc:  # tagged with the broker -> peer key: one key per direction
         b.decode([up, hmac.digest(b._tx["rid"].tx, up, "sha256")])
-    assert exc.value.code == p.REJECT_BAD_SIGNATURE
+    assert exc.value.code == protocol.REJECT_BAD_SIGNATURE
     priv, _ = write_keypair(tmp_path / "keys2", "w")
     write_authorized_keys(ak_path, {"broker": ("broker", public_key_b64(keys["broker"])),
                                     "w": ("worker", public_key_b64(load_private_key(priv)))})
     b.authorized.reload()
     with pytest.raises(DecodeError) as exc:
-        b.decode(w.encode(p.Heartbeat()))
-    assert exc.value.code == p.REJECT_BAD_SIGNATURE and "changed" in str(exc.value)
+        b.decode(w.encode(protocol.Heartbeat()))
+    assert exc.value.code == protocol.REJECT_BAD_SIGNATURE and "changed" in str(exc.value)
 
 
 @pytest.mark.timeout(120)
@@ -306,31 +307,31 @@ def test_c09_hostile_frames_over_a_mac_session(tmp_path: Path) -> None:
         mac_session()
         payload = b"\x97\x01\x0a\xc6\xff\xff\xff\xff" + b"xx"
         hostile.send_raw([payload, _tag(hostile, payload)])
-        assert hostile.recv_type(p.Error).code == p.REJECT_MALFORMED
-        frames = hostile.codec.encode(p.Status(hostile.next_req(), []))
+        assert hostile.recv_type(protocol.Error).code == protocol.REJECT_MALFORMED
+        frames = hostile.codec.encode(protocol.Status(hostile.next_req(), []))
         assert len(frames[1]) == MAC_BYTES
         hostile.send_raw(frames)  # the session was ended (one disconnect rule)
-        assert hostile.recv_type(p.Error).code == p.REJECT_NO_SESSION
+        assert hostile.recv_type(protocol.Error).code == protocol.REJECT_NO_SESSION
         other_still_works()
         # (b) one byte over the limit, tagged
         mac_session()
         frames = submit_of_size(hostile, LIMIT + 1)
         assert len(frames[1]) == MAC_BYTES
         hostile.send_raw(frames)
-        assert hostile.recv_type(p.Error).code == p.REJECT_OVERSIZE
+        assert hostile.recv_type(protocol.Error).code == protocol.REJECT_OVERSIZE
         other_still_works()
         # (c) exactly at the limit, tagged: accepted
         mac_session()
         frames = submit_of_size(hostile, LIMIT)
         assert len(frames[1]) == MAC_BYTES
         hostile.send_raw(frames)
-        ack_frames, ack = _raw(hostile, want=p.SubmitAck)
+        ack_frames, ack = _raw(hostile, want=protocol.SubmitAck)
         assert len(ack.results) == 8 and all(res.item_id and not res.error for res in ack.results)
         assert len(ack_frames[1]) == MAC_BYTES
         other_still_works()
 
         # the NO_SESSION answer after (a) is the session layer's, as for a signed frame: not a reject
-        want = {p.REJECT_MALFORMED: 1, p.REJECT_OVERSIZE: 1}
+        want = {protocol.REJECT_MALFORMED: 1, protocol.REJECT_OVERSIZE: 1}
         wait_for(lambda: _rejects(admin) == want, 10, what=f"rejects == {want}")
         assert _rss_kib(broker.proc.pid) - rss0 < 8 * 1024
         reasons = [e["reason"] for e in broker.events("peer_disconnected") if e.get("peer") == "producer-1"]

@@ -6,7 +6,8 @@
 - the recovery unit restarts a unit that is still failed, unless its main process exited 77/78/79/80 (case C11);
 - ``install.sh --venv`` refuses a venv the sandbox hides (or whose base Python it hides);
 - each daemon started with its unit's ExecStart, Environment, UMask, SystemCallFilter and
-  (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends READY=1 and WATCHDOG=1 from its main process on
+  (where the unit sets it) MemoryDenyWriteExecute (seccomp, see test_systemd_sandbox.py) sends
+  READY=1 and WATCHDOG=1 from its main process on
   ``$NOTIFY_SOCKET``, and on SIGTERM sends STOPPING=1 and exits 0 within the unit's TimeoutStopSec.
 
 What only a real systemd shows (address families, the start limit, the recover timer firing,

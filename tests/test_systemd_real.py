@@ -8,7 +8,8 @@
   ``ccsq submit --wait``, ``ccsq gap-report`` balanced;
 - ``tests/systemd_box/box.sh`` boots the host's systemd (252 on Debian 12) as PID 1 of private
   namespaces, installs the units with the wheel's own ``VENV/share/ccsq/systemd/install.sh --venv``
-  for real, as an operator does (every unit loaded, every /usr/local/bin link), and checks: all active; a worker SIGKILLed comes back alone while the others keep their
+  for real, as an operator does (every unit loaded, every /usr/local/bin link), and checks: all
+  active; a worker SIGKILLed comes back alone while the others keep their
   PIDs; a SIGSTOPped broker is killed by the watchdog and comes back; no process of a unit
   survives its restart; a crash loop is recovered by the recover timer, exits 78/79 are not;
   stop leaves nothing; every item submitted across all of it is acknowledged and the books

@@ -17,14 +17,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.storage.claimstore import FileStore, sha256_hex
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import ConfigError, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import EchoHandler, SleepHandler, load_handler
-from ccsq.workerd.journal import EntryState, Journal
+from ccsq.workerd.worker_journal import EntryState, Journal
 from ccsq.workerd.onnx_handler import OnnxHandler, decode_tensors, encode_tensors
 from tests.swarm import Swarm
 from tests.worker_harness import WorkerBroker, Workers, broker, task, wait_until, workers  # noqa: F401 (fixtures)
@@ -199,22 +199,22 @@ def test_sleep_batches_of_four_finish_eight_items_in_two_batch_durations(broker:
     and the heartbeat show the batch sizes; each item is reported on its own."""
     batch_s = 1.0
     workers.start(handler="sleep", max_batch=4, max_wait_ms=300, prefetch=4)
-    (hello,) = broker.wait_for(p.Hello)
+    (hello,) = broker.wait_for(protocol.Hello)
     assert hello.msg.credit == 8 and hello.msg.info["max_batch"] == 4
     sent = time.monotonic()
     broker.dispatch(*[task(f"i{n}", "sleep", token=n + 1, params={"seconds": batch_s}) for n in range(8)])
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 8, 30, "8 results")
-    last = max(s.mono for s in broker.of(p.Complete))
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) == 8, 30, "8 results")
+    last = max(s.mono for s in broker.of(protocol.Complete))
     assert 2 * batch_s <= last - sent < 3.5 * batch_s, last - sent
-    results = [r for s in broker.of(p.Complete) for r in s.msg.results]
+    results = [r for s in broker.of(protocol.Complete) for r in s.msg.results]
     assert sorted(r.item_id for r in results) == [f"i{n}" for n in range(8)]
     assert {json.loads(r.result.inline)["batch"] for r in results} == {4}
     events = workers.log_events(1)
     assert [e["size"] for e in events if e["event"] == "batch_started"] == [4, 4]
     assert sum(e["event"] == "job_started" for e in events) == 8
-    beat = broker.wait_for(p.Heartbeat, lambda m: m.info.get("batches") == 2)[0]
+    beat = broker.wait_for(protocol.Heartbeat, lambda m: m.info.get("batches") == 2)[0]
     assert beat.msg.info["batch_size_max"] == 4 and beat.msg.info["batch_items"] == 8
-    wait_until(lambda: sum(s.msg.credit for s in broker.of(p.Credit)) == 8, 10, "all 8 credits back")
+    wait_until(lambda: sum(s.msg.credit for s in broker.of(protocol.Credit)) == 8, 10, "all 8 credits back")
 
 
 @pytest.mark.timeout(60)
@@ -230,16 +230,16 @@ def test_next_payload_is_fetched_and_verified_while_the_slot_runs(broker: Worker
     path.chmod(0o644)
     path.write_bytes(b"tampered" + good[8:])  # same size, wrong content
     workers.start(handler="sleep")
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     broker.dispatch(task("n", "sleep", params={"seconds": 1.5}, token=1))
-    broker.wait_for(p.Heartbeat, lambda m: m.busy == 1)  # N runs
-    broker.dispatch(p.Task("n+1", 2, "sleep", p.Blob(digest, len(good), None), {"seconds": 0.0}, 1))
-    (fail,) = broker.wait_for(p.Fail)
+    broker.wait_for(protocol.Heartbeat, lambda m: m.busy == 1)  # N runs
+    broker.dispatch(protocol.Task("n+1", 2, "sleep", protocol.Blob(digest, len(good), None), {"seconds": 0.0}, 1))
+    (fail,) = broker.wait_for(protocol.Fail)
     # corrupt in this worker's view of the store: its problem (store_unavailable, attempt not counted), not the item's
     assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("n+1", "store_unavailable", True)]
     assert "corrupt" in fail.msg.failures[0].message
-    assert not broker.of(p.Complete)  # N still runs
-    (done,) = broker.wait_for(p.Complete)
+    assert not broker.of(protocol.Complete)  # N still runs
+    (done,) = broker.wait_for(protocol.Complete)
     assert done.msg.results[0].item_id == "n" and done.mono > fail.mono
     assert [e["item_id"] for e in workers.log_events(1) if e["event"] == "job_started"] == ["n"]
 
@@ -249,15 +249,15 @@ def test_item_past_its_deadline_is_given_back_not_run(broker: WorkerBroker, work
     """An item whose deadline_ts passes while it waits for the slot is not started:
     FAIL(released, retryable) so the broker expires it (no attempt counted)."""
     workers.start(handler="sleep", prefetch=2)
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     soon = time.time() + 0.5
     broker.dispatch(task("busy", "sleep", params={"seconds": 1.0}, token=1),
                     task("late", "sleep", params={"seconds": 0.0}, token=2, deadline_ts=soon),
                     task("fine", "sleep", params={"seconds": 0.0}, token=3, deadline_ts=time.time() + 600))
-    (fail,) = broker.wait_for(p.Fail)
+    (fail,) = broker.wait_for(protocol.Fail)
     (f,) = fail.msg.failures
     assert (f.item_id, f.reason, f.retryable) == ("late", "released", True) and "deadline_ts" in f.message
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 2, 10, "2 results")
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) == 2, 10, "2 results")
     events = workers.log_events(1)
     assert [e["item_id"] for e in events if e["event"] == "job_started"] == ["busy", "fine"]
     assert [e["item_id"] for e in events if e["event"] == "deadline_skipped"] == ["late"]
@@ -270,16 +270,16 @@ def test_onnx_worker_batches_tensors_and_dead_letters_a_bad_one(broker: WorkerBr
     back as the model's output, the one whose shape does not fit fails fatal alone."""
     model = write_models(tmp_path / "models")
     workers.start(handler="onnx", model_path=str(model), max_wait_ms=300, kinds=["onnx"])
-    (hello,) = broker.wait_for(p.Hello)
+    (hello,) = broker.wait_for(protocol.Hello)
     assert hello.msg.credit == 8 + 1 and hello.msg.info["handler"] == "onnx"
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     bad = np.zeros((2, 4), np.float32)
     broker.dispatch(task("ok1", "onnx", packed(a=a, b=a), token=1), task("bad", "onnx", packed(a=bad, b=bad), token=2),
                     task("ok2", "onnx", packed(a=a[:1], b=a[:1]), token=3))
-    (fail,) = broker.wait_for(p.Fail)
+    (fail,) = broker.wait_for(protocol.Fail)
     assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("bad", "fatal", False)]
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 2, 10, "2 results")
-    res = {r.item_id: decode_tensors(r.result.inline)["y"] for s in broker.of(p.Complete) for r in s.msg.results}
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) == 2, 10, "2 results")
+    res = {r.item_id: decode_tensors(r.result.inline)["y"] for s in broker.of(protocol.Complete) for r in s.msg.results}
     assert np.array_equal(res["ok1"], a + a) and np.array_equal(res["ok2"], a[:1] + a[:1])
     assert [e["size"] for e in workers.log_events(1) if e["event"] == "batch_started"] == [3]
 
@@ -316,13 +316,13 @@ def test_claim_store_read_error_fails_the_item_not_the_worker(broker: WorkerBrok
     path = store._path(digest)
     path.mkdir(parents=True)
     workers.start()
-    broker.wait_for(p.Hello)
-    broker.dispatch(p.Task("io", 1, "echo", p.Blob(digest, 10, None), {}, 1))
-    (fail,) = broker.wait_for(p.Fail)
+    broker.wait_for(protocol.Hello)
+    broker.dispatch(protocol.Task("io", 1, "echo", protocol.Blob(digest, 10, None), {}, 1))
+    (fail,) = broker.wait_for(protocol.Fail)
     (f,) = fail.msg.failures
     assert (f.item_id, f.reason, f.retryable) == ("io", "store_unavailable", True) and "IsADirectoryError" in f.message
     broker.dispatch(task("next", "echo", b"still alive", token=2))
-    (done,) = broker.wait_for(p.Complete)
+    (done,) = broker.wait_for(protocol.Complete)
     assert done.msg.results[0].result.inline == b"still alive"
 
 
@@ -332,9 +332,9 @@ def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: Worke
     naming every (item_id, token, attempt) of the batch, one results_reported per report frame;
     every item still journaled and reported."""
     workers.start(handler="sleep", max_batch=4, max_wait_ms=300, prefetch=4, log_each_job=False)
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     broker.dispatch(*[task(f"q{n}", "sleep", token=n + 1, params={"seconds": 0.05}) for n in range(8)])
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) == 8, 30, "8 results")
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) == 8, 30, "8 results")
     events = workers.log_events(1)
     assert not [e for e in events if e["event"] in ("job_started", "job_completed")]
     started = [e for e in events if e["event"] == "batch_started"]
@@ -347,7 +347,7 @@ def test_log_each_job_off_logs_one_line_per_batch_and_report_frame(broker: Worke
 def test_group_commit_merges_adjacent_ops_of_one_name() -> None:
     """The group commit applies adjacent same-name ops as one op (one executemany), rows in
     order, without touching the callers' lists; different names keep their order."""
-    from ccsq.workerd.journal import OpKind, _merge_adjacent
+    from ccsq.workerd.worker_journal import OpKind, _merge_adjacent
 
     record, forget = OpKind.RECORD, OpKind.FORGET
     a, b = [("x", 1)], [("y", 2)]

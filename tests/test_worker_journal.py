@@ -13,15 +13,15 @@ import pytest
 
 from ccsq.common.runtime.faults import env_for
 from ccsq.common.storage.claimstore import sha256_hex
-from ccsq.common.wire import protocol as p
-from ccsq.workerd import journal as jmod
-from ccsq.workerd.journal import EntryState, Journal, encode_report
+from ccsq.common.wire import protocol
+from ccsq.workerd import worker_journal
+from ccsq.workerd.worker_journal import EntryState, Journal, encode_report
 from tests.worker_harness import (WorkerBroker, Workers, broker, stop_with_empty_journal, task,  # noqa: F401 (fixtures)
                                      wait_until, workers)
 
 
-def _result(item_id: str, token: int, data: bytes = b"out") -> p.TaskResult:
-    return p.TaskResult(item_id, token, p.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
+def _result(item_id: str, token: int, data: bytes = b"out") -> protocol.TaskResult:
+    return protocol.TaskResult(item_id, token, protocol.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
 
 
 def _state(j: Journal) -> dict[tuple[str, int], tuple[EntryState, object]]:
@@ -40,7 +40,7 @@ def _write_format1(directory: Path, rows: list[tuple[str, int, str, str, bytes |
     """A journal as the format-1 worker wrote it: table entries, one row per lease."""
     directory.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(directory / "journal.sqlite3")
-    db.execute(jmod._LEGACY_SCHEMA)
+    db.execute(worker_journal._LEGACY_SCHEMA)
     for n, (item_id, token, kind, state, report) in enumerate(rows):
         db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (item_id, token, kind, state, report, 1000.0 + n))
     db.commit()
@@ -48,7 +48,7 @@ def _write_format1(directory: Path, rows: list[tuple[str, int, str, str, bytes |
 
 
 def test_log_replays_in_order_and_compacts_to_one_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jmod, "COMPACT_ROWS", 4)
+    monkeypatch.setattr(worker_journal, "COMPACT_ROWS", 4)
     j = Journal.open(tmp_path / "j")
     j.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")])
     j.mark_started(("a", 1), ("b", 2))
@@ -57,12 +57,12 @@ def test_log_replays_in_order_and_compacts_to_one_snapshot(tmp_path: Path, monke
     assert _rows(tmp_path / "j", "log") == 4  # one row per transaction
     j.mark_started(("c", 3))  # the 5th transaction replaces the log by one snapshot
     assert _rows(tmp_path / "j", "log") == 1
-    j.record(p.TaskFailure("b", 2, "timeout", True, "slow"), "echo")
+    j.record(protocol.TaskFailure("b", 2, "timeout", True, "slow"), "echo")
     j.mark_started(("a", 1))  # not held any more: no change
-    stored = p.TaskResult("d", 4, p.Blob("ab" * 32, 5000, None), "echo", "1", 0.5)
+    stored = protocol.TaskResult("d", 4, protocol.Blob("ab" * 32, 5000, None), "echo", "1", 0.5)
     j.record(stored, "echo")  # a result in the claim store: no inline bytes
     want = {("d", 4): (EntryState.FINISHED, stored),("a", 1): (EntryState.FINISHED, _result("a", 1)),
-            ("b", 2): (EntryState.FAILED, p.TaskFailure("b", 2, "timeout", True, "slow")),
+            ("b", 2): (EntryState.FAILED, protocol.TaskFailure("b", 2, "timeout", True, "slow")),
             ("c", 3): (EntryState.STARTED, None)}
     assert _state(j) == want
     j.close()
@@ -88,7 +88,7 @@ def test_a_failed_commit_changes_nothing(tmp_path: Path, monkeypatch: pytest.Mon
         j.forget([("a", 1), ("b", 2)])  # empties the journal: compaction fails
     assert _state(j) == before
     with pytest.raises(ValueError):
-        j.apply([(jmod.OpKind.FORGET, [("a", 1)]), ("bogus", [])])
+        j.apply([(worker_journal.OpKind.FORGET, [("a", 1)]), ("bogus", [])])
     assert _state(j) == before
     j.close()
     assert _state(Journal.open(tmp_path / "j")) == before
@@ -100,12 +100,12 @@ def test_format1_journal_is_read_and_then_compacted_away(tmp_path: Path) -> None
         ("done", 5, "echo", "finished", encode_report(_result("done", 5))),
         ("held", 6, "echo", "held", None),
         ("lost", 7, "echo", "started", None),
-        ("bad", 8, "echo", "failed", encode_report(p.TaskFailure("bad", 8, "fatal", False, "no"))),
+        ("bad", 8, "echo", "failed", encode_report(protocol.TaskFailure("bad", 8, "fatal", False, "no"))),
     ])
     j = Journal.open(d)
     want = {("done", 5): (EntryState.FINISHED, _result("done", 5)), ("held", 6): (EntryState.HELD, None),
             ("lost", 7): (EntryState.STARTED, None),
-            ("bad", 8): (EntryState.FAILED, p.TaskFailure("bad", 8, "fatal", False, "no"))}
+            ("bad", 8): (EntryState.FAILED, protocol.TaskFailure("bad", 8, "fatal", False, "no"))}
     assert _state(j) == want
     j.forget([("lost", 7)])  # a log row on top of the format-1 rows
     j.close()
@@ -128,16 +128,16 @@ def test_worker_resumes_a_format1_journal(broker: WorkerBroker, workers: Workers
         ("lost", 7, "echo", "started", None),
     ])
     proc = workers.start()
-    (hello,) = broker.wait_for(p.Hello)
+    (hello,) = broker.wait_for(protocol.Hello)
     assert sorted((r.item_id, r.token) for r in hello.msg.leases) == [("done", 5), ("held", 6)]
-    (done,) = broker.wait_for(p.Complete)
+    (done,) = broker.wait_for(protocol.Complete)
     assert [(r.item_id, r.token, r.result.inline) for r in done.msg.results] == [("done", 5, b"old result")]
-    (fail,) = broker.wait_for(p.Fail)
+    (fail,) = broker.wait_for(protocol.Fail)
     assert [(f.item_id, f.reason) for f in fail.msg.failures] == [("held", "released")]
     events = workers.log_events(1)
     assert "job_started" not in [e["event"] for e in events]
     assert [e["item_id"] for e in events if e["event"] == "job_lost_in_crash"] == ["lost"]
-    wait_until(lambda: not any(s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > fail.mono),
+    wait_until(lambda: not any(s.msg.leases for s in broker.of(protocol.Heartbeat) if s.mono > fail.mono),
                10, "heartbeats without the leases")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
@@ -154,18 +154,18 @@ def test_sigkill_after_a_batch_is_journaled_resends_each_result_once(broker: Wor
     point worker.after_result_stored): the restarted worker re-sends all 6 results, each
     once, and runs none of them again."""
     proc = workers.start(env=env_for("worker.after_result_stored"), max_batch=8, max_wait_ms=200.0, prefetch=8)
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     broker.dispatch(*[task(f"b{n}", "echo", payload=b"r%d" % n, token=10 + n) for n in range(6)])
     assert proc.wait(20) == -signal.SIGKILL
-    assert not broker.of(p.Complete)
+    assert not broker.of(protocol.Complete)
     proc = workers.start(max_batch=8, prefetch=8)
-    (hello,) = broker.wait_for(p.Hello, n=2)[1:]
+    (hello,) = broker.wait_for(protocol.Hello, n=2)[1:]
     assert sorted((r.item_id, r.token) for r in hello.msg.leases) == [(f"b{n}", 10 + n) for n in range(6)]
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 6, 10, "6 results")
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) >= 6, 10, "6 results")
     # all confirmed: a heartbeat lists no lease (a second COMPLETE would have come before)
-    wait_until(lambda: any(not s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > hello.mono), 10,
+    wait_until(lambda: any(not s.msg.leases for s in broker.of(protocol.Heartbeat) if s.mono > hello.mono), 10,
                "a heartbeat without leases")
-    got = sorted((r.item_id, r.token, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
+    got = sorted((r.item_id, r.token, r.result.inline) for s in broker.of(protocol.Complete) for r in s.msg.results)
     assert got == [(f"b{n}", 10 + n, b"r%d" % n) for n in range(6)]
     assert "job_started" not in [e["event"] for e in workers.log_events(2)]
     stop_with_empty_journal(proc, tmp_path)
@@ -177,15 +177,15 @@ def test_a_tampered_inline_payload_fails_alone_in_its_frame(broker: WorkerBroker
     bytes do not match its SHA-256 is reported payload_missing (the item's fault), its
     frame mates run."""
     workers.start(max_batch=4, prefetch=4)
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     good = [task(f"g{n}", "echo", payload=b"ok%d" % n, token=n + 1) for n in range(3)]
-    bad = p.Task(item_id="bad", token=9, kind="echo", payload=p.Blob(sha256_hex(b"other"), 3, b"abc"), params={},
+    bad = protocol.Task(item_id="bad", token=9, kind="echo", payload=protocol.Blob(sha256_hex(b"other"), 3, b"abc"), params={},
                  attempt=1)
     broker.dispatch(good[0], bad, *good[1:])
-    (fail,) = broker.wait_for(p.Fail)
+    (fail,) = broker.wait_for(protocol.Fail)
     assert [(f.item_id, f.reason, f.retryable) for f in fail.msg.failures] == [("bad", "payload_missing", False)]
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 3, 10, "3 results")
-    got = sorted((r.item_id, r.result.inline) for s in broker.of(p.Complete) for r in s.msg.results)
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) >= 3, 10, "3 results")
+    got = sorted((r.item_id, r.result.inline) for s in broker.of(protocol.Complete) for r in s.msg.results)
     assert got == [(f"g{n}", b"ok%d" % n) for n in range(3)]
 
 
@@ -197,18 +197,18 @@ def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: Wor
     re-send a confirmed report at most once (the broker answers duplicate), and the
     half-confirmed frame's other jobs are not lost."""
     proc = workers.start(max_batch=8, max_wait_ms=200.0, prefetch=8)
-    broker.wait_for(p.Hello)
+    broker.wait_for(protocol.Hello)
     broker.dispatch(*[task(f"c{n}", "echo", payload=b"c%d" % n, token=20 + n) for n in range(6)])
-    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(p.Complete)) >= 6, 10, "6 results")
-    before = len(broker.of(p.Complete))
+    wait_until(lambda: sum(len(s.msg.results) for s in broker.of(protocol.Complete)) >= 6, 10, "6 results")
+    before = len(broker.of(protocol.Complete))
     proc.kill()
     assert proc.wait(20) == -signal.SIGKILL
     proc = workers.start(max_batch=8, prefetch=8)
-    (hello,) = broker.wait_for(p.Hello, n=2)[1:]
+    (hello,) = broker.wait_for(protocol.Hello, n=2)[1:]
     # re-sends of reports not yet forgotten come at once; once confirmed, heartbeats list no lease
-    wait_until(lambda: any(not s.msg.leases for s in broker.of(p.Heartbeat) if s.mono > hello.mono), 10,
+    wait_until(lambda: any(not s.msg.leases for s in broker.of(protocol.Heartbeat) if s.mono > hello.mono), 10,
                "a heartbeat without leases")
-    again = [r.item_id for s in broker.of(p.Complete)[before:] for r in s.msg.results]
+    again = [r.item_id for s in broker.of(protocol.Complete)[before:] for r in s.msg.results]
     assert len(again) == len(set(again)) and set(again) <= {f"c{n}" for n in range(6)}
     assert "job_started" not in [e["event"] for e in workers.log_events(2)]
     stop_with_empty_journal(proc, tmp_path)
@@ -217,7 +217,7 @@ def test_sigkill_after_confirmation_never_runs_a_confirmed_job_again(broker: Wor
 def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot taken while format-1 entries are live keeps their report bytes as they
     were (decoded by the strict codec on the next open) and deletes the format-1 rows."""
-    monkeypatch.setattr(jmod, "COMPACT_ROWS", 1)
+    monkeypatch.setattr(worker_journal, "COMPACT_ROWS", 1)
     d = tmp_path / "j"
     _write_format1(d, [("done", 5, "echo", "finished", encode_report(_result("done", 5)))])
     j = Journal.open(d)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import ConfigError, GpuUnavailable, HandlerError, PermanentHandlerError
 from ccsq.workerd import providers
 from ccsq.workerd.handlers import EchoHandler, FailHandler, SleepHandler, load_handler
-from ccsq.workerd.journal import EntryState, Journal, JournalLocked
+from ccsq.workerd.worker_journal import EntryState, Journal, JournalLocked
 from ccsq.workerd.slots import SlotGate
 
 DOCS = Path(__file__).resolve().parent.parent / "examples" / "documents"
@@ -60,10 +60,10 @@ def test_semaphore_survives_1000_randomly_cancelled_tasks() -> None:
 
 
 # --- the journal ---------------------------------------------------------------------
-def _result(item_id: str, token: int, data: bytes = b"out") -> p.TaskResult:
+def _result(item_id: str, token: int, data: bytes = b"out") -> protocol.TaskResult:
     from ccsq.common.storage.claimstore import sha256_hex
 
-    return p.TaskResult(item_id, token, p.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
+    return protocol.TaskResult(item_id, token, protocol.Blob(sha256_hex(data), len(data), data), "echo", "1", 0.01)
 
 
 def test_journal_round_trip_and_single_writer(tmp_path: Path) -> None:
@@ -74,13 +74,13 @@ def test_journal_round_trip_and_single_writer(tmp_path: Path) -> None:
     j.mark_started(("b", 2))
     j.mark_started(("c", 3))
     j.record(_result("c", 3), "echo")
-    j.record(p.TaskFailure("a", 1, "released", True, "bye"), "echo")
+    j.record(protocol.TaskFailure("a", 1, "released", True, "bye"), "echo")
     j.close()
 
     j = Journal.open(tmp_path / "j")  # the lock was released with the journal
     by_key = {(e.item_id, e.token): e for e in j.entries()}
     assert by_key[("a", 1)].state is EntryState.FAILED
-    assert by_key[("a", 1)].report == p.TaskFailure("a", 1, "released", True, "bye")
+    assert by_key[("a", 1)].report == protocol.TaskFailure("a", 1, "released", True, "bye")
     assert by_key[("b", 2)].state is EntryState.STARTED and by_key[("b", 2)].report is None
     assert by_key[("c", 3)].report == _result("c", 3)
     j.forget([("a", 1), ("c", 3)])
@@ -93,7 +93,7 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     an error fails every waiter of that commit and writes nothing of it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ccsq.workerd.journal import GroupCommit
+    from ccsq.workerd.worker_journal import GroupCommit
 
     j = Journal.open(tmp_path / "j")
     pool = ThreadPoolExecutor(1)
@@ -104,7 +104,7 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
             gc.hold([("a", 1, "echo"), ("b", 2, "echo"), ("c", 3, "echo")]),
             gc.started([("a", 1), ("b", 2)]),
             gc.record([(_result("a", 1), "echo")]),
-            gc.record([(p.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
+            gc.record([(protocol.TaskFailure("b", 2, "released", True, "bye"), "echo")]),
             gc.forget([("a", 1)]),
         )
         assert (gc.commits, gc.ops) == (1, 5)
@@ -126,7 +126,7 @@ def test_journal_lazy_forget_rides_with_the_next_commit_or_its_timer(tmp_path: P
     else it is committed lazy_s later, and drain() commits what is still queued."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ccsq.workerd.journal import GroupCommit
+    from ccsq.workerd.worker_journal import GroupCommit
 
     j = Journal.open(tmp_path / "j")
     pool = ThreadPoolExecutor(1)
@@ -159,13 +159,13 @@ def test_journal_report_rows_are_the_one_element_complete_and_fail_bodies() -> N
     """encode_report's shortcut writes exactly the bytes of the message it stands for."""
     import msgpack
 
-    from ccsq.workerd.journal import decode_report, encode_report
+    from ccsq.workerd.worker_journal import decode_report, encode_report
 
     res = _result("a", 1)
-    fail = p.TaskFailure("b", 2, "released", True, "bye")
-    for rep, msg, state in ((res, p.Complete(results=[res]), EntryState.FINISHED),
-                            (fail, p.Fail(failures=[fail]), EntryState.FAILED)):
-        assert encode_report(rep) == msgpack.packb(p.encode_body(msg), use_bin_type=True)
+    fail = protocol.TaskFailure("b", 2, "released", True, "bye")
+    for rep, msg, state in ((res, protocol.Complete(results=[res]), EntryState.FINISHED),
+                            (fail, protocol.Fail(failures=[fail]), EntryState.FAILED)):
+        assert encode_report(rep) == msgpack.packb(protocol.encode_body(msg), use_bin_type=True)
         assert decode_report(state, encode_report(rep)) == rep
 
 
@@ -220,7 +220,7 @@ def test_inline_results_made_on_the_loop_are_what_put_result_makes(tmp_path: Pat
     from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims
 
     class OwnPutBlob(FileStore):
-        def put_blob(self, data: bytes, inline_max_bytes: int) -> p.Blob:
+        def put_blob(self, data: bytes, inline_max_bytes: int) -> protocol.Blob:
             return super().put_blob(data, inline_max_bytes)
 
     rng = random.Random(26)
@@ -237,7 +237,7 @@ def test_inline_results_made_on_the_loop_are_what_put_result_makes(tmp_path: Pat
                 here = claims.inline_result(data)
                 stored = await claims.put_result(data)
                 if store.inline_without_io(n, INLINE_RESULT_MAX_BYTES):
-                    assert here == stored and type(here) is p.Blob and here.inline is not None, n
+                    assert here == stored and type(here) is protocol.Blob and here.inline is not None, n
                     made_here += 1
                 else:
                     assert here is None, n

@@ -27,12 +27,12 @@ import pytest
 import tomli_w
 import zmq
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.storage.claimstore import sha256_hex
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
-from ccsq.workerd.journal import Journal
+from ccsq.workerd.worker_journal import Journal
 
 T = TypeVar("T")
 HB_S = 0.2  # heartbeat interval the scripted broker hands out
@@ -84,7 +84,7 @@ class WorkerBroker:
         self.release_on_hello: set[str] = set()  # item ids to list as released in WELCOME
         self.ident: bytes | None = None  # the worker's current session
         self.endpoint = ""
-        self._out: queue.Queue[p.Message] = queue.Queue()
+        self._out: queue.Queue[protocol.Message] = queue.Queue()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         bound = threading.Event()
@@ -98,12 +98,12 @@ class WorkerBroker:
         self._ctx.term()
 
     # --- script ---
-    def send(self, msg: p.Message) -> None:
+    def send(self, msg: protocol.Message) -> None:
         """Send ``msg`` to the worker's current session."""
         self._out.put(msg)
 
-    def dispatch(self, *tasks: p.Task) -> None:
-        self.send(p.Dispatch(tasks=list(tasks)))
+    def dispatch(self, *tasks: protocol.Task) -> None:
+        self.send(protocol.Dispatch(tasks=list(tasks)))
 
     # --- observations ---
     def of(self, cls: type[T]) -> list[Seen]:
@@ -136,11 +136,11 @@ class WorkerBroker:
                     self._send(sock, self._out.get())
                 if time.monotonic() >= next_hb:
                     next_hb = time.monotonic() + HB_S
-                    self._send(sock, p.Heartbeat())
+                    self._send(sock, protocol.Heartbeat())
         finally:
             sock.close(linger=0)
 
-    def _send(self, sock: zmq.Socket, msg: p.Message) -> None:
+    def _send(self, sock: zmq.Socket, msg: protocol.Message) -> None:
         if self.ident is None:
             return
         try:
@@ -158,25 +158,25 @@ class WorkerBroker:
         with self.lock:
             self.seen.append(Seen(time.monotonic(), ident, env))
         msg = env.message
-        if isinstance(msg, p.Hello):
+        if isinstance(msg, protocol.Hello):
             self.ident = ident
-            self._send(sock, p.Welcome(
+            self._send(sock, protocol.Welcome(
                 heartbeat_interval_s=HB_S, liveness=LIVENESS, broker_epoch=1, mac_x25519=self.codec.open_session_mac(env, ident),
                 resumed=[ref for ref in msg.leases if ref.item_id not in self.release_on_hello],
                 released=[ref for ref in msg.leases if ref.item_id in self.release_on_hello]))
-        elif isinstance(msg, (p.Complete, p.Fail)):
+        elif isinstance(msg, (protocol.Complete, protocol.Fail)):
             if self.drop_confirmations > 0:
                 self.drop_confirmations -= 1
                 return
-            reports = msg.results if isinstance(msg, p.Complete) else msg.failures
-            outcomes = [p.ItemOutcome(r.item_id, r.token, p.Outcome.ACCEPTED.value) for r in reports]
-            self._send(sock, p.CompleteAck(outcomes=outcomes) if isinstance(msg, p.Complete)
-                       else p.FailAck(outcomes=outcomes))
+            reports = msg.results if isinstance(msg, protocol.Complete) else msg.failures
+            outcomes = [protocol.ItemOutcome(r.item_id, r.token, protocol.Outcome.ACCEPTED.value) for r in reports]
+            self._send(sock, protocol.CompleteAck(outcomes=outcomes) if isinstance(msg, protocol.Complete)
+                       else protocol.FailAck(outcomes=outcomes))
 
 
-def task(item_id: str, kind: str, payload: bytes = b"payload", token: int = 1, **kw: Any) -> p.Task:
-    blob = p.Blob(sha256_hex(payload), len(payload), payload)
-    return p.Task(item_id=item_id, token=token, kind=kind, payload=blob, params=kw.pop("params", {}), attempt=1, **kw)
+def task(item_id: str, kind: str, payload: bytes = b"payload", token: int = 1, **kw: Any) -> protocol.Task:
+    blob = protocol.Blob(sha256_hex(payload), len(payload), payload)
+    return protocol.Task(item_id=item_id, token=token, kind=kind, payload=blob, params=kw.pop("params", {}), attempt=1, **kw)
 
 
 class Workers:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import AdminConfig
 from ccsq.common.link.requests import RequestTracker
 from ccsq.common.wire.envelope import Envelope
@@ -38,13 +38,13 @@ class AdminSession:
 
     def __init__(self) -> None:
         self.link: Any = None
-        self._requests: RequestTracker[p.Admin, p.AdminReply] = RequestTracker()
+        self._requests: RequestTracker[protocol.Admin, protocol.AdminReply] = RequestTracker()
 
     def on_message(self, env: Envelope) -> None:
         msg = env.message
-        if isinstance(msg, p.AdminReply):
+        if isinstance(msg, protocol.AdminReply):
             self._requests.resolve(msg.req, msg)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             self._requests.fail_all(AdminFailed(f"{msg.code}: {msg.message}"))
 
     def on_disconnect(self, reason: str) -> None:
@@ -60,11 +60,11 @@ class AdminSession:
         said no), BrokerUnavailable (session lost or no reply within ``timeout_s``)."""
         req = self._requests.next_id()
         fut = self._requests.register(req)
-        if not self.link.send(p.Admin(req, command, dict(args or {}))):
+        if not self.link.send(protocol.Admin(req, command, dict(args or {}))):
             self._requests.discard(req)
             raise BrokerUnavailable("the broker session ended before the command was sent; run it again")
         try:
-            reply: p.AdminReply = await asyncio.wait_for(fut, timeout_s)
+            reply: protocol.AdminReply = await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             raise BrokerUnavailable(f"no reply to {command!r} within {timeout_s:.0f}s; check `ccsq status`") from None
         finally:
@@ -78,7 +78,7 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
     from ccsq.common.link.peer import BrokerLink
 
     session = AdminSession()
-    link = BrokerLink(settings, hello=lambda: p.Hello(role=p.Role.ADMIN.value), on_message=session.on_message,
+    link = BrokerLink(settings, hello=lambda: protocol.Hello(role=protocol.Role.ADMIN.value), on_message=session.on_message,
                       on_disconnect=session.on_disconnect)
     session.link = link
     runner = asyncio.create_task(link.run(), name="admin-link")
@@ -105,7 +105,7 @@ async def _with_broker(settings: AdminConfig, fn: Callable[[AdminSession], Await
         if link.refused is not None:
             from ccsq.common.link.peer import refusal_fix
 
-            raise Unauthorized(refusal_fix(settings, p.Role.ADMIN.value, link.refused), code=link.refused.code)
+            raise Unauthorized(refusal_fix(settings, protocol.Role.ADMIN.value, link.refused), code=link.refused.code)
         if not link.ready.is_set() and link.replaced:  # another live process holds this admin id (exit 78)
             from ccsq.common.link.peer import id_in_use_message
 

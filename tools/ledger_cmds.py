@@ -1,5 +1,5 @@
 """The commands that read the ledger file itself: ``ccsq gap-report`` (the accounting and
-every at-least-once window, :mod:`ccsq.brokerd.report`), ``ccsq reconcile`` (the ledger
+every at-least-once window, :mod:`ccsq.brokerd.gap_report`), ``ccsq reconcile`` (the ledger
 against the claim store, :mod:`ccsq.tools.reconcile`) and ``ccsq backup`` (a
 consistent hot copy). They open the ledger read-only (short transactions), safe while the
 broker runs; ``reconcile --apply`` changes it only through the broker (admin ``dead_letter``).
@@ -17,14 +17,14 @@ from ccsq.common.wire.errors import BrokerUnavailable, CantCreate, CcsqError, Co
 
 # --- ccsq gap-report ------------------------------------------------------------------
 def _cmd_gap_report(args: argparse.Namespace) -> int:
-    from ccsq.brokerd.report import load_report, render_text
+    from ccsq.brokerd.gap_report import load_report, render_text
     from ccsq.common.wire.config import BrokerConfig, load
 
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
     _name_unserved_queues(report, Path(args.config).resolve().parent / "admin.toml")
     if args.html:
-        from ccsq.brokerd.report import render_html
+        from ccsq.brokerd.gap_report import render_html
 
         try:
             Path(args.html).write_text(render_html(report))
@@ -65,7 +65,7 @@ def _name_unserved_queues(report: dict, admin_path: Path) -> None:
 
 # --- ccsq reconcile ---------------------------------------------------------------------
 def _cmd_reconcile(args: argparse.Namespace) -> int:
-    from ccsq.brokerd.report import iter_blob_refs
+    from ccsq.brokerd.gap_report import iter_blob_refs
     from ccsq.common.storage.claimstore import open_store
     from ccsq.common.wire.config import AdminConfig, BrokerConfig, load
     from ccsq.tools.reconcile import ReconcileReport, reconcile

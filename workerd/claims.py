@@ -25,7 +25,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from ccsq.common.storage.claimstore import HASH_ON_LOOP_MAX_BYTES, ClaimStore, inline_blob, sha256_hex
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.errors import PayloadMissing
 
@@ -65,7 +65,7 @@ class Claims:
         self._on_unhealthy = on_unhealthy
         self._log = log
 
-    async def fetch(self, ref: p.Blob) -> bytes:
+    async def fetch(self, ref: protocol.Blob) -> bytes:
         """The payload's bytes, SHA-256 verified (inline ones on the loop, stored ones in
         the I/O threads). Raises PayloadMissing (absent, corrupt, inline bytes that do not
         match) or the backend's error; what it means: :func:`store_failure`."""
@@ -78,7 +78,7 @@ class Claims:
         return HASH_ON_LOOP_MAX_BYTES if self.store.inline_without_io(0, HASH_ON_LOOP_MAX_BYTES) else 0
 
     @staticmethod
-    def verify_inline(ref: p.Blob) -> bytes:
+    def verify_inline(ref: protocol.Blob) -> bytes:
         """:meth:`fetch` of an inline payload on the caller's thread (what the base store's
         ``get_blob`` does for one): its bytes, SHA-256 verified, or PayloadMissing."""
         inline = ref.inline
@@ -86,12 +86,12 @@ class Claims:
             raise PayloadMissing(f"inline payload does not match its sha256 {ref.sha256}")
         return inline
 
-    async def put_result(self, data: bytes) -> p.Blob:
+    async def put_result(self, data: bytes) -> protocol.Blob:
         """A reference to ``data``: inline up to ``INLINE_RESULT_MAX_BYTES``, else stored.
         Raises the backend's error."""
         return await self.store.aput_blob(data, INLINE_RESULT_MAX_BYTES, self._io_pool)
 
-    def inline_result(self, data: bytes) -> p.Blob | None:
+    def inline_result(self, data: bytes) -> protocol.Blob | None:
         """:meth:`put_result`'s blob for ``data`` when making it needs no I/O (it stays inline and
         the store's ``put_blob`` is the base class's: ``ClaimStore.inline_without_io``), made here
         on the caller's thread (one SHA-256); else None, and :meth:`put_result` stores it."""
@@ -120,10 +120,10 @@ class Claims:
         self._log.warning("claim_store_unhealthy", failures=self.failures, streak=self.streak, error=error[:300])
         self._on_unhealthy()
 
-    def info(self) -> dict[str, p.Scalar]:
+    def info(self) -> dict[str, protocol.Scalar]:
         """Heartbeat info: ``store_ok``, ``store_failures``, and ``store_error`` while unhealthy."""
         ok = self.ok
-        info: dict[str, p.Scalar] = {"store_ok": ok, "store_failures": self.failures}
+        info: dict[str, protocol.Scalar] = {"store_ok": ok, "store_failures": self.failures}
         if not ok:
             info["store_error"] = self.error[:200]
         return info

@@ -1,7 +1,7 @@
 """What the worker's parts hand each other: a held lease (:class:`Job`), the verdict of
 its run (:class:`RunOutcome`), and the one way a failure report is made (:func:`failure`).
 
-A job lives in the intake's table (``Intake.jobs``, :mod:`ccsq.workerd.intake`) from
+A job lives in the intake's table (``DispatchIntake.jobs``, :mod:`ccsq.workerd.dispatch_intake`) from
 DISPATCH until its report is journaled (:mod:`ccsq.workerd.reports`); its
 ``state`` says where it is::
 
@@ -24,9 +24,9 @@ import dataclasses
 import enum
 from collections.abc import Hashable
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.policy import task_failure
-from ccsq.workerd.journal import Key
+from ccsq.workerd.worker_journal import Key
 
 __all__ = ["Job", "JobState", "Key", "RunOutcome", "failure"]
 
@@ -43,7 +43,7 @@ class JobState(enum.Enum):
 class Job:
     """A lease this worker holds and has not reported yet."""
 
-    task: p.Task
+    task: protocol.Task
     state: JobState = JobState.HOLDING
     released: bool = False  # the broker took it back: finish quietly, never report
     given_back: bool = False  # reported released at shutdown: a run's outcome is discarded
@@ -73,7 +73,7 @@ class RunOutcome:
     skipped: str = ""  # not run: why (deadline passed)
 
 
-def failure(key: Key, reason: p.FailReason, message: str) -> p.TaskFailure:
+def failure(key: Key, reason: protocol.FailReason, message: str) -> protocol.TaskFailure:
     """The FAIL entry of lease ``key`` = (item_id, token) for ``reason``; ``retryable``
     comes from the one failure policy (:mod:`ccsq.common.wire.policy`). Every failure the
     worker reports is made here (tests/test_policy.py checks that workerd/ builds no other)."""

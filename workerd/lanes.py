@@ -45,7 +45,7 @@ from ccsq.common.wire.errors import HandlerError
 from ccsq.workerd.batching import BatchQueue
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, JobState, RunOutcome
-from ccsq.workerd.journal import GroupCommit
+from ccsq.workerd.worker_journal import GroupCommit
 from ccsq.workerd.slots import SlotGate
 
 
@@ -78,7 +78,7 @@ class Lanes:
     batches_run: int  # handler calls made
     batch_items: int  # items in those calls
     batch_size_max: int  # the largest batch run
-    observe_batch: Callable[[int, float], None] | None = None  # metrics hook (workerd/metrics.py): once per handler call
+    observe_batch: Callable[[int, float], None] | None = None  # metrics hook (workerd/worker_metrics.py): once per handler call
 
     def __init__(self, cfg: WorkerConfig, handler: Handler, jw: GroupCommit, log: Any, *,
                  more_coming: Callable[[], bool], on_capacity_change: Callable[[], None],

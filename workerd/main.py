@@ -28,11 +28,11 @@ from ccsq.common.storage.claimstore import open_configured_store
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.runtime.daemon import config_path_from_argv, die, settle_gc
 from ccsq.common.wire.errors import ConfigError, ExitCode, GpuUnavailable, PortInUse, StoreUnavailable, Unauthorized
-from ccsq.common.runtime.metrics import parse_listen
+from ccsq.common.runtime.metrics_exporter import parse_listen
 from ccsq.common.link.peer import make_codec
 from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
 from ccsq.workerd.handlers import load_handler
-from ccsq.workerd.journal import Journal, JournalCorrupt, JournalLocked
+from ccsq.workerd.worker_journal import Journal, JournalCorrupt, JournalLocked
 from ccsq.workerd.worker import Worker
 
 log = structlog.get_logger("ccsq.workerd.main")
@@ -101,7 +101,7 @@ def run(argv: list[str] | None = None) -> tuple[int, bool]:
     worker = Worker(cfg, handler, store, journal, codec=codec)
     settle_gc()  # start-up's heap (handler, model) out of the collector's way
     try:
-        from ccsq.workerd.metrics import start_worker_metrics
+        from ccsq.workerd.worker_metrics import start_worker_metrics
 
         metrics = start_worker_metrics(worker, cfg.metrics_listen, where=f"{cfg.config_path}: metrics_listen")
     except ConfigError as exc:

@@ -8,14 +8,14 @@ broker confirms it, a report is *unconfirmed* (:attr:`Reports.unconfirmed`): it 
 listed in HELLO and heartbeats, re-sent on every new session and on a timer (every
 2 x heartbeat interval; the broker treats replays idempotently), and kept in the
 journal for the next start. The deletion of a confirmed report's row is a lazy
-journal write (:class:`~ccsq.workerd.journal.GroupCommit`): it rides with the next commit.
+journal write (:class:`~ccsq.workerd.worker_journal.GroupCommit`): it rides with the next commit.
 
 Per batch, not per item: a lane hands :meth:`Reports.finish_many` the outcomes of a
 whole batch (one task); their reports are journaled in one write
 (:meth:`Reports.report_many`) and sent in one frame.
 
 Group commit (throughput): the reports journaled in one commit of the
-:class:`~ccsq.workerd.journal.GroupCommit` are sent at the end of that loop tick,
+:class:`~ccsq.workerd.worker_journal.GroupCommit` are sent at the end of that loop tick,
 together: one COMPLETE (and one FAIL) frame for all of them (split by the one frame
 budget, :class:`ccsq.common.wire.frames.FrameBudget`), then one CREDIT.
 
@@ -58,19 +58,19 @@ from typing import Any, cast
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.runtime.faults import crash_point, crash_point_armed
 from ccsq.common.storage.claimstore import store_failure
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
 from ccsq.common.wire.frames import FrameBudget, encoded_size
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
-from ccsq.workerd.journal import EntryState, GroupCommit, JournalEntry
+from ccsq.workerd.worker_journal import EntryState, GroupCommit, JournalEntry
 
-_FENCED = p.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
-_CONFIRMED_QUIETLY = frozenset((p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value))
+_FENCED = protocol.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
+_CONFIRMED_QUIETLY = frozenset((protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value))
 
-Report = p.TaskResult | p.TaskFailure
+Report = protocol.TaskResult | protocol.TaskFailure
 Spawn = Callable[[Coroutine[Any, Any, Any], str], asyncio.Task]
 
 
@@ -134,7 +134,7 @@ class Credit:
         if self._draining() or self._link.state is not LinkState.READY:
             return
         want = self._available() - self.granted
-        if want > 0 and self._link.send(p.Credit(credit=want)):
+        if want > 0 and self._link.send(protocol.Credit(credit=want)):
             self.granted += want
 
 
@@ -189,7 +189,7 @@ class Reports:
                 self.lost.append((e.item_id, e.token))
                 continue
             if report is None:  # held, never started: give it back without costing an attempt
-                report = failure((e.item_id, e.token), p.FailReason.RELEASED, "worker restarted before starting the job")
+                report = failure((e.item_id, e.token), protocol.FailReason.RELEASED, "worker restarted before starting the job")
                 given_back.append((report, e.kind))
             self.unconfirmed[(e.item_id, e.token)] = Unconfirmed(report)
         if given_back:  # journaled (one write) before the session that sends them starts
@@ -225,7 +225,7 @@ class Reports:
         after_infer = crash_point_armed("worker.after_infer")
         name, version = self.handler.name, self._handler_version
         rt = 0.0 if runtime_s is None else round(runtime_s, 6)
-        task_result = p.TaskResult
+        task_result = protocol.TaskResult
         for job, x in pairs:
             if job.given_back:
                 continue
@@ -237,7 +237,7 @@ class Reports:
                     else RunOutcome(data=x, runtime_s=runtime_s))
                 why = self._failure_reason(outcome)
                 if why is not None:
-                    if why[0] is p.FailReason.HANDLER_ERROR and outcome.error is not None:
+                    if why[0] is protocol.FailReason.HANDLER_ERROR and outcome.error is not None:
                         self._log.info("handler_error", item_id=job.task.item_id, token=job.task.token,
                                        error=repr(outcome.error))
                     reports.append((job, failure(job.key, *why)))
@@ -263,8 +263,8 @@ class Reports:
         if reports:
             await self.report_many(reports)
 
-    def _result(self, job: Job, blob: p.Blob, runtime_s: float) -> p.TaskResult:
-        return p.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s)
+    def _result(self, job: Job, blob: protocol.Blob, runtime_s: float) -> protocol.TaskResult:
+        return protocol.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s)
 
     async def _store(self, job: Job, data: bytes, runtime_s: float) -> tuple[Job, Report | None]:
         """Store one result in the claim store: its report, or None if released meanwhile."""
@@ -277,19 +277,19 @@ class Reports:
         return job, (None if job.released else self._result(job, blob, runtime_s))
 
     @staticmethod
-    def _failure_reason(outcome: RunOutcome) -> tuple[p.FailReason, str] | None:
+    def _failure_reason(outcome: RunOutcome) -> tuple[protocol.FailReason, str] | None:
         """The reason (and message) a run failed, or None for a result to store."""
         if outcome.skipped:
-            return p.FailReason.RELEASED, outcome.skipped
+            return protocol.FailReason.RELEASED, outcome.skipped
         if outcome.timeout_s > 0:
-            return p.FailReason.TIMEOUT, f"exceeded max_runtime_s={outcome.timeout_s}"
+            return protocol.FailReason.TIMEOUT, f"exceeded max_runtime_s={outcome.timeout_s}"
         exc = outcome.error
         if isinstance(exc, PermanentHandlerError):
-            return p.FailReason.FATAL, str(exc)
+            return protocol.FailReason.FATAL, str(exc)
         if exc is not None:
-            return p.FailReason.HANDLER_ERROR, repr(exc)[:1000]
+            return protocol.FailReason.HANDLER_ERROR, repr(exc)[:1000]
         if not isinstance(outcome.data, bytes):
-            return p.FailReason.HANDLER_ERROR, f"handler returned {type(outcome.data).__name__}, expected bytes"
+            return protocol.FailReason.HANDLER_ERROR, f"handler returned {type(outcome.data).__name__}, expected bytes"
         return None
 
     async def report(self, job: Job, report: Report) -> None:
@@ -307,11 +307,11 @@ class Reports:
         await self._jw.record([(rep, job.task.kind) for job, rep in live])
         if crash_point_armed("worker.after_result_stored"):
             for job, rep in live:
-                if isinstance(rep, p.TaskResult):
+                if isinstance(rep, protocol.TaskResult):
                     crash_point("worker.after_result_stored")
         log_each = self.cfg.log_each_job
         released: list[Job] = []
-        held, unconfirmed, task_result = self._held, self.unconfirmed, p.TaskResult
+        held, unconfirmed, task_result = self._held, self.unconfirmed, protocol.TaskResult
         sent: list[Key] = []
         done = 0
         for job, rep in live:
@@ -329,7 +329,7 @@ class Reports:
                                    result_bytes=rep.result.size)
             else:
                 self.failed += 1
-                fail = cast(p.TaskFailure, rep)  # the only other report type (TaskResult has no subclasses)
+                fail = cast(protocol.TaskFailure, rep)  # the only other report type (TaskResult has no subclasses)
                 self._log.info("job_failed", item_id=key[0], token=key[1], reason=fail.reason,
                                retryable=fail.retryable, message=fail.message[:200])
         self.done += done
@@ -399,23 +399,23 @@ class Reports:
         for key in keys:
             u = self.unconfirmed.get(key)
             if u is not None:
-                (results if isinstance(u.report, p.TaskResult) else failures).append(u)
+                (results if isinstance(u.report, protocol.TaskResult) else failures).append(u)
         now = time.monotonic()
         if results and not self.cfg.log_each_job:  # per report frame instead of job_completed per item
             self._log.info("results_reported", items=len(results), done=self.done)
         for chunk in self._chunks(results):
-            if self._link.send(p.Complete(results=[u.report for u in chunk])):  # type: ignore[misc]
+            if self._link.send(protocol.Complete(results=[u.report for u in chunk])):  # type: ignore[misc]
                 for u in chunk:
                     u.sent_mono = now
         for chunk in self._chunks(failures):
-            if self._link.send(p.Fail(failures=[u.report for u in chunk])):  # type: ignore[misc]
+            if self._link.send(protocol.Fail(failures=[u.report for u in chunk])):  # type: ignore[misc]
                 for u in chunk:
                     u.sent_mono = now
 
     def _chunks(self, reports: list[Unconfirmed]) -> list[list[Unconfirmed]]:
         return FrameBudget(self.cfg.max_frame_bytes).split(reports, size_of=_report_size)
 
-    def on_acks(self, outcomes: list[p.ItemOutcome], kind: type) -> None:
+    def on_acks(self, outcomes: list[protocol.ItemOutcome], kind: type) -> None:
         """COMPLETE_ACK (``kind`` TaskResult) / FAIL_ACK (TaskFailure): forget what is confirmed."""
         forget: list[Key] = []
         for o in outcomes:

@@ -2,10 +2,10 @@
 
 One :class:`Worker` owns, on one event loop, the broker link (a
 :class:`~ccsq.common.link.peer.BrokerLink`), the journal (whose calls all run on one
-dedicated thread, written through one :class:`~ccsq.workerd.journal.GroupCommit`) and
+dedicated thread, written through one :class:`~ccsq.workerd.worker_journal.GroupCommit`) and
 its lifecycle, and wires together the parts that do the work, one module each:
 
-- :mod:`ccsq.workerd.intake` (:class:`Intake`): DISPATCH -> hold in the journal ->
+- :mod:`ccsq.workerd.dispatch_intake` (:class:`DispatchIntake`): DISPATCH -> hold in the journal ->
   fetch the payload (claim check, digest verified) -> batch queue; owns the held jobs;
 - :mod:`ccsq.workerd.lanes` (:class:`Lanes`): the GPU slots, batches, deadlines,
   timeouts, each item's :class:`~ccsq.workerd.jobs.RunOutcome`;
@@ -73,16 +73,16 @@ import structlog
 
 from ccsq.common.link.peer import BrokerLink, LinkState
 from ccsq.common.storage.claimstore import ClaimStore
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError
 from ccsq.workerd import providers
 from ccsq.workerd.claims import INLINE_RESULT_MAX_BYTES, Claims  # noqa: F401 (INLINE_RESULT_MAX_BYTES: named here by docs)
 from ccsq.workerd.handlers import Handler
-from ccsq.workerd.intake import Intake
+from ccsq.workerd.dispatch_intake import DispatchIntake
 from ccsq.workerd.jobs import Job, Key
-from ccsq.workerd.journal import EntryState, GroupCommit, Journal
+from ccsq.workerd.worker_journal import EntryState, GroupCommit, Journal
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Credit, Reports
 from ccsq.workerd.slots import SlotGate
@@ -115,12 +115,12 @@ class Worker:
     link: BrokerLink
     kinds: list[str]
     # --- the parts ---
-    jobs: dict[Key, Job]  # held leases, not reported yet: Intake adds them, Reports removes them
+    jobs: dict[Key, Job]  # held leases, not reported yet: DispatchIntake adds them, Reports removes them
     claims: Claims
     lanes: Lanes
     credit: Credit
     reports: Reports
-    intake: Intake
+    intake: DispatchIntake
     capacity: int  # slots x max_batch + prefetch: the credit outstanding when idle
     # --- lifecycle ---
     _runners: set[asyncio.Task]
@@ -172,7 +172,7 @@ class Worker:
                              draining=lambda: self._draining, log=self.log)
         self.reports = Reports(cfg, handler, self.claims, self.link, self.journal_writer, self.jobs, self.credit,
                                poke=self.lanes.poke, spawn=self._spawn, log=self.log)
-        self.intake = Intake(cfg, self.kinds, handler, self.claims, self.journal_writer, self.jobs, self.lanes,
+        self.intake = DispatchIntake(cfg, self.kinds, handler, self.claims, self.journal_writer, self.jobs, self.lanes,
                              self.reports, draining=lambda: self._draining, spawn=self._spawn, log=self.log)
 
     # the claim store (the metrics wrapper replaces it) and the slots, as main and metrics see them
@@ -223,7 +223,7 @@ class Worker:
                 from ccsq.common.wire.errors import Unauthorized
                 from ccsq.common.link.peer import refusal_fix
 
-                self.fatal = Unauthorized(refusal_fix(self.cfg, p.Role.WORKER.value, self.link.refused))
+                self.fatal = Unauthorized(refusal_fix(self.cfg, protocol.Role.WORKER.value, self.link.refused))
             elif link_task in done and self.link.replaced:
                 from ccsq.common.link.peer import id_in_use_message
 
@@ -278,10 +278,10 @@ class Worker:
                 self.log.warning("unconfirmed_at_stop", count=len(self.reports.unconfirmed))
 
     # --- BrokerLink callbacks ----------------------------------------------------
-    def _hello(self) -> p.Hello:
+    def _hello(self) -> protocol.Hello:
         credit = self.credit.hello()
-        return p.Hello(
-            role=p.Role.WORKER.value,
+        return protocol.Hello(
+            role=protocol.Role.WORKER.value,
             slots=self.cfg.slots,
             credit=credit,
             kinds=list(self.kinds),
@@ -289,8 +289,8 @@ class Worker:
             info=self._info(),
         )
 
-    def _info(self) -> dict[str, p.Scalar]:
-        info: dict[str, p.Scalar] = {
+    def _info(self) -> dict[str, protocol.Scalar]:
+        info: dict[str, protocol.Scalar] = {
             "provider": self.handler.provider,
             "cpu_fallback": self.handler.cpu_fallback,
             "requested_provider": self.cfg.provider,
@@ -300,16 +300,16 @@ class Worker:
             "prefetch": self.cfg.prefetch,
             "max_batch": self.lanes.max_batch,
             # the jobs that died running (only their attempts count; other unlisted leases never ran)
-            p.LOST_INFO: p.lost_info(self.reports.lost),
+            protocol.LOST_INFO: protocol.lost_info(self.reports.lost),
         }
         if self.handler.cpu_fallback:
             info["fallback_reason"] = self.handler.provider_reason[:300]
         return info
 
-    def _heartbeat(self) -> p.Heartbeat:
+    def _heartbeat(self) -> protocol.Heartbeat:
         lag, self._lag_window_ms = self._lag_window_ms, 0.0
         lanes = self.lanes
-        info: dict[str, p.Scalar] = {
+        info: dict[str, protocol.Scalar] = {
             "loop_lag_max_ms": round(lag, 2),
             "lost_slots": lanes.gate.lost,
             "unconfirmed": len(self.reports.unconfirmed),
@@ -323,7 +323,7 @@ class Worker:
         info.update(self.handler.health())
         store_info = self.claims.info()
         info.update(store_info)
-        return p.Heartbeat(
+        return protocol.Heartbeat(
             leases=self._lease_refs(),
             busy=lanes.gate.busy,
             done=self.reports.done,
@@ -331,7 +331,7 @@ class Worker:
             info=info,
         )
 
-    def _on_connect(self, welcome: p.Welcome) -> None:
+    def _on_connect(self, welcome: protocol.Welcome) -> None:
         for ref in welcome.released:
             job = self.jobs.get((ref.item_id, ref.token))
             if job is not None:
@@ -351,16 +351,16 @@ class Worker:
 
     def _on_message(self, env: Envelope) -> None:
         msg = env.message
-        if isinstance(msg, p.Dispatch):
+        if isinstance(msg, protocol.Dispatch):
             self.credit.dispatched(len(msg.tasks))
             self.intake.on_dispatch(msg.tasks, env.ts_ms / 1000.0 - time.time())
-        elif isinstance(msg, p.CompleteAck):
-            self.reports.on_acks(msg.outcomes, p.TaskResult)
-        elif isinstance(msg, p.FailAck):
-            self.reports.on_acks(msg.outcomes, p.TaskFailure)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.CompleteAck):
+            self.reports.on_acks(msg.outcomes, protocol.TaskResult)
+        elif isinstance(msg, protocol.FailAck):
+            self.reports.on_acks(msg.outcomes, protocol.TaskFailure)
+        elif isinstance(msg, protocol.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
-        elif isinstance(msg, p.Bye):
+        elif isinstance(msg, protocol.Bye):
             self.log.info("broker_bye", reason=msg.reason)
         else:
             self.log.warning("unexpected_message", type=msg.TYPE.name)
@@ -395,11 +395,11 @@ class Worker:
         """Run a journal call on the journal's own thread (calls stay in order)."""
         return await asyncio.get_running_loop().run_in_executor(self._journal_pool, fn, *args)
 
-    def _lease_refs(self) -> list[p.LeaseRef]:
+    def _lease_refs(self) -> list[protocol.LeaseRef]:
         """Leases we hold: jobs not released by the broker, then unconfirmed reports."""
         keys = [k for k, job in self.jobs.items() if not job.released]
         keys += [k for k in self.reports.unconfirmed if k not in self.jobs]
-        return [p.LeaseRef(item_id, token) for item_id, token in keys]
+        return [protocol.LeaseRef(item_id, token) for item_id, token in keys]
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
         """A background task whose unexpected exception stops the worker (a bug must not hide)."""

@@ -16,15 +16,15 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import schema as sc
-from ccsq.common.wire import protocol as p
+from ccsq.brokerd.ledger import schema
+from ccsq.common.wire import protocol
 
 if TYPE_CHECKING:
     from ccsq.brokerd.ledger.rules import LedgerTxn
     from ccsq.brokerd.ledger.store import Ledger
     from ccsq.brokerd.ledger.view import LedgerView
 
-S = p.ItemState
+S = protocol.ItemState
 
 #: Most kinds recorded per sample (their per-state counts, for per-queue drain rates).
 SAMPLE_MAX_KINDS = 64
@@ -36,14 +36,14 @@ def expire_deadlines(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     seen = 0
     todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["deadline"]):
-        if seen >= limit or sc.parse_timed(k)[0] > now_ms:
+        if seen >= limit or schema.parse_timed(k)[0] > now_ms:
             break
         todo.append(k)
         seen += 1
     for k in todo:
         txn.txn.delete(k, db=txn.db["deadline"])
         txn.changed = True
-        rec = txn.get(sc.parse_timed(k)[1].decode())
+        rec = txn.get(schema.parse_timed(k)[1].decode())
         if rec is not None and rec["state"] == S.READY.value:
             txn.expire(rec, now_ms, "deadline passed while ready")
     return seen
@@ -56,11 +56,11 @@ def purge_acknowledged(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     cut = now_ms - int(txn.ledger.policy.retention_s * 1000)
     todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["acked"]):
-        if len(todo) >= limit or sc.parse_timed(k)[0] > cut:
+        if len(todo) >= limit or schema.parse_timed(k)[0] > cut:
             break
         todo.append(k)
     for k in todo:
-        iid = sc.parse_timed(k)[1]
+        iid = schema.parse_timed(k)[1]
         txn.txn.delete(k, db=txn.db["acked"])
         for name in ("items", "payloads", "results"):
             txn.txn.delete(iid, db=txn.db[name])
@@ -75,14 +75,14 @@ def purge_keys(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     kcut = now_ms - int(txn.ledger.policy.dedup_window_s * 1000)
     todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["keytime"]):
-        if len(todo) >= limit or sc.parse_timed(k)[0] >= kcut:
+        if len(todo) >= limit or schema.parse_timed(k)[0] >= kcut:
             break
         todo.append(k)
     for k in todo:
-        created_ms, key = sc.parse_timed(k)
+        created_ms, key = schema.parse_timed(k)
         txn.txn.delete(k, db=txn.db["keytime"])
         raw = txn.txn.get(key, db=txn.db["keys"])
-        if raw is not None and sc.unpack(raw)[1] == created_ms:
+        if raw is not None and schema.unpack(raw)[1] == created_ms:
             txn.txn.delete(key, db=txn.db["keys"])
         txn.changed = True
     return len(todo)
@@ -96,15 +96,15 @@ def purge_events(txn: LedgerTxn, limit: int) -> int:
     for w in gaps.WINDOWS:
         if done >= limit:
             break
-        keep_from = txn.num(sc.gap_key(w.id)) - gaps.EVENTS_KEPT_PER_WINDOW
+        keep_from = txn.num(schema.gap_key(w.id)) - gaps.EVENTS_KEPT_PER_WINDOW
         if keep_from <= 0:
             continue
-        prefix = sc.event_prefix(w.id)
+        prefix = schema.event_prefix(w.id)
         cur = txn.txn.cursor(db=txn.db["events"])
         todo: list[bytes] = []
         if cur.set_range(prefix):
             for k, _ in cur:
-                if not k.startswith(prefix) or sc.parse_seq(k[len(prefix):]) > keep_from or done + len(todo) >= limit:
+                if not k.startswith(prefix) or schema.parse_seq(k[len(prefix):]) > keep_from or done + len(todo) >= limit:
                     break
                 todo.append(k)
         for k in todo:
@@ -126,16 +126,16 @@ def append_sample(txn: LedgerTxn, now_ms: int, interval_s: float) -> bool:
     """Append ``{ts_ms, counters, states, kinds}`` to the sample ring (meta ``t:``,
     :data:`~ccsq.brokerd.ledger.schema.SAMPLES_KEPT` slots) when the last sample is
     ``interval_s`` old and the counters changed since. True if written."""
-    n = txn.num(sc.SAMPLE_N)
+    n = txn.num(schema.SAMPLE_N)
     counters = txn.counters()
     if n:
         last = txn.sample(n)
         if last is not None and (now_ms - last["ts_ms"] < interval_s * 1000 or last["counters"] == counters):
             return False
     kinds = dict(list(txn.kind_states().items())[:SAMPLE_MAX_KINDS])
-    n = txn.next_num(sc.SAMPLE_N)
+    n = txn.next_num(schema.SAMPLE_N)
     doc = {"ts_ms": now_ms, "counters": counters, "states": txn.states(), "kinds": kinds}
-    txn.txn.put(sc.sample_key(n), sc.pack(doc), db=txn.db["meta"])
+    txn.txn.put(schema.sample_key(n), schema.pack(doc), db=txn.db["meta"])
     return True
 
 

@@ -22,17 +22,17 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.schema import Item
 from ccsq.brokerd.ledger.view import LedgerView
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.policy import FAIL_POLICY, fail_rule
 
 if TYPE_CHECKING:
     from ccsq.brokerd.ledger.store import Ledger, Policy
 
-S = p.ItemState
+S = protocol.ItemState
 # the states as plain strings: an enum's ``.value`` is a property read, several per transition
 _ACKNOWLEDGED = S.ACKNOWLEDGED.value
 _COMPLETED = S.COMPLETED.value
@@ -42,15 +42,15 @@ _LEASED = S.LEASED.value
 _READY = S.READY.value
 
 #: The meta key of every flow counter, built once (a transition bumps one or two).
-_COUNTER_KEYS: dict[str, bytes] = {name: sc.counter_key(name) for name in sc.COUNTERS}
-_MOVED_PREFIXES = (sc.STATE, sc.KIND_STATE)  # meta keys a state move changes
+_COUNTER_KEYS: dict[str, bytes] = {name: schema.counter_key(name) for name in schema.COUNTERS}
+_MOVED_PREFIXES = (schema.STATE, schema.KIND_STATE)  # meta keys a state move changes
 _CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
 #: A payload or result kept with its record in the ledger's record cache: a claim-check
 #: reference, or inline bytes up to this size.
 CACHED_BLOB_MAX_BYTES = 2048
 
 
-def _small(blob: p.Blob | None) -> bool:
+def _small(blob: protocol.Blob | None) -> bool:
     return blob is not None and (blob.inline is None or len(blob.inline) <= CACHED_BLOB_MAX_BYTES)
 
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
@@ -61,7 +61,8 @@ HISTORY_INTERVAL_MS = 1000
 HISTORY_KEEP_MS = 3600 * 1000
 
 _REFUSE_MESSAGES = {
-    "QUEUE_FULL": "the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: result_reserve_bytes): retry with backoff or spool",
+    "QUEUE_FULL": ("the broker's ledger is full (max_map_size_bytes, counting the room kept for the results of accepted items: "
+                   "result_reserve_bytes): retry with backoff or spool"),
     "DISK_FULL": "the broker's disk is nearly full (min_free_disk_bytes): retry with backoff or spool",
 }
 
@@ -94,8 +95,8 @@ class LedgerTxn(LedgerView):
         # SUBMIT, a delivery right after its COMPLETE (same turn) reads them from here,
         # not from LMDB. Gone with the transaction; purges evict (:meth:`forget`).
         self._recs: dict[str, Item] = {}
-        self._payloads: dict[str, p.Blob] = {}
-        self._results: dict[str, p.Blob] = {}
+        self._payloads: dict[str, protocol.Blob] = {}
+        self._results: dict[str, protocol.Blob] = {}
         # The head (record format 3: marker, length, packed fixed part) of records read or
         # written here: a rewrite packs only the state part.
         self._heads: dict[str, bytes] = {}
@@ -124,7 +125,7 @@ class LedgerTxn(LedgerView):
             put, nums = self.txn.put, self._nums
             for key, d in self._delta.items():
                 if d:
-                    put(key, sc.pack_num((nums[key] if key in nums else self._base(key)) + d), db=meta)
+                    put(key, schema.pack_num((nums[key] if key in nums else self._base(key)) + d), db=meta)
             if rep is not None and getattr(self.txn, "ops", None):
                 ws = self._write_set(rep)
             self.txn.commit()
@@ -192,7 +193,7 @@ class LedgerTxn(LedgerView):
         self.changed = True
 
     def bump(self, name: str, delta: int = 1) -> None:
-        key = _COUNTER_KEYS.get(name) or sc.counter_key(name)
+        key = _COUNTER_KEYS.get(name) or schema.counter_key(name)
         d = self._delta
         d[key] = d.get(key, 0) + delta
         self.changed = True
@@ -208,8 +209,8 @@ class LedgerTxn(LedgerView):
         """Fold the state moves into the per-state and per-kind-and-state counts."""
         d = self._delta
         for (kind, old, new), n in self._moves.items():
-            for key, dn in ((sc.state_key(new), n), (sc.kind_state_key(kind, new), n)) + (
-                    ((sc.state_key(old), -n), (sc.kind_state_key(kind, old), -n)) if old else ()):
+            for key, dn in ((schema.state_key(new), n), (schema.kind_state_key(kind, new), n)) + (
+                    ((schema.state_key(old), -n), (schema.kind_state_key(kind, old), -n)) if old else ()):
                 d[key] = d.get(key, 0) + dn
         self._moves.clear()
 
@@ -218,8 +219,8 @@ class LedgerTxn(LedgerView):
         out = super().kind_states()
         self._fold_moves()
         for key in self._delta:
-            if key.startswith(sc.KIND_STATE):
-                kind, state = sc.parse_kind_state(key)
+            if key.startswith(schema.KIND_STATE):
+                kind, state = schema.parse_kind_state(key)
                 per = out.setdefault(kind, {})
                 n = self.num(key)
                 if n:
@@ -239,7 +240,7 @@ class LedgerTxn(LedgerView):
     # --- bookkeeping beside the items: drains, kinds served, rejects, gap events, history ---
     def set_draining(self, worker: str, on: bool) -> None:
         """Record (``on``) or clear a drain of ``worker`` (see :meth:`LedgerView.draining`)."""
-        key = sc.drain_key(worker)
+        key = schema.drain_key(worker)
         if on:
             self.txn.put(key, b"", db=self.db["meta"])
         else:
@@ -249,18 +250,18 @@ class LedgerTxn(LedgerView):
     def note_kinds_served(self, kinds: set[str], now_ms: int) -> None:
         """Record that a worker serving ``kinds`` said HELLO now (see :meth:`LedgerView.kinds_served`)."""
         for kind in kinds:
-            self.txn.put(sc.served_key(kind), sc.pack_num(now_ms), db=self.db["meta"])
+            self.txn.put(schema.served_key(kind), schema.pack_num(now_ms), db=self.db["meta"])
         self.changed = self.changed or bool(kinds)
 
     def count_reject(self, code: str, n: int = 1) -> None:
-        self._add(sc.reject_key(code), n)
+        self._add(schema.reject_key(code), n)
 
     def event(self, window: str, item_id: str, now_ms: int, detail: str) -> None:
         """Append a gap-register event and bump the window's count."""
-        n = self.num(sc.gap_key(window)) + 1
-        self._add(sc.gap_key(window), 1)
+        n = self.num(schema.gap_key(window)) + 1
+        self._add(schema.gap_key(window), 1)
         ev = {"window": window, "item_id": item_id, "ts": now_ms / 1000.0, "detail": detail}
-        self.txn.put(sc.event_key(window, n), sc.pack(ev), db=self.db["events"])
+        self.txn.put(schema.event_key(window, n), schema.pack(ev), db=self.db["events"])
 
     def restored_from_backup(self, now_ms: int) -> int:
         """The first write to a restored ``ccsq backup`` copy: every item not done in the
@@ -271,7 +272,7 @@ class LedgerTxn(LedgerView):
         window = gaps.G13_RESTORED_FROM_BACKUP
         items = list(self.open_items())
         shown = items[-gaps.EVENTS_KEPT_PER_WINDOW:]
-        self._add(sc.gap_key(window), len(items) - len(shown))
+        self._add(schema.gap_key(window), len(items) - len(shown))
         for item_id, state in shown:
             self.event(window, item_id, now_ms, f"restored from a backup: {state} in the copy, so it may run or be "
                                                 f"delivered again (the source broker may have finished it after the copy)")
@@ -289,9 +290,9 @@ class LedgerTxn(LedgerView):
         txnid = self.txn.id()
         cur = self.txn.cursor(db=meta)
         stale = []
-        if cur.set_range(sc.history_key(txnid)):
+        if cur.set_range(schema.history_key(txnid)):
             for k in cur.iternext(keys=True, values=False):
-                if not k.startswith(sc.HISTORY):
+                if not k.startswith(schema.HISTORY):
                     break
                 stale.append(k)
         for k in stale:
@@ -300,15 +301,15 @@ class LedgerTxn(LedgerView):
         if last is not None and now_ms - last[1][0] < HISTORY_INTERVAL_MS:
             return False
         old: list[bytes] = []
-        if cur.set_range(sc.HISTORY):
+        if cur.set_range(schema.HISTORY):
             for k, v in cur:
-                if not k.startswith(sc.HISTORY) or len(old) >= 16 or sc.unpack(v)[0] >= now_ms - HISTORY_KEEP_MS:
+                if not k.startswith(schema.HISTORY) or len(old) >= 16 or schema.unpack(v)[0] >= now_ms - HISTORY_KEEP_MS:
                     break
                 old.append(k)
         for k in old:
             self.txn.delete(k, db=meta)
         info = self.ledger.env.info()
-        self.txn.put(sc.history_key(txnid), sc.pack([now_ms, info["last_pgno"], live_pages]), db=meta)
+        self.txn.put(schema.history_key(txnid), schema.pack([now_ms, info["last_pgno"], live_pages]), db=meta)
         self.changed = True
         return True
 
@@ -336,7 +337,7 @@ class LedgerTxn(LedgerView):
         raw = self.txn.get(item_id.encode(), db=self._items_db)
         if raw is None:
             return None
-        rec, head = sc.unpack_item_parts(raw, item_id)
+        rec, head = schema.unpack_item_parts(raw, item_id)
         if head is not None:
             self._heads[item_id] = head
         return rec
@@ -370,14 +371,14 @@ class LedgerTxn(LedgerView):
         hit = self.ledger.record_cache.get(item_id)
         return hit[0] if hit is not None else self._unpack(item_id)
 
-    def payload(self, item_id: str) -> p.Blob:
+    def payload(self, item_id: str) -> protocol.Blob:
         blob = self._payloads.get(item_id)
         if blob is None:
             hit = self.ledger.record_cache.get(item_id)
             blob = hit[2] if hit is not None else None
         return blob if blob is not None else super().payload(item_id)
 
-    def result(self, item_id: str) -> p.Blob | None:
+    def result(self, item_id: str) -> protocol.Blob | None:
         blob = self._results.get(item_id)
         if blob is None:
             hit = self.ledger.record_cache.get(item_id)
@@ -399,8 +400,8 @@ class LedgerTxn(LedgerView):
         item_id = rec["id"]
         head = self._heads.get(item_id)
         if head is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
-            head = self._heads[item_id] = sc.pack_item_head(rec)
-        packed = head + sc.pack_item_state(rec)
+            head = self._heads[item_id] = schema.pack_item_head(rec)
+        packed = head + schema.pack_item_state(rec)
         if not (append and self.txn.put(iid, packed, db=self._items_db, append=True)):
             self.txn.put(iid, packed, db=self._items_db)
         self._recs[item_id] = rec
@@ -410,28 +411,28 @@ class LedgerTxn(LedgerView):
     def _index_remove(self, rec: Item, iid: bytes) -> None:
         st = rec["state"]
         if st == _READY:
-            self.txn.delete(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self._ready_db)
+            self.txn.delete(schema.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self._ready_db)
         elif st == _LEASED:
             self.txn.delete(iid, db=self._leased_db)
         elif st == _COMPLETED:
-            self.txn.delete(sc.seq_key(rec["cseq"]), db=self._completed_db)
+            self.txn.delete(schema.seq_key(rec["cseq"]), db=self._completed_db)
         elif st == _DEAD:
             self.txn.delete(iid, db=self._dead_db)
         elif st == _ACKNOWLEDGED:
-            self.txn.delete(sc.timed_key(rec["acked_ms"], iid), db=self._acked_db)
+            self.txn.delete(schema.timed_key(rec["acked_ms"], iid), db=self._acked_db)
 
     def _index_add(self, rec: Item, iid: bytes) -> None:
         st = rec["state"]
         if st == _READY:
-            self.txn.put(sc.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self._ready_db)
+            self.txn.put(schema.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), iid, db=self._ready_db)
         elif st == _LEASED:
-            self.txn.put(iid, sc.pack([rec["token"], rec["worker"]]), db=self._leased_db)
+            self.txn.put(iid, schema.pack([rec["token"], rec["worker"]]), db=self._leased_db)
         elif st == _COMPLETED:
-            self.txn.put(sc.seq_key(rec["cseq"]), iid, db=self._completed_db)
+            self.txn.put(schema.seq_key(rec["cseq"]), iid, db=self._completed_db)
         elif st == _DEAD:
             self.txn.put(iid, b"", db=self._dead_db)
         elif st == _ACKNOWLEDGED:
-            self.txn.put(sc.timed_key(rec["acked_ms"], iid), b"", db=self._acked_db)
+            self.txn.put(schema.timed_key(rec["acked_ms"], iid), b"", db=self._acked_db)
 
     def _transition(self, rec: Item, new_state: str, **updates: Any) -> None:
         """Move ``rec`` to ``new_state`` applying ``updates``; keeps indexes and counts in step."""
@@ -471,36 +472,36 @@ class LedgerTxn(LedgerView):
         self._transition(rec, _READY, nb_ms=nb, lease_expires_ms=0)
 
     # --- SUBMIT ---
-    def submit(self, item: p.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
-               reply_to: str = "") -> p.SubmitResult:
+    def submit(self, item: protocol.SubmitItem, now_ms: int, *, refuse: str = "", origin: dict | None = None,
+               reply_to: str = "") -> protocol.SubmitResult:
         """Create one item (or answer a duplicate). ``refuse`` is an error code
         (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
         ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
         and the relay its result goes back to (common/wire/federation.py)."""
         policy = self.ledger.policy
-        why = p.submit_item_problem(item)
+        why = protocol.submit_item_problem(item)
         if why:
-            return p.SubmitResult(item.key, "", error="MALFORMED", message=why)
+            return protocol.SubmitResult(item.key, "", error="MALFORMED", message=why)
         kb = item.key.encode()
         raw = self.txn.get(kb, db=self.db["keys"])
         window_ms = int(policy.dedup_window_s * 1000)
         stale_key = None
         if raw is not None:
-            item_id, created_ms = sc.unpack(raw)
+            item_id, created_ms = schema.unpack(raw)
             if now_ms - created_ms <= window_ms:
                 self.bump("duplicate_submits")
                 self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
-                return p.SubmitResult(item.key, item_id, duplicate=True)
+                return protocol.SubmitResult(item.key, item_id, duplicate=True)
             stale_key = (item_id, created_ms)
         if refuse:
-            return p.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
+            return protocol.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
         if policy.max_ready_items and self.state_count(_READY) >= policy.max_ready_items:
-            return p.SubmitResult(
+            return protocol.SubmitResult(
                 item.key, "", error="QUEUE_FULL", message=f"{policy.max_ready_items} items ready (max_ready_items)"
             )
         if item.deadline_ts is not None and item.deadline_ts * 1000 <= now_ms:
-            return p.SubmitResult(item.key, "", error="DEADLINE_EXCEEDED", message="deadline_ts is already past")
-        seq = self.next_num(sc.NEXT_SEQ)
+            return protocol.SubmitResult(item.key, "", error="DEADLINE_EXCEEDED", message="deadline_ts is already past")
+        seq = self.next_num(schema.NEXT_SEQ)
         item_id = f"{self.ledger.id_prefix}{seq:012x}"
         deadline_ms = int(item.deadline_ts * 1000) if item.deadline_ts is not None else None
         rec: Item = {
@@ -525,7 +526,7 @@ class LedgerTxn(LedgerView):
             rec["origin"], rec["reply_to"] = origin, reply_to
         iid = item_id.encode()
         payloads = self.db["payloads"]
-        blob = sc.pack_blob(item.payload, compress=True)
+        blob = schema.pack_blob(item.payload, compress=True)
         # ids only grow: append (full pages, not half-split ones); out of order it falls back
         self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
         self._put(rec, iid, append=True)
@@ -533,18 +534,18 @@ class LedgerTxn(LedgerView):
         self._index_add(rec, iid)
         self._move(item.kind, "", _READY)
         self.bump("received")
-        self.txn.put(kb, sc.pack([item_id, now_ms]), db=self.db["keys"])
-        self.txn.put(sc.timed_key(now_ms, kb), b"", db=self.db["keytime"])
+        self.txn.put(kb, schema.pack([item_id, now_ms]), db=self.db["keys"])
+        self.txn.put(schema.timed_key(now_ms, kb), b"", db=self.db["keytime"])
         if deadline_ms is not None:
-            self.txn.put(sc.timed_key(deadline_ms, item_id.encode()), b"", db=self.db["deadline"])
+            self.txn.put(schema.timed_key(deadline_ms, item_id.encode()), b"", db=self.db["deadline"])
         if stale_key is not None:
             self.event(
                 gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} (window passed)"
             )
-        return p.SubmitResult(item.key, item_id)
+        return protocol.SubmitResult(item.key, item_id)
 
     # --- LEASE ---
-    def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> p.Task | None:
+    def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> protocol.Task | None:
         """Lease a ready item to ``worker`` with a fresh fencing token; None if it is
         not ready (or its deadline passed: then it is expired here)."""
         rec = self._rec(item_id)
@@ -553,13 +554,13 @@ class LedgerTxn(LedgerView):
         if self._deadline_passed(rec, now_ms):
             self.expire(rec, now_ms, "deadline passed while ready")
             return None
-        token = self.next_num(sc.NEXT_TOKEN)
+        token = self.next_num(schema.NEXT_TOKEN)
         rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
         self._transition(
             rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
         )
         self.bump("routed")
-        return p.Task(
+        return protocol.Task(
             item_id=item_id,
             token=token,
             kind=rec["kind"],
@@ -588,8 +589,8 @@ class LedgerTxn(LedgerView):
         if rec is None or rec["state"] != _LEASED or rec["token"] != token:
             return ""
         worker = rec["worker"]
-        if FAIL_POLICY[p.FailReason.WORKER_LOST].dead_letters_at_once or rec["attempt"] >= self._max_attempts(rec):
-            self._dead(rec, now_ms, p.FailReason.WORKER_LOST.value, f"{why} on {worker}")
+        if FAIL_POLICY[protocol.FailReason.WORKER_LOST].dead_letters_at_once or rec["attempt"] >= self._max_attempts(rec):
+            self._dead(rec, now_ms, protocol.FailReason.WORKER_LOST.value, f"{why} on {worker}")
             return _DEAD
         if self._deadline_passed(rec, now_ms):
             self.expire(rec, now_ms, f"{why} on {worker} after the deadline")
@@ -600,7 +601,7 @@ class LedgerTxn(LedgerView):
         return _READY
 
     # --- COMPLETE / FAIL ---
-    def complete(self, res: p.TaskResult, now_ms: int, sender: str = "") -> str:
+    def complete(self, res: protocol.TaskResult, now_ms: int, sender: str = "") -> str:
         """Record a result. Returns an :class:`Outcome` value.
 
         Rule for late results: accepted if the item is leased with this token,
@@ -611,15 +612,15 @@ class LedgerTxn(LedgerView):
         it was leased to (another peer quoting it is ``fenced``, G4)."""
         rec = self._rec(res.item_id)
         if rec is None:
-            return p.Outcome.UNKNOWN.value
+            return protocol.Outcome.UNKNOWN.value
         st = rec["state"]
         if st in (_COMPLETED, _ACKNOWLEDGED) and rec.get("completed_token") == res.token:
-            return p.Outcome.DUPLICATE.value
+            return protocol.Outcome.DUPLICATE.value
         late = st == _READY and rec["token"] == res.token and res.token != 0
         if ((st == _LEASED and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
-            self.txn.put(res.item_id.encode(), sc.pack_blob(res.result), db=self.db["results"])
+            self.txn.put(res.item_id.encode(), schema.pack_blob(res.result), db=self.db["results"])
             self._results[res.item_id] = res.result
-            cseq = self.next_num(sc.NEXT_CSEQ)
+            cseq = self.next_num(schema.NEXT_CSEQ)
             self._transition(
                 rec,
                 _COMPLETED,
@@ -630,31 +631,31 @@ class LedgerTxn(LedgerView):
                 handler=res.handler,
                 handler_version=res.handler_version,
                 runtime_s=res.runtime_s,
-                worker_done=sc.token_holder(rec) or sender,
+                worker_done=schema.token_holder(rec) or sender,
                 lease_expires_ms=0,
             )
             self.bump("completed")
             if late:
                 self.bump("late_results_accepted")
                 self.event(gaps.G8_LATE_RESULT_ACCEPTED, res.item_id, now_ms, f"token {res.token} after its lease expired")
-            return p.Outcome.ACCEPTED.value
+            return protocol.Outcome.ACCEPTED.value
         self.bump("fenced_completions")
         self.event(
             gaps.G4_FENCED_COMPLETION,
             res.item_id,
             now_ms,
-            f"token {res.token} was leased to {sc.token_holder(rec)}, reported by {sender}; result discarded"
+            f"token {res.token} was leased to {schema.token_holder(rec)}, reported by {sender}; result discarded"
             if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
         )
-        return p.Outcome.FENCED.value
+        return protocol.Outcome.FENCED.value
 
     @staticmethod
     def _not_holder(rec: Item, sender: str) -> bool:
         """True when ``sender`` is known and is not the worker the item's current token was leased to."""
-        holder = sc.token_holder(rec)
+        holder = schema.token_holder(rec)
         return bool(sender and holder and sender != holder)
 
-    def fail(self, f: p.TaskFailure, now_ms: int, sender: str = "") -> str:
+    def fail(self, f: protocol.TaskFailure, now_ms: int, sender: str = "") -> str:
         """Record a failure report. Returns an :class:`Outcome` value.
 
         The reason's rule comes from the one failure policy (:data:`ccsq.common.wire.policy.FAIL_POLICY`;
@@ -665,25 +666,25 @@ class LedgerTxn(LedgerView):
         Dead-lettered at once (fatal, payload_missing): dead with ``reason``."""
         rec = self._rec(f.item_id)
         if rec is None:
-            return p.Outcome.UNKNOWN.value
+            return protocol.Outcome.UNKNOWN.value
         if rec["state"] != _LEASED or rec["token"] != f.token or self._not_holder(rec, sender):
             if rec.get("fail_token") == f.token and not self._not_holder(rec, sender):
-                return p.Outcome.DUPLICATE.value
+                return protocol.Outcome.DUPLICATE.value
             self.bump("fenced_failures")
-            return p.Outcome.FENCED.value
+            return protocol.Outcome.FENCED.value
         rec["fail_token"] = f.token
         rule = fail_rule(f.reason, f.retryable)
-        if f.reason == p.FailReason.RELEASED.value:
+        if f.reason == protocol.FailReason.RELEASED.value:
             attempt = rec["attempt"] if rule.counts_attempt else max(rec["attempt"] - 1, 0)
             self._transition(
                 rec, _READY, attempt=attempt, nb_ms=now_ms, lease_expires_ms=0
             )
             self.bump("released")
-            return p.Outcome.ACCEPTED.value
-        if f.reason == p.FailReason.STORE_UNAVAILABLE.value:
+            return protocol.Outcome.ACCEPTED.value
+        if f.reason == protocol.FailReason.STORE_UNAVAILABLE.value:
             return self._store_unavailable(rec, now_ms, f.message)
         self.bump("failed")
-        reason = f.reason or p.FailReason.HANDLER_ERROR.value
+        reason = f.reason or protocol.FailReason.HANDLER_ERROR.value
         if rule.dead_letters_at_once:
             self._dead(rec, now_ms, reason, f.message)
         elif rec["attempt"] >= self._max_attempts(rec):
@@ -694,7 +695,7 @@ class LedgerTxn(LedgerView):
             rec["error"] = reason
             self._requeue(rec, now_ms)
             self.bump("retried")
-        return p.Outcome.ACCEPTED.value
+        return protocol.Outcome.ACCEPTED.value
 
     def _store_unavailable(self, rec: Item, now_ms: int, message: str) -> str:
         """The worker could not reach the claim store: not the item's fault, so the
@@ -702,15 +703,15 @@ class LedgerTxn(LedgerView):
         item is ready again after a backoff of at least :data:`STORE_RETRY_MIN_MS`, or
         expires if its deadline passed."""
         self.bump("failed")
-        if not FAIL_POLICY[p.FailReason.STORE_UNAVAILABLE].counts_attempt:
+        if not FAIL_POLICY[protocol.FailReason.STORE_UNAVAILABLE].counts_attempt:
             rec["attempt"] = max(rec["attempt"] - 1, 0)
         if self._deadline_passed(rec, now_ms):
             self.expire(rec, now_ms, f"claim store unavailable after the deadline: {message[:200]}")
-            return p.Outcome.ACCEPTED.value
-        rec["error"] = p.FailReason.STORE_UNAVAILABLE.value
+            return protocol.Outcome.ACCEPTED.value
+        rec["error"] = protocol.FailReason.STORE_UNAVAILABLE.value
         self._requeue(rec, now_ms, min_delay_ms=STORE_RETRY_MIN_MS, backoff_attempt=rec["attempt"] + 1)
         self.bump("retried")
-        return p.Outcome.ACCEPTED.value
+        return protocol.Outcome.ACCEPTED.value
 
     # --- ACK ---
     def ack(self, item_id: str, now_ms: int, quarantine_error: str = "") -> bool | None:
@@ -783,7 +784,7 @@ class LedgerTxn(LedgerView):
         self.forget(item_id)
         kb = rec["key"].encode()
         raw = self.txn.get(kb, db=self.db["keys"])
-        if raw is not None and sc.unpack(raw)[0] == item_id:
+        if raw is not None and schema.unpack(raw)[0] == item_id:
             self.txn.delete(kb, db=self.db["keys"])
         self.bump("dead_purged")
         self.event(gaps.G11_DEAD_LETTER_PURGED, item_id, now_ms, f"purged by {who} (dead: {rec.get('error', '')})")

@@ -17,9 +17,9 @@ from typing import Any, TypedDict
 import lz4.block
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
-S = p.ItemState
+S = protocol.ItemState
 STATES: tuple[str, ...] = tuple(s.value for s in S)
 
 #: Flow counters (monotonic, in meta ``c:<name>``, changed in the same txn as the state).
@@ -60,7 +60,7 @@ DB_NAMES = (
     "meta",  # counters, per-state counts, ids: the prefixes below
 )
 
-PRIO_MAX = p.PRIO_MAX
+PRIO_MAX = protocol.PRIO_MAX
 _Q = struct.Struct(">Q")
 _q = struct.Struct(">q")
 _I = struct.Struct(">I")
@@ -230,16 +230,16 @@ def unpack(raw: bytes) -> Any:
     return msgpack.unpackb(raw, raw=False)
 
 
-def blob_to_wire(blob: p.Blob) -> dict:
+def blob_to_wire(blob: protocol.Blob) -> dict:
     return {"sha256": blob.sha256, "size": blob.size, "inline": blob.inline}
 
 
-def blob_from_wire(d: dict) -> p.Blob:
-    return p.Blob(d["sha256"], d["size"], d.get("inline"))
+def blob_from_wire(d: dict) -> protocol.Blob:
+    return protocol.Blob(d["sha256"], d["size"], d.get("inline"))
 
 
 # --- blobs (``payloads``, ``results``) ---
-# Format 1 (before issue 15): the map ``{sha256: hex str, size, inline}``.
+# Format 1 (older brokers): the map ``{sha256: hex str, size, inline}``.
 # Format 2: the array ``[sha256 (32 raw bytes), size, inline]``, or, for an inline
 # payload that LZ4 shrinks by at least an eighth, ``[sha256, size, lz4 block, 1]``
 # (``lz4.block`` without the size header: ``size`` is the length). Both are read.
@@ -248,7 +248,7 @@ COMPRESS_MIN_BYTES = 128
 _LZ4 = 1
 
 
-def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
+def pack_blob(blob: protocol.Blob, *, compress: bool = False) -> bytes:
     """The ``payloads``/``results`` value of ``blob`` (format 2). ``compress``: store
     an inline payload LZ4-compressed when that saves at least an eighth."""
     inline = blob.inline
@@ -261,10 +261,10 @@ def pack_blob(blob: p.Blob, *, compress: bool = False) -> bytes:
 
 
 #: ``Blob(sha256, size, inline)`` without its checks (for values checked when they came in)
-_trusted_blob = p.trusted_constructor(p.Blob, ("sha256", "size", "inline"))
+_trusted_blob = protocol.trusted_constructor(protocol.Blob, ("sha256", "size", "inline"))
 
 
-def unpack_blob(raw: bytes) -> p.Blob:
+def unpack_blob(raw: bytes) -> protocol.Blob:
     """A blob value of either format. A format-2 blob was checked when it came in (the
     sha256 is 32 bytes by construction): built without :class:`~ccsq.common.wire.protocol.Blob`'s
     checks again."""
@@ -275,7 +275,7 @@ def unpack_blob(raw: bytes) -> p.Blob:
     if len(v) > 3 and v[3] == _LZ4:
         inline = lz4.block.decompress(inline, uncompressed_size=v[1])
     if len(v[0]) != 32 or (inline is not None and len(inline) != v[1]):
-        return p.Blob(v[0].hex(), v[1], inline)  # (cannot happen; the checks say what is wrong)
+        return protocol.Blob(v[0].hex(), v[1], inline)  # (cannot happen; the checks say what is wrong)
     return _trusted_blob(v[0].hex(), v[1], inline)
 
 
@@ -353,17 +353,18 @@ class Item(TypedDict, total=False):
     reply_to: str
 
 
-# Item record formats. Format 1 (before issue 15): the map of :class:`Item` with its
+# Item record formats. Format 1 (older brokers): the map of :class:`Item` with its
 # long field names, ``id`` included. Format 2: the array of the fields every record has
 # from SUBMIT on (:data:`ITEM_CORE`, in that order), then a map of the other fields
-# present (long names); no ``id`` (it is the record's key). Format 3 (written since the
-# broker's CPU work of issue 15): the byte 0x03, the length of the *fixed* part (a msgpack
+# present (long names); no ``id`` (it is the record's key). Format 3 (what this broker
+# writes): the byte 0x03, the length of the *fixed* part (a msgpack
 # unsigned integer), the fixed part, then the *state* part. The fixed part is what SUBMIT
 # sets once and nothing changes (:data:`ITEM_FIXED`, then a map of ``origin`` /
 # ``reply_to`` when the item was relayed), packed once and copied as bytes into every
 # later rewrite; the state part is the array of :data:`ITEM_STATE`, then of
 # :data:`ITEM_STATE_MORE` (nil: the field is absent; trailing nils left out), then, only
-# when a record has other fields (or one of :data:`ITEM_STATE_MORE` holding None), a map of them. A map is format 1, an array format 2, a value
+# when a record has other fields (or one of :data:`ITEM_STATE_MORE` holding None), a map of them.
+# A map is format 1, an array format 2, a value
 # that starts with 0x03 format 3 (msgpack would read it as the integer 3 followed by more
 # data, so an older broker refuses it loudly instead of misreading it): :func:`unpack_item`
 # reads all three.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import lmdb
 import structlog
 
-from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger import schema
 from ccsq.common.wire.errors import CcsqError, ExitCode, ledger_failure
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class Ledger:
         # result; a blob only when small, else None). Off (0) unless the broker turns it
         # on (:meth:`cache_records`); see LedgerTxn.commit.
         self.record_cache_max = 0
-        self.record_cache: collections.OrderedDict[str, tuple[sc.Item, bytes | None, Any, Any]] = collections.OrderedDict()
+        self.record_cache: collections.OrderedDict[str, tuple[schema.Item, bytes | None, Any, Any]] = collections.OrderedDict()
         if readonly:
             if not (self.path / "data.mdb").exists():
                 raise LedgerError(f"no ledger at {self.path} (data.mdb missing)")
@@ -156,10 +156,10 @@ class Ledger:
             self.clear_stale_readers()
         try:
             try:
-                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in sc.DB_NAMES}
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in schema.DB_NAMES}
             except lmdb.ReadersFullError:  # open_db reads too: clear dead readers' slots, try again
                 self.clear_stale_readers()
-                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in sc.DB_NAMES}
+                self.db = {name: self.env.open_db(name.encode(), create=not readonly) for name in schema.DB_NAMES}
         except lmdb.ReadersFullError as exc:
             self.env.close()
             code, why = ledger_failure(exc, self.path / "data.mdb", "opening the ledger")
@@ -184,13 +184,13 @@ class Ledger:
         meta = self.db["meta"]
         if not readonly:
             with self.env.begin(write=True) as txn:
-                lid = txn.get(sc.LEDGER_ID, db=meta)
+                lid = txn.get(schema.LEDGER_ID, db=meta)
                 if lid is None:
                     lid = secrets.token_hex(4).encode()
-                    txn.put(sc.LEDGER_ID, lid, db=meta)
+                    txn.put(schema.LEDGER_ID, lid, db=meta)
                 self.ledger_id = lid.decode()
-                prefix = (txn.get(sc.ID_PREFIX, db=meta) or lid).decode()
-                restoring = txn.get(sc.RESTORE_PENDING, db=meta) is not None
+                prefix = (txn.get(schema.ID_PREFIX, db=meta) or lid).decode()
+                restoring = txn.get(schema.RESTORE_PENDING, db=meta) is not None
                 self.id_prefix = prefix
             if restoring:
                 try:
@@ -205,8 +205,8 @@ class Ledger:
                 self.env.close()
                 raise
             try:
-                lid = txn.get(sc.LEDGER_ID, db=meta)
-                raw_prefix = txn.get(sc.ID_PREFIX, db=meta) or lid
+                lid = txn.get(schema.LEDGER_ID, db=meta)
+                raw_prefix = txn.get(schema.ID_PREFIX, db=meta) or lid
             finally:
                 txn.abort()
             self.ledger_id = lid.decode() if lid else ""
@@ -223,8 +223,8 @@ class Ledger:
 
         def step(txn: LedgerTxn, _mode: str) -> int:
             n = txn.restored_from_backup(int(time.time() * 1000))
-            txn.txn.put(sc.ID_PREFIX, fresh.encode(), db=meta)
-            txn.txn.delete(sc.RESTORE_PENDING, db=meta)
+            txn.txn.put(schema.ID_PREFIX, fresh.encode(), db=meta)
+            txn.txn.delete(schema.RESTORE_PENDING, db=meta)
             txn.changed = True
             txn.commit()
             return n
@@ -240,7 +240,7 @@ class Ledger:
         return lmdb.open(
             str(self.path),
             map_size=map_size_bytes,
-            max_dbs=len(sc.DB_NAMES) + 2,
+            max_dbs=len(schema.DB_NAMES) + 2,
             subdir=True,
             readonly=readonly,
             lock=True,
@@ -312,12 +312,12 @@ class Ledger:
         commit and kept in the returned log's backlog. Raises
         :class:`~ccsq.brokerd.ledger.replication.StaleEpoch` when ``epoch`` is older than
         the ledger's. Only with no write transaction open."""
-        from ccsq.brokerd.ledger import replication as rp  # replication builds on this module
+        from ccsq.brokerd.ledger import replication  # replication builds on this module
 
         with self.read() as view:
-            pos = rp.unpack_pos(view.txn.get(rp.REPL_POS, db=self.db["meta"]))
+            pos = replication.unpack_pos(view.txn.get(replication.REPL_POS, db=self.db["meta"]))
         kw = {} if backlog_turns is None else {"backlog_turns": backlog_turns}
-        self.replication = rp.ReplicationLog(epoch, pos, sink=sink, **kw)
+        self.replication = replication.ReplicationLog(epoch, pos, sink=sink, **kw)
         return self.replication
 
     def bump_epoch(self) -> int:
@@ -325,13 +325,13 @@ class Ledger:
         on, a turn like any other."""
         if self.replication is not None:
             turn = self.begin()
-            epoch = turn.next_num(sc.EPOCH)
+            epoch = turn.next_num(schema.EPOCH)
             turn.commit()
             return epoch
         with self.env.begin(write=True) as txn:
-            raw = txn.get(sc.EPOCH, db=self.db["meta"])
-            epoch = sc.unpack_num(raw) + 1
-            txn.put(sc.EPOCH, sc.pack_num(epoch), db=self.db["meta"])
+            raw = txn.get(schema.EPOCH, db=self.db["meta"])
+            epoch = schema.unpack_num(raw) + 1
+            txn.put(schema.EPOCH, schema.pack_num(epoch), db=self.db["meta"])
         return epoch
 
     def adopt_epoch(self, epoch: int) -> int:
@@ -347,7 +347,7 @@ class Ledger:
             if epoch < have:
                 raise StaleEpoch(f"epoch {epoch} is below the ledger's epoch {have} ({self.path})")
             if epoch > have:
-                txn._add(sc.EPOCH, epoch - have)  # noqa: SLF001 - the ledger's own transaction
+                txn._add(schema.EPOCH, epoch - have)  # noqa: SLF001 - the ledger's own transaction
             txn.commit()
         finally:
             txn.abort()
@@ -415,7 +415,8 @@ class Ledger:
         restored, takes a new item id prefix, so ids the source broker issued after the copy
         are never issued again (their results may already be in the results database);
         ``mark_restore=False`` leaves that mark out (a standby's seed, which continues this
-        ledger: :func:`~ccsq.brokerd.ledger.replication.take_copy`). The file is fsynced. Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
+        ledger: :func:`~ccsq.brokerd.ledger.replication.take_copy`). The file is fsynced.
+        Returns ``{path, bytes, source_bytes, last_txnid}``. Raises
         :class:`LedgerError` (with its exit code) on an LMDB or OS error."""
         dest = Path(dest)
         try:
@@ -477,11 +478,11 @@ def _mark_restore_pending(dest: Path) -> None:
     # a compacted copy has no free page and LMDB would size the map to the file (py-lmdb's
     # default is 10 MiB): room for the one key's pages
     map_size = (dest / "data.mdb").stat().st_size + (1 << 20)
-    env = lmdb.open(str(dest), map_size=map_size, max_dbs=len(sc.DB_NAMES) + 2, subdir=True, lock=True, sync=True,
+    env = lmdb.open(str(dest), map_size=map_size, max_dbs=len(schema.DB_NAMES) + 2, subdir=True, lock=True, sync=True,
                     metasync=True)
     try:
         with env.begin(write=True) as txn:
-            txn.put(sc.RESTORE_PENDING, b"", db=env.open_db(b"meta", txn=txn, create=False))
+            txn.put(schema.RESTORE_PENDING, b"", db=env.open_db(b"meta", txn=txn, create=False))
     finally:
         env.close()
     (dest / "lock.mdb").unlink(missing_ok=True)

@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.schema import Item
 from ccsq.brokerd.ledger.store import LedgerError
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 if TYPE_CHECKING:
     from ccsq.brokerd.ledger.store import Ledger
 
-S = p.ItemState
+S = protocol.ItemState
 
 
 class LedgerView:
@@ -41,7 +41,7 @@ class LedgerView:
     # --- numbers in meta ---
     def num(self, key: bytes) -> int:
         """A meta integer (:func:`~ccsq.brokerd.ledger.schema.pack_num`); 0 when absent."""
-        return sc.unpack_num(self.txn.get(key, db=self.db["meta"]))
+        return schema.unpack_num(self.txn.get(key, db=self.db["meta"]))
 
     def _meta_scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         """``(name after prefix, value)`` of every meta key under ``prefix``, in key order."""
@@ -53,60 +53,60 @@ class LedgerView:
                 yield k[len(prefix):], v
 
     def counter(self, name: str) -> int:
-        return self.num(sc.counter_key(name))
+        return self.num(schema.counter_key(name))
 
     def draining(self) -> list[str]:
         """Worker ids an operator drained (``ccsq drain``; meta ``d:<worker>``), sorted.
         Kept in the ledger so a drain survives a broker restart."""
-        return [name.decode() for name, _ in self._meta_scan(sc.DRAIN)]
+        return [name.decode() for name, _ in self._meta_scan(schema.DRAIN)]
 
     def kinds_served(self, since_ms: int) -> set[str]:
         """Kinds a worker served (HELLO) at or after ``since_ms`` (meta ``w:<kind>`` ->
         ``>q`` ms of its last HELLO; ``""`` = a worker that takes every kind). Read at
         broker start, so the unserved-kind hint needs no grace period after a restart."""
-        return {kind.decode() for kind, v in self._meta_scan(sc.SERVED) if sc.unpack_num(v) >= since_ms}
+        return {kind.decode() for kind, v in self._meta_scan(schema.SERVED) if schema.unpack_num(v) >= since_ms}
 
     def state_count(self, state: str) -> int:
-        return self.num(sc.state_key(state))
+        return self.num(schema.state_key(state))
 
     def counters(self) -> dict[str, int]:
-        return {name: self.counter(name) for name in sc.COUNTERS}
+        return {name: self.counter(name) for name in schema.COUNTERS}
 
     def states(self) -> dict[str, int]:
-        return {s: self.state_count(s) for s in sc.STATES}
+        return {s: self.state_count(s) for s in schema.STATES}
 
     def balanced(self) -> bool:
         return self.counter("received") == sum(self.states().values())
 
     def epoch(self) -> int:
-        return self.num(sc.EPOCH)
+        return self.num(schema.EPOCH)
 
     def gap_counts(self) -> dict[str, int]:
-        return {w.id: self.num(sc.gap_key(w.id)) for w in gaps.WINDOWS}
+        return {w.id: self.num(schema.gap_key(w.id)) for w in gaps.WINDOWS}
 
     def rejects(self) -> dict[str, int]:
         """{reason: frames rejected} (meta ``r:<reason>``)."""
-        return {code.decode(): sc.unpack_num(v) for code, v in self._meta_scan(sc.REJECT)}
+        return {code.decode(): schema.unpack_num(v) for code, v in self._meta_scan(schema.REJECT)}
 
     def kind_states(self) -> dict[str, dict[str, int]]:
         """{kind: {state: count}} (acknowledged counts keep purged items)."""
         out: dict[str, dict[str, int]] = {}
-        for name, v in self._meta_scan(sc.KIND_STATE):
-            kind, state = sc.parse_kind_state(sc.KIND_STATE + name)
-            n = sc.unpack_num(v)
+        for name, v in self._meta_scan(schema.KIND_STATE):
+            kind, state = schema.parse_kind_state(schema.KIND_STATE + name)
+            n = schema.unpack_num(v)
             if n:
                 out.setdefault(kind, {})[state] = n
         return out
 
     def sample(self, n: int) -> dict | None:
         """Accounting sample number ``n`` (1-based), if still in the ring."""
-        raw = self.txn.get(sc.sample_key(n), db=self.db["meta"])
-        return sc.unpack(raw) if raw is not None else None
+        raw = self.txn.get(schema.sample_key(n), db=self.db["meta"])
+        return schema.unpack(raw) if raw is not None else None
 
     def samples(self) -> list[dict]:
         """Every accounting sample in the ring, oldest first:
         ``{ts_ms, counters: {name: n}, states: {state: n}, kinds: {kind: {state: n}}}``."""
-        out = [sc.unpack(v) for _, v in self._meta_scan(sc.SAMPLE)]
+        out = [schema.unpack(v) for _, v in self._meta_scan(schema.SAMPLE)]
         out.sort(key=lambda d: d["ts_ms"])
         return out
 
@@ -117,7 +117,7 @@ class LedgerView:
         for i, (k, _) in enumerate(self.txn.cursor(db=self.db["deadline"])):
             if i >= scan_limit:
                 break
-            deadline_ms, iid = sc.parse_timed(k)
+            deadline_ms, iid = schema.parse_timed(k)
             rec = self.get(iid.decode())
             if rec is not None and rec["state"] in (S.READY.value, S.LEASED.value):
                 out.setdefault(rec["kind"], deadline_ms)
@@ -125,7 +125,7 @@ class LedgerView:
 
     def recent_events(self, window: str, limit: int) -> list[dict]:
         """The newest ``limit`` events of ``window``, newest first."""
-        prefix = sc.event_prefix(window)
+        prefix = schema.event_prefix(window)
         cur = self.txn.cursor(db=self.db["events"])
         out: list[dict] = []
         if not cur.set_range(prefix + b"\xff" * 8):
@@ -138,7 +138,7 @@ class LedgerView:
             k = cur.key()
             if not k.startswith(prefix):
                 break
-            out.append(sc.unpack(cur.value()))
+            out.append(schema.unpack(cur.value()))
             if not cur.prev():
                 break
         return out
@@ -146,21 +146,21 @@ class LedgerView:
     # --- items ---
     def get(self, item_id: str) -> Item | None:
         raw = self.txn.get(item_id.encode(), db=self.db["items"])
-        return sc.unpack_item(raw, item_id) if raw is not None else None
+        return schema.unpack_item(raw, item_id) if raw is not None else None
 
-    def payload(self, item_id: str) -> p.Blob:
-        return sc.unpack_blob(self.txn.get(item_id.encode(), db=self.db["payloads"]))  # type: ignore[arg-type]  # written with the item
+    def payload(self, item_id: str) -> protocol.Blob:
+        return schema.unpack_blob(self.txn.get(item_id.encode(), db=self.db["payloads"]))  # type: ignore[arg-type]  # written with the item
 
-    def result(self, item_id: str) -> p.Blob | None:
+    def result(self, item_id: str) -> protocol.Blob | None:
         raw = self.txn.get(item_id.encode(), db=self.db["results"])
-        return sc.unpack_blob(raw) if raw is not None else None
+        return schema.unpack_blob(raw) if raw is not None else None
 
-    def item_status(self, item_id: str) -> p.ItemStatus:
+    def item_status(self, item_id: str) -> protocol.ItemStatus:
         rec = self.get(item_id)
         if rec is None:
-            return p.ItemStatus(item_id, "unknown")
+            return protocol.ItemStatus(item_id, "unknown")
         result = self.result(item_id) if rec["state"] in (S.COMPLETED.value, S.ACKNOWLEDGED.value) else None
-        return p.ItemStatus(item_id, rec["state"], rec["attempt"], rec["kind"], rec.get("error", ""), result)
+        return protocol.ItemStatus(item_id, rec["state"], rec["attempt"], rec["kind"], rec.get("error", ""), result)
 
     def blob_refs(self) -> Iterator[tuple[str, str, str]]:
         """``(item_id, state, sha256)`` of every claim-store reference the ledger holds:
@@ -168,17 +168,17 @@ class LedgerView:
         items = self.db["items"]
         for name in ("payloads", "results"):
             for k, v in self.txn.cursor(db=self.db[name]):
-                sha = sc.blob_ref(v)
+                sha = schema.blob_ref(v)
                 if sha is None:
                     continue
                 raw = self.txn.get(k, db=items)
-                state = sc.item_state(raw) if raw is not None else "unknown"
+                state = schema.item_state(raw) if raw is not None else "unknown"
                 yield k.decode(), state, sha
 
     def leased_items(self) -> Iterator[tuple[str, int, str]]:
         """(item_id, token, worker) of every leased item (restart recovery)."""
         for k, v in self.txn.cursor(db=self.db["leased"]):
-            token, worker = sc.unpack(v)
+            token, worker = schema.unpack(v)
             yield k.decode(), token, worker
 
     def open_items(self) -> Iterator[tuple[str, str]]:
@@ -221,7 +221,7 @@ class LedgerView:
         """Up to ``limit`` ids of ready items of ``kind``, backing-off ones included, in
         dispatch order (``ccsq items cancel --kind``)."""
         out: list[str] = []
-        prefix = sc.ready_prefix(kind)
+        prefix = schema.ready_prefix(kind)
         cur = self.txn.cursor(db=self.db["ready"])
         ok = cur.set_range(prefix)
         while ok and len(out) < limit and cur.key().startswith(prefix):
@@ -237,14 +237,14 @@ class LedgerView:
         while ok:
             k = cur.key()
             kind, _, rest = k.partition(b"\0")
-            pk, _nb, _seq = sc.parse_ready(rest)
+            pk, _nb, _seq = schema.parse_ready(rest)
             rec = self.get(cur.value().decode())
             if rec is not None:
                 best = rec["created_ms"] if best is None else min(best, rec["created_ms"])
-            if pk == sc.LAST_PRIO_KEY:
+            if pk == schema.LAST_PRIO_KEY:
                 ok = cur.set_range(kind + b"\x01")
             else:
-                ok = cur.set_range(sc.ready_bucket_after(kind + b"\0", pk))
+                ok = cur.set_range(schema.ready_bucket_after(kind + b"\0", pk))
         return best
 
     def completed_ids(self, skip: Callable[[str], bool], limit: int, start_cseq: int = 0) -> tuple[list[str], int]:
@@ -258,10 +258,10 @@ class LedgerView:
         out: list[str] = []
         next_cseq = start_cseq
         cur = self.txn.cursor(db=self.db["completed"])
-        if not cur.set_range(sc.seq_key(start_cseq)):
+        if not cur.set_range(schema.seq_key(start_cseq)):
             return out, next_cseq
         for k, v in cur:
-            next_cseq = sc.parse_seq(k) + 1
+            next_cseq = schema.parse_seq(k) + 1
             item_id = v.decode()
             if skip(item_id):
                 continue
@@ -270,7 +270,7 @@ class LedgerView:
                 break
         return out, next_cseq
 
-    def delivery(self, item_id: str, redelivery: bool, rec: Item | None = None) -> p.Delivery:
+    def delivery(self, item_id: str, redelivery: bool, rec: Item | None = None) -> protocol.Delivery:
         """The RESULT record of completed ``item_id``; ``rec``: its record when the caller
         has just read it in this transaction (not read again)."""
         if rec is None:
@@ -280,7 +280,7 @@ class LedgerView:
         result = self.result(item_id)
         if result is None:
             raise LedgerError(f"completed item {item_id} has no result")
-        return p.Delivery(
+        return protocol.Delivery(
             item_id=item_id,
             key=rec["key"],
             kind=rec["kind"],
@@ -304,19 +304,19 @@ class LedgerView:
         hint: int | None = None
         cur = self.txn.cursor(db=self.db["ready"])
         for kind in kinds:
-            prefix = sc.ready_prefix(kind)
+            prefix = schema.ready_prefix(kind)
             found = 0
             ok = cur.set_range(prefix)
             while ok and found < limit:
                 k = cur.key()
                 if not k.startswith(prefix):
                     break
-                pk, nb, seq = sc.parse_ready(k[len(prefix):])
+                pk, nb, seq = schema.parse_ready(k[len(prefix):])
                 if nb > now_ms:
                     hint = nb if hint is None else min(hint, nb)
-                    if pk == sc.LAST_PRIO_KEY:
+                    if pk == schema.LAST_PRIO_KEY:
                         break
-                    ok = cur.set_range(sc.ready_bucket_after(prefix, pk))
+                    ok = cur.set_range(schema.ready_bucket_after(prefix, pk))
                     continue
                 cands.append((pk, nb, seq, cur.value().decode()))
                 found += 1
@@ -329,19 +329,19 @@ class LedgerView:
         """The first commit-history entry with a transaction id above ``txnid``, as
         ``(txnid, [ts_ms, last_pgno, live_pages])``, or None."""
         cur = self.txn.cursor(db=self.db["meta"])
-        if cur.set_range(sc.history_key(txnid + 1)) and cur.key().startswith(sc.HISTORY):
-            return sc.history_txnid(cur.key()), sc.unpack(cur.value())
+        if cur.set_range(schema.history_key(txnid + 1)) and cur.key().startswith(schema.HISTORY):
+            return schema.history_txnid(cur.key()), schema.unpack(cur.value())
         return None
 
     def history_at_or_before(self, txnid: int) -> tuple[int, list] | None:
         """The last commit-history entry with a transaction id <= ``txnid``, or None."""
         cur = self.txn.cursor(db=self.db["meta"])
-        if cur.set_range(sc.history_key(txnid + 1)):
+        if cur.set_range(schema.history_key(txnid + 1)):
             ok = cur.prev()
         else:
             ok = cur.last()
-        if ok and cur.key().startswith(sc.HISTORY):
-            return sc.history_txnid(cur.key()), sc.unpack(cur.value())
+        if ok and cur.key().startswith(schema.HISTORY):
+            return schema.history_txnid(cur.key()), schema.unpack(cur.value())
         return None
 
     def blob_refs_page(self, name: str, after: bytes, limit: int) -> tuple[list[tuple[str, str, str]], bytes | None]:
@@ -357,9 +357,9 @@ class LedgerView:
         while ok and seen < limit:
             k, v = cur.key(), cur.value()
             last, seen = k, seen + 1
-            sha = sc.blob_ref(v)
+            sha = schema.blob_ref(v)
             if sha is not None:
                 raw = self.txn.get(k, db=items)
-                out.append((k.decode(), sc.item_state(raw) if raw is not None else "unknown", sha))
+                out.append((k.decode(), schema.item_state(raw) if raw is not None else "unknown", sha))
             ok = cur.next()
         return out, (last if ok else None)

@@ -116,7 +116,7 @@ def settle_gc(young_threshold: int | None = GC_YOUNG_THRESHOLD) -> None:
     short-lived objects and little cyclic garbage: with the defaults the broker ran ~25
     young collections per thousand jobs (~15 µs of CPU per job), the worker's echo bench
     ~110 and a full one re-walking ~48,000 start-up objects, the completion service 65 ms
-    of collections per 20,000 results (docs/benchmarks.md, issue 15)."""
+    of collections per 20,000 results (docs/benchmarks.md)."""
     gc.collect()
     gc.freeze()
     if young_threshold:

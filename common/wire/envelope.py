@@ -43,17 +43,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import AuthError, DecodeError
 from ccsq.common.wire.keys import AuthorizedKeys, PeerKey
 
-#: Bytes of a session MAC tag (HMAC-SHA256) in frame 1; a signature is p.SIGNATURE_BYTES.
+#: Bytes of a session MAC tag (HMAC-SHA256) in frame 1; a signature is protocol.SIGNATURE_BYTES.
 MAC_BYTES = 32
 #: HELLO ``info`` key of a session-MAC offer: the peer's ephemeral X25519 public key, base64.
 MAC_OFFER_INFO = "mac_x25519"
 _HKDF_LABEL = "ccsq session mac v1"
 #: Messages that are always signed: they open a session and carry the key exchange.
-_SIGNED_ALWAYS = frozenset({p.MsgType.HELLO, p.MsgType.WELCOME})
+_SIGNED_ALWAYS = frozenset({protocol.MsgType.HELLO, protocol.MsgType.WELCOME})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,11 +61,11 @@ class Envelope:
     """A verified message: who sent it, in which session, and the typed message."""
 
     sender: str
-    role: p.Role
+    role: protocol.Role
     session: int
     seq: int
     ts_ms: int
-    message: p.Message
+    message: protocol.Message
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,8 +110,8 @@ def _limits(max_frame_bytes: int) -> dict:
         use_list=True,
         max_bin_len=max_frame_bytes,
         max_str_len=max_frame_bytes,
-        max_array_len=min(p.MAX_ARRAY_LEN, max_frame_bytes),
-        max_map_len=min(p.MAX_MAP_LEN, max_frame_bytes),
+        max_array_len=min(protocol.MAX_ARRAY_LEN, max_frame_bytes),
+        max_map_len=min(protocol.MAX_MAP_LEN, max_frame_bytes),
         max_ext_len=0,
     )
 
@@ -132,20 +132,20 @@ class _HeaderReader:
     def header(self) -> list:
         try:
             if self._u.read_array_header() != 7:
-                raise DecodeError("envelope must be a 7-element array", code=p.REJECT_MALFORMED)
+                raise DecodeError("envelope must be a 7-element array", code=protocol.REJECT_MALFORMED)
             return [self._u.unpack() for _ in range(6)]
         except DecodeError:
             raise
         except Exception as exc:
-            raise DecodeError(f"invalid msgpack header: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
+            raise DecodeError(f"invalid msgpack header: {type(exc).__name__}: {exc}", code=protocol.REJECT_MALFORMED) from None
 
     def body(self) -> object:
         try:
             body = self._u.unpack()
         except Exception as exc:
-            raise DecodeError(f"invalid msgpack body: {type(exc).__name__}: {exc}", code=p.REJECT_MALFORMED) from None
+            raise DecodeError(f"invalid msgpack body: {type(exc).__name__}: {exc}", code=protocol.REJECT_MALFORMED) from None
         if self._u.tell() != self._size:
-            raise DecodeError(f"{self._size - self._u.tell()} trailing bytes after the envelope", code=p.REJECT_MALFORMED)
+            raise DecodeError(f"{self._size - self._u.tell()} trailing bytes after the envelope", code=protocol.REJECT_MALFORMED)
         return body
 
 
@@ -183,19 +183,19 @@ class ReplayGuard:
         cur = self._current.get(sender)
         if cur is not None and cur[0] == session:
             if seq <= cur[1]:
-                raise AuthError(f"replayed sequence {seq} (last {cur[1]}) from {sender}", code=p.REJECT_REPLAY)
+                raise AuthError(f"replayed sequence {seq} (last {cur[1]}) from {sender}", code=protocol.REJECT_REPLAY)
             return
         retired = self._retired.get(sender)
         if retired is not None and session in retired:
-            raise AuthError(f"message from retired session of {sender}", code=p.REJECT_REPLAY)
+            raise AuthError(f"message from retired session of {sender}", code=protocol.REJECT_REPLAY)
         if not is_hello:
-            raise AuthError(f"{sender}: session must open with HELLO", code=p.REJECT_NO_SESSION)
+            raise AuthError(f"{sender}: session must open with HELLO", code=protocol.REJECT_NO_SESSION)
         if cur is not None and ts_ms < cur[2] and sender not in self._loose:
             # a HELLO older than the current session's: a delayed HELLO of a socket its peer
             # already gave up on must not replace the live session that followed it
-            raise AuthError(f"{sender}: HELLO older than its current session's", code=p.REJECT_REPLAY)
+            raise AuthError(f"{sender}: HELLO older than its current session's", code=protocol.REJECT_REPLAY)
         if ts_ms <= self._floor_ms.get(sender, -1):
-            raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=p.REJECT_REPLAY)
+            raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=protocol.REJECT_REPLAY)
 
     def accept(self, sender: str, session: int, seq: int, ts_ms: int = 0) -> None:
         if self._loose:
@@ -268,7 +268,7 @@ class EnvelopeCodec:
         private_key: Ed25519PrivateKey,
         authorized: AuthorizedKeys,
         *,
-        max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
+        max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES,
         max_clock_skew_s: float = 60.0,
         require_hello: bool = True,
         session_macs: bool = False,
@@ -340,7 +340,7 @@ class EnvelopeCodec:
         tags (except WELCOME). Returns this side's X25519 public key for WELCOME
         ``mac_x25519``, or b"" (no offer, or an invalid one: the session stays signed)."""
         hello = env.message
-        if not self.session_macs or not isinstance(hello, p.Hello):
+        if not self.session_macs or not isinstance(hello, protocol.Hello):
             return b""
         peer_pub = _x25519_public(hello.info.get(MAC_OFFER_INFO))
         if peer_pub is None:
@@ -371,12 +371,12 @@ class EnvelopeCodec:
         a signed frame would be) until the sender opens a new session."""
         self._tx.pop(channel, None)
 
-    def _offer_mac(self, msg: p.Hello) -> p.Hello:
+    def _offer_mac(self, msg: protocol.Hello) -> protocol.Hello:
         self._offer = X25519PrivateKey.generate()
         offer = base64.b64encode(self._offer.public_key().public_bytes_raw()).decode("ascii")
         return dataclasses.replace(msg, info={**msg.info, MAC_OFFER_INFO: offer})
 
-    def _welcomed(self, sender: str, session: int, welcome: p.Welcome) -> None:
+    def _welcomed(self, sender: str, session: int, welcome: protocol.Welcome) -> None:
         """Peer side: a verified WELCOME answers our HELLO; with ``mac_x25519`` the session uses MACs."""
         offer, self._offer = self._offer, None
         if offer is None:
@@ -394,15 +394,15 @@ class EnvelopeCodec:
         self._rx[sender] = mac
         self._tx[None] = mac
 
-    def encode(self, msg: p.Message, *, channel: Hashable = None) -> list[bytes]:
+    def encode(self, msg: protocol.Message, *, channel: Hashable = None) -> list[bytes]:
         """Return ``[payload, signature or tag]`` for ``msg``: tagged when the session on
         ``channel`` agreed on MACs (HELLO and WELCOME are always signed). Raises
         PayloadTooLarge-coded DecodeError if the payload would exceed ``max_frame_bytes``."""
-        if self.session_macs and type(msg) is p.Hello:
+        if self.session_macs and type(msg) is protocol.Hello:
             msg = self._offer_mac(msg)
         self._seq += 1
         payload = msgpack.packb(
-            [p.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, self._wall_ms(), p.encode_body(msg)],
+            [protocol.PROTOCOL_VERSION, int(msg.TYPE), self.peer_id, self.session, self._seq, self._wall_ms(), protocol.encode_body(msg)],
             use_bin_type=True,
         )
         if len(payload) > self.max_frame_bytes:
@@ -420,7 +420,7 @@ class EnvelopeCodec:
         return abs(self._wall_ms() - ts_ms) <= self.max_clock_skew_s * 1000
 
     def _hello_fresh(self, msg_type: int, ts_ms: int) -> bool:
-        return msg_type == p.MsgType.HELLO and self._fresh(ts_ms)
+        return msg_type == protocol.MsgType.HELLO and self._fresh(ts_ms)
 
     def decode(self, frames: list[bytes], *, bound_sender: str | None = None) -> Envelope:
         """Verify and decode ``[payload, signature or tag]`` from an untrusted peer.
@@ -430,50 +430,50 @@ class EnvelopeCodec:
         Raises :class:`DecodeError` / :class:`AuthError` with a ``REJECT_*`` code.
         """
         if len(frames) != 2:
-            raise DecodeError(f"expected 2 frames, got {len(frames)}", code=p.REJECT_FRAMING)
+            raise DecodeError(f"expected 2 frames, got {len(frames)}", code=protocol.REJECT_FRAMING)
         payload, signature = frames
         if len(payload) > self.max_frame_bytes:
             raise DecodeError(
-                f"frame of {len(payload)} bytes over max_frame_bytes={self.max_frame_bytes}", code=p.REJECT_OVERSIZE
+                f"frame of {len(payload)} bytes over max_frame_bytes={self.max_frame_bytes}", code=protocol.REJECT_OVERSIZE
             )
         tagged = len(signature) == MAC_BYTES
-        if not tagged and len(signature) != p.SIGNATURE_BYTES:
-            raise DecodeError(f"signature frame must be {p.SIGNATURE_BYTES} bytes (or a {MAC_BYTES}-byte session MAC)",
-                              code=p.REJECT_FRAMING)
+        if not tagged and len(signature) != protocol.SIGNATURE_BYTES:
+            raise DecodeError(f"signature frame must be {protocol.SIGNATURE_BYTES} bytes (or a {MAC_BYTES}-byte session MAC)",
+                              code=protocol.REJECT_FRAMING)
         reader = _HeaderReader(payload, self.max_frame_bytes)
         version, msg_type, sender, session, seq, ts_ms = reader.header()
-        if version != p.PROTOCOL_VERSION:
-            raise DecodeError(f"unknown protocol version {version!r}", code=p.REJECT_VERSION)
+        if version != protocol.PROTOCOL_VERSION:
+            raise DecodeError(f"unknown protocol version {version!r}", code=protocol.REJECT_VERSION)
         if not (type(msg_type) is int and type(sender) is str and type(session) is int
                 and type(seq) is int and type(ts_ms) is int):
-            raise DecodeError("envelope header has wrong types", code=p.REJECT_MALFORMED)
+            raise DecodeError("envelope header has wrong types", code=protocol.REJECT_MALFORMED)
         peer = self.authorized.get(sender)
         if peer is None:
-            raise _refused(f"unknown sender {sender[:64]!r}", p.REJECT_UNKNOWN_SENDER, sender, self._hello_fresh(msg_type, ts_ms))
+            raise _refused(f"unknown sender {sender[:64]!r}", protocol.REJECT_UNKNOWN_SENDER, sender, self._hello_fresh(msg_type, ts_ms))
         if bound_sender is not None and sender != bound_sender:
-            raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=p.REJECT_FORGED_ORIGIN)
+            raise AuthError(f"connection bound to {bound_sender!r} claims to be {sender!r}", code=protocol.REJECT_FORGED_ORIGIN)
         if tagged:
             self._verify_mac(peer, sender, session, msg_type, ts_ms, payload, signature)
         else:
             try:
                 peer.public_key.verify(signature, payload)
             except InvalidSignature:
-                raise _refused(f"bad signature from {sender!r}", p.REJECT_BAD_SIGNATURE, sender,
+                raise _refused(f"bad signature from {sender!r}", protocol.REJECT_BAD_SIGNATURE, sender,
                                self._hello_fresh(msg_type, ts_ms)) from None
         # --- authenticated from here on: the sender signed (or, in its session, tagged) exactly these bytes ---
         try:
-            mtype = p.MsgType(msg_type)
+            mtype = protocol.MsgType(msg_type)
         except ValueError:
-            raise DecodeError(f"unknown message type {msg_type}", code=p.REJECT_UNKNOWN_TYPE) from None
-        if mtype not in p.ROLE_MAY_SEND[peer.role]:
-            raise AuthError(f"role {peer.role.value} may not send {mtype.name}", code=p.REJECT_ROLE)
+            raise DecodeError(f"unknown message type {msg_type}", code=protocol.REJECT_UNKNOWN_TYPE) from None
+        if mtype not in protocol.ROLE_MAY_SEND[peer.role]:
+            raise AuthError(f"role {peer.role.value} may not send {mtype.name}", code=protocol.REJECT_ROLE)
         if not self._fresh(ts_ms):
-            raise AuthError(f"timestamp outside max_clock_skew_s={self.max_clock_skew_s}", code=p.REJECT_STALE)
-        is_hello = mtype == p.MsgType.HELLO or not self.require_hello
+            raise AuthError(f"timestamp outside max_clock_skew_s={self.max_clock_skew_s}", code=protocol.REJECT_STALE)
+        is_hello = mtype == protocol.MsgType.HELLO or not self.require_hello
         self._replay.check(sender, session, seq, is_hello, ts_ms)
-        message = p.decode_body(mtype, reader.body())
+        message = protocol.decode_body(mtype, reader.body())
         self._replay.accept(sender, session, seq, ts_ms)
-        if mtype == p.MsgType.WELCOME and self._offer is not None:
+        if mtype == protocol.MsgType.WELCOME and self._offer is not None:
             self._welcomed(sender, session, message)  # type: ignore[arg-type]
         return Envelope(sender, peer.role, session, seq, ts_ms, message)
 
@@ -484,16 +484,16 @@ class EnvelopeCodec:
         peer should send HELLO; the broker answers it like a stranger, rate-limited). A tag
         that does not verify, or a sender whose key changed since: BAD_SIGNATURE."""
         if msg_type in _SIGNED_ALWAYS:
-            raise DecodeError("HELLO and WELCOME must be signed, not tagged", code=p.REJECT_FRAMING)
+            raise DecodeError("HELLO and WELCOME must be signed, not tagged", code=protocol.REJECT_FRAMING)
         mac = self._rx.get(sender)
         if mac is None or mac.remote_session != session:
             raise _refused(f"no session MAC key for session {session} of {sender!r}: open a session with HELLO",
-                           p.REJECT_NO_SESSION, sender, self._fresh(ts_ms))
+                           protocol.REJECT_NO_SESSION, sender, self._fresh(ts_ms))
         if not hmac.compare_digest(hmac.digest(mac.rx, payload, "sha256"), tag):
-            raise _refused(f"bad session MAC from {sender!r}", p.REJECT_BAD_SIGNATURE, sender, False)
+            raise _refused(f"bad session MAC from {sender!r}", protocol.REJECT_BAD_SIGNATURE, sender, False)
         if mac.peer_key is not peer:  # authorized_keys was reloaded: still the same key?
             if mac.peer_key is None or not _same_key(mac.peer_key, peer):
-                raise _refused(f"the key of {sender!r} changed since its session began", p.REJECT_BAD_SIGNATURE,
+                raise _refused(f"the key of {sender!r} changed since its session began", protocol.REJECT_BAD_SIGNATURE,
                                sender, False)
             mac.peer_key = peer
 

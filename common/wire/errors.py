@@ -19,7 +19,9 @@ class ExitCode(enum.IntEnum):
     USAGE = 2  # bad command line
     CONFIG = 78  # EX_CONFIG: invalid config / keys / permissions; do not restart
     GPU_UNAVAILABLE = 79  # a GPU was required but the provider cannot load (case C10)
-    TEMPFAIL = 75  # EX_TEMPFAIL: transient: a ledger/journal lock or port held by another process, a claim store down at start, QUEUE_FULL at submit; restart or retry later
+    # EX_TEMPFAIL: transient: a ledger/journal lock or port held by another process, a claim store down at start,
+    # QUEUE_FULL at submit; restart or retry later
+    TEMPFAIL = 75
     LEDGER_IO = 74  # EX_IOERR: a ledger write failed (disk full, I/O error); nothing unconfirmed was acknowledged
     UNBALANCED = 3  # gap-report: accounting does not balance
     INCOMPLETE = 4  # demo / submit --wait: not every item was acknowledged in time
@@ -270,7 +272,8 @@ class CantCreate(PermanentError):
 
 
 class JournalLocked(RetryableError):
-    """Another process holds this journal_dir (a worker's or a relay's journal): give each its own journal_dir, or wait for the old process to exit."""
+    """Another process holds this journal_dir (a worker's or a relay's journal): give each its
+    own journal_dir, or wait for the old process to exit."""
 
     code = "JOURNAL_LOCKED"
 

@@ -1,5 +1,6 @@
-"""Federation on the broker side (docs/federation.md): origin signatures, result proofs,
-results routed to the submitting relay, and the free capacity a relay may fill.
+"""Federation's wire format (docs/federation.md): origin records and their signatures,
+result proofs, the trust file, and the Hello/Heartbeat info keys. Shared by the broker
+(``brokerd/relaying.py``: its signing key and the state it keeps) and the relay.
 
 A relay (``ccsq-relayd``, role ``relay``) opens two kinds of sessions, told apart by
 ``Hello.info["relay_side"]``:
@@ -18,26 +19,24 @@ A relay (``ccsq-relayd``, role ``relay``) opens two kinds of sessions, told apar
 Back upstream, a relay's COMPLETE is accepted only with a proof signed by a trusted
 swarm for exactly this item and result (:func:`check_proof`); else ``rejected``.
 
-Everything here is pure (no I/O but the key and trust files): the actor owns state.
+Everything here is pure (no I/O but the trust file) and holds no runtime state.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import read_toml
 from ccsq.common.wire.errors import ConfigError, DecodeError
-from ccsq.common.wire.keys import _unb64, load_private_key
+from ccsq.common.wire.keys import _unb64
 
 #: SubmitResult.error for a relayed item whose origin does not verify (also the reject counter's name).
 ORIGIN_REJECTED = "ORIGIN_REJECTED"
@@ -68,8 +67,8 @@ BROKEN_INFO, BROKEN_SINCE_INFO, BROKEN_FIX_INFO = "link_broken", "link_broken_si
 POLICY = "policy"
 #: An origin record carries the item's params, which SUBMIT admits up to what fits a DISPATCH
 #: to a relay (brokerd/outbound.py dispatch_refusal): so the record is bounded by the frame it
-#: arrived in (max_frame_bytes, at most 1 GiB), not by a cap of its own; a smaller cap refused
-#: items the upstream had accepted as forged, and the relay then stopped the whole link.
+#: arrived in (max_frame_bytes, at most 1 GiB), not by a cap of its own: a smaller cap would
+#: refuse as forged items the upstream accepted, and the relay would stop the whole link.
 MAX_RECORD_BYTES = 1 << 30
 RECORD_VERSION = 1
 
@@ -81,7 +80,7 @@ def origin_key(swarm: str, item_id: str) -> str:
 
 def relay_side(sess: Any) -> str:
     """``upstream``/``downstream`` for a relay session, "" for any other peer."""
-    if sess.role is not p.Role.RELAY:
+    if sess.role is not protocol.Role.RELAY:
         return ""
     side = sess.info_hello.get(RELAY_SIDE)
     return side if side in (UPSTREAM, DOWNSTREAM) else ""
@@ -126,7 +125,7 @@ def _unpack_record(raw: bytes, what: str) -> dict:
         raise DecodeError(f"{what} missing or over {MAX_RECORD_BYTES} bytes")
     try:
         rec = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES,
-                              max_str_len=MAX_RECORD_BYTES, max_array_len=1024, max_map_len=p.MAX_MAP_LEN + 32)
+                              max_str_len=MAX_RECORD_BYTES, max_array_len=1024, max_map_len=protocol.MAX_MAP_LEN + 32)
     except Exception as exc:  # msgpack raises several types for bad input
         raise DecodeError(f"{what} is not valid msgpack: {exc}") from None
     if type(rec) is not dict or rec.get("v") != RECORD_VERSION:
@@ -134,7 +133,7 @@ def _unpack_record(raw: bytes, what: str) -> dict:
     return rec
 
 
-def origin_record(swarm: str, rec: dict, payload: p.Blob, max_attempts: int, hops: int = 1) -> bytes:
+def origin_record(swarm: str, rec: dict, payload: protocol.Blob, max_attempts: int, hops: int = 1) -> bytes:
     """The canonical record of a ledger item that the origin broker signs (msgpack map):
     id, kind, params (sorted), payload digest/size/reference, deadline (ms), priority,
     attempt budget, per-attempt runtime cap, hops."""
@@ -155,7 +154,7 @@ def origin_record(swarm: str, rec: dict, payload: p.Blob, max_attempts: int, hop
     })
 
 
-def check_origin(item: p.SubmitItem, trust: TrustedSwarms | None, own_swarm: str) -> tuple[dict | None, str]:
+def check_origin(item: protocol.SubmitItem, trust: TrustedSwarms | None, own_swarm: str) -> tuple[dict | None, str]:
     """Verify a relayed item against its signed origin record.
 
     Returns ``({"swarm", "item_id", "hops"}, "")`` or ``(None, reason)``: no trust file,
@@ -172,7 +171,7 @@ def check_origin(item: p.SubmitItem, trust: TrustedSwarms | None, own_swarm: str
         return None, str(exc)
     swarm = rec.get("swarm")
     key = trust.get(swarm) if isinstance(swarm, str) else None
-    if key is None:
+    if key is None or not isinstance(swarm, str):
         return None, f"origin swarm {str(swarm)[:64]!r} is not in {trust.path.name}"
     try:
         key.verify(item.origin_sig, item.origin)
@@ -206,7 +205,7 @@ def check_origin(item: p.SubmitItem, trust: TrustedSwarms | None, own_swarm: str
     return {"swarm": swarm, "item_id": rec["item_id"], "hops": hops}, ""
 
 
-def result_proof(swarm: str, origin: dict, down_item_id: str, result: p.Blob) -> bytes:
+def result_proof(swarm: str, origin: dict, down_item_id: str, result: protocol.Blob) -> bytes:
     """The record a downstream broker signs for a relayed item's result."""
     return _pack({
         "v": RECORD_VERSION,
@@ -219,7 +218,7 @@ def result_proof(swarm: str, origin: dict, down_item_id: str, result: p.Blob) ->
     })
 
 
-def check_proof(res: p.TaskResult, trust: TrustedSwarms | None, own_swarm: str) -> str:
+def check_proof(res: protocol.TaskResult, trust: TrustedSwarms | None, own_swarm: str) -> str:
     """"" if ``res`` (a relay's COMPLETE) carries a downstream proof, signed by a trusted
     swarm, for exactly this item of this swarm and this result; else the reason."""
     if trust is None:
@@ -245,102 +244,3 @@ def check_proof(res: p.TaskResult, trust: TrustedSwarms | None, own_swarm: str) 
     if res.result.inline is not None and hashlib.sha256(res.result.inline).hexdigest() != res.result.sha256:
         return "inline result does not match its signed digest"
     return ""
-
-
-@dataclasses.dataclass
-class Federation:
-    """The broker's federation state (owned by the actor): its signing key, swarm id,
-    trust file and, per downstream relay, its completed routed items not yet acknowledged."""
-
-    private_key_path: str
-    swarm_id: str
-    trust: TrustedSwarms | None
-    routed: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # relay peer id -> item ids
-    routed_all: set[str] = dataclasses.field(default_factory=set)
-    _key: Ed25519PrivateKey | None = None
-
-    @classmethod
-    def from_config(cls, cfg: Any, ledger_id: str) -> Federation:
-        trust = TrustedSwarms(Path(cfg.trusted_swarms)) if cfg.trusted_swarms else None
-        return cls(cfg.private_key, cfg.swarm_id or ledger_id, trust)
-
-    @property
-    def enabled(self) -> bool:
-        """Relayed items and results are accepted only with a trust file."""
-        return self.trust is not None
-
-    def sign(self, data: bytes) -> bytes:
-        if self._key is None:
-            self._key = load_private_key(Path(self.private_key_path))
-        return self._key.sign(data)
-
-    def sign_task(self, txn: Any, task: p.Task, default_max_attempts: int) -> p.Task:
-        rec = txn.get(task.item_id)
-        record = origin_record(self.swarm_id, rec, task.payload, rec["max_attempts"] or default_max_attempts)
-        return dataclasses.replace(task, origin=record, origin_sig=self.sign(record))
-
-    def sign_delivery(self, rec: Mapping[str, Any], d: p.Delivery) -> p.Delivery:
-        proof = result_proof(self.swarm_id, rec["origin"], d.item_id, d.result)
-        return dataclasses.replace(d, proof=proof, proof_sig=self.sign(proof))
-
-    def route(self, peer_id: str, item_id: str) -> None:
-        self.routed.setdefault(peer_id, set()).add(item_id)
-        self.routed_all.add(item_id)
-
-    def unroute(self, item_id: str) -> None:
-        if item_id in self.routed_all:
-            self.routed_all.discard(item_id)
-            for ids in self.routed.values():
-                ids.discard(item_id)
-
-    def recover(self, view: Any) -> int:
-        """After a restart: every completed item with a ``reply_to`` waits for its relay."""
-        ids, _ = view.completed_ids(lambda _i: False, 1 << 62)
-        for item_id in ids:
-            rec = view.get(item_id)
-            if rec is not None and rec.get("reply_to"):
-                self.route(rec["reply_to"], item_id)
-        return len(self.routed_all)
-
-
-def scan_for_relay(txn: Any, kinds: list[str] | None, limit: int, now_ms: int) -> tuple[list[str], int | None]:
-    """Ready items a relay may lease: like ``scan_ready`` but never an item that itself
-    arrived by relay (max_hops). Looks a little deeper to step over such items."""
-    ids, hint = txn.scan_ready(kinds, min(limit * 4, 4096), now_ms)
-    out = []
-    for item_id in ids:
-        rec = txn.get(item_id)
-        if rec is not None and not rec.get("origin"):
-            out.append(item_id)
-            if len(out) >= limit:
-                break
-    return out, hint
-
-
-def _takes(session, kind: str) -> bool:
-    """Whether a worker session takes ``kind`` (no kinds listed = every kind)."""
-    return not session.kinds or kind in session.kinds
-
-
-def capacity(worker_sessions: list, draining: set[str], kind_states: dict[str, dict[str, int]], kinds: tuple[str, ...]) -> dict[str, int]:
-    """Free worker capacity per kind: credit of healthy, non-draining workers that take the
-    kind, minus the items of that kind already waiting (this swarm's own work first)."""
-    out = {}
-    for kind in kinds:
-        free = sum(s.credit for s in worker_sessions if s.healthy and s.peer_id not in draining and _takes(s, kind))
-        ready = kind_states.get(kind, {}).get(p.ItemState.READY.value, 0)
-        out[CAP_PREFIX + kind] = max(0, free - ready)
-        out[WORKERS_PREFIX + kind] = sum(1 for s in worker_sessions if s.healthy and s.peer_id not in draining and _takes(s, kind))
-    return out
-
-
-def deadline_pressure(forecast: list[dict], kinds: tuple[str, ...]) -> dict[str, int]:
-    """``late:<kind>`` = 1 when the queue forecast (``brokerd.report.queue_forecast``) of a
-    kind with a deadline says it will not drain in time here (late, or stalled: no rate)."""
-    by_kind = {q["kind"]: q for q in forecast}
-    out = {}
-    for kind in kinds:
-        q = by_kind.get(kind)
-        late = q is not None and q.get("nearest_deadline_ms") is not None and q.get("verdict") in ("late", "stalled")
-        out[LATE_PREFIX + kind] = int(late)
-    return out

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError
 
 T = TypeVar("T")
@@ -40,9 +40,10 @@ MAX_ITEMS_PER_FRAME = 512
 
 #: Message type -> the field holding its records (the list a frame is split on).
 RECORD_LISTS: dict[type, str] = {
-    p.Submit: "items", p.Dispatch: "tasks", p.Complete: "results", p.Fail: "failures", p.Result: "deliveries",
-    p.Status: "item_ids", p.Cancel: "item_ids", p.StatusReply: "items", p.CompleteAck: "outcomes",
-    p.FailAck: "outcomes",
+    protocol.Submit: "items", protocol.Dispatch: "tasks", protocol.Complete: "results", protocol.Fail: "failures",
+    protocol.Result: "deliveries",
+    protocol.Status: "item_ids", protocol.Cancel: "item_ids", protocol.StatusReply: "items", protocol.CompleteAck: "outcomes",
+    protocol.FailAck: "outcomes",
 }
 
 _packers = threading.local()
@@ -57,10 +58,10 @@ def _pack(obj: Any) -> bytes:
 
 
 def encoded_size(record: Any) -> int:
-    """The exact msgpack bytes ``record`` (a protocol record such as :class:`~p.Task`, or a
+    """The exact msgpack bytes ``record`` (a protocol record such as :class:`~protocol.Task`, or a
     plain str / bytes / int) takes inside a frame's record list."""
     if dataclasses.is_dataclass(record):
-        return len(_pack(p.encode_body(record)))
+        return len(_pack(protocol.encode_body(record)))
     return len(_pack(record))
 
 
@@ -121,7 +122,7 @@ def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = Non
     return frames
 
 
-def halves(msg: p.Message) -> tuple[p.Message, p.Message] | None:
+def halves(msg: protocol.Message) -> tuple[protocol.Message, protocol.Message] | None:
     """``msg`` as two messages of the same type, each with half its records (order kept,
     every other field copied), or None when it has fewer than two records or is not a
     message of records (:data:`RECORD_LISTS`)."""
@@ -132,7 +133,7 @@ def halves(msg: p.Message) -> tuple[p.Message, p.Message] | None:
     if len(records) < 2:
         return None
     mid = len(records) // 2
-    replace: Callable[..., p.Message] = dataclasses.replace  # every message type is a dataclass
+    replace: Callable[..., protocol.Message] = dataclasses.replace  # every message type is a dataclass
     return replace(msg, **{field: records[:mid]}), replace(msg, **{field: records[mid:]})
 
 
@@ -141,7 +142,7 @@ def too_large(exc: BaseException) -> bool:
     return isinstance(exc, DecodeError) and exc.code == "PAYLOAD_TOO_LARGE"
 
 
-def encode_fitting(msg: p.Message, encode: Callable[[p.Message], E]) -> list[tuple[p.Message, E]]:
+def encode_fitting(msg: protocol.Message, encode: Callable[[protocol.Message], E]) -> list[tuple[protocol.Message, E]]:
     """``[(message, encode(message)), ...]``: ``msg`` encoded, or, when its frame comes out
     over ``max_frame_bytes`` (``encode`` raises PAYLOAD_TOO_LARGE), its :func:`halves`
     encoded the same way, recursively, in order. Raises that DecodeError when a message

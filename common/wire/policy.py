@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import ERRORS_BY_CODE, CcsqError, PermanentError, RetryableError, Unauthorized
 
 
@@ -36,15 +36,15 @@ _FREE_RETRY = FailRule(retryable=True, counts_attempt=False, dead_letters_at_onc
 _DEAD = FailRule(retryable=False, counts_attempt=True, dead_letters_at_once=True)
 
 #: The failure policy: reason -> rule. Every FailReason has a row (tests/test_ledger.py checks).
-FAIL_POLICY: dict[p.FailReason, FailRule] = {
-    p.FailReason.HANDLER_ERROR: _RETRY,  # retried with backoff until max_attempts
-    p.FailReason.TIMEOUT: _RETRY,  # over max_runtime_s: like a handler error
-    p.FailReason.WORKER_LOST: _RETRY,  # lease expired (the broker's own reason)
-    p.FailReason.PAYLOAD_MISSING: _DEAD,  # the blob is gone or corrupt: no retry can help
-    p.FailReason.FATAL: _DEAD,  # PermanentHandlerError
-    p.FailReason.CANCELLED: _DEAD,  # an operator cancelled it
-    p.FailReason.RELEASED: _FREE_RETRY,  # given back unstarted: ready again at once
-    p.FailReason.STORE_UNAVAILABLE: _FREE_RETRY,  # claim-store outage: ready again after a backoff
+FAIL_POLICY: dict[protocol.FailReason, FailRule] = {
+    protocol.FailReason.HANDLER_ERROR: _RETRY,  # retried with backoff until max_attempts
+    protocol.FailReason.TIMEOUT: _RETRY,  # over max_runtime_s: like a handler error
+    protocol.FailReason.WORKER_LOST: _RETRY,  # lease expired (the broker's own reason)
+    protocol.FailReason.PAYLOAD_MISSING: _DEAD,  # the blob is gone or corrupt: no retry can help
+    protocol.FailReason.FATAL: _DEAD,  # PermanentHandlerError
+    protocol.FailReason.CANCELLED: _DEAD,  # an operator cancelled it
+    protocol.FailReason.RELEASED: _FREE_RETRY,  # given back unstarted: ready again at once
+    protocol.FailReason.STORE_UNAVAILABLE: _FREE_RETRY,  # claim-store outage: ready again after a backoff
 }
 
 
@@ -53,14 +53,14 @@ def fail_rule(reason: str, wire_retryable: bool = True) -> FailRule:
     version does not know (a newer or foreign worker, or empty) falls back to the
     sender's ``retryable`` flag: retried (counting the attempt) or dead at once."""
     try:
-        return FAIL_POLICY[p.FailReason(reason)]
+        return FAIL_POLICY[protocol.FailReason(reason)]
     except ValueError:
         return _RETRY if wire_retryable else _DEAD
 
 
-def task_failure(item_id: str, token: int, reason: p.FailReason, message: str = "") -> p.TaskFailure:
+def task_failure(item_id: str, token: int, reason: protocol.FailReason, message: str = "") -> protocol.TaskFailure:
     """A FAIL entry for ``reason`` with ``retryable`` taken from :data:`FAIL_POLICY`."""
-    return p.TaskFailure(item_id, token, reason.value, FAIL_POLICY[reason].retryable, message)
+    return protocol.TaskFailure(item_id, token, reason.value, FAIL_POLICY[reason].retryable, message)
 
 
 #: The ERROR codes with which a broker refuses a HELLO for good: reconnecting cannot
@@ -70,8 +70,8 @@ CURVE_REFUSED = "CURVE_REFUSED"  # not a wire code: the ZAP handshake failed wit
 #: broker id) this peer pins in its authorized_keys: a wrong file, or a broker key rotated
 #: without this host; reconnecting cannot help, and a session would only lose leases
 BROKER_KEY_MISMATCH = "BROKER_KEY_MISMATCH"
-PEER_REFUSED_CODES = frozenset({"UNAUTHORIZED", p.REJECT_UNKNOWN_SENDER, p.REJECT_BAD_SIGNATURE, p.REJECT_ROLE,
-                                p.REJECT_FORGED_ORIGIN, CURVE_REFUSED, BROKER_KEY_MISMATCH})
+PEER_REFUSED_CODES = frozenset({"UNAUTHORIZED", protocol.REJECT_UNKNOWN_SENDER, protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_ROLE,
+                                protocol.REJECT_FORGED_ORIGIN, CURVE_REFUSED, BROKER_KEY_MISMATCH})
 
 
 def refusal_error(code: str, message: str) -> CcsqError:

@@ -12,7 +12,7 @@
   ``REJECT_*`` code), generated per message type at import over the per-field reference
   that words every refusal; ``trusted_constructor``.
 
-Callers import this module (``from ccsq.common.wire import protocol as p``), never the
+Callers import this module (``from ccsq.common.wire import protocol``), never the
 three directly, so the split stays an implementation detail. Framing and signatures
 live in :mod:`ccsq.common.wire.envelope`.
 """

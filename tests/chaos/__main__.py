@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown fault kinds {sorted(unknown)}")
         faults = {k: w for k, w in FAULTS.items() if k in want}
-    print(f"chaos: seed={seed} dir={root} (replay: python -m tests.chaos --seed {seed} --duration-s {args.duration_s:g} --rate {args.rate:g} "
+    print(f"chaos: seed={seed} dir={root} (replay: python -m tests.chaos --seed {seed} --duration-s {args.duration_s:g} "
+          f"--rate {args.rate:g} "
           f"--handler {args.handler})",
           flush=True)
     result = run_chaos(ChaosOptions(root=root, seed=seed, duration_s=args.duration_s, rate=args.rate,

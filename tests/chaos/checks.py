@@ -31,7 +31,7 @@ from typing import Any
 from ccsq.brokerd.ledger import schema
 from ccsq.brokerd.ledger.schema import STATES
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.tools.procs import Proc
 
 TERMINAL = {"acknowledged", "dead", "expired"}

@@ -37,7 +37,7 @@ from typing import Any
 import tomli_w
 
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, data_paths
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.common.runtime.faults import env_for
 from ccsq.tools.procs import Proc
 from tests.chaos.checks import REFUSED_KEY_SUFFIX, EventLog, Verdict, check

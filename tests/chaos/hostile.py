@@ -17,7 +17,7 @@ import msgpack
 import zmq
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key
 
@@ -105,31 +105,31 @@ class HostilePeer:
             frames = [rng.randbytes(rng.randint(0, 300)) for _ in range(rng.randint(1, 4))]
         elif kind == "wrong_key":  # a real peer's id, signed with a key the broker never saw
             who = rng.choice(["worker-1", "worker-2", "producer-1", "completion-1", "admin"])
-            frames = self._codec(who, Ed25519PrivateKey.generate()).encode(p.Hello(role="worker", credit=5))
+            frames = self._codec(who, Ed25519PrivateKey.generate()).encode(protocol.Hello(role="worker", credit=5))
         elif kind == "unknown_sender":
-            frames = self._codec("mallory", Ed25519PrivateKey.generate()).encode(p.Heartbeat())
+            frames = self._codec("mallory", Ed25519PrivateKey.generate()).encode(protocol.Heartbeat())
         elif kind == "oversized":
             frames = [b"\x00" * (self.max_frame_bytes + 1), b"\x00" * 64]
         elif kind == "replay":  # a valid admin HELLO, then the very same frames again on another socket
-            frames = self._codec("admin", self.admin_key).encode(p.Hello(role="admin"))
+            frames = self._codec("admin", self.admin_key).encode(protocol.Hello(role="admin"))
             self._send(s, frames)
             s = self._socket()
         elif kind == "forged_origin":  # an admin session that sends a producer-signed SUBMIT
             admin = self._codec("admin", self.admin_key)
-            self._send(s, admin.encode(p.Hello(role="admin")))
-            item = p.SubmitItem(key=f"forged-{rng.getrandbits(64):x}", kind="echo", payload=p.Blob("0" * 64, 1, b"x"))
-            frames = self._codec("producer-1", self.producer_key).encode(p.Submit(req=1, items=[item]))
+            self._send(s, admin.encode(protocol.Hello(role="admin")))
+            item = protocol.SubmitItem(key=f"forged-{rng.getrandbits(64):x}", kind="echo", payload=protocol.Blob("0" * 64, 1, b"x"))
+            frames = self._codec("producer-1", self.producer_key).encode(protocol.Submit(req=1, items=[item]))
         elif kind == "stale":  # valid signature, timestamp an hour old
-            frames = self._raw_envelope(self.admin_key, [p.PROTOCOL_VERSION, int(p.MsgType.HELLO), "admin",
+            frames = self._raw_envelope(self.admin_key, [protocol.PROTOCOL_VERSION, int(protocol.MsgType.HELLO), "admin",
                                                          rng.getrandbits(62), 1, int(time.time() * 1000) - 3_600_000,
-                                                         p.encode_body(p.Hello(role="admin"))])
+                                                         protocol.encode_body(protocol.Hello(role="admin"))])
         elif kind == "hostile_msgpack":  # claims a 4 GiB bin in a few bytes
             frames = [b"\x97\x01\x01\xa5admin\x01\x01\x01\xc6\xff\xff\xff\xff", b"\x00" * 64]
         elif kind == "bad_version":
-            frames = self._raw_envelope(self.admin_key, [99, int(p.MsgType.HELLO), "admin", rng.getrandbits(62), 1,
-                                                         int(time.time() * 1000), p.encode_body(p.Hello(role="admin"))])
+            frames = self._raw_envelope(self.admin_key, [99, int(protocol.MsgType.HELLO), "admin", rng.getrandbits(62), 1,
+                                                         int(time.time() * 1000), protocol.encode_body(protocol.Hello(role="admin"))])
         else:  # garbage_signature on a well-formed envelope
-            frames = self._codec("admin", self.admin_key).encode(p.Heartbeat())
+            frames = self._codec("admin", self.admin_key).encode(protocol.Heartbeat())
             frames[1] = rng.randbytes(64)
         self._send(s, frames)
         self.sent[kind] += 1

@@ -74,7 +74,8 @@ def _kinds(args) -> tuple[str, ...]:
 def summary(world, wall_s: float) -> str:
     v = world.violation
     lost = 0 if v is None or v.kind not in ("confirmed_lost", "not_ended") else 1
-    return (f"items={world.items} workers={world.n_workers} max_open={world.max_open} landed={world.done_items} dead={getattr(world, 'dead', 0)} faults={world.faults_fired} "
+    return (f"items={world.items} workers={world.n_workers} max_open={world.max_open} landed={world.done_items} "
+            f"dead={getattr(world, 'dead', 0)} faults={world.faults_fired} "
             f"lost={lost} violations={0 if v is None else 1} broker_crashes={world.stats['broker_crashes']} "
             f"peer_crashes={world.stats['peer_crashes']} turns={world.stats['turns']} sim_s={world.clock.t:.1f} "
             f"wall_s={wall_s:.1f} items_per_s={world.done_items / max(wall_s, 1e-9):.0f} "

@@ -12,7 +12,7 @@ import random
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 CRASH_POINTS = ("broker.after_submit_commit", "broker.after_lease_commit", "broker.after_complete_commit",
                 "broker.after_ack_commit")
@@ -200,12 +200,12 @@ def _junk(world, target: int, a: float) -> None:
     if kind == 0:  # garbage
         raw = [conn.rid, rng.randbytes(1 + int(a * 300)), rng.randbytes(64)]
     elif kind == 1:  # a well-formed HELLO from a sender nobody authorized
-        payload = msgpack.packb([p.PROTOCOL_VERSION, int(p.MsgType.HELLO), "mallory", 1, 1, world.clock.true_wall_ms(),
-                                 p.encode_body(p.Hello(role="worker"))], use_bin_type=True)
+        payload = msgpack.packb([protocol.PROTOCOL_VERSION, int(protocol.MsgType.HELLO), "mallory", 1, 1, world.clock.true_wall_ms(),
+                                 protocol.encode_body(protocol.Hello(role="worker"))], use_bin_type=True)
         raw = [conn.rid, payload, rng.randbytes(64)]
     elif kind == 2:  # a known peer's id with a forged signature
-        payload = msgpack.packb([p.PROTOCOL_VERSION, int(p.MsgType.HELLO), "w0", 1, 1, world.clock.true_wall_ms(),
-                                 p.encode_body(p.Hello(role="worker", credit=1000))], use_bin_type=True)
+        payload = msgpack.packb([protocol.PROTOCOL_VERSION, int(protocol.MsgType.HELLO), "w0", 1, 1, world.clock.true_wall_ms(),
+                                 protocol.encode_body(protocol.Hello(role="worker", credit=1000))], use_bin_type=True)
         raw = [conn.rid, payload, rng.randbytes(64)]
     elif kind == 3:  # over max_frame_bytes
         raw = [conn.rid, b"\x00" * (world.cfg.max_frame_bytes + 1), rng.randbytes(64)]

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import hashlib
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.errors import DecodeError
 from tests.sim.world import RESTART_DELAY_S
 
 HELLO_TIMEOUT_S = 3.0
 RECONNECT_S = (0.05, 0.5)
-SESSION_GONE = {p.REJECT_NO_SESSION, p.ERROR_REPLACED, p.REJECT_REPLAY, p.REJECT_STALE, p.REJECT_BAD_SIGNATURE,
-                p.REJECT_FORGED_ORIGIN}
+SESSION_GONE = {protocol.REJECT_NO_SESSION, protocol.ERROR_REPLACED, protocol.REJECT_REPLAY, protocol.REJECT_STALE,
+                protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_FORGED_ORIGIN}
 KIND = "echo"
 #: every URGENT_EVERY-th item is submitted with a higher priority (a mixed workload): an expired
 #: urgent item goes back to the head of the ready queue, ahead of never-leased ones
@@ -41,12 +41,12 @@ def result_of(payload: bytes) -> bytes:
     return b"done:" + payload
 
 
-def blob(data: bytes) -> p.Blob:
-    return p.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
+def blob(data: bytes) -> protocol.Blob:
+    return protocol.Blob(hashlib.sha256(data).hexdigest(), len(data), data)
 
 
 class Peer:
-    role: p.Role
+    role: protocol.Role
 
     def __init__(self, world, peer_id: str) -> None:
         self.w = world
@@ -106,7 +106,7 @@ class Peer:
         self.on_link_lost()
         self.later(self.w.rng.uniform(*RECONNECT_S), self.connect)
 
-    def send(self, msg: p.Message) -> None:
+    def send(self, msg: protocol.Message) -> None:
         if self.conn is None:
             return
         self.w.net_up(self.conn, self.codec.encode(msg))
@@ -121,7 +121,7 @@ class Peer:
             return
         self.last_recv = self.w.clock.t
         msg = env.message
-        if isinstance(msg, p.Welcome):
+        if isinstance(msg, protocol.Welcome):
             if self.up:
                 return
             if self.crash_at_welcome:
@@ -132,12 +132,12 @@ class Peer:
             self.hb_s, self.liveness = msg.heartbeat_interval_s, msg.liveness
             self.on_welcome(msg)
             self.later(self.hb_s, self._tick)
-        elif isinstance(msg, p.Error):
+        elif isinstance(msg, protocol.Error):
             if msg.code in SESSION_GONE:
                 self.reconnect(f"broker said {msg.code}")
-        elif isinstance(msg, p.Bye):
+        elif isinstance(msg, protocol.Bye):
             self.reconnect("bye")
-        elif isinstance(msg, p.Heartbeat):
+        elif isinstance(msg, protocol.Heartbeat):
             pass
         elif self.up:
             self.on_message(msg)
@@ -173,16 +173,16 @@ class Peer:
                 f"skew {self.skew_ms} ms)")
 
     # --- for subclasses ---
-    def hello(self) -> p.Hello:
+    def hello(self) -> protocol.Hello:
         raise NotImplementedError
 
-    def heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat()
+    def heartbeat(self) -> protocol.Heartbeat:
+        return protocol.Heartbeat()
 
-    def on_welcome(self, msg: p.Welcome) -> None:
+    def on_welcome(self, msg: protocol.Welcome) -> None:
         pass
 
-    def on_message(self, msg: p.Message) -> None:
+    def on_message(self, msg: protocol.Message) -> None:
         pass
 
     def on_tick(self) -> None:
@@ -207,7 +207,7 @@ class Producer(Peer):
     backoff (``producer/client.py``: full jitter from 0.2 s doubling per refusal, capped at
     ``reconnect_backoff_max_s``, 5 s), nothing sent meanwhile (the submit call waits)."""
 
-    role = p.Role.PRODUCER
+    role = protocol.Role.PRODUCER
     BATCH = 64
     WINDOW = 4
     RESEND_S = 3.0
@@ -225,10 +225,10 @@ class Producer(Peer):
         self.retry_at = 0.0  # refused items wait until then
         self.pump_due = False  # a pump is scheduled (paced by max_open or the refusal backoff)
 
-    def hello(self) -> p.Hello:
-        return p.Hello(role=self.role.value)
+    def hello(self) -> protocol.Hello:
+        return protocol.Hello(role=self.role.value)
 
-    def on_welcome(self, msg: p.Welcome) -> None:
+    def on_welcome(self, msg: protocol.Welcome) -> None:
         self.pump()
 
     def on_link_lost(self) -> None:
@@ -272,10 +272,10 @@ class Producer(Peer):
 
     def _send(self, nums: list[int]) -> None:
         self.req += 1
-        items = [p.SubmitItem(f"k{n}", KIND, blob(payload_of(n)), priority=URGENT_PRIORITY if n % URGENT_EVERY == 0 else 0)
+        items = [protocol.SubmitItem(f"k{n}", KIND, blob(payload_of(n)), priority=URGENT_PRIORITY if n % URGENT_EVERY == 0 else 0)
                  for n in nums]
         self.inflight[self.req] = (self.w.clock.t, nums)
-        self.send(p.Submit(self.req, items))
+        self.send(protocol.Submit(self.req, items))
 
     def on_tick(self) -> None:
         now = self.w.clock.t
@@ -285,8 +285,8 @@ class Producer(Peer):
                 self._send(nums)
         self.pump()
 
-    def on_message(self, msg: p.Message) -> None:
-        if not isinstance(msg, p.SubmitAck):
+    def on_message(self, msg: protocol.Message) -> None:
+        if not isinstance(msg, protocol.SubmitAck):
             return
         sent = self.inflight.pop(msg.req, None)
         if sent is None:
@@ -323,7 +323,7 @@ class Worker(Peer):
     A job of an item the broker leased again (a new token) keeps running: its report
     goes out with its own token and the broker fences it (workerd keys jobs by lease)."""
 
-    role = p.Role.WORKER
+    role = protocol.Role.WORKER
     RUN_S = (0.005, 0.05)
     GROUP_COMMIT_S = 0.004  # reports journaled in one commit go out together (workerd's GroupCommit)
     FAIL_RATE = 0.05
@@ -339,20 +339,20 @@ class Worker(Peer):
         self.granted = 0  # credit the broker holds for this session (HELLO's, less tasks dispatched, plus CREDITs)
         self.flush_due = False
 
-    def _listed(self) -> list[p.LeaseRef]:
-        return [p.LeaseRef(i, tok) for i, tok in self.journal]
+    def _listed(self) -> list[protocol.LeaseRef]:
+        return [protocol.LeaseRef(i, tok) for i, tok in self.journal]
 
     def describe(self) -> str:
         return (f"{super().describe()} journal {len(self.journal)} running {self.running} queued {len(self.queue)} "
                 f"granted {self.granted}")
 
-    def hello(self) -> p.Hello:
+    def hello(self) -> protocol.Hello:
         listed = self._listed()
         self.granted = max(0, self.window - len(listed))
-        return p.Hello(role=self.role.value, slots=self.slots, credit=self.granted, kinds=[KIND], leases=listed)
+        return protocol.Hello(role=self.role.value, slots=self.slots, credit=self.granted, kinds=[KIND], leases=listed)
 
-    def heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat(leases=self._listed(), busy=self.running)
+    def heartbeat(self) -> protocol.Heartbeat:
+        return protocol.Heartbeat(leases=self._listed(), busy=self.running)
 
     def on_crash(self) -> None:
         # memory is gone; the journal stays. A job that had started is not re-run (workerd: "a
@@ -367,7 +367,7 @@ class Worker(Peer):
     def on_link_lost(self) -> None:
         self.unsent = []
 
-    def on_welcome(self, msg: p.Welcome) -> None:
+    def on_welcome(self, msg: protocol.Welcome) -> None:
         for ref in msg.released:  # the broker does not know the lease: a job not reported yet is dropped
             key = (ref.item_id, ref.token)
             e = self.journal.get(key)
@@ -382,8 +382,8 @@ class Worker(Peer):
         self._flush()
         self._start_jobs()
 
-    def on_message(self, msg: p.Message) -> None:
-        if isinstance(msg, p.Dispatch):
+    def on_message(self, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Dispatch):
             for t in msg.tasks:
                 key = (t.item_id, t.token)
                 if key in self.journal:
@@ -392,15 +392,15 @@ class Worker(Peer):
                 self.queue.append(key)
             self.granted -= len(msg.tasks)
             self._start_jobs()
-        elif isinstance(msg, (p.CompleteAck, p.FailAck)):
-            completed = isinstance(msg, p.CompleteAck)
+        elif isinstance(msg, (protocol.CompleteAck, protocol.FailAck)):
+            completed = isinstance(msg, protocol.CompleteAck)
             for o in msg.outcomes:
                 key = (o.item_id, o.token)
                 e = self.journal.get(key)
                 if e is not None and e[0] == "done":
                     del self.journal[key]  # confirmed (whatever the outcome): forgotten
                     self._flush_soon()
-                if completed and o.outcome in (p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value):
+                if completed and o.outcome in (protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value):
                     self.w.confirm(o.item_id, 2)
 
     def _start_jobs(self) -> None:
@@ -420,14 +420,14 @@ class Worker(Peer):
         e = self.journal.get(key)
         if e is not None and e[0] == "started":
             item_id, token = key
-            t: p.Task = e[1]
+            t: protocol.Task = e[1]
             r = self.w.rng.random()
             if r < self.FATAL_RATE:
-                e[2] = p.TaskFailure(item_id, token, p.FailReason.FATAL.value, False, "planted fatal")
+                e[2] = protocol.TaskFailure(item_id, token, protocol.FailReason.FATAL.value, False, "planted fatal")
             elif r < self.FAIL_RATE:
-                e[2] = p.TaskFailure(item_id, token, p.FailReason.HANDLER_ERROR.value, True, "flaky")
+                e[2] = protocol.TaskFailure(item_id, token, protocol.FailReason.HANDLER_ERROR.value, True, "flaky")
             else:
-                e[2] = p.TaskResult(item_id, token, blob(result_of(t.payload.inline)), "echo", "1", 0.01)
+                e[2] = protocol.TaskResult(item_id, token, blob(result_of(t.payload.inline)), "echo", "1", 0.01)
             e[0] = "done"  # the report is journaled (fsync) before it is sent
             self.unsent.append(key)
         self._flush_soon()
@@ -448,15 +448,15 @@ class Worker(Peer):
             e = self.journal.get(key)
             if e is None or e[0] != "done":
                 continue
-            (results if isinstance(e[2], p.TaskResult) else failures).append(e[2])
+            (results if isinstance(e[2], protocol.TaskResult) else failures).append(e[2])
         self.unsent = []
         for i in range(0, len(results), 64):
-            self.send(p.Complete(results[i:i + 64]))
+            self.send(protocol.Complete(results[i:i + 64]))
         for i in range(0, len(failures), 64):
-            self.send(p.Fail(failures[i:i + 64]))
+            self.send(protocol.Fail(failures[i:i + 64]))
         missing = self.window - len(self.journal) - self.granted  # (workerd's Credit rule: grant back what is missing)
         if missing > 0:
-            self.send(p.Credit(missing))
+            self.send(protocol.Credit(missing))
             self.granted += missing
 
     def on_tick(self) -> None:
@@ -472,7 +472,7 @@ class Completion(Peer):
     """Lands results in the results database (idempotent by item id: a redelivery is a no-op
     upsert), then ACKs them, then grants the credit back."""
 
-    role = p.Role.COMPLETION
+    role = protocol.Role.COMPLETION
     LAND_S = 0.003  # deliveries that arrive within this long land in one database transaction
 
     def __init__(self, world, peer_id: str, *, credit: int) -> None:
@@ -486,16 +486,16 @@ class Completion(Peer):
     def on_crash(self) -> None:
         self.batch = []
 
-    def hello(self) -> p.Hello:
-        return p.Hello(role=self.role.value, credit=self.credit)
+    def hello(self) -> protocol.Hello:
+        return protocol.Hello(role=self.role.value, credit=self.credit)
 
-    def on_message(self, msg: p.Message) -> None:
+    def on_message(self, msg: protocol.Message) -> None:
         w = self.w
-        if isinstance(msg, p.Result):
+        if isinstance(msg, protocol.Result):
             if not self.batch:
                 self.later(self.LAND_S, self._land)
             self.batch.extend(msg.deliveries)
-        elif isinstance(msg, p.AckOk):
+        elif isinstance(msg, protocol.AckOk):
             for item_id in msg.item_ids:
                 w.confirm(item_id, 3)
 
@@ -521,5 +521,5 @@ class Completion(Peer):
                     w.done_items += 1
                 w.landed[d.item_id] = w.landed.get(d.item_id, 0) + 1
                 ids.append(d.item_id)
-            self.send(p.Ack(ids))
-            self.send(p.Credit(len(ids)))
+            self.send(protocol.Ack(ids))
+            self.send(protocol.Credit(len(ids)))

@@ -23,14 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ccsq.brokerd import actor as actor_mod
-from ccsq.brokerd import transport as tp
+from ccsq.brokerd import transport
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.clock import Clock
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, Policy
 from ccsq.brokerd.ledger import store as store_mod
 from ccsq.brokerd import gaps
 from ccsq.common.wire import envelope as envelope_mod
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import BrokerConfig
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.keys import AuthorizedKeys, public_key_b64, write_authorized_keys
@@ -43,8 +43,8 @@ TURN_COST_PER_FRAME_S = 0.00005  # decoding a frame (MAC, msgpack)
 TURN_COST_PER_RECORD_S = 0.000025  # an item operation (brokerd/actor.py: ~25 us each), so a loaded turn batches more
 RESTART_DELAY_S = (0.2, 2.0)  # a crashed process comes back after this
 STUCK_S = 90.0  # once the faults are over, an item must end at least this often (leases: 8 s, backoff <= 1 s)
-S, L, C, A, D, E = (p.ItemState.READY.value, p.ItemState.LEASED.value, p.ItemState.COMPLETED.value,
-                    p.ItemState.ACKNOWLEDGED.value, p.ItemState.DEAD.value, p.ItemState.EXPIRED.value)
+S, L, C, A, D, E = (protocol.ItemState.READY.value, protocol.ItemState.LEASED.value, protocol.ItemState.COMPLETED.value,
+                    protocol.ItemState.ACKNOWLEDGED.value, protocol.ItemState.DEAD.value, protocol.ItemState.EXPIRED.value)
 
 
 class SimCrash(BaseException):
@@ -131,19 +131,19 @@ class SimTransport:
     def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
         return self.world.take_inbox(max_messages, max_bytes)
 
-    def send(self, routing_id: bytes, msg: p.Message) -> str:
+    def send(self, routing_id: bytes, msg: protocol.Message) -> str:
         w = self.world
         frames = self.codec.encode(msg, channel=routing_id)  # (raises PAYLOAD_TOO_LARGE like the real one)
         conn = w.conns.get(routing_id)
         if conn is None or conn.closed:
             self.sent_unroutable += 1
-            return tp.UNROUTABLE
+            return transport.UNROUTABLE
         if conn.again_until > w.clock.t:
             self.sent_again += 1
-            return tp.AGAIN
+            return transport.AGAIN
         w.crash_on_send()
         w.net_down(conn, frames)
-        return tp.SENT
+        return transport.SENT
 
 
 class World:
@@ -572,14 +572,14 @@ class World:
 
         def complete(txn, res, now_ms, sender=""):
             outcome = orig["complete"](txn, res, now_ms, sender)
-            if outcome == p.Outcome.ACCEPTED.value and res.token != newest_token(txn, res.item_id):
+            if outcome == protocol.Outcome.ACCEPTED.value and res.token != newest_token(txn, res.item_id):
                 world.fail("fenced_result_accepted", f"COMPLETE of {res.item_id} with token {res.token} accepted; "
                                                      f"its newest lease has token {newest_token(txn, res.item_id)}")
             return outcome
 
         def fail(txn, f, now_ms, sender=""):
             outcome = orig["fail"](txn, f, now_ms, sender)
-            if outcome == p.Outcome.ACCEPTED.value:
+            if outcome == protocol.Outcome.ACCEPTED.value:
                 if f.token != newest_token(txn, f.item_id):
                     world.fail("fenced_result_accepted", f"FAIL of {f.item_id} with token {f.token} accepted; "
                                                          f"its newest lease has token {newest_token(txn, f.item_id)}")

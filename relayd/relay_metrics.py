@@ -1,4 +1,4 @@
-"""Relay metrics (``metrics_listen`` in relayd.toml), served by :mod:`ccsq.common.runtime.metrics`.
+"""Relay metrics (``metrics_listen`` in relayd.toml), served by :mod:`ccsq.common.runtime.metrics_exporter`.
 
 Nothing here runs per item: the link counters and the in-flight rows are read
 from the relay's journal (one read-only SQLite connection, two grouped SELECTs,
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ccsq.common.runtime.metrics import start_exporter
+from ccsq.common.runtime.metrics_exporter import start_exporter
 from ccsq.common.link.peer import LinkState
-from ccsq.relayd.journal import COUNTERS, FAILING, LEASED, RESULTED, RETURNED, SUBMITTED
+from ccsq.relayd.relay_journal import COUNTERS, FAILING, LEASED, RESULTED, RETURNED, SUBMITTED
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.relayd.relay import Relay

@@ -1,4 +1,4 @@
-"""Intake: DISPATCH -> hold in the journal -> fetch the payload -> the batch queue.
+"""The worker's dispatch intake: DISPATCH -> hold in the journal -> fetch the payload -> the batch queue.
 
 For each new lease of a DISPATCH the intake makes a :class:`~ccsq.workerd.jobs.Job`
 in the worker's table of held jobs (the leases it holds and has not reported yet;
@@ -25,7 +25,7 @@ else ``handler_error``).
 
 A lease of a kind not served here, or one that arrives while draining, is given
 back ``released`` (no attempt consumed) once held. WELCOME ``released`` leases
-(:meth:`Intake.release`): a job not yet running is dropped at once; a running one
+(:meth:`DispatchIntake.release`): a job not yet running is dropped at once; a running one
 is finished and its result discarded; neither is ever reported.
 """
 
@@ -37,21 +37,21 @@ from collections.abc import Hashable
 from typing import Any
 
 from ccsq.common.runtime.faults import crash_point
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.storage.claimstore import store_failure
 from ccsq.common.wire.errors import PayloadMissing, PermanentHandlerError
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, JobState, Key, failure
-from ccsq.workerd.journal import GroupCommit, OpKind
+from ccsq.workerd.worker_journal import GroupCommit, OpKind
 from ccsq.workerd.lanes import Lanes
 from ccsq.workerd.reports import Reports, Spawn
 
 _NOT_RUNNING = (JobState.HOLDING, JobState.FETCHING, JobState.QUEUED)
 
 
-class Intake:
+class DispatchIntake:
     """New leases and their runners (see module doc). ``jobs`` is the worker's table of
     held jobs: the intake adds each new lease to it. ``draining()`` True gives every
     new lease back at once."""
@@ -80,10 +80,10 @@ class Intake:
         frame's runner is still bringing its jobs there."""
         return self._frames_in_flight > 0
 
-    def on_dispatch(self, tasks: list[p.Task], clock_offset_s: float = 0.0) -> None:
+    def on_dispatch(self, tasks: list[protocol.Task], clock_offset_s: float = 0.0) -> None:
         """New leases: hold them all in one journal write, and start ONE runner for the frame."""
         crash_point("worker.dispatch_before_hold")  # died with leases its journal never saw (tests)
-        new: list[tuple[Job, p.TaskFailure | None]] = []
+        new: list[tuple[Job, protocol.TaskFailure | None]] = []
         rows: list[tuple[str, int, str]] = []
         draining = self._draining()
         jobs, unconfirmed, kinds = self.jobs, self._reports.unconfirmed, self.kinds
@@ -96,10 +96,10 @@ class Intake:
             jobs[key] = job
             verdict = None
             if draining:
-                verdict = failure(key, p.FailReason.RELEASED, "worker is shutting down")
+                verdict = failure(key, protocol.FailReason.RELEASED, "worker is shutting down")
             elif task.kind not in kinds:
                 self._log.warning("unexpected_kind", item_id=task.item_id, kind=task.kind, kinds=kinds)
-                verdict = failure(key, p.FailReason.RELEASED, f"kind {task.kind!r} is not served here")
+                verdict = failure(key, protocol.FailReason.RELEASED, f"kind {task.kind!r} is not served here")
             new.append((job, verdict))
             rows.append((task.item_id, task.token, task.kind))
         if not new:
@@ -116,14 +116,14 @@ class Intake:
         await asyncio.wait({hold})
         hold.result()
 
-    async def _run_frame(self, jobs: list[tuple[Job, p.TaskFailure | None]], hold: asyncio.Future) -> None:
+    async def _run_frame(self, jobs: list[tuple[Job, protocol.TaskFailure | None]], hold: asyncio.Future) -> None:
         """The runner of one DISPATCH frame: durable hold, then each job to the batch queue
         (inline payloads verified on the loop, stored ones fetched in the I/O threads, each
         queued as soon as it arrives) or to its failure report. A job released or given back
         meanwhile is left alone (whoever did that reports or forgets it)."""
         try:
             await self._await_hold(hold)
-            failed: list[tuple[Job, p.TaskFailure]] = []
+            failed: list[tuple[Job, protocol.TaskFailure]] = []
             stored: list[Job] = []
             ready: list[tuple[Job, bytes]] = []
             on_loop_max = self._claims.verify_on_loop_max_bytes()
@@ -158,7 +158,7 @@ class Intake:
 
     async def _fetch_stored(self, job: Job) -> None:
         """Fetch one stored payload (I/O threads), then queue it or report its failure."""
-        failed: list[tuple[Job, p.TaskFailure]] = []
+        failed: list[tuple[Job, protocol.TaskFailure]] = []
         try:
             payload = await self._claims.fetch(job.task.payload)
         except Exception as exc:  # noqa: BLE001 - what it means: store_failure's one rule
@@ -173,10 +173,10 @@ class Intake:
         if failed:
             await self._fail_many(failed)
 
-    def _fetch_failure(self, job: Job, exc: Exception) -> p.TaskFailure:
+    def _fetch_failure(self, job: Job, exc: Exception) -> protocol.TaskFailure:
         task = job.task
         reason = store_failure(exc, task.payload)
-        if reason is p.FailReason.PAYLOAD_MISSING:  # inline bytes that do not match: the item's fault
+        if reason is protocol.FailReason.PAYLOAD_MISSING:  # inline bytes that do not match: the item's fault
             return failure(job.key, reason, str(exc))
         # absent or corrupt in OUR view of the store, an I/O or backend error: this worker's
         # problem (unhealthy for a pause); requeued without counting the attempt
@@ -184,11 +184,11 @@ class Intake:
         self._claims.trouble(str(exc) if isinstance(exc, PayloadMissing) else repr(exc))
         return failure(job.key, reason, f"could not fetch payload from this worker's claim store: {exc!r}"[:1000])
 
-    def _queue(self, job: Job, payload: bytes, failed: list[tuple[Job, p.TaskFailure]]) -> None:
+    def _queue(self, job: Job, payload: bytes, failed: list[tuple[Job, protocol.TaskFailure]]) -> None:
         """A fetched, verified job -> its batch key -> the batch queue (or a failure)."""
         self._queue_many([(job, payload)], failed)
 
-    def _queue_many(self, ready: list[tuple[Job, bytes]], failed: list[tuple[Job, p.TaskFailure]]) -> None:
+    def _queue_many(self, ready: list[tuple[Job, bytes]], failed: list[tuple[Job, protocol.TaskFailure]]) -> None:
         """Fetched, verified jobs -> their batch keys -> the batch queue (in order), or failures.
         A handler without its own ``batch_key`` puts them all under ``(kind, None)``."""
         own_key = self._own_batch_key
@@ -199,10 +199,10 @@ class Intake:
                 try:
                     key = (task.kind, self.handler.batch_key(dict(task.params)))
                 except PermanentHandlerError as exc:
-                    failed.append((job, failure(job.key, p.FailReason.FATAL, str(exc))))
+                    failed.append((job, failure(job.key, protocol.FailReason.FATAL, str(exc))))
                     continue
                 except Exception as exc:  # noqa: BLE001 - a handler bug in batch_key fails the item, not the worker
-                    failed.append((job, failure(job.key, p.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])))
+                    failed.append((job, failure(job.key, protocol.FailReason.HANDLER_ERROR, f"batch_key: {exc!r}"[:1000])))
                     continue
             else:
                 key = (task.kind, None)
@@ -211,7 +211,7 @@ class Intake:
         if out:
             self._lanes.submit_many(out)
 
-    async def _fail_many(self, failed: list[tuple[Job, p.TaskFailure]]) -> None:
+    async def _fail_many(self, failed: list[tuple[Job, protocol.TaskFailure]]) -> None:
         for job, _ in failed:
             job.state = JobState.REPORTING
         await self._reports.report_many(failed)
@@ -234,7 +234,7 @@ class Intake:
             job.runner.cancel()
         job.given_back = True
         job.state = JobState.REPORTING
-        job.runner = self._spawn(self._reports.report(job, failure(job.key, p.FailReason.RELEASED, why)), "give-back")
+        job.runner = self._spawn(self._reports.report(job, failure(job.key, protocol.FailReason.RELEASED, why)), "give-back")
 
     async def give_back_all(self, drain_timeout_s: float) -> None:
         """Shutdown: give back the jobs not running; wait ``drain_timeout_s`` for the

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.brokerd import gaps
-from ccsq.brokerd.intake import NOISE_PREFIX
+from ccsq.brokerd.frame_intake import NOISE_PREFIX
 from ccsq.brokerd.ledger.schema import COUNTERS, STATES
 from ccsq.brokerd.ledger.store import Ledger, data_paths
 

@@ -1,4 +1,4 @@
-"""Worker metrics (``metrics_listen`` in workerd-N.toml), served by :mod:`ccsq.common.runtime.metrics`.
+"""Worker metrics (``metrics_listen`` in workerd-N.toml), served by :mod:`ccsq.common.runtime.metrics_exporter`.
 
 Nothing here runs per item unless noted: histograms are observed once per
 batch (handler) and once per journal group commit; gauges are read from the
@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from ccsq.common.wire.errors import PayloadMissing
-from ccsq.common.runtime.metrics import start_exporter
+from ccsq.common.runtime.metrics_exporter import start_exporter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.common.storage.claimstore import ClaimStore

@@ -8,11 +8,11 @@ and, where allowed, answered (docs/security.md).
 - An unauthenticated sender gets at most a fixed sentence naming the id it claimed,
   rate-limited per claimed id and for all strangers together, so a flood costs the
   broker no more than its frames.
-- Counts: :attr:`Intake.rejects` (since start; metric ``ccsq_frames_rejected``) and
-  :attr:`Intake.unsaved` (not yet added to the ledger's counters; the actor's next
+- Counts: :attr:`FrameIntake.rejects` (since start; metric ``ccsq_frames_rejected``) and
+  :attr:`FrameIntake.unsaved` (not yet added to the ledger's counters; the actor's next
   transaction writes and clears it). Reconnect noise (:data:`RECONNECT_NOISE`: a known
   peer's frame of a session this broker no longer has, e.g. after a broker restart or a
-  session it ended) is not a refusal: it counts apart, in :attr:`Intake.noise` (metric
+  session it ended) is not a refusal: it counts apart, in :attr:`FrameIntake.noise` (metric
   ``ccsq_reconnect_noise_frames``; in the ledger under ``noise:<code>``, the gap report's
   ``reconnect_noise``), and logs at info level, rate-limited like refusals.
 """
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,25 +42,25 @@ REJECT_LOG_LINES_PER_INTERVAL = 100  # frame_rejected lines per interval, all pe
 #: (a NO_SESSION raised before, for a MAC-tagged frame with no MAC session, names a claimed
 #: ``sender`` and is answered like a stranger: rate-limited, STRANGER_ANSWERS).
 POST_VERIFY_CODES = frozenset(
-    {p.REJECT_UNKNOWN_TYPE, p.REJECT_ROLE, p.REJECT_STALE, p.REJECT_REPLAY, p.REJECT_NO_SESSION}
+    {protocol.REJECT_UNKNOWN_TYPE, protocol.REJECT_ROLE, protocol.REJECT_STALE, protocol.REJECT_REPLAY, protocol.REJECT_NO_SESSION}
 )
 #: Refusals an unauthenticated sender may get (rate-limited; nothing but the id it claimed).
 STRANGER_ANSWERS = {
-    p.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
-    p.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
+    protocol.REJECT_UNKNOWN_SENDER: "peer id {peer!r} is not in the broker's authorized_keys",
+    protocol.REJECT_BAD_SIGNATURE: "the signature of {peer!r} does not verify with the public key the broker holds for it",
     # a session-MAC-tagged frame with no MAC session (e.g. the broker restarted): reconnect
-    p.REJECT_NO_SESSION: "no session: {peer!r} must reconnect and send HELLO",
+    protocol.REJECT_NO_SESSION: "no session: {peer!r} must reconnect and send HELLO",
 }
 #: Codes that mean "this peer's session is gone here, it must say HELLO again" (every
 #: reconnect after a broker restart or a session the broker ended): counted apart.
-RECONNECT_NOISE = frozenset({p.REJECT_NO_SESSION})
-#: Ledger reject-counter prefix of reconnect noise (``brokerd/report.py`` splits it off).
+RECONNECT_NOISE = frozenset({protocol.REJECT_NO_SESSION})
+#: Ledger reject-counter prefix of reconnect noise (``brokerd/gap_report.py`` splits it off).
 NOISE_PREFIX = "noise:"
 STRANGER_ANSWER_INTERVAL_S = 2.0  # per claimed peer id
 STRANGER_ANSWERS_PER_S = 20.0  # all strangers together
 
 
-class Intake:
+class FrameIntake:
     """Verifies frames with ``codec``; ``end_session(sess, reason)`` is the one disconnect rule."""
 
     def __init__(self, codec: EnvelopeCodec, peers: PeerTable, outbound: Outbound,
@@ -87,10 +87,10 @@ class Intake:
         except DecodeError as exc:
             self.count_reject(exc.code, str(exc)[:300], sess.peer_id if sess else exc.sender, rid, now)
             if sess is not None or (exc.code in POST_VERIFY_CODES and exc.sender is None):
-                self.outbound.send_raw(rid, p.Error(exc.code, str(exc)[:300]))
+                self.outbound.send_raw(rid, protocol.Error(exc.code, str(exc)[:300]))
             elif exc.code in STRANGER_ANSWERS and exc.answerable and exc.sender and self._may_answer_stranger(exc.sender, now):
                 # unauthenticated: a fixed sentence naming only the id it claimed (docs/security.md)
-                self.outbound.send_raw(rid, p.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
+                self.outbound.send_raw(rid, protocol.Error(exc.code, STRANGER_ANSWERS[exc.code].format(peer=exc.sender)))
             if sess is not None:
                 self._end_session(sess, f"invalid envelope: {exc.code}")
             return None

@@ -20,7 +20,7 @@ restart after the lease expired): the row carries on, and its result is still
 reported under the old token (the upstream fences it, G4, or accepts it late, G8).
 
 Per link counters live in the same transaction as the rows they count, so the
-federation report (:mod:`ccsq.relayd.report`) balances after any crash::
+federation report (:mod:`ccsq.relayd.federation_report`) balances after any crash::
 
     leased == in_flight (rows) + ended_acked + ended_failed + ended_released
 
@@ -28,7 +28,7 @@ Table ``link_status`` holds one row per broken link (a swarm refused it: cause, 
 fix, since when), kept until the cause is seen fixed; the federation report shows it.
 
 The journal is single-writer (``flock`` on ``<journal_dir>/LOCK``; a second relay
-on the same directory gets :class:`~ccsq.workerd.journal.JournalLocked`).
+on the same directory gets :class:`~ccsq.workerd.worker_journal.JournalLocked`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import JournalCorrupt, JournalLocked  # noqa: F401 (JournalLocked: raised by open)
-from ccsq.common.storage.journal import open_locked_sqlite
+from ccsq.common.storage.sqlite_journal import open_locked_sqlite
 
 Key = tuple[str, int]  # (up_item, token)
 
@@ -101,12 +101,12 @@ _SCHEMA = (
 )
 
 
-def _pack_body(msg: p.Message) -> bytes:
-    return msgpack.packb(p.encode_body(msg), use_bin_type=True)
+def _pack_body(msg: protocol.Message) -> bytes:
+    return msgpack.packb(protocol.encode_body(msg), use_bin_type=True)
 
 
-def _one(msg_type: p.MsgType, raw: bytes, attr: str):
-    msg = p.decode_body(msg_type, msgpack.unpackb(raw, raw=False))
+def _one(msg_type: protocol.MsgType, raw: bytes, attr: str):
+    msg = protocol.decode_body(msg_type, msgpack.unpackb(raw, raw=False))
     items = getattr(msg, attr)
     if len(items) != 1:
         raise ValueError(f"row holds {len(items)} records")
@@ -120,9 +120,9 @@ class Row:
     token: int
     kind: str
     state: str
-    task: p.Task
+    task: protocol.Task
     down_item: str = ""
-    report: p.TaskResult | p.TaskFailure | None = None
+    report: protocol.TaskResult | protocol.TaskFailure | None = None
     outcome: str = ""
     lost: bool = False
     copied: str = ""  # sha256 of a payload blob the relay copied into the downstream store
@@ -186,7 +186,7 @@ class RelayJournal:
             db.execute("INSERT INTO counters VALUES (?, ?, ?) ON CONFLICT (link, name) DO UPDATE SET n = n + excluded.n",
                        (link, name, n))
 
-    def insert_leased(self, link: str, tasks: list[p.Task]) -> list[p.Task]:
+    def insert_leased(self, link: str, tasks: list[protocol.Task]) -> list[protocol.Task]:
         """Record new upstream leases; returns those that were new (a resent DISPATCH is not)."""
         now = time.time()
         new = []
@@ -194,7 +194,7 @@ class RelayJournal:
             for t in tasks:
                 cur = db.execute("INSERT OR IGNORE INTO relayed (link, up_item, token, kind, state, task, updated_ts) "
                                  "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                 (link, t.item_id, t.token, t.kind, LEASED, _pack_body(p.Dispatch([t])), now))
+                                 (link, t.item_id, t.token, t.kind, LEASED, _pack_body(protocol.Dispatch([t])), now))
                 if cur.rowcount:
                     new.append(t)
             self._bump(db, link, "leased", len(new))
@@ -215,7 +215,7 @@ class RelayJournal:
             self._bump(db, link, "dedup_hits", cur.rowcount if duplicate else 0)
             return cur.rowcount
 
-    def store_results(self, link: str, results: list[tuple[p.TaskResult, str]]) -> None:
+    def store_results(self, link: str, results: list[tuple[protocol.TaskResult, str]]) -> None:
         """``(report, down_item)``: the downstream's result for a row (before COMPLETE is sent)."""
         now = time.time()
         with self._tx() as db:
@@ -223,33 +223,33 @@ class RelayJournal:
             for r, down_item in results:
                 cur = db.execute("UPDATE relayed SET state = ?, report = ?, down_item = ?, updated_ts = ? "
                                  "WHERE link = ? AND up_item = ? AND token = ? AND state IN (?, ?)",
-                                 (RESULTED, _pack_body(p.Complete([r])), down_item, now, link, r.item_id, r.token,
+                                 (RESULTED, _pack_body(protocol.Complete([r])), down_item, now, link, r.item_id, r.token,
                                   LEASED, SUBMITTED))
                 n += cur.rowcount
             self._bump(db, link, "completed", n)
 
-    def mark_failing(self, link: str, failures: list[p.TaskFailure], counter: str) -> None:
+    def mark_failing(self, link: str, failures: list[protocol.TaskFailure], counter: str) -> None:
         with self._tx() as db:
             n = 0
             for f in failures:
                 cur = db.execute("UPDATE relayed SET state = ?, report = ?, updated_ts = ? "
                                  "WHERE link = ? AND up_item = ? AND token = ? AND state IN (?, ?)",
-                                 (FAILING, _pack_body(p.Fail([f])), time.time(), link, f.item_id, f.token, LEASED, SUBMITTED))
+                                 (FAILING, _pack_body(protocol.Fail([f])), time.time(), link, f.item_id, f.token, LEASED, SUBMITTED))
                 n += cur.rowcount
             self._bump(db, link, counter, n)
 
-    def mark_returned(self, link: str, outcomes: list[p.ItemOutcome]) -> None:
+    def mark_returned(self, link: str, outcomes: list[protocol.ItemOutcome]) -> None:
         """The upstream confirmed these COMPLETEs (any outcome): downstream ACK next. A lost
         lease's result accepted anyway counts ``accepted_late`` too (it stays ``returned``)."""
-        counter = {p.Outcome.ACCEPTED.value: "returned", p.Outcome.FENCED.value: "fenced",
-                   p.Outcome.REJECTED.value: "proof_rejected"}
+        counter = {protocol.Outcome.ACCEPTED.value: "returned", protocol.Outcome.FENCED.value: "fenced",
+                   protocol.Outcome.REJECTED.value: "proof_rejected"}
         with self._tx() as db:
             for o in outcomes:
                 cur = db.execute("UPDATE relayed SET state = ?, outcome = ?, updated_ts = ? "
                                  "WHERE link = ? AND up_item = ? AND token = ? AND state = ?",
                                  (RETURNED, o.outcome, time.time(), link, o.item_id, o.token, RESULTED))
                 self._bump(db, link, counter.get(o.outcome, "duplicate"), cur.rowcount)
-                if cur.rowcount and o.outcome == p.Outcome.ACCEPTED.value:
+                if cur.rowcount and o.outcome == protocol.Outcome.ACCEPTED.value:
                     late = db.execute("SELECT lost FROM relayed WHERE link = ? AND up_item = ? AND token = ?",
                                       (link, o.item_id, o.token)).fetchone()
                     self._bump(db, link, "accepted_late", 1 if late and late[0] else 0)
@@ -311,11 +311,11 @@ class RelayJournal:
         for lk, up_item, token, kind, state, task, down_item, report, outcome, lost, copied in self._db.execute(
                 sql + " ORDER BY updated_ts", args):
             try:
-                t = _one(p.MsgType.DISPATCH, task, "tasks")
+                t = _one(protocol.MsgType.DISPATCH, task, "tasks")
                 rep = None
                 if report is not None:
-                    rep = (_one(p.MsgType.FAIL, report, "failures") if state == FAILING
-                           else _one(p.MsgType.COMPLETE, report, "results"))
+                    rep = (_one(protocol.MsgType.FAIL, report, "failures") if state == FAILING
+                           else _one(protocol.MsgType.COMPLETE, report, "results"))
             except Exception as exc:  # noqa: BLE001 - any decode problem names the row
                 raise JournalCorrupt(f"relay journal {self.path}: row ({lk}, {up_item}, {token}) does not decode: {exc}") from None
             out.append(Row(lk, up_item, token, kind, state, t, down_item, rep, outcome, bool(lost), copied))

@@ -56,9 +56,9 @@ from typing import cast
 
 import msgpack
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError, JournalCorrupt, JournalLocked  # noqa: F401 (the journal errors live in the one exception tree)
-from ccsq.common.storage.journal import open_locked_sqlite
+from ccsq.common.storage.sqlite_journal import open_locked_sqlite
 
 Key = tuple[str, int]
 
@@ -93,7 +93,7 @@ class JournalEntry:
     token: int
     kind: str
     state: EntryState
-    report: p.TaskResult | p.TaskFailure | None
+    report: protocol.TaskResult | protocol.TaskFailure | None
 
 
 _LEGACY_SCHEMA = """
@@ -113,17 +113,17 @@ _HELD, _STARTED, _FINISHED, _FAILED = (s.value for s in EntryState)
 _OP_CODES = {OpKind.HOLD: "h", OpKind.STARTED: "s", OpKind.RECORD: "r", OpKind.FORGET: "f"}
 _SNAPSHOT = "S"
 
-_COMPLETE_BODY = p.encode_body(p.Complete(results=[]))  # the bodies around one report (field order kept)
-_FAIL_BODY = p.encode_body(p.Fail(failures=[]))
+_COMPLETE_BODY = protocol.encode_body(protocol.Complete(results=[]))  # the bodies around one report (field order kept)
+_FAIL_BODY = protocol.encode_body(protocol.Fail(failures=[]))
 _PLAIN_RESULT = len(_COMPLETE_BODY) == 0 and len(_FAIL_BODY) == 0  # only the list field: the fast path holds
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-def encode_report(report: p.TaskResult | p.TaskFailure) -> bytes:
+def encode_report(report: protocol.TaskResult | protocol.TaskFailure) -> bytes:
     """msgpack bytes of a one-element COMPLETE or FAIL body holding ``report``: the same
     bytes as ``packb(encode_body(Complete(results=[report])))`` without building the
     message (tests/test_worker_units.py checks the equality)."""
-    if type(report) is p.TaskResult:
+    if type(report) is protocol.TaskResult:
         if _PLAIN_RESULT and not report.proof and not report.proof_sig:
             b = report.result
             return _packb({"results": [{
@@ -131,16 +131,16 @@ def encode_report(report: p.TaskResult | p.TaskFailure) -> bytes:
                 "result": {"sha256": b.sha256, "size": b.size, "inline": b.inline},
                 "handler": report.handler, "handler_version": report.handler_version, "runtime_s": report.runtime_s,
             }]})
-        return _packb({**_COMPLETE_BODY, "results": [p.encode_body(report)]})
-    return _packb({**_FAIL_BODY, "failures": [p.encode_body(report)]})
+        return _packb({**_COMPLETE_BODY, "results": [protocol.encode_body(report)]})
+    return _packb({**_FAIL_BODY, "failures": [protocol.encode_body(report)]})
 
 
-def decode_report(state: EntryState, raw: bytes) -> p.TaskResult | p.TaskFailure:
+def decode_report(state: EntryState, raw: bytes) -> protocol.TaskResult | protocol.TaskFailure:
     """Inverse of :func:`encode_report`; raises DecodeError on a malformed row."""
     body = msgpack.unpackb(raw, raw=False)
-    msg_type = p.MsgType.COMPLETE if state is EntryState.FINISHED else p.MsgType.FAIL
-    msg = p.decode_body(msg_type, body)
-    reports = msg.results if isinstance(msg, p.Complete) else getattr(msg, "failures", [])
+    msg_type = protocol.MsgType.COMPLETE if state is EntryState.FINISHED else protocol.MsgType.FAIL
+    msg = protocol.decode_body(msg_type, body)
+    reports = msg.results if isinstance(msg, protocol.Complete) else getattr(msg, "failures", [])
     if len(reports) != 1:
         raise DecodeError(f"journal row holds {len(reports)} reports, expected 1")
     report = reports[0]
@@ -213,7 +213,7 @@ class Journal:
         """The handler is about to run these leases (one batch: one transaction)."""
         self.apply([(OpKind.STARTED, list(keys))])
 
-    def record(self, report: p.TaskResult | p.TaskFailure, kind: str = "") -> None:
+    def record(self, report: protocol.TaskResult | protocol.TaskFailure, kind: str = "") -> None:
         """Store a finished result or a decided failure (upsert), before it is sent."""
         self.apply([(OpKind.RECORD, [(report, kind)])])
 
@@ -310,20 +310,20 @@ def _replay_forget(live: dict[Key, list], rows: list) -> None:
         live.pop((key[0], key[1]), None)
 
 
-def _record_row(r: p.TaskResult | p.TaskFailure, kind: str) -> list:
+def _record_row(r: protocol.TaskResult | protocol.TaskFailure, kind: str) -> list:
     """The log row of a report: ``[item_id, token, kind, state, report]`` where report is
     the compact list of :func:`_compact_report` (no per-report msgpack call), or the
     :func:`encode_report` bytes for a result that carries a federation proof."""
-    if type(r) is p.TaskResult:
+    if type(r) is protocol.TaskResult:
         if r.proof or r.proof_sig:
             return [r.item_id, r.token, kind, _FINISHED, encode_report(r)]
         b = r.result
         return [r.item_id, r.token, kind, _FINISHED, [b.sha256, b.size, b.inline, r.handler, r.handler_version, r.runtime_s]]
-    f = cast(p.TaskFailure, r)  # the only other report type (TaskResult has no subclasses)
+    f = cast(protocol.TaskFailure, r)  # the only other report type (TaskResult has no subclasses)
     return [f.item_id, f.token, kind, _FAILED, [f.reason, f.retryable, f.message]]
 
 
-def _decode_entry_report(item_id: str, token: int, state: EntryState, rep: bytes | list) -> p.TaskResult | p.TaskFailure:
+def _decode_entry_report(item_id: str, token: int, state: EntryState, rep: bytes | list) -> protocol.TaskResult | protocol.TaskFailure:
     """A report as kept in an entry: encode_report bytes (format 1, proofs) or the compact
     list of :func:`_record_row`, decoded by the strict protocol codec either way."""
     if isinstance(rep, (bytes, bytearray)):
@@ -410,7 +410,7 @@ class GroupCommit:
         """Held -> started: the handler is about to run these (one batch)."""
         await self.write(OpKind.STARTED, keys)
 
-    async def record(self, reports: list[tuple[p.TaskResult | p.TaskFailure, str]]) -> None:
+    async def record(self, reports: list[tuple[protocol.TaskResult | protocol.TaskFailure, str]]) -> None:
         """``(report, kind)`` rows: a finished result or a decided failure, before it is sent."""
         await self.write(OpKind.RECORD, reports)
 

@@ -1,7 +1,7 @@
 """Opening a daemon's local SQLite journal: one writer per directory, every write fsynced.
 
-Used by the worker's journal (:mod:`ccsq.workerd.journal`) and the relay's journal
-(:mod:`ccsq.relayd.journal`); what the rows mean stays with each of them.
+Used by the worker's journal (:mod:`ccsq.workerd.worker_journal`) and the relay's journal
+(:mod:`ccsq.relayd.relay_journal`); what the rows mean stays with each of them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.relayd.config import load_relay_config
-from ccsq.relayd.journal import RelayJournal
+from ccsq.relayd.relay_journal import RelayJournal
 
 
 def load_federation_report(config_path: str | Path) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def render_text(report: dict[str, Any]) -> str:
 
 def render_html(report: dict[str, Any]) -> str:
     """A self-contained HTML page of the federation report (one table per link)."""
-    from html import escape as e
+    from html import escape
 
     rows = [("leased from upstream", "leased"), ("submitted downstream", "submitted"), ("dedup hits", "dedup_hits"),
             ("completed downstream", "completed"), ("returned (accepted upstream)", "returned"),
@@ -112,18 +112,19 @@ def render_html(report: dict[str, Any]) -> str:
            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
            "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}th{text-align:left}"
            ".bad{color:#b00;font-weight:bold}.ok{color:#070}</style>",
-           f"<h1>Federation: relay {e(report['relay'])} "
+           f"<h1>Federation: relay {escape(report['relay'])} "
            f"<span class='{'ok' if report['balanced'] else 'bad'}'>{'BALANCED' if report['balanced'] else 'UNBALANCED'}</span></h1>"]
     for link in report["links"]:
         c = link["counters"]
-        out.append(f"<h2>link {e(link['name'])}: {e(link['upstream'])} &rarr; {e(link['downstream'])} "
-                   f"(kinds {e(', '.join(link['kinds']))})</h2>")
+        out.append(f"<h2>link {escape(link['name'])}: {escape(link['upstream'])} &rarr; {escape(link['downstream'])} "
+                   f"(kinds {escape(', '.join(link['kinds']))})</h2>")
         if link.get("broken"):
             b = link["broken"]
-            out.append(f"<p class='bad'>BROKEN since {e(b['since'])} ({e(b['cause'])}): {e(b['reason'])}<br>fix: {e(b['fix'])}</p>")
+            out.append(f"<p class='bad'>BROKEN since {escape(b['since'])} ({escape(b['cause'])}): {escape(b['reason'])}"
+                       f"<br>fix: {escape(b['fix'])}</p>")
         out.append("<table>")
-        out += [f"<tr><th>{e(label)}</th><td>{c.get(key, 0)}</td></tr>" for label, key in rows]
-        states = ", ".join(f"{e(k)} {v}" for k, v in sorted(link["states"].items())) or "none"
+        out += [f"<tr><th>{escape(label)}</th><td>{c.get(key, 0)}</td></tr>" for label, key in rows]
+        states = ", ".join(f"{escape(k)} {v}" for k, v in sorted(link["states"].items())) or "none"
         out.append(f"<tr><th>in flight</th><td>{link['in_flight']} ({states})</td></tr>")
         cls = "ok" if link["balanced"] else "bad"
         out.append(f"<tr><th>leased == in flight + ended</th><td class='{cls}'>{'yes' if link['balanced'] else 'NO'}</td></tr></table>")
