@@ -134,6 +134,7 @@ class BrokerView:
     set_draining: Callable[[str, bool], None]
     clock: Clock = SYSTEM_CLOCK  # the actor's (ledger timestamps of the commands that change state)
     noise: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reconnect noise by code
+    ha_status: Callable[[], dict] | None = None  # the "ha" section: role single|primary, epoch, ... (docs/ha.md)
 
 
 class AdminCommands:
@@ -207,6 +208,7 @@ class AdminCommands:
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": b.deliveries_in_flight(),
             "readers": reader_report(b.ledger, txn, b.clock.wall_ms(), warn_age_s=b.cfg.reader_warn_age_s),
+            **({"ha": b.ha_status()} if b.ha_status is not None else {}),
         }
 
     def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:

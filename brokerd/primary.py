@@ -1,0 +1,254 @@
+"""The broker as the primary of a replicated pair (docs/ha.md): when its confirms may leave.
+
+:class:`ConfirmGate` is driven by the actor (``brokerd/actor.py``) only. Every confirm
+a committed turn produces (SUBMIT_ACK, COMPLETE_ACK, FAIL_ACK, ACK_OK, DISPATCH,
+RESULT, a CANCEL's STATUS_REPLY, the reply of an admin command that changes state) is
+*held* with the replication seq of the ledger at that turn (``ReplicationLog.position``
+after it: a duplicate SUBMIT answered without a write still waits for the turn that
+wrote its item). Held replies are released in commit order once both hold:
+
+- the turn is durable where the mode says: ``sync``: ``ha_sync_standbys`` standbys that
+  are members of ``/ccsq/<swarm>/sync`` in etcd acknowledged it (a standby counts only
+  once the set naming it is written); ``async``, or ``sync`` degraded: committed here;
+- ``Election.may_confirm(now)``: the etcd lease cannot have expired yet (the margin).
+
+Reads (STATUS, admin status / items_show / dlq_list), heartbeats, WELCOMEs and
+refusals are never held. While the gate cannot confirm at all (the lease is in doubt,
+a sync primary without enough standbys, a planned failover) the actor leases and
+delivers nothing new (a DISPATCH that cannot leave would only run its lease down).
+
+``ha_on_standby_loss = degrade``: a sync primary short of standbys for
+``ha_degrade_after_s`` first writes the sync set without them (``on_members`` path,
+in a thread, the etcd write must succeed), and only then confirms alone (logged,
+counted, ``mode: "degraded"`` in status). A standby that is in sync again is written
+back into the set and counted again (back to ``sync``).
+
+Errors: none raised to the actor; a failed etcd write is logged and retried at the
+next check (nothing is confirmed alone until it succeeds).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+
+from ccsq.common.wire import protocol as p
+
+log = structlog.get_logger("ccsq.brokerd")
+
+#: Admin commands that only read: their replies are not held.
+READ_COMMANDS = frozenset({"status", "items_show", "dlq_list"})
+#: How often a sync primary short of standbys re-reads the server's status (seconds).
+CHECK_INTERVAL_S = 0.1
+
+
+class ReplServer(Protocol):
+    """What the gate reads of ``brokerd/replserver.py`` ``ReplicationServer`` (HA-CONTRACT.md)."""
+
+    def durable_seq(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class Lease(Protocol):
+    """What the gate reads of :class:`~ccsq.brokerd.election.Election`."""
+
+    def may_confirm(self, now_mono: float) -> bool: ...
+
+    def write_sync(self, members: list[str]) -> bool: ...
+
+
+def is_confirm(msg: p.Message) -> bool:
+    """A reply that tells a peer something is durable (held by a primary)."""
+    return isinstance(msg, (p.SubmitAck, p.CompleteAck, p.FailAck, p.AckOk, p.Dispatch, p.Result, p.StatusReply,
+                            p.AdminReply))
+
+
+class ConfirmGate:
+    """Holds a primary's confirms until they may leave (module docstring).
+
+    ``mode``: "sync" or "async"; ``sync_standbys``: acks needed; ``on_standby_loss``:
+    "wait" or "degrade"; ``last_seq()``: the replication log's position (seq) now;
+    ``wake()``: make the actor run a turn (thread-safe: ``transport.wake``);
+    ``monotonic_s``: the actor's clock."""
+
+    def __init__(self, *, mode: str, sync_standbys: int, on_standby_loss: str, degrade_after_s: float,
+                 election: Lease, server: ReplServer, last_seq: Callable[[], int], wake: Callable[[], None],
+                 monotonic_s: Callable[[], float] = time.monotonic, epoch: int = 0, node: str = "") -> None:
+        self.mode, self.sync_standbys, self.on_loss = mode, sync_standbys, on_standby_loss
+        self.degrade_after_s = degrade_after_s
+        self.election, self.server, self.last_seq, self.wake = election, server, last_seq, wake
+        self.monotonic_s = monotonic_s
+        self.epoch, self.node = epoch, node
+        self.held: collections.deque[tuple[int, float, bytes, p.Message]] = collections.deque()
+        self.released = 0  # replies released since start (metrics)
+        self.degraded = False  # sync primary confirming alone (ha_on_standby_loss = degrade)
+        self.degrade_count = 0
+        self.short_since: float | None = None  # monotonic time since when too few standbys are in sync
+        self.members: tuple[str, ...] = ()  # the sync set as last written to etcd
+        self._want: tuple[str, ...] | None = None  # a sync set to write (the writer thread takes it)
+        self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self.lost = ""  # why this broker may never confirm again (the lease is gone): "" while primary
+        self.paused = ""  # a planned failover in progress: why (confirms held)
+        self.confirming = False  # the last check's answer (status, metrics)
+        self._next_check = 0.0
+
+    # --- the actor's side ---
+    def hold(self, seq: int, replies: list[tuple[bytes, p.Message]], reads: set[int], send: Callable[[bytes, p.Message], None]) -> None:
+        """After a commit: queue the turn's confirms with ``seq``; reads (ids in ``reads``)
+        and non-confirms go now. Then release what may leave."""
+        now = self.monotonic_s()
+        for rid, msg in replies:
+            if id(msg) in reads or not is_confirm(msg):
+                send(rid, msg)
+            else:
+                self.held.append((seq, now, rid, msg))
+        self.release(send)
+
+    def release(self, send: Callable[[bytes, p.Message], None]) -> int:
+        """Send the held replies whose turn is durable, oldest first, while confirming is
+        allowed. Returns how many went."""
+        now = self.monotonic_s()
+        if not self.held and now < self._next_check:
+            return 0
+        self._next_check = now + CHECK_INTERVAL_S
+        durable = self.durable_seq(now)
+        ok = not self.lost and not self.paused and self.election.may_confirm(now)
+        self.confirming = ok and durable is not None
+        if not ok or durable is None:
+            return 0
+        n = 0
+        held = self.held
+        while held and held[0][0] <= durable:
+            _seq, _t, rid, msg = held.popleft()
+            send(rid, msg)
+            n += 1
+        self.released += n
+        return n
+
+    def may_plan(self) -> bool:
+        """Whether new leases and deliveries are worth planning (their DISPATCH / RESULT could leave)."""
+        return self.confirming or not self.held and not self.lost and not self.paused
+
+    def durable_seq(self, now: float) -> int | None:
+        """The highest seq whose confirms may leave as far as replication goes (None: none yet)."""
+        if self.mode == "async":
+            return self.last_seq()
+        st = self.server.status()
+        members = set(self.members)
+        in_sync = sorted((int(s.get("seq", 0)) for s in st.get("standbys", [])
+                          if s.get("in_sync") and s.get("node") in members), reverse=True)
+        if len(in_sync) >= self.sync_standbys:
+            self.short_since = None
+            if self.degraded:
+                self.degraded = False
+                log.warning("ha_sync_restored", members=sorted(members), note="confirms wait for the standbys again")
+            return min(self.server.durable_seq(), in_sync[self.sync_standbys - 1])
+        if self.short_since is None:
+            self.short_since = now
+            log.warning("ha_standbys_short", in_sync=len(in_sync), needed=self.sync_standbys, on_loss=self.on_loss,
+                        note="no confirm leaves until enough standbys acknowledge" if not self.degraded else "degraded")
+        if self.degraded:
+            return self.last_seq()
+        if self.on_loss == "degrade" and now - self.short_since >= self.degrade_after_s:
+            self._degrade(sorted(s.get("node") for s in st.get("standbys", []) if s.get("in_sync") and s.get("node") in members))
+        return None
+
+    def _degrade(self, keep: list[str]) -> None:
+        """Write the sync set without the missing standbys (in a thread); confirm alone once written."""
+        with self._lock:
+            if self._writer is not None and self._writer.is_alive():
+                return
+        self.set_members(keep, degrade=True)
+
+    # --- the replication server's side (on_members) and etcd ---
+    def set_members(self, members: list[str], *, degrade: bool = False) -> None:
+        """The in-sync set changed (``ReplicationServer`` ``on_members``; any thread): write
+        ``/sync`` in etcd in a thread; the gate counts the set only once written."""
+        want = tuple(sorted(members))
+        with self._lock:
+            self._want = want
+            self._degrade_wanted = degrade
+            if self._writer is not None and self._writer.is_alive():
+                return
+            self._writer = threading.Thread(target=self._write_loop, name="ccsq-ha-sync-set", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                want, degrade = self._want, getattr(self, "_degrade_wanted", False)
+                self._want = None
+                if want is None:
+                    return
+            try:
+                written = self.election.write_sync(list(want))
+            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else: retried
+                log.error("ha_sync_set_write_failed", members=list(want), error=str(exc)[:300])
+                written = False
+            if not written:
+                time.sleep(0.2)
+                with self._lock:
+                    if self._want is None:
+                        self._want, self._degrade_wanted = want, degrade
+                if self.lost:
+                    return
+                continue
+            shrink = set(self.members) - set(want)
+            self.members = want
+            if degrade and not self.degraded and len(want) < self.sync_standbys:
+                self.degraded = True
+                self.degrade_count += 1
+                log.warning("ha_degraded", members=list(want), needed=self.sync_standbys,
+                            note="confirming without enough standbys (ha_on_standby_loss = degrade): a failover now "
+                                 "may lose turns confirmed since; the sync set in etcd was shrunk first, so no "
+                                 "standby missing them can take over")
+            elif shrink:
+                log.info("ha_sync_set", members=list(want))
+            else:
+                log.info("ha_sync_set", members=list(want))
+            self.wake()
+
+    def lose(self, why: str) -> None:
+        """The lease is gone (or in doubt past the margin): never confirm again (any thread)."""
+        if not self.lost:
+            self.lost = why or "lease lost"
+            self.confirming = False
+
+    # --- reading ---
+    def oldest_held_age_s(self) -> float:
+        return round(self.monotonic_s() - self.held[0][1], 3) if self.held else 0.0
+
+    def status(self) -> dict[str, Any]:
+        """The status document's ``ha`` fields the gate knows."""
+        mode = "degraded" if self.degraded else self.mode
+        waiting = ""
+        if self.lost:
+            waiting = f"lease lost: {self.lost}"
+        elif self.paused:
+            waiting = self.paused
+        elif not self.election.may_confirm(self.monotonic_s()):
+            waiting = "etcd lease not renewed within the margin"
+        elif self.mode == "sync" and not self.degraded and self.short_since is not None:
+            waiting = (f"waiting for {self.sync_standbys} standby(s) in sync (members {list(self.members)}); "
+                       f"ha_on_standby_loss = {self.on_loss}")
+        return {"mode": mode, "confirming": self.confirming and not waiting, "waiting": waiting,
+                "held_replies": len(self.held), "oldest_held_s": self.oldest_held_age_s(),
+                "sync_members": list(self.members), "degraded_count": self.degrade_count}
+
+
+class HaPrimary:
+    """What the actor holds of its primary role: the election ``epoch``, the :class:`ConfirmGate`,
+    the replication ``server`` (``status()`` for the status document), the advertised
+    ``repl_endpoint``, and ``step_down(why)``: leave the primary role (the role loop in
+    ``brokerd/main.py`` stops the actor, resigns and runs as standby)."""
+
+    def __init__(self, epoch: int, gate: ConfirmGate, server: Any, repl_endpoint: str,
+                 step_down: Callable[[str], None]) -> None:
+        self.epoch, self.gate, self.server, self.repl_endpoint, self.step_down = epoch, gate, server, repl_endpoint, step_down

@@ -1,0 +1,68 @@
+"""Test support, ONLY until harepl's brokerd/replserver.py and brokerd/standby.py land
+(HA-CONTRACT.md): minimal stand-ins with the contract's interface, installed by
+tests/ha_brokerd.py when the real modules are missing (the real ones win once merged).
+
+- :class:`FakeReplicationServer`: serves no standby. ``durable_seq()`` is the log's last
+  seq in async mode and 0 in sync mode (no standby ever acknowledges); ``status()`` lists
+  no standby.
+- :func:`run_standby`: waits until the primary key is vacant (PROMOTE) or the stop event
+  (STOPPED); applies nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("ccsq.brokerd")
+
+
+class FakeReplicationServer:
+    def __init__(self, cfg: Any, ledger: Any, log_: Any, epoch: int, *, sync_standbys: int, on_durable: Any,
+                 on_members: Any) -> None:
+        self.cfg, self.ledger, self.log, self.epoch = cfg, ledger, log_, epoch
+        self.on_durable, self.on_members = on_durable, on_members
+        self._stop: asyncio.Event | None = None
+
+    def sink(self, ws: Any) -> None:
+        if self.cfg.ha_mode == "async":
+            self.on_durable()
+
+    def durable_seq(self) -> int:
+        return self.log.position[1] if self.cfg.ha_mode == "async" else 0
+
+    async def run(self) -> None:
+        self._stop = asyncio.Event()
+        log.info("fake_replserver_running", epoch=self.epoch)
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def status(self) -> dict:
+        return {"standbys": [], "durable_seq": self.durable_seq(), "last_seq": self.log.position[1]}
+
+
+class StandbyOutcome(enum.Enum):
+    PROMOTE = "promote"
+    STOPPED = "stopped"
+
+
+async def run_standby(cfg: Any, election: Any, stop_event: asyncio.Event) -> StandbyOutcome:
+    log.info("fake_standby_running", node=cfg.ha_node_id)
+    while not stop_event.is_set():
+        try:
+            holder = await asyncio.to_thread(election.holder)
+        except Exception:  # noqa: BLE001 - etcd away: try again
+            holder = ...
+        if holder is None:
+            return StandbyOutcome.PROMOTE
+        try:
+            await asyncio.wait_for(stop_event.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+    return StandbyOutcome.STOPPED

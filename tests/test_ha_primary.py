@@ -1,0 +1,149 @@
+"""ccsq-brokerd as the primary of a replicated pair (docs/ha.md, issue 23): real broker
+processes, a real etcd (tests/test_election.py's fixture), scripted peers on real sockets.
+The replication server and the standby mode are harepl's (brokerd/replserver.py,
+brokerd/standby.py); until they land, tests/ha_brokerd.py puts tests/ha_fakes.py in their
+place (no standby ever acknowledges)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import tomli_w
+import tomllib
+
+from ccsq.brokerd.election import Election
+from ccsq.brokerd.ledger.schema import token_epoch
+from ccsq.common.wire import protocol as p
+from ccsq.common.wire.errors import ExitCode
+from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
+from tests.test_broker import item, recv_tasks, result_of
+from tests.test_election import etcd, etcd_server  # noqa: F401 - fixtures
+
+pytest.importorskip("etcd3gw")
+HERE = Path(__file__).resolve().parent
+PEERS = {"prod": "producer", "wA": "worker", "comp": "completion", "admin": "admin", "broker-1": "standby",
+         "broker-2": "standby"}
+SWARM = "hs"
+TTL_S, MARGIN_S = 2, 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HaBroker(BrokerProcess):
+    """ccsq-brokerd through tests/ha_brokerd.py (the fakes only while harepl's modules are missing)."""
+
+    def start(self, wait: bool = True, timeout_s: float = 30.0) -> "HaBroker":
+        self.lines = []
+        self.endpoint = ""
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "ha_brokerd.py"), "--config", str(self.config)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, text=True)
+        self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+        self._reader.start()
+        if wait:
+            wait_for(lambda: self.endpoint or self.proc.poll() is not None, timeout_s, what="broker_started")
+            if not self.endpoint:
+                raise RuntimeError(f"broker exited {self.proc.returncode}: {''.join(self.lines)[-3000:]}")
+        return self
+
+
+def ha_swarm(root: Path, url: str, **overrides) -> Path:
+    return make_swarm(root, PEERS, ha_etcd_endpoints=url, ha_node_id="broker-1", ha_node_key="keys/broker-1.key",
+                      ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}", ha_swarm_id=SWARM, ha_lease_ttl_s=TTL_S,
+                      ha_lease_margin_s=MARGIN_S, **overrides)
+
+
+@pytest.fixture
+def peers():
+    made: list[ScriptedPeer] = []
+    yield made
+    for sp in made:
+        sp.close()
+
+
+@pytest.fixture
+def brokers():
+    made: list[HaBroker] = []
+    yield made
+    for b in made:
+        if b.proc is not None:
+            b.proc.send_signal(signal.SIGCONT)
+        b.kill()
+
+
+def start(brokers, config: Path, wait: bool = True) -> HaBroker:
+    b = HaBroker(config).start(wait=wait)
+    brokers.append(b)
+    return b
+
+
+def peer(peers, root: Path, pid: str, endpoint: str) -> ScriptedPeer:
+    sp = ScriptedPeer(root, pid, endpoint)
+    peers.append(sp)
+    return sp
+
+
+def admin(sp: ScriptedPeer, command: str, timeout_s: float = 20.0, **args) -> p.AdminReply:
+    req = sp.next_req()
+    sp.send(p.Admin(req, command, args))
+    while True:
+        reply = sp.recv_type(p.AdminReply, timeout_s)
+        if reply.req == req:
+            return reply
+
+
+def ha_doc(sp: ScriptedPeer) -> dict:
+    return sp.admin_status()["ha"]
+
+
+def test_async_primary_without_standby_serves_submit_complete_ack_and_publishes_its_key(tmp_path, etcd, brokers, peers):
+    """ha_mode = async, no standby: the broker wins the election, writes the primary key
+    (epoch, endpoint, repl_endpoint, node, ledger_id) and an empty sync set, WELCOMEs with
+    the election epoch, grants tokens carrying it, and confirms a whole flow."""
+    cfg = ha_swarm(tmp_path, etcd, ha_mode="async")
+    b = start(brokers, cfg)
+    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    holder = el.holder()
+    conf = tomllib.loads(cfg.read_text())
+    assert holder is not None and holder.epoch >= 1
+    assert (holder.endpoint, holder.repl_endpoint, holder.node) == (conf["endpoint"], conf["ha_repl_endpoint"], "broker-1")
+    assert holder.ledger_id
+    sync = wait_for(el.read_sync, what="the sync set")
+    assert (sync.epoch, sync.members) == (holder.epoch, ())
+
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    assert prod.hello("producer").broker_epoch == holder.epoch
+    (r,) = prod.submit([item("doc-1")])
+    assert r.item_id and not r.error
+    w = peer(peers, tmp_path, "wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    assert t.item_id == r.item_id and token_epoch(t.token) == holder.epoch
+    w.send(p.Complete([result_of(t)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    comp = peer(peers, tmp_path, "comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    (d,) = comp.recv_type(p.Result, 10).deliveries
+    comp.send(p.Ack([d.item_id]))
+    assert comp.recv_type(p.AckOk).item_ids == [r.item_id]
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    ha = ha_doc(adm)
+    assert (ha["role"], ha["epoch"], ha["node"], ha["mode"], ha["confirming"], ha["held_replies"]) == \
+        ("primary", holder.epoch, "broker-1", "async", True, 0)
+    assert ha["standbys"] == []
+    assert b.stop() == 0
+    assert el.holder() is None  # resigned at SIGTERM: a standby may take over at once
