@@ -147,3 +147,80 @@ def test_async_primary_without_standby_serves_submit_complete_ack_and_publishes_
     assert ha["standbys"] == []
     assert b.stop() == 0
     assert el.holder() is None  # resigned at SIGTERM: a standby may take over at once
+
+
+def _no_confirm(sp: ScriptedPeer, within_s: float) -> list[p.Message]:
+    """Every message ``sp`` receives within ``within_s``; heartbeats and BYE aside, none may be a confirm."""
+    got = []
+    deadline = time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        env = sp.recv(left)
+        if env is not None:
+            got.append(env.message)
+    return [m for m in got if isinstance(m, (p.SubmitAck, p.CompleteAck, p.FailAck, p.AckOk, p.Dispatch, p.Result))]
+
+
+def test_sync_primary_without_standby_confirms_nothing_and_says_it_waits(tmp_path, etcd, brokers, peers):
+    """ha_mode = sync (the default), ha_on_standby_loss = wait, no standby: the SUBMIT is
+    committed but its SUBMIT_ACK never leaves; status (a read, not held) says why."""
+    b = start(brokers, ha_swarm(tmp_path, etcd))
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    req = prod.next_req()
+    prod.send(p.Submit(req, [item("doc-1")]))
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    ha = wait_for(lambda: (d := ha_doc(adm))["held_replies"] == 1 and d, what="the SUBMIT_ACK held")
+    assert (ha["mode"], ha["confirming"]) == ("sync", False)
+    assert "waiting for 1 standby" in ha["waiting"]
+    assert _no_confirm(prod, 3.0) == []
+    ha = ha_doc(adm)
+    assert ha["held_replies"] == 1 and ha["oldest_held_s"] >= 3.0
+
+
+def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
+    """ha_on_standby_loss = degrade: with no standby for ha_degrade_after_s the primary
+    writes its sync set (empty) in etcd, then confirms alone; log and status say so."""
+    b = start(brokers, ha_swarm(tmp_path, etcd, ha_on_standby_loss="degrade", ha_degrade_after_s=1.5))
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    t0 = time.monotonic()
+    (r,) = prod.submit([item("doc-1")], timeout_s=15)
+    assert r.item_id and time.monotonic() - t0 >= 1.0
+    assert b.events("ha_degraded")
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    ha = ha_doc(adm)
+    assert (ha["mode"], ha["confirming"], ha["held_replies"], ha["degraded_count"]) == ("degraded", True, 0, 1)
+    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    assert el.read_sync().members == ()
+    w = peer(peers, tmp_path, "wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    assert t.item_id == r.item_id
+
+
+def test_a_sigstopped_primary_confirms_nothing_after_its_lease_and_leaves_the_role(tmp_path, etcd, brokers, peers):
+    """SIGSTOP the primary longer than ha_lease_ttl_s, another broker takes the key with a
+    higher epoch, SIGCONT: the SUBMIT it reads on waking is committed but never
+    confirmed (no frame but heartbeats and BYE), and it leaves the primary role (standby)."""
+    b = start(brokers, ha_swarm(tmp_path, etcd, ha_mode="async"))
+    el = Election([etcd], SWARM, "tcp://127.0.0.1:1", ttl_s=TTL_S, margin_s=MARGIN_S)
+    first = el.holder()
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    assert prod.submit([item("before")])[0].item_id  # it confirms while it holds the lease
+    b.signal(signal.SIGSTOP)
+    try:
+        prod.send(p.Submit(prod.next_req(), [item("while-stopped")]))
+        wait_for(lambda: el.holder() is None, TTL_S + 5, 0.05, what="etcd to expire the stopped primary's lease")
+        epoch = el.campaign()
+        assert epoch is not None and epoch > first.epoch
+        el.start_keepalive()
+    finally:
+        b.signal(signal.SIGCONT)
+    assert _no_confirm(prod, 3.0) == []
+    wait_for(lambda: b.events("ha_primary_ended"), 10, what="the primary to leave its role")
+    wait_for(lambda: b.events("ha_standby") and len(b.events("ha_standby")) >= 1, 10, what="the standby role")
+    assert el.holder().epoch == epoch  # the deposed broker took nothing back
+    el.resign()
