@@ -854,6 +854,8 @@ class Broker:
         if now >= deadline:
             self._failover = None
             self.gate.paused = ""
+            self.gate.recheck()
+            self.gate.release(self._send)
             log.warning("ha_failover_refused", seq=target, members=sorted(members))
             self._send(rid, p.AdminReply(req, False, error=(
                 f"failover: no standby of the sync set {sorted(members)} acknowledged seq {target} in time: "

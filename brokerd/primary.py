@@ -132,9 +132,13 @@ class ConfirmGate:
         self.released += n
         return n
 
+    def recheck(self) -> None:
+        """The next :meth:`release` looks again at once (a state it reads changed)."""
+        self._next_check = 0.0
+
     def may_plan(self) -> bool:
         """Whether new leases and deliveries are worth planning (their DISPATCH / RESULT could leave)."""
-        return self.confirming or not self.held and not self.lost and not self.paused
+        return self.confirming and not self.lost and not self.paused
 
     def durable_seq(self, now: float) -> int | None:
         """The highest seq whose confirms may leave as far as replication goes (None: none yet)."""

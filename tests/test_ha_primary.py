@@ -96,11 +96,11 @@ def peer(peers, root: Path, pid: str, endpoint: str) -> ScriptedPeer:
     return sp
 
 
-def admin(sp: ScriptedPeer, command: str, timeout_s: float = 20.0, **args) -> p.AdminReply:
+def admin(sp: ScriptedPeer, command: str, wait_s: float = 20.0, **args) -> p.AdminReply:
     req = sp.next_req()
     sp.send(p.Admin(req, command, args))
     while True:
-        reply = sp.recv_type(p.AdminReply, timeout_s)
+        reply = sp.recv_type(p.AdminReply, wait_s)
         if reply.req == req:
             return reply
 
@@ -224,3 +224,124 @@ def test_a_sigstopped_primary_confirms_nothing_after_its_lease_and_leaves_the_ro
     wait_for(lambda: b.events("ha_standby") and len(b.events("ha_standby")) >= 1, 10, what="the standby role")
     assert el.holder().epoch == epoch  # the deposed broker took nothing back
     el.resign()
+
+
+def _refused(brokers, config: Path) -> str:
+    b = start(brokers, config, wait=False)
+    assert b.wait(30) == ExitCode.CONFIG, "".join(b.lines)[-2000:]
+    return "".join(b.lines)
+
+
+@pytest.mark.parametrize("problem, key", [
+    ("malformed_endpoints", "ha_etcd_endpoints"),
+    ("unreachable_endpoints", "ha_etcd_endpoints"),
+    ("missing_node_key", "ha_node_key"),
+    ("no_swarm_id", "ha_swarm_id"),
+    ("margin_over_ttl", "ha_lease_margin_s"),
+])
+def test_ha_misconfiguration_is_refused_at_start_naming_file_and_key(tmp_path, brokers, problem, key):
+    """Exit 78 with the config file and the key named (no etcd needed: refused before or at the check)."""
+    kw = {"malformed_endpoints": {"ha_url": "etcd-1:2379"},
+          "unreachable_endpoints": {"ha_url": f"http://127.0.0.1:{free_port()}"},
+          "missing_node_key": {"ha_node_key": "keys/broker-9.key"},
+          "no_swarm_id": {"ha_swarm_id": ""},
+          "margin_over_ttl": {"ha_lease_margin_s": 2.5}}[problem]
+    url = kw.pop("ha_url", f"http://127.0.0.1:{free_port()}")
+    cfg = ha_swarm(tmp_path, url)
+    conf = tomllib.loads(cfg.read_text())
+    conf.update(kw)
+    cfg.write_text(tomli_w.dumps(conf))
+    err = _refused(brokers, cfg)
+    assert str(cfg) in err and key in err, err
+
+
+def test_two_brokers_on_one_host_claiming_one_node_id_are_refused(tmp_path, etcd, brokers):
+    """A second config on this host with the same ha_node_id (its own data_dir and ports)
+    is refused 78 naming ha_node_id while the first runs."""
+    cfg = ha_swarm(tmp_path, etcd, ha_mode="async")
+    start(brokers, cfg)
+    conf = tomllib.loads(cfg.read_text())
+    conf.update(data_dir="broker-data-2", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    second = tmp_path / "brokerd-2.toml"
+    second.write_text(tomli_w.dumps(conf))
+    err = _refused(brokers, second)
+    assert "ha_node_id" in err and "broker-1" in err and str(second) in err, err
+
+
+def test_tokens_carry_the_election_epoch_and_an_older_epochs_token_is_fenced(tmp_path, etcd, brokers, peers):
+    """A single broker's ledger (bare counter tokens) opens as a primary and its worker
+    resumes the old lease; a lease of the first primary epoch, expired and re-leased under
+    the next epoch, is fenced for COMPLETE and FAIL while the new token is accepted."""
+    cfg = ha_swarm(tmp_path, etcd, ha_mode="async", lease_ttl_s=1.0, heartbeat_interval_s=0.25)
+    conf = tomllib.loads(cfg.read_text())
+    single = dict(conf)
+    single.pop("ha_etcd_endpoints")
+    cfg.write_text(tomli_w.dumps(single))
+    b = BrokerProcess(cfg).start()
+    brokers.append(b)  # (killed at the end like the others)
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    prod.submit([item("old"), item("new")])
+    w = peer(peers, tmp_path, "wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t0,) = recv_tasks(w, 1)
+    assert token_epoch(t0.token) == 0  # a single broker's numbering is unchanged
+    assert b.stop() == 0
+    conf["endpoint"] = b.endpoint
+    cfg.write_text(tomli_w.dumps(conf))
+    b1 = start(brokers, cfg)
+    e1 = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S).holder().epoch
+    w.connect()
+    welcome = w.hello("worker", slots=1, credit=1, leases=[p.LeaseRef(t0.item_id, t0.token)])
+    assert welcome.broker_epoch == e1 and welcome.resumed == [p.LeaseRef(t0.item_id, t0.token)]
+    (t1,) = recv_tasks(w, 1)
+    assert token_epoch(t1.token) == e1
+    w.send(p.Complete([result_of(t0)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"  # the single broker's lease, resumed
+    b1.kill()  # t1 is held by nobody now: its lease runs out under the next primary
+    b2 = start(brokers, cfg)
+    e2 = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S).holder().epoch
+    assert e2 > e1
+    w.connect()
+    w.hello("worker", slots=1, credit=1)
+    (t2,) = recv_tasks(w, 1, timeout_s=20)  # after t1's lease expired
+    assert t2.item_id == t1.item_id and token_epoch(t2.token) == e2 and t2.token != t1.token
+    w.send(p.Complete([result_of(t1)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "fenced"
+    w.send(p.Fail([p.TaskFailure(t1.item_id, t1.token, p.FailReason.HANDLER_ERROR.value, True, "late")]))
+    assert w.recv_type(p.FailAck).outcomes[0].outcome == "fenced"
+    w.send(p.Complete([result_of(t2)]))
+    assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"
+    assert b2.stop() == 0
+
+
+def test_failover_without_a_standby_in_sync_is_refused_and_changes_nothing(tmp_path, etcd, brokers, peers):
+    """Admin ``failover`` with no standby: refused after its timeout with the reason; the
+    broker stays primary with the same epoch and confirms again. A single broker refuses at once."""
+    b = start(brokers, ha_swarm(tmp_path, etcd, ha_mode="async"))
+    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    epoch = el.holder().epoch
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    t0 = time.monotonic()
+    reply = admin(adm, "failover", timeout_s=1.0)
+    assert not reply.ok and "no standby" in reply.error and "nothing changed" in reply.error
+    assert time.monotonic() - t0 >= 0.9
+    ha = ha_doc(adm)
+    assert (ha["role"], ha["epoch"], ha["confirming"], ha["failover"]) == ("primary", epoch, True, "")
+    assert el.holder().epoch == epoch
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    assert prod.submit([item("after")])[0].item_id
+    assert b.stop() == 0
+
+
+def test_failover_on_a_single_broker_is_refused_at_once(tmp_path, brokers, peers):
+    cfg = make_swarm(tmp_path, PEERS)
+    b = BrokerProcess(cfg).start()
+    brokers.append(b)
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    reply = admin(adm, "failover", timeout_s=1.0)
+    assert not reply.ok and "single broker" in reply.error
+    assert adm.admin_status()["ha"] == {"role": "single", "epoch": 1}
