@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -163,7 +164,8 @@ def _no_confirm(sp: ScriptedPeer, within_s: float) -> list[p.Message]:
 def test_sync_primary_without_standby_confirms_nothing_and_says_it_waits(tmp_path, etcd, brokers, peers):
     """ha_mode = sync (the default), ha_on_standby_loss = wait, no standby: the SUBMIT is
     committed but its SUBMIT_ACK never leaves; status (a read, not held) says why."""
-    b = start(brokers, ha_swarm(tmp_path, etcd))
+    port = free_port()
+    b = start(brokers, ha_swarm(tmp_path, etcd, metrics_port=port))
     prod = peer(peers, tmp_path, "prod", b.endpoint)
     prod.hello("producer")
     req = prod.next_req()
@@ -176,6 +178,13 @@ def test_sync_primary_without_standby_confirms_nothing_and_says_it_waits(tmp_pat
     assert _no_confirm(prod, 3.0) == []
     ha = ha_doc(adm)
     assert ha["held_replies"] == 1 and ha["oldest_held_s"] >= 3.0
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    text = wait_for(lambda: (t := scrape()) and "ccsq_ha_held_replies 1.0" in t and t, what="the held reply in the metrics")
+    assert 'ccsq_ha_role{role="primary"} 1.0' in text and "ccsq_ha_confirming 0.0" in text
 
 
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
