@@ -676,10 +676,10 @@ class Broker:
                 if msg.command == "failover":  # a primary's planned switchover: not a ledger command
                     batch.effects.append(lambda r=rid, m=msg: self._failover_start(r, m))
                     continue
-                reply = self.admin.handle(txn, batch, sess, msg)
+                answer = self.admin.handle(txn, batch, sess, msg)
                 if msg.command in READ_COMMANDS:
-                    batch.reads.add(id(reply))
-                batch.replies.append((rid, reply))
+                    batch.reads.add(id(answer))
+                batch.replies.append((rid, answer))
         if admitted:
             batch.effects.append(lambda n=admitted: self._note_admitted(n))
 
@@ -838,9 +838,9 @@ class Broker:
     def _failover_step(self, now: float) -> None:
         assert self._failover is not None and self.ha is not None and self.gate is not None
         rid, req, deadline, target = self._failover
-        members = set(self.gate.members)
+        members = set(self.gate.members)  # async: any standby may take over (the set is empty)
         ready = [s for s in self.ha.server.status().get("standbys", [])
-                 if s.get("node") in members and int(s.get("seq", 0)) >= target]
+                 if (s.get("node") in members or self.gate.mode == "async") and int(s.get("seq", 0)) >= target]
         if ready:
             node = str(ready[0].get("node"))
             body = msgpack.packb({"ok": True, "epoch": self.epoch, "standby": node, "seq": target}, use_bin_type=True)

@@ -26,6 +26,13 @@ Commands (arguments are scalars, see :class:`ccsq.common.wire.protocol.Admin`):
   protocol's CANCEL: a *ready* item becomes dead with reason ``cancelled`` (G7 event);
   a leased, completed or terminal item is left as it is and reported with its state.
 
+- ``failover`` (``timeout_s``, default 10): a replicated primary's planned switchover
+  (docs/ha.md); answered by the actor (``Broker._failover_start``), not by this class:
+  it is no ledger command. A single broker refuses it.
+
+``status`` has an ``ha`` section (``BrokerView.ha_status``: ``role`` single | primary,
+``epoch``, and for a primary its mode, confirms held, standbys' lag).
+
 ``status``, ``items_show`` and ``dlq_list`` build their ledger part with the
 module functions :func:`ledger_status`, :func:`item_doc` and :func:`dlq_doc`,
 which ``ccsq ... --offline`` calls on a read-only snapshot: both paths give the

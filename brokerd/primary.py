@@ -172,10 +172,20 @@ class ConfirmGate:
         self.set_members(keep, degrade=True)
 
     # --- the replication server's side (on_members) and etcd ---
-    def set_members(self, members: list[str], *, degrade: bool = False) -> None:
+    def set_members(self, members: list[str], *, degrade: bool = False, initial: bool = False) -> None:
         """The in-sync set changed (``ReplicationServer`` ``on_members``; any thread): write
-        ``/sync`` in etcd in a thread; the gate counts the set only once written."""
-        want = tuple(sorted(members))
+        ``/sync`` in etcd in a thread; the gate counts a member only once written. A member
+        is only ever *added* here: a standby that fell behind stays in the set (it holds
+        every turn confirmed so far and may take over); only :meth:`_degrade` removes
+        members (``degrade``). ``async``: the set stays empty (any standby may take over).
+        ``initial``: this epoch's first set (empty)."""
+        if self.mode == "async" and not initial:
+            return
+        with self._lock:
+            pending = self._want or ()
+        want = tuple(sorted(members if degrade or initial else set(members) | set(self.members) | set(pending)))
+        if not (degrade or initial) and want == self.members:
+            return
         with self._lock:
             self._want = want
             self._degrade_wanted = degrade

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import importlib
 import os
 import signal
 import tempfile
@@ -121,7 +122,7 @@ def check_start(cfg: BrokerConfig) -> HaStart:
         raise ConfigError(f"{where}: {exc}") from None
     for module, owner in (("replserver", "the replication server"), ("standby", "the standby mode")):
         try:
-            __import__(f"ccsq.brokerd.{module}")
+            importlib.import_module(f"ccsq.brokerd.{module}")
         except ImportError as exc:
             raise ConfigError(f"{where}: ha_etcd_endpoints is set but this build of ccsq-brokerd lacks {owner} "
                               f"(ccsq.brokerd.{module}: {exc}): install a build with high availability") from None
@@ -170,30 +171,45 @@ class RoleLoop:
     async def run(self) -> int:
         async with stop_signals_and_watchdog(self.notifier, self.on_stop):
             while not self.stop_event.is_set():
-                ledger = self._open_ledger()
-                try:
-                    with ledger.read() as view:
-                        min_epoch = view.epoch()
-                    self.election.fields["ledger_id"] = ledger.ledger_id
-                    try:
-                        epoch = await asyncio.to_thread(self.election.campaign, min_epoch)
-                    except Exception as exc:  # noqa: BLE001 - EtcdUnavailable: retried
-                        log.warning("ha_campaign_failed", error=str(exc)[:300], retry_s=ETCD_RETRY_S)
-                        epoch = None
-                        if await self._wait_stop(ETCD_RETRY_S):
-                            break
-                        continue
-                    if epoch is not None:
-                        await self._primary(ledger, epoch)
-                        ledger = None  # closed by the primary phase
-                        continue
-                finally:
-                    if ledger is not None:
-                        ledger.close()
+                if self.stepped_down:  # deposed or handed over: a standby now, without campaigning first
+                    self.stepped_down = ""
+                elif await self._try_primary():
+                    continue
+                elif self.stop_event.is_set():
+                    break
                 outcome = await self._standby()
                 if getattr(outcome, "name", str(outcome)).upper().endswith("STOPPED"):
                     break
         return int(ExitCode.OK)
+
+    async def _try_primary(self) -> bool:
+        """Open the ledger and campaign; True when this broker served as primary (or etcd
+        could not be reached: try again), False when another broker holds the key."""
+        ledger = self._open_ledger()
+        try:
+            with ledger.read() as view:
+                min_epoch = view.epoch()
+            self.election.fields["ledger_id"] = ledger.ledger_id
+            epoch = await self._campaign(min_epoch)
+        except BaseException:
+            ledger.close()
+            raise
+        if epoch is None or epoch == -1:
+            ledger.close()
+            if epoch is None:
+                return False
+            await self._wait_stop(ETCD_RETRY_S)
+            return True
+        await self._primary(ledger, epoch)  # closes the ledger
+        return True
+
+    async def _campaign(self, min_epoch: int) -> int | None:
+        """One campaign: the epoch won, None (another broker holds the key), -1 (etcd unreachable: retry)."""
+        try:
+            return await asyncio.to_thread(self.election.campaign, min_epoch)
+        except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, a refused request: retried
+            log.warning("ha_campaign_failed", error=str(exc)[:300], retry_s=ETCD_RETRY_S)
+            return -1
 
     async def _wait_stop(self, timeout_s: float) -> bool:
         try:
@@ -211,7 +227,7 @@ class RoleLoop:
             raise _Exit(_fail(exc)) from None
 
     async def _standby(self) -> Any:
-        from ccsq.brokerd.standby import run_standby  # brokerd/standby.py (harepl)
+        run_standby = importlib.import_module("ccsq.brokerd.standby").run_standby  # brokerd/standby.py (harepl)
 
         log.info("ha_standby", node=self.cfg.ha_node_id, swarm=self.cfg.ha_namespace())
         if not self._ready:
@@ -221,7 +237,7 @@ class RoleLoop:
 
     # --- the primary phase ---
     async def _primary(self, ledger: Ledger, epoch: int) -> None:
-        from ccsq.brokerd.replserver import ReplicationServer  # brokerd/replserver.py (harepl)
+        ReplicationServer = importlib.import_module("ccsq.brokerd.replserver").ReplicationServer  # brokerd/replserver.py (harepl)
 
         cfg, election = self.cfg, self.election
         aloop = asyncio.get_running_loop()
@@ -251,7 +267,7 @@ class RoleLoop:
             sinks.append(server.sink)
             gate.server = server
             ledger.adopt_epoch(epoch)
-            gate.set_members([])  # this epoch's sync set: nobody until a standby is in sync (async: always empty)
+            gate.set_members([], initial=True)  # this epoch's sync set: nobody until a standby is in sync (async: always empty)
 
             def lost(why: str) -> None:  # the keep-alive thread: stop confirming at once, then leave the role
                 gate.lose(why)

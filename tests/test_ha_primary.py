@@ -6,7 +6,6 @@ place (no standby ever acknowledges)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -15,7 +14,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import msgpack
 import pytest
 import tomli_w
 import tomllib
@@ -26,7 +24,9 @@ from ccsq.common.wire import protocol as p
 from ccsq.common.wire.errors import ExitCode
 from tests.broker_harness import BrokerProcess, ScriptedPeer, make_swarm, wait_for
 from tests.test_broker import item, recv_tasks, result_of
-from tests.test_election import etcd, etcd_server  # noqa: F401 - fixtures
+from tests import test_election
+
+etcd_server, etcd = test_election.etcd_server, test_election.etcd  # the real etcd fixtures
 
 pytest.importorskip("etcd3gw")
 HERE = Path(__file__).resolve().parent
@@ -59,6 +59,11 @@ class HaBroker(BrokerProcess):
             if not self.endpoint:
                 raise RuntimeError(f"broker exited {self.proc.returncode}: {''.join(self.lines)[-3000:]}")
         return self
+
+
+def observer(url: str) -> Election:
+    """The test's own view of etcd (a generous request timeout: the test machine is loaded)."""
+    return Election([url], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0)
 
 
 def ha_swarm(root: Path, url: str, **overrides) -> Path:
@@ -116,7 +121,7 @@ def test_async_primary_without_standby_serves_submit_complete_ack_and_publishes_
     the election epoch, grants tokens carrying it, and confirms a whole flow."""
     cfg = ha_swarm(tmp_path, etcd, ha_mode="async")
     b = start(brokers, cfg)
-    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    el = observer(etcd)
     holder = el.holder()
     conf = tomllib.loads(cfg.read_text())
     assert holder is not None and holder.epoch >= 1
@@ -201,7 +206,7 @@ def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, et
     adm.hello("admin")
     ha = ha_doc(adm)
     assert (ha["mode"], ha["confirming"], ha["held_replies"], ha["degraded_count"]) == ("degraded", True, 0, 1)
-    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    el = observer(etcd)
     assert el.read_sync().members == ()
     w = peer(peers, tmp_path, "wA", b.endpoint)
     w.hello("worker", slots=1, credit=1)
@@ -214,7 +219,7 @@ def test_a_sigstopped_primary_confirms_nothing_after_its_lease_and_leaves_the_ro
     higher epoch, SIGCONT: the SUBMIT it reads on waking is committed but never
     confirmed (no frame but heartbeats and BYE), and it leaves the primary role (standby)."""
     b = start(brokers, ha_swarm(tmp_path, etcd, ha_mode="async"))
-    el = Election([etcd], SWARM, "tcp://127.0.0.1:1", ttl_s=TTL_S, margin_s=MARGIN_S)
+    el = Election([etcd], SWARM, "tcp://127.0.0.1:1", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=3.0)
     first = el.holder()
     prod = peer(peers, tmp_path, "prod", b.endpoint)
     prod.hello("producer")
@@ -299,7 +304,7 @@ def test_tokens_carry_the_election_epoch_and_an_older_epochs_token_is_fenced(tmp
     conf["endpoint"] = b.endpoint
     cfg.write_text(tomli_w.dumps(conf))
     b1 = start(brokers, cfg)
-    e1 = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S).holder().epoch
+    e1 = observer(etcd).holder().epoch
     w.connect()
     welcome = w.hello("worker", slots=1, credit=1, leases=[p.LeaseRef(t0.item_id, t0.token)])
     assert welcome.broker_epoch == e1 and welcome.resumed == [p.LeaseRef(t0.item_id, t0.token)]
@@ -309,7 +314,7 @@ def test_tokens_carry_the_election_epoch_and_an_older_epochs_token_is_fenced(tmp
     assert w.recv_type(p.CompleteAck).outcomes[0].outcome == "accepted"  # the single broker's lease, resumed
     b1.kill()  # t1 is held by nobody now: its lease runs out under the next primary
     b2 = start(brokers, cfg)
-    e2 = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S).holder().epoch
+    e2 = observer(etcd).holder().epoch
     assert e2 > e1
     w.connect()
     w.hello("worker", slots=1, credit=1)
@@ -328,7 +333,7 @@ def test_failover_without_a_standby_in_sync_is_refused_and_changes_nothing(tmp_p
     """Admin ``failover`` with no standby: refused after its timeout with the reason; the
     broker stays primary with the same epoch and confirms again. A single broker refuses at once."""
     b = start(brokers, ha_swarm(tmp_path, etcd, ha_mode="async"))
-    el = Election([etcd], SWARM, "observer", ttl_s=TTL_S, margin_s=MARGIN_S)
+    el = observer(etcd)
     epoch = el.holder().epoch
     adm = peer(peers, tmp_path, "admin", b.endpoint)
     adm.hello("admin")
