@@ -229,6 +229,15 @@ class ConfirmGate:
                 log.info("ha_sync_set", members=list(want))
             self.wake()
 
+    def wait_written(self, timeout_s: float) -> bool:
+        """Block until the sync-set writer has nothing left to write (tests, shutdown); True if so."""
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+            return not writer.is_alive()
+        return True
+
     def lose(self, why: str) -> None:
         """The lease is gone (or in doubt past the margin): never confirm again (any thread)."""
         if not self.lost:

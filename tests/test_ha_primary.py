@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 import subprocess
 import sys
 import time
@@ -48,8 +49,6 @@ class HaBroker(BrokerProcess):
     def start(self, wait: bool = True, timeout_s: float = 30.0) -> "HaBroker":
         self.lines = []
         self.endpoint = ""
-        import threading
-
         self.proc = subprocess.Popen([sys.executable, str(HERE / "ha_brokerd.py"), "--config", str(self.config)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, text=True)
         self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
@@ -359,3 +358,103 @@ def test_failover_on_a_single_broker_is_refused_at_once(tmp_path, brokers, peers
     reply = admin(adm, "failover", timeout_s=1.0)
     assert not reply.ok and "single broker" in reply.error
     assert adm.admin_status()["ha"] == {"role": "single", "epoch": 1}
+
+
+class StubServer:
+    """The two reads ConfirmGate makes of the replication server, set by the test (real etcd underneath)."""
+
+    def __init__(self) -> None:
+        self.standbys: list[dict] = []
+        self.durable = 0
+
+    def durable_seq(self) -> int:
+        return self.durable
+
+    def status(self) -> dict:
+        return {"standbys": self.standbys, "durable_seq": self.durable, "last_seq": 0}
+
+
+def _gate(etcd_url: str, server: StubServer, **kw):
+    from ccsq.brokerd.primary import ConfirmGate
+
+    el = Election([etcd_url], SWARM, "tcp://127.0.0.1:9", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0)
+    assert el.campaign() is not None
+    el.start_keepalive()
+    last = {"seq": 0}
+    gate = ConfirmGate(mode=kw.pop("mode", "sync"), sync_standbys=1, on_standby_loss=kw.pop("on_loss", "wait"),
+                       degrade_after_s=kw.pop("degrade_after_s", 10.0), election=el, server=server,
+                       last_seq=lambda: last["seq"], wake=lambda: None)
+    gate.set_members([], initial=True)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.epoch == el.epoch, what="the first sync set")
+    return gate, el, last
+
+
+def _ack(n: int) -> p.SubmitAck:
+    return p.SubmitAck(n, [p.SubmitResult(f"k{n}", f"i{n}")])
+
+
+def test_a_sync_primary_counts_a_standby_only_once_the_sync_set_names_it_and_never_drops_it_when_waiting(etcd):
+    server = StubServer()
+    gate, el, last = _gate(etcd, server)
+    sent: list = []
+    send = lambda rid, msg: sent.append(msg.req)  # noqa: E731
+    try:
+        for seq in (1, 2):
+            last["seq"] = seq
+            gate.hold(seq, [(b"r", _ack(seq))], set(), send)
+        server.standbys = [{"node": "broker-2", "seq": 1, "in_sync": True}]
+        server.durable = 1
+        gate.recheck()
+        assert gate.release(send) == 0 and sent == []  # acknowledged, but not yet in /sync: not counted
+        gate.set_members(["broker-2"])
+        wait_for(lambda: el.read_sync().members == ("broker-2",), what="broker-2 in the sync set")
+        wait_for(lambda: (gate.recheck(), gate.release(send))[1] or sent, what="the release")
+        assert sent == [1]  # seq 2 waits for its acknowledgement
+        server.standbys, server.durable = [], 1  # the standby goes away: wait, and keep it in the set
+        gate.set_members([])
+        assert gate.wait_written(5)
+        gate.recheck()
+        assert gate.release(send) == 0 and el.read_sync().members == ("broker-2",)
+        assert gate.status()["held_replies"] == 1 and "waiting for 1 standby" in gate.status()["waiting"]
+    finally:
+        el.resign()
+
+
+def test_degrade_rewrites_the_sync_set_before_the_first_confirm_alone_and_a_lapsed_lease_confirms_nothing(etcd):
+    server = StubServer()
+    gate, el, last = _gate(etcd, server, on_loss="degrade", degrade_after_s=0.3)
+    gate.set_members(["broker-2"])
+    wait_for(lambda: el.read_sync().members == ("broker-2",), what="broker-2 in the sync set")
+    seen_sync: list = []
+
+    def send(rid, msg):  # what etcd's sync set says at the moment a confirm leaves
+        seen_sync.append(el.read_sync().members)
+
+    real_write, may_write, writing = el.write_sync, threading.Event(), threading.Event()
+
+    def slow_write(members):  # the etcd write of the shrunk set takes its time
+        writing.set()
+        may_write.wait(10)
+        return real_write(members)
+
+    el.write_sync = slow_write
+    try:
+        last["seq"] = 1
+        gate.hold(1, [(b"r", _ack(1))], set(), send)
+        wait_for(lambda: (gate.recheck(), gate.release(send), writing.is_set())[2], 10, what="the degrade to begin")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # not one confirm alone before etcd has the smaller set
+            gate.recheck()
+            assert gate.release(send) == 0 and not seen_sync
+            time.sleep(0.02)
+        may_write.set()
+        wait_for(lambda: (gate.recheck(), gate.release(send))[1] or seen_sync, 10, what="the degraded confirm")
+        assert seen_sync == [()] and gate.status()["mode"] == "degraded"
+        last["seq"] = 2
+        el.renewed_at = el.renewed_at - TTL_S  # the lease is in doubt (as after a pause): confirm nothing
+        el.resign()
+        gate.hold(2, [(b"r", _ack(2))], set(), send)
+        gate.recheck()
+        assert gate.release(send) == 0 and seen_sync == [()]
+    finally:
+        el.resign()
