@@ -4,15 +4,19 @@ tests/ha_brokerd.py when the real modules are missing (the real ones win once me
 
 - :class:`FakeReplicationServer`: serves no standby. ``durable_seq()`` is the log's last
   seq in async mode and 0 in sync mode (no standby ever acknowledges); ``status()`` lists
-  no standby.
-- :func:`run_standby`: waits until the primary key is vacant (PROMOTE) or the stop event
-  (STOPPED); applies nothing.
+  no standby. With ``CCSQ_TEST_STUB_STANDBY=NODE`` in the environment, a stub standby
+  NODE is in sync from the start (``on_members([NODE])``) and acknowledges every turn at
+  once (``durable_seq()`` = the log's last seq).
+- :func:`run_standby`: waits until the primary key is vacant and this node may take over
+  (a member of ``/sync``, or ``ha_mode = async``: PROMOTE) or the stop event (STOPPED);
+  applies nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import os
 from typing import Any
 
 import structlog
@@ -26,17 +30,20 @@ class FakeReplicationServer:
         self.cfg, self.ledger, self.log, self.epoch = cfg, ledger, log_, epoch
         self.on_durable, self.on_members = on_durable, on_members
         self._stop: asyncio.Event | None = None
+        self.stub = os.environ.get("CCSQ_TEST_STUB_STANDBY", "")
 
     def sink(self, ws: Any) -> None:
-        if self.cfg.ha_mode == "async":
+        if self.cfg.ha_mode == "async" or self.stub:
             self.on_durable()
 
     def durable_seq(self) -> int:
-        return self.log.position[1] if self.cfg.ha_mode == "async" else 0
+        return self.log.position[1] if self.cfg.ha_mode == "async" or self.stub else 0
 
     async def run(self) -> None:
         self._stop = asyncio.Event()
-        log.info("fake_replserver_running", epoch=self.epoch)
+        log.info("fake_replserver_running", epoch=self.epoch, stub_standby=self.stub)
+        if self.stub:
+            self.on_members([self.stub])
         await self._stop.wait()
 
     async def stop(self) -> None:
@@ -44,7 +51,10 @@ class FakeReplicationServer:
             self._stop.set()
 
     def status(self) -> dict:
-        return {"standbys": [], "durable_seq": self.durable_seq(), "last_seq": self.log.position[1]}
+        last = self.log.position[1]
+        standbys = [{"node": self.stub, "seq": last, "lag_turns": 0, "lag_bytes": 0, "lag_s": 0.0, "in_sync": True,
+                     "copying": False}] if self.stub else []
+        return {"standbys": standbys, "durable_seq": self.durable_seq(), "last_seq": last}
 
 
 class StandbyOutcome(enum.Enum):
@@ -57,9 +67,10 @@ async def run_standby(cfg: Any, election: Any, stop_event: asyncio.Event) -> Sta
     while not stop_event.is_set():
         try:
             holder = await asyncio.to_thread(election.holder)
+            sync = await asyncio.to_thread(election.read_sync) if holder is None else None
         except Exception:  # noqa: BLE001 - etcd away: try again
-            holder = ...
-        if holder is None:
+            holder = sync = ...
+        if holder is None and (cfg.ha_mode == "async" or sync is None or cfg.ha_node_id in sync.members):
             return StandbyOutcome.PROMOTE
         try:
             await asyncio.wait_for(stop_event.wait(), 0.2)

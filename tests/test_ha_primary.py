@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import pytest
 import tomli_w
 import tomllib
@@ -89,8 +90,8 @@ def brokers():
         b.kill()
 
 
-def start(brokers, config: Path, wait: bool = True) -> HaBroker:
-    b = HaBroker(config).start(wait=wait)
+def start(brokers, config: Path, wait: bool = True, env: dict | None = None) -> HaBroker:
+    b = HaBroker(config, env=env).start(wait=wait)
     brokers.append(b)
     return b
 
@@ -189,6 +190,49 @@ def test_sync_primary_without_standby_confirms_nothing_and_says_it_waits(tmp_pat
 
     text = wait_for(lambda: (t := scrape()) and "ccsq_ha_held_replies 1.0" in t and t, what="the held reply in the metrics")
     assert 'ccsq_ha_role{role="primary"} 1.0' in text and "ccsq_ha_confirming 0.0" in text
+
+
+def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_the_sync_set(tmp_path, etcd, brokers, peers):
+    """ha_mode = sync with a stub standby (tests/ha_fakes.py until harepl's server lands)
+    that is in sync and acknowledges every turn: the primary writes it into /sync and
+    confirms; status lists it."""
+    b = start(brokers, ha_swarm(tmp_path, etcd), env={"CCSQ_TEST_STUB_STANDBY": "broker-2"})
+    el = observer(etcd)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), what="broker-2 in /sync")
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("doc-1")], timeout_s=10)
+    assert r.item_id
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    ha = ha_doc(adm)
+    assert (ha["mode"], ha["confirming"], ha["sync_members"]) == ("sync", True, ["broker-2"])
+    assert [s["node"] for s in ha["standbys"]] == ["broker-2"]
+
+
+def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, etcd, brokers, peers):
+    """Admin failover with a standby of the sync set that holds every turn: answered ok
+    naming it, the key is resigned at once, and the broker runs as standby (it does not
+    take the key back: it is not in /sync); the standby's campaign wins with a higher epoch."""
+    b = start(brokers, ha_swarm(tmp_path, etcd), env={"CCSQ_TEST_STUB_STANDBY": "broker-2"})
+    el = Election([etcd], SWARM, "tcp://127.0.0.1:2", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0)
+    epoch = el.holder().epoch
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), what="broker-2 in /sync")
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    reply = admin(adm, "failover", timeout_s=5.0)
+    assert reply.ok, reply.error
+    doc = msgpack.unpackb(reply.body, raw=False)
+    assert (doc["standby"], doc["epoch"]) == ("broker-2", epoch)
+    wait_for(lambda: b.events("ha_standby"), 15, what="the old primary in the standby role")
+    assert el.holder() is None and len(b.events("broker_started")) == 1  # resigned, and not taken back
+    new = el.campaign()
+    el.start_keepalive()
+    try:
+        assert new is not None and new > epoch
+        assert len(b.events("broker_started")) == 1 and el.holder().epoch == new
+    finally:
+        el.resign()
 
 
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
