@@ -298,7 +298,7 @@ class Broker:
             wake = min(wake, due)
         if self.outbound.any_unsent():
             wake = min(wake, now + UNSENT_RETRY_S)
-        if self.gate is not None and (self.gate.held or self._failover is not None or self.gate.short_since is not None):
+        if self.gate is not None and (self.gate.held or self._failover is not None):
             wake = min(wake, now + CHECK_INTERVAL_S)  # on_durable wakes sooner
         return max(0.0, min(wake - now, 1.0))
 

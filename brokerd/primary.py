@@ -116,7 +116,7 @@ class ConfirmGate:
         allowed. Returns how many went."""
         now = self.monotonic_s()
         if not self.held and now < self._next_check:
-            return 0
+            return 0  # nothing to send: look at the standbys and the lease at most every CHECK_INTERVAL_S
         self._next_check = now + CHECK_INTERVAL_S
         durable = self.durable_seq(now)
         ok = not self.lost and not self.paused and self.election.may_confirm(now)

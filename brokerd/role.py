@@ -20,7 +20,8 @@ Start checks (:func:`check_start`; :class:`~ccsq.common.wire.errors.ConfigError`
 78, naming the file and the key): ``ha_node_key`` readable and private;
 ``ha_repl_endpoint`` an address of this host; no other broker on this host claims the
 same ``ha_node_id`` for the same swarm (a lock file in ``/run/lock``, else the temp
-directory, held while running); etcd answers at ``ha_etcd_endpoints``; the optional
+directory, held while running); nothing on this host has ``ha_repl_endpoint`` bound
+(probed); etcd answers at ``ha_etcd_endpoints``; the optional
 dependency (extra ``ha``) installed. Two configs sharing a ``data_dir`` are refused by
 the ledger lock (exit 75), sharing an endpoint by the bind (exit 75).
 """
@@ -96,6 +97,28 @@ def node_lock(cfg: BrokerConfig) -> int:
     return fd
 
 
+def _probe_repl_endpoint(cfg: BrokerConfig) -> None:
+    """Refuse (ConfigError naming ``ha_repl_endpoint``) when another process on this host
+    has the replication endpoint bound now (e.g. the primary of a second config with the
+    same ``ha_repl_endpoint``). A port 0 (ephemeral) is not probed."""
+    ep = cfg.ha_repl_endpoint
+    if not ep.startswith("tcp://") or ep.endswith(":0"):
+        return
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(ep)
+        sock.unbind(ep)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            raise ConfigError(f"{cfg.config_path}: ha_repl_endpoint = {ep!r} is in use by another process on this host "
+                              "(another broker of the pair configured with the same endpoint?): give each broker its "
+                              "own ha_repl_endpoint") from None
+        # other errors (no such address) are the bind check's and the server's to name
+    finally:
+        sock.close(linger=0)
+
+
 def check_start(cfg: BrokerConfig) -> HaStart:
     """The HA checks at start (module docstring). Raises ConfigError (exit 78)."""
     where = cfg.config_path
@@ -105,6 +128,7 @@ def check_start(cfg: BrokerConfig) -> HaStart:
         raise ConfigError(f"{where}: ha_node_key: {exc}: the node key of ha_node_id = {cfg.ha_node_id!r} "
                           f"(`ccsq keygen {cfg.ha_node_id}` writes one; every broker lists it with role standby)") from None
     check_bind_local(cfg.ha_repl_endpoint, where=f"{where}: ha_repl_endpoint")
+    _probe_repl_endpoint(cfg)
     try:
         from ccsq.brokerd.election import Election
     except ImportError as exc:  # pragma: no cover - the extra is installed with the package's tests

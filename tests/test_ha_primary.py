@@ -502,3 +502,19 @@ def test_degrade_rewrites_the_sync_set_before_the_first_confirm_alone_and_a_laps
         assert gate.release(send) == 0 and seen_sync == [()]
     finally:
         el.resign()
+
+
+def test_a_second_config_with_a_replication_endpoint_in_use_is_refused(tmp_path, etcd, brokers):
+    """Another process holds ha_repl_endpoint (here a plain socket, as the other broker's
+    replication server would): refused 78 naming ha_repl_endpoint."""
+    port = free_port()
+    cfg = ha_swarm(tmp_path, etcd, ha_mode="async")
+    conf = tomllib.loads(cfg.read_text())
+    conf["ha_repl_endpoint"] = f"tcp://127.0.0.1:{port}"
+    cfg.write_text(tomli_w.dumps(conf))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        err = _refused(brokers, cfg)
+    assert "ha_repl_endpoint" in err and str(port) in err and str(cfg) in err, err
