@@ -7,9 +7,11 @@ RESULT, a CANCEL's STATUS_REPLY, the reply of an admin command that changes stat
 after it: a duplicate SUBMIT answered without a write still waits for the turn that
 wrote its item). Held replies are released in commit order once both hold:
 
-- the turn is durable where the mode says: ``sync``: ``ha_sync_standbys`` standbys that
-  are members of ``/ccsq/<swarm>/sync`` in etcd acknowledged it (a standby counts only
-  once the set naming it is written); ``async``, or ``sync`` degraded: committed here;
+- the turn is durable where the mode says: ``sync``: every member of
+  ``/ccsq/<swarm>/sync`` as written to etcd acknowledged it, with at least
+  ``ha_sync_standbys`` members in sync (a standby counts only once the set naming it is
+  written; a laggard is written out before a confirm goes without it:
+  :meth:`ConfirmGate.on_members`); ``async``, or ``sync`` degraded: committed here;
 - ``Election.may_confirm(now)``: the etcd lease cannot have expired yet (the margin).
 
 Reads (STATUS, admin status / items_show / dlq_list), heartbeats, WELCOMEs and
@@ -91,8 +93,10 @@ class ConfirmGate:
         self.degrade_count = 0
         self.short_since: float | None = None  # monotonic time since when too few standbys are in sync
         self.members: tuple[str, ...] = ()  # the sync set as last written to etcd
-        self._want: tuple[str, ...] | None = None  # a sync set to write (the writer thread takes it)
+        self._want: tuple[str, ...] | None = None  # a set for the writer thread to write
         self._lock = threading.Lock()
+        self._etcd_lock = threading.Lock()  # one sync-set write at a time (the writer thread, on_members)
+        self._degrade_wanted = False
         self._writer: threading.Thread | None = None
         self.lost = ""  # why this broker may never confirm again (the lease is gone): "" while primary
         self.paused = ""  # a planned failover in progress: why (confirms held)
@@ -141,27 +145,31 @@ class ConfirmGate:
         return self.confirming and not self.lost and not self.paused
 
     def durable_seq(self, now: float) -> int | None:
-        """The highest seq whose confirms may leave as far as replication goes (None: none yet)."""
+        """The highest seq whose confirms may leave as far as replication goes (None: none
+        yet). Sync: the lowest seq acknowledged by *every* member of the sync set as written
+        to etcd (so each standby that may take over holds every confirmed turn), once at
+        least ``sync_standbys`` members are in sync; a member not connected counts 0."""
         if self.mode == "async":
             return self.last_seq()
         st = self.server.status()
-        members = set(self.members)
-        in_sync = sorted((int(s.get("seq", 0)) for s in st.get("standbys", [])
-                          if s.get("in_sync") and s.get("node") in members), reverse=True)
-        if len(in_sync) >= self.sync_standbys:
+        standbys = st.get("standbys", [])
+        seqs = {str(sb.get("node")): int(sb.get("seq", 0)) for sb in standbys}
+        in_sync = {str(sb.get("node")) for sb in standbys if sb.get("in_sync")}
+        members = self.members
+        if len(members) >= self.sync_standbys and sum(m in in_sync for m in members) >= self.sync_standbys:
             self.short_since = None
             if self.degraded:
                 self.degraded = False
-                log.warning("ha_sync_restored", members=sorted(members), note="confirms wait for the standbys again")
-            return min(self.server.durable_seq(), in_sync[self.sync_standbys - 1])
+                log.warning("ha_sync_restored", members=list(members), note="confirms wait for the standbys again")
+            return min(self.server.durable_seq(), min(seqs.get(m, 0) for m in members))
         if self.short_since is None:
             self.short_since = now
-            log.warning("ha_standbys_short", in_sync=len(in_sync), needed=self.sync_standbys, on_loss=self.on_loss,
-                        note="no confirm leaves until enough standbys acknowledge" if not self.degraded else "degraded")
+            log.warning("ha_standbys_short", members=list(members), in_sync=sorted(in_sync), needed=self.sync_standbys,
+                        on_loss=self.on_loss, degraded=self.degraded)
         if self.degraded:
             return self.last_seq()
         if self.on_loss == "degrade" and now - self.short_since >= self.degrade_after_s:
-            self._degrade(sorted(s.get("node") for s in st.get("standbys", []) if s.get("in_sync") and s.get("node") in members))
+            self._degrade(sorted(m for m in members if m in in_sync))
         return None
 
     def _degrade(self, keep: list[str]) -> None:
@@ -172,20 +180,29 @@ class ConfirmGate:
         self.set_members(keep, degrade=True)
 
     # --- the replication server's side (on_members) and etcd ---
+    def on_members(self, members: list[str]) -> None:
+        """``ReplicationServer``'s ``on_members``: the standbys in sync now. Called in a
+        worker thread; blocks until etcd holds the new sync set; raises (EtcdUnavailable,
+        RuntimeError when this broker's key is gone) so the server retries. The set written:
+        ``members`` when they are at least ``ha_sync_standbys`` (a laggard is removed
+        *before* any confirm goes without it: the gate counts only the set as written);
+        fewer: ``members`` plus the set as it is (nobody removed: confirms wait, and every
+        listed standby holds every confirmed turn so far and may take over); ``async``: the
+        set stays empty (any standby may take over)."""
+        if self.mode == "async":
+            return
+        new = set(members)
+        want = tuple(sorted(new if len(new) >= self.sync_standbys else new | set(self.members)))
+        if want == self.members:
+            return
+        if not self._write(want, degrade=False):
+            raise RuntimeError(f"the sync set {list(want)} was not written: this broker's primary key is gone")
+
     def set_members(self, members: list[str], *, degrade: bool = False, initial: bool = False) -> None:
-        """The in-sync set changed (``ReplicationServer`` ``on_members``; any thread): write
-        ``/sync`` in etcd in a thread; the gate counts a member only once written. A member
-        is only ever *added* here: a standby that fell behind stays in the set (it holds
-        every turn confirmed so far and may take over); only :meth:`_degrade` removes
-        members (``degrade``). ``async``: the set stays empty (any standby may take over).
-        ``initial``: this epoch's first set (empty)."""
-        if self.mode == "async" and not initial:
-            return
-        with self._lock:
-            pending = self._want or ()
-        want = tuple(sorted(members if degrade or initial else set(members) | set(self.members) | set(pending)))
-        if not (degrade or initial) and want == self.members:
-            return
+        """Write exactly ``members`` as the sync set in a thread (retried until written or
+        the lease is lost): ``initial``: this epoch's first (empty) set; ``degrade``: the
+        smaller set a degrading primary writes before it confirms alone."""
+        want = tuple(sorted(members))
         with self._lock:
             self._want = want
             self._degrade_wanted = degrade
@@ -195,26 +212,31 @@ class ConfirmGate:
             self._writer.start()
 
     def _write_loop(self) -> None:
-        while True:
+        while not self.lost:
             with self._lock:
-                want, degrade = self._want, getattr(self, "_degrade_wanted", False)
+                want, degrade = self._want, self._degrade_wanted
                 self._want = None
                 if want is None:
                     return
+            if self._write(want, degrade=degrade):
+                continue
+            time.sleep(0.2)
+            with self._lock:
+                if self._want is None:
+                    self._want, self._degrade_wanted = want, degrade
+
+    def _write(self, want: tuple[str, ...], *, degrade: bool) -> bool:
+        """Write ``want`` to ``/sync`` and count it from then on; False when not written."""
+        with self._etcd_lock:
             try:
                 written = self.election.write_sync(list(want))
-            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else: retried
+            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
                 log.error("ha_sync_set_write_failed", members=list(want), error=str(exc)[:300])
-                written = False
+                if not degrade:
+                    raise
+                return False
             if not written:
-                time.sleep(0.2)
-                with self._lock:
-                    if self._want is None:
-                        self._want, self._degrade_wanted = want, degrade
-                if self.lost:
-                    return
-                continue
-            shrink = set(self.members) - set(want)
+                return False
             self.members = want
             if degrade and not self.degraded and len(want) < self.sync_standbys:
                 self.degraded = True
@@ -223,11 +245,10 @@ class ConfirmGate:
                             note="confirming without enough standbys (ha_on_standby_loss = degrade): a failover now "
                                  "may lose turns confirmed since; the sync set in etcd was shrunk first, so no "
                                  "standby missing them can take over")
-            elif shrink:
-                log.info("ha_sync_set", members=list(want))
             else:
                 log.info("ha_sync_set", members=list(want))
-            self.wake()
+        self.wake()
+        return True
 
     def wait_written(self, timeout_s: float) -> bool:
         """Block until the sync-set writer has nothing left to write (tests, shutdown); True if so."""

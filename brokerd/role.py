@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import fcntl
 import importlib
+import inspect
 import os
 import signal
 import tempfile
@@ -287,7 +288,7 @@ class RoleLoop:
             sinks: list[Any] = []
             repl_log = ledger.replicate(epoch, sink=lambda ws: sinks[0](ws) if sinks else None)
             server = ReplicationServer(cfg, ledger, repl_log, epoch, sync_standbys=cfg.ha_sync_standbys,
-                                       on_durable=transport.wake, on_members=gate.set_members)
+                                       on_durable=transport.wake, on_members=gate.on_members)
             sinks.append(server.sink)
             gate.server = server
             ledger.adopt_epoch(epoch)
@@ -358,7 +359,10 @@ class RoleLoop:
 
 async def _stop(server: Any, task: asyncio.Task) -> None:
     try:
-        await server.stop()
+        res = server.stop()
+        if inspect.isawaitable(res):
+            await res
+        await asyncio.wait_for(asyncio.shield(task), 5.0)  # its BYEs to the standbys, its socket closed
     except Exception:  # noqa: BLE001 - stopping: log and go on
         log.exception("replserver_stop_failed")
     if not task.done():

@@ -43,17 +43,17 @@ class FakeReplicationServer:
         self._stop = asyncio.Event()
         log.info("fake_replserver_running", epoch=self.epoch, stub_standby=self.stub)
         if self.stub:
-            self.on_members([self.stub])
+            await asyncio.to_thread(self.on_members, [self.stub])
         await self._stop.wait()
 
-    async def stop(self) -> None:
+    def stop(self) -> None:  # (harepl's is a plain method)
         if self._stop is not None:
             self._stop.set()
 
     def status(self) -> dict:
         last = self.log.position[1]
         standbys = [{"node": self.stub, "seq": last, "lag_turns": 0, "lag_bytes": 0, "lag_s": 0.0, "in_sync": True,
-                     "copying": False}] if self.stub else []
+                     "copying": None}] if self.stub else []
         return {"standbys": standbys, "durable_seq": self.durable_seq(), "last_seq": last}
 
 

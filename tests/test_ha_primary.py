@@ -450,13 +450,12 @@ def test_a_sync_primary_counts_a_standby_only_once_the_sync_set_names_it_and_nev
         server.durable = 1
         gate.recheck()
         assert gate.release(send) == 0 and sent == []  # acknowledged, but not yet in /sync: not counted
-        gate.set_members(["broker-2"])
-        wait_for(lambda: el.read_sync().members == ("broker-2",), what="broker-2 in the sync set")
+        gate.on_members(["broker-2"])  # (blocks until etcd has it)
+        assert el.read_sync().members == ("broker-2",)
         wait_for(lambda: (gate.recheck(), gate.release(send))[1] or sent, what="the release")
         assert sent == [1]  # seq 2 waits for its acknowledgement
         server.standbys, server.durable = [], 1  # the standby goes away: wait, and keep it in the set
-        gate.set_members([])
-        assert gate.wait_written(5)
+        gate.on_members([])
         gate.recheck()
         assert gate.release(send) == 0 and el.read_sync().members == ("broker-2",)
         assert gate.status()["held_replies"] == 1 and "waiting for 1 standby" in gate.status()["waiting"]
@@ -467,8 +466,8 @@ def test_a_sync_primary_counts_a_standby_only_once_the_sync_set_names_it_and_nev
 def test_degrade_rewrites_the_sync_set_before_the_first_confirm_alone_and_a_lapsed_lease_confirms_nothing(etcd):
     server = StubServer()
     gate, el, last = _gate(etcd, server, on_loss="degrade", degrade_after_s=0.3)
-    gate.set_members(["broker-2"])
-    wait_for(lambda: el.read_sync().members == ("broker-2",), what="broker-2 in the sync set")
+    gate.on_members(["broker-2"])
+    assert el.read_sync().members == ("broker-2",)
     seen_sync: list = []
 
     def send(rid, msg):  # what etcd's sync set says at the moment a confirm leaves
@@ -518,3 +517,32 @@ def test_a_second_config_with_a_replication_endpoint_in_use_is_refused(tmp_path,
         s.listen()
         err = _refused(brokers, cfg)
     assert "ha_repl_endpoint" in err and str(port) in err and str(cfg) in err, err
+
+
+def test_every_member_of_the_sync_set_holds_every_confirmed_turn(etcd):
+    """ha_sync_standbys = 1 with two members: a confirm waits for the slower member too,
+    and goes without it only once etcd's sync set no longer lists it (Patroni's rule), so
+    whichever listed standby takes over holds it."""
+    server = StubServer()
+    gate, el, last = _gate(etcd, server)
+    gate.on_members(["broker-2", "broker-3"])
+    seen: list = []
+
+    def send(rid, msg):
+        seen.append((msg.req, el.read_sync().members))
+
+    try:
+        last["seq"] = 3
+        gate.hold(3, [(b"r", _ack(3))], set(), send)
+        server.standbys = [{"node": "broker-2", "seq": 1, "in_sync": True}, {"node": "broker-3", "seq": 3, "in_sync": True}]
+        server.durable = 3
+        gate.recheck()
+        assert gate.release(send) == 0  # broker-2 has not acknowledged seq 3
+        server.standbys[0]["in_sync"] = False  # the server lags it out, and tells the gate
+        gate.recheck()
+        assert gate.release(send) == 0  # ... but etcd still lists it
+        gate.on_members(["broker-3"])
+        gate.recheck()
+        assert gate.release(send) == 1 and seen == [(3, ("broker-3",))]
+    finally:
+        el.resign()
