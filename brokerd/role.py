@@ -105,7 +105,7 @@ def _probe_repl_endpoint(cfg: BrokerConfig) -> None:
     ep = cfg.ha_repl_endpoint
     if not ep.startswith("tcp://") or ep.endswith(":0"):
         return
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock: Any = zmq.Context.instance().socket(zmq.ROUTER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(ep)
