@@ -810,9 +810,9 @@ class Broker:
             return {"role": "single", "epoch": self.epoch}
         assert self.gate is not None
         server = self.ha.server.status()
-        return {"role": "primary", "epoch": self.epoch, "node": self.cfg.ha_node_id, "etcd": self.cfg.ha_etcd_endpoints,
-                "swarm": self.cfg.ha_namespace(), "repl_endpoint": self.ha.repl_endpoint, **self.gate.status(),
-                "failover": "in progress" if self._failover else "", **server}
+        return {**server, "role": "primary", "epoch": self.epoch, "node": self.cfg.ha_node_id,  # (the server's own
+                "etcd": self.cfg.ha_etcd_endpoints, "swarm": self.cfg.ha_namespace(),  # "mode" is not the gate's)
+                "repl_endpoint": self.ha.repl_endpoint, **self.gate.status(), "failover": "in progress" if self._failover else ""}
 
     def _failover_start(self, rid: bytes, msg: p.Admin) -> None:
         """Admin ``failover``: stop confirming, then (:meth:`_failover_step`) hand over once

@@ -79,6 +79,7 @@ class SyncSet:
 
     epoch: int
     members: tuple[str, ...]
+    primary: str = ""  # the node id of the primary that wrote it ("" from an older writer)
 
 
 def primary_key(swarm_id: str) -> str:
@@ -235,12 +236,12 @@ class Election:
         return epoch
 
     def write_sync(self, members: Sequence[str]) -> bool:
-        """As the primary: ``/ccsq/S/sync`` = ``{"epoch", "members"}`` in one transaction
+        """As the primary: ``/ccsq/S/sync`` = ``{"epoch", "members", "node"}`` in one transaction
         that holds only while this broker's key is the one it created (a deposed primary
         writes nothing). True when written. Raises :class:`EtcdUnavailable`."""
         if not self.created_revision:
             return False
-        value = json.dumps({"epoch": self.epoch, "members": sorted(members)})
+        value = json.dumps({"epoch": self.epoch, "members": sorted(members), "node": self.fields.get("node", "")})
         txn = {"compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL",
                             "create_revision": self.created_revision}],
                "success": [{"request_put": {"key": _b64(self.sync_key), "value": _b64(value)}}], "failure": []}
@@ -252,7 +253,7 @@ class Election:
         if not kvs:
             return None
         d = json.loads(_unb64(kvs[0]["value"]))
-        return SyncSet(int(d.get("epoch", 0)), tuple(str(m) for m in d.get("members", [])))
+        return SyncSet(int(d.get("epoch", 0)), tuple(str(m) for m in d.get("members", [])), str(d.get("node", "")))
 
     def renew(self) -> bool:
         """One keep-alive. True: renewed (``renewed_at`` moves to the time before it was

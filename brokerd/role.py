@@ -207,9 +207,39 @@ class RoleLoop:
                     break
         return int(ExitCode.OK)
 
+    def may_campaign(self) -> str:
+        """"" when this node may campaign now, else why not (then it is a standby). A node
+        may take the key only if it holds every confirmed turn: the key is vacant, and the
+        swarm never had a primary (no ``/sync``), or ``ha_mode = async``, or it is listed in
+        ``/sync``, or it is the primary that wrote it (its own ledger has every turn it
+        confirmed). A node whose ledger does not exist yet never takes over an existing swarm.
+        Raises EtcdUnavailable."""
+        if self.election.holder() is not None:
+            return "another broker holds the primary key"
+        sync = self.election.read_sync()
+        if sync is None:
+            return ""
+        node = self.cfg.ha_node_id
+        if not (self.ledger_dir / "data.mdb").exists():
+            return "this node has no ledger yet: it seeds from the primary as a standby"
+        if self.cfg.ha_mode == "async" or node in sync.members or sync.primary == node:
+            return ""
+        return (f"{node} is not in the sync set {list(sync.members)} of epoch {sync.epoch}: it may lack confirmed turns; "
+                "a listed standby (or the last primary) must take over")
+
     async def _try_primary(self) -> bool:
         """Open the ledger and campaign; True when this broker served as primary (or etcd
-        could not be reached: try again), False when another broker holds the key."""
+        could not be reached: try again), False when another broker holds the key or this
+        node may not take it (:meth:`may_campaign`)."""
+        try:
+            why = await asyncio.to_thread(self.may_campaign)
+        except Exception as exc:  # noqa: BLE001 - EtcdUnavailable: retried
+            log.warning("ha_campaign_failed", error=str(exc)[:300], retry_s=ETCD_RETRY_S)
+            await self._wait_stop(ETCD_RETRY_S)
+            return True
+        if why:
+            log.info("ha_not_campaigning", why=why)
+            return False
         ledger = self._open_ledger()
         try:
             with ledger.read() as view:

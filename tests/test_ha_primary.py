@@ -6,6 +6,7 @@ place (no standby ever acknowledges)."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import socket
 import threading
@@ -192,13 +193,32 @@ def test_sync_primary_without_standby_confirms_nothing_and_says_it_waits(tmp_pat
     assert 'ccsq_ha_role{role="primary"} 1.0' in text and "ccsq_ha_confirming 0.0" in text
 
 
+REAL_STANDBY = importlib.util.find_spec("ccsq.brokerd.replserver") is not None
+
+
+def with_standby(brokers, cfg: Path) -> HaBroker:
+    """The primary of ``cfg`` and a standby broker-2: a real second broker process when
+    brokerd/replserver.py and brokerd/standby.py exist, else tests/ha_fakes.py's stub
+    standby (in sync, acknowledging every turn at once) inside the primary."""
+    if not REAL_STANDBY:
+        return start(brokers, cfg, env={"CCSQ_TEST_STUB_STANDBY": "broker-2"})
+    b = start(brokers, cfg)
+    conf = tomllib.loads(cfg.read_text())
+    conf.update(data_dir="broker-data-2", endpoint=f"tcp://127.0.0.1:{free_port()}", ha_node_id="broker-2",
+                ha_node_key="keys/broker-2.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    second = cfg.parent / "brokerd-2.toml"
+    second.write_text(tomli_w.dumps(conf))
+    start(brokers, second, wait=False)
+    return b
+
+
 def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_the_sync_set(tmp_path, etcd, brokers, peers):
-    """ha_mode = sync with a stub standby (tests/ha_fakes.py until harepl's server lands)
-    that is in sync and acknowledges every turn: the primary writes it into /sync and
-    confirms; status lists it."""
-    b = start(brokers, ha_swarm(tmp_path, etcd), env={"CCSQ_TEST_STUB_STANDBY": "broker-2"})
+    """ha_mode = sync with a standby that is in sync and acknowledges every turn (a real
+    second broker, or the stub of tests/ha_fakes.py until harepl's server is merged): the
+    primary writes it into /sync and confirms; status lists it."""
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
     el = observer(etcd)
-    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), what="broker-2 in /sync")
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
     prod = peer(peers, tmp_path, "prod", b.endpoint)
     prod.hello("producer")
     (r,) = prod.submit([item("doc-1")], timeout_s=10)
@@ -207,17 +227,18 @@ def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_
     adm.hello("admin")
     ha = ha_doc(adm)
     assert (ha["mode"], ha["confirming"], ha["sync_members"]) == ("sync", True, ["broker-2"])
-    assert [s["node"] for s in ha["standbys"]] == ["broker-2"]
+    assert [(s["node"], s["in_sync"]) for s in ha["standbys"]] == [("broker-2", True)]
 
 
 def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, etcd, brokers, peers):
     """Admin failover with a standby of the sync set that holds every turn: answered ok
     naming it, the key is resigned at once, and the broker runs as standby (it does not
-    take the key back: it is not in /sync); the standby's campaign wins with a higher epoch."""
-    b = start(brokers, ha_swarm(tmp_path, etcd), env={"CCSQ_TEST_STUB_STANDBY": "broker-2"})
+    take the key back: it is not in /sync); broker-2 (or, with the stub, the test in its
+    place) takes the key with a higher epoch."""
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
     el = Election([etcd], SWARM, "tcp://127.0.0.1:2", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0)
     epoch = el.holder().epoch
-    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), what="broker-2 in /sync")
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
     adm = peer(peers, tmp_path, "admin", b.endpoint)
     adm.hello("admin")
     reply = admin(adm, "failover", timeout_s=5.0)
@@ -225,6 +246,10 @@ def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, e
     doc = msgpack.unpackb(reply.body, raw=False)
     assert (doc["standby"], doc["epoch"]) == ("broker-2", epoch)
     wait_for(lambda: b.events("ha_standby"), 15, what="the old primary in the standby role")
+    if REAL_STANDBY:
+        h = wait_for(lambda: (h := el.holder()) is not None and h.node == "broker-2" and h, 20, what="broker-2 primary")
+        assert h.epoch > epoch and len(b.events("broker_started")) == 1
+        return
     assert el.holder() is None and len(b.events("broker_started")) == 1  # resigned, and not taken back
     new = el.campaign()
     el.start_keepalive()
@@ -546,3 +571,38 @@ def test_every_member_of_the_sync_set_holds_every_confirmed_turn(etcd):
         assert gate.release(send) == 1 and seen == [(3, ("broker-3",))]
     finally:
         el.resign()
+
+
+def test_a_node_outside_the_sync_set_does_not_take_a_vacant_key(tmp_path, etcd, brokers):
+    """Only a node that holds every confirmed turn campaigns: broker-1 was primary, then
+    broker-2 was (its sync set: broker-3 only), now the key is vacant. broker-1 restarted
+    stays standby (log says why); once /sync lists it, it takes the key with a higher epoch.
+    A node with no ledger yet never takes over an existing swarm."""
+    cfg = ha_swarm(tmp_path, etcd)
+    b = start(brokers, cfg)
+    assert b.stop() == 0
+    other = Election([etcd], SWARM, "tcp://127.0.0.1:3", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0,
+                     fields={"node": "broker-2"})
+    e2 = other.campaign()
+    assert e2 is not None and other.write_sync(["broker-3"])
+    other.resign()
+    b = start(brokers, cfg, wait=False)
+    wait_for(lambda: b.events("ha_not_campaigning"), 20, what="broker-1 to decline")
+    assert "not in the sync set" in b.events("ha_not_campaigning")[0]["why"]
+    el = observer(etcd)
+    assert el.holder() is None and not b.events("broker_started")
+    fresh = tomllib.loads(cfg.read_text())
+    fresh.update(data_dir="broker-data-3", endpoint=f"tcp://127.0.0.1:{free_port()}", ha_node_id="broker-3",
+                 ha_node_key="keys/broker-1.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    third = tmp_path / "brokerd-3.toml"
+    third.write_text(tomli_w.dumps(fresh))
+    c = start(brokers, third, wait=False)  # listed, but holds no ledger: it must seed, not lead
+    wait_for(lambda: c.events("ha_not_campaigning"), 20, what="broker-3 to decline")
+    assert "no ledger yet" in c.events("ha_not_campaigning")[0]["why"]
+    assert el.holder() is None
+    c.kill()
+    other.campaign()
+    assert other.write_sync(["broker-1"])
+    other.resign()
+    h = wait_for(lambda: (h := el.holder()) is not None and h, 20, what="broker-1 to take the key")
+    assert h.node == "broker-1" and h.epoch > e2
