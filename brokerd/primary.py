@@ -119,8 +119,11 @@ class ConfirmGate:
         """Send the held replies whose turn is durable, oldest first, while confirming is
         allowed. Returns how many went."""
         now = self.monotonic_s()
-        if not self.held and now < self._next_check:
-            return 0  # nothing to send: look at the standbys and the lease at most every CHECK_INTERVAL_S
+        if now < self._next_check and (not self.held or (
+                self.mode == "sync" and not self.degraded and self.server.durable_seq() < self.held[0][0])):
+            # nothing to send, or nothing the server counts as durable yet (the gate's own count is
+            # never above the server's): look at the standbys and the lease every CHECK_INTERVAL_S
+            return 0
         self._next_check = now + CHECK_INTERVAL_S
         durable = self.durable_seq(now)
         ok = not self.lost and not self.paused and self.election.may_confirm(now)
@@ -291,7 +294,7 @@ class HaPrimary:
     """What the actor holds of its primary role: the election ``epoch``, the :class:`ConfirmGate`,
     the replication ``server`` (``status()`` for the status document), the advertised
     ``repl_endpoint``, and ``step_down(why)``: leave the primary role (the role loop in
-    ``brokerd/main.py`` stops the actor, resigns and runs as standby)."""
+    ``brokerd/role.py`` stops the actor, resigns and runs as standby)."""
 
     def __init__(self, epoch: int, gate: ConfirmGate, server: Any, repl_endpoint: str,
                  step_down: Callable[[str], None]) -> None:

@@ -393,6 +393,8 @@ async def _stop(server: Any, task: asyncio.Task) -> None:
         if inspect.isawaitable(res):
             await res
         await asyncio.wait_for(asyncio.shield(task), 5.0)  # its BYEs to the standbys, its socket closed
+    except asyncio.TimeoutError:
+        log.warning("replserver_stop_slow", note="the replication server did not stop within 5 s: cancelled")
     except Exception:  # noqa: BLE001 - stopping: log and go on
         log.exception("replserver_stop_failed")
     if not task.done():

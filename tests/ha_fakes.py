@@ -30,6 +30,7 @@ class FakeReplicationServer:
         self.cfg, self.ledger, self.log, self.epoch = cfg, ledger, log_, epoch
         self.on_durable, self.on_members = on_durable, on_members
         self._stop: asyncio.Event | None = None
+        self._stopped = False
         self.stub = os.environ.get("CCSQ_TEST_STUB_STANDBY", "")
 
     def sink(self, ws: Any) -> None:
@@ -41,12 +42,15 @@ class FakeReplicationServer:
 
     async def run(self) -> None:
         self._stop = asyncio.Event()
+        if self._stopped:  # stop() came first
+            return
         log.info("fake_replserver_running", epoch=self.epoch, stub_standby=self.stub)
         if self.stub:
             await asyncio.to_thread(self.on_members, [self.stub])
         await self._stop.wait()
 
     def stop(self) -> None:  # (harepl's is a plain method)
+        self._stopped = True
         if self._stop is not None:
             self._stop.set()
 

@@ -580,7 +580,7 @@ def test_a_node_outside_the_sync_set_does_not_take_a_vacant_key(tmp_path, etcd, 
     A node with no ledger yet never takes over an existing swarm."""
     cfg = ha_swarm(tmp_path, etcd)
     b = start(brokers, cfg)
-    assert b.stop() == 0
+    assert b.stop() == 0, "".join(b.lines)[-3000:]
     other = Election([etcd], SWARM, "tcp://127.0.0.1:3", ttl_s=TTL_S, margin_s=MARGIN_S, request_timeout_s=5.0,
                      fields={"node": "broker-2"})
     e2 = other.campaign()
