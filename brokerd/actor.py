@@ -33,6 +33,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import msgpack
 import structlog
 
 from ccsq.brokerd import transport as tp
@@ -47,6 +48,7 @@ from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, dispatch_refusal, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
+from ccsq.brokerd.primary import CHECK_INTERVAL_S, READ_COMMANDS, HaPrimary
 from ccsq.brokerd.relaying import Federation, Relaying, relay_sessions
 from ccsq.brokerd.sessions import Sessions
 from ccsq.common.wire import protocol as p
@@ -112,6 +114,7 @@ class Batch:
     replies: list[tuple[bytes, p.Message]] = dataclasses.field(default_factory=list)
     effects: list[Callable[..., object]] = dataclasses.field(default_factory=list)  # called with no arguments; `...`: mypy cannot infer lambdas that bind values as defaults against `[]`
     crash_points: list[str] = dataclasses.field(default_factory=list)
+    reads: set[int] = dataclasses.field(default_factory=set)  # id() of replies that only read (a primary sends them unheld)
 
     def crash(self, name: str) -> None:
         if name not in self.crash_points:
@@ -163,7 +166,8 @@ class Broker:
     deferred: list[tuple[str, str, int, str]]  # (op, item_id, token, why) for the next transaction
     rejects: collections.Counter  # refusal code -> frames and relayed items refused since start (the intake's)
 
-    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.FrameTransport, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.FrameTransport, clock: Clock = SYSTEM_CLOCK,
+                 ha: HaPrimary | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
         self.hb_s = cfg.heartbeat_interval_s
@@ -197,7 +201,12 @@ class Broker:
         self._ledger_stats_due_mono = 0.0
         self.readers_doc: dict = {}  # reader_report() of the last background turn (status, metrics)
         self._reader_warn_next_mono = 0.0
-        self.epoch = ledger.bump_epoch()
+        #: a replicated primary (brokerd/primary.py, docs/ha.md): its election epoch, the confirm
+        #: gate, the failover hook; None: a single broker (its epoch is bumped per start, as always)
+        self.ha = ha
+        self.gate = ha.gate if ha is not None else None
+        self.epoch = ledger.bump_epoch() if ha is None else ha.epoch
+        self._failover: tuple[bytes, int, float, int] | None = None  # (rid, req, deadline mono, target seq)
         self.fed = Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
@@ -289,6 +298,8 @@ class Broker:
             wake = min(wake, due)
         if self.outbound.any_unsent():
             wake = min(wake, now + UNSENT_RETRY_S)
+        if self.gate is not None and (self.gate.held or self._failover is not None):
+            wake = min(wake, now + CHECK_INTERVAL_S)  # on_durable wakes sooner
         return max(0.0, min(wake - now, 1.0))
 
     # --- one turn ---
@@ -393,7 +404,8 @@ class Broker:
             uptime_s=lambda: self.clock.monotonic_s() - self._started_mono,
             send_counts=lambda: {"again": self.transport.sent_again, "unroutable": self.transport.sent_unroutable},
             ledger_full_since_ms=lambda: self.ledger_full_since_ms, deliveries_in_flight=self.delivery.count,
-            wake_dispatch=self._wake_dispatch, set_draining=set_draining, clock=self.clock, noise=self.intake.noise)
+            wake_dispatch=self._wake_dispatch, set_draining=set_draining, clock=self.clock, noise=self.intake.noise,
+            ha_status=self.ha_status)
 
     # --- the transaction of a turn ---
     def _background_due(self, now: float) -> bool:
@@ -438,7 +450,7 @@ class Broker:
                 backlog = maintenance.expire_deadlines(txn, self.clock.wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES
                 backlog = maintenance.purge(txn, self.clock.wall_ms(), SLICE_ENTRIES) >= SLICE_ENTRIES or backlog
                 maintenance.append_sample(txn, self.clock.wall_ms(), self.cfg.accounting_sample_interval_s)
-            if mode not in ("minimal", "acks"):
+            if mode not in ("minimal", "acks") and (self.gate is None or self.gate.may_plan()):
                 self._dispatch(txn, batch, now)
                 self._deliver(txn, batch)
             for code, n in self._rejects_unsaved.items():
@@ -481,6 +493,10 @@ class Broker:
             crash_point(name)
         for fn in batch.effects:
             fn()
+        if self.gate is not None:  # a primary: confirms wait for the standbys and the lease (brokerd/primary.py)
+            rep = self.ledger.replication
+            self.gate.hold(rep.position[1] if rep is not None else 0, batch.replies, batch.reads, self._send)
+            return
         for rid, msg in batch.replies:
             self._send(rid, msg)
 
@@ -652,9 +668,18 @@ class Broker:
                             batch.log("info", "item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]
                 for chunk in split_frames(statuses, size_of=status_size, budget_bytes=self.outbound.reply_budget(), max_items=1 << 16) or [[]]:
-                    batch.replies.append((rid, p.StatusReply(msg.req, chunk)))
+                    reply = p.StatusReply(msg.req, chunk)
+                    if isinstance(msg, p.Status):
+                        batch.reads.add(id(reply))
+                    batch.replies.append((rid, reply))
             elif isinstance(msg, p.Admin):
-                batch.replies.append((rid, self.admin.handle(txn, batch, sess, msg)))
+                if msg.command == "failover":  # a primary's planned switchover: not a ledger command
+                    batch.effects.append(lambda r=rid, m=msg: self._failover_start(r, m))
+                    continue
+                answer = self.admin.handle(txn, batch, sess, msg)
+                if msg.command in READ_COMMANDS:
+                    batch.reads.add(id(answer))
+                batch.replies.append((rid, answer))
         if admitted:
             batch.effects.append(lambda n=admitted: self._note_admitted(n))
 
@@ -766,9 +791,74 @@ class Broker:
         self.outbound.send(rid, msg)
 
     def _timers(self, now: float) -> None:
-        """Unsent messages to peers whose pipe has room again, then liveness and heartbeats."""
+        """Unsent messages to peers whose pipe has room again, then liveness and heartbeats;
+        a primary's held confirms that may leave now, and a planned failover's progress."""
+        if self.gate is not None:
+            if self.gate.release(self._send):
+                self._wake_dispatch()
+                self._wake_delivery()
+            if self._failover is not None:
+                self._failover_step(now)
         self.outbound.flush()
         self.sessions.tick(now)
+
+    # --- a replicated primary (brokerd/primary.py, docs/ha.md) ---
+    def ha_status(self) -> dict:
+        """The status document's ``ha`` section."""
+        if self.ha is None:
+            return {"role": "single", "epoch": self.epoch}
+        assert self.gate is not None
+        server = self.ha.server.status()
+        return {**server, "role": "primary", "epoch": self.epoch, "node": self.cfg.ha_node_id,  # (the server's own
+                "etcd": self.cfg.ha_etcd_endpoints, "swarm": self.cfg.ha_namespace(),  # "mode" is not the gate's)
+                "repl_endpoint": self.ha.repl_endpoint, **self.gate.status(), "failover": "in progress" if self._failover else ""}
+
+    def _failover_start(self, rid: bytes, msg: p.Admin) -> None:
+        """Admin ``failover``: stop confirming, then (:meth:`_failover_step`) hand over once
+        a standby of the sync set holds the last turn, or refuse after ``timeout_s``."""
+        if self.ha is None or self.gate is None:
+            self._send(rid, p.AdminReply(msg.req, False, error="failover: this is a single broker (ha_etcd_endpoints is "
+                                                               "empty): there is no standby to hand over to"))
+            return
+        if self._failover is not None:
+            self._send(rid, p.AdminReply(msg.req, False, error="failover: one is already in progress"))
+            return
+        timeout_s = msg.args.get("timeout_s", 10.0)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
+            self._send(rid, p.AdminReply(msg.req, False, error="failover: timeout_s must be a number of seconds in (0, 600]"))
+            return
+        rep = self.ledger.replication
+        target = rep.position[1] if rep is not None else 0
+        self.gate.paused = f"planned failover: waiting for a standby to hold seq {target}"
+        self._failover = (rid, msg.req, self.clock.monotonic_s() + float(timeout_s), target)
+        log.warning("ha_failover_started", seq=target, timeout_s=timeout_s)
+        self.transport.wake()
+
+    def _failover_step(self, now: float) -> None:
+        assert self._failover is not None and self.ha is not None and self.gate is not None
+        rid, req, deadline, target = self._failover
+        members = set(self.gate.members)  # async: any standby may take over (the set is empty)
+        ready = [s for s in self.ha.server.status().get("standbys", [])
+                 if (s.get("node") in members or self.gate.mode == "async") and int(s.get("seq", 0)) >= target]
+        if ready:
+            node = str(ready[0].get("node"))
+            body = msgpack.packb({"ok": True, "epoch": self.epoch, "standby": node, "seq": target}, use_bin_type=True)
+            self._send(rid, p.AdminReply(req, True, body=body))
+            self.outbound.flush()
+            log.warning("ha_failover_handing_over", standby=node, seq=target)
+            self._failover = None
+            self.gate.lose(f"planned failover to {node}")
+            self.ha.step_down(f"planned failover to {node}")
+            return
+        if now >= deadline:
+            self._failover = None
+            self.gate.paused = ""
+            self.gate.recheck()
+            self.gate.release(self._send)
+            log.warning("ha_failover_refused", seq=target, members=sorted(members))
+            self._send(rid, p.AdminReply(req, False, error=(
+                f"failover: no standby of the sync set {sorted(members)} acknowledged seq {target} in time: "
+                "nothing changed, this broker stays primary (see ccsq status: ha.standbys)")))
 
 
 def _features(sess: Session) -> set[str]:

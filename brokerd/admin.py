@@ -26,6 +26,13 @@ Commands (arguments are scalars, see :class:`ccsq.common.wire.protocol.Admin`):
   protocol's CANCEL: a *ready* item becomes dead with reason ``cancelled`` (G7 event);
   a leased, completed or terminal item is left as it is and reported with its state.
 
+- ``failover`` (``timeout_s``, default 10): a replicated primary's planned switchover
+  (docs/ha.md); answered by the actor (``Broker._failover_start``), not by this class:
+  it is no ledger command. A single broker refuses it.
+
+``status`` has an ``ha`` section (``BrokerView.ha_status``: ``role`` single | primary,
+``epoch``, and for a primary its mode, confirms held, standbys' lag).
+
 ``status``, ``items_show`` and ``dlq_list`` build their ledger part with the
 module functions :func:`ledger_status`, :func:`item_doc` and :func:`dlq_doc`,
 which ``ccsq ... --offline`` calls on a read-only snapshot: both paths give the
@@ -134,6 +141,7 @@ class BrokerView:
     set_draining: Callable[[str, bool], None]
     clock: Clock = SYSTEM_CLOCK  # the actor's (ledger timestamps of the commands that change state)
     noise: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # reconnect noise by code
+    ha_status: Callable[[], dict] | None = None  # the "ha" section: role single|primary, epoch, ... (docs/ha.md)
 
 
 class AdminCommands:
@@ -207,6 +215,7 @@ class AdminCommands:
             "leases_in_memory": len(b.leases),
             "in_flight_deliveries": b.deliveries_in_flight(),
             "readers": reader_report(b.ledger, txn, b.clock.wall_ms(), warn_age_s=b.cfg.reader_warn_age_s),
+            **({"ha": b.ha_status()} if b.ha_status is not None else {}),
         }
 
     def cmd_items_show(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:

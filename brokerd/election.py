@@ -2,7 +2,8 @@
 
 etcd decides; nothing here is a consensus of its own. A broker that wants to be the
 primary of swarm ``S`` holds an etcd lease (``ttl_s``, 3 s by default) and, bound to
-it, the key ``/ccsq/S/primary`` = JSON ``{"epoch", "endpoint", "lease"}``. It takes the
+it, the key ``/ccsq/S/primary`` = JSON ``{"epoch", "endpoint", "lease", ...}`` (plus the
+``fields`` given: ``repl_endpoint``, ``node``, ``ledger_id``). It takes the
 key with one etcd transaction: the key must be absent and the epoch counter
 ``/ccsq/S/epoch`` unchanged since it was read; the same transaction writes the counter
 +1 (or above the ledger's epoch, ``min_epoch``), so every primary's epoch is higher
@@ -41,7 +42,7 @@ from typing import Any
 from ccsq.common.wire.errors import ConfigError, ExitCode, RetryableError
 
 #: The config key that lists the etcd endpoints (named in every ConfigError).
-ENDPOINTS_KEY = "ha.etcd_endpoints"
+ENDPOINTS_KEY = "ha_etcd_endpoints"
 DEFAULT_TTL_S = 3
 #: How long before the lease could expire at etcd the primary stops confirming.
 DEFAULT_MARGIN_S = 1.0
@@ -59,12 +60,26 @@ class EtcdUnavailable(RetryableError):
 @dataclass(frozen=True)
 class Holder:
     """Who holds the primary key: ``epoch``, the broker ``endpoint`` (its ROUTER address),
-    the etcd ``lease`` id, and the key's ``mod_revision``."""
+    the etcd ``lease`` id, and the key's ``mod_revision``; ``repl_endpoint`` (where it
+    serves standbys), ``node`` (its node id) and ``ledger_id`` ("" when it wrote none)."""
 
     epoch: int
     endpoint: str
     lease: int
     revision: int
+    repl_endpoint: str = ""
+    node: str = ""
+    ledger_id: str = ""
+
+
+@dataclass(frozen=True)
+class SyncSet:
+    """``/ccsq/S/sync``: the standbys (node ids) the primary of ``epoch`` counts for sync
+    confirms; only a member may campaign once the primary's key goes (async: empty, any may)."""
+
+    epoch: int
+    members: tuple[str, ...]
+    primary: str = ""  # the node id of the primary that wrote it ("" from an older writer)
 
 
 def primary_key(swarm_id: str) -> str:
@@ -73,6 +88,10 @@ def primary_key(swarm_id: str) -> str:
 
 def epoch_key(swarm_id: str) -> str:
     return f"/ccsq/{swarm_id}/epoch"
+
+
+def sync_key(swarm_id: str) -> str:
+    return f"/ccsq/{swarm_id}/sync"
 
 
 def _b64(s: str | bytes) -> str:
@@ -117,13 +136,16 @@ class Election:
 
     def __init__(self, endpoints: Sequence[str] | str, swarm_id: str, endpoint: str, *, ttl_s: int = DEFAULT_TTL_S,
                  margin_s: float = DEFAULT_MARGIN_S, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, fields: dict[str, str] | None = None) -> None:
         from etcd3gw.client import Etcd3Client  # optional dependency: extra "ha"
 
         if not 0 < margin_s < ttl_s:
-            raise ConfigError(f"ha.lease_margin_s = {margin_s} must be above 0 and below ha.lease_ttl_s = {ttl_s}")
+            raise ConfigError(f"ha_lease_margin_s = {margin_s} must be above 0 and below ha_lease_ttl_s = {ttl_s}")
         self.swarm_id, self.endpoint = swarm_id, endpoint
-        self.key, self.epoch_key = primary_key(swarm_id), epoch_key(swarm_id)
+        self.key, self.epoch_key, self.sync_key = primary_key(swarm_id), epoch_key(swarm_id), sync_key(swarm_id)
+        #: more fields of the primary key's value (``repl_endpoint``, ``node``, ``ledger_id``)
+        self.fields = dict(fields or {})
+        self.created_revision = 0  # the etcd revision that created this holder's key (guards /sync writes)
         self.ttl_s, self.margin_s, self.clock = ttl_s, margin_s, clock
         self._clients = [Etcd3Client(host=h, port=p, protocol=s, timeout=request_timeout_s, api_path="/v3/")
                          for s, h, p in parse_endpoints(endpoints, swarm_id)]
@@ -172,7 +194,8 @@ class Election:
             return None
         kv = kvs[0]
         d = json.loads(_unb64(kv["value"]))
-        return Holder(int(d["epoch"]), str(d["endpoint"]), int(kv.get("lease", 0)), int(kv["mod_revision"]))
+        return Holder(int(d["epoch"]), str(d["endpoint"]), int(kv.get("lease", 0)), int(kv["mod_revision"]),
+                      str(d.get("repl_endpoint", "")), str(d.get("node", "")), str(d.get("ledger_id", "")))
 
     # --- the primary's side ---
     def campaign(self, min_epoch: int = 0) -> int | None:
@@ -193,14 +216,15 @@ class Election:
             current = 0
             guard = {"key": _b64(self.epoch_key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
         epoch = max(current, min_epoch) + 1
-        value = json.dumps({"epoch": epoch, "endpoint": self.endpoint, "lease": lease_id})
+        value = json.dumps({**self.fields, "epoch": epoch, "endpoint": self.endpoint, "lease": lease_id})
         txn = {
             "compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}, guard],
             "success": [{"request_put": {"key": _b64(self.key), "value": _b64(value), "lease": lease_id}},
                         {"request_put": {"key": _b64(self.epoch_key), "value": _b64(str(epoch))}}],
             "failure": [],
         }
-        if not self._post("/kv/txn", txn).get("succeeded"):
+        out = self._post("/kv/txn", txn)
+        if not out.get("succeeded"):
             try:
                 self._post("/kv/lease/revoke", {"ID": lease_id})
             except EtcdUnavailable:
@@ -208,7 +232,28 @@ class Election:
             return None
         with self._lock:
             self.lease_id, self.epoch, self.renewed_at = lease_id, epoch, t0
+            self.created_revision = int(out["header"]["revision"])
         return epoch
+
+    def write_sync(self, members: Sequence[str]) -> bool:
+        """As the primary: ``/ccsq/S/sync`` = ``{"epoch", "members", "node"}`` in one transaction
+        that holds only while this broker's key is the one it created (a deposed primary
+        writes nothing). True when written. Raises :class:`EtcdUnavailable`."""
+        if not self.created_revision:
+            return False
+        value = json.dumps({"epoch": self.epoch, "members": sorted(members), "node": self.fields.get("node", "")})
+        txn = {"compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL",
+                            "create_revision": self.created_revision}],
+               "success": [{"request_put": {"key": _b64(self.sync_key), "value": _b64(value)}}], "failure": []}
+        return bool(self._post("/kv/txn", txn).get("succeeded"))
+
+    def read_sync(self) -> SyncSet | None:
+        """The sync set the last primary wrote (None: none written)."""
+        kvs = self._post("/kv/range", {"key": _b64(self.sync_key)}).get("kvs") or []
+        if not kvs:
+            return None
+        d = json.loads(_unb64(kvs[0]["value"]))
+        return SyncSet(int(d.get("epoch", 0)), tuple(str(m) for m in d.get("members", [])), str(d.get("node", "")))
 
     def renew(self) -> bool:
         """One keep-alive. True: renewed (``renewed_at`` moves to the time before it was
@@ -271,7 +316,7 @@ class Election:
         if self._keepalive is not None:
             self._keepalive.join(self.ttl_s)
             self._keepalive = None
-        lease_id, self.lease_id, self.renewed_at = self.lease_id, 0, None
+        lease_id, self.lease_id, self.renewed_at, self.created_revision = self.lease_id, 0, None, 0
         if lease_id:
             try:
                 self._post("/kv/lease/revoke", {"ID": lease_id})

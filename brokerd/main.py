@@ -86,6 +86,7 @@ def run(config_path: str) -> int:
             from ccsq.common.wire.federation import TrustedSwarms
 
             TrustedSwarms(Path(cfg.trusted_swarms))
+        ha = _ha_start(cfg) if cfg.ha() else None  # a replicated pair (docs/ha.md); None: a single broker
         notifier = Notifier.from_env()
         catch_early_stop()  # a stop before the loop serves is a clean exit, not death by signal
     except ConfigError as exc:
@@ -102,9 +103,23 @@ def run(config_path: str) -> int:
     except LedgerLocked as exc:
         return _fail(exc)
     try:
+        if ha is not None:
+            from ccsq.brokerd import role
+
+            return role.serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret, ha)
         return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret)
     finally:
         os.close(lock_fd)
+        if ha is not None:
+            ha.close()
+
+
+def _ha_start(cfg: BrokerConfig):  # -> role.HaStart
+    """The HA keys checked at start (ConfigError, exit 78, naming file and key): the node
+    key, the replication endpoint, one broker per node id on this host, etcd reachable."""
+    from ccsq.brokerd import role
+
+    return role.check_start(cfg)
 
 
 def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path, data_dir: Path, notifier: Notifier,

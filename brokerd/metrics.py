@@ -26,7 +26,11 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``ledger_reader_slots`` (owned), ``ledger_max_readers``, ``ledger_reader_snapshots``,
 ``ledger_oldest_reader_age_seconds``, ``ledger_oldest_reader_lag_txns``,
 ``ledger_pinned_bytes``, ``ledger_file_bytes``, ``ledger_live_bytes``, ``ledger_free_bytes``,
-``ledger_stale_readers_cleared_total``;
+``ledger_stale_readers_cleared_total``; high availability (docs/ha.md): ``ha_role{role}`` (1 for
+``single`` or ``primary``), ``ha_epoch``, ``ha_confirming`` (0/1), ``ha_degraded`` (0/1),
+``ha_degraded_total``, ``ha_held_replies`` (confirms held for the standbys or the lease),
+``ha_oldest_held_seconds``, per standby ``ha_standby_lag_turns``, ``ha_standby_lag_bytes``,
+``ha_standby_lag_seconds``, ``ha_standby_in_sync`` (label ``node``);
 ``build_info{version,process,python,libzmq}``
 (every process, :mod:`ccsq.common.runtime.metrics_exporter`); ``zap_refused_total`` (CURVE
 handshakes the ZAP allow-list refused; with ``curve = true``); ``handshake_failed_total{reason}``
@@ -148,7 +152,38 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
         "workers": workers,
         "store_failures": store_failures,
         "readers": dict(b.readers_doc),
+        "ha": b.ha_status(),
     }
+
+
+def _ha_metrics(ha: dict[str, Any]) -> Any:
+    """The ``ha`` section of the snapshot (``Broker.ha_status``) as gauges."""
+    if not ha:
+        return
+    role = GaugeMetricFamily("ccsq_ha_role", "this broker's role (1 for the role it has: single or primary)", labels=["role"])
+    role.add_metric([str(ha.get("role", "single"))], 1)
+    yield role
+    yield GaugeMetricFamily("ccsq_ha_epoch", "broker epoch (a primary's: its election epoch)", value=ha.get("epoch", 0))
+    if ha.get("role") != "primary":
+        return
+    yield GaugeMetricFamily("ccsq_ha_confirming", "1 while confirms may leave (standbys and lease allow)",
+                            value=1 if ha.get("confirming") else 0)
+    yield GaugeMetricFamily("ccsq_ha_degraded", "1 while a sync primary confirms alone (ha_on_standby_loss = degrade)",
+                            value=1 if ha.get("mode") == "degraded" else 0)
+    yield CounterMetricFamily("ccsq_ha_degraded", "times this primary degraded to confirming alone",
+                              value=ha.get("degraded_count", 0))
+    yield GaugeMetricFamily("ccsq_ha_held_replies", "confirms committed and held until durable on the standbys",
+                            value=ha.get("held_replies", 0))
+    yield GaugeMetricFamily("ccsq_ha_oldest_held_seconds", "age of the oldest held confirm (0: none)",
+                            value=ha.get("oldest_held_s", 0.0))
+    for key, help_ in (("lag_turns", "turns the standby has not acknowledged"), ("lag_bytes", "bytes of those turns"),
+                       ("lag_s", "age of the oldest turn the standby has not acknowledged"), ("in_sync", "1 when in sync")):
+        name = "ccsq_ha_standby_lag_seconds" if key == "lag_s" else f"ccsq_ha_standby_{key}"
+        fam = GaugeMetricFamily(name, help_, labels=["node"])
+        for sb in ha.get("standbys", []):
+            v = sb.get(key, 0)
+            fam.add_metric([str(sb.get("node", ""))], float(v) if not isinstance(v, bool) else float(v))
+        yield fam
 
 
 class _SnapshotCollector:
@@ -181,6 +216,7 @@ class _SnapshotCollector:
             "ccsq_oldest_ready_age_seconds", "age of the oldest ready item (0: none)", value=snap.get("oldest_ready_age_s", 0.0)
         )
         yield from _reader_metrics(snap.get("readers") or {})
+        yield from _ha_metrics(snap.get("ha") or {})
         auth = getattr(self.broker.transport, "auth", None)
         watch = getattr(self.broker.transport, "handshakes", None)
         yield _labelled(CounterMetricFamily, "ccsq_handshake_failed",

@@ -555,6 +555,9 @@ class LedgerTxn(LedgerView):
             self.expire(rec, now_ms, "deadline passed while ready")
             return None
         token = self.next_num(schema.NEXT_TOKEN)
+        fence = self.ledger.fencing_epoch
+        if fence:  # a replicated primary: the election epoch in the high bits (docs/ha.md, fencing tokens)
+            token = schema.fencing_token(fence, token)
         rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
         self._transition(
             rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,

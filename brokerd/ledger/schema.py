@@ -522,6 +522,24 @@ def item_state(raw: bytes) -> str:
     return v["state"] if type(v) is dict else v[_CORE_STATE_AT]
 
 
+#: Bits of a replicated primary's fencing token below its epoch (docs/ha.md).
+TOKEN_COUNTER_BITS = 32
+
+
+def fencing_token(epoch: int, counter: int) -> int:
+    """The fencing token a replicated primary of ``epoch`` grants: ``epoch << 32 |
+    (counter mod 2**32)``; ``counter`` is ``m:next_token``, which continues across epochs.
+    A token granted in an epoch is never granted in another (the high bits differ), and
+    within one epoch only after 2**32 more leases. Still one int (< 2**64 for epochs
+    below 2**32) on the wire."""
+    return (epoch << TOKEN_COUNTER_BITS) | (counter & ((1 << TOKEN_COUNTER_BITS) - 1))
+
+
+def token_epoch(token: int) -> int:
+    """The epoch of a replicated primary's token (0: a single broker's bare counter)."""
+    return token >> TOKEN_COUNTER_BITS
+
+
 def token_holder(rec: Item) -> str:
     """The worker the item's latest token was leased to ("" if never leased)."""
     return rec.get("token_worker") or rec.get("worker") or ""

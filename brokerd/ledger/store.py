@@ -124,6 +124,9 @@ class Ledger:
         self.rng = rng or random.Random()
         #: the turns' write sets when replication is on (:meth:`replicate`); None: a single broker
         self.replication: ReplicationLog | None = None
+        #: the election epoch every fencing token carries (:meth:`adopt_epoch`); 0: a single
+        #: broker, whose tokens are the bare counter ``m:next_token`` as before
+        self.fencing_epoch = 0
         # Committed records of items not yet done (ready, leased, completed), kept by the
         # writer between its transactions: item id -> (record, its format-3 head, payload,
         # result; a blob only when small, else None). Off (0) unless the broker turns it
@@ -336,7 +339,9 @@ class Ledger:
 
     def adopt_epoch(self, epoch: int) -> int:
         """Make ``epoch`` (an election's, docs/ha.md) the broker epoch in meta ``m:epoch``
-        (what WELCOME carries), in a turn of its own. Returns it. Raises
+        (what WELCOME carries), in a turn of its own, and the epoch of every fencing token
+        granted from now on (``epoch << 32 | counter``, :func:`~ccsq.brokerd.ledger.schema.fencing_token`).
+        Returns it. Raises
         :class:`~ccsq.brokerd.ledger.replication.StaleEpoch` when the ledger already holds
         a higher one: epochs never go back."""
         from ccsq.brokerd.ledger.replication import StaleEpoch  # replication builds on this module
@@ -351,6 +356,7 @@ class Ledger:
             txn.commit()
         finally:
             txn.abort()
+        self.fencing_epoch = epoch
         return epoch
 
     def map_size_bytes(self) -> int:
