@@ -210,7 +210,12 @@ def test_failover_new_epoch_continues_and_deposed_tail_is_refused(primary, tmp_p
     lifecycle(new, base_ms=500_000)
     first = new_log.backlog[0]
     assert (first.epoch, first.seq) == (2, acked[-2].seq)
-    # the deposed primary, as a standby of the new one, holds turns the new one never had
+    # the deposed primary, as a standby of the new one, holds turns the new one never had:
+    # the new primary tells so from its position alone, whichever of its seqs it names
+    for ws in acked[-2:]:
+        with pytest.raises(rp.Diverged, match="deposed"):
+            new_log.since((ws.epoch, ws.seq))
+    assert new_log.since((1, acked[-3].seq))[0] is first  # the last turn both hold: stream on
     primary.close()
     deposed = rp.ReplicaLedger(tmp_path / "primary")
     with pytest.raises(rp.Diverged, match="never confirmed"):

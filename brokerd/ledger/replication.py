@@ -148,6 +148,9 @@ class ReplicationLog:
             raise StaleEpoch(f"epoch {epoch} is older than the ledger's replication epoch {position[0]}")
         self.epoch = epoch
         self.position = position
+        #: the ledger's position when this log began: the one turn before the backlog whose
+        #: epoch is known once the backlog is full (older ones: BacklogTruncated)
+        self.start = position
         self.sink = sink
         self.backlog: collections.deque[WriteSet] = collections.deque(maxlen=backlog_turns)
 
@@ -178,6 +181,14 @@ class ReplicationLog:
             first = self.backlog[0].seq if self.backlog else self.position[1] + 1
             raise BacklogTruncated(f"turns after seq {seq} are gone (the backlog begins at {first}): take a new copy")
         start = seq + 1 - self.backlog[0].seq
+        # the turn at the standby's seq must be this primary's turn of that seq: the same
+        # epoch (a deposed primary's tail of an older epoch has the same seqs, other turns)
+        held = self.backlog[start - 1].epoch if start > 0 else (self.start[0] if self.start[1] == seq else None)
+        if held is None:
+            raise BacklogTruncated(f"the epoch of turn {seq} is no longer known here: take a new copy")
+        if held != epoch:
+            raise Diverged(f"position {position}: this primary's turn {seq} is of epoch {held}; the standby holds "
+                           "another turn there (a deposed primary's tail)")
         return list(self.backlog)[start:]
 
 
