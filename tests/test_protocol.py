@@ -76,6 +76,8 @@ def test_every_message_class_round_trips_with_defaults() -> None:
         p.AdminReply(4, True, b"\x80"),
         p.ReplTurns(3, [b"\x94"], partial=True),
         p.ReplAck(3, 41),
+        p.ReplCopyChunk(3, 41, 1 << 20, 5 << 20, b"\x00" * 64),
+        p.ReplCopyAck(2 << 20),
     ]
     assert {type(m) for m in broker_side + sample_messages()} == set(p.MESSAGE_CLASSES.values())
     for msg in broker_side:
