@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from ccsq.brokerd.election import Election, _b64
 from ccsq.brokerd.ledger import replication as rp
@@ -318,12 +319,16 @@ def test_a_standby_started_after_10000_items_catches_up_by_copy_while_the_primar
         primary.commit(100, items=100)  # 10,000 items before the standby exists
         sb = StandbyProc(swarm, etcd_url).start()
         seen_copy = []
+        while_taken = []  # commits while take_copy runs (its thread), before any chunk is sent
         try:
             async def writer():
                 while not seen_copy or primary.standby().get("copying"):
-                    if primary.standby().get("copying"):
+                    copying = primary.standby().get("copying")
+                    if copying:
                         seen_copy.append(primary.log.position[1])
                     primary.commit(1, items=5)
+                    if copying and copying["bytes"] == 0 and primary.standby().get("copying", {}).get("bytes") == 0:
+                        while_taken.append(primary.log.position[1])
                     await asyncio.sleep(0.002)
 
             w = asyncio.get_running_loop().create_task(writer())
@@ -331,6 +336,7 @@ def test_a_standby_started_after_10000_items_catches_up_by_copy_while_the_primar
             await w
             during = primary.log.position[1] - seen_copy[0]
             assert during > 0, "the primary committed nothing while the copy was shipped"
+            assert len(while_taken) >= 3, f"the primary committed {len(while_taken)} turns while the copy was taken"
             await caught_up(primary, sb)
             assert primary.server.status()["copies"] == 1
             assert sb.stop() == 0
@@ -426,6 +432,9 @@ def test_a_standby_of_another_ledger_is_refused_with_exit_78(swarm, etcd_url, le
             assert rc == 78, sb.text()[-3000:]
             assert other_id in sb.text() and primary.ledger.ledger_id in sb.text()
             assert "another swarm" in sb.text()
+            # with the ledger id in etcd the standby refuses before it connects; without, the primary refuses it
+            assert ("points at another swarm's primary" in sb.text()) is ledger_id_in_etcd
+            assert ("refused this standby" in sb.text()) is not ledger_id_in_etcd
             assert primary.server.status()["copies"] == 0
             check = open_ledger(sb.ledger_dir)
             assert check.ledger_id == other_id  # left as it was
@@ -467,6 +476,46 @@ def test_durable_seq_covers_only_what_a_listed_in_sync_standby_fsynced(swarm, et
             assert primary.server.durable_seq() == primary.log.position[1]
         finally:
             sb.stop()
+            primary.server.stop()
+            await task
+            primary.close()
+
+    run(scenario)
+
+
+def test_a_standby_that_heartbeats_but_does_not_acknowledge_leaves_the_in_sync_set(swarm, etcd_url):
+    """The lag bound (not the liveness rule): a session that stays alive but whose oldest
+    unacknowledged turn is older than heartbeat_interval_s x liveness is no longer counted."""
+
+    async def scenario():
+        primary = Primary(swarm, etcd_url)
+        task = await serving(primary)
+        codec = EnvelopeCodec("broker-1", load_private_key(swarm / "keys" / "broker-1.key"),
+                              AuthorizedKeys(swarm / "at_worker.toml"), require_hello=False)
+        ctx = zmq.asyncio.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(primary.server.endpoint)
+        epoch, seq = primary.log.position
+        try:
+            await s.send_multipart(codec.encode(p.Hello(role="standby", info={
+                "repl_ledger_id": primary.ledger.ledger_id, "repl_epoch": epoch, "repl_seq": seq})))
+            await until(lambda: primary.server.status()["members"] == ["broker-1"], 10, "in sync at HELLO")
+            assert primary.server.durable_seq() == seq
+            primary.commit(5)
+            t0 = time.monotonic()
+            while primary.server.status()["members"]:
+                await s.send_multipart(codec.encode(p.Heartbeat()))
+                while await s.poll(0):
+                    await s.recv_multipart()
+                assert time.monotonic() - t0 < 10, "a standby that acknowledges nothing stays in the set"
+                await asyncio.sleep(0.1)
+            assert time.monotonic() - t0 >= primary.server.lag_out_s() * 0.9
+            assert primary.standby()["lag_turns"] == 5 and primary.server.durable_seq() == seq
+            assert primary.standby()["lag_bytes"] > 0 and primary.standby()["lag_s"] >= primary.server.lag_out_s()
+        finally:
+            s.close()
+            ctx.term()
             primary.server.stop()
             await task
             primary.close()
