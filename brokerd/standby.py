@@ -465,6 +465,9 @@ async def run_standby(cfg: Any, election: Any, stop_event: asyncio.Event) -> Sta
                 log.info("standby_session_ended", reason=str(exc), primary=primary.get("repl_endpoint"))
             except (OSError, zmq.ZMQError) as exc:
                 log.warning("standby_session_failed", error=f"{type(exc).__name__}: {exc}")
+            except rp.ReplicationError as exc:  # e.g. an installed copy not at the announced position
+                node.force_copy = True
+                log.error("standby_seed_failed", error=f"{type(exc).__name__}: {exc}")
             failures = 0 if time.monotonic() - started > node.silence_s else failures + 1
             if failures:
                 node.etcd.changed.clear()
