@@ -530,3 +530,48 @@ def test_a_standby_that_heartbeats_but_does_not_acknowledge_leaves_the_in_sync_s
             primary.close()
 
     run(scenario)
+
+
+@pytest.mark.soak
+def test_bench_the_cost_of_sync_replication(swarm, etcd_url):
+    """Figures for docs/ha.md (run with -m soak -s): turns of 10 submits committed (each
+    fsynced) by the primary alone, then with a sync standby (each turn also fsynced there),
+    back to back; and one turn at a time, commit to durable_seq (the added latency)."""
+
+    async def scenario():
+        primary = Primary(swarm, etcd_url)
+        task = await serving(primary)
+        n = 500
+        t0 = time.perf_counter()
+        await commit_async(primary, n, items=10)
+        alone = n / (time.perf_counter() - t0)
+        sb = StandbyProc(swarm, etcd_url).start()
+        try:
+            await caught_up(primary, sb)
+            await until(lambda: primary.server.durable_seq() == primary.log.position[1], 10, "durable")
+            t0 = time.perf_counter()
+            await commit_async(primary, n, items=10)
+            await until(lambda: primary.server.durable_seq() == primary.log.position[1], 60, "durable")
+            synced = n / (time.perf_counter() - t0)
+            commit_s, durable_s = [], []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                primary.commit(1, items=10)
+                t1 = time.perf_counter()
+                seq = primary.log.position[1]
+                while primary.server.durable_seq() < seq:
+                    await asyncio.sleep(0)
+                commit_s.append(t1 - t0)
+                durable_s.append(time.perf_counter() - t1)
+            commit_s.sort()
+            durable_s.sort()
+            print(f"\nturns/s (10 submits each) primary alone {alone:.0f}, with a sync standby {synced:.0f} "
+                  f"({100 * (1 - synced / alone):.0f} % less); one turn: commit p50 {1e3 * commit_s[100]:.2f} ms, "
+                  f"commit -> durable p50 {1e3 * durable_s[100]:.2f} ms, p99 {1e3 * durable_s[197]:.2f} ms")
+        finally:
+            sb.stop()
+            primary.server.stop()
+            await task
+            primary.close()
+
+    run(scenario)
