@@ -174,6 +174,7 @@ class ReplicationServer:
         self._thread = 0
         self._stopping = False
         self._refused_at: dict[bytes, float] = {}
+        self._copy_tasks: set[asyncio.Task] = set()
         self.counters = collections.Counter()
 
     # --- the actor's side ---
@@ -233,6 +234,8 @@ class ReplicationServer:
                 self.transport.send(sess.rid, p.Bye(reason="primary stopping"))
                 self._end(sess, "primary stopping", membership=False)
             self.transport.close(linger_ms=200)
+            if self._copy_tasks:  # take_copy threads read the ledger: done before it may close
+                await asyncio.gather(*self._copy_tasks, return_exceptions=True)
             shutil.rmtree(self.copies_dir, ignore_errors=True)
 
     def stop(self) -> None:
@@ -378,6 +381,8 @@ class ReplicationServer:
         log.info("standby_copy_started", standby=sess.node, reason=why)
         copy = sess.copy = _Copy(self.copies_dir / f"{sess.node}-{os.urandom(4).hex()}", started_mono=time.monotonic())
         copy.task = asyncio.get_running_loop().create_task(self._take_copy(sess, copy))
+        self._copy_tasks.add(copy.task)
+        copy.task.add_done_callback(self._copy_tasks.discard)
         self._membership(time.monotonic())
 
     async def _take_copy(self, sess: _Session, copy: _Copy) -> None:
@@ -388,7 +393,7 @@ class ReplicationServer:
             log.error("standby_copy_failed", standby=sess.node, error=f"{type(exc).__name__}: {exc}")
             self._end(sess, "the copy failed")
             return
-        if sess.ended or sess.copy is not copy:
+        if sess.ended or sess.copy is not copy or self._stopping:
             shutil.rmtree(copy.dir, ignore_errors=True)
             return
         copy.position = tuple(info["position"])
@@ -412,8 +417,9 @@ class ReplicationServer:
         self._flush(sess)
 
     def _drop_copy(self, copy: _Copy) -> None:
-        if copy.task is not None and not copy.task.done():
-            copy.task.cancel()
+        # a take_copy still running in its thread is not cancelled (a thread cannot be): its
+        # task sees the copy dropped and removes the directory; run() waits for it before the
+        # caller may close the ledger it reads
         if copy.fd is not None:
             os.close(copy.fd)
             copy.fd = None

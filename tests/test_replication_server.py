@@ -30,7 +30,8 @@ from ccsq.brokerd.replserver import ReplicationServer
 from ccsq.brokerd.standby import DISCARDED, sync_key
 from ccsq.common.wire import protocol as p
 from ccsq.common.wire.envelope import EnvelopeCodec
-from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
+from ccsq.common.wire.keys import (AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys,
+                                   write_curve_keypair, write_keypair)
 from tests.test_election import etcd_server  # noqa: F401 - the fixture (a real etcd in tmp_path)
 from tests.test_ledger_replication import blob
 
@@ -99,8 +100,8 @@ class Primary:
     election key (with repl_endpoint and ledger_id, as haprim writes it)."""
 
     def __init__(self, tmp: Path, etcd_url: str, *, backlog_turns: int | None = None, write_ledger_id: bool = True,
-                 members_gate: threading.Event | None = None) -> None:
-        self.cfg = base_cfg(tmp, "primary")
+                 members_gate: threading.Event | None = None, **cfg_kw) -> None:
+        self.cfg = base_cfg(tmp, "primary", **cfg_kw)
         self.ledger = open_ledger(data_paths(Path(self.cfg.data_dir))[0])
         self.election = Election([etcd_url], "s1", PEER_ENDPOINT, ttl_s=TTL_S, margin_s=MARGIN_S)
         self.backlog_turns, self.write_ledger_id = backlog_turns, write_ledger_id
@@ -276,7 +277,8 @@ def test_turns_stream_to_a_standby_that_answers_peers_not_primary_and_promotes(s
         sb = StandbyProc(swarm, etcd_url).start()
         try:
             await caught_up(primary, sb)
-            assert primary.members_calls and primary.members_calls[0][0] == ["broker-1"]
+            await until(lambda: primary.members_calls, 10, "on_members is called")
+            assert primary.members_calls[0][0] == ["broker-1"]
             assert primary.members_calls[0][1] == 0  # listed before its acks counted
             await until(lambda: primary.server.durable_seq() == primary.log.position[1], 10, "durable")
             t0 = time.monotonic()
@@ -467,7 +469,8 @@ def test_durable_seq_covers_only_what_a_listed_in_sync_standby_fsynced(swarm, et
             await caught_up(primary, sb)
             await commit_async(primary, 20)
             await caught_up(primary, sb)
-            assert primary.members_calls and primary.members_calls[0][0] == ["broker-1"]
+            await until(lambda: primary.members_calls, 10, "on_members is called")
+            assert primary.members_calls[0][0] == ["broker-1"]
             assert primary.server.durable_seq() == 0  # acknowledged, but etcd does not list it yet
             gate.set()
             await until(lambda: primary.server.durable_seq() == primary.log.position[1], 10, "listed")
@@ -525,6 +528,41 @@ def test_a_standby_that_heartbeats_but_does_not_acknowledge_leaves_the_in_sync_s
         finally:
             s.close()
             ctx.term()
+            primary.server.stop()
+            await task
+            primary.close()
+
+    run(scenario)
+
+
+def test_the_link_runs_over_curve_and_a_plain_client_gets_nothing(swarm, etcd_url):
+    write_curve_keypair(swarm / "keys", "broker")  # the service CURVE key, on every broker host
+    curve = {"curve": True, "curve_secret_key": str(swarm / "keys" / "broker.curve.key")}
+
+    async def scenario():
+        primary = Primary(swarm, etcd_url, **curve)
+        task = await serving(primary)
+        sb = StandbyProc(swarm, etcd_url, **curve).start()
+        try:
+            await caught_up(primary, sb)
+            await commit_async(primary, 50)
+            await caught_up(primary, sb)
+            codec = EnvelopeCodec("broker-2", load_private_key(swarm / "keys" / "broker-2.key"),
+                                  AuthorizedKeys(swarm / "at_worker.toml"), require_hello=False)
+            ctx = zmq.asyncio.Context()
+            plain = ctx.socket(zmq.DEALER)
+            plain.linger = 0
+            plain.connect(primary.server.endpoint)
+            await plain.send_multipart(codec.encode(p.Hello(role="standby", info={
+                "repl_ledger_id": "", "repl_epoch": 0, "repl_seq": 0})))
+            assert not await plain.poll(1500), "a client without CURVE was answered"
+            plain.close()
+            ctx.term()
+            assert [s["node"] for s in primary.server.status()["standbys"]] == ["broker-1"]
+            assert sb.stop() == 0
+            assert sb.dump() == rp.dump(primary.ledger.env)
+        finally:
+            sb.stop()
             primary.server.stop()
             await task
             primary.close()
