@@ -103,6 +103,27 @@ class Standby:
         self.replica, self.epoch = replica, welcome.broker_epoch
         self._pieces: list[bytes] = []
 
+    def write_sets(self, msg: p.ReplTurns) -> list[rp.WriteSet]:
+        """The whole turns ``msg`` completes (pieces of a bigger turn are kept until its
+        last), checked to be of this session's epoch; for :meth:`ReplicaLedger.apply_many
+        <ccsq.brokerd.ledger.replication.ReplicaLedger.apply_many>` over several messages."""
+        if msg.epoch != self.epoch:
+            raise rp.StaleEpoch(f"REPL_TURNS of epoch {msg.epoch} from the primary of epoch {self.epoch}")
+        if msg.partial or self._pieces:
+            if len(msg.turns) != 1:
+                raise rp.ReplicationError("a piece of a turn comes alone in its REPL_TURNS")
+            self._pieces.append(msg.turns[0])
+            if msg.partial:
+                return []
+            raws, self._pieces = [b"".join(self._pieces)], []
+        else:
+            raws = msg.turns
+        out = [rp.WriteSet.unpack(raw) for raw in raws]
+        for ws in out:
+            if ws.epoch != self.epoch:
+                raise rp.StaleEpoch(f"turn ({ws.epoch}, {ws.seq}) inside REPL_TURNS of epoch {self.epoch}")
+        return out
+
     def on_turns(self, msg: p.ReplTurns) -> p.ReplAck | None:
         """Apply the turns (each in its own fsynced transaction); the REPL_ACK to send, or
         None (a piece of a turn, or nothing new). Raises :class:`~ccsq.brokerd.ledger.replication.StaleEpoch`

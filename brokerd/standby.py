@@ -300,6 +300,7 @@ class StandbyNode:
                 now = time.monotonic()
                 ack: p.ReplAck | None = None
                 out: list[p.Message] = []
+                turns: list[rp.WriteSet] = []  # applied together (one transaction, one fsync)
                 for raw in batch:
                     try:
                         env = codec.decode(raw)
@@ -317,20 +318,21 @@ class StandbyNode:
                         log.info("standby_following", primary=endpoint, epoch=msg.broker_epoch,
                                  position=list(self.replica.position) if self.replica else None)
                     elif welcome is None:
-                        raise _Restart(f"{type(msg).__name__} before WELCOME")
+                        why = f": {msg.code}: {msg.message}" if isinstance(msg, p.Error) else ""
+                        raise _Restart(f"{type(msg).__name__} before WELCOME{why}")
                     elif isinstance(msg, p.ReplTurns):
                         if standby is None:
                             raise _Restart("REPL_TURNS while this standby holds no ledger")
                         try:
-                            got = standby.on_turns(msg)
-                        except rp.Diverged as exc:
-                            self.force_copy = True
-                            raise _Restart(f"diverged: {exc}") from None
+                            turns.extend(standby.write_sets(msg))
                         except rp.ReplicationError as exc:
                             raise _Restart(str(exc)) from None
-                        if got is not None:
-                            ack = got
-                            self.applied_turns += len(msg.turns)
+                        continue
+                    if turns:  # whatever else came: the turns before it first
+                        ack = self.apply(turns) or ack
+                        turns = []
+                    if isinstance(msg, (p.Welcome, p.ReplTurns)):
+                        pass
                     elif isinstance(msg, p.Error):
                         if msg.code == rl.NEED_COPY:
                             log.info("standby_copy_needed", reason=msg.message)
@@ -359,6 +361,8 @@ class StandbyNode:
                             out.append(p.ReplCopyAck(msg.total))
                     elif isinstance(msg, p.Bye):
                         raise _Restart(f"the primary said BYE: {msg.reason}")
+                if turns:
+                    ack = self.apply(turns) or ack
                 if ack is not None:
                     out.append(ack)
                 if not out and now - last_sent >= self.hb_s:
@@ -376,6 +380,21 @@ class StandbyNode:
                 inc.close()
                 shutil.rmtree(inc.path, ignore_errors=True)
             sock.close(linger=0)
+
+    def apply(self, turns: list[rp.WriteSet]) -> p.ReplAck | None:
+        """Apply ``turns`` in one fsynced transaction; the REPL_ACK to send (None: nothing new)."""
+        assert self.replica is not None
+        try:
+            n = self.replica.apply_many(turns)
+        except rp.Diverged as exc:
+            self.force_copy = True
+            raise _Restart(f"diverged: {exc}") from None
+        except rp.ReplicationError as exc:
+            raise _Restart(str(exc)) from None
+        if not n:
+            return None
+        self.applied_turns += n
+        return p.ReplAck(self.session_epoch, self.replica.position[1])
 
     def stop_requested(self) -> bool:
         return self._stop_event is not None and self._stop_event.is_set()

@@ -320,3 +320,20 @@ def test_a_failing_sink_does_not_undo_a_committed_turn(primary):
     assert log.position == (1, 1) and len(log.backlog) == 1
     with primary.read() as v:
         assert v.counter("received") == 1
+
+
+def test_apply_many_is_one_transaction_and_all_or_nothing(primary, tmp_path):
+    log = primary.replicate(3)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    lifecycle(primary)
+    turns = list(log.backlog)
+    before = standby.env.info()["last_txnid"]
+    bad = rp.WriteSet(turns[-1].ledger_id, 3, turns[-1].seq + 2, turns[-1].ops)  # a gap at the end
+    with pytest.raises(rp.ReplicationGap):
+        standby.apply_many(turns + [bad])
+    assert standby.env.info()["last_txnid"] == before and standby.position[1] < turns[0].seq  # nothing written
+    assert standby.apply_many(turns[:3] + turns) == len(turns)  # resends inside the batch are skipped
+    assert standby.env.info()["last_txnid"] == before + 1  # one transaction, one fsync
+    assert standby.position == log.position and rp.dump(standby.env) == rp.dump(primary.env)
+    assert standby.apply_many(turns) == 0
+    standby.close()
