@@ -570,6 +570,41 @@ def test_the_link_runs_over_curve_and_a_plain_client_gets_nothing(swarm, etcd_ur
     run(scenario)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_only_a_standby_listed_in_sync_promotes_unless_async(swarm, etcd_url, mode):
+    """The primary key goes while etcd's /sync does not list the standby (its on_members
+    write never got through): a sync standby waits (it may lack confirmed turns); listed,
+    it promotes. An async standby promotes at once (the risk docs/ha.md states)."""
+
+    async def scenario():
+        gate = threading.Event()  # never set: /sync is never written by the primary
+        primary = Primary(swarm, etcd_url, members_gate=gate)
+        task = await serving(primary)
+        sb = StandbyProc(swarm, etcd_url, ha_mode=mode).start()
+        try:
+            await caught_up(primary, sb)
+            primary.server.stop()
+            await task
+            primary.election.resign()
+            if mode == "async":
+                assert await asyncio.to_thread(sb.wait, 20) == 0 and "OUTCOME promote" in sb.text()
+                return
+            await asyncio.sleep(2.0)
+            assert sb.proc.poll() is None and "standby_promoting" not in sb.text()
+            primary.election._post("/kv/put", {"key": _b64(sync_key("s1")), "value": _b64(json.dumps(
+                {"epoch": primary.epoch, "members": ["broker-1"]}))})
+            assert await asyncio.to_thread(sb.wait, 20) == 0 and "OUTCOME promote" in sb.text()
+        finally:
+            gate.set()
+            sb.stop()
+            primary.server.stop()
+            if not task.done():
+                await task
+            primary.close()
+
+    run(scenario)
+
+
 @pytest.mark.soak
 def test_bench_the_cost_of_sync_replication(swarm, etcd_url):
     """Figures for docs/ha.md (run with -m soak -s): turns of 10 submits committed (each
