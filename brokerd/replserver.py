@@ -175,7 +175,7 @@ class ReplicationServer:
         self._stopping = False
         self._refused_at: dict[bytes, float] = {}
         self._copy_tasks: set[asyncio.Task] = set()
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
 
     # --- the actor's side ---
     def sink(self, ws: rp.WriteSet) -> None:

@@ -196,7 +196,7 @@ class StandbyNode:
                 "ha_etcd_endpoints to name this ledger's swarm, or move the data_dir aside to seed this broker "
                 "from that primary")
 
-    def install_copy(self, inc: _Incoming, epoch: int, seq: int) -> None:
+    def install_copy(self, inc: _Incoming, epoch: int, seq: int) -> rp.ReplicaLedger:
         """The whole copy is in ``inc``: fsync it, move the old ledger aside, put it in place."""
         os.fsync(inc.fd)
         inc.close()
@@ -223,6 +223,7 @@ class StandbyNode:
         self.force_copy = False
         self.copies += 1
         log.info("standby_seeded", position=list(self.replica.position), ledger_id=self.replica.ledger_id)
+        return self.replica
 
     # --- etcd ---
     def watch(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
@@ -355,9 +356,9 @@ class StandbyNode:
                         if inc.offset < msg.total:
                             out.append(p.ReplCopyAck(inc.offset))
                         else:
-                            self.install_copy(inc, msg.epoch, msg.seq)
+                            replica = self.install_copy(inc, msg.epoch, msg.seq)
                             inc = None
-                            standby = rl.Standby(self.replica, welcome)
+                            standby = rl.Standby(replica, welcome)
                             out.append(p.ReplCopyAck(msg.total))
                     elif isinstance(msg, p.Bye):
                         raise _Restart(f"the primary said BYE: {msg.reason}")
@@ -467,7 +468,7 @@ async def run_standby(cfg: Any, election: Any, stop_event: asyncio.Event) -> Sta
         while True:
             if stop_event.is_set():
                 return StandbyOutcome.STOPPED
-            if node.may_promote():
+            if node.may_promote() and node.replica is not None:
                 log.info("standby_promoting", node=node.node, position=list(node.replica.position))
                 return StandbyOutcome.PROMOTE
             primary = node.etcd.primary
