@@ -36,7 +36,7 @@ from collections.abc import Callable
 import msgpack
 import structlog
 
-from ccsq.brokerd import transport as tp
+from ccsq.brokerd.transport import FrameTransport
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.common.wire import federation as fed
 from ccsq.brokerd.admin import MAX_ITEMS_PER_COMMAND, AdminCommands, BrokerView
@@ -51,7 +51,7 @@ from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
 from ccsq.brokerd.primary import CHECK_INTERVAL_S, READ_COMMANDS, HaPrimary
 from ccsq.brokerd.relaying import Federation, Relaying, relay_sessions
 from ccsq.brokerd.sessions import Sessions
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import split_frames
 from ccsq.common.wire.config import BrokerConfig
 from ccsq.common.wire.envelope import Envelope
@@ -111,7 +111,7 @@ class Batch:
     (named, for the tests), in-memory effects and log lines, replies. Nothing in it
     happens if the transaction aborts."""
 
-    replies: list[tuple[bytes, p.Message]] = dataclasses.field(default_factory=list)
+    replies: list[tuple[bytes, protocol.Message]] = dataclasses.field(default_factory=list)
     effects: list[Callable[..., object]] = dataclasses.field(default_factory=list)  # called with no arguments; `...`: mypy cannot infer lambdas that bind values as defaults against `[]`
     crash_points: list[str] = dataclasses.field(default_factory=list)
     reads: set[int] = dataclasses.field(default_factory=set)  # id() of replies that only read (a primary sends them unheld)
@@ -131,7 +131,7 @@ class Batch:
 KINDS_SERVED_MEMORY_S = 86400.0
 
 
-_ACCEPTED, _DUPLICATE = p.Outcome.ACCEPTED.value, p.Outcome.DUPLICATE.value
+_ACCEPTED, _DUPLICATE = protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value
 
 
 def wall_ms() -> int:
@@ -152,7 +152,7 @@ class Broker:
     lease_ttl_s: float
     # --- owned state ---
     ledger: Ledger
-    transport: tp.FrameTransport
+    transport: FrameTransport
     clock: Clock
     peers: PeerTable
     leases: LeaseTimers
@@ -166,7 +166,7 @@ class Broker:
     deferred: list[tuple[str, str, int, str]]  # (op, item_id, token, why) for the next transaction
     rejects: collections.Counter  # refusal code -> frames and relayed items refused since start (the intake's)
 
-    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: tp.FrameTransport, clock: Clock = SYSTEM_CLOCK,
+    def __init__(self, cfg: BrokerConfig, ledger: Ledger, transport: FrameTransport, clock: Clock = SYSTEM_CLOCK,
                  ha: HaPrimary | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -352,7 +352,7 @@ class Broker:
     def _decode(self, raw: list[bytes], now: float) -> tuple[bytes, Envelope] | None:
         return self.intake.decode(raw, now)
 
-    def _unserved(self, sess: Session, items: list[p.SubmitItem]) -> list[str]:
+    def _unserved(self, sess: Session, items: list[protocol.SubmitItem]) -> list[str]:
         """Kinds of ``items`` that no worker connected since the broker started serves, for a
         producer that asked (HELLO info ``features``); [] in the first liveness windows after
         start (workers are still reconnecting)."""
@@ -420,7 +420,7 @@ class Broker:
 
     def _result_takers(self) -> list[Session]:
         """Completion services, and downstream relays while a routed result waits for one."""
-        takers = self.peers.sessions(p.Role.COMPLETION)
+        takers = self.peers.sessions(protocol.Role.COMPLETION)
         if self.delivery.routed_all:
             takers += relay_sessions(self.peers, fed.DOWNSTREAM)
         return takers
@@ -437,7 +437,7 @@ class Broker:
             # one run of the turn's ledger work; the ledger runs it again after growing a full map or in a smaller mode
             batch = Batch()
             if mode == "acks":  # at the max size even without growth: only what keeps delivery moving
-                self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (p.Ack, p.Status))], "QUEUE_FULL")
+                self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (protocol.Ack, protocol.Status))], "QUEUE_FULL")
             else:
                 self._apply_ops(txn, batch, ops, refuse if mode == "normal" else (refuse or "QUEUE_FULL"))
                 self._apply_deferred(txn, batch, deferred)
@@ -485,7 +485,7 @@ class Broker:
             # a slice that used its whole budget has more to do: come back soon
             self._next_background_mono = now + (BACKGROUND_BUSY_INTERVAL_S if backlog else BACKGROUND_INTERVAL_S)
             self._refresh_snapshot()
-        if self.ledger_full_since_ms and mode == "normal" and any(isinstance(e.message, p.Complete) for _, _, e in ops):
+        if self.ledger_full_since_ms and mode == "normal" and any(isinstance(e.message, protocol.Complete) for _, _, e in ops):
             self.ledger_full_since_ms = 0  # completions fit again
             log.info("ledger_full_cleared")
         self._rejects_unsaved.clear()
@@ -566,7 +566,7 @@ class Broker:
 
     def _submit_refusal(self, ops: list[tuple[bytes, Session, Envelope]], now: float) -> str:
         """"" or the code every new item of this turn is refused with (DISK_FULL, QUEUE_FULL)."""
-        if not any(isinstance(env.message, p.Submit) for _, _, env in ops):
+        if not any(isinstance(env.message, protocol.Submit) for _, _, env in ops):
             return ""
         if now - self._disk_checked_mono >= DISK_CHECK_INTERVAL_S:
             self._disk_checked_mono = now
@@ -586,21 +586,21 @@ class Broker:
         admitted = 0  # admission cost of this turn's new items
         for rid, sess, env in ops:
             msg = env.message
-            if isinstance(msg, p.Submit):
+            if isinstance(msg, protocol.Submit):
                 results = []
                 # items not yet completed (ready + leased): read once per frame, then counted here
-                open_items = 0 if refuse else (txn.state_count(p.ItemState.READY.value)
-                                               + txn.state_count(p.ItemState.LEASED.value))
+                open_items = 0 if refuse else (txn.state_count(protocol.ItemState.READY.value)
+                                               + txn.state_count(protocol.ItemState.LEASED.value))
                 for item in msg.items:
                     too_big = dispatch_refusal(item, self.outbound.budget, id_len=len(self.ledger.id_prefix) + 16,
-                                               swarm_id=self.fed.swarm_id, relayed=sess.role is p.Role.RELAY,
+                                               swarm_id=self.fed.swarm_id, relayed=sess.role is protocol.Role.RELAY,
                                                federated=self.fed.enabled)
                     if too_big:  # it could never be sent to a taker: refused now, not dead-lettered later
-                        results.append(p.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big))
+                        results.append(protocol.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big))
                         continue
                     cost = blob_size(item.payload) + ITEM_RECORD_BYTES
                     refusal = refuse or self._admission_refusal(open_items, admitted + cost)
-                    if sess.role is p.Role.RELAY:
+                    if sess.role is protocol.Role.RELAY:
                         r = self.relaying.submit(txn, batch, sess, item, now_ms, refusal)
                     else:
                         r = txn.submit(item, now_ms, refuse=refusal)
@@ -609,19 +609,19 @@ class Broker:
                         open_items += 1
                     results.append(r)
                 unserved = self._unserved(sess, msg.items)
-                batch.replies.append((rid, p.SubmitAck(msg.req, results, unserved=unserved,
+                batch.replies.append((rid, protocol.SubmitAck(msg.req, results, unserved=unserved,
                                                        served=self._served(sess) if unserved else [])))
                 if any(r.item_id and not r.duplicate for r in results):
                     batch.crash("broker.after_submit_commit")
                     batch.effects.append(self._wake_dispatch)
-            elif isinstance(msg, p.Complete):
+            elif isinstance(msg, protocol.Complete):
                 outcomes = []
                 ended = []  # (item_id, token) whose lease timer goes after commit
-                relay = sess.role is p.Role.RELAY
+                relay = sess.role is protocol.Role.RELAY
                 for res in msg.results:
                     outcome = self.relaying.complete(txn, batch, sess, res, now_ms) if relay \
                         else txn.complete(res, now_ms, env.sender)
-                    outcomes.append(p.ItemOutcome(res.item_id, res.token, outcome))
+                    outcomes.append(protocol.ItemOutcome(res.item_id, res.token, outcome))
                     if self.fed.enabled and outcome == _ACCEPTED:
                         reply_to = (txn.record(res.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
@@ -632,19 +632,19 @@ class Broker:
                     batch.effects.append(lambda e=ended: self._leases_end(e))
                 batch.crash("broker.after_complete_commit")
                 batch.effects.append(self._wake_delivery)
-                batch.replies.append((rid, p.CompleteAck(outcomes)))
-            elif isinstance(msg, p.Fail):
+                batch.replies.append((rid, protocol.CompleteAck(outcomes)))
+            elif isinstance(msg, protocol.Fail):
                 outcomes = []
                 for f in msg.failures:
                     outcome = txn.fail(f, now_ms, env.sender)
-                    outcomes.append(p.ItemOutcome(f.item_id, f.token, outcome))
-                    if f.reason == p.FailReason.STORE_UNAVAILABLE.value and outcome == p.Outcome.ACCEPTED.value:
+                    outcomes.append(protocol.ItemOutcome(f.item_id, f.token, outcome))
+                    if f.reason == protocol.FailReason.STORE_UNAVAILABLE.value and outcome == protocol.Outcome.ACCEPTED.value:
                         batch.effects.append(lambda w=sess.peer_id: self.peers.note_store_failure(w))
-                    if outcome == p.Outcome.ACCEPTED.value:
+                    if outcome == protocol.Outcome.ACCEPTED.value:
                         self._lease_ends(batch, f.item_id, f.token)
                 batch.effects.append(self._wake_dispatch)
-                batch.replies.append((rid, p.FailAck(outcomes)))
-            elif isinstance(msg, p.Ack):
+                batch.replies.append((rid, protocol.FailAck(outcomes)))
+            elif isinstance(msg, protocol.Ack):
                 done: list[str] = []
                 unknown: list[str] = []
                 quarantined = {q.item_id: q.error or "quarantined" for q in msg.quarantined}
@@ -658,21 +658,21 @@ class Broker:
                 if newly:  # after the commit: the completion peer's "done" in `ccsq status` / the console
                     batch.effects.append(lambda s=sess, n=newly: setattr(s, "acked", s.acked + n))
                 batch.crash("broker.after_ack_commit")
-                batch.replies.append((rid, p.AckOk(done, unknown)))
-            elif isinstance(msg, (p.Status, p.Cancel)):
-                if isinstance(msg, p.Cancel):  # only READY items: a running one is the worker's to finish
+                batch.replies.append((rid, protocol.AckOk(done, unknown)))
+            elif isinstance(msg, (protocol.Status, protocol.Cancel)):
+                if isinstance(msg, protocol.Cancel):  # only READY items: a running one is the worker's to finish
                     for i in msg.item_ids:
-                        if sess.role is p.Role.RELAY and ((txn.record(i) or {}).get("reply_to") != sess.peer_id):
+                        if sess.role is protocol.Role.RELAY and ((txn.record(i) or {}).get("reply_to") != sess.peer_id):
                             continue  # a relay cancels only the items it submitted (docs/federation.md)
-                        if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
+                        if txn.dead_letter_ready(i, protocol.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
                             batch.log("info", "item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]
                 for chunk in split_frames(statuses, size_of=status_size, budget_bytes=self.outbound.reply_budget(), max_items=1 << 16) or [[]]:
-                    reply = p.StatusReply(msg.req, chunk)
-                    if isinstance(msg, p.Status):
+                    reply = protocol.StatusReply(msg.req, chunk)
+                    if isinstance(msg, protocol.Status):
                         batch.reads.add(id(reply))
                     batch.replies.append((rid, reply))
-            elif isinstance(msg, p.Admin):
+            elif isinstance(msg, protocol.Admin):
                 if msg.command == "failover":  # a primary's planned switchover: not a ledger command
                     batch.effects.append(lambda r=rid, m=msg: self._failover_start(r, m))
                     continue
@@ -737,7 +737,7 @@ class Broker:
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
                 batch.log("info", "lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
-                if new == p.ItemState.DEAD.value:
+                if new == protocol.ItemState.DEAD.value:
                     batch.log("warning", "item_dead", item=lease.item_id, reason="worker_lost")
             self._lease_ends(batch, lease.item_id, lease.token)
         if due:
@@ -766,7 +766,7 @@ class Broker:
         more_routed = False
         if self.delivery.routed_all:
             more_routed = self.delivery.plan_routed(txn, batch, relay_sessions(self.peers, fed.DOWNSTREAM), self._delivered, now_ms)
-        takers = [s for s in self.peers.sessions(p.Role.COMPLETION) if s.credit > 0 and not s.unsent]
+        takers = [s for s in self.peers.sessions(protocol.Role.COMPLETION) if s.credit > 0 and not s.unsent]
         if not takers:
             if self.delivery.routed_all:
                 batch.effects.append(lambda: self.delivery.set_possible(more_routed))
@@ -774,7 +774,7 @@ class Broker:
         more = self.delivery.plan(txn, batch, takers, self._delivered, now_ms)
         batch.effects.append(lambda: self.delivery.set_possible(more or more_routed))
 
-    def _delivered(self, sess: Session, deliveries: list[p.Delivery]) -> None:
+    def _delivered(self, sess: Session, deliveries: list[protocol.Delivery]) -> None:
         """After commit: ``deliveries`` were handed to ``sess``; they spend its credit."""
         if self.delivery.sent(sess, deliveries):
             sess.credit -= len(deliveries)
@@ -787,7 +787,7 @@ class Broker:
 
 
     # --- sending (brokerd/outbound.py) and timers ---
-    def _send(self, rid: bytes, msg: p.Message) -> None:
+    def _send(self, rid: bytes, msg: protocol.Message) -> None:
         self.outbound.send(rid, msg)
 
     def _timers(self, now: float) -> None:
@@ -813,19 +813,19 @@ class Broker:
                 "etcd": self.cfg.ha_etcd_endpoints, "swarm": self.cfg.ha_namespace(),  # "mode" is not the gate's)
                 "repl_endpoint": self.ha.repl_endpoint, **self.gate.status(), "failover": "in progress" if self._failover else ""}
 
-    def _failover_start(self, rid: bytes, msg: p.Admin) -> None:
+    def _failover_start(self, rid: bytes, msg: protocol.Admin) -> None:
         """Admin ``failover``: stop confirming, then (:meth:`_failover_step`) hand over once
         a standby of the sync set holds the last turn, or refuse after ``timeout_s``."""
         if self.ha is None or self.gate is None:
-            self._send(rid, p.AdminReply(msg.req, False, error="failover: this is a single broker (ha_etcd_endpoints is "
+            self._send(rid, protocol.AdminReply(msg.req, False, error="failover: this is a single broker (ha_etcd_endpoints is "
                                                                "empty): there is no standby to hand over to"))
             return
         if self._failover is not None:
-            self._send(rid, p.AdminReply(msg.req, False, error="failover: one is already in progress"))
+            self._send(rid, protocol.AdminReply(msg.req, False, error="failover: one is already in progress"))
             return
         timeout_s = msg.args.get("timeout_s", 10.0)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
-            self._send(rid, p.AdminReply(msg.req, False, error="failover: timeout_s must be a number of seconds in (0, 600]"))
+            self._send(rid, protocol.AdminReply(msg.req, False, error="failover: timeout_s must be a number of seconds in (0, 600]"))
             return
         rep = self.ledger.replication
         target = rep.position[1] if rep is not None else 0
@@ -843,7 +843,7 @@ class Broker:
         if ready:
             node = str(ready[0].get("node"))
             body = msgpack.packb({"ok": True, "epoch": self.epoch, "standby": node, "seq": target}, use_bin_type=True)
-            self._send(rid, p.AdminReply(req, True, body=body))
+            self._send(rid, protocol.AdminReply(req, True, body=body))
             self.outbound.flush()
             log.warning("ha_failover_handing_over", standby=node, seq=target)
             self._failover = None
@@ -856,7 +856,7 @@ class Broker:
             self.gate.recheck()
             self.gate.release(self._send)
             log.warning("ha_failover_refused", seq=target, members=sorted(members))
-            self._send(rid, p.AdminReply(req, False, error=(
+            self._send(rid, protocol.AdminReply(req, False, error=(
                 f"failover: no standby of the sync set {sorted(members)} acknowledged seq {target} in time: "
                 "nothing changed, this broker stays primary (see ccsq status: ha.standbys)")))
 
@@ -866,9 +866,9 @@ def _features(sess: Session) -> set[str]:
     return set(str(sess.info_hello.get("features", "")).replace(",", " ").split())
 
 
-def _op_items(msg: p.Message) -> int:
+def _op_items(msg: protocol.Message) -> int:
     """How many item operations a ledger message asks for (its share of a turn's budget)."""
-    if isinstance(msg, p.Admin):
+    if isinstance(msg, protocol.Admin):
         if msg.args.get("all") is True:
             return MAX_ITEMS_PER_COMMAND
         ids = msg.args.get("item_ids")

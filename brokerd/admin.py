@@ -51,7 +51,7 @@ import msgpack
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.ledger import reader_report
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import AdminFailed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,17 +150,17 @@ class AdminCommands:
     def __init__(self, broker: BrokerView) -> None:
         self.broker = broker
 
-    def handle(self, txn: LedgerTxn, batch: Batch, sess: Session, msg: p.Admin) -> p.AdminReply:
+    def handle(self, txn: LedgerTxn, batch: Batch, sess: Session, msg: protocol.Admin) -> protocol.AdminReply:
         if msg.command not in self.COMMANDS:
-            return p.AdminReply(msg.req, False, error=f"unknown command {msg.command!r}; known: {list(self.COMMANDS)}")
+            return protocol.AdminReply(msg.req, False, error=f"unknown command {msg.command!r}; known: {list(self.COMMANDS)}")
         try:
             doc = getattr(self, f"cmd_{msg.command}")(txn, batch, sess, msg.args)
         except AdminFailed as exc:
-            return p.AdminReply(msg.req, False, error=str(exc))
+            return protocol.AdminReply(msg.req, False, error=str(exc))
         body = msgpack.packb(doc, use_bin_type=True)
         if len(body) > self.broker.reply_budget():
-            return p.AdminReply(msg.req, False, error=f"reply of {len(body)} bytes is over the frame limit: ask for fewer (--limit)")
-        return p.AdminReply(msg.req, True, body=body)
+            return protocol.AdminReply(msg.req, False, error=f"reply of {len(body)} bytes is over the frame limit: ask for fewer (--limit)")
+        return protocol.AdminReply(msg.req, True, body=body)
 
     # --- read-only commands ---
     def cmd_status(self, txn: LedgerTxn, batch: Batch, sess: Session, args: dict) -> dict[str, Any]:
@@ -177,10 +177,10 @@ class AdminCommands:
                     "credit": s.credit,
                     "kinds": list(s.kinds),
                     "healthy": s.healthy,
-                    **(b.peers.store_health(s) if s.role is p.Role.WORKER else {}),
+                    **(b.peers.store_health(s) if s.role is protocol.Role.WORKER else {}),
                     "draining": s.peer_id in b.peers.draining,
                     "busy": s.busy,
-                    "done": s.acked if s.role is p.Role.COMPLETION else s.done,  # a completion peer: items it acknowledged
+                    "done": s.acked if s.role is protocol.Role.COMPLETION else s.done,  # a completion peer: items it acknowledged
                     "info": s.info,
                     "leases": len(held),
                     "lease_list": [
@@ -250,7 +250,7 @@ class AdminCommands:
         undo = args.get("undo", False) is True
         b = self.broker
         key = b.authorized.get(worker)
-        if (key is None or key.role is not p.Role.WORKER) and not (undo and worker in b.peers.draining):
+        if (key is None or key.role is not protocol.Role.WORKER) and not (undo and worker in b.peers.draining):
             what = ("no peer of that id in the authorized keys" if key is None
                     else f"the authorized keys list it as a {key.role.value}, not a worker")
             raise AdminFailed(f"unknown worker {worker!r}: {what} "
@@ -261,7 +261,7 @@ class AdminCommands:
         return {
             "worker": worker,
             "draining": not undo,
-            "connected": s is not None and s.role is p.Role.WORKER,
+            "connected": s is not None and s.role is protocol.Role.WORKER,
             "leases": len(b.leases.held_by(worker)),
         }
 
@@ -299,7 +299,7 @@ class AdminCommands:
         message = f"cancelled by {sess.peer_id} (ccsq items cancel)"
         out: dict[str, Any] = {"cancelled": [], "not_ready": {}, "unknown": [], "more": more}
         for i in ids:
-            if txn.dead_letter_ready(i, p.FailReason.CANCELLED.value, message, now_ms):
+            if txn.dead_letter_ready(i, protocol.FailReason.CANCELLED.value, message, now_ms):
                 out["cancelled"].append(i)
             else:
                 rec = txn.get(i)
@@ -313,7 +313,7 @@ class AdminCommands:
 
     def _worker_ids(self) -> list[str]:
         authorized = self.broker.authorized
-        return sorted(i for i in authorized.ids() if (k := authorized.get(i)) is not None and k.role is p.Role.WORKER)[:20]
+        return sorted(i for i in authorized.ids() if (k := authorized.get(i)) is not None and k.role is protocol.Role.WORKER)[:20]
 
     def _dead_ids(self, txn: LedgerTxn, args: dict) -> tuple[list[str], bool]:
         if args.get("all") is True:

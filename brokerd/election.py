@@ -160,13 +160,13 @@ class Election:
 
     # --- talking to etcd ---
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        from etcd3gw import exceptions as ex
+        from etcd3gw import exceptions as etcd_errors
 
         errors = []
         for i, client in enumerate(self._clients):
             try:
                 return client.post(client.get_url(path), json=body)
-            except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as exc:
+            except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError, etcd_errors.InternalServerError) as exc:
                 errors.append(f"{self._names[i]}: {str(exc)[:200]}")
         raise EtcdUnavailable(f"etcd for {self.key}: " + "; ".join(errors))
 
@@ -328,7 +328,7 @@ class Election:
         """Block until the primary key is absent (True) or ``timeout_s`` passed (False).
         Watches the key from the revision it was read at, so a delete between the read
         and the watch is not missed."""
-        from etcd3gw import exceptions as ex
+        from etcd3gw import exceptions as etcd_errors
 
         deadline = self.clock() + timeout_s
         rng = self._post("/kv/range", {"key": _b64(self.key)})
@@ -344,9 +344,9 @@ class Election:
                 try:
                     event = client.watch_once(self.key, timeout=left, start_revision=start)
                     break
-                except ex.WatchTimedOut:
+                except etcd_errors.WatchTimedOut:
                     return False
-                except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, OSError) as exc:
+                except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError, OSError) as exc:
                     if i == len(self._clients) - 1:
                         raise EtcdUnavailable(f"watching {self.key}: {exc}") from None
             assert event is not None

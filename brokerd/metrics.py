@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Broker
@@ -115,7 +115,7 @@ def build_snapshot(broker: Broker) -> dict[str, Any]:
         counters, states = view.counters(), view.states()
         kinds, gap_counts, oldest = view.kind_states(), view.gap_counts(), view.oldest_ready_created_ms()
     workers = []
-    for s in b.peers.sessions(p.Role.WORKER):
+    for s in b.peers.sessions(protocol.Role.WORKER):
         workers.append(
             {
                 "worker": s.peer_id,

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ccsq.brokerd.ledger import replication as rp
-from ccsq.common.wire import protocol as p
+from ccsq.brokerd.ledger import replication
+from ccsq.common.wire import protocol
 
 #: ERROR code: the standby must seed again from a consistent copy (docs/ha.md).
 NEED_COPY = "NEED_COPY"
@@ -39,19 +39,19 @@ INFO_LEDGER_ID, INFO_EPOCH, INFO_SEQ = "repl_ledger_id", "repl_epoch", "repl_seq
 _ENVELOPE_SLACK_BYTES = 1024
 
 
-def standby_hello(replica: rp.ReplicaLedger) -> p.Hello:
+def standby_hello(replica: replication.ReplicaLedger) -> protocol.Hello:
     """The HELLO a standby opens its session with."""
     epoch, seq = replica.position
-    return p.Hello(role=p.Role.STANDBY.value, info={INFO_LEDGER_ID: replica.ledger_id, INFO_EPOCH: epoch, INFO_SEQ: seq})
+    return protocol.Hello(role=protocol.Role.STANDBY.value, info={INFO_LEDGER_ID: replica.ledger_id, INFO_EPOCH: epoch, INFO_SEQ: seq})
 
 
-def standby_position(hello: p.Hello) -> tuple[str, tuple[int, int]]:
+def standby_position(hello: protocol.Hello) -> tuple[str, tuple[int, int]]:
     """(ledger id, (epoch, seq)) from a standby's HELLO. Raises
     :class:`~ccsq.brokerd.ledger.replication.ReplicationError` when they are missing."""
     info = hello.info
     lid, epoch, seq = info.get(INFO_LEDGER_ID), info.get(INFO_EPOCH), info.get(INFO_SEQ)
     if not (isinstance(lid, str) and isinstance(epoch, int) and isinstance(seq, int)) or epoch < 0 or seq < 0:
-        raise rp.ReplicationError(f"a standby's HELLO needs info {INFO_LEDGER_ID}, {INFO_EPOCH}, {INFO_SEQ}")
+        raise replication.ReplicationError(f"a standby's HELLO needs info {INFO_LEDGER_ID}, {INFO_EPOCH}, {INFO_SEQ}")
     return lid, (epoch, seq)
 
 
@@ -59,39 +59,39 @@ class Shipper:
     """The primary's side of one standby: what to send next. ``max_frame_bytes``: the
     link's frame limit (turns are packed into REPL_TURNS up to it, a bigger one in pieces)."""
 
-    def __init__(self, log: rp.ReplicationLog, ledger_id: str, hello: p.Hello, *,
-                 max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, log: replication.ReplicationLog, ledger_id: str, hello: protocol.Hello, *,
+                 max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES) -> None:
         lid, pos = standby_position(hello)
         if lid != ledger_id:
-            raise rp.Diverged(f"the standby holds ledger {lid!r}, this primary {ledger_id!r}")
+            raise replication.Diverged(f"the standby holds ledger {lid!r}, this primary {ledger_id!r}")
         self.log, self.budget = log, max(max_frame_bytes - _ENVELOPE_SLACK_BYTES, 64)
         self.sent_seq = pos[1]
         self.backlog = log.since(pos)  # BacklogTruncated / Diverged: answer NEED_COPY
 
-    def messages(self, turns: Iterable[rp.WriteSet] = ()) -> list[p.ReplTurns]:
+    def messages(self, turns: Iterable[replication.WriteSet] = ()) -> list[protocol.ReplTurns]:
         """REPL_TURNS for the catch-up backlog (first call) and then ``turns`` (newly
         committed ones), in order, each frame within the budget."""
         todo, self.backlog = list(self.backlog) + [ws for ws in turns if ws.seq > self.sent_seq], []
-        out: list[p.ReplTurns] = []
+        out: list[protocol.ReplTurns] = []
         batch: list[bytes] = []
         size = 0
         epoch = todo[0].epoch if todo else self.log.epoch
         for ws in todo:
             raw = ws.pack()
             if batch and (size + len(raw) + 8 > self.budget or ws.epoch != epoch):
-                out.append(p.ReplTurns(epoch, batch))
+                out.append(protocol.ReplTurns(epoch, batch))
                 batch, size = [], 0
             epoch = ws.epoch
             if len(raw) + 8 > self.budget:
                 for i in range(0, len(raw), self.budget):
                     piece = raw[i:i + self.budget]
-                    out.append(p.ReplTurns(epoch, [piece], partial=i + self.budget < len(raw)))
+                    out.append(protocol.ReplTurns(epoch, [piece], partial=i + self.budget < len(raw)))
             else:
                 batch.append(raw)
                 size += len(raw) + 8
             self.sent_seq = ws.seq
         if batch:
-            out.append(p.ReplTurns(epoch, batch))
+            out.append(protocol.ReplTurns(epoch, batch))
         return out
 
 
@@ -99,21 +99,42 @@ class Standby:
     """The standby's side: applies REPL_TURNS from the primary of ``epoch`` (its WELCOME's
     ``broker_epoch``) to ``replica`` and answers with REPL_ACK."""
 
-    def __init__(self, replica: rp.ReplicaLedger, welcome: p.Welcome) -> None:
+    def __init__(self, replica: replication.ReplicaLedger, welcome: protocol.Welcome) -> None:
         self.replica, self.epoch = replica, welcome.broker_epoch
         self._pieces: list[bytes] = []
 
-    def on_turns(self, msg: p.ReplTurns) -> p.ReplAck | None:
+    def write_sets(self, msg: protocol.ReplTurns) -> list[replication.WriteSet]:
+        """The whole turns ``msg`` completes (pieces of a bigger turn are kept until its
+        last), checked to be of this session's epoch; for :meth:`ReplicaLedger.apply_many
+        <ccsq.brokerd.ledger.replication.ReplicaLedger.apply_many>` over several messages."""
+        if msg.epoch != self.epoch:
+            raise replication.StaleEpoch(f"REPL_TURNS of epoch {msg.epoch} from the primary of epoch {self.epoch}")
+        if msg.partial or self._pieces:
+            if len(msg.turns) != 1:
+                raise replication.ReplicationError("a piece of a turn comes alone in its REPL_TURNS")
+            self._pieces.append(msg.turns[0])
+            if msg.partial:
+                return []
+            raws, self._pieces = [b"".join(self._pieces)], []
+        else:
+            raws = msg.turns
+        out = [replication.WriteSet.unpack(raw) for raw in raws]
+        for ws in out:
+            if ws.epoch != self.epoch:
+                raise replication.StaleEpoch(f"turn ({ws.epoch}, {ws.seq}) inside REPL_TURNS of epoch {self.epoch}")
+        return out
+
+    def on_turns(self, msg: protocol.ReplTurns) -> protocol.ReplAck | None:
         """Apply the turns (each in its own fsynced transaction); the REPL_ACK to send, or
         None (a piece of a turn, or nothing new). Raises :class:`~ccsq.brokerd.ledger.replication.StaleEpoch`
         for turns of another epoch than this session's primary, and whatever
         :meth:`ReplicaLedger.apply` raises (the standby then drops the session; on
         :class:`Diverged` it seeds again)."""
         if msg.epoch != self.epoch:
-            raise rp.StaleEpoch(f"REPL_TURNS of epoch {msg.epoch} from the primary of epoch {self.epoch}")
+            raise replication.StaleEpoch(f"REPL_TURNS of epoch {msg.epoch} from the primary of epoch {self.epoch}")
         if msg.partial or self._pieces:
             if len(msg.turns) != 1:
-                raise rp.ReplicationError("a piece of a turn comes alone in its REPL_TURNS")
+                raise replication.ReplicationError("a piece of a turn comes alone in its REPL_TURNS")
             self._pieces.append(msg.turns[0])
             if msg.partial:
                 return None
@@ -122,13 +143,13 @@ class Standby:
             raws = msg.turns
         applied = False
         for raw in raws:
-            ws = rp.WriteSet.unpack(raw)
+            ws = replication.WriteSet.unpack(raw)
             if ws.epoch != self.epoch:
-                raise rp.StaleEpoch(f"turn ({ws.epoch}, {ws.seq}) inside REPL_TURNS of epoch {self.epoch}")
+                raise replication.StaleEpoch(f"turn ({ws.epoch}, {ws.seq}) inside REPL_TURNS of epoch {self.epoch}")
             applied = self.replica.apply(ws) or applied
         if not applied:
             return None
-        return p.ReplAck(*self.replica.position)
+        return protocol.ReplAck(*self.replica.position)
 
 
 @dataclass
@@ -141,11 +162,11 @@ class SyncTracker:
     sync_standbys: int = 1
     acked: dict[str, int] = field(default_factory=dict)
 
-    def ack(self, standby: str, msg: p.ReplAck) -> None:
+    def ack(self, standby: str, msg: protocol.ReplAck) -> None:
         """Record a REPL_ACK. Raises :class:`StaleEpoch` for one of another epoch (a
         standby still following an older primary's numbering)."""
         if msg.epoch != self.epoch:
-            raise rp.StaleEpoch(f"REPL_ACK of epoch {msg.epoch} from {standby!r}; this primary is epoch {self.epoch}")
+            raise replication.StaleEpoch(f"REPL_ACK of epoch {msg.epoch} from {standby!r}; this primary is epoch {self.epoch}")
         self.acked[standby] = max(self.acked.get(standby, 0), msg.seq)
 
     def drop(self, standby: str) -> None:

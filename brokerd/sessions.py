@@ -24,7 +24,7 @@ import structlog
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
 from ccsq.brokerd.peers import PeerStatus, Session
 from ccsq.common.wire import federation as fed
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import MAC_OFFER_INFO
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = structlog.get_logger("ccsq.brokerd")
 
-SESSION_TYPES = (p.Hello, p.Heartbeat, p.Credit, p.Bye)
+SESSION_TYPES = (protocol.Hello, protocol.Heartbeat, protocol.Credit, protocol.Bye)
 MAX_CREDIT = 1 << 20
 
 
@@ -80,31 +80,31 @@ class Sessions:
     def receive(self, rid: bytes, env: Envelope, now: float) -> Session | None:
         """Apply a verified frame's session part. Returns the sender's session when the
         message is for the ledger; None when it was a session message or refused."""
-        if isinstance(env.message, p.Hello):
+        if isinstance(env.message, protocol.Hello):
             self._on_hello(rid, env, now)
             return None
         sess = self.peers.by_routing(rid)
         if sess is None or sess.peer_id != env.sender:
-            self.outbound.send_raw(rid, p.Error(p.REJECT_NO_SESSION, "no session: reconnect and send HELLO", env.seq))
+            self.outbound.send_raw(rid, protocol.Error(protocol.REJECT_NO_SESSION, "no session: reconnect and send HELLO", env.seq))
             return None
         sess.last_recv_mono = now
         msg = env.message
-        if isinstance(msg, p.Heartbeat):
+        if isinstance(msg, protocol.Heartbeat):
             self._on_heartbeat(sess, msg, env.ts_ms, now)
-        elif isinstance(msg, p.Credit):
+        elif isinstance(msg, protocol.Credit):
             self._on_credit(sess, msg, env.seq)
-        elif isinstance(msg, p.Bye):
+        elif isinstance(msg, protocol.Bye):
             self.end(sess, f"bye: {msg.reason}")
         else:
             return sess
         return None
 
     def _on_hello(self, rid: bytes, env: Envelope, now: float) -> None:
-        hello: p.Hello = env.message  # type: ignore[assignment]
+        hello: protocol.Hello = env.message  # type: ignore[assignment]
         if hello.role != env.role.value:
             why = f"authorized as {env.role.value}, HELLO says {hello.role}"
-            self._count_reject(p.REJECT_ROLE, why, env.sender, rid, now)
-            self.outbound.send_raw(rid, p.Error(p.REJECT_ROLE, why, env.seq))
+            self._count_reject(protocol.REJECT_ROLE, why, env.sender, rid, now)
+            self.outbound.send_raw(rid, protocol.Error(protocol.REJECT_ROLE, why, env.seq))
             return
         old = self.peers.get(env.sender)
         if old is not None and old.routing_id != rid and not self._may_replace(old, hello, now):
@@ -112,23 +112,23 @@ class Sessions:
             return
         self._replace(env.sender, rid)
         sess = self._open(rid, env, hello)
-        if sess.role is p.Role.WORKER or (sess.role is p.Role.RELAY and hello.info.get(fed.RELAY_SIDE) == fed.UPSTREAM):
+        if sess.role is protocol.Role.WORKER or (sess.role is protocol.Role.RELAY and hello.info.get(fed.RELAY_SIDE) == fed.UPSTREAM):
             # a relay's upstream side takes work of its kinds like a worker (another swarm runs it)
             self._worker_kinds(sess.kinds or ("",))
-        resumed: list[p.LeaseRef] = []
-        released: list[p.LeaseRef] = []
-        if sess.role in p.LEASE_HOLDER_ROLES:
-            lost = p.parse_lost_info(hello.info.get(p.LOST_INFO))
+        resumed: list[protocol.LeaseRef] = []
+        released: list[protocol.LeaseRef] = []
+        if sess.role in protocol.LEASE_HOLDER_ROLES:
+            lost = protocol.parse_lost_info(hello.info.get(protocol.LOST_INFO))
             resumed, released = self._resume_leases(sess.peer_id, hello.leases, now, lost)
             self._wake_dispatch()
-        if sess.role in (p.Role.COMPLETION, p.Role.RELAY):
+        if sess.role in (protocol.Role.COMPLETION, protocol.Role.RELAY):
             self.delivery.set_possible(True)
         mac = self.outbound.open_mac(rid, env)  # session MACs, when the HELLO offered them (signed WELCOME)
-        self.outbound.send(rid, p.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released, mac_x25519=mac))
+        self.outbound.send(rid, protocol.Welcome(self.hb_s, self.cfg.liveness, self.epoch, resumed, released, mac_x25519=mac))
         log.info("peer_connected", peer=sess.peer_id, role=sess.role.value, credit=sess.credit, kinds=list(sess.kinds),
                  resumed=len(resumed), released=len(released), info=sess.info, session_mac=bool(mac))
 
-    def _may_replace(self, old: Session, hello: p.Hello, now: float) -> bool:
+    def _may_replace(self, old: Session, hello: protocol.Hello, now: float) -> bool:
         """Whether a HELLO on another connection may take ``old``'s peer id: when ``old``
         is past its liveness window (the one disconnect rule, judged now rather than at
         the next tick: a crashed process's restart gets in as soon as the window lapses),
@@ -139,25 +139,25 @@ class Sessions:
         if now - old.last_recv_mono > self.silence_s:
             self.end(old, f"silent for {now - old.last_recv_mono:.2f}s")
             return True
-        mine = hello.info.get(p.INSTANCE_INFO)
-        if mine and mine == old.info_hello.get(p.INSTANCE_INFO):
+        mine = hello.info.get(protocol.INSTANCE_INFO)
+        if mine and mine == old.info_hello.get(protocol.INSTANCE_INFO):
             return True
         info = self._heartbeat_info().get(old.peer_id)
-        self.outbound.offer(old, p.Heartbeat(info=info) if info is not None else p.Heartbeat())
+        self.outbound.offer(old, protocol.Heartbeat(info=info) if info is not None else protocol.Heartbeat())
         return old.status is PeerStatus.GONE
 
-    def _refuse_in_use(self, rid: bytes, env: Envelope, hello: p.Hello, old: Session, now: float) -> None:
+    def _refuse_in_use(self, rid: bytes, env: Envelope, hello: protocol.Hello, old: Session, now: float) -> None:
         """Refuse a HELLO for ``old``'s peer id from another process (REJECT_ID_IN_USE,
         naming the id and the live holder); the live session is untouched (the codec
         retired it when it verified the HELLO: reinstated)."""
         self.outbound.reinstate_session(old.peer_id, old.session)
         heard_s = now - old.last_recv_mono
         left_s = max(0.0, self.silence_s - heard_s)
-        holder = str(old.info_hello.get(p.INSTANCE_INFO) or "instance not named: an older peer")[:160]
+        holder = str(old.info_hello.get(protocol.INSTANCE_INFO) or "instance not named: an older peer")[:160]
         why = (f"peer id {old.peer_id!r} is in use by a live session from {holder} (heard {heard_s:.2f}s ago; "
                f"liveness window {self.silence_s:g}s): give each process its own peer id and key, or stop the other one")
-        newcomer = hello.info.get(p.INSTANCE_INFO)
-        self.outbound.send_raw(rid, p.Error(p.REJECT_ID_IN_USE, why, env.seq,
+        newcomer = hello.info.get(protocol.INSTANCE_INFO)
+        self.outbound.send_raw(rid, protocol.Error(protocol.REJECT_ID_IN_USE, why, env.seq,
                                             retry_in_s=max(left_s, 0.001) if newcomer else 0.0))
         key = (old.peer_id, str(newcomer))
         if key not in self._in_use_logged:
@@ -175,10 +175,11 @@ class Sessions:
         if old.routing_id != rid:
             # the same process reconnecting closed its old socket, so this reaches nobody
             # (another process is refused while this session is live: _may_replace)
-            self.outbound.send_raw(old.routing_id, p.Error(p.ERROR_REPLACED, f"a newer session of {peer_id} replaced this one"))
+            self.outbound.send_raw(old.routing_id,
+                                   protocol.Error(protocol.ERROR_REPLACED, f"a newer session of {peer_id} replaced this one"))
         self.end(old, "replaced by a new session")
 
-    def _open(self, rid: bytes, env: Envelope, hello: p.Hello) -> Session:
+    def _open(self, rid: bytes, env: Envelope, hello: protocol.Hello) -> Session:
         info = {k: v for k, v in hello.info.items() if k != MAC_OFFER_INFO}  # the MAC offer is no peer info
         sess = Session(
             peer_id=env.sender,
@@ -196,8 +197,8 @@ class Sessions:
         self.peers.add(sess)
         return sess
 
-    def _resume_leases(self, peer_id: str, listed: list[p.LeaseRef], now: float,
-                       lost: set[tuple[str, int]] | None = None) -> tuple[list[p.LeaseRef], list[p.LeaseRef]]:
+    def _resume_leases(self, peer_id: str, listed: list[protocol.LeaseRef], now: float,
+                       lost: set[tuple[str, int]] | None = None) -> tuple[list[protocol.LeaseRef], list[protocol.LeaseRef]]:
         """The leases a reconnecting holder lists: (resumed: the broker knows them with
         that token, their expiry extended; released: the broker does not). Leases the
         broker knows for it that it did not list end in the next transaction: those in
@@ -220,8 +221,8 @@ class Sessions:
                 self._defer("release", lease.item_id, lease.token, "worker reconnected without it: never started there")
         return resumed, released
 
-    def _on_heartbeat(self, sess: Session, msg: p.Heartbeat, ts_ms: int, now: float) -> None:
-        if sess.role not in p.LEASE_HOLDER_ROLES:
+    def _on_heartbeat(self, sess: Session, msg: protocol.Heartbeat, ts_ms: int, now: float) -> None:
+        if sess.role not in protocol.LEASE_HOLDER_ROLES:
             return
         self.stats.heartbeat(ts_ms)
         for ref in msg.leases:
@@ -234,15 +235,15 @@ class Sessions:
             sess.info = dict(sess.info_hello)
         sess.info.update(msg.info)
 
-    def _on_credit(self, sess: Session, msg: p.Credit, seq: int) -> None:
+    def _on_credit(self, sess: Session, msg: protocol.Credit, seq: int) -> None:
         sess.credit_msgs += 1
-        if msg.credit < 0 and sess.role is p.Role.RELAY:
+        if msg.credit < 0 and sess.role is protocol.Role.RELAY:
             # a relay withdraws credit its downstream no longer backs (docs/federation.md):
             # whatever was already dispatched on it stays dispatched; the rest is gone
             sess.credit = max(0, sess.credit + msg.credit)
             return
         if msg.credit <= 0:
-            self.outbound.send(sess.routing_id, p.Error(p.REJECT_MALFORMED, "credit must be > 0", seq))
+            self.outbound.send(sess.routing_id, protocol.Error(protocol.REJECT_MALFORMED, "credit must be > 0", seq))
             return
         sess.credit = min(sess.credit + msg.credit, MAX_CREDIT)
         self._wake_dispatch()
@@ -278,7 +279,7 @@ class Sessions:
             self._next_hb_mono = now + self.hb_s
             infos = self._heartbeat_info()
             for sess in list(self.peers.by_id.values()):
-                self.outbound.offer(sess, p.Heartbeat(info=infos[sess.peer_id]) if sess.peer_id in infos else p.Heartbeat())
+                self.outbound.offer(sess, protocol.Heartbeat(info=infos[sess.peer_id]) if sess.peer_id in infos else protocol.Heartbeat())
 
     def excuse_stall(self, gap_s: float) -> None:
         """The actor itself did not run for ``gap_s``: peers were not silent, it was."""
@@ -287,4 +288,4 @@ class Sessions:
 
     def bye_all(self, reason: str) -> None:
         for s in self.peers.sessions():
-            self.outbound.send_raw(s.routing_id, p.Bye(reason=reason))
+            self.outbound.send_raw(s.routing_id, protocol.Bye(reason=reason))

@@ -27,7 +27,7 @@ from typing import Protocol, cast
 import structlog
 import zmq
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.endpoints import is_loopback_endpoint
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import CcsqError, ConfigError, ExitCode
@@ -65,7 +65,7 @@ def rcvhwm_for(max_frame_bytes: int) -> int:
     """Receive high-water mark (messages per connection) so that one connection
     queues at most about :data:`INBOUND_BYTES_PER_CONNECTION` of full-size frames:
     16 MiB // (max_frame_bytes + slack), within [4, 256]. Default 1 MiB frames: 15."""
-    per_msg = max_frame_bytes + FRAME_SLACK_BYTES + p.SIGNATURE_BYTES
+    per_msg = max_frame_bytes + FRAME_SLACK_BYTES + protocol.SIGNATURE_BYTES
     return max(RCVHWM_MIN, min(RCVHWM_MAX, INBOUND_BYTES_PER_CONNECTION // per_msg))
 
 
@@ -129,7 +129,7 @@ class FrameTransport(Protocol):
 
     def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]: ...
 
-    def send(self, routing_id: bytes, msg: p.Message) -> str: ...
+    def send(self, routing_id: bytes, msg: protocol.Message) -> str: ...
 
 
 class Transport:
@@ -234,7 +234,7 @@ class Transport:
             size += sum(len(part) for part in msg)
         return out
 
-    def send(self, routing_id: bytes, msg: p.Message) -> str:
+    def send(self, routing_id: bytes, msg: protocol.Message) -> str:
         """Encode (sign, or tag with the session MAC of ``routing_id``) and send ``msg`` to
         ``routing_id`` without blocking.
 

@@ -210,7 +210,12 @@ def test_failover_new_epoch_continues_and_deposed_tail_is_refused(primary, tmp_p
     lifecycle(new, base_ms=500_000)
     first = new_log.backlog[0]
     assert (first.epoch, first.seq) == (2, acked[-2].seq)
-    # the deposed primary, as a standby of the new one, holds turns the new one never had
+    # the deposed primary, as a standby of the new one, holds turns the new one never had:
+    # the new primary tells so from its position alone, whichever of its seqs it names
+    for ws in acked[-2:]:
+        with pytest.raises(replication.Diverged, match="deposed"):
+            new_log.since((ws.epoch, ws.seq))
+    assert new_log.since((1, acked[-3].seq))[0] is first  # the last turn both hold: stream on
     primary.close()
     deposed = replication.ReplicaLedger(tmp_path / "primary")
     with pytest.raises(replication.Diverged, match="never confirmed"):
@@ -315,3 +320,20 @@ def test_a_failing_sink_does_not_undo_a_committed_turn(primary):
     assert log.position == (1, 1) and len(log.backlog) == 1
     with primary.read() as v:
         assert v.counter("received") == 1
+
+
+def test_apply_many_is_one_transaction_and_all_or_nothing(primary, tmp_path):
+    log = primary.replicate(3)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    lifecycle(primary)
+    turns = list(log.backlog)
+    before = standby.env.info()["last_txnid"]
+    bad = replication.WriteSet(turns[-1].ledger_id, 3, turns[-1].seq + 2, turns[-1].ops)  # a gap at the end
+    with pytest.raises(replication.ReplicationGap):
+        standby.apply_many(turns + [bad])
+    assert standby.env.info()["last_txnid"] == before and standby.position[1] < turns[0].seq  # nothing written
+    assert standby.apply_many(turns[:3] + turns) == len(turns)  # resends inside the batch are skipped
+    assert standby.env.info()["last_txnid"] == before + 1  # one transaction, one fsync
+    assert standby.position == log.position and replication.dump(standby.env) == replication.dump(primary.env)
+    assert standby.apply_many(turns) == 0
+    standby.close()

@@ -78,6 +78,8 @@ def test_every_message_class_round_trips_with_defaults() -> None:
         protocol.AdminReply(4, True, b"\x80"),
         protocol.ReplTurns(3, [b"\x94"], partial=True),
         protocol.ReplAck(3, 41),
+        protocol.ReplCopyChunk(3, 41, 1 << 20, 5 << 20, b"\x00" * 64),
+        protocol.ReplCopyAck(2 << 20),
     ]
     assert {type(m) for m in broker_side + sample_messages()} == set(protocol.MESSAGE_CLASSES.values())
     for msg in broker_side:

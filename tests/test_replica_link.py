@@ -130,6 +130,14 @@ def test_roles_and_epochs_are_enforced_on_the_link(tmp_path, keys):
     with pytest.raises(AuthError) as err:  # only a standby acknowledges them
         pc.decode(wc.encode(protocol.ReplAck(1, 1)))
     assert err.value.code == protocol.REJECT_ROLE
+    with pytest.raises(AuthError) as err:  # only a broker ships a copy
+        sc_.decode(wc.encode(protocol.ReplCopyChunk(1, 1, 0, 1, b"x")))
+    assert err.value.code == protocol.REJECT_ROLE
+    with pytest.raises(AuthError) as err:  # only a standby acknowledges its chunks
+        pc.decode(wc.encode(protocol.ReplCopyAck(1)))
+    assert err.value.code == protocol.REJECT_ROLE
+    assert isinstance(sc_.decode(pc.encode(protocol.ReplCopyChunk(1, 1, 0, 1, b"x"))).message, protocol.ReplCopyChunk)
+    assert pc.decode(sc_.encode(protocol.ReplCopyAck(1))).message == protocol.ReplCopyAck(1)
     frames = pc.encode(protocol.ReplTurns(1, [b"x"]))
     frames[0] = frames[0].replace(b"x", b"y")
     with pytest.raises(AuthError) as err:

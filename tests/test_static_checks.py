@@ -183,11 +183,7 @@ SOURCE_DIRS = ("common", "brokerd", "workerd", "completiond", "relayd", "produce
 CONVENTIONAL_ALIASES = {("numpy", "np"), ("hypothesis.strategies", "st")}
 #: files other sessions were rewriting when the rule came in, with the aliases they still use: rename them there
 #: (``from ccsq.common.wire import protocol``) and drop the entry (an entry no longer needed fails)
-SHORT_ALIASES_LEFT = {
-    "brokerd/actor.py": {"p", "tp"}, "brokerd/admin.py": {"p"}, "brokerd/election.py": {"ex"}, "brokerd/metrics.py": {"p"},
-    "brokerd/replica.py": {"p", "rp"}, "brokerd/sessions.py": {"p"}, "brokerd/transport.py": {"p"},
-    "brokerd/ledger/replication.py": {"sc"}, "common/link/peer.py": {"p"},
-}
+SHORT_ALIASES_LEFT: dict[str, set[str]] = {}
 
 
 def _sources() -> Iterator[tuple[str, str]]:

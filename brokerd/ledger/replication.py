@@ -36,19 +36,19 @@ from typing import Any
 import lmdb
 import structlog
 
-from ccsq.brokerd.ledger import schema as sc
+from ccsq.brokerd.ledger import schema
 from ccsq.common.wire.errors import CcsqError, ExitCode
 
 log = structlog.get_logger("ccsq.brokerd")
 
 #: Meta key of the replication position: ``>QQ`` (epoch, seq) of the last turn in this ledger.
-REPL_POS = sc.META + b"repl_pos"
+REPL_POS = schema.META + b"repl_pos"
 _POS = struct.Struct(">QQ")
 #: Turns a primary keeps after their commit for a standby that catches up (about a
 #: minute at 1000 turns/s; older ones: the standby takes a new copy).
 BACKLOG_TURNS = 65536
 #: The index of a sub-database in a packed write set (position in ``schema.DB_NAMES``).
-_DB_INDEX = {name: i for i, name in enumerate(sc.DB_NAMES)}
+_DB_INDEX = {name: i for i, name in enumerate(schema.DB_NAMES)}
 
 
 class ReplicationError(CcsqError):
@@ -119,14 +119,14 @@ class WriteSet:
 
     def pack(self) -> bytes:
         """msgpack ``[ledger_id, epoch, seq, [[db index, key, value or nil], ...]]``."""
-        return sc.pack([self.ledger_id, self.epoch, self.seq, [[_DB_INDEX[d], k, v] for d, k, v in self.ops]])
+        return schema.pack([self.ledger_id, self.epoch, self.seq, [[_DB_INDEX[d], k, v] for d, k, v in self.ops]])
 
     @classmethod
     def unpack(cls, raw: bytes) -> WriteSet:
         """Inverse of :meth:`pack`. Raises :class:`ReplicationError` on a malformed one."""
         try:
-            lid, epoch, seq, ops = sc.unpack(raw)
-            out = tuple((sc.DB_NAMES[i], bytes(k), None if v is None else bytes(v)) for i, k, v in ops)
+            lid, epoch, seq, ops = schema.unpack(raw)
+            out = tuple((schema.DB_NAMES[i], bytes(k), None if v is None else bytes(v)) for i, k, v in ops)
             if not (isinstance(lid, str) and isinstance(epoch, int) and isinstance(seq, int)) or epoch < 0 or seq < 1:
                 raise ValueError("bad header")
         except (ValueError, TypeError, IndexError) as exc:
@@ -148,6 +148,9 @@ class ReplicationLog:
             raise StaleEpoch(f"epoch {epoch} is older than the ledger's replication epoch {position[0]}")
         self.epoch = epoch
         self.position = position
+        #: the ledger's position when this log began: the one turn before the backlog whose
+        #: epoch is known once the backlog is full (older ones: BacklogTruncated)
+        self.start = position
         self.sink = sink
         self.backlog: collections.deque[WriteSet] = collections.deque(maxlen=backlog_turns)
 
@@ -178,6 +181,14 @@ class ReplicationLog:
             first = self.backlog[0].seq if self.backlog else self.position[1] + 1
             raise BacklogTruncated(f"turns after seq {seq} are gone (the backlog begins at {first}): take a new copy")
         start = seq + 1 - self.backlog[0].seq
+        # the turn at the standby's seq must be this primary's turn of that seq: the same
+        # epoch (a deposed primary's tail of an older epoch has the same seqs, other turns)
+        held = self.backlog[start - 1].epoch if start > 0 else (self.start[0] if self.start[1] == seq else None)
+        if held is None:
+            raise BacklogTruncated(f"the epoch of turn {seq} is no longer known here: take a new copy")
+        if held != epoch:
+            raise Diverged(f"position {position}: this primary's turn {seq} is of epoch {held}; the standby holds "
+                           "another turn there (a deposed primary's tail)")
         return list(self.backlog)[start:]
 
 
@@ -221,7 +232,7 @@ class RecordingTxn:
 
 # --- the standby's side ------------------------------------------------------------------
 def _open_env(path: Path, map_size_bytes: int, *, create: bool) -> lmdb.Environment:
-    return lmdb.open(str(path), map_size=map_size_bytes, max_dbs=len(sc.DB_NAMES) + 2, subdir=True, lock=True,
+    return lmdb.open(str(path), map_size=map_size_bytes, max_dbs=len(schema.DB_NAMES) + 2, subdir=True, lock=True,
                      sync=True, metasync=True, writemap=False, create=create)
 
 
@@ -244,13 +255,13 @@ class ReplicaLedger:
         self.max_map_size_bytes = max(map_size_bytes, max_map_size_bytes)
         self.env = _open_env(self.path, map_size_bytes, create=False)
         try:
-            self.db = {name: self.env.open_db(name.encode(), create=False) for name in sc.DB_NAMES}
+            self.db = {name: self.env.open_db(name.encode(), create=False) for name in schema.DB_NAMES}
         except lmdb.Error as exc:
             self.env.close()
             raise NotSeeded(f"standby ledger {self.path} lacks its sub-databases ({exc}): seed it again") from None
         with self.env.begin() as txn:
-            lid = txn.get(sc.LEDGER_ID, db=self.db["meta"])
-            if txn.get(sc.RESTORE_PENDING, db=self.db["meta"]) is not None:
+            lid = txn.get(schema.LEDGER_ID, db=self.db["meta"])
+            if txn.get(schema.RESTORE_PENDING, db=self.db["meta"]) is not None:
                 self.env.close()
                 raise Diverged(f"standby ledger {self.path} is a `ccsq backup` copy marked for restore (a new "
                                "id prefix on first write): seed it with take_copy, not ccsq backup")
@@ -266,7 +277,10 @@ class ReplicaLedger:
     def check(self, ws: WriteSet) -> bool:
         """Whether ``ws`` is the next turn (True), one already applied (False), or
         refused (raises :class:`StaleEpoch`, :class:`ReplicationGap`, :class:`Diverged`)."""
-        epoch, seq = self.position
+        return self._check_at(ws, self.position)
+
+    def _check_at(self, ws: WriteSet, position: tuple[int, int]) -> bool:
+        epoch, seq = position
         if ws.ledger_id != self.ledger_id:
             raise Diverged(f"write set of ledger {ws.ledger_id!r}, this standby holds ledger {self.ledger_id!r}")
         if ws.epoch < epoch:
@@ -285,20 +299,35 @@ class ReplicaLedger:
         """Apply ``ws`` (see :meth:`check`): True when written and fsynced, False when it
         was already applied (a resend). A delete of an absent key or a turn whose last
         write is not its own position is :class:`Diverged` (nothing written)."""
-        if not self.check(ws):
-            return False
-        if not ws.ops or ws.ops[-1] != ("meta", REPL_POS, pack_pos(ws.epoch, ws.seq)):
-            raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) does not end with its own position")
+        return self.apply_many([ws]) == 1
+
+    def apply_many(self, batch: list[WriteSet]) -> int:
+        """Apply the turns of ``batch`` in order in **one** LMDB transaction, committed with
+        one fsync (a standby that drained several turns at once: group commit). Each is
+        checked as by :meth:`check` against the position the ones before it leave; those
+        already applied are skipped. Returns how many were written. All or nothing: a
+        refused turn (the errors of :meth:`apply`) writes none of the batch."""
+        todo, pos = [], self.position
+        for ws in batch:
+            if not self._check_at(ws, pos):
+                continue
+            if not ws.ops or ws.ops[-1] != ("meta", REPL_POS, pack_pos(ws.epoch, ws.seq)):
+                raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) does not end with its own position")
+            todo.append(ws)
+            pos = (ws.epoch, ws.seq)
+        if not todo:
+            return 0
         while True:
             txn = self.env.begin(write=True)
             try:
                 db = self.db
-                for name, key, value in ws.ops:
-                    if value is None:
-                        if not txn.delete(key, db=db[name]):
-                            raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {name}/{key!r}, absent here")
-                    else:
-                        txn.put(key, value, db=db[name])
+                for ws in todo:
+                    for name, key, value in ws.ops:
+                        if value is None:
+                            if not txn.delete(key, db=db[name]):
+                                raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {name}/{key!r}, absent here")
+                        else:
+                            txn.put(key, value, db=db[name])
                 txn.commit()
             except lmdb.MapFullError:
                 txn.abort()
@@ -311,8 +340,8 @@ class ReplicaLedger:
             except BaseException:
                 txn.abort()
                 raise
-            self.position = (ws.epoch, ws.seq)
-            return True
+            self.position = pos
+            return len(todo)
 
 
 def take_copy(ledger: Any, dest: Path) -> dict[str, Any]:
@@ -335,7 +364,7 @@ def dump(env: lmdb.Environment) -> dict[str, dict[bytes, bytes]]:
     """Every key and value of every ledger sub-database (for comparing a standby with its primary)."""
     out: dict[str, dict[bytes, bytes]] = {}
     with env.begin() as txn:
-        for name in sc.DB_NAMES:
+        for name in schema.DB_NAMES:
             db = env.open_db(name.encode(), txn=txn, create=False)
             out[name] = {bytes(k): bytes(v) for k, v in txn.cursor(db=db)}
     return out

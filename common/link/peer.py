@@ -50,7 +50,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ccsq.common.wire import protocol as p
+from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.config import PeerSettings
 from ccsq.common.wire.endpoints import check_endpoint, split_endpoints
@@ -71,7 +71,7 @@ from ccsq.common.wire.policy import BROKER_KEY_MISMATCH, CURVE_REFUSED, refusal_
 log = get_logger("ccsq.peer")
 
 
-def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
+def refusal_fix(settings: PeerSettings, role: str, refusal: protocol.Error) -> str:
     """One sentence: why the broker refused this peer and what to change (for logs,
     :class:`~ccsq.common.wire.errors.Unauthorized` and the CLI)."""
     peer = settings.peer_id
@@ -79,14 +79,14 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
         entry = f'[peers.{peer}] role = "{role}" public_key = "{public_key_b64(load_private_key(Path(settings.private_key)))}"'
     except Exception:  # noqa: BLE001 - the key loaded at start; this is only a hint
         entry = f'[peers.{peer}] role = "{role}" public_key = "<this peer\'s public key>"'
-    if refusal.code == p.REJECT_UNKNOWN_SENDER:
+    if refusal.code == protocol.REJECT_UNKNOWN_SENDER:
         fix = f"add to the broker's authorized_keys: {entry}; then reload the broker (SIGHUP) and start this peer again"
-    elif refusal.code == p.REJECT_BAD_SIGNATURE and (owner := _key_owner(settings)) not in (None, peer):
+    elif refusal.code == protocol.REJECT_BAD_SIGNATURE and (owner := _key_owner(settings)) not in (None, peer):
         # another peer's key: registering it for this peer too would let that peer act as this one
         own = Path(settings.private_key).with_name(f"{peer}.key")
         fix = (f"this is {owner}'s key ({settings.private_key}); use {own}: set private_key = \"{own}\" in "
                f"{settings.config_path or 'its config'} (do not list {owner}'s public key for {peer!r})")
-    elif refusal.code == p.REJECT_BAD_SIGNATURE:
+    elif refusal.code == protocol.REJECT_BAD_SIGNATURE:
         fix = (f"the private key {settings.private_key} does not match the public key the broker holds for {peer!r}: "
                f"set it in the broker's authorized_keys: {entry} (then SIGHUP the broker), or use the matching private key")
     elif refusal.code == CURVE_REFUSED:
@@ -103,7 +103,7 @@ def refusal_fix(settings: PeerSettings, role: str, refusal: p.Error) -> str:
                 f"({refusal.message}): its public key (or broker_id = {settings.broker_id!r}) in "
                 f"{settings.authorized_keys or 'authorized_keys'} does not match the running broker's; copy the "
                 "broker's authorized_keys.toml (or its [peers.<broker_id>] entry) to this host, then start this peer again")
-    elif refusal.code == p.REJECT_ROLE:
+    elif refusal.code == protocol.REJECT_ROLE:
         fix = (f"peer id {peer!r} is authorized for another role than {role!r}: "
                f"use the id and key of a peer with role {role!r}, or change its role in the broker's authorized_keys")
     else:
@@ -255,32 +255,32 @@ class BrokerLink:
     epoch_changes: int  # WELCOMEs whose broker_epoch differed from the session before (restart or failover)
     sessions: int  # sessions opened so far
     last_recv_mono: float
-    last_refusal: p.Error | None  # the broker's ERROR answer to our last HELLO, if any
+    last_refusal: protocol.Error | None  # the broker's ERROR answer to our last HELLO, if any
     replaced: bool  # another live process holds (or took) our peer id: the link stopped for good
     in_use_by: str | None  # the broker's REJECT_ID_IN_USE sentence (id, live holder), while refused
     instance: str  # HELLO info INSTANCE_INFO: this link's process instance, "<host>/<pid>/<hex>"
-    refused: p.Error | None  # the broker refused this peer for good (policy.refusal_final): the link stopped
-    _outbox: asyncio.Queue[p.Message]
+    refused: protocol.Error | None  # the broker refused this peer for good (policy.refusal_final): the link stopped
+    _outbox: asyncio.Queue[protocol.Message]
 
     def __init__(
         self,
         settings: PeerSettings,
         *,
-        hello: Callable[[], p.Hello],
-        heartbeat: Callable[[], p.Heartbeat] | None = None,
+        hello: Callable[[], protocol.Hello],
+        heartbeat: Callable[[], protocol.Heartbeat] | None = None,
         on_message: Callable[[Envelope], Awaitable[None] | None],
-        on_connect: Callable[[p.Welcome], Awaitable[None] | None] | None = None,
+        on_connect: Callable[[protocol.Welcome], Awaitable[None] | None] | None = None,
         on_disconnect: Callable[[str], None] | None = None,
         codec: EnvelopeCodec | None = None,
         send_timeout_s: float = 5.0,
-        on_heartbeat: Callable[[p.Heartbeat], None] | None = None,
+        on_heartbeat: Callable[[protocol.Heartbeat], None] | None = None,
     ) -> None:
         self.settings = settings
         self.codec = codec or make_codec(settings)
         self._curve_server_key = load_curve_public(Path(settings.broker_curve_public_key)) if settings.curve else None
         self._curve_secret = peer_curve_secret(settings) if settings.curve else None
         self._hello = hello
-        self._heartbeat = heartbeat or (lambda: p.Heartbeat())
+        self._heartbeat = heartbeat or (lambda: protocol.Heartbeat())
         self._on_message = on_message
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
@@ -322,7 +322,7 @@ class BrokerLink:
         would lapse (the link retries until then, then stops with ``replaced``); else None."""
         return self._in_use_until_mono
 
-    def send(self, msg: p.Message) -> bool:
+    def send(self, msg: protocol.Message) -> bool:
         """Queue ``msg`` for the current session; False (not queued) when not connected."""
         if self.state is not LinkState.READY:
             return False
@@ -333,7 +333,7 @@ class BrokerLink:
         """Say BYE (best effort, bounded) and end :meth:`run`."""
         self._stopping = True
         if self.state is LinkState.READY:
-            self._outbox.put_nowait(p.Bye(reason=reason))
+            self._outbox.put_nowait(protocol.Bye(reason=reason))
             deadline = time.monotonic() + 1.0
             while not self._outbox.empty() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -534,7 +534,7 @@ class BrokerLink:
                 raise LinkLost(f"handshake with {self.endpoint} failed ({name})")
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._curve_secret is not None:
                 # the broker's ZAP allow-list refused our CURVE key: for good, like UNKNOWN_SENDER
-                self.refused = self.last_refusal = p.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "
+                self.refused = self.last_refusal = protocol.Error(CURVE_REFUSED, "the broker's CURVE allow-list does not list "
                                                                           "this peer's CURVE public key")
                 self._stopping = True
                 self.log.error("broker_refused_peer", code=CURVE_REFUSED, message=self.refused.message,
@@ -565,7 +565,7 @@ class BrokerLink:
 
     async def _handshake(self, sock: zmq.asyncio.Socket) -> None:
         hello = self._hello()
-        hello = dataclasses.replace(hello, info={**hello.info, p.INSTANCE_INFO: self.instance})
+        hello = dataclasses.replace(hello, info={**hello.info, protocol.INSTANCE_INFO: self.instance})
         self._hello_role = hello.role
         frames = self.codec.encode(hello)
         try:
@@ -584,7 +584,7 @@ class BrokerLink:
                 raise LinkLost(f"no WELCOME from {self.endpoint} within hello_timeout_s") from None
             env = self._decode(raw, answer_to_hello=True)
             msg = env.message
-            if isinstance(msg, p.Welcome):
+            if isinstance(msg, protocol.Welcome):
                 self._welcome = msg
                 self.heartbeat_interval_s = msg.heartbeat_interval_s
                 self.liveness = msg.liveness
@@ -599,12 +599,12 @@ class BrokerLink:
                 self.last_refusal = None
                 self._in_use_until_mono, self.in_use_by = None, None
                 return
-            if isinstance(msg, p.Error):
+            if isinstance(msg, protocol.Error):
                 self.last_refusal = msg
-                if msg.code == p.REJECT_ID_IN_USE:
+                if msg.code == protocol.REJECT_ID_IN_USE:
                     self._id_in_use(msg)
                     raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}", rotate=False)
-                if msg.code == p.REJECT_NOT_PRIMARY:  # a standby: the primary is elsewhere (docs/ha.md)
+                if msg.code == protocol.REJECT_NOT_PRIMARY:  # a standby: the primary is elsewhere (docs/ha.md)
                     raise NotPrimary(f"broker at {self.endpoint} is not the primary: {msg.message}", msg.primary)
                 if refusal_final(msg.code):  # by error type (Unauthorized), the one failure policy
                     # for good: reconnecting cannot help until authorized_keys changes
@@ -616,7 +616,7 @@ class BrokerLink:
                     self.log.warning("broker_refused_hello", code=msg.code, message=msg.message, endpoint=self.endpoint)
                 raise LinkLost(f"broker refused HELLO: {msg.code}: {msg.message}", rotate=False)
 
-    def _id_in_use(self, msg: p.Error) -> None:
+    def _id_in_use(self, msg: protocol.Error) -> None:
         """The broker refused our HELLO: another live session holds our peer id. Retry until
         just after that session would lapse (``msg.retry_in_s``: a crashed predecessor's
         window); refused again after that, the holder is alive: stop for good (``replaced``)."""
@@ -638,10 +638,10 @@ class BrokerLink:
         try:
             return self.codec.decode(raw, bound_sender=self.settings.broker_id)
         except DecodeError as exc:
-            if answer_to_hello and exc.code in (p.REJECT_BAD_SIGNATURE, p.REJECT_UNKNOWN_SENDER, p.REJECT_FORGED_ORIGIN):
+            if answer_to_hello and exc.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_UNKNOWN_SENDER, protocol.REJECT_FORGED_ORIGIN):
                 # the answer to our HELLO is not from the broker we pin: for good (a session
                 # would take leases whose every message we then refuse)
-                self.refused = self.last_refusal = p.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")
+                self.refused = self.last_refusal = protocol.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")
                 self._stopping = True
                 self.log.error("broker_key_mismatch", code=exc.code, message=str(exc)[:300],
                                fix=refusal_fix(self.settings, self._hello_role, self.refused))
@@ -659,17 +659,17 @@ class BrokerLink:
                 raise LinkLost(f"socket error: {exc}") from None
             self.last_recv_mono = time.monotonic()
             env = self._decode(raw)
-            if isinstance(env.message, p.Heartbeat) and self._on_heartbeat is not None:
+            if isinstance(env.message, protocol.Heartbeat) and self._on_heartbeat is not None:
                 self._on_heartbeat(env.message)
-            if isinstance(env.message, (p.Heartbeat, p.Welcome)):
+            if isinstance(env.message, (protocol.Heartbeat, protocol.Welcome)):
                 continue
-            if isinstance(env.message, p.Error) and env.message.code == p.ERROR_REPLACED:
+            if isinstance(env.message, protocol.Error) and env.message.code == protocol.ERROR_REPLACED:
                 # another live process uses our peer id: reconnecting would only fight it
                 self.replaced = True
                 self._stopping = True
                 self.log.error("peer_id_in_use", message=env.message.message)
                 raise LinkLost(f"replaced: another process uses peer id {self.settings.peer_id}")
-            if isinstance(env.message, p.Error) and env.message.code == p.REJECT_NO_SESSION:
+            if isinstance(env.message, protocol.Error) and env.message.code == protocol.REJECT_NO_SESSION:
                 # the broker ended this session (one disconnect rule): start a new one now
                 raise LinkLost(f"broker has no session for us: {env.message.message}", rotate=False)
             res = self._on_message(env)
@@ -692,7 +692,7 @@ class BrokerLink:
                     raise LinkLost("send timed out (broker not reading)") from None
                 except zmq.ZMQError as exc:
                     raise LinkLost(f"socket error: {exc}") from None
-            if isinstance(msg, p.Bye):
+            if isinstance(msg, protocol.Bye):
                 raise LinkLost("bye sent")
 
     async def _closed_watch(self, monitor: zmq.asyncio.Socket) -> None:

@@ -148,6 +148,8 @@ class MsgType(enum.IntEnum):
     # primary broker <-> standby broker (docs/ha.md; brokerd/replica.py)
     REPL_TURNS = 50
     REPL_ACK = 51
+    REPL_COPY_CHUNK = 52
+    REPL_COPY_ACK = 53
 
 
 class ItemState(str, enum.Enum):
@@ -204,6 +206,7 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
             MsgType.ACK_OK,
             MsgType.ADMIN_REPLY,
             MsgType.REPL_TURNS,
+            MsgType.REPL_COPY_CHUNK,
         }
     ),
     Role.PRODUCER: frozenset(
@@ -220,7 +223,7 @@ ROLE_MAY_SEND: dict[Role, frozenset[MsgType]] = {
         {MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.CREDIT, MsgType.COMPLETE, MsgType.FAIL,
          MsgType.SUBMIT, MsgType.STATUS, MsgType.ACK, MsgType.CANCEL}
     ),
-    Role.STANDBY: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.REPL_ACK}),
+    Role.STANDBY: frozenset({MsgType.HELLO, MsgType.HEARTBEAT, MsgType.BYE, MsgType.REPL_ACK, MsgType.REPL_COPY_ACK}),
 }
 #: Roles whose sessions hold leases (fencing tokens, heartbeat extension, resume at HELLO).
 LEASE_HOLDER_ROLES = frozenset({Role.WORKER, Role.RELAY})
@@ -632,6 +635,30 @@ class ReplAck(Message):
     seq: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplCopyChunk(Message):
+    """Primary -> standby, after an ERROR ``NEED_COPY``: bytes ``offset .. offset +
+    len(data)`` of a consistent copy of the primary's ``data.mdb`` (``total`` bytes) that
+    holds every turn up to ``(epoch, seq)`` (brokerd/replserver.py). The primary keeps at
+    most a window of chunks unacknowledged (:class:`ReplCopyAck`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REPL_COPY_CHUNK
+    epoch: int
+    seq: int
+    offset: int
+    total: int
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplCopyAck(Message):
+    """Standby -> primary: the copy's bytes before ``offset`` are written here (the
+    primary's send window moves; ``offset == total``: the copy is installed and fsynced)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REPL_COPY_ACK
+    offset: int
+
+
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -658,6 +685,8 @@ MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
         AdminReply,
         ReplTurns,
         ReplAck,
+        ReplCopyChunk,
+        ReplCopyAck,
     )
 }
 

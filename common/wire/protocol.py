@@ -25,9 +25,10 @@ from ccsq.common.wire.messages import (
     Dispatch, Error, ERROR_REPLACED, extension, Fail, FailAck, FailReason, Heartbeat, Hello, INSTANCE_INFO,
     ItemOutcome, ItemState, ItemStatus, LEASE_HOLDER_ROLES, LeaseRef, LOST_INFO, lost_info, Message, MESSAGE_CLASSES,
     MsgType, _OMIT_EMPTY, Outcome, Params, parse_lost_info, PROTOCOL_VERSION, Quarantined, REJECT_BAD_SIGNATURE,
-    REJECT_FORGED_ORIGIN, REJECT_FRAMING, REJECT_ID_IN_USE, REJECT_MALFORMED, REJECT_NOT_PRIMARY, REJECT_NO_SESSION, REJECT_OVERSIZE,
-    REJECT_REPLAY, REJECT_ROLE, REJECT_STALE, REJECT_UNKNOWN_SENDER, REJECT_UNKNOWN_TYPE, REJECT_VERSION, ReplAck,
-    ReplTurns, Result, Role, ROLE_MAY_SEND, Scalar, SCALAR_TYPES, Status, StatusReply, Submit, SubmitAck, SubmitItem,
+    REJECT_FORGED_ORIGIN, REJECT_FRAMING, REJECT_ID_IN_USE, REJECT_MALFORMED, REJECT_NOT_PRIMARY, REJECT_NO_SESSION,
+    REJECT_OVERSIZE, REJECT_REPLAY, REJECT_ROLE, REJECT_STALE, REJECT_UNKNOWN_SENDER, REJECT_UNKNOWN_TYPE, REJECT_VERSION, ReplAck,
+    ReplCopyAck, ReplCopyChunk, ReplTurns, Result, Role, ROLE_MAY_SEND, Scalar, SCALAR_TYPES, Status, StatusReply, Submit, SubmitAck,
+    SubmitItem,
     SubmitResult, Task, TaskFailure, TaskResult, TERMINAL_STATES, Welcome,
 )
 from ccsq.common.wire.limits import (
@@ -54,7 +55,8 @@ __all__ = [
     "Params", "Blob", "LeaseRef", "SubmitItem", "SubmitResult", "Task", "TaskResult", "TaskFailure", "ItemOutcome",
     "Quarantined", "Delivery", "ItemStatus", "Message", "Hello", "Welcome", "Heartbeat", "Bye", "Error", "Submit",
     "SubmitAck", "Status", "Cancel", "StatusReply", "Credit", "Dispatch", "Complete", "CompleteAck", "Fail",
-    "FailAck", "Result", "Ack", "AckOk", "Admin", "AdminReply", "ReplTurns", "ReplAck", "MESSAGE_CLASSES",
+    "FailAck", "Result", "Ack", "AckOk", "Admin", "AdminReply", "ReplTurns", "ReplAck", "ReplCopyChunk", "ReplCopyAck",
+    "MESSAGE_CLASSES",
     "SCALAR_TYPES", "DEFAULT_MAX_FRAME_BYTES", "MAX_ARRAY_LEN", "MAX_MAP_LEN", "MAX_DEPTH", "SIGNATURE_BYTES",
     "SHA256_HEX_LEN", "_HEX_RE", "PRIO_MAX", "PRIO_MIN", "MAX_KIND_LEN", "MAX_KEY_BYTES", "_CONTROL_RE",
     "_has_control", "submit_item_problem", "_FLOAT_MAX", "_PARAM_PLAIN_TYPES", "_submit_item_plainly_fine",
