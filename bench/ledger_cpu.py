@@ -48,6 +48,21 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def _sys() -> float:
+    return os.times().system
+
+
+def _written() -> int:
+    """Bytes this process passed to write calls (``wchar`` in /proc/self/io: the pages LMDB writes)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = CACHE_ITEMS,
             profile: Path | None = None) -> dict:
     ledger = Ledger(root / "ledger", map_size_bytes=4 << 30)
@@ -75,7 +90,7 @@ def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = C
 
             prof = cProfile.Profile()
             prof.enable()
-        cpu0, w0 = _cpu(), time.monotonic()
+        cpu0, sys0, wr0, w0 = _cpu(), _sys(), _written(), time.monotonic()
         while acked < n:
             now_ms += 2
             txn = ledger.begin()
@@ -97,12 +112,14 @@ def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = C
                 delivered.append(item_id)
             txn.commit()
             sent.update(delivered)
-        cpu, wall = _cpu() - cpu0, time.monotonic() - w0
+        cpu, sys_s, wrote, wall = _cpu() - cpu0, _sys() - sys0, _written() - wr0, time.monotonic() - w0
         if prof is not None:
             prof.disable()
             prof.dump_stats(str(profile))
         return {"queued": queued, "n": acked, "frame": frame, "cache_items": cache_items,
-                "cpu_us_per_job": round(cpu / acked * 1e6, 1), "wall_us_per_job": round(wall / acked * 1e6, 1),
+                "cpu_us_per_job": round(cpu / acked * 1e6, 1), "sys_us_per_job": round(sys_s / acked * 1e6, 1),
+                "written_bytes_per_job": round(wrote / acked),
+                "wall_us_per_job": round(wall / acked * 1e6, 1),
                 "fill_s": round(fill_s, 1)}
     finally:
         ledger.close()
