@@ -267,6 +267,11 @@ async def rabbit_completion(url: str, land: Landing, db_path: Path, ready: Path,
             msgs = [await asyncio.wait_for(inbox.get(), 0.5)]
         except asyncio.TimeoutError:
             continue
+        # what has arrived (delivered while the last batch's transaction committed) joins this
+        # batch at once, as ccsq's completion service gathers (batch_max 256, batch_wait_ms 0);
+        # only then wait up to COMPLETION_WAIT_MS for more (0: not at all)
+        while len(msgs) < COMPLETION_BATCH and not inbox.empty():
+            msgs.append(inbox.get_nowait())
         deadline = time.monotonic() + COMPLETION_WAIT_MS / 1000
         while len(msgs) < COMPLETION_BATCH:
             left = deadline - time.monotonic()

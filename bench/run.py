@@ -54,8 +54,8 @@ def _fsync_stats(trace: Path, jobs: int) -> dict[str, Any]:
 
 #: The targets (docs/benchmarks.md): CPU per job of each ccsq process (µs), end-to-end ratios, paced latency.
 CPU_TARGET_US = {"broker": 50, "worker": 25, "completion": 20, "producer": 15}
-RATIO_TARGET = {"redis": 0.8, "celery": 20.0, "dramatiq": 6.0, "rabbit": None}
-LATENCY_TARGET_MS = {"p50": 15.0, "p99": 40.0}
+RATIO_TARGET = {"redis": 1.0, "celery": 20.0, "dramatiq": 6.0, "rabbit": None}  # ratios against the strongest peers
+LATENCY_TARGET_MS = {"p50": 20.0, "p99": 60.0}  # at 50 % of the max rate, N = 100,000
 SERVER_OF = {"redis": "redis-server", "celery": "redis-server", "rabbit": "rabbitmq-server", "dramatiq": "rabbitmq-server"}
 
 
@@ -152,7 +152,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     if pc:
         ok = pc["latency_ms"]["p50"] <= LATENCY_TARGET_MS["p50"] and pc["latency_ms"]["p99"] <= LATENCY_TARGET_MS["p99"]
         results["latency_target"] = {**LATENCY_TARGET_MS, "met": ok}
-        console.print(f"  ccsq paced latency p50 <= 15 ms, p99 <= 40 ms: {verdict(ok)}")
+        console.print(f"  ccsq paced latency p50 <= {LATENCY_TARGET_MS['p50']:g} ms, p99 <= {LATENCY_TARGET_MS['p99']:g} ms: {verdict(ok)}")
     if "kill" in results["runs"]["ccsq"]:
         kl = results["runs"]["ccsq"]["kill"]["kill"]
         console.print(f"  ccsq kill run: lost {kl['lost']}, results delivered twice {kl['doubled']}, "

@@ -117,11 +117,20 @@ class Lease:
     expires_mono: float
 
 
+#: Ended leases' heap entries tolerated beyond the live ones before a rebuild (LeaseTimers).
+HEAP_COMPACT_MIN = 4096
+
+
 class LeaseTimers:
     """item id -> Lease with expiry on the monotonic clock; a heap finds the due ones.
 
     Extending a lease only updates the dict; a popped heap entry whose lease was
-    extended is pushed again, so each lease has one heap entry at a time. Every lease
+    extended is pushed again, so each lease has one heap entry at a time. The entry of a
+    lease that ended (completed, failed, released) stays until the heap holds more of them
+    than live leases (and :data:`HEAP_COMPACT_MIN` at least): then the heap is rebuilt
+    without them, O(1) per lease on average (otherwise each would sit there until its
+    expiry and be popped then, one O(log n) pop per job in any run longer than
+    ``lease_ttl_s``). Every lease
     deadline is computed here, from ``ttl_s`` (the config's ``lease_ttl_s``):
     :meth:`expiry` for the timers, :attr:`ttl_ms` for the ledger's record."""
 
@@ -130,6 +139,12 @@ class LeaseTimers:
         self.leases: dict[str, Lease] = {}
         self.by_worker: dict[str, set[str]] = {}
         self._heap: list[tuple[float, str, int]] = []
+
+    def _compact(self) -> None:
+        """Rebuild the heap with the entries of live leases only (:meth:`discard`)."""
+        leases = self.leases
+        self._heap = [e for e in self._heap if (lease := leases.get(e[1])) is not None and lease.token == e[2]]
+        heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -170,6 +185,8 @@ class LeaseTimers:
             held.discard(item_id)
             if not held:
                 del self.by_worker[lease.worker]
+        if len(self._heap) > 2 * len(self.leases) + HEAP_COMPACT_MIN:
+            self._compact()
 
     def held_by(self, worker: str) -> list[Lease]:
         return [self.leases[i] for i in self.by_worker.get(worker, ())]

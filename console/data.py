@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgpack
 
 from ccsq.tools import admin_client
 from ccsq.tools.admin_client import AdminSession
@@ -203,5 +202,5 @@ def _gap_windows(data_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, 
 
 def _find_key(data_dir: str | Path, key: str) -> str | None:
     with admin_client.offline_view(data_dir) as view:
-        raw = view.txn.get(key.encode(), db=view.db["keys"])  # idempotency key -> [item_id, created_ms] (docs/ledger.md)
-    return None if raw is None else msgpack.unpackb(raw, raw=False)[0]
+        found = view.key_entry(key)  # idempotency key -> [item_id, created_ms] (docs/ledger.md)
+    return None if found is None else found[0]

@@ -524,7 +524,7 @@ def test_record_cache_holds_committed_records_of_items_not_done(ledger):
     (a transition takes its record out, so an aborted one leaves nothing changed in it), the
     same records LMDB holds, the oldest entries go first, done or purged items leave it;
     payloads and results ride along."""
-    ledger.cache_records(2)
+    ledger.cache_records(2, ready_max=3)
     ra, rb, rc = submit(ledger, item("a"), item("b"), item("c"))
     cache = ledger.record_cache
     assert list(cache) == [rb.item_id, rc.item_id]  # a went first
@@ -598,3 +598,86 @@ def test_a_backup_larger_than_ten_mib_is_marked_and_restores_with_a_new_id_prefi
             assert v.gap_counts()["G13"] == 12_000  # counted once
     finally:
         again.close()
+
+
+def test_record_cache_keeps_in_flight_records_when_the_queue_is_deeper_than_half_of_it(ledger):
+    """Issue 24: in a queue deeper than the cache, each new ready record went in and pushed
+    out the oldest entries, the records of leased and completed items that COMPLETE, the
+    delivery and ACK read a few turns later (at 100,000 queued most of them were unpacked
+    from LMDB again). Ready records are kept only while at most half the cache is ready."""
+    ledger.cache_records(4)  # ready records kept while at most 2 items are ready
+    (ra,) = submit(ledger, item("a"))
+    assert list(ledger.record_cache) == [ra.item_id]  # a shallow queue: kept for its lease
+    txn = ledger.begin()
+    ta = txn.lease(ra.item_id, "w1", 2_000, 5_000)
+    txn.commit()
+    assert ledger.record_cache[ra.item_id][0]["state"] == "leased"
+    deep = submit(ledger, *(item(f"q{i}") for i in range(6)))  # 6 ready: deeper than half the cache
+    cache = ledger.record_cache
+    assert ra.item_id in cache and not any(r.item_id in cache for r in deep)  # the leased one stays
+    txn = ledger.begin()
+    assert txn.complete(protocol.TaskResult(ra.item_id, ta.token, blob(b"r"), "echo", "1"), 3_000, "w1") == "accepted"
+    txn.commit()
+    assert cache[ra.item_id][0]["state"] == "completed" and cache[ra.item_id][3] == blob(b"r")
+    submit(ledger, *(item(f"more{i}") for i in range(6)))
+    assert list(cache) == [ra.item_id]  # still there for its delivery and ACK
+    check_balance(ledger)
+
+
+def test_idempotency_keys_are_indexed_by_a_17_byte_digest(ledger):
+    """Issue 24: the keys index took each key's own bytes (the producer's derived keys are
+    64 hex characters in random order), so its branch pages held ~56 entries and a commit
+    of 100 submits into 100,000 keys rewrote ~160 pages. Entries are now 0xFF + BLAKE2b-128
+    (schema.key_index), in keys and keytime alike; dedup and the purges go by them."""
+    long_key = "k" * 400
+    ra, rb = submit(ledger, item(long_key), item("b" * 64))
+    with ledger.read() as v:
+        keys = [k for k, _ in v.txn.cursor(db=v.db["keys"])]
+        times = [schema.parse_timed(k)[1] for k, _ in v.txn.cursor(db=v.db["keytime"])]
+        assert sorted(keys) == sorted(times) == sorted([schema.key_index(long_key), schema.key_index("b" * 64)])
+        assert all(len(k) == 17 and k[:1] == b"\xff" for k in keys)
+        assert v.key_entry(long_key)[:2] == (ra.item_id, 1_000)
+    (dup,) = submit(ledger, item(long_key), now_ms=2_000)
+    assert dup.duplicate and dup.item_id == ra.item_id
+    txn = ledger.begin()
+    assert txn.dead_letter_ready(rb.item_id, "cancelled", "test", 2_000) and txn.purge_dead(rb.item_id, 2_000)
+    txn.commit()
+    with ledger.read() as v:
+        assert v.key_entry("b" * 64) is None  # purging a dead item forgets its key
+    check_balance(ledger)
+
+
+def test_raw_idempotency_keys_of_an_older_ledger_still_dedup_and_age_out(tmp_path):
+    """A ledger written before issue 24 holds raw keys (UTF-8 bytes) in keys and keytime;
+    this version looks them up too while any are left (Ledger.legacy_keys), writes new
+    keys as digests, and the purge of expired keys removes either form."""
+    led = open_ledger(tmp_path / "l", dedup_window_s=10.0)
+    (old,) = submit(led, item("old-key"), now_ms=1_000)
+    with led.env.begin(write=True) as t:  # rewrite the entry as an older version wrote it
+        keys, keytime = led.db["keys"], led.db["keytime"]
+        digest = schema.key_index("old-key")
+        t.put(b"old-key", t.get(digest, db=keys), db=keys)
+        t.delete(digest, db=keys)
+        t.delete(schema.timed_key(1_000, digest), db=keytime)
+        t.put(schema.timed_key(1_000, b"old-key"), b"", db=keytime)
+    led.close()
+    led = open_ledger(tmp_path / "l", dedup_window_s=10.0)
+    try:
+        assert led.legacy_keys
+        (dup,) = submit(led, item("old-key"), now_ms=2_000)
+        assert dup.duplicate and dup.item_id == old.item_id
+        (new,) = submit(led, item("new-key"), now_ms=2_000)
+        txn = led.begin()
+        assert maintenance.purge_keys(txn, 11_500, 100) == 1  # the raw one, older than the window
+        txn.commit()
+        with led.read() as v:
+            assert [k for k, _ in v.txn.cursor(db=v.db["keys"])] == [schema.key_index("new-key")]
+        (again,) = submit(led, item("old-key"), now_ms=11_500)
+        assert not again.duplicate and again.item_id != old.item_id  # a new item: its key had aged out
+    finally:
+        led.close()
+    led = open_ledger(tmp_path / "l", dedup_window_s=10.0)
+    try:
+        assert not led.legacy_keys  # none left: one lookup per SUBMIT again
+    finally:
+        led.close()

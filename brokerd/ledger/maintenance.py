@@ -71,7 +71,9 @@ def purge_acknowledged(txn: LedgerTxn, now_ms: int, limit: int) -> int:
 
 def purge_keys(txn: LedgerTxn, now_ms: int, limit: int) -> int:
     """Forget up to ``limit`` idempotency keys older than ``dedup_window_s`` (a key
-    made again since keeps its new entry). Returns how many index entries went."""
+    made again since keeps its new entry). ``keytime`` names each key by its entry in
+    ``keys`` (a digest, or the raw key of an older version), so both forms go the same
+    way. Returns how many index entries went."""
     kcut = now_ms - int(txn.ledger.policy.dedup_window_s * 1000)
     todo: list[bytes] = []
     for k, _ in txn.txn.cursor(db=txn.db["keytime"]):

@@ -45,6 +45,8 @@ _READY = S.READY.value
 _COUNTER_KEYS: dict[str, bytes] = {name: schema.counter_key(name) for name in schema.COUNTERS}
 _MOVED_PREFIXES = (schema.STATE, schema.KIND_STATE)  # meta keys a state move changes
 _CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
+_IN_FLIGHT_STATES = frozenset({_LEASED, _COMPLETED})  # ... those kept while the queue is deep (_keep_records)
+_READY_KEY = schema.state_key(_READY)
 #: A payload or result kept with its record in the ledger's record cache: a claim-check
 #: reference, or inline bytes up to this size.
 CACHED_BLOB_MAX_BYTES = 2048
@@ -101,6 +103,7 @@ class LedgerTxn(LedgerView):
         # written here: a rewrite packs only the state part.
         self._heads: dict[str, bytes] = {}
         self._forgotten: set[str] = set()  # ids purged here (they leave the ledger's record cache)
+        self._ready_after = 0  # items ready once this transaction commits (read at commit, for the record cache)
         if ledger.replication is not None:  # a primary: record this turn's writes (replication.py)
             from ccsq.brokerd.ledger.replication import RecordingTxn
 
@@ -122,6 +125,8 @@ class LedgerTxn(LedgerView):
         rep = self.ledger.replication
         try:
             self._fold_moves()
+            if self.ledger.record_cache_max:
+                self._ready_after = self.num(_READY_KEY)
             put, nums = self.txn.put, self._nums
             for key, d in self._delta.items():
                 if d:
@@ -153,9 +158,15 @@ class LedgerTxn(LedgerView):
         cache, heads, payloads, results = self.ledger.record_cache, self._heads, self._payloads, self._results
         for item_id in self._forgotten:
             cache.pop(item_id, None)
+        # A ready record is kept only while the queue is shallow (at most half the cache
+        # ready): in a deeper queue it would be evicted before its lease comes (the leases
+        # take the oldest), and on its way out it would push out the leased and completed
+        # records that their COMPLETE, delivery and ACK read a few turns later (with
+        # 100,000 queued most of those would miss the cache and be unpacked from LMDB).
+        states = _CACHED_STATES if self._ready_after <= self.ledger.record_cache_ready_max else _IN_FLIGHT_STATES
         for item_id, rec in self._recs.items():
             was = cache.pop(item_id, None)  # (mostly taken already by the transition: _rec)
-            if rec["state"] in _CACHED_STATES:
+            if rec["state"] in states:
                 # payload and result never change once written: kept when small, from this
                 # transaction or the entry before; re-inserted last (the oldest entries go first)
                 payload = payloads.get(item_id)
@@ -482,12 +493,13 @@ class LedgerTxn(LedgerView):
         why = protocol.submit_item_problem(item)
         if why:
             return protocol.SubmitResult(item.key, "", error="MALFORMED", message=why)
-        kb = item.key.encode()
-        raw = self.txn.get(kb, db=self.db["keys"])
+        found = self.key_entry(item.key)
         window_ms = int(policy.dedup_window_s * 1000)
         stale_key = None
-        if raw is not None:
-            item_id, created_ms = schema.unpack(raw)
+        if found is not None and self._key_of(found[0]) not in (None, item.key):
+            found = None  # (a digest collision: another key's item; 2^-128 per pair of keys)
+        if found is not None:
+            item_id, created_ms, _entry = found
             if now_ms - created_ms <= window_ms:
                 self.bump("duplicate_submits")
                 self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
@@ -534,6 +546,7 @@ class LedgerTxn(LedgerView):
         self._index_add(rec, iid)
         self._move(item.kind, "", _READY)
         self.bump("received")
+        kb = schema.key_index(item.key)
         self.txn.put(kb, schema.pack([item_id, now_ms]), db=self.db["keys"])
         self.txn.put(schema.timed_key(now_ms, kb), b"", db=self.db["keytime"])
         if deadline_ms is not None:
@@ -651,6 +664,11 @@ class LedgerTxn(LedgerView):
             if rec["token"] == res.token else f"token {res.token} is stale (item {st}, token {rec['token']}); result discarded",
         )
         return protocol.Outcome.FENCED.value
+
+    def _key_of(self, item_id: str) -> str | None:
+        """The idempotency key of ``item_id``'s record, or None when it was purged."""
+        rec = self.record(item_id)
+        return None if rec is None else rec["key"]
 
     @staticmethod
     def _not_holder(rec: Item, sender: str) -> bool:
@@ -785,10 +803,9 @@ class LedgerTxn(LedgerView):
         for name in ("items", "payloads", "results"):
             self.txn.delete(iid, db=self.db[name])
         self.forget(item_id)
-        kb = rec["key"].encode()
-        raw = self.txn.get(kb, db=self.db["keys"])
-        if raw is not None and schema.unpack(raw)[0] == item_id:
-            self.txn.delete(kb, db=self.db["keys"])
+        found = self.key_entry(rec["key"])
+        if found is not None and found[0] == item_id:
+            self.txn.delete(found[2], db=self.db["keys"])
         self.bump("dead_purged")
         self.event(gaps.G11_DEAD_LETTER_PURGED, item_id, now_ms, f"purged by {who} (dead: {rec.get('error', '')})")
         return True

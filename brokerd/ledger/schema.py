@@ -10,6 +10,7 @@ changes the file format: existing ledger files must stay readable.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import struct
 from typing import Any, TypedDict
@@ -54,8 +55,8 @@ DB_NAMES = (
     "dead",  # item_id -> b""
     "acked",  # >Q acked_ms + item_id -> b""
     "deadline",  # >Q deadline_ms + item_id -> b""
-    "keys",  # idempotency key -> msgpack [item_id, created_ms]
-    "keytime",  # >Q created_ms + key -> b""
+    "keys",  # key_index(idempotency key) -> msgpack [item_id, created_ms] (older ledgers: the key's UTF-8 bytes)
+    "keytime",  # >Q created_ms + the key's entry in keys -> b""
     "events",  # window \0 >Q n -> msgpack event
     "meta",  # counters, per-state counts, ids: the prefixes below
 )
@@ -195,6 +196,22 @@ def seq_key(n: int) -> bytes:
 
 def parse_seq(key: bytes) -> int:
     return _Q.unpack(key)[0]
+
+
+#: First byte of an idempotency key's digest entry in ``keys`` (0xFF never
+#: begins UTF-8, so these entries cannot be taken for the raw keys older versions wrote).
+KEY_DIGEST = b"\xff"
+
+
+def key_index(key: str) -> bytes:
+    """The ``keys`` (and ``keytime``) entry of idempotency key ``key``: 0xFF + the
+    BLAKE2b-128 digest of its UTF-8 bytes, 17 bytes whatever the key's length (up to 400).
+    The producer's derived keys are 64 hex characters in random order; every SUBMIT puts
+    one into this B-tree, so its size decides the pages a commit dirties (the
+    raw keys' branch pages held 56 entries, a commit of 100 submits into 100,000 keys
+    rewrote ~160 pages; digests fit ~150 per branch page). A digest's hit is checked
+    against the item's own ``key`` while its record exists (rules.py ``LedgerTxn.submit``)."""
+    return KEY_DIGEST + hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 
 def timed_key(ms: int, rest: bytes) -> bytes:

@@ -132,6 +132,7 @@ class Ledger:
         # result; a blob only when small, else None). Off (0) unless the broker turns it
         # on (:meth:`cache_records`); see LedgerTxn.commit.
         self.record_cache_max = 0
+        self.record_cache_ready_max = 0
         self.record_cache: collections.OrderedDict[str, tuple[schema.Item, bytes | None, Any, Any]] = collections.OrderedDict()
         if readonly:
             if not (self.path / "data.mdb").exists():
@@ -173,6 +174,9 @@ class Ledger:
         except LedgerError:
             self.env.close()
             raise
+        #: the ``keys`` index still holds raw idempotency keys an older version wrote (they
+        #: sort before the digests, schema.key_index): looked up too until they age out
+        self.legacy_keys = self._has_legacy_keys()
         #: sub-database handle -> name (a recorded write names its sub-database)
         self.db_names: dict[Any, str] = {handle: name for name, handle in self.db.items()}
         self.ledger_id = ""
@@ -214,6 +218,14 @@ class Ledger:
                 txn.abort()
             self.ledger_id = lid.decode() if lid else ""
             self.id_prefix = raw_prefix.decode() if raw_prefix else ""
+
+    def _has_legacy_keys(self) -> bool:
+        txn = self._begin()
+        try:
+            cur = txn.cursor(db=self.db["keys"])
+            return cur.first() and not cur.key().startswith(schema.KEY_DIGEST)
+        finally:
+            txn.abort()
 
     def _restored(self, prefix: str) -> None:
         """The first write to a restored ``ccsq backup`` copy, in one transaction: a new
@@ -263,13 +275,17 @@ class Ledger:
 
         return LedgerTxn(self)
 
-    def cache_records(self, max_items: int) -> None:
+    def cache_records(self, max_items: int, ready_max: int | None = None) -> None:
         """Keep up to ``max_items`` committed records of items not yet done in memory
         between write transactions (the oldest go first), so a transition reads its
         record without unpacking it (and its payload and result, when small). Only for the one writer of the ledger (the broker's
         actor): a record written by anything but a :class:`LedgerTxn` of this object
-        would be read stale. 0 turns it off."""
+        would be read stale. 0 turns it off. Records of ready items are kept only while at
+        most ``ready_max`` items are ready (default half of ``max_items``): in a deeper
+        queue they would go before their lease, and push out the leased and completed
+        records that COMPLETE, delivery and ACK read next."""
         self.record_cache_max = max_items
+        self.record_cache_ready_max = max_items // 2 if ready_max is None else ready_max
         self.record_cache.clear()
 
     def read(self) -> LedgerView:

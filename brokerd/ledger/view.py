@@ -143,6 +143,22 @@ class LedgerView:
                 break
         return out
 
+    # --- idempotency keys ---
+    def key_entry(self, key: str) -> tuple[str, int, bytes] | None:
+        """``(item_id, created_ms, entry)`` of idempotency key ``key`` in ``keys`` (``entry``:
+        its key there: :func:`~ccsq.brokerd.ledger.schema.key_index`, or the raw UTF-8 key
+        an older version wrote, looked up only while the ledger holds such entries), or None."""
+        db = self.db["keys"]
+        entry = schema.key_index(key)
+        raw = self.txn.get(entry, db=db)
+        if raw is None and self.ledger.legacy_keys:
+            entry = key.encode()
+            raw = self.txn.get(entry, db=db)
+        if raw is None:
+            return None
+        item_id, created_ms = schema.unpack(raw)
+        return item_id, created_ms, entry
+
     # --- items ---
     def get(self, item_id: str) -> Item | None:
         raw = self.txn.get(item_id.encode(), db=self.db["items"])

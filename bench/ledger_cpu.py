@@ -1,0 +1,144 @@
+"""The ledger's CPU per job with a queue of ``queued`` items waiting (is the cost
+flat with the queue?). No broker process, no sockets: one :class:`~ccsq.brokerd.ledger.store.Ledger`
+(fsynced commits, the record cache on as the broker sets it), first filled with ``queued``
+ready items (benchmark 1's 1 KiB claim reference, a random key as the producer library
+derives), then ``n`` jobs cycled
+through it the way the broker's turns move them, ``frame`` per transaction: each transaction
+submits ``frame`` new items, leases ``frame`` from the head of the queue (``scan_ready`` +
+``lease``, as the dispatcher does), completes the ones leased the transaction before,
+delivers (``completed_ids`` + ``delivery``) and acknowledges the ones delivered the
+transaction before. The queue stays ``queued`` deep all along, so the leases read items
+submitted long before (out of the record cache when the queue is deeper than it).
+
+Prints process CPU (user + system: the fsyncs' writes count) per job of the cycled part.
+
+    python -m bench.ledger_cpu [--queued 10000,100000] [--n 20000] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import claim_ref
+from ccsq.brokerd.ledger.store import Ledger
+from ccsq.common.wire import protocol
+
+#: what brokerd/actor.py sets (RECORD_CACHE_ITEMS)
+CACHE_ITEMS = 8192
+FILL_PER_TXN = 5000
+
+
+def _item(i: int) -> protocol.SubmitItem:
+    ref = claim_ref(i)
+    digest = hashlib.sha256(ref).hexdigest()
+    # the key the producer library derives (producer/items.py derive_key: a SHA-256 hex, so
+    # keys arrive in random order, not bench-<i>'s)
+    key = hashlib.sha256(digest.encode() + b"\0echo\0" + str(i).encode()).hexdigest()
+    return protocol.SubmitItem(key=key, kind="echo", payload=protocol.Blob(digest, len(ref), ref), params={"t": 0.0})
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _sys() -> float:
+    return os.times().system
+
+
+def _written() -> int:
+    """Bytes this process passed to write calls (``wchar`` in /proc/self/io: the pages LMDB writes)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = CACHE_ITEMS,
+            profile: Path | None = None) -> dict:
+    ledger = Ledger(root / "ledger", map_size_bytes=4 << 30)
+    ledger.cache_records(cache_items)
+    result = protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
+    now_ms = int(time.time() * 1000)
+    nxt = 0
+    try:
+        t0 = time.monotonic()
+        while nxt < queued:
+            txn = ledger.begin()
+            for i in range(nxt, min(queued, nxt + FILL_PER_TXN)):
+                txn.submit(_item(i), now_ms)
+            txn.commit()
+            nxt = min(queued, nxt + FILL_PER_TXN)
+        fill_s = time.monotonic() - t0
+        leased: list[protocol.Task] = []
+        delivered: list[str] = []
+        sent: set[str] = set()
+        floor = 0
+        acked = 0
+        prof = None
+        if profile is not None:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        cpu0, sys0, wr0, w0 = _cpu(), _sys(), _written(), time.monotonic()
+        while acked < n:
+            now_ms += 2
+            txn = ledger.begin()
+            for i in range(nxt, nxt + frame):
+                txn.submit(_item(i), now_ms)
+            nxt += frame
+            for task in leased:
+                txn.complete(protocol.TaskResult(task.item_id, task.token, result, "echo", "1"), now_ms, "w1")
+            for item_id in delivered:
+                txn.ack(item_id, now_ms)
+                sent.discard(item_id)
+            acked += len(delivered)
+            ids, _hint = txn.scan_ready(["echo"], frame, now_ms)
+            leased = [t for t in (txn.lease(i, "w1", now_ms, 60_000) for i in ids) if t is not None]
+            got, floor = txn.completed_ids(sent.__contains__, frame, floor)
+            delivered = []
+            for item_id in got:
+                txn.delivery(item_id, False, txn.record(item_id))
+                delivered.append(item_id)
+            txn.commit()
+            sent.update(delivered)
+        cpu, sys_s, wrote, wall = _cpu() - cpu0, _sys() - sys0, _written() - wr0, time.monotonic() - w0
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(str(profile))
+        return {"queued": queued, "n": acked, "frame": frame, "cache_items": cache_items,
+                "cpu_us_per_job": round(cpu / acked * 1e6, 1), "sys_us_per_job": round(sys_s / acked * 1e6, 1),
+                "written_bytes_per_job": round(wrote / acked),
+                "wall_us_per_job": round(wall / acked * 1e6, 1),
+                "fill_s": round(fill_s, 1)}
+    finally:
+        ledger.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queued", default="10000,100000", help="comma-separated queue depths")
+    ap.add_argument("--n", type=int, default=20000, help="jobs cycled at each depth")
+    ap.add_argument("--frame", type=int, default=100, help="jobs per transition per transaction")
+    ap.add_argument("--cache-items", type=int, default=CACHE_ITEMS)
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile the cycled part into FILE.<queued>")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    args = ap.parse_args()
+    for q in (int(x) for x in args.queued.split(",")):
+        with tempfile.TemporaryDirectory(dir=args.dir) as d:
+            prof = args.profile.with_name(f"{args.profile.name}.{q}") if args.profile else None
+            print(json.dumps(measure(q, args.n, args.frame, Path(d), cache_items=args.cache_items, profile=prof)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
