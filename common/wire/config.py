@@ -198,6 +198,17 @@ class BrokerConfig:
     metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
     swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
     trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
+    ha_etcd_endpoints: str = opt("", doc="comma-separated http://HOST:PORT of etcd ('' = single broker: no etcd, no standby; docs/ha.md)")
+    ha_node_id: str = opt("broker-1", doc="this broker host's node id (the replication link's peer id, role standby in authorized_keys)")
+    ha_node_key: str = opt("keys/broker-1.key", path=True, doc="this node's Ed25519 private key (mode 0600)")
+    ha_repl_endpoint: str = opt("tcp://127.0.0.1:5556", doc="where this broker, while primary, serves standbys (ROUTER bind); advertised in etcd")
+    ha_mode: str = opt("sync", choices=("sync", "async"), doc="sync: no confirm before ha_sync_standbys standbys acknowledged its turn; async: turns not yet shipped are lost on failover")
+    ha_sync_standbys: int = opt(1, min=0, max=16, doc="standbys that must acknowledge a turn before it is confirmed (sync mode)")
+    ha_on_standby_loss: str = opt("wait", choices=("wait", "degrade"), doc="sync primary with too few standbys: wait (confirm nothing) or degrade to async after ha_degrade_after_s")
+    ha_degrade_after_s: float = opt(10.0, min=0.0, max=86400.0, doc="with ha_on_standby_loss = degrade: how long to wait first")
+    ha_lease_ttl_s: int = opt(3, min=2, max=300, doc="etcd lease TTL of the primary key")
+    ha_lease_margin_s: float = opt(1.0, min=0.05, max=300.0, doc="stop confirming this long before the lease can expire")
+    ha_swarm_id: str = opt("", doc="etcd key namespace ('' = swarm_id, else the ledger id; a pair must set it or swarm_id)")
     config_path: str = ""
 
     def cross_check(self) -> str:
