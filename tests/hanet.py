@@ -22,7 +22,6 @@ result row once (a duplicate only with its gap event), and the books balance.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
 import os
