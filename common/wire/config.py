@@ -62,7 +62,7 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
         from ccsq.common.wire.endpoints import check_endpoint
 
         check_endpoint(value, bind=md["endpoint"] == "bind", where=key)
-    if f.name in ("peer_id", "broker_id") and value:
+    if f.name in ("peer_id", "broker_id", "ha_node_id") and value:
         from ccsq.common.wire.keys import check_peer_id
 
         check_peer_id(value, where=key)
@@ -198,21 +198,42 @@ class BrokerConfig:
     metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
     swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
     trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
-    ha_etcd_endpoints: str = opt("", doc="comma-separated http://HOST:PORT of etcd ('' = single broker: no etcd, no standby; docs/ha.md)")
-    ha_node_id: str = opt("broker-1", doc="this broker host's node id (the replication link's peer id, role standby in authorized_keys)")
-    ha_node_key: str = opt("keys/broker-1.key", path=True, doc="this node's Ed25519 private key (mode 0600)")
-    ha_repl_endpoint: str = opt("tcp://127.0.0.1:5556", doc="where this broker, while primary, serves standbys (ROUTER bind); advertised in etcd")
-    ha_mode: str = opt("sync", choices=("sync", "async"), doc="sync: no confirm before ha_sync_standbys standbys acknowledged its turn; async: turns not yet shipped are lost on failover")
-    ha_sync_standbys: int = opt(1, min=0, max=16, doc="standbys that must acknowledge a turn before it is confirmed (sync mode)")
-    ha_on_standby_loss: str = opt("wait", choices=("wait", "degrade"), doc="sync primary with too few standbys: wait (confirm nothing) or degrade to async after ha_degrade_after_s")
-    ha_degrade_after_s: float = opt(10.0, min=0.0, max=86400.0, doc="with ha_on_standby_loss = degrade: how long to wait first")
-    ha_lease_ttl_s: int = opt(3, min=2, max=300, doc="etcd lease TTL of the primary key")
-    ha_lease_margin_s: float = opt(1.0, min=0.05, max=300.0, doc="stop confirming this long before the lease can expire")
-    ha_swarm_id: str = opt("", doc="etcd key namespace ('' = swarm_id, else the ledger id; a pair must set it or swarm_id)")
+    ha_etcd_endpoints: str = opt("", doc="high availability (docs/ha.md): comma-separated etcd client URLs, e.g. http://10.0.0.5:2379 ('' = a single broker: no etcd, no standby)")
+    ha_node_id: str = opt("broker-1", doc="HA: this broker host's node id (its peer id on the replication link; listed with role standby in every broker's authorized_keys)")
+    ha_node_key: str = opt("keys/broker-1.key", path=True, doc="HA: the node id's Ed25519 private key (mode 0600)")
+    ha_repl_endpoint: str = opt("tcp://127.0.0.1:5556", endpoint="bind", doc="HA: where this broker, while primary, serves its standbys (advertised in etcd)")
+    ha_mode: str = opt("sync", choices=("sync", "async"), doc="HA: sync = no confirm before ha_sync_standbys standbys acknowledged the turn (nothing confirmed is lost); async = confirm at once (a failover loses the turns not yet shipped)")
+    ha_sync_standbys: int = opt(1, min=1, max=16, doc="HA, sync mode: standbys that must acknowledge a turn before its confirms leave")
+    ha_on_standby_loss: str = opt("wait", choices=("wait", "degrade"), doc="HA, sync mode with too few standbys: wait = confirm nothing until one is back; degrade = after ha_degrade_after_s confirm alone (removes the standbys from the sync set in etcd first)")
+    ha_degrade_after_s: float = opt(10.0, min=0.0, max=86400.0, doc="HA: how long a sync primary waits for a standby before ha_on_standby_loss = degrade confirms alone")
+    ha_lease_ttl_s: int = opt(3, min=2, max=300, doc="HA: TTL of the primary's etcd lease (a dead primary's key goes after this)")
+    ha_lease_margin_s: float = opt(1.0, min=0.01, max=299.0, doc="HA: the primary stops confirming this long before its lease could expire at etcd (below ha_lease_ttl_s)")
+    ha_swarm_id: str = opt("", doc="HA: the etcd key namespace /ccsq/<id>/ ('' = swarm_id; a pair must set one of the two)")
     config_path: str = ""
+
+    def ha(self) -> bool:
+        """True when this broker runs as one of a replicated pair (``ha_etcd_endpoints`` set)."""
+        return bool(self.ha_etcd_endpoints)
+
+    def ha_namespace(self) -> str:
+        """The etcd namespace of the pair (``ha_swarm_id``, else ``swarm_id``; "" = unset)."""
+        return self.ha_swarm_id or self.swarm_id
 
     def cross_check(self) -> str:
         """A problem between keys (checked when the file is loaded), or ""."""
+        if self.ha_etcd_endpoints:
+            if self.ha_lease_margin_s >= self.ha_lease_ttl_s:
+                return (f"ha_lease_margin_s = {self.ha_lease_margin_s} is not below ha_lease_ttl_s = {self.ha_lease_ttl_s}: "
+                        "the primary could never confirm; set ha_lease_margin_s below the TTL (default 1.0 of 3)")
+            if not self.ha_namespace():
+                return ("ha_etcd_endpoints is set but neither ha_swarm_id nor swarm_id is: both brokers of a pair must name "
+                        "the same etcd namespace (a ledger id differs per copy); set ha_swarm_id (or swarm_id) to the swarm's name")
+            if self.ha_node_id == self.peer_id:
+                return (f"ha_node_id = {self.ha_node_id!r} is the service peer id (peer_id): each broker host needs a node "
+                        "id of its own for the replication link, e.g. broker-1 and broker-2")
+            if self.ha_repl_endpoint in (self.endpoint, self.bind):
+                return (f"ha_repl_endpoint = {self.ha_repl_endpoint!r} is the peer endpoint too: the replication link "
+                        "needs its own port, e.g. tcp://HOST:5556")
         if self.lease_ttl_s < self.heartbeat_interval_s:
             return (f"lease_ttl_s = {self.lease_ttl_s} is shorter than heartbeat_interval_s = {self.heartbeat_interval_s}: "
                     "every lease would expire before the heartbeat that extends it, and every job would be run again "
