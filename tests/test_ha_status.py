@@ -26,7 +26,7 @@ PRIMARY = {
         {"node": "broker-2", "seq": 1200, "lag_turns": 4, "lag_bytes": 3 << 20, "lag_s": 0.25, "in_sync": True, "copying": False},
         {"node": "broker-3", "seq": 10, "lag_turns": 1194, "lag_bytes": 900, "lag_s": 41.0, "in_sync": False, "copying": True},
     ],
-    "durable_seq": 1200, "last_seq": 1204,
+    "durable_seq": 1200, "last_seq": 1204, "waiting": "", "sync_members": ["broker-2"], "degraded_count": 0, "failover": "",
 }
 
 STATUS = {"source": "broker", "ledger_id": "L1", "epoch": 7, "balanced": True, "oldest_ready_age_s": None, "dead": 0,
@@ -41,10 +41,14 @@ def test_ha_lines_name_primary_epoch_mode_and_each_standbys_lag() -> None:
     assert "ha: standby broker-2: seq 1200, lag 4 turns / 3.0 MiB / 0.2 s, in sync" in text
     assert "ha: standby broker-3: seq 10, lag 1194 turns / 900 B / 41.0 s, copying" in text
     assert "ha: last turn 1204, durable (acknowledged) 1200" in text
-    stopped = ha_lines({**PRIMARY, "confirming": False, "standbys": []})
-    assert "NOT CONFIRMING" in stopped[0]
+    assert "ha: sync set in etcd: broker-2 (only these may take over)" in text and "planned failover" not in text
+    stopped = ha_lines({**PRIMARY, "confirming": False, "standbys": [], "waiting": "etcd lease not renewed within the margin"})
+    assert "NOT CONFIRMING (replies are held: etcd lease not renewed within the margin)" in stopped[0]
     assert any("no standby connected (sync mode: nothing is confirmed until one acknowledges)" in ln for ln in stopped)
     assert "async (turns not yet shipped are lost on failover)" in ha_lines({**PRIMARY, "mode": "async"})[0]
+    degraded = ha_lines({**PRIMARY, "mode": "degraded", "sync_members": [], "degraded_count": 2, "failover": "in progress"})
+    assert "DEGRADED: sync, confirming without a standby" in degraded[0]
+    assert "ha: planned failover in progress" in degraded and "ha: sync set in etcd: none (only these may take over); degraded 2 time(s)" in degraded
 
 
 @pytest.mark.parametrize("ha", [None, {}, {"role": "single", "epoch": 3}])

@@ -133,15 +133,21 @@ def ha_lines(ha: dict | None) -> list[str]:
     mode = ha.get("mode", "")
     need = ha.get("sync_standbys", 1)
     mode_text = (f"sync ({need} standby{'s' if need != 1 else ''} must acknowledge each turn)" if mode == "sync"
-                 else "async (turns not yet shipped are lost on failover)" if mode == "async" else mode)
+                 else "async (turns not yet shipped are lost on failover)" if mode == "async"
+                 else "DEGRADED: sync, confirming without a standby (ha_on_standby_loss = degrade)" if mode == "degraded" else mode)
     held = ha.get("held_replies", 0)
-    confirming = "confirming" if ha.get("confirming") else "NOT CONFIRMING (replies are held: no lease in etcd or too few standbys)"
+    why = ha.get("waiting") or "no lease in etcd or too few standbys"
+    confirming = "confirming" if ha.get("confirming") else f"NOT CONFIRMING (replies are held: {why})"
     etcd = ha.get("etcd", "")
     etcd_text = ", ".join(etcd) if isinstance(etcd, (list, tuple)) else str(etcd)
     lines = [f"ha: {ha.get('role', '')} {ha.get('node', '')}, epoch {ha.get('epoch', 0)}, {mode_text}, {confirming}; "
              f"held replies {held}" + (f"; etcd {etcd_text}" if etcd_text else "")]
-    if ha.get("degraded"):
-        lines.append(f"ha: DEGRADED to async: {ha['degraded'] if isinstance(ha['degraded'], str) else 'a standby was lost'}")
+    if ha.get("failover"):
+        lines.append(f"ha: planned failover {ha['failover']}")
+    if "sync_members" in ha:
+        members = ", ".join(ha["sync_members"]) or "none"
+        lines.append(f"ha: sync set in etcd: {members} (only these may take over)"
+                     + (f"; degraded {ha['degraded_count']} time(s)" if ha.get("degraded_count") else ""))
     standbys = ha.get("standbys") or []
     if not standbys:
         lines.append("ha: no standby connected" + (" (sync mode: nothing is confirmed until one acknowledges)"
@@ -464,7 +470,7 @@ def _cmd_failover(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, default=str))
     elif done:
         print(f"failover done: {doc['primary']} is primary at epoch {doc['epoch']} (was {doc['from']} at epoch {doc['from_epoch']}, "
-              "now a standby)")
+              f"now a standby; it handed over at seq {first['reply'].get('seq', '?')})")
     else:
         print(f"failover: {doc['from']} resigned at epoch {doc['from_epoch']}, but no broker answered as primary with a higher "
               f"epoch within {args.timeout_s:g} s; see `ccsq status` (an election may still be under way)")
