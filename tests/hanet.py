@@ -181,7 +181,7 @@ class HaNet:
         """etcd, broker-1 (it becomes primary), broker-2 (standby, in sync); returns the primary's node."""
         if self.etcd_proc is None:
             self.start_etcd()
-        self.start_broker("broker-1", ready="broker_started")
+        self.start_broker("broker-1")  # no log line to wait for: etcd says when it is primary
         first = self.wait_primary()
         self.start_broker("broker-2")
         self.wait_in_sync()

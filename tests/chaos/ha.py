@@ -339,7 +339,7 @@ class HaChaosRun:
         self.say(f"seed={self.opts.seed} duration_s={self.opts.duration_s} rate={self.opts.rate} items={self.count} dir={self.root}")
         try:
             self._start_etcd()
-            self._start("broker-1", ready="broker_started")
+            self._start("broker-1")  # etcd says when it is primary
             wait_until(self._note_epoch, 60, "broker-1 to become primary", interval_s=0.2)
             self._start("broker-2")
             for name in self.peers:
