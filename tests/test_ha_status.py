@@ -144,3 +144,47 @@ def test_failover_help_names_its_flags(capsys) -> None:
         cli.main(["failover", "--help"])
     out = capsys.readouterr().out
     assert "--to NODE" in out and "--timeout-s" in out
+
+
+def _scripted_pair(tmp_path: Path):
+    """A scripted broker answering ``status`` and ``failover`` as a primary would (tests/scripted_broker.py)."""
+    from ccsq.tools.procs import free_tcp_port
+    from tests.scripted_broker import ScriptedBroker, make_pki, write_config
+
+    make_pki(tmp_path, {"broker": "broker", "admin": "admin"})
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    admin = write_config(tmp_path, "admin", "admin", endpoint, connect_timeout_s=3.0)
+    return ScriptedBroker(tmp_path, endpoint), admin
+
+
+@pytest.mark.parametrize("outcome", ["done", "refused", "no_new_primary"])
+def test_failover_sends_the_command_and_waits_for_a_primary_with_a_higher_epoch(tmp_path: Path, capsys, outcome: str) -> None:
+    broker, admin = _scripted_pair(tmp_path)
+    state = {"ha": {"role": "primary", "epoch": 7, "node": "broker-1", "mode": "sync", "confirming": True, "standbys": []}}
+
+    def answer(command: str, args: dict):
+        if command == "status":
+            return True, {"source": "broker", "ha": state["ha"]}
+        if command == "failover":
+            if outcome == "refused":
+                return False, "failover: no standby of the sync set ['broker-2'] acknowledged seq 10 in time: nothing changed"
+            if outcome == "done":
+                state["ha"] = {**state["ha"], "epoch": 8, "node": "broker-2"}  # the standby took over
+            return True, {"ok": True, "epoch": 7, "standby": "broker-2", "seq": 10}
+        return False, f"unknown command {command}"
+
+    broker.admin = answer
+    with broker:
+        rc = cli.main(["failover", "--config", str(admin), "--to", "broker-2", "--timeout-s", "2"])
+        out, err = capsys.readouterr()
+        calls = list(broker.admin_calls)
+    assert ("failover", {"timeout_s": 2.0, "to": "broker-2"}) in calls
+    if outcome == "done":
+        assert rc == ExitCode.OK, err
+        assert "failover done: broker-2 is primary at epoch 8 (was broker-1 at epoch 7, now a standby; it handed over at seq 10)" in out
+    elif outcome == "refused":
+        assert rc == ExitCode.REFUSED, err
+        assert "no standby of the sync set" in err and "nothing changed" in err
+    else:
+        assert rc == ExitCode.INCOMPLETE, err
+        assert "no broker answered as primary with a higher epoch within 2 s" in out
