@@ -207,7 +207,7 @@ def test_standby_killed_in_sync_mode_degrade_goes_async_after_the_delay_and_says
     ha.start_producer(100, rate=100.0)
     _accepted_at_least(ha, 100)
     standby = "broker-2" if first == "broker-1" else "broker-1"
-    assert standby in (ha.sync_set() or {}).get("members", [])
+    wait_until(lambda: standby in (ha.sync_set() or {}).get("members", []), 60, "the standby in the sync set", interval_s=0.5)
     t = ha.kill(standby)
     ha.start_producer(200, rate=100.0)
     _accepted_at_least(ha, 200, timeout_s=60)
