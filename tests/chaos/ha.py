@@ -337,6 +337,7 @@ class HaChaosRun:
     # --- the run -------------------------------------------------------------------------
     def run(self) -> HaChaosResult:
         self.say(f"seed={self.opts.seed} duration_s={self.opts.duration_s} rate={self.opts.rate} items={self.count} dir={self.root}")
+        node = "broker-1"
         try:
             self._start_etcd()
             self._start("broker-1")  # etcd says when it is primary
