@@ -122,7 +122,10 @@ class HaNet:
         overrides = {
             "broker-1": {"heartbeat_interval_s": 0.2, "liveness": 5, "lease_ttl_s": 10.0, "retry_backoff_base_s": 0.05,
                          "retry_backoff_max_s": 0.3, "min_free_disk_bytes": 0, "max_attempts": 1000, "log_format": "json",
-                         "ha_lease_ttl_s": LEASE_TTL_S, "ha_lease_margin_s": 1.0, **broker},
+                         "ha_lease_ttl_s": LEASE_TTL_S, "ha_lease_margin_s": 1.0,
+                         # a pair of two: the new primary has no standby until the old one is back; degrade after 1 s
+                         # keeps the swarm serving (docs/ha.md "Operations"); the wait case sets "wait"
+                         "ha_on_standby_loss": "degrade", "ha_degrade_after_s": 1.0, **broker},
             "worker-1": {**fast_peer, "slots": 1, "prefetch": 1, **worker},
             "worker-2": {**fast_peer, "slots": 1, "prefetch": 1, **worker},
             "producer": {**fast_peer, "submit_timeout_s": 5.0, "inline_max_bytes": 512},

@@ -128,7 +128,8 @@ class HaChaosRun:
             workers=opts.workers, handler="echo",
             broker={"heartbeat_interval_s": 0.2, "liveness": 5, "lease_ttl_s": 10.0, "retry_backoff_base_s": 0.05,
                     "retry_backoff_max_s": 0.5, "min_free_disk_bytes": 0, "max_attempts": 1000, "retention_s": 30 * 86400.0,
-                    "log_format": "json", "ha_lease_ttl_s": LEASE_TTL_S, "ha_lease_margin_s": 1.0},
+                    "log_format": "json", "ha_lease_ttl_s": LEASE_TTL_S, "ha_lease_margin_s": 1.0,
+                    "ha_on_standby_loss": "degrade", "ha_degrade_after_s": 1.0},  # a pair of two keeps serving alone
             worker={**fast, "drain_timeout_s": 1.0},
             producer={**fast, "outbox_dir": "outbox", "inline_max_bytes": 512, "submit_timeout_s": 5.0},
             completion=fast,
