@@ -190,7 +190,23 @@ class HaNet:
         self.wait_in_sync()
         return first["node"]
 
+    def results_table_rule(self) -> None:
+        """The chaos run's rule on the results table (keys ending in ``37`` refused: those results
+        must end in the quarantine with a G12 event, never lost and never twice), before the
+        completion service first opens it."""
+        from ccsq.completiond.resultsdb import SqliteResults
+        from tests.chaos.checks import REFUSED_KEY_SUFFIX
+
+        db = SqliteResults(self.swarm / "results.db")
+        db.connect()
+        db._con.execute(f"CREATE TRIGGER IF NOT EXISTS chaos_rule BEFORE INSERT ON results "
+                        f"WHEN NEW.idem_key GLOB '*{REFUSED_KEY_SUFFIX}' "
+                        "BEGIN SELECT RAISE(ABORT, 'chaos: refused by the results table rule'); END")
+        db.close()
+
     def start_peers(self) -> None:
+        if not (self.swarm / "results.db").exists():
+            self.results_table_rule()
         self._start("worker-1", "gpu-1", [bin_path("ccsq-workerd"), "--config", str(self.configs["worker-1"])], "broker_link_ready")
         self._start("worker-2", "gpu-2", [bin_path("ccsq-workerd"), "--config", str(self.configs["worker-2"])], "broker_link_ready")
         self._start("completion", "completion", [bin_path("ccsq"), "completion", "--config", str(self.configs["completion"])],

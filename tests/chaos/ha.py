@@ -277,6 +277,18 @@ class HaChaosRun:
                 self.say(f"CRASH: {name} exited with {rc} (not caused by the harness)\n{tail}")
             self._start(name)
 
+    def _results_table_rule(self) -> None:
+        """The results-table rule of ``make chaos`` (keys ending in 37 refused: quarantine, G12)."""
+        from ccsq.completiond.resultsdb import SqliteResults
+        from tests.chaos.checks import REFUSED_KEY_SUFFIX
+
+        db = SqliteResults(self.swarm / "results.db")
+        db.connect()
+        db._con.execute(f"CREATE TRIGGER IF NOT EXISTS chaos_rule BEFORE INSERT ON results "
+                        f"WHEN NEW.idem_key GLOB '*{REFUSED_KEY_SUFFIX}' "
+                        "BEGIN SELECT RAISE(ABORT, 'chaos: refused by the results table rule'); END")
+        db.close()
+
     # --- faults --------------------------------------------------------------------------
     def _roles(self) -> tuple[str | None, str | None]:
         """(primary node, standby node that may take over now) or Nones."""
@@ -341,6 +353,7 @@ class HaChaosRun:
         node = "broker-1"
         try:
             self._start_etcd()
+            self._results_table_rule()
             self._start("broker-1")  # etcd says when it is primary
             wait_until(self._note_epoch, 60, "broker-1 to become primary", interval_s=0.2)
             self._start("broker-2")
