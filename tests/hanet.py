@@ -213,7 +213,11 @@ class HaNet:
                     "broker_link_ready")
 
     def start_producer(self, count: int, rate: float, *, kind: str | None = None, sleep_max_s: float = 0.0) -> None:
-        """The chaos producer on the producer host: items 0..count-1 (resumes after its progress)."""
+        """The chaos producer on the producer host: items 0..count-1 (resumes after its progress);
+        a previous producer is waited for first (it exits once its items are accepted)."""
+        prev = self.procs.procs.get("producer")
+        if prev is not None and prev.running:
+            self.procs.wait_exit("producer", timeout_s=60)
         self.produced = max(self.produced, count)
         argv = [PY, "-m", "tests.chaos.producer", "--config", str(self.configs["producer"]), "--progress", str(self.progress),
                 "--count", str(count), "--rate", str(rate), "--seed", str(self.seed), "--kind", kind or self.handler,
