@@ -11,8 +11,9 @@ backlog is submitted, the primary is SIGKILLed (or its cable pulled, alternating
 ``--how kill,link``), the time to the first DISPATCH a worker receives from a session
 begun after the fault is read from the workers' logs, then the old primary is brought back
 (restarted, or its cable plugged in) and the next round waits until it is a standby in sync
-again. At the end the invariants of ``make chaos`` are checked on the last primary (zero
-confirmed items lost). Where namespaces or etcd are missing it prints ``{"skipped": why}``.
+again (a broker that exited meanwhile is restarted, as systemd would, and listed in
+``broker_crashes``). At the end the invariants of ``make chaos`` are checked on the last
+primary (zero confirmed items lost). Where namespaces or etcd are missing it prints ``{"skipped": why}``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def run(failovers: int = 20, hows: tuple[str, ...] = ("kill", "link"), root: Pat
     net = Network(HOSTS, subnet=SUBNET).create()
     ha = HaNet(net, root, handler="sleep")
     samples: list[dict[str, Any]] = []
+    crashes: list[str] = []
     try:
         primary = ha.start_pair()
         ha.start_peers()
@@ -62,8 +64,8 @@ def run(failovers: int = 20, hows: tuple[str, ...] = ("kill", "link"), root: Pat
                 ha.start_broker(primary)
             else:
                 ha.restore(primary)
-            ha.wait_in_sync(primary, timeout_s=120.0)
-            primary = new["node"]
+            _wait_in_sync_supervised(ha, primary, crashes)
+            primary = ha.primary()["node"]
         ha.wait_settled(primary, count, timeout_s=300.0)
         verdict = ha.verdict(primary)
     finally:
@@ -77,7 +79,29 @@ def run(failovers: int = 20, hows: tuple[str, ...] = ("kill", "link"), root: Pat
                        "max_s": max(s["first_dispatch_s"] for s in samples if s["how"] == h)}
                    for h in sorted({s["how"] for s in samples})},
         "items": count, "lost": verdict.summary["lost"], "violations": verdict.violations[:20], "samples": samples,
+        "broker_crashes": crashes,
     }
+
+
+def _wait_in_sync_supervised(ha, node: str, crashes: list[str], timeout_s: float = 180.0) -> None:
+    """Until ``node`` is a standby in sync; a broker that exited meanwhile is restarted (as
+    systemd's Restart=always would) and noted in ``crashes`` (the result says so)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in ha.nodes:
+            proc = ha.procs.procs.get(name)
+            if proc is not None and not proc.running:
+                crashes.append(f"{name} exited with {proc.popen.returncode}: {ha.procs.tail(name, 3)[-300:]}")
+                print(json.dumps({"restarted": name, "rc": proc.popen.returncode}), file=sys.stderr, flush=True)
+                ha.start_broker(name)
+        try:
+            ha.wait_in_sync(node, timeout_s=5.0)
+            return
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"{node} not in sync within {timeout_s:g} s")
 
 
 def _wait_backlog(ha, node: str, accepted: int) -> None:
