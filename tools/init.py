@@ -15,6 +15,7 @@ import secrets
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
@@ -200,7 +201,7 @@ def ha_pair(endpoint: str, bind: str, standbys: Sequence[str], etcd: str) -> lis
     if not port1_text.isdigit() or host1 == "*":
         raise ConfigError(f"--standby needs an --endpoint with a host and a port that peers connect to, not {endpoint!r}")
     port1 = int(port1_text)
-    brokers = [{"n": 1, "endpoint": endpoint, "bind": bind, "host": host1, "port": port1}]
+    brokers: list[dict[str, Any]] = [{"n": 1, "endpoint": endpoint, "bind": bind, "host": host1, "port": port1}]
     for i, spec in enumerate(standbys):
         spec = spec.strip()
         host, sep, port_text = spec.rpartition(":")
