@@ -249,9 +249,27 @@ def bench_federation(args: argparse.Namespace) -> dict[str, Any]:
 BENCHES["federation"] = bench_federation  # in the default run with --fed-n (docs/federation.md, "Measured")
 
 
+def bench_failover(args: argparse.Namespace) -> dict[str, Any]:
+    """A broker pair on network namespaces with etcd: --failovers SIGKILLs / cable pulls of the
+    primary, time to the first DISPATCH by the new primary (bench/failover.py, docs/ha.md)."""
+    from bench import failover
+
+    res = failover.run(args.failovers)
+    if "skipped" in res:
+        console.print(f"  skipped: {res['skipped']}")
+        return res
+    print_table(f"failover: {res['failovers']} failovers, etcd lease {res['lease_ttl_s']} s",
+                ["median s", "max s", "target s", "met", "items", "lost"],
+                [[res["median_s"], res["max_s"], res["target_s"], verdict(res["met"]), res["items"], res["lost"]]])
+    return res
+
+
+BENCHES["failover"] = bench_failover  # needs root (network namespaces) and etcd; skipped with the reason otherwise
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="pipeline,ocr,backlog,federation", help="comma list of: " + ", ".join(BENCHES))
+    ap.add_argument("--only", default="pipeline,ocr,backlog,federation,failover", help="comma list of: " + ", ".join(BENCHES))
     ap.add_argument("--n", type=int, default=20_000, help="jobs per pipeline run (issue: 100,000)")
     ap.add_argument("--batch", type=int, default=100, help="jobs per producer batch (one durable confirm)")
     ap.add_argument("--window", type=int, default=8, help="producer batches in flight")
@@ -264,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10000,100000,1000000", help="backlog checkpoints (issue: 10k, 100k, 1M, 5M)")
     ap.add_argument("--lag-s", type=float, default=10.0, help="seconds of heartbeat probing while draining")
     ap.add_argument("--fed-n", type=int, default=2_000, help="items spilled through a relay (issue: 10,000)")
+    ap.add_argument("--failovers", type=int, default=20, help="failovers of a broker pair timed")
     args = ap.parse_args(argv)
     args.peers = [s for s in args.peers.split(",") if s]
     args.sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -55,7 +55,7 @@ KNOWN_STATUS_KEYS = frozenset({
     "source", "ledger_id", "epoch", "counters", "states", "balanced", "backlog", "gaps", "oldest_ready_created_ms",
     "oldest_ready_age_s", "dead", "dead_listed", "draining", "broker", "peers", "rejects", "send", "ledger",
     "leases_in_memory", "in_flight_deliveries", "federation", "federation_links", "links",
-    "readers",
+    "readers", "ha",
 })
 
 #: An item record's wall-clock fields (ms) as the item page's history names them.
@@ -295,6 +295,9 @@ class Console:
                               "backlog": v.get("ready", 0) + v.get("leased", 0), "completed_per_s": None, "drain_eta_s": None,
                               "deadline_in_s": None, "verdict": "-"} for k, v in sorted(status.get("backlog", {}).items())]
         ctx["more"] = {k: v for k, v in status.items() if k not in KNOWN_STATUS_KEYS}
+        from ccsq.tools.admin_cmds import ha_lines  # a broker pair (docs/ha.md): primary, epoch, standbys' lag
+
+        ctx["ha_lines"] = ha_lines(status.get("ha"))
         return self._page(request, "overview.html", ctx, viewer, new_sid, refresh=True)
 
     async def workers(self, request: Request) -> Response:

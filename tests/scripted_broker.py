@@ -1,7 +1,8 @@
 """A small scripted broker for producer / completion-service tests.
 
 A real ZeroMQ ROUTER and the real :class:`EnvelopeCodec` (signed frames), run
-on a background thread, answering HELLO, SUBMIT, STATUS, CREDIT and ACK by the
+on a background thread, answering HELLO, SUBMIT, STATUS, CREDIT and ACK (and ADMIN, when
+its ``admin`` answer function is set) by the
 protocol's semantics, with knobs to misbehave (drop or delay SUBMITs, refuse
 with QUEUE_FULL, go silent). It is not the broker: no ledger, state in memory.
 With ``auto_complete`` every submitted item immediately becomes a completed
@@ -64,6 +65,9 @@ class ScriptedBroker:
         self.submit_delay_s = 0.0  # answer SUBMITs this late
         self.queue_full_frames = 0  # answer the next N SUBMIT frames with QUEUE_FULL for every item
         self.silent = False  # read nothing, send nothing (a frozen broker); set with set_silent()
+        #: admin commands: ``admin(command, args) -> (ok, body dict or error text)``; None: ADMIN is not answered
+        self.admin = None
+        self.admin_calls: list[tuple[str, dict]] = []
         self._silent_seen = threading.Event()
         # --- recorded state ---
         self.item_by_key: dict[str, str] = {}
@@ -195,6 +199,14 @@ class ScriptedBroker:
             with self.lock:
                 items = [protocol.ItemStatus(item_id=i, state=self.state.get(i, "unknown")) for i in msg.item_ids]
             self._send(sock, ident, protocol.StatusReply(req=msg.req, items=items))
+        elif isinstance(msg, protocol.Admin) and self.admin is not None:
+            import msgpack
+
+            with self.lock:
+                self.admin_calls.append((msg.command, dict(msg.args)))
+            ok, out = self.admin(msg.command, dict(msg.args))
+            self._send(sock, ident, protocol.AdminReply(msg.req, True, body=msgpack.packb(out, use_bin_type=True)) if ok
+                       else protocol.AdminReply(msg.req, False, error=str(out)))
         elif isinstance(msg, protocol.Credit):
             peer.credit += msg.credit
         elif isinstance(msg, protocol.Ack):

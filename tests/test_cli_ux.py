@@ -412,7 +412,7 @@ def test_items_show_labels_an_earlier_attempts_error() -> None:
 
 
 #: The ``ccsq`` command line: every subcommand (and the sub-subcommands), as users type them.
-SUBCOMMANDS = ["init", "keygen", "submit", "outbox", "completion", "gap-report", "status", "items", "dlq", "drain",
+SUBCOMMANDS = ["init", "keygen", "submit", "outbox", "completion", "gap-report", "status", "items", "dlq", "drain", "failover",
                "reconcile", "init-relay", "federation", "backup", "console", "completion-script"]
 NESTED = {"outbox": ["flush"], "items": ["show", "cancel"], "dlq": ["list", "replay", "purge"], "federation": ["report"]}
 

@@ -1,5 +1,6 @@
 """The admin commands: ``ccsq status`` (and its screen, :func:`render_status`,
-:func:`render_readers`), ``items show|cancel``, ``dlq list|replay|purge``, ``drain``.
+:func:`render_readers`, :func:`ha_lines`), ``items show|cancel``, ``dlq list|replay|purge``,
+``drain``, ``failover``.
 
 They talk to the broker as its admin peer (:mod:`ccsq.tools.admin_client`); the
 read-only ones (status, items show, dlq list) read the ledger directly when the broker does
@@ -74,6 +75,8 @@ def render_status(doc: dict, *, width: int = 120) -> str:
         f"{'balanced' if doc.get('balanced') else 'UNBALANCED'}; oldest ready item: "
         f"{'none' if age is None else f'{age:.1f} s old'}; dead letters: {dead_note}"
     )
+    for line in ha_lines(doc.get("ha")):
+        console.print(line)
     if doc.get("source") == "broker":
         pt = Table(title="peers")
         for col in ("peer", "role", "kinds", "slots", "busy", "credit", "leases", "done", "healthy", "store", "draining", "last seen"):
@@ -118,6 +121,54 @@ def render_status(doc: dict, *, width: int = 120) -> str:
                               f"served: {', '.join(map(repr, served)) or 'none'}; a mistaken kind: "
                               f"`ccsq items cancel --kind {kind}`)")
     return buf.getvalue()
+
+
+def ha_lines(ha: dict | None) -> list[str]:
+    """The status document's ``"ha"`` section (docs/ha.md) as lines: which broker is primary,
+    its epoch and mode, whether it confirms, replies held, and each standby's lag (turns,
+    bytes, seconds). ``[]`` when the section is absent or the broker is a single broker
+    (``role`` ``single``): a one-broker swarm's screens stay as they were."""
+    if not ha or ha.get("role") in (None, "single"):
+        return []
+    mode = ha.get("mode", "")
+    need = ha.get("sync_standbys", 1)
+    mode_text = (f"sync ({need} standby{'s' if need != 1 else ''} must acknowledge each turn)" if mode == "sync"
+                 else "async (turns not yet shipped are lost on failover)" if mode == "async"
+                 else "DEGRADED: sync, confirming without a standby (ha_on_standby_loss = degrade)" if mode == "degraded" else mode)
+    held = ha.get("held_replies", 0)
+    why = ha.get("waiting") or "no lease in etcd or too few standbys"
+    confirming = "confirming" if ha.get("confirming") else f"NOT CONFIRMING (replies are held: {why})"
+    etcd = ha.get("etcd", "")
+    etcd_text = ", ".join(etcd) if isinstance(etcd, (list, tuple)) else str(etcd)
+    lines = [f"ha: {ha.get('role', '')} {ha.get('node', '')}, epoch {ha.get('epoch', 0)}, {mode_text}, {confirming}; "
+             f"held replies {held}" + (f"; etcd {etcd_text}" if etcd_text else "")]
+    if ha.get("failover"):
+        lines.append(f"ha: planned failover {ha['failover']}")
+    if "sync_members" in ha:
+        members = ", ".join(ha["sync_members"]) or "none"
+        lines.append(f"ha: sync set in etcd: {members} (only these may take over)"
+                     + (f"; degraded {ha['degraded_count']} time(s)" if ha.get("degraded_count") else ""))
+    standbys = ha.get("standbys") or []
+    if not standbys:
+        lines.append("ha: no standby connected" + (" (sync mode: nothing is confirmed until one acknowledges)"
+                                                   if mode == "sync" and need > 0 else ""))
+    for sb in standbys:
+        lag_s = sb.get("lag_s")
+        state = "copying (catching up from a copy)" if sb.get("copying") else ("in sync" if sb.get("in_sync") else "not in sync")
+        lines.append(f"ha: standby {sb.get('node', '?')}: seq {sb.get('seq', 0)}, lag {sb.get('lag_turns', 0)} turns / "
+                     f"{_bytes(sb.get('lag_bytes', 0))} / {'-' if lag_s is None else f'{lag_s:.1f} s'}, {state}")
+    if "last_seq" in ha:
+        lines.append(f"ha: last turn {ha['last_seq']}, durable (acknowledged) {ha.get('durable_seq', 0)}")
+    return lines
+
+
+def _bytes(n: object) -> str:
+    if not isinstance(n, (int, float)):
+        return str(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def _store_cell(peer: dict) -> str:
@@ -366,6 +417,64 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
         print(f"{args.action}: {len(out[key])} item(s)" + (f"; not dead: {', '.join(out['not_dead'])}" if out["not_dead"] else "")
               + (f"; unknown (no such item in the ledger): {', '.join(out['unknown'])}" if out["unknown"] else ""))
     return ExitCode.OK if not out["not_dead"] and not out["unknown"] else ExitCode.REFUSED
+
+
+def _cmd_failover(args: argparse.Namespace) -> int:
+    """``ccsq failover [--to NODE] [--timeout-s N]``: a planned switchover (docs/ha.md). The
+    primary stops confirming, waits until a standby in the sync set holds its last turn,
+    resigns its etcd key and rejoins as a standby (the broker's admin command ``failover``);
+    this then waits until a broker answers as primary with a higher epoch. Exit 0 when one
+    does, 4 when none did within ``--timeout-s`` (the swarm may still be electing: ``ccsq
+    status``), 65 when the primary refused (no standby caught up in time: nothing changed),
+    69 when no broker answered."""
+    import time as _time
+
+    from ccsq.common.wire.errors import BrokerUnavailable, CcsqError
+    from ccsq.tools.admin_client import with_broker
+
+    settings = admin_settings(args)
+    params: dict = {"timeout_s": args.timeout_s}
+    if args.to:
+        params["to"] = args.to
+
+    async def before(session) -> dict:
+        st = await session.call("status")
+        ha = st.get("ha") or {}
+        if ha.get("role") in (None, "single"):
+            raise ConfigError(f"the broker at {settings.broker_endpoint} is a single broker (no ha section in its status: "
+                              "ha_etcd_endpoints is not set in its brokerd.toml); failover needs a broker pair "
+                              "(`ccsq init --standby HOST --etcd URLS`, docs/ha.md)")
+        reply = await session.call("failover", params, timeout_s=args.timeout_s + 10.0)
+        return {"before": ha, "reply": reply}
+
+    first = with_broker(settings, before)
+    old = first["before"]
+    deadline = _time.monotonic() + args.timeout_s
+    after: dict = {}
+    while _time.monotonic() < deadline:  # the new primary: a session (the link follows NOT_PRIMARY) with a higher epoch
+
+        async def status(session) -> dict:
+            return (await session.call("status", timeout_s=5.0)).get("ha") or {}
+
+        try:
+            after = with_broker(settings, status, connect_timeout_s=min(5.0, max(0.5, deadline - _time.monotonic())))
+        except (BrokerUnavailable, CcsqError):
+            after = {}
+        if after.get("role") == "primary" and after.get("epoch", 0) > old.get("epoch", 0):
+            break
+        _time.sleep(0.2)
+    done = after.get("role") == "primary" and after.get("epoch", 0) > old.get("epoch", 0)
+    doc = {"from": old.get("node"), "from_epoch": old.get("epoch"), "reply": first["reply"], "done": done,
+           "primary": after.get("node") if done else None, "epoch": after.get("epoch") if done else None}
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    elif done:
+        print(f"failover done: {doc['primary']} is primary at epoch {doc['epoch']} (was {doc['from']} at epoch {doc['from_epoch']}, "
+              f"now a standby; it handed over at seq {first['reply'].get('seq', '?')})")
+    else:
+        print(f"failover: {doc['from']} resigned at epoch {doc['from_epoch']}, but no broker answered as primary with a higher "
+              f"epoch within {args.timeout_s:g} s; see `ccsq status` (an election may still be under way)")
+    return ExitCode.OK if done else ExitCode.INCOMPLETE
 
 
 def _cmd_drain(args: argparse.Namespace) -> int:

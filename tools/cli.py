@@ -1,5 +1,5 @@
 """``ccsq``: the umbrella command line (init, keygen, submit, completion, gap-report,
-status, items, dlq, drain, reconcile, completion-script).
+status, items, dlq, drain, failover, reconcile, completion-script).
 
 ``--config`` defaults to ``$CCSQ_CONFIG/<name>.toml`` (or ``/etc/ccsq/<name>.toml``):
 :func:`default_config`. Each subcommand imports its part lazily so ``ccsq --help`` stays fast and a
@@ -25,6 +25,7 @@ from ccsq.tools.admin_cmds import (
     _cmd_dlq_change,
     _cmd_dlq_list,
     _cmd_drain,
+    _cmd_failover,
     _cmd_items_cancel,
     _cmd_items_show,
     _cmd_status,
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handler", default="echo", help="worker handler: ocr, echo, sleep, fail (default %(default)s)")
     p.add_argument("--swarm-id", default=None, help="this swarm's name in federation (brokerd.toml swarm_id; default: the "
                    "directory's name and a random suffix, so two sites never share one)")
+    p.add_argument("--standby", action="append", metavar="HOST[:PORT]", help="a standby broker host (repeatable): writes "
+                   "a broker pair, brokerd.toml for broker-1 on --endpoint's host and brokerd-N.toml per standby, failover "
+                   "through etcd (needs --etcd; docs/ha.md)")
+    p.add_argument("--etcd", metavar="URLS", help="with --standby: etcd client URLs, http://HOST:2379[,...] (three members "
+                   "in production; docs/ha.md)")
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")
@@ -187,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait until it holds no lease (exit 4 on timeout)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="with --wait (default %(default)s)")
     p.set_defaults(func=_cmd_drain)
+
+    p = admin_parser("failover", "planned switchover of a broker pair: the primary hands over to a caught-up standby "
+                     "and rejoins as one (docs/ha.md)")
+    p.add_argument("--to", metavar="NODE", default="", help="the standby node to hand over to, e.g. broker-2 (default: any "
+                   "standby of the sync set that holds the last turn)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="refuse (nothing changes) when no standby caught up within "
+                   "this; also how long to wait for the new primary (default %(default)s)")
+    p.set_defaults(func=_cmd_failover)
 
     p = sub.add_parser("reconcile", help="compare the ledger with the claim store; collect orphans, dead-letter missing payloads")
     _config_arg(p, "brokerd")
@@ -363,7 +377,7 @@ def fish_completion(parser: argparse.ArgumentParser) -> str:
 
 
 #: Commands whose log lines (structlog) go to stderr at WARNING, keeping stdout for the answer.
-QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "reconcile", "submit", "init", "keygen",
+QUIET_LOG_COMMANDS = frozenset({"gap-report", "status", "items", "dlq", "drain", "failover", "reconcile", "submit", "init", "keygen",
                                 "completion-script", "backup", "outbox"})
 
 

@@ -8,7 +8,9 @@ Files that a config names by a relative path (``private_key``,
 ``broker_curve_public_key``, ``curve_secret_key``, a model file ...) are copied
 with their mode.
 
-Hosts: ``broker`` (brokerd.toml + admin.toml), ``gpu-1..H`` (workers, as
+Hosts: ``broker`` (brokerd.toml + admin.toml; with a broker pair, ``ccsq init --standby``,
+this is broker-1 and ``broker-N`` holds broker-N's ``brokerd-N.toml`` as its ``brokerd.toml``,
+its node key and the shared service keys), ``gpu-1..H`` (workers, as
 ``workerd-0..K-1.toml`` for ``ccsq-workerd@0..K-1`` on that host, so the unit's
 index is the local GPU index), ``completion``, ``producer``. Each folder also gets a
 ``MANIFEST`` (``sha256sum`` format: every file of the folder) that the copy recipe of
@@ -93,6 +95,13 @@ def write_host_layout(directory: Path, *, gpu_hosts: int = 0) -> dict[str, list[
     hosts["broker"] = _ship(directory, d, "brokerd.toml", broker, {"data_dir": f"{STATE}/broker"})
     hosts["broker"] += _ship(directory, d, "admin.toml", load("admin.toml"), {"data_dir": f"{STATE}/broker"})
     hosts["broker"].append(_authorized(directory / broker.get("authorized_keys", "authorized_keys.toml"), d, None))
+    # a broker pair (ccsq init --standby, docs/ha.md): broker-N's brokerd-N.toml is brokerd.toml on its host
+    for path in sorted(directory.glob("brokerd-*.toml"), key=lambda p: (len(p.name), p.name)):
+        host = f"broker-{path.stem.split('-', 1)[1]}"
+        d = root / host
+        hosts[host] = _ship(directory, d, "brokerd.toml", load(path.name), {"data_dir": f"{STATE}/broker"})
+        hosts[host] += _ship(directory, d, "admin.toml", load("admin.toml"), {"data_dir": f"{STATE}/broker"})
+        hosts[host].append(_authorized(directory / broker.get("authorized_keys", "authorized_keys.toml"), d, None))
     n_hosts = gpu_hosts if gpu_hosts > 0 else len(worker_files)
     per_host = -(-len(worker_files) // max(n_hosts, 1)) if worker_files else 0
     for j in range(n_hosts):

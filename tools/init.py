@@ -13,7 +13,9 @@ import argparse
 import re
 import secrets
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
@@ -33,6 +35,8 @@ def init_swarm(
     completion: dict | None = None,
     bind: str = "",
     swarm_id: str | None = None,
+    standbys: Sequence[str] = (),
+    etcd: str = "",
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
 
@@ -57,7 +61,21 @@ def init_swarm(
     that were each set up in ``/etc/ccsq`` still differ); ``""``: none written (the broker's
     ledger id). ConfigError for an invalid one.
 
-    ``broker``/``worker``/``producer``/``completion`` override config keys.
+    ``standbys`` (``ccsq init --standby HOST[:PORT]``, with ``etcd``, ``--etcd``: the etcd
+    client URLs, comma-separated): a broker pair (or more) per docs/ha.md "Operations". The
+    brokers share the service identity (``keys/broker.key``, ``keys/broker.curve.key``); each
+    has a node key ``keys/broker-<N>.key`` (+ CURVE pair), listed with role ``standby`` in
+    ``authorized_keys.toml``. ``brokerd.toml`` is broker-1 (on ``endpoint``'s host),
+    ``brokerd-<N>.toml`` broker-N on the N-1th standby host (its ledger in
+    ``broker-<N>-data/``, the same port as ``endpoint`` unless HOST:PORT); each serves its
+    standbys on its port + 1 (``ha_repl_endpoint``). Every peer's ``broker_endpoint`` is
+    the list of all brokers, broker-1 first. Empty (the default): nothing of this is
+    written, the files are those of a single broker. ConfigError (exit 78) naming the
+    flag: a standby without ``etcd`` (or ``etcd`` without a standby), a host given twice
+    or equal to the endpoint's, an ``ipc://`` endpoint, a malformed etcd URL.
+
+    ``broker``/``worker``/``producer``/``completion`` override config keys (``broker``:
+    of every broker).
     Raises ConfigError if the directory already holds a swarm.
     """
     from ccsq.common.wire.endpoints import is_loopback_endpoint
@@ -70,13 +88,17 @@ def init_swarm(
         check_endpoint(bind, bind=True, where="--bind")
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
+    pair = ha_pair(endpoint, bind, standbys, etcd) if (standbys or etcd) else []
     swarm_id = default_swarm_id(directory) if swarm_id is None else check_swarm_id(swarm_id, where="--swarm-id")
     directory.mkdir(parents=True, exist_ok=True)
-    _write_keys(directory, workers)
+    _write_keys(directory, workers, nodes=len(pair))
     (directory / "blobs").mkdir(exist_ok=True)
-    common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": endpoint, "broker_id": "broker"}
+    peer_endpoints = ",".join(b["endpoint"] for b in pair) if pair else endpoint
+    common = {"authorized_keys": "authorized_keys.toml", "broker_endpoint": peer_endpoints, "broker_id": "broker"}
     # CURVE with the allow-list is on when the broker binds beyond loopback (it refuses to start without it)
     curve_on = not is_loopback_endpoint(bind or endpoint) or not is_loopback_endpoint(endpoint)
+    curve_on = curve_on or any(not is_loopback_endpoint(b["endpoint"]) or not is_loopback_endpoint(b["bind"] or b["endpoint"])
+                               for b in pair)
     written: dict[str, Path] = {}
 
     def write(name: str, doc: dict) -> None:
@@ -84,7 +106,17 @@ def init_swarm(
         path.write_text(tomli_w.dumps(doc))
         written[name.removesuffix(".toml")] = path
 
-    write("brokerd.toml", _broker_config(endpoint, bind, curve_on, {**({"swarm_id": swarm_id} if swarm_id else {}), **(broker or {})}))
+    swarm_keys = {"swarm_id": swarm_id} if swarm_id else {}
+    ha_swarm_id = default_swarm_id(directory)
+    if not pair:
+        write("brokerd.toml", _broker_config(endpoint, bind, curve_on, {**swarm_keys, **(broker or {})}))
+    for b in pair:  # broker-1 = brokerd.toml, broker-N = brokerd-N.toml
+        n = b["n"]
+        ha = _ha_keys(b, etcd, data_dir=("broker-data" if n == 1 else f"broker-{n}-data"))
+        if not swarm_id:  # the pair's etcd namespace must be one name (the ledger id differs until the standby copied it)
+            ha["ha_swarm_id"] = ha_swarm_id
+        write("brokerd.toml" if n == 1 else f"brokerd-{n}.toml",
+              _broker_config(b["endpoint"], b["bind"], curve_on, {**swarm_keys, **ha, **(broker or {})}))
     for i in range(1, workers + 1):  # peer worker-i drives GPU i-1: workerd-<GPU index>.toml
         write(f"workerd-{i - 1}.toml", _worker_config(i, common, handler, curve_on, worker))
     write("producer.toml", _producer_config(common, handler, curve_on, producer))
@@ -116,18 +148,90 @@ def default_swarm_id(directory: Path) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
-def _write_keys(directory: Path, workers: int) -> None:
+def _write_keys(directory: Path, workers: int, *, nodes: int = 0) -> None:
     """Every peer's Ed25519 and CURVE key pairs under ``keys/``, and ``authorized_keys.toml``
-    listing them with their roles (the CURVE keys are the broker's ZAP allow-list)."""
+    listing them with their roles (the CURVE keys are the broker's ZAP allow-list).
+    ``nodes``: a broker pair's node identities ``broker-1..N``, role ``standby`` (docs/ha.md)."""
     keys_dir = directory / "keys"
     peers = {"broker": "broker", "producer-1": "producer", "completion-1": "completion", "admin": "admin"}
     peers.update({f"worker-{i}": "worker" for i in range(1, workers + 1)})
+    peers.update({f"broker-{n}": "standby" for n in range(1, nodes + 1)})
     authorized: dict[str, tuple[str, ...]] = {}
     for peer_id, role in peers.items():
         priv, _ = write_keypair(keys_dir, peer_id)
         _, curve_pub = write_curve_keypair(keys_dir, peer_id)  # CURVE: the broker's ZAP allow-list (docs/security.md)
         authorized[peer_id] = (role, public_key_b64(load_private_key(priv)), curve_pub.read_text().strip())
     write_authorized_keys(directory / "authorized_keys.toml", authorized)
+
+
+#: etcd client URLs as ``ccsq init --etcd`` takes them (the broker checks them again at start).
+_ETCD_URL_RE = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})/?")
+
+
+def check_etcd_endpoints(value: str, *, where: str = "--etcd") -> str:
+    """``value`` as ``http://H:P,http://H:P`` (spaces dropped), or ConfigError naming ``where``."""
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(f"{where}: no etcd client URL given; write it as http://10.0.0.5:2379[,http://10.0.0.6:2379,...] "
+                          "(docs/ha.md: three etcd members)")
+    for u in urls:
+        m = _ETCD_URL_RE.fullmatch(u)
+        if not m or not 0 < int(m.group(2)) < 65536:
+            raise ConfigError(f"{where}: {u!r} is not an etcd client URL; write it as http://10.0.0.5:2379")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"{where}: an etcd URL is given twice in {value!r}")
+    return ",".join(urls)
+
+
+def ha_pair(endpoint: str, bind: str, standbys: Sequence[str], etcd: str) -> list[dict]:
+    """The brokers of a pair: ``[{"n", "endpoint", "bind", "repl"}]``, broker-1 on ``endpoint``,
+    broker-N on ``standbys[N-2]`` (``HOST`` or ``HOST:PORT``; the port defaults to
+    ``endpoint``'s). ``repl`` = the host's port + 1. ConfigError (exit 78) naming the flag."""
+    from ccsq.common.wire.endpoints import check_endpoint, default_bind, split_tcp
+
+    if not standbys:
+        raise ConfigError("--etcd is given without --standby: a single broker uses no etcd; add --standby HOST for each "
+                          "standby broker host, or leave out --etcd")
+    if not etcd:
+        raise ConfigError("--standby needs --etcd http://HOST:2379[,...]: the brokers of a pair elect their primary "
+                          "through etcd (docs/ha.md \"Operations\": run etcd with three members)")
+    check_etcd_endpoints(etcd)
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"--standby needs a tcp:// --endpoint (the brokers are on different hosts), not {endpoint!r}")
+    host1, port1_text = split_tcp(endpoint)
+    if not port1_text.isdigit() or host1 == "*":
+        raise ConfigError(f"--standby needs an --endpoint with a host and a port that peers connect to, not {endpoint!r}")
+    port1 = int(port1_text)
+    brokers: list[dict[str, Any]] = [{"n": 1, "endpoint": endpoint, "bind": bind, "host": host1, "port": port1}]
+    for i, spec in enumerate(standbys):
+        spec = spec.strip()
+        host, sep, port_text = spec.rpartition(":")
+        if not sep:
+            host, port_text = spec, str(port1)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", host) or not port_text.isdigit():
+            raise ConfigError(f"--standby {spec!r}: not a host name or address (HOST or HOST:PORT, e.g. broker-2 or 10.0.0.12:5555)")
+        port = int(port_text)
+        if not 0 < port < 65535:
+            raise ConfigError(f"--standby {spec!r}: port {port} is out of range (1-65534; the next port serves standbys)")
+        ep = check_endpoint(f"tcp://{host}:{port}", bind=False, where=f"--standby {spec}")
+        brokers.append({"n": i + 2, "endpoint": ep, "bind": default_bind(ep), "host": host, "port": port})
+    seen: dict[tuple[str, int], str] = {}
+    for b in brokers:  # a broker's peer port and its repl port (+1), per host, are taken once
+        what = "--endpoint" if b["n"] == 1 else f"--standby {standbys[b['n'] - 2]}"
+        for port in (b["port"], b["port"] + 1):
+            other = seen.get((b["host"], port))
+            if other is not None:
+                raise ConfigError(f"{what}: {b['host']}:{port} is taken by {other} (a standby host given twice, or a port "
+                                  "and the next one, which serves standbys, overlap); give each broker its own host or port")
+            seen[(b["host"], port)] = what
+        b["repl"] = f"tcp://{b['host']}:{b['port'] + 1}"
+    return brokers
+
+
+def _ha_keys(b: dict, etcd: str, *, data_dir: str) -> dict:
+    """The HA keys of broker-N's ``brokerd.toml`` (docs/ha.md; the table of the config keys)."""
+    return {"data_dir": data_dir, "ha_etcd_endpoints": check_etcd_endpoints(etcd), "ha_node_id": f"broker-{b['n']}",
+            "ha_node_key": f"keys/broker-{b['n']}.key", "ha_repl_endpoint": b["repl"]}
 
 
 def _curve_lines(peer_id: str, curve_on: bool) -> dict:
@@ -203,13 +307,18 @@ def _cmd_init(args: argparse.Namespace) -> int:
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
     try:
         written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind,
-                             swarm_id=args.swarm_id)
+                             swarm_id=args.swarm_id, standbys=args.standby or (), etcd=args.etcd or "")
     except OSError as exc:
         raise CantCreate.of("the swarm directory", args.dir, exc) from None
     for name, path in written.items():
         print(f"{name:14} {path}")
     if bind:
         print(f"the broker binds {bind}; peers connect to {args.endpoint}")
+    if args.standby:
+        for name in (n for n in written if n.startswith("brokerd")):
+            doc = tomllib.loads(written[name].read_text())
+            print(f"{doc['ha_node_id']}: {name}.toml, peers connect to {doc['endpoint']}, serves standbys on {doc['ha_repl_endpoint']}")
+        print(f"etcd {args.etcd}: the brokers elect their primary there (docs/ha.md \"Operations\"); peers list every broker")
     swarm_id = tomllib.loads(written["brokerd"].read_text()).get("swarm_id", "")
     print(f"swarm_id {swarm_id} (its name in federation; set with --swarm-id)")
     if args.hosts:
@@ -228,6 +337,10 @@ def next_steps(directory: Path, written: dict[str, Path], handler: str, *, hosts
         (f"export CCSQ_CONFIG={directory.resolve()}", "every ccsq command finds its <name>.toml there"),
         (f"ccsq-brokerd --config {d}/brokerd.toml", f"the broker first (ledger in {d}/broker-data)"),
     ]
+    for name in sorted((n for n in written if n.startswith("brokerd-")), key=lambda n: int(n.split("-")[1])):
+        n = name.split("-")[1]
+        steps.append((f"ccsq-brokerd --config {d}/{name}.toml", f"broker-{n} on its host (ledger in {d}/broker-{n}-data; "
+                      "primary or standby, etcd decides)"))
     for name in sorted((n for n in written if n.startswith("workerd-")), key=lambda n: int(n.split("-")[1])):
         gpu = int(name.split("-")[1])
         steps.append((f"ccsq-workerd --config {d}/{name}.toml", f"worker-{gpu + 1} (GPU {gpu}), handler {handler}"))

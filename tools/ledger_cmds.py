@@ -23,6 +23,10 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     cfg = load(BrokerConfig, args.config)
     report = load_report(cfg.data_dir)
     _name_unserved_queues(report, Path(args.config).resolve().parent / "admin.toml")
+    if getattr(cfg, "ha_etcd_endpoints", ""):  # a broker pair: which broker is primary, the epoch, the standbys' lag
+        ha = _ha_status(Path(args.config).resolve().parent / "admin.toml")
+        if ha is not None:
+            report["ha"] = ha
     if args.html:
         from ccsq.brokerd.gap_report import render_html
 
@@ -33,10 +37,36 @@ def _cmd_gap_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     elif not args.html:
-        print(render_text(report, verbose=args.verbose))
+        from ccsq.tools.admin_cmds import ha_lines
+
+        lines = ha_lines(report.get("ha"))
+        if "ha" in report and not lines:
+            lines = ["ha: " + report["ha"].get("unavailable", "no primary answered")]
+        print("\n".join([*lines, render_text(report, verbose=args.verbose)]))
     else:
         print(f"wrote {args.html}: {'BALANCED' if report['balanced'] else 'UNBALANCED'}")
     return ExitCode.OK if report["balanced"] else ExitCode.UNBALANCED
+
+
+def _ha_status(admin_path: Path) -> dict | None:
+    """The primary's ``"ha"`` status section (docs/ha.md) through ``admin.toml`` next to
+    ``brokerd.toml`` (its ``broker_endpoint`` lists every broker), within 2 s; ``{"unavailable":
+    why}`` when no broker answered; None without an ``admin.toml``. The books themselves
+    come from this host's ledger as always (on a standby: the replica, as of its last turn)."""
+    if not admin_path.is_file():
+        return None
+    from ccsq.tools.admin_client import with_broker
+    from ccsq.common.wire.config import AdminConfig, load
+
+    async def status(session) -> dict:
+        return await session.call("status", timeout_s=2.0)
+
+    try:
+        settings = load(AdminConfig, admin_path)
+        doc = with_broker(settings, status, connect_timeout_s=min(settings.connect_timeout_s, 2.0))
+    except CcsqError as exc:
+        return {"unavailable": f"no broker answered as primary ({exc})"}
+    return doc.get("ha") or {"unavailable": "the broker that answered has no ha section (a single broker)"}
 
 
 def _name_unserved_queues(report: dict, admin_path: Path) -> None:
