@@ -82,6 +82,7 @@ def _listed_plants() -> list[str]:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("plant", _listed_plants())
 def test_every_plant_is_found_by_its_default_budget(plant):
     # `python -m tests.sim --plant NAME` alone: seeds 1, 2, 3 of 30,000 items in turn until one
