@@ -371,12 +371,17 @@ class Worker(Peer):
         return p.Heartbeat(leases=self._listed(), busy=self.running)
 
     def on_crash(self) -> None:
-        # memory is gone; the journal stays. A job that had started is not re-run (workerd: "a
-        # restart re-runs nothing and the lease expires"): its row is dropped at start.
-        for key in [k for k, e in self.journal.items() if e[0] == "started"]:
-            del self.journal[key]
-            self.lost.append(key)  # named in the next HELLO, forgotten once WELCOMEd
-        self.held = sum(1 for e in self.journal.values() if e[0] != "done")
+        # memory is gone; the journal stays (workerd/worker.py, "Restart"). A job that had started
+        # is not re-run: its row is dropped, the job named lost in the next HELLO. A job held and
+        # never started is given back: a FAIL released (re-leased at once, no attempt counted),
+        # journaled as its report, listed and sent like any other report.
+        for key, e in list(self.journal.items()):
+            if e[0] == "started":
+                del self.journal[key]
+                self.lost.append(key)  # named in the next HELLO, forgotten once WELCOMEd
+            elif e[0] == "held":
+                e[0], e[2] = "done", p.TaskFailure(key[0], key[1], p.FailReason.RELEASED.value, True, "given back at restart")
+        self.held = 0
         self.queue = []
         self.running = 0
         self.unsent = []

@@ -583,7 +583,8 @@ class World:
                 if f.token != newest_token(txn, f.item_id):
                     world.fail("fenced_result_accepted", f"FAIL of {f.item_id} with token {f.token} accepted; "
                                                          f"its newest lease has token {newest_token(txn, f.item_id)}")
-                rec(txn).append(("fail", f.item_id, f.token))
+                if f.reason != p.FailReason.RELEASED.value:  # a lease given back unrun explains no second run
+                    rec(txn).append(("fail", f.item_id, f.token))
             return outcome
 
         def event(txn, window, item_id, now_ms, detail):
