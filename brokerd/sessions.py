@@ -211,9 +211,9 @@ class Sessions:
                 resumed.append(ref)
             else:
                 released.append(ref)
-        names = {ref.item_id for ref in listed}
+        held = {(ref.item_id, ref.token) for ref in listed}  # by token: an older token of the item is not this lease
         for lease in self.leases.held_by(peer_id):
-            if lease.item_id in names:
+            if (lease.item_id, lease.token) in held:
                 continue
             if lost is None or (lease.item_id, lease.token) in lost:
                 self._defer("expire", lease.item_id, lease.token, "worker reconnected without it")

@@ -207,6 +207,36 @@ def test_a_late_complete_with_an_older_token_is_fenced_by_the_broker(h):
     assert rep["balanced"]
 
 
+def test_a_job_lost_running_is_expired_though_an_older_token_of_its_item_is_listed(h):
+    """Found by the simulation (tests/sim): wA's first lease of an item expires with its
+    report unconfirmed, wA gets the item again (second token) and its process dies running
+    it. Its restart HELLO lists the first token (the report it still holds) and names the
+    second lost: the second lease expires at once, counting the attempt (G2). The broker
+    used to match the listed leases by item id only, kept the lost lease, and released it
+    uncounted at a later HELLO: a duplicate execution without its gap event, and a poison
+    job that never reaches its dead letter."""
+    b = h.start(lease_ttl_s=1.5)  # long enough that t2 cannot run out on its own before the check
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("again", max_attempts=5)])
+    wa = h.peer("wA", b.endpoint)
+    wa.hello("worker", slots=1, credit=1)
+    (t1,) = recv_tasks(wa, 1)
+    wait_for(lambda: prod.status([r.item_id])[0].state == "ready", 10, what="the first lease to expire")
+    wa.connect()  # the link returns: its HELLO lists the first token (the report it holds)
+    welcome = wa.hello("worker", slots=1, credit=1, leases=[protocol.LeaseRef(t1.item_id, t1.token)])
+    assert welcome.released == [protocol.LeaseRef(t1.item_id, t1.token)]
+    (t2,) = recv_tasks(wa, 1)
+    assert (t2.item_id, t2.attempt) == (t1.item_id, 2) and t2.token > t1.token
+    wa.connect()  # the process died running t2; restarted, it lists t1 and names t2 lost
+    wa.hello("worker", slots=1, credit=0, leases=[protocol.LeaseRef(t1.item_id, t1.token)],
+             info={protocol.LOST_INFO: protocol.lost_info([(t2.item_id, t2.token)])})
+    st = prod.status([r.item_id])[0]
+    assert (st.state, st.attempt) == ("ready", 2), st
+    windows = {w["id"]: w["count"] for w in h.report()["windows"]}
+    assert windows["G2"] == 2
+
+
 # --- C07b ------------------------------------------------------------------------------
 def test_poison_job_dead_lettered_attempts_survive_restart(h):
     """C07b: a job that kills every worker that runs it is dead-lettered with

@@ -54,8 +54,9 @@ def test_a_planted_defect_is_found_shrunk_and_replayed(plant):
 
 def test_a_late_complete_with_an_older_token_is_found():
     # issue 25's blind spot: lease, expire, lease to the same worker, expire, the first
-    # token's COMPLETE accepted while the item is ready again (seed 2: 4 workers, 60 open)
-    rc, out = sim("--seed", "2", "--items", "3000", "--plant", "late_old_token", "--no-shrink")
+    # token's COMPLETE accepted while the item is ready again (seed 3: 1 worker, 300 open;
+    # fault flap_then_die, the process dying at its first DISPATCH after the heal)
+    rc, out = sim("--seed", "3", "--items", "3000", "--plant", "late_old_token", "--no-shrink")
     assert rc == 1 and "VIOLATION fenced_result_accepted" in out, out[-3000:]
 
 
@@ -72,3 +73,19 @@ def test_help_lists_at_least_eight_plants():
     for name in ("skip_fencing", "confirm_before_fsync", "forget_redelivery", "count_attempt_twice", "lose_lease_timers",
                  "stale_fail", "late_old_token", "ledger_no_sync"):
         assert name in names
+
+
+def _listed_plants() -> list[str]:
+    from tests.sim.plants import PLANTS
+
+    return list(PLANTS)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("plant", _listed_plants())
+def test_every_plant_is_found_by_its_default_budget(plant):
+    # `python -m tests.sim --plant NAME` alone: seeds 1, 2, 3 of 30,000 items in turn until one
+    # finds it (--no-shrink only skips the shrinking that follows the finding)
+    rc, out = sim("--plant", plant, "--no-shrink", timeout_s=900)
+    assert rc == 1 and "VIOLATION" in out, out[-3000:]

@@ -24,7 +24,7 @@ KINDS = {
     "producer_crash": 0.6,
     "partition": 1.5,      # a peer cut off both ways for a while, then healed
     "flap": 1.0,           # a flaky link: cut off past the lease TTL, up for 1-20 ms, cut off past the TTL again
-    "flap_then_die": 1.0,     # a worker's host cut off past the lease TTL; as the link returns its process dies at WELCOME
+    "flap_then_die": 1.0,  # a worker's host cut off past the lease TTL; as the link returns its process dies (WELCOME / DISPATCH)
     "drop": 6,             # a frame lost (the connection is dead from there: peers find out by silence)
     "dup": 6,              # a frame delivered twice (a replay: refused, the session ends)
     "reorder": 5,          # two frames swapped
@@ -132,21 +132,24 @@ def strike(world, f: tuple) -> None:
         world.after(d1 + gap, again)
         _temporary(world, d1 + gap + d2, lambda: None)
     elif kind == "flap_then_die":
-        # The chain of a late COMPLETE with an older token (plant late_old_token): the worker's
-        # reports stay unsent past its leases' expiry; its HELLO at the heal lists them, the
-        # broker re-leases some of the expired items to it in that HELLO turn (new tokens) and
-        # the process dies as the WELCOME arrives, before it re-sends its reports. Restarted,
-        # it lists the old tokens only: the new leases expire at that HELLO and the old
-        # reports arrive while those items are ready again.
+        # A worker's host cut off past the lease TTL (its reports unsent, its leases expire) whose
+        # process dies as the link returns: at its first WELCOME, before it re-sends its reports
+        # (b < 0.5), or once it started the jobs of its first DISPATCH after the heal (b >= 0.5:
+        # a poison job, an OOM kill). The second is the chain of a late COMPLETE with an older
+        # token (plant late_old_token): the HELLO at the heal lists the unconfirmed reports (token
+        # t1, expired), the broker leases those items to it again (t2) on the credit it grants,
+        # the process dies running them; restarted, its HELLO names the t2 jobs lost (they expire:
+        # ready after a backoff) and it re-sends the t1 reports while those items are ready again.
         peer = _peer(world, target, "Worker")
         d1 = world.cfg.lease_ttl_s + world.cfg.heartbeat_interval_s + world.cfg.retry_backoff_max_s + 0.5 + 6.0 * a
         peer.partitioned_until = max(peer.partitioned_until, t + d1)
+        flag = "crash_at_welcome" if b < 0.5 else "crash_at_dispatch"
 
         def healed() -> None:
-            peer.crash_at_welcome = True
+            setattr(peer, flag, True)
 
         world.after(d1, healed)
-        _temporary(world, d1 + 4.0, lambda: setattr(peer, "crash_at_welcome", False))
+        _temporary(world, d1 + 4.0, lambda: setattr(peer, flag, False))
     elif kind == "delay":
         peer = _peer(world, target)
         if peer.conn is not None:

@@ -224,6 +224,7 @@ class Producer(Peer):
         self.refusals = 0  # refusals in a row (the backoff's attempt)
         self.retry_at = 0.0  # refused items wait until then
         self.pump_due = False  # a pump is scheduled (paced by max_open or the refusal backoff)
+        self._built: dict[int, protocol.SubmitItem] = {}  # items sent and not yet confirmed
 
     def hello(self) -> protocol.Hello:
         return protocol.Hello(role=self.role.value)
@@ -270,10 +271,18 @@ class Producer(Peer):
                 nums.append(self.todo.pop())
             self._send(nums)
 
+    def _item(self, n: int) -> protocol.SubmitItem:
+        """Item ``n`` as the application built it once (its payload's digest computed once; the
+        same object for every re-send until it is confirmed)."""
+        item = self._built.get(n)
+        if item is None:
+            item = self._built[n] = protocol.SubmitItem(f"k{n}", KIND, blob(payload_of(n)),
+                                                 priority=URGENT_PRIORITY if n % URGENT_EVERY == 0 else 0)
+        return item
+
     def _send(self, nums: list[int]) -> None:
         self.req += 1
-        items = [protocol.SubmitItem(f"k{n}", KIND, blob(payload_of(n)), priority=URGENT_PRIORITY if n % URGENT_EVERY == 0 else 0)
-                 for n in nums]
+        items = [self._item(n) for n in nums]
         self.inflight[self.req] = (self.w.clock.t, nums)
         self.send(protocol.Submit(self.req, items))
 
@@ -298,8 +307,8 @@ class Producer(Peer):
                 known = w.key_item.get(r.key)
                 if known is None:
                     w.key_item[r.key] = r.item_id
-                    w.item_n[r.item_id] = n
                     self.accepted += 1
+                    self._built.pop(n, None)
                 elif known != r.item_id:
                     w.fail("dedup", f"key {r.key} confirmed as {known} and then as {r.item_id}")
                 w.confirm(r.item_id, 1)
@@ -338,6 +347,9 @@ class Worker(Peer):
         self.unsent: list[tuple[str, int]] = []  # reports journaled, not yet sent in this session
         self.granted = 0  # credit the broker holds for this session (HELLO's, less tasks dispatched, plus CREDITs)
         self.flush_due = False
+        self.held = 0  # journal rows not yet reported (held or started): workerd's jobs, what its credit counts
+        self.lost: list[tuple[str, int]] = []  # jobs that were running when the process died: HELLO info "lost"
+        self.crash_at_dispatch = False  # fault flap_then_die: the process dies once it started its next DISPATCH's jobs
 
     def _listed(self) -> list[protocol.LeaseRef]:
         return [protocol.LeaseRef(i, tok) for i, tok in self.journal]
@@ -347,18 +359,29 @@ class Worker(Peer):
                 f"granted {self.granted}")
 
     def hello(self) -> protocol.Hello:
-        listed = self._listed()
-        self.granted = max(0, self.window - len(listed))
-        return protocol.Hello(role=self.role.value, slots=self.slots, credit=self.granted, kinds=[KIND], leases=listed)
+        # workerd: credit = capacity - jobs held (a finished report waiting for its confirmation holds
+        # no credit); the leases listed are the jobs and the unconfirmed reports; the jobs that died
+        # running are named in info "lost" (the broker expires those, counting the attempt, and
+        # releases the other unlisted leases uncounted: they never ran here)
+        self.granted = max(0, self.window - self.held)
+        return protocol.Hello(role=self.role.value, slots=self.slots, credit=self.granted, kinds=[KIND], leases=self._listed(),
+                       info={protocol.LOST_INFO: protocol.lost_info(self.lost)})
 
     def heartbeat(self) -> protocol.Heartbeat:
         return protocol.Heartbeat(leases=self._listed(), busy=self.running)
 
     def on_crash(self) -> None:
-        # memory is gone; the journal stays. A job that had started is not re-run (workerd: "a
-        # restart re-runs nothing and the lease expires"): its row is dropped at start.
-        for key in [k for k, e in self.journal.items() if e[0] == "started"]:
-            del self.journal[key]
+        # memory is gone; the journal stays (workerd/worker.py, "Restart"). A job that had started
+        # is not re-run: its row is dropped, the job named lost in the next HELLO. A job held and
+        # never started is given back: a FAIL released (re-leased at once, no attempt counted),
+        # journaled as its report, listed and sent like any other report.
+        for key, e in list(self.journal.items()):
+            if e[0] == "started":
+                del self.journal[key]
+                self.lost.append(key)  # named in the next HELLO, forgotten once WELCOMEd
+            elif e[0] == "held":
+                e[0], e[2] = "done", protocol.TaskFailure(key[0], key[1], protocol.FailReason.RELEASED.value, True, "given back at restart")
+        self.held = 0
         self.queue = []
         self.running = 0
         self.unsent = []
@@ -368,11 +391,13 @@ class Worker(Peer):
         self.unsent = []
 
     def on_welcome(self, msg: protocol.Welcome) -> None:
+        self.lost = []
         for ref in msg.released:  # the broker does not know the lease: a job not reported yet is dropped
             key = (ref.item_id, ref.token)
             e = self.journal.get(key)
             if e is not None and e[0] != "done":
                 del self.journal[key]
+                self.held -= 1
         self.queue = [k for k in self.queue if k in self.journal]
         queued = set(self.queue)
         for key, e in self.journal.items():
@@ -389,9 +414,13 @@ class Worker(Peer):
                 if key in self.journal:
                     continue
                 self.journal[key] = ["held", t, None]  # journaled (fsync) before anything else
+                self.held += 1
                 self.queue.append(key)
             self.granted -= len(msg.tasks)
             self._start_jobs()
+            if self.crash_at_dispatch and self.running:
+                self.crash_at_dispatch = False
+                self.crash()  # its jobs were running: HELLO names them lost
         elif isinstance(msg, (protocol.CompleteAck, protocol.FailAck)):
             completed = isinstance(msg, protocol.CompleteAck)
             for o in msg.outcomes:
@@ -429,6 +458,7 @@ class Worker(Peer):
             else:
                 e[2] = protocol.TaskResult(item_id, token, blob(result_of(t.payload.inline)), "echo", "1", 0.01)
             e[0] = "done"  # the report is journaled (fsync) before it is sent
+            self.held -= 1
             self.unsent.append(key)
         self._flush_soon()
         self._start_jobs()
@@ -454,7 +484,7 @@ class Worker(Peer):
             self.send(protocol.Complete(results[i:i + 64]))
         for i in range(0, len(failures), 64):
             self.send(protocol.Fail(failures[i:i + 64]))
-        missing = self.window - len(self.journal) - self.granted  # (workerd's Credit rule: grant back what is missing)
+        missing = self.window - self.held - self.granted  # (workerd's Credit rule: grant back what is missing)
         if missing > 0:
             self.send(protocol.Credit(missing))
             self.granted += missing

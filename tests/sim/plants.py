@@ -1,6 +1,7 @@
 """Planted defects: each is the broker's real code with one rule broken, switched on by
 ``python -m tests.sim --plant NAME``; the simulation must find every one within its
-default budget (tests/test_sim.py checks some in CI; docs/simulation.md lists them).
+default budget (``__main__.PLANT_SEEDS`` x ``PLANT_ITEMS``; tests/test_sim.py checks a few
+in CI and, marked soak, every one; docs/simulation.md lists what each needed).
 
 A plant rewrites one line of the real method's source (:func:`_rewrite`), so it breaks
 exactly the rule it names and fails loudly if that line ever changes (update the plant

@@ -175,7 +175,6 @@ class World:
                       "junk": 0, "power_losses": 0}
         # --- ground truth the invariants compare against ---
         self.key_item: dict[str, str] = {}  # producer key -> item id the broker confirmed
-        self.item_n: dict[str, int] = {}  # item id -> item number
         self.confirmed: dict[str, int] = {}  # item id -> 1 submitted, 2 completed, 3 acknowledged (as confirmed to a peer)
         self.purged: set[str] = set()  # item ids a committed purge deleted
         self.leases: dict[str, list[int]] = {}  # item id -> tokens of committed leases, in order
@@ -233,7 +232,8 @@ class World:
         for i in range(producers):
             out.append(peers_mod.Producer(self, f"p{i}", range(i * per, min(self.items, (i + 1) * per))))
         for i in range(workers):
-            out.append(peers_mod.Worker(self, f"w{i}", slots=8, window=64))
+            # credit windows (workerd: slots x max_batch + prefetch): w0 256 (batches of 32), the others 64
+            out.append(peers_mod.Worker(self, f"w{i}", slots=8, window=256 if i == 0 else 64))
         for i in range(completions):
             out.append(peers_mod.Completion(self, f"c{i}", credit=256))
         return out
@@ -583,7 +583,8 @@ class World:
                 if f.token != newest_token(txn, f.item_id):
                     world.fail("fenced_result_accepted", f"FAIL of {f.item_id} with token {f.token} accepted; "
                                                          f"its newest lease has token {newest_token(txn, f.item_id)}")
-                rec(txn).append(("fail", f.item_id, f.token))
+                if f.reason != protocol.FailReason.RELEASED.value:  # a lease given back unrun explains no second run
+                    rec(txn).append(("fail", f.item_id, f.token))
             return outcome
 
         def event(txn, window, item_id, now_ms, detail):
