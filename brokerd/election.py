@@ -39,7 +39,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from ccsq.common.wire.errors import ConfigError, ExitCode, RetryableError
+
+log = structlog.get_logger("ccsq.brokerd")
 
 #: The config key that lists the etcd endpoints (named in every ConfigError).
 ENDPOINTS_KEY = "ha_etcd_endpoints"
@@ -318,10 +322,14 @@ class Election:
             self._keepalive = None
         lease_id, self.lease_id, self.renewed_at, self.created_revision = self.lease_id, 0, None, 0
         if lease_id:
+            from etcd3gw import exceptions as etcd_errors
+
             try:
                 self._post("/kv/lease/revoke", {"ID": lease_id})
             except EtcdUnavailable:
                 pass  # it expires within ttl_s
+            except etcd_errors.Etcd3Exception as exc:  # e.g. 404 "lease not found": it expired already
+                log.info("etcd_lease_already_gone", key=self.key, lease=lease_id, detail=str(exc.detail_text)[:200])
 
     # --- the standby's side ---
     def wait_vacant(self, timeout_s: float) -> bool:

@@ -231,3 +231,20 @@ def test_wait_vacant_passes_over_a_dead_endpoint(etcd):
     assert not b.wait_vacant(0.5)
     a.resign()
     assert b.wait_vacant(5)
+
+
+def test_resign_after_the_lease_expired_is_quiet(etcd):
+    """A primary that lost its lease (a stall longer than the TTL) and then steps down:
+    etcd answers the revoke 404 (lease not found); resign logs it and returns, it never
+    kills the broker (seen: exit 1 after a 3.5 s stall, where the role loop should have
+    gone on as standby)."""
+    a = election(etcd, "tcp://a:5555")
+    assert a.campaign() == 1
+    lease_id = a.lease_id
+    a._stop.set()  # no keep-alives from now on: as if the process had stalled
+    if a._keepalive is not None:
+        a._keepalive.join(TTL_S)
+    a._post("/kv/lease/revoke", {"ID": lease_id})  # etcd expires it (what a stall past the TTL does)
+    a.lease_id = lease_id
+    a.resign()  # must not raise
+    assert a.lease_id == 0 and not a.may_confirm(time.monotonic())
