@@ -112,7 +112,8 @@ class Batch:
     happens if the transaction aborts."""
 
     replies: list[tuple[bytes, protocol.Message]] = dataclasses.field(default_factory=list)
-    effects: list[Callable[..., object]] = dataclasses.field(default_factory=list)  # called with no arguments; `...`: mypy cannot infer lambdas that bind values as defaults against `[]`
+    # called with no arguments; `...`: mypy cannot infer lambdas that bind values as defaults against `[]`
+    effects: list[Callable[..., object]] = dataclasses.field(default_factory=list)
     crash_points: list[str] = dataclasses.field(default_factory=list)
     reads: set[int] = dataclasses.field(default_factory=set)  # id() of replies that only read (a primary sends them unheld)
 
@@ -667,7 +668,8 @@ class Broker:
                         if txn.dead_letter_ready(i, protocol.FailReason.CANCELLED.value, f"cancelled by {env.sender}", now_ms):
                             batch.log("info", "item_cancelled", item=i, by=env.sender)
                 statuses = [txn.item_status(i) for i in msg.item_ids]
-                for chunk in split_frames(statuses, size_of=status_size, budget_bytes=self.outbound.reply_budget(), max_items=1 << 16) or [[]]:
+                chunks = split_frames(statuses, size_of=status_size, budget_bytes=self.outbound.reply_budget(), max_items=1 << 16)
+                for chunk in chunks or [[]]:
                     reply = protocol.StatusReply(msg.req, chunk)
                     if isinstance(msg, protocol.Status):
                         batch.reads.add(id(reply))

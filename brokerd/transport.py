@@ -96,7 +96,8 @@ def check_exposure(cfg, authorized, config_path: str) -> None:
     bound = getattr(cfg, "bind", "") or cfg.endpoint  # what the ROUTER binds (bind, else endpoint)
     if not cfg.curve and not cfg.allow_insecure_bind and not is_loopback_endpoint(bound):
         raise ConfigError(
-            f"{config_path}: {'bind' if bound != cfg.endpoint else 'endpoint'} {bound} is reachable beyond this host but curve = false: anyone who "
+            f"{config_path}: {'bind' if bound != cfg.endpoint else 'endpoint'} {bound} is reachable beyond this host but "
+            "curve = false: anyone who "
             "reaches the port could connect and make the broker queue frames. Set curve = true (with "
             "curve_secret_key; `ccsq init` writes the keys, peers need curve = true and their curve_secret_key, "
             "authorized_keys.toml their curve_public_key), or bind 127.0.0.1, or set allow_insecure_bind = true "

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         _config_arg(ap, "admin")
         ap.add_argument("--json", action="store_true", help="print JSON")
         if read_only:
-            ap.add_argument("--offline", action="store_true", help="read the ledger directly (also automatic when the broker does not answer)")
+            ap.add_argument("--offline", action="store_true",
+                            help="read the ledger directly (also automatic when the broker does not answer)")
         return ap
 
     p = admin_parser("status", "peers, slots, leases, backlog per queue, oldest ready item", read_only=True)

@@ -4,8 +4,8 @@ the one disconnect rule, and reconnection with capped, jittered backoff.
 Used by the worker, the producer's AsyncClient, the completion service, the relay
 (both sides) and the admin CLI. Its codec (:func:`make_codec`) offers session MACs in
 every HELLO: once the broker's WELCOME agrees, frames carry a 32-byte HMAC tag instead
-of an Ed25519 signature (``common/wire/envelope.py``; an older broker: signatures). The link owns its socket: only the coroutines of one session (one
-event loop, one thread) touch it; other threads hand work to that loop
+of an Ed25519 signature (``common/wire/envelope.py``; an older broker: signatures). The
+link owns its socket: only the coroutines of one session (one event loop, one thread) touch it; other threads hand work to that loop
 (``loop.call_soon_threadsafe``) rather than calling the link.
 
 Delivery contract: :meth:`BrokerLink.send` queues a message for the *current*
@@ -638,7 +638,8 @@ class BrokerLink:
         try:
             return self.codec.decode(raw, bound_sender=self.settings.broker_id)
         except DecodeError as exc:
-            if answer_to_hello and exc.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_UNKNOWN_SENDER, protocol.REJECT_FORGED_ORIGIN):
+            if answer_to_hello and exc.code in (protocol.REJECT_BAD_SIGNATURE, protocol.REJECT_UNKNOWN_SENDER,
+                                                protocol.REJECT_FORGED_ORIGIN):
                 # the answer to our HELLO is not from the broker we pin: for good (a session
                 # would take leases whose every message we then refuse)
                 self.refused = self.last_refusal = protocol.Error(BROKER_KEY_MISMATCH, f"{exc.code}: {exc}")

@@ -149,7 +149,10 @@ class PeerSettings:
     peer_id: str = opt("", doc="this peer's id, as listed in authorized_keys")
     private_key: str = opt("", path=True, doc="path of this peer's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key")
-    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect-list", doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH); for a broker pair a comma-separated list (tcp://b1:5555,tcp://b2:5555): tried first to last, the standby's NOT_PRIMARY answer leads to the primary (docs/ha.md)")
+    broker_endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="connect-list",
+                               doc="ZeroMQ endpoint of ccsq-brokerd (tcp://HOST:PORT or ipc://PATH); for a broker pair a comma-separated "
+                                   "list (tcp://b1:5555,tcp://b2:5555): tried first to last, the standby's NOT_PRIMARY answer leads to "
+                                   "the primary (docs/ha.md)")
     broker_id: str = opt("broker", doc="the broker's peer id in authorized_keys")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest frame sent or accepted")
     max_clock_skew_s: float = opt(60.0, min=1.0, max=3600.0, doc="largest accepted |now - message timestamp|")
@@ -157,8 +160,11 @@ class PeerSettings:
     hello_timeout_s: float = opt(5.0, min=0.1, max=300.0, doc="how long to wait for WELCOME before reconnecting")
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="json in daemons, console on a terminal")
     curve: bool = opt(False, doc="encrypt the link with ZeroMQ CURVE (the broker must have curve = true)")
-    broker_curve_public_key: str = opt("keys/broker.curve.pub", path=True, doc="the broker's CURVE public key (Z85), pinned; used when curve = true")
-    curve_secret_key: str = opt("", path=True, doc="this peer's CURVE secret key (Z85, mode 0600; needed when curve = true): the broker admits only the curve_public_key values in authorized_keys.toml")
+    broker_curve_public_key: str = opt("keys/broker.curve.pub", path=True,
+                                       doc="the broker's CURVE public key (Z85), pinned; used when curve = true")
+    curve_secret_key: str = opt("", path=True,
+                                doc="this peer's CURVE secret key (Z85, mode 0600; needed when curve = true): the broker admits only the "
+                                    "curve_public_key values in authorized_keys.toml")
     config_path: str = ""
 
 
@@ -169,12 +175,16 @@ class BrokerConfig:
     peer_id: str = opt("broker", doc="the broker's peer id")
     private_key: str = opt("keys/broker.key", path=True, doc="broker's Ed25519 private key (mode 0600)")
     authorized_keys: str = opt("authorized_keys.toml", path=True, doc="peer id -> role -> public key; reloaded on SIGHUP")
-    endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="bind", doc="endpoint peers connect to (their broker_endpoint); the ROUTER binds it too unless bind is set")
-    bind: str = opt("", endpoint="bind", doc="endpoint the ROUTER binds when it differs from endpoint, e.g. tcp://0.0.0.0:5555 ('' = endpoint)")
+    endpoint: str = opt("tcp://127.0.0.1:5555", endpoint="bind",
+                        doc="endpoint peers connect to (their broker_endpoint); the ROUTER binds it too unless bind is set")
+    bind: str = opt("", endpoint="bind",
+                    doc="endpoint the ROUTER binds when it differs from endpoint, e.g. tcp://0.0.0.0:5555 ('' = endpoint)")
     data_dir: str = opt("broker-data", path=True, doc="directory of the LMDB ledger")
     heartbeat_interval_s: float = opt(1.0, min=0.05, max=60.0, doc="idle peers send HEARTBEAT this often")
     liveness: int = opt(5, min=2, max=100, doc="a peer silent for heartbeat_interval_s x liveness is gone")
-    lease_ttl_s: float = opt(30.0, min=0.1, max=86400.0, doc="a lease not extended by heartbeats expires after this (at least heartbeat_interval_s, else refused at start; keep it >= 3 heartbeats)")
+    lease_ttl_s: float = opt(30.0, min=0.1, max=86400.0,
+                             doc="a lease not extended by heartbeats expires after this (at least heartbeat_interval_s, else refused at "
+                                 "start; keep it >= 3 heartbeats)")
     max_attempts: int = opt(5, min=1, max=1000, doc="default attempts before an item is dead-lettered")
     retry_backoff_base_s: float = opt(0.5, min=0.0, max=3600.0, doc="first retry delay (doubles per attempt, jittered)")
     retry_backoff_max_s: float = opt(60.0, min=0.0, max=86400.0, doc="cap of the retry delay")
@@ -182,9 +192,14 @@ class BrokerConfig:
     retention_s: float = opt(3600.0, min=0.0, max=365 * 86400.0, doc="acknowledged items are purged after this")
     map_size_bytes: int = opt(1 << 30, min=1 << 20, max=1 << 44, doc="initial LMDB map size")
     max_map_size_bytes: int = opt(64 << 30, min=1 << 20, max=1 << 46, doc="the map grows up to this, then SUBMIT gets QUEUE_FULL")
-    result_reserve_bytes: int = opt(24576, min=0, max=1 << 30, doc="ledger room kept per accepted, not yet completed item for its result (admission control, docs/ledger.md); default = the worker's 16 KiB inline result limit + 8 KiB overhead; lower it for deep queues of small results")
-    max_readers: int = opt(126, min=8, max=65536, doc="LMDB reader slots (processes reading the ledger at once); set when the broker creates lock.mdb")
-    reader_warn_age_s: float = opt(300.0, min=0.1, max=86400.0, doc="warn (log, status) when a ledger reader's snapshot is this old: it pins pages freed since")
+    result_reserve_bytes: int = opt(24576, min=0, max=1 << 30,
+                                    doc="ledger room kept per accepted, not yet completed item for its result (admission control, "
+                                        "docs/ledger.md); default = the worker's 16 KiB inline result limit + 8 KiB overhead; lower it "
+                                        "for deep queues of small results")
+    max_readers: int = opt(126, min=8, max=65536,
+                           doc="LMDB reader slots (processes reading the ledger at once); set when the broker creates lock.mdb")
+    reader_warn_age_s: float = opt(300.0, min=0.1, max=86400.0,
+                                   doc="warn (log, status) when a ledger reader's snapshot is this old: it pins pages freed since")
     min_free_disk_bytes: int = opt(256 << 20, min=0, max=1 << 46, doc="below this free disk, SUBMIT gets DISK_FULL")
     max_ready_items: int = opt(0, min=0, max=1 << 40, doc="0 = unlimited; above it SUBMIT gets QUEUE_FULL")
     max_frame_bytes: int = opt(1 << 20, min=4096, max=1 << 30, doc="largest accepted frame")
@@ -198,21 +213,40 @@ class BrokerConfig:
     )
     log_format: str = opt("auto", choices=("auto", "json", "console"), doc="log rendering")
     curve: bool = opt(False, doc="encrypt every link with ZeroMQ CURVE (peers need curve = true and the public key)")
-    curve_secret_key: str = opt("keys/broker.curve.key", path=True, doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
-    allow_insecure_bind: bool = opt(False, doc="true: allow an endpoint beyond loopback without curve (anyone reaching the port can connect and make the broker queue frames; docs/security.md)")
-    metrics_listen: str = opt("", doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every interface)")
+    curve_secret_key: str = opt("keys/broker.curve.key", path=True,
+                                doc="the broker's CURVE secret key (Z85, mode 0600); used when curve = true")
+    allow_insecure_bind: bool = opt(False,
+                                    doc="true: allow an endpoint beyond loopback without curve (anyone reaching the port can connect and "
+                                        "make the broker queue frames; docs/security.md)")
+    metrics_listen: str = opt("",
+                              doc="HOST:PORT of the Prometheus /metrics server ('' = 127.0.0.1:metrics_port; 0.0.0.0:9464 = every "
+                                  "interface)")
     swarm_id: str = opt("", doc="this swarm's name in federation trust files ('' = the ledger id); signs relayed items and results")
-    trusted_swarms: str = opt("", path=True, doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
-    ha_etcd_endpoints: str = opt("", doc="high availability (docs/ha.md): comma-separated etcd client URLs, e.g. http://10.0.0.5:2379 ('' = a single broker: no etcd, no standby)")
-    ha_node_id: str = opt("broker-1", doc="HA: this broker host's node id (its peer id on the replication link; listed with role standby in every broker's authorized_keys)")
+    trusted_swarms: str = opt("", path=True,
+                              doc="federation trust file: swarm id -> pinned broker public key ('' = accept no relayed items or results)")
+    ha_etcd_endpoints: str = opt("",
+                                 doc="high availability (docs/ha.md): comma-separated etcd client URLs, e.g. http://10.0.0.5:2379 ('' = a "
+                                     "single broker: no etcd, no standby)")
+    ha_node_id: str = opt("broker-1",
+                          doc="HA: this broker host's node id (its peer id on the replication link; listed with role standby in every "
+                              "broker's authorized_keys)")
     ha_node_key: str = opt("keys/broker-1.key", path=True, doc="HA: the node id's Ed25519 private key (mode 0600)")
-    ha_repl_endpoint: str = opt("tcp://127.0.0.1:5556", endpoint="bind", doc="HA: where this broker, while primary, serves its standbys (advertised in etcd)")
-    ha_mode: str = opt("sync", choices=("sync", "async"), doc="HA: sync = no confirm before ha_sync_standbys standbys acknowledged the turn (nothing confirmed is lost); async = confirm at once (a failover loses the turns not yet shipped)")
+    ha_repl_endpoint: str = opt("tcp://127.0.0.1:5556", endpoint="bind",
+                                doc="HA: where this broker, while primary, serves its standbys (advertised in etcd)")
+    ha_mode: str = opt("sync", choices=("sync", "async"),
+                       doc="HA: sync = no confirm before ha_sync_standbys standbys acknowledged the turn (nothing confirmed is lost); "
+                           "async = confirm at once (a failover loses the turns not yet shipped)")
     ha_sync_standbys: int = opt(1, min=1, max=16, doc="HA, sync mode: standbys that must acknowledge a turn before its confirms leave")
-    ha_on_standby_loss: str = opt("wait", choices=("wait", "degrade"), doc="HA, sync mode with too few standbys: wait = confirm nothing until one is back; degrade = after ha_degrade_after_s confirm alone (removes the standbys from the sync set in etcd first)")
-    ha_degrade_after_s: float = opt(10.0, min=0.0, max=86400.0, doc="HA: how long a sync primary waits for a standby before ha_on_standby_loss = degrade confirms alone")
+    ha_on_standby_loss: str = opt("wait", choices=("wait", "degrade"),
+                                  doc="HA, sync mode with too few standbys: wait = confirm nothing until one is back; degrade = after "
+                                      "ha_degrade_after_s confirm alone (removes the standbys from the sync set in etcd first)")
+    ha_degrade_after_s: float = opt(10.0, min=0.0, max=86400.0,
+                                    doc="HA: how long a sync primary waits for a standby before ha_on_standby_loss = degrade confirms "
+                                        "alone")
     ha_lease_ttl_s: int = opt(3, min=2, max=300, doc="HA: TTL of the primary's etcd lease (a dead primary's key goes after this)")
-    ha_lease_margin_s: float = opt(1.0, min=0.01, max=299.0, doc="HA: the primary stops confirming this long before its lease could expire at etcd (below ha_lease_ttl_s)")
+    ha_lease_margin_s: float = opt(1.0, min=0.01, max=299.0,
+                                   doc="HA: the primary stops confirming this long before its lease could expire at etcd (below "
+                                       "ha_lease_ttl_s)")
     ha_swarm_id: str = opt("", doc="HA: the etcd key namespace /ccsq/<id>/ ('' = swarm_id; a pair must set one of the two)")
     config_path: str = ""
 
@@ -261,15 +295,24 @@ class WorkerConfig(PeerSettings):
     allow_cpu_fallback: bool = opt(False, doc="start on CPU (and say so in HELLO) when the GPU provider cannot load")
     handler_threads: int = opt(0, min=0, max=256, doc="intra-op threads for the model (0 = library default)")
     max_runtime_s: float = opt(0.0, min=0.0, max=86400.0, doc="default per-item runtime cap (0 = none)")
-    drain_timeout_s: float = opt(30.0, min=0.0, max=86400.0, doc="on SIGTERM, running items get this long to finish before they are given back")
-    max_batch: int = opt(0, min=0, max=4096, doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
+    drain_timeout_s: float = opt(30.0, min=0.0, max=86400.0,
+                                 doc="on SIGTERM, running items get this long to finish before they are given back")
+    max_batch: int = opt(0, min=0, max=4096,
+                         doc="most items in one handler call (0 = the handler's default; credit = slots x max_batch + prefetch)")
     max_wait_ms: float = opt(-1.0, min=-1.0, max=60000.0, doc="how long a partial batch waits for more items (-1 = the handler's default)")
-    model_path: str = opt("", path=True, doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
+    model_path: str = opt("", path=True,
+                          doc="model file of model handlers such as onnx; params['model'] may name another .onnx file in its directory")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
-    log_each_job: bool = opt(True, doc="log job_started/job_completed per item (false: one batch_started line naming the batch's items and one results_reported per report frame; ~40 µs CPU less per item)")
-    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    log_each_job: bool = opt(True,
+                             doc="log job_started/job_completed per item (false: one batch_started line naming the batch's items and one "
+                                 "results_reported per report frame; ~40 µs CPU less per item)")
+    s3_endpoint_url: str = opt("",
+                               doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, "
+                                   "AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
-    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
+    s3_profile: str = opt("",
+                          doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this "
+                              "file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +323,13 @@ class ProducerConfig(PeerSettings):
     inline_max_bytes: int = opt(16384, min=0, max=1 << 20, doc="payloads up to this size travel inline")
     outbox_dir: str = opt("", path=True, doc="local spool for submissions while the broker is down ('' = off)")
     submit_timeout_s: float = opt(10.0, min=0.1, max=3600.0, doc="wait this long for SUBMIT_ACK before retrying")
-    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_endpoint_url: str = opt("",
+                               doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, "
+                                   "AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
-    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
+    s3_profile: str = opt("",
+                          doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this "
+                              "file)")
     default_kind: str = opt("", doc="item kind of `ccsq submit` without --kind ('' = ocr; `ccsq init` writes its --handler)")
 
 
@@ -294,13 +341,20 @@ class CompletionConfig(PeerSettings):
     database: str = opt("sqlite:///results.db", doc="sqlite:///PATH or postgresql://... DSN")
     credit: int = opt(64, min=1, max=65536, doc="results in flight from the broker")
     batch_max: int = opt(256, min=1, max=2048, doc="most results in one database transaction (and one ACK)")
-    batch_wait_ms: float = opt(0.0, min=0.0, max=10000.0, doc="how long to wait for more results once one arrived (0 = land what has arrived: results arriving during a transaction form the next batch; raise it for fewer, larger transactions at the cost of latency)")
+    batch_wait_ms: float = opt(0.0, min=0.0, max=10000.0,
+                               doc="how long to wait for more results once one arrived (0 = land what has arrived: results arriving "
+                                   "during a transaction form the next batch; raise it for fewer, larger transactions at the cost of "
+                                   "latency)")
     db_slow_s: float = opt(5.0, min=0.01, max=3600.0, doc="a write slower than this counts as unhealthy")
     backoff_max_s: float = opt(30.0, min=0.01, max=3600.0, doc="cap of the database backoff")
     metrics_listen: str = opt("", doc="HOST:PORT (or PORT = 127.0.0.1:PORT) of the Prometheus /metrics server ('' = off)")
-    s3_endpoint_url: str = opt("", doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, AWS_ENDPOINT_URL or AWS)")
+    s3_endpoint_url: str = opt("",
+                               doc="s3:// claim store: endpoint URL of an S3-compatible server ('' = CCSQ_S3_ENDPOINT_URL, "
+                                   "AWS_ENDPOINT_URL or AWS)")
     s3_region: str = opt("", doc="s3:// claim store: region ('' = AWS_REGION / the profile's)")
-    s3_profile: str = opt("", doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this file)")
+    s3_profile: str = opt("",
+                          doc="s3:// claim store: named profile of the AWS credential chain ('' = default chain; secrets never go in this "
+                              "file)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +364,8 @@ class AdminConfig(PeerSettings):
     data_dir: str = opt("broker-data", path=True, doc="the broker's data_dir, read directly when the broker is stopped (--offline)")
     connect_timeout_s: float = opt(2.0, min=0.1, max=300.0, doc="no WELCOME within this: read the ledger offline (read-only commands)")
     console_listen: str = opt("127.0.0.1:8750", doc="`ccsq console` listens here (HOST:PORT; beyond loopback it needs a token)")
-    console_tokens: str = opt("", path=True, doc="`ccsq console` tokens: TOML file of [tokens.NAME] token, role = admin|viewer (mode 0600; '' = none)")
+    console_tokens: str = opt("", path=True,
+                              doc="`ccsq console` tokens: TOML file of [tokens.NAME] token, role = admin|viewer (mode 0600; '' = none)")
 
 
 CONFIG_FILES: dict[str, type] = {
