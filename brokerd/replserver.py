@@ -188,6 +188,10 @@ class ReplicationServer:
             return
         if threading.get_ident() == self._thread:
             self._ship_pending()
+            # A send on the ROUTER outside run()'s own pass may consume ZMQ_FD's edge for a
+            # REPL_ACK that is already queued: run()'s wait would then sleep to its next tick
+            # (up to 250 ms per confirm); waking it makes it check EVENTS again at once.
+            self.transport.wake()
         else:
             self._loop.call_soon_threadsafe(self.transport.wake)
 
