@@ -229,7 +229,7 @@ async def _produce(producer_toml: Path, n: int, batch: int, window: int, rate_pe
 def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: float | None = None,
         timeout_s: float = 900.0, profile_out: Path | None = None, fsync_trace: Path | None = None,
         profile_all: Path | None = None, kill_at: float | None = None, settle_s: float = 60.0,
-        ha_etcd: str | None = None) -> dict[str, Any]:
+        ha_etcd: str | None = None, other_pids: dict[str, int] | None = None) -> dict[str, Any]:
     """One pipeline run of ``n`` jobs; returns throughput, latency and broker facts.
 
     ``profile_out``: record the broker with py-spy (raw collapsed stacks) while it runs.
@@ -239,7 +239,8 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
     ``kill_at``: a kill run: SIGKILL worker-1 once that share of the jobs is acknowledged, restart it
     1 s later; items not acknowledged ``settle_s`` after the last submit are lost (``"kill"``).
     ``ha_etcd``: run against a primary with a sync standby (:func:`start_swarm`); ``cpu_s`` then
-    has ``standby`` too, and ``broker`` is the primary."""
+    has ``standby`` too, and ``broker`` is the primary. ``other_pids``: more processes (name: pid,
+    e.g. the pair's etcd) whose CPU during the run goes into ``cpu_s``."""
     metrics_port = free_tcp_port()
     procs, configs = start_swarm(root, broker={"metrics_port": metrics_port}, ha_etcd=ha_etcd)
     spy = strace = None
@@ -287,6 +288,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
             time.sleep(0.5)  # strace attaches asynchronously; nothing to poll for
         rss_before = rss_bytes(broker_pid)
         cpu_before = {name: cpu_s(proc.popen.pid) for name, proc in procs.procs.items()}
+        other_before = {name: cpu_s(pid) for name, pid in (other_pids or {}).items()}
         t0, cpu0 = time.monotonic(), time.process_time()
         prod = asyncio.run(_produce(configs["producer"], n, batch, window, rate_per_s))
         if kill_at:  # worker-1 is down for a while on purpose; what is not acknowledged in time is lost
@@ -305,6 +307,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         cpu = {name: round(cpu_s(proc.popen.pid) - cpu_before[name], 2) for name, proc in procs.procs.items()
                if not (kill_at and name == "worker-1")}
         cpu["producer (this process, incl. polling)"] = round(time.process_time() - cpu0, 2)
+        cpu.update({name: round(cpu_s(pid) - other_before[name], 2) for name, pid in (other_pids or {}).items()})
         group_commit = commit_histograms(metrics_port)
     finally:
         for tool in (spy, strace, *spies):
