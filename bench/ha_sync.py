@@ -7,7 +7,8 @@ pipeline (producer, 2 echo workers, completion service on SQLite) in one run aga
   etcd's ``/ccsq/<swarm>/sync`` lists the standby, so every confirm waited for its fsync too.
 
 Each first as fast as confirms come back (jobs/s; CPU per job and process from /proc), then paced at
-50 % of the single broker's max rate (submit -> acknowledged p50/p99 from the primary's ledger).
+50 % of the single broker's max rate (submit -> acknowledged p50/p99 from the primary's ledger),
+and lightly loaded (a tenth of the jobs at 10 % of that max: one item's path without queueing).
 At the end the standby's ledger must hold every acknowledged item (``standby_acknowledged``).
 
 Targets (issue 23): pair / single jobs/s >= 0.75; the pair adds <= 5 ms to the paced p50.
@@ -61,7 +62,7 @@ def one(work: Path, kind: str, n: int, *, batch: int, window: int, rate_per_s: f
 
 def run(work: Path, n: int, *, batch: int = 100, window: int = 8) -> dict[str, Any]:
     """Single vs pair, unpaced then paced at 50 % of the single broker's max; returns the record
-    written to ``bench/out/ha_sync.json`` (``runs.{single,pair}.{max,paced}``, ``ratio``,
+    written to ``bench/out/ha_sync.json`` (``runs.{single,pair}.{max,paced,light}``, ``ratio``,
     ``p50_added_ms``, the targets and whether they are met)."""
     servers.ensure_installed(["etcd"])
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -71,10 +72,15 @@ def run(work: Path, n: int, *, batch: int = 100, window: int = 8) -> dict[str, A
     rate = round(runs["single"]["max"]["jobs_per_s"] * 0.5, 1)
     for kind in ("single", "pair"):
         runs[kind]["paced"] = one(work, kind, n, batch=batch, window=window, rate_per_s=rate)
+    # light load: what one item's path costs without queueing (a tenth of the jobs at a tenth of the rate)
+    light_n, light_rate = max(n // 10, 50), round(rate / 5, 1)
+    for kind in ("single", "pair"):
+        runs[kind]["light"] = one(work, kind, light_n, batch=batch, window=window, rate_per_s=light_rate)
     ratio = runs["pair"]["max"]["jobs_per_s"] / runs["single"]["max"]["jobs_per_s"]
     added = runs["pair"]["paced"]["latency_ms"]["p50"] - runs["single"]["paced"]["latency_ms"]["p50"]
-    lost = {kind: n - runs[kind][m]["latency_ms"]["n"] for kind in runs for m in ("max", "paced")}
-    standby_short = {m: n - runs["pair"][m]["standby_acknowledged"] for m in ("max", "paced")}
+    jobs = {"max": n, "paced": n, "light": light_n}
+    lost = {f"{kind} {m}": jobs[m] - runs[kind][m]["latency_ms"]["n"] for kind in runs for m in jobs}
+    standby_short = {m: jobs[m] - runs["pair"][m]["standby_acknowledged"] for m in jobs}
     return {
         "n": n, "batch": batch, "window": window, "paced_rate_per_s": rate,
         "ha": {"mode": "sync", "sync_standbys": 1, "swarm": ccsq_pipeline.HA_SWARM, "etcd": "one member, loopback"},
@@ -83,5 +89,8 @@ def run(work: Path, n: int, *, batch: int = 100, window: int = 8) -> dict[str, A
         "ratio": {"pair_over_single": round(ratio, 3), "target": RATIO_TARGET, "met": ratio >= RATIO_TARGET},
         "p50_added_ms": {"ms": round(added, 2), "target": P50_ADDED_TARGET_MS, "met": added <= P50_ADDED_TARGET_MS},
         "p99_added_ms": round(runs["pair"]["paced"]["latency_ms"]["p99"] - runs["single"]["paced"]["latency_ms"]["p99"], 2),
+        "light": {"n": light_n, "rate_per_s": light_rate,
+                  "p50_added_ms": round(runs["pair"]["light"]["latency_ms"]["p50"] - runs["single"]["light"]["latency_ms"]["p50"], 2),
+                  "p99_added_ms": round(runs["pair"]["light"]["latency_ms"]["p99"] - runs["single"]["light"]["latency_ms"]["p99"], 2)},
         "not_acknowledged": lost, "standby_missing_acknowledged": standby_short,
     }

@@ -260,16 +260,20 @@ def bench_ha_sync(args: argparse.Namespace) -> dict[str, Any]:
     rows, cpu_rows = [], []
     for kind in ("single", "pair"):
         mx, pc = res["runs"][kind]["max"], res["runs"][kind]["paced"]
-        rows.append([kind, mx["jobs_per_s"], mx["producer"]["confirm_p50_ms"], pc["latency_ms"]["p50"], pc["latency_ms"]["p99"]])
+        lt = res["runs"][kind]["light"]["latency_ms"]
+        rows.append([kind, mx["jobs_per_s"], mx["producer"]["confirm_p50_ms"], pc["latency_ms"]["p50"], pc["latency_ms"]["p99"],
+                     lt["p50"], lt["p99"]])
         cpu_rows.append([kind, *[mx["cpu_us_per_job"].get(c, "-") for c in cols]])
     print_table(f"ha_sync: {args.ha_n:,} jobs, one broker vs a primary with one sync standby; paced at "
-                f"{res['paced_rate_per_s']:,.0f} jobs/s (50 % of one broker's max)",
-                ["brokers", "jobs/s", "confirm p50 ms", "paced p50 ms", "paced p99 ms"], rows)
+                f"{res['paced_rate_per_s']:,.0f} jobs/s (50 % of one broker's max); light: {res['light']['n']:,} jobs at "
+                f"{res['light']['rate_per_s']:,.0f} jobs/s", ["brokers", "jobs/s", "confirm p50 ms", "paced p50 ms", "paced p99 ms",
+                                                             "light p50 ms", "light p99 ms"], rows)
     print_table("ha_sync: CPU µs per job and process (unpaced runs; workers = both)", ["brokers", *cols], cpu_rows)
     r, a = res["ratio"], res["p50_added_ms"]
     console.print(f"  pair / single jobs/s {r['pair_over_single']} (target >= {r['target']}): {verdict(r['met'])}; "
                   f"paced p50 added {a['ms']} ms (target <= {a['target']:g}): {verdict(a['met'])}; "
-                  f"load average before {res['load_avg_before']} on {res['cores']} cores")
+                  f"load average before {res['load_avg_before']} on {res['cores']} cores; light load: p50 added "
+                  f"{res['light']['p50_added_ms']} ms")
     console.print(f"  not acknowledged: {res['not_acknowledged']}; acknowledged items missing on the standby: "
                   f"{res['standby_missing_acknowledged']}")
     return res

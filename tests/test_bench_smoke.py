@@ -123,16 +123,16 @@ def test_ha_sync_bench_smoke(tmp_path: Path) -> None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     from bench import ha_sync
 
-    n = 200
+    n = 200  # the light runs: 50
     res = ha_sync.run(tmp_path, n, batch=50, window=2)
     assert set(res["runs"]) == {"single", "pair"}
     for kind in ("single", "pair"):
-        for mode in ("max", "paced"):
+        for mode in ("max", "paced", "light"):
             r = res["runs"][kind][mode]
-            assert r["jobs_per_s"] > 0 and r["latency_ms"]["n"] == n, (kind, mode)
+            assert r["jobs_per_s"] > 0 and r["latency_ms"]["n"] == (50 if mode == "light" else n), (kind, mode)
             assert {"broker", "workers", "completion", "producer", "total"} <= set(r["cpu_us_per_job"])
     assert {"standby", "etcd"} <= set(res["runs"]["pair"]["max"]["cpu_us_per_job"])
     assert res["runs"]["pair"]["max"]["cpu_s"]["standby"] > 0  # the standby applied and fsynced the turns
-    assert res["standby_missing_acknowledged"] == {"max": 0, "paced": 0}
+    assert res["standby_missing_acknowledged"] == {"max": 0, "paced": 0, "light": 0}
     assert set(res["not_acknowledged"].values()) == {0}
     assert res["ratio"]["pair_over_single"] > 0 and isinstance(res["p50_added_ms"]["ms"], float)
