@@ -1,4 +1,4 @@
-"""The cost of synchronous replication (issue 23, "Figures"; docs/ha.md): bench/ccsq_pipeline.py's
+"""The cost of synchronous replication (docs/ha.md, "Figures"): bench/ccsq_pipeline.py's
 pipeline (producer, 2 echo workers, completion service on SQLite) in one run against
 
 * ``single``: one ``ccsq-brokerd``, as benchmark 1 runs it, and
@@ -11,7 +11,7 @@ Each first as fast as confirms come back (jobs/s; CPU per job and process from /
 and lightly loaded (a tenth of the jobs at 10 % of that max: one item's path without queueing).
 At the end the standby's ledger must hold every acknowledged item (``standby_acknowledged``).
 
-Targets (issue 23): pair / single jobs/s >= 0.75; the pair adds <= 5 ms to the paced p50.
+Targets (docs/ha.md, "Figures"): pair / single jobs/s >= 0.75; the pair adds <= 5 ms to the paced p50.
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10000,100000,1000000", help="backlog checkpoints (issue: 10k, 100k, 1M, 5M)")
     ap.add_argument("--lag-s", type=float, default=10.0, help="seconds of heartbeat probing while draining")
     ap.add_argument("--fed-n", type=int, default=2_000, help="items spilled through a relay (issue: 10,000)")
-    ap.add_argument("--ha-n", type=int, default=20_000, help="jobs per ha_sync run (issue 23: 20,000)")
+    ap.add_argument("--ha-n", type=int, default=20_000, help="jobs per ha_sync run (the target's size: 20,000)")
     args = ap.parse_args(argv)
     args.peers = [s for s in args.peers.split(",") if s]
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
