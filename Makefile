@@ -39,7 +39,7 @@ SIM_ARGS ?= --seed 1 --items 1000000
 sim: $(VENV)/.installed-test
 	$(PY) -m tests.sim $(SIM_ARGS)
 
-## make bench: ccsq vs Redis vs RabbitMQ side by side (installs the peers as root); BENCH_ARGS="--n 100000 --only pipeline"
+## make bench: ccsq vs Redis vs RabbitMQ side by side, and one broker vs a sync pair (installs the peers and etcd as root); BENCH_ARGS="--n 100000 --only pipeline"
 BENCH_ARGS ?=
 bench: $(VENV)/.installed-test
 	$(PIP) install -q -e '.[cpu,test,bench]'

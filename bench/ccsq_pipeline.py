@@ -39,14 +39,71 @@ WORKER_MAX_WAIT_MS = 1.0
 #: ``log_each_job`` in docs/benchmarks.md). The default config logs each job.
 WORKER_LOG_EACH_JOB = False
 COMPLETION_CREDIT = 512
+#: The pair's etcd namespace (``ha_swarm_id``) and node ids (bench/ha_sync.py; docs/ha.md).
+HA_SWARM = "bench-pair"
+HA_NODES = ("broker-1", "broker-2")
+
+
+def _pair_configs(root: Path, configs: dict[str, Path], etcd_url: str) -> Path:
+    """Make ``root``'s single-broker swarm a replicated pair (docs/ha.md, "Running a pair"):
+    node keys broker-1/broker-2 (role ``standby`` in authorized_keys.toml), ``brokerd.toml`` the
+    primary (broker-1, ledger in ``broker-data/``), ``brokerd-2.toml`` the standby (broker-2,
+    ``broker-data-2/``, its own peer and replication ports), both with ``ha_etcd_endpoints`` =
+    ``etcd_url`` and ``ha_mode = "sync"``; every peer's ``broker_endpoint`` lists the primary first,
+    then the standby. Returns the standby's config path."""
+    import tomllib
+
+    import tomli_w
+
+    from ccsq.common.wire.keys import load_private_key, public_key_b64, write_keypair
+
+    auth_path = root / "authorized_keys.toml"
+    auth = tomllib.loads(auth_path.read_text())
+    for node in HA_NODES:
+        priv, _ = write_keypair(root / "keys", node)
+        auth["peers"][node] = {"role": "standby", "public_key": public_key_b64(load_private_key(priv))}
+    auth_path.write_text(tomli_w.dumps(auth))
+    primary = tomllib.loads(configs["brokerd"].read_text())
+    ha = {"ha_etcd_endpoints": etcd_url, "ha_swarm_id": HA_SWARM, "ha_mode": "sync"}
+    primary.update(ha, ha_node_id=HA_NODES[0], ha_node_key=f"keys/{HA_NODES[0]}.key",
+                   ha_repl_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    standby = {**primary, "data_dir": "broker-data-2", "endpoint": f"tcp://127.0.0.1:{free_tcp_port()}",
+               "ha_node_id": HA_NODES[1], "ha_node_key": f"keys/{HA_NODES[1]}.key",
+               "ha_repl_endpoint": f"tcp://127.0.0.1:{free_tcp_port()}"}
+    standby.pop("metrics_port", None)
+    configs["brokerd"].write_text(tomli_w.dumps(primary))
+    standby_path = root / "brokerd-2.toml"
+    standby_path.write_text(tomli_w.dumps(standby))
+    for name, path in configs.items():
+        if name == "brokerd":
+            continue
+        doc = tomllib.loads(path.read_text())
+        if "broker_endpoint" in doc:
+            doc["broker_endpoint"] = f"{primary['endpoint']},{standby['endpoint']}"
+            path.write_text(tomli_w.dumps(doc))
+    return standby_path
+
+
+def wait_in_sync(etcd_url: str, node: str, timeout_s: float) -> None:
+    """Wait until etcd's ``/ccsq/<HA_SWARM>/sync`` lists ``node`` (the primary counts it in sync)."""
+    from ccsq.brokerd.election import Election
+
+    observer = Election([etcd_url], HA_SWARM, "bench-observer", request_timeout_s=5.0)
+    wait_until(lambda: (s := observer.read_sync()) is not None and node in s.members, timeout_s,
+               f"{node} in /ccsq/{HA_SWARM}/sync", interval_s=0.1)
 
 
 def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: dict | None = None,
                 worker: dict | None = None, completion: dict | None = None,
-                start_completion: bool = True, start_workers: int | None = None) -> tuple[ProcessGroup, dict[str, Path]]:
+                start_completion: bool = True, start_workers: int | None = None,
+                ha_etcd: str | None = None) -> tuple[ProcessGroup, dict[str, Path]]:
     """A fresh swarm under ``root`` (deleted first) with broker, ``workers`` workers
     (configured; the first ``start_workers`` started, default all) and the completion
-    service started and ready; returns (process group, config paths)."""
+    service started and ready; returns (process group, config paths).
+
+    ``ha_etcd``: an etcd client URL: the broker is the primary of a pair (:func:`_pair_configs`)
+    and a second ``ccsq-brokerd``, process ``standby``, runs as its sync standby; the peers start
+    once etcd's sync set lists the standby."""
     shutil.rmtree(root, ignore_errors=True)
     configs = init_swarm(
         root,
@@ -58,9 +115,14 @@ def start_swarm(root: Path, *, workers: int = 2, handler: str = "echo", broker: 
                 "max_wait_ms": WORKER_MAX_WAIT_MS, "log_each_job": WORKER_LOG_EACH_JOB, **(worker or {})},
         completion={"credit": COMPLETION_CREDIT, **(completion or {})},
     )
+    standby_cfg = _pair_configs(root, configs, ha_etcd) if ha_etcd else None
     procs = ProcessGroup(root / "logs")
     try:
         procs.start("broker", [bin_path("ccsq-brokerd"), "--config", str(configs["brokerd"])], ready_event="broker_started")
+        if standby_cfg is not None:
+            configs["brokerd-2"] = standby_cfg
+            procs.start("standby", [bin_path("ccsq-brokerd"), "--config", str(standby_cfg)], ready_event="ha_standby")
+            wait_in_sync(ha_etcd, HA_NODES[1], 120)
         for n in range(1, (workers if start_workers is None else start_workers) + 1):
             procs.start(f"worker-{n}", [bin_path("ccsq-workerd"), "--config", str(configs[f"workerd-{n - 1}"])],
                         ready_event="broker_link_ready", ready_timeout_s=120)
@@ -166,7 +228,8 @@ async def _produce(producer_toml: Path, n: int, batch: int, window: int, rate_pe
 
 def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: float | None = None,
         timeout_s: float = 900.0, profile_out: Path | None = None, fsync_trace: Path | None = None,
-        profile_all: Path | None = None, kill_at: float | None = None, settle_s: float = 60.0) -> dict[str, Any]:
+        profile_all: Path | None = None, kill_at: float | None = None, settle_s: float = 60.0,
+        ha_etcd: str | None = None, other_pids: dict[str, int] | None = None) -> dict[str, Any]:
     """One pipeline run of ``n`` jobs; returns throughput, latency and broker facts.
 
     ``profile_out``: record the broker with py-spy (raw collapsed stacks) while it runs.
@@ -174,9 +237,12 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
     ``profile_all``: a directory: record every daemon (broker, workers, completion) with py-spy,
     ``<name>.txt`` each (the producer is this process: not recorded).
     ``kill_at``: a kill run: SIGKILL worker-1 once that share of the jobs is acknowledged, restart it
-    1 s later; items not acknowledged ``settle_s`` after the last submit are lost (``"kill"``)."""
+    1 s later; items not acknowledged ``settle_s`` after the last submit are lost (``"kill"``).
+    ``ha_etcd``: run against a primary with a sync standby (:func:`start_swarm`); ``cpu_s`` then
+    has ``standby`` too, and ``broker`` is the primary. ``other_pids``: more processes (name: pid,
+    e.g. the pair's etcd) whose CPU during the run goes into ``cpu_s``."""
     metrics_port = free_tcp_port()
-    procs, configs = start_swarm(root, broker={"metrics_port": metrics_port})
+    procs, configs = start_swarm(root, broker={"metrics_port": metrics_port}, ha_etcd=ha_etcd)
     spy = strace = None
     spies: list[subprocess.Popen] = []
     kill: dict[str, Any] = {}
@@ -222,6 +288,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
             time.sleep(0.5)  # strace attaches asynchronously; nothing to poll for
         rss_before = rss_bytes(broker_pid)
         cpu_before = {name: cpu_s(proc.popen.pid) for name, proc in procs.procs.items()}
+        other_before = {name: cpu_s(pid) for name, pid in (other_pids or {}).items()}
         t0, cpu0 = time.monotonic(), time.process_time()
         prod = asyncio.run(_produce(configs["producer"], n, batch, window, rate_per_s))
         if kill_at:  # worker-1 is down for a while on purpose; what is not acknowledged in time is lost
@@ -240,6 +307,7 @@ def run(root: Path, n: int, *, batch: int = 100, window: int = 8, rate_per_s: fl
         cpu = {name: round(cpu_s(proc.popen.pid) - cpu_before[name], 2) for name, proc in procs.procs.items()
                if not (kill_at and name == "worker-1")}
         cpu["producer (this process, incl. polling)"] = round(time.process_time() - cpu0, 2)
+        cpu.update({name: round(cpu_s(pid) - other_before[name], 2) for name, pid in (other_pids or {}).items()})
         group_commit = commit_histograms(metrics_port)
     finally:
         for tool in (spy, strace, *spies):

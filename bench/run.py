@@ -12,6 +12,8 @@ Benchmarks (see docs/benchmarks.md for what each measures and the latest figures
 4, 2, 3. ledger growth, heartbeat lag under backlog, restart recovery (one fill);
 federation: a backlog of --fed-n items spilled through a relay to an idle swarm,
 items/s across the link vs inside one swarm, relay CPU per item (bench/federation.py).
+ha_sync: the pipeline against one broker and against a primary with a sync standby
+(etcd started here), jobs/s ratio, CPU per job and process, paced latency (bench/ha_sync.py).
 
 Each prints a rich table and writes ``bench/out/<name>.json``. Peers are started
 privately on loopback; when missing they are installed (root) or the command to
@@ -267,9 +269,43 @@ def bench_failover(args: argparse.Namespace) -> dict[str, Any]:
 BENCHES["failover"] = bench_failover  # needs root (network namespaces) and etcd; skipped with the reason otherwise
 
 
+def bench_ha_sync(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline at --ha-n against one broker and a sync pair (bench/ha_sync.py; docs/ha.md, "Figures")."""
+    from bench import ha_sync
+
+    res = ha_sync.run(WORK / "ha", args.ha_n, batch=args.batch, window=args.window)
+    cols = ["broker", "standby", "workers", "completion", "producer", "etcd", "total"]
+    rows, cpu_rows = [], []
+    for kind in ("single", "pair"):
+        mx, pc = res["runs"][kind]["max"], res["runs"][kind]["paced"]
+        lt = res["runs"][kind]["light"]["latency_ms"]
+        rows.append([kind, mx["jobs_per_s"], mx["producer"]["confirm_p50_ms"], pc["latency_ms"]["p50"], pc["latency_ms"]["p99"],
+                     lt["p50"], lt["p99"]])
+        cpu_rows.append([kind, *[mx["cpu_us_per_job"].get(c, "-") for c in cols]])
+    print_table(f"ha_sync: {args.ha_n:,} jobs, one broker vs a primary with one sync standby; paced at "
+                f"{res['paced_rate_per_s']:,.0f} jobs/s (50 % of one broker's max); light: {res['light']['n']:,} jobs at "
+                f"{res['light']['rate_per_s']:,.0f} jobs/s", ["brokers", "jobs/s", "confirm p50 ms", "paced p50 ms", "paced p99 ms",
+                                                             "light p50 ms", "light p99 ms"], rows)
+    print_table("ha_sync: CPU µs per job and process (unpaced runs; workers = both)", ["brokers", *cols], cpu_rows)
+    r, a = res["ratio"], res["p50_added_ms"]
+    console.print(f"  pair / single jobs/s {r['pair_over_single']} (target >= {r['target']}): {verdict(r['met'])}; "
+                  f"paced p50 added {a['ms']} ms (target <= {a['target']:g}): {verdict(a['met'])}; "
+                  f"load average before {res['load_avg_before']} on {res['cores']} cores; light load: p50 added "
+                  f"{res['light']['p50_added_ms']} ms")
+    console.print(f"  not acknowledged: {res['not_acknowledged']}; acknowledged items missing on the standby: "
+                  f"{res['standby_missing_acknowledged']}")
+    return res
+
+
+BENCHES["ha_sync"] = bench_ha_sync  # in the default run; alone: --only ha_sync --ha-n N (docs/ha.md, "Figures")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="pipeline,ocr,backlog,federation,failover", help="comma list of: " + ", ".join(BENCHES))
+
+
+    ap.add_argument("--only", default="pipeline,ocr,backlog,federation,ha_sync", help="comma list of: " + ", ".join(BENCHES))
     ap.add_argument("--n", type=int, default=20_000, help="jobs per pipeline run (issue: 100,000)")
     ap.add_argument("--batch", type=int, default=100, help="jobs per producer batch (one durable confirm)")
     ap.add_argument("--window", type=int, default=8, help="producer batches in flight")
@@ -283,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lag-s", type=float, default=10.0, help="seconds of heartbeat probing while draining")
     ap.add_argument("--fed-n", type=int, default=2_000, help="items spilled through a relay (issue: 10,000)")
     ap.add_argument("--failovers", type=int, default=20, help="failovers of a broker pair timed")
+
+
+    ap.add_argument("--ha-n", type=int, default=20_000, help="jobs per ha_sync run (the target's size: 20,000)")
     args = ap.parse_args(argv)
     args.peers = [s for s in args.peers.split(",") if s]
     args.sizes = [int(s) for s in args.sizes.split(",") if s]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ccsq.tools.procs import free_tcp_port, wait_until
 
-PACKAGES = {"redis-server": "redis-server", "rabbitmq-server": "rabbitmq-server"}
+PACKAGES = {"redis-server": "redis-server", "rabbitmq-server": "rabbitmq-server", "etcd": "etcd-server"}
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 
 
@@ -43,6 +43,60 @@ def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class EtcdServer:
+    """A one-member ``etcd`` on 127.0.0.1 (client and peer port picked free) with its data in
+    ``root`` (deleted first): the election and sync-set store of a replicated broker pair
+    (bench/ha_sync.py). ``url`` is its client URL; ``pid`` its process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = f"http://127.0.0.1:{free_tcp_port()}"
+        self.peer_url = f"http://127.0.0.1:{free_tcp_port()}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> EtcdServer:
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+        with open(self.root / "etcd.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                ["etcd", "--name", "bench", "--data-dir", str(self.root / "data"), "--listen-client-urls", self.url,
+                 "--advertise-client-urls", self.url, "--listen-peer-urls", self.peer_url,
+                 "--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", f"bench={self.peer_url}",
+                 "--initial-cluster-state", "new", "--logger", "zap", "--log-outputs", "stderr"],
+                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(self._ready, 30, f"etcd on {self.url}", interval_s=0.05)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        import urllib.request
+
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited {self.proc.returncode}; see {self.root / 'etcd.log'}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 class RedisServer:

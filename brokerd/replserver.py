@@ -187,7 +187,7 @@ class ReplicationServer:
         if self._loop is None:
             return
         if threading.get_ident() == self._thread:
-            self._ship_pending()
+            self._ship_pending()  # (its sends wake run()'s wait: _flush)
         else:
             self._loop.call_soon_threadsafe(self.transport.wake)
 
@@ -348,6 +348,13 @@ class ReplicationServer:
         self._flush(sess)
 
     def _flush(self, sess: _Session) -> None:
+        """Send ``sess``'s outbox until empty or the socket pushes back. A send on the ROUTER
+        outside run()'s own pass (the actor's ``sink``, a copy task) may consume ZMQ_FD's edge
+        for a REPL_ACK already queued, and no later frame raises another while it is unread:
+        run()'s wait would sleep to its next tick (up to 250 ms per confirm), so it is woken to
+        check EVENTS again (a no-op inside run()'s pass: nothing waits then)."""
+        if sess.outbox and not sess.ended:
+            self.transport.wake()
         while sess.outbox and not sess.ended:
             status = self.transport.send(sess.rid, sess.outbox[0])
             if status == SENT:

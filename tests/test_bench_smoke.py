@@ -106,3 +106,33 @@ def test_completion_cpu_smoke() -> None:
     assert res["results"] == 300 and res["cpu_s"] >= 0 and res["results_per_s"] > 0 and res["ack_frames"] >= 2
     steps = completion_cpu.phases(300)
     assert len(steps) == 4 and all(v["user_us"] >= 0 and v["sys_us"] >= 0 for v in steps.values())
+
+
+@pytest.mark.timeout(240)
+def test_ha_sync_bench_smoke(tmp_path: Path) -> None:
+    """``--only ha_sync`` (bench/ha_sync.py) with a tiny N: one broker, then a primary with a sync
+    standby (two real ccsq-brokerd, a real etcd), each unpaced and paced; every job acknowledged,
+    every acknowledged item on the standby's ledger too, every figure there."""
+    import os
+    import shutil
+
+    pytest.importorskip("etcd3gw")
+    if shutil.which("etcd") is None:
+        if os.environ.get("CI"):
+            pytest.fail("etcd is not installed (.ci/run installs Debian's etcd-server)")
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    from bench import ha_sync
+
+    n = 200  # the light runs: 50
+    res = ha_sync.run(tmp_path, n, batch=50, window=2)
+    assert set(res["runs"]) == {"single", "pair"}
+    for kind in ("single", "pair"):
+        for mode in ("max", "paced", "light"):
+            r = res["runs"][kind][mode]
+            assert r["jobs_per_s"] > 0 and r["latency_ms"]["n"] == (50 if mode == "light" else n), (kind, mode)
+            assert {"broker", "workers", "completion", "producer", "total"} <= set(r["cpu_us_per_job"])
+    assert {"standby", "etcd"} <= set(res["runs"]["pair"]["max"]["cpu_us_per_job"])
+    assert res["runs"]["pair"]["max"]["cpu_s"]["standby"] > 0  # the standby applied and fsynced the turns
+    assert res["standby_missing_acknowledged"] == {"max": 0, "paced": 0, "light": 0}
+    assert set(res["not_acknowledged"].values()) == {0}
+    assert res["ratio"]["pair_over_single"] > 0 and isinstance(res["p50_added_ms"]["ms"], float)
