@@ -308,7 +308,7 @@ class HaNet:
         self.events2.poll()
 
     def report(self, node: str) -> dict[str, Any]:
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         return load_report(self.data_dir(node))
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.brokerd.ledger.store import LedgerError
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.tools.init import init_swarm
 from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from tests.chaos.checks import EventLog, Verdict, check
