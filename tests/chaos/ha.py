@@ -47,7 +47,7 @@ from tests.chaos.checks import EventLog, Verdict, check
 from tests.chaos.producer import key_for, payload_for, read_progress
 
 REPO = Path(__file__).resolve().parents[2]
-SWARM_ID = "chaosha"
+SWARM_ID = f"chaosha-{os.getpid()}"  # per process: the brokers' host-wide node flock (see tests/hanet.py)
 LEASE_TTL_S = 3
 
 #: fault name -> weight
