@@ -46,7 +46,10 @@ HOSTS = ["etcd", "broker-1", "broker-2", "gpu-1", "gpu-2", "producer", "completi
 SUBNET = "10.214.0.0/24"
 BROKER_PORT = 5555  # each host has its own network stack: fixed ports cannot collide
 ETCD_PORT = 2379
-SWARM_ID = "hanet"
+#: Per test process: each broker holds a host-wide flock per (swarm, node id) in /run/lock
+#: (brokerd/role.py node_lock), which network namespaces do not separate; two pairs run at once
+#: (a test run beside a bench) would refuse each other's broker-1 as "the same node".
+SWARM_ID = f"hanet-{os.getpid()}"
 LEASE_TTL_S = 3  # the etcd lease of the primary key (the issue's figure: failover <= 5 s with a 3 s lease)
 PY = sys.executable
 ETCD = shutil.which("etcd")
@@ -308,7 +311,7 @@ class HaNet:
         self.events2.poll()
 
     def report(self, node: str) -> dict[str, Any]:
-        from ccsq.brokerd.report import load_report
+        from ccsq.brokerd.gap_report import load_report
 
         return load_report(self.data_dir(node))
 

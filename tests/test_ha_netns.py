@@ -32,7 +32,7 @@ import pytest
 from ccsq.common.wire.config import BrokerConfig, load
 from ccsq.tools.procs import wait_until
 from tests.chaos.producer import read_progress
-from tests.hanet import HOSTS, LEASE_TTL_S, PY, SUBNET, HaNet, etcd_missing
+from tests.hanet import HOSTS, LEASE_TTL_S, PY, SUBNET, SWARM_ID, HaNet, etcd_missing
 from tests.netns import netns  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(420)
@@ -91,7 +91,7 @@ def test_harness_runs_etcd_in_its_namespace_and_the_pair_configs_load(pair) -> N
     b1, b2 = load(BrokerConfig, ha.configs["broker-1"]), load(BrokerConfig, ha.configs["broker-2"])
     assert (b1.ha_node_id, b2.ha_node_id) == ("broker-1", "broker-2")
     assert b1.ha_etcd_endpoints == b2.ha_etcd_endpoints == ha.etcd_url
-    assert b1.swarm_id == b2.swarm_id == "hanet" and b1.data_dir != b2.data_dir
+    assert b1.swarm_id == b2.swarm_id == SWARM_ID and b1.data_dir != b2.data_dir
     assert b1.ha_repl_endpoint == f"tcp://{ha.net['broker-1'].addr}:5556"
     health = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/health', timeout=2).read().decode())"
     assert '"true"' in ha.net["broker-1"].run([PY, "-c", health, ha.etcd_url]).stdout  # a broker host reaches etcd

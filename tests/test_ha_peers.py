@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -514,3 +515,43 @@ def test_a_relay_and_its_downstream_swarm_follow_a_downstream_failover(tmp_path:
         assert _events(b, "worker-1", "session_started")[-1]["resumed"] == 3
         relay = pair.procs.procs["relay"].events()
         assert endpoint_b2 in {e.get("endpoint") for e in relay if e.get("event") == "broker_link_ready"}
+
+
+# --- a stalled primary, a standby met for the first time -----------------------------------
+@pytest.mark.timeout(240)
+def test_a_stalled_primary_is_rejoined_after_a_standby_first_met_names_it(tmp_path: Path) -> None:
+    """The livelock of a failover-bench trial: broker_endpoint = "A,STANDBY". Every peer works
+    with A; A stalls (SIGSTOP 2.5 s, still primary, not restarted), the peers' sessions go
+    silent and they try the standby, met now for the first time (a fresh session: a broker
+    that just stepped down to standby), which names A. A resumes and WELCOMEs them again from
+    the session they knew. With one replay memory for the pair, the standby's answer retired
+    A's session and every WELCOME of A was 'REPLAY: message from retired session of broker'
+    for 2 x max_clock_skew_s; with the memory per endpoint the peers are back on A at once."""
+    with Swarm(tmp_path / "s", broker={"heartbeat_interval_s": 0.2, "liveness": 5}) as swarm:
+        stub_endpoint = _dead_endpoint()
+        with StandbyStub(swarm.root, stub_endpoint, [swarm.endpoint]) as stub:
+            _set_broker_endpoints(swarm, f"{swarm.endpoint},{stub_endpoint}")
+            swarm.start_all(workers=1)
+            peers = ("worker-1", "completion")
+            for name in peers:
+                assert [e["endpoint"] for e in _events(swarm, name, "broker_link_ready")] == [swarm.endpoint]
+            stopped_mono = time.monotonic()
+            swarm.procs.signal("broker", signal.SIGSTOP)
+            try:
+                wait_until(lambda: all(stub.hello_count(p) >= 1 for p in ("worker-1", "completion-1")), 30,
+                           "both peers asked the standby while A is stopped")
+            finally:
+                time.sleep(max(0.0, stopped_mono + 2.5 - time.monotonic()))  # the fault itself: a 2.5 s stall
+                swarm.procs.signal("broker", signal.SIGCONT)
+            for name in peers:
+                wait_until(lambda n=name: len(_events(swarm, n, "broker_link_ready")) >= 2, 30, f"{name} back on A")
+            with swarm.client() as client:
+                receipts = client.submit_many([(f"item-{i}".encode(), "echo") for i in range(3)], timeout_s=60)
+            assert len(receipts) == 3
+            _assert_landed_once(swarm, 3)
+            for name in peers:
+                ready = _events(swarm, name, "broker_link_ready")
+                assert all(e["endpoint"] == swarm.endpoint for e in ready), ready
+                refused = [e["reason"] for e in _events(swarm, name, "broker_link_lost") if "REPLAY" in e["reason"]]
+                assert not refused, refused
+            assert not stub.errors, stub.errors

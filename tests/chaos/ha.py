@@ -40,14 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from ccsq.brokerd.ledger.store import LedgerError
-from ccsq.brokerd.report import load_report
+from ccsq.brokerd.gap_report import load_report
 from ccsq.tools.init import init_swarm
 from ccsq.tools.procs import ProcessGroup, bin_path, free_tcp_port, wait_until
 from tests.chaos.checks import EventLog, Verdict, check
 from tests.chaos.producer import key_for, payload_for, read_progress
 
 REPO = Path(__file__).resolve().parents[2]
-SWARM_ID = "chaosha"
+SWARM_ID = f"chaosha-{os.getpid()}"  # per process: the brokers' host-wide node flock (see tests/hanet.py)
 LEASE_TTL_S = 3
 
 #: fault name -> weight
