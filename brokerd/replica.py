@@ -130,22 +130,8 @@ class Standby:
         for turns of another epoch than this session's primary, and whatever
         :meth:`ReplicaLedger.apply` raises (the standby then drops the session; on
         :class:`Diverged` it seeds again)."""
-        if msg.epoch != self.epoch:
-            raise replication.StaleEpoch(f"REPL_TURNS of epoch {msg.epoch} from the primary of epoch {self.epoch}")
-        if msg.partial or self._pieces:
-            if len(msg.turns) != 1:
-                raise replication.ReplicationError("a piece of a turn comes alone in its REPL_TURNS")
-            self._pieces.append(msg.turns[0])
-            if msg.partial:
-                return None
-            raws, self._pieces = [b"".join(self._pieces)], []
-        else:
-            raws = msg.turns
         applied = False
-        for raw in raws:
-            ws = replication.WriteSet.unpack(raw)
-            if ws.epoch != self.epoch:
-                raise replication.StaleEpoch(f"turn ({ws.epoch}, {ws.seq}) inside REPL_TURNS of epoch {self.epoch}")
+        for ws in self.write_sets(msg):
             applied = self.replica.apply(ws) or applied
         if not applied:
             return None
