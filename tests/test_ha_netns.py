@@ -243,13 +243,15 @@ def test_etcd_unreachable_from_the_primary_it_stops_confirming_and_the_standby_t
 
 
 @needs_ha
-def test_a_standby_down_for_10000_items_catches_up_and_takes_over_with_all_of_them(pair) -> None:
+@pytest.mark.parametrize("count", [pytest.param(10_000, marks=pytest.mark.soak), 1_500])
+def test_a_standby_down_for_10000_items_catches_up_and_takes_over_with_all_of_them(pair, count: int) -> None:
+    """The issue's 10,000 items run in ``make soak`` (about 90 s here); CI runs the same path
+    (a seed copy, then the stream) with 1,500."""
     ha = pair(broker={"ha_on_standby_loss": "degrade", "ha_degrade_after_s": 1.0})
     first = ha.start_pair()
     standby = "broker-2" if first == "broker-1" else "broker-1"
     ha.kill(standby)
     ha.start_peers()
-    count = 10_000
     ha.start_producer(count, rate=2000.0)
     ha.wait_settled(first, count, timeout_s=400.0)
     ha.start_broker(standby)

@@ -7,6 +7,7 @@ place (no standby ever acknowledges)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import socket
 import threading
@@ -35,7 +36,7 @@ pytest.importorskip("etcd3gw")
 HERE = Path(__file__).resolve().parent
 PEERS = {"prod": "producer", "wA": "worker", "comp": "completion", "admin": "admin", "broker-1": "standby",
          "broker-2": "standby"}
-SWARM = "hs"
+SWARM = f"hs-{os.getpid()}"  # per process: the brokers take a host-wide flock per (swarm, node) in /run/lock
 TTL_S, MARGIN_S = 2, 0.5
 
 
