@@ -39,6 +39,7 @@ def test_chaos_short_run(tmp_path: Path) -> None:
     assert s["lost"] == 0 and s["stuck"] == 0 and s["balanced"], detail
     assert s["quarantined"] >= 1, detail  # the results table's rule refused some (gap G12), under faults
     assert s["items"] >= 0.9 * 25.0 * DURATION_S, detail  # the producer got everything accepted
-    assert sum(result.faults.values()) >= 1.1 * DURATION_S, detail  # a fault every ~0.9 s at least (kills wait for the restart)
+    # a fault every ~1.5 s at least (kills and stops wait for the restart; ~1 s a fault on a quiet box)
+    assert sum(result.faults.values()) >= 0.65 * DURATION_S, detail
     assert len(result.faults) >= 8, f"too few fault kinds exercised: {dict(result.faults)}"
     assert sum(s["rejects"].values()) >= 0.5 * result.hostile_frames, detail  # hostile frames were refused and counted

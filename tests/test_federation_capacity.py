@@ -83,8 +83,8 @@ def test_credit_withdrawn_when_the_downstream_gets_busy_and_home_workers_come_fi
         pair.wait_connected()
         wait_until(lambda: (relay_credit_at(pair.a) or 0) >= 1, 30, "the relay granted credit at a (b idle)")
         with pair.b.client() as client:
-            for i in range(16):  # 8 s of work for b's two workers
-                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 1.0})
+            for i in range(16):  # 16 s of work for b's two workers: still busy when a's 10 are done, under load too
+                client.submit(f"b-own-{i}".encode(), "sleep", params={"seconds": 2.0})
         wait_until(lambda: relay_credit_at(pair.a) == 0, 15, "the relay withdrew its credit at a (b busy)")
         pair.a.start_worker(1)
         t0 = time.monotonic()
