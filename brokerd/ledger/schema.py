@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
+import threading
 from typing import Any, TypedDict
 
 import lz4.block
@@ -239,8 +240,22 @@ def parse_event_key(key: bytes) -> tuple[str, int]:
 
 
 # --- values ---
+_packers = threading.local()
+
+
+def _pack() -> Any:
+    """This thread's ``msgpack.Packer(use_bin_type=True).pack``: the bytes of ``msgpack.packb(...,
+    use_bin_type=True)`` without a Packer made per call (~1 us of the ~1.3-1.7 us of a small value;
+    each job's path packs four: its payload, its result, its lease and its idempotency key)."""
+    try:
+        return _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+        return pack
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return _pack()(obj)
 
 
 def unpack(raw: bytes) -> Any:
@@ -273,8 +288,8 @@ def pack_blob(blob: protocol.Blob, *, compress: bool = False) -> bytes:
     if compress and inline is not None and len(inline) >= COMPRESS_MIN_BYTES:
         packed = lz4.block.compress(inline, mode="fast", acceleration=4, store_size=False)
         if len(packed) <= len(inline) - (len(inline) >> 3):
-            return msgpack.packb([sha, blob.size, packed, _LZ4], use_bin_type=True)
-    return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
+            return _pack()([sha, blob.size, packed, _LZ4])
+    return _pack()([sha, blob.size, inline])
 
 
 #: ``Blob(sha256, size, inline)`` without its checks (for values checked when they came in)
