@@ -294,6 +294,16 @@ def pack_blob(blob: protocol.Blob, *, compress: bool = False) -> bytes:
 
 #: ``Blob(sha256, size, inline)`` without its checks (for values checked when they came in)
 _trusted_blob = protocol.trusted_constructor(protocol.Blob, ("sha256", "size", "inline"))
+#: The records the broker makes per job from values it holds (every field given, in order), without
+#: a frozen ``__init__`` (one ``object.__setattr__`` a field: a Task cost ~6 us, a Delivery ~6 us);
+#: neither class has checks of its own (``__post_init__``), so the objects are the same.
+trusted_task = protocol.trusted_constructor(protocol.Task, (
+    "item_id", "token", "kind", "payload", "params", "attempt", "max_runtime_s", "deadline_ts", "origin", "origin_sig"))
+trusted_delivery = protocol.trusted_constructor(protocol.Delivery, (
+    "item_id", "key", "kind", "result", "params", "attempt", "handler", "handler_version", "completed_ts", "redelivery",
+    "proof", "proof_sig"))
+trusted_submit_result = protocol.trusted_constructor(protocol.SubmitResult, ("key", "item_id", "duplicate", "error", "message"))
+trusted_outcome = protocol.trusted_constructor(protocol.ItemOutcome, ("item_id", "token", "outcome"))
 
 
 def unpack_blob(raw: bytes) -> protocol.Blob:
