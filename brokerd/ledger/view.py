@@ -296,10 +296,9 @@ class LedgerView:
         result = self.result(item_id)
         if result is None:
             raise LedgerError(f"completed item {item_id} has no result")
-        get = rec.get
         return schema.trusted_delivery(item_id, rec["key"], rec["kind"], result, rec["params"], rec["attempt"],
-                                       get("handler", ""), get("handler_version", ""), get("completed_ms", 0) / 1000.0,
-                                       redelivery, b"", b"")
+                                       rec.get("handler", ""), rec.get("handler_version", ""),
+                                       rec.get("completed_ms", 0) / 1000.0, redelivery, b"", b"")
 
     def scan_ready(self, kinds: list[str] | None, limit: int, now_ms: int) -> tuple[list[str], int | None]:
         """Eligible ready item ids for ``kinds`` (None: every kind), best first.
