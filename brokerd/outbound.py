@@ -29,7 +29,7 @@ from ccsq.brokerd.peers import PeerStatus, PeerTable, Session
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
 from ccsq.common.wire.errors import DecodeError
-from ccsq.common.wire.frames import FrameBudget, encoded_size, halves, too_large
+from ccsq.common.wire.frames import FrameBudget, encoded_size, halves, params_bound, text_bound, too_large
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.common.wire.envelope import Envelope
@@ -196,31 +196,19 @@ _TASK_FIXED_BOUND = 320  # counted: 204 (every string empty)
 _DELIVERY_FIXED_BOUND = 360  # counted: 209
 
 
-def _text_bound(s: str) -> int:
-    """Bytes of ``s`` packed, at most: a 5-byte header and 4 bytes a character unless ASCII."""
-    return 5 + (len(s) if s.isascii() else 4 * len(s))
-
-
-def _params_bound(params: protocol.Params) -> int:
-    n = 5
-    for k, v in params.items():
-        n += _text_bound(k) + (_text_bound(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 9)
-    return n
-
-
 def task_size_bound(t: protocol.Task) -> int:
     """An upper bound of :func:`task_size` (bytes) from lengths alone, nothing packed: lets the
     frame splitter skip exact sizing when a DISPATCH surely fits one frame."""
     inline = t.payload.inline
-    return (_TASK_FIXED_BOUND + _text_bound(t.item_id) + _text_bound(t.kind) + _params_bound(t.params)
+    return (_TASK_FIXED_BOUND + text_bound(t.item_id) + text_bound(t.kind) + params_bound(t.params)
             + (0 if inline is None else len(inline)) + len(t.origin) + len(t.origin_sig))
 
 
 def delivery_size_bound(d: protocol.Delivery) -> int:
     """An upper bound of :func:`delivery_size` (bytes) from lengths alone (as :func:`task_size_bound`)."""
     inline = d.result.inline
-    return (_DELIVERY_FIXED_BOUND + _text_bound(d.item_id) + _text_bound(d.key) + _text_bound(d.kind)
-            + _text_bound(d.handler) + _text_bound(d.handler_version) + _params_bound(d.params)
+    return (_DELIVERY_FIXED_BOUND + text_bound(d.item_id) + text_bound(d.key) + text_bound(d.kind)
+            + text_bound(d.handler) + text_bound(d.handler_version) + params_bound(d.params)
             + (0 if inline is None else len(inline)) + len(d.proof) + len(d.proof_sig))
 
 

@@ -21,6 +21,7 @@ from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
 from ccsq.common.wire.frames import (FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_bounded,
                                      split_frames)
+from ccsq.workerd.reports import Unconfirmed, _report_bound, _report_size
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 
@@ -61,8 +62,8 @@ def _random_records(rng: random.Random) -> tuple[protocol.Task, protocol.Deliver
     return task, delivery
 
 
-def test_task_and_delivery_size_bounds_are_never_below_the_packed_size() -> None:
-    """The broker's DISPATCH and RESULT skip exact sizing when the bounds' sum fits a frame
+def test_task_delivery_and_result_size_bounds_are_never_below_the_packed_size() -> None:
+    """The broker's DISPATCH and RESULT and the worker's COMPLETE skip exact sizing when the bounds' sum fits a frame
     (``split_bounded``): a bound below the real size would let a frame out over the budget."""
     rng = random.Random(24)
     for _ in range(400):
@@ -70,6 +71,10 @@ def test_task_and_delivery_size_bounds_are_never_below_the_packed_size() -> None
         assert task_size(task) <= task_size_bound(task) <= task_size(task) + 400 + 4 * len(task.params) + \
             3 * sum(len(k) + (len(v) if isinstance(v, str) else 0) for k, v in task.params.items()) + 4 * len(task.kind)
         assert delivery_size(delivery) <= delivery_size_bound(delivery)
+        # the worker's COMPLETE records (workerd/reports.py), with the delivery's strings
+        result = protocol.TaskResult(task.item_id, task.token, delivery.result, delivery.handler, delivery.handler_version,
+                                     rng.random() * 1e300, delivery.proof, delivery.proof_sig)
+        assert _report_size(Unconfirmed(result)) <= _report_bound(Unconfirmed(result))
 
 
 def test_split_bounded_is_one_frame_only_when_the_bounds_fit() -> None:

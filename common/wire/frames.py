@@ -122,6 +122,20 @@ def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = Non
     return frames
 
 
+def text_bound(s: str) -> int:
+    """Bytes of ``s`` packed, at most: a 5-byte header and 4 bytes a character unless ASCII
+    (for the size bounds of :func:`split_bounded`)."""
+    return 5 + (len(s) if s.isascii() else 4 * len(s))
+
+
+def params_bound(params: protocol.Params) -> int:
+    """Bytes of a params map packed, at most: every value at its widest header, a number at 9 bytes."""
+    n = 5
+    for k, v in params.items():
+        n += text_bound(k) + (text_bound(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 9)
+    return n
+
+
 def split_bounded(items: list[T], *, size_of: Callable[[T], int], bound_of: Callable[[T], int], budget_bytes: int,
                   max_items: int) -> list[list[T]]:
     """:func:`split_frames` by ``size_of``, except that when the records' ``bound_of`` sum (an
