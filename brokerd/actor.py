@@ -45,6 +45,7 @@ from ccsq.brokerd.frame_intake import FrameIntake
 from ccsq.brokerd.dispatch import Dispatcher
 from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes, reader_report
 from ccsq.brokerd.ledger import maintenance
+from ccsq.brokerd.ledger.schema import trusted_outcome
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
 from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, dispatch_refusal, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
@@ -622,7 +623,7 @@ class Broker:
                 for res in msg.results:
                     outcome = self.relaying.complete(txn, batch, sess, res, now_ms) if relay \
                         else txn.complete(res, now_ms, env.sender)
-                    outcomes.append(protocol.ItemOutcome(res.item_id, res.token, outcome))
+                    outcomes.append(trusted_outcome(res.item_id, res.token, outcome))
                     if self.fed.enabled and outcome == _ACCEPTED:
                         reply_to = (txn.record(res.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too

@@ -31,10 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ccsq.brokerd.outbound import delivery_size
+from ccsq.brokerd.outbound import delivery_size, delivery_size_bound
 from ccsq.brokerd.peers import PeerStatus
 from ccsq.common.wire import protocol
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import split_bounded
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch
@@ -234,7 +234,7 @@ class DeliveryTracker:
     def _queue(self, batch: Batch, sess: Session, deliveries: list[protocol.Delivery],
                on_sent: Callable[[Session, list[protocol.Delivery]], None]) -> None:
         batch.effects.append(lambda s=sess, ds=deliveries: on_sent(s, ds))
-        for chunk in split_frames(deliveries, size_of=delivery_size, budget_bytes=self.reply_budget(),
-                                  max_items=self.max_batch_items):
+        for chunk in split_bounded(deliveries, size_of=delivery_size, bound_of=delivery_size_bound,
+                                   budget_bytes=self.reply_budget(), max_items=self.max_batch_items):
             batch.replies.append((sess.routing_id, protocol.Result(chunk)))
 

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
-from ccsq.brokerd.outbound import task_size
+from ccsq.brokerd.outbound import task_size, task_size_bound
 from ccsq.brokerd.relaying import Federation, relay_sessions, scan_for_relay
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
-from ccsq.common.wire.frames import split_frames
+from ccsq.common.wire.frames import split_bounded
 
 if TYPE_CHECKING:  # pragma: no cover
     from ccsq.brokerd.actor import Batch
@@ -119,7 +119,8 @@ class Dispatcher:
                 continue
             batch.crash("broker.after_lease_commit")
             batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
-            for chunk in split_frames(tasks, size_of=task_size, budget_bytes=self.reply_budget(), max_items=self.cfg.max_batch_items):
+            for chunk in split_bounded(tasks, size_of=task_size, bound_of=task_size_bound, budget_bytes=self.reply_budget(),
+                                       max_items=self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, protocol.Dispatch(chunk)))
         at = 0.0 if exhausted else next_at
         batch.effects.append(lambda: self.schedule(at))

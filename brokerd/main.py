@@ -17,6 +17,7 @@ import fcntl
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -37,6 +38,8 @@ from ccsq.common.wire.keys import AuthorizedKeys, load_curve_secret, load_privat
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
+#: Environment variable naming a file: the broker runs under cProfile and writes its stats there at exit.
+PROFILE_ENV = "CCSQ_PROFILE_FILE"
 
 
 class LedgerLocked(Exception):
@@ -182,7 +185,7 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
                 return _fail(exc, f"transient: {exc}")
         settle_gc()  # start-up's heap out of the collector's way; young collections less often
         try:
-            uvloop.run(_main(broker, notifier, transport.endpoint))
+            _profiled(lambda: uvloop.run(_main(broker, notifier, transport.endpoint)))
         except lmdb.Error as exc:
             # disk full or an I/O error at commit: the transaction did not commit, so
             # nothing in it was confirmed to anyone; exit and let systemd restart us
@@ -202,6 +205,25 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
     return int(ExitCode.OK)
 
 
+
+
+def _profiled(serve: Callable[[], None]) -> None:
+    """Run ``serve``; with ``CCSQ_PROFILE_FILE`` set, under cProfile, its stats written to that
+    path (pstats format, ``python -m pstats FILE``) when it returns or raises: a benchmark's
+    view of the broker's CPU per function (docs/benchmarks.md; the profiler roughly doubles its CPU)."""
+    out = os.environ.get(PROFILE_ENV)
+    if not out:
+        serve()
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        serve()
+    finally:
+        prof.disable()
+        prof.dump_stats(out)
 
 
 def _free_bytes(path: Path) -> int | None:

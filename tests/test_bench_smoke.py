@@ -136,3 +136,14 @@ def test_ha_sync_bench_smoke(tmp_path: Path) -> None:
     assert res["standby_missing_acknowledged"] == {"max": 0, "paced": 0, "light": 0}
     assert set(res["not_acknowledged"].values()) == {0}
     assert res["ratio"]["pair_over_single"] > 0 and isinstance(res["p50_added_ms"]["ms"], float)
+
+
+def test_bench_run_starts(capsys) -> None:
+    """`make bench`'s entry point parses its options (two merges once each added an `--only`:
+    argparse refused to start with 'conflicting option string')."""
+    from bench import run as bench_run
+
+    with pytest.raises(SystemExit) as stop:
+        bench_run.main(["--help"])
+    assert stop.value.code == 0
+    assert "--only" in capsys.readouterr().out

@@ -4,6 +4,7 @@ in halves (the codec, the broker's Outbound over a real ROUTER); the broker's SU
 refusal of an item no DISPATCH could carry (issue 22 defect 3, issue 26)."""
 
 import hashlib
+import random
 import time
 from pathlib import Path
 
@@ -11,14 +12,16 @@ import msgpack
 import pytest
 import zmq
 
-from ccsq.brokerd.outbound import Outbound, dispatch_refusal, task_size
+from ccsq.brokerd.outbound import Outbound, delivery_size, delivery_size_bound, dispatch_refusal, task_size, task_size_bound
 from ccsq.brokerd.peers import PeerTable, Session
 from ccsq.brokerd.transport import Transport
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import EnvelopeCodec
 from ccsq.common.wire.errors import DecodeError
-from ccsq.common.wire.frames import FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_frames
+from ccsq.common.wire.frames import (FRAME_SLACK_BYTES, FrameBudget, encode_fitting, encoded_size, halves, split_bounded,
+                                     split_frames)
+from ccsq.workerd.reports import Unconfirmed, _report_bound, _report_size
 from ccsq.common.wire.keys import AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys, write_keypair
 
 
@@ -29,6 +32,66 @@ def test_budget_and_cap_split_in_order() -> None:
     assert frames == [[0, 1, 2], [3, 4, 5], [6]]
     assert split_frames([], size_of=len, budget_bytes=10, max_items=3) == []
     assert split_frames("abcde", max_items=2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def _random_records(rng: random.Random) -> tuple[protocol.Task, protocol.Delivery]:
+    letters = rng.choice([["a", "Z", "9", "-"], ["a", "Z", "9", "\u00e9", "\u6f22", "\U0001f600", "-"]])  # ASCII: counted exactly
+
+    def text(n: int) -> str:
+        return "".join(rng.choice(letters) for _ in range(n))
+
+    def scalar() -> protocol.Scalar:
+        return rng.choice([None, True, False, rng.randint(-(1 << 63), (1 << 64) - 1), rng.random() * 1e300, -0.0,
+                           text(rng.choice([0, 5, 31, 32, 300])), bytes(rng.choice([0, 3, 255, 256, 70000]))])
+
+    def blob() -> protocol.Blob:
+        inline = rng.choice([None, b"", b"x" * rng.choice([1, 255, 256, 65535, 65536, 200_000])])
+        return protocol.Blob("c" * 64, rng.randint(0, 1 << 40) if inline is None else len(inline), inline)
+
+    def params() -> dict:
+        return {text(rng.choice([1, 40, 300])): scalar() for _ in range(rng.randint(0, 20))}
+
+    big = rng.choice([0, 1, 127, 128, 1 << 31, (1 << 63) - 1])
+    task = protocol.Task(text(rng.randint(1, 80)), big, text(rng.randint(1, 128)), blob(), params(), big,
+                         rng.choice([0.0, 3.5]), rng.choice([None, 1e9, -1.5]),
+                         rng.choice([b"", b"o" * 300]), rng.choice([b"", b"s" * 64]))
+    delivery = protocol.Delivery(text(rng.randint(1, 80)), text(rng.randint(1, 400)), text(rng.randint(1, 128)), blob(),
+                                 params(), big, text(rng.choice([0, 7, 200])), text(rng.choice([0, 5, 100])),
+                                 rng.random() * 2e9, rng.choice([False, True]),
+                                 rng.choice([b"", b"p" * 300]), rng.choice([b"", b"s" * 64]))
+    return task, delivery
+
+
+def test_task_delivery_and_result_size_bounds_are_never_below_the_packed_size() -> None:
+    """The broker's DISPATCH and RESULT and the worker's COMPLETE skip exact sizing when the bounds' sum fits a frame
+    (``split_bounded``): a bound below the real size would let a frame out over the budget."""
+    rng = random.Random(24)
+    for _ in range(400):
+        task, delivery = _random_records(rng)
+        assert task_size(task) <= task_size_bound(task) <= task_size(task) + 400 + 4 * len(task.params) + \
+            3 * sum(len(k) + (len(v) if isinstance(v, str) else 0) for k, v in task.params.items()) + 4 * len(task.kind)
+        assert delivery_size(delivery) <= delivery_size_bound(delivery)
+        # the worker's COMPLETE records (workerd/reports.py), with the delivery's strings
+        result = protocol.TaskResult(task.item_id, task.token, delivery.result, delivery.handler, delivery.handler_version,
+                                     rng.random() * 1e300, delivery.proof, delivery.proof_sig)
+        assert _report_size(Unconfirmed(result)) <= _report_bound(Unconfirmed(result))
+
+
+def test_split_bounded_is_one_frame_only_when_the_bounds_fit() -> None:
+    sized: list[int] = []
+
+    def size(i: int) -> int:
+        sized.append(i)
+        return 10
+
+    assert split_bounded(list(range(5)), size_of=size, bound_of=lambda i: 20, budget_bytes=100, max_items=5) == [list(range(5))]
+    assert sized == []  # nothing sized exactly
+    # the bounds' sum over the budget (or more records than the cap): the exact splitter decides
+    assert split_bounded(list(range(6)), size_of=size, bound_of=lambda i: 20, budget_bytes=100, max_items=9) == [list(range(6))]
+    assert sized == list(range(6))
+    assert split_bounded(list(range(6)), size_of=size, bound_of=lambda i: 1, budget_bytes=100, max_items=4) == [
+        [0, 1, 2, 3], [4, 5]]
+    assert split_bounded([], size_of=size, bound_of=size, budget_bytes=100, max_items=4) == []
 
 
 def test_an_oversized_record_travels_alone_or_is_refused() -> None:

@@ -681,3 +681,29 @@ def test_raw_idempotency_keys_of_an_older_ledger_still_dedup_and_age_out(tmp_pat
         assert not led.legacy_keys  # none left: one lookup per SUBMIT again
     finally:
         led.close()
+
+
+def test_the_records_a_job_makes_are_the_classes_own_made_without_their_init(ledger):
+    """The broker builds the Task, Delivery, SubmitResult and ItemOutcome of every job with the
+    codec's trusted constructors (no frozen ``__init__``): each must be the class's own object,
+    equal to the one its ``__init__`` makes; a changed field list falls back to the class (slow,
+    caught here)."""
+    for made, cls in ((schema.trusted_task, protocol.Task), (schema.trusted_delivery, protocol.Delivery),
+                      (schema.trusted_submit_result, protocol.SubmitResult), (schema.trusted_outcome, protocol.ItemOutcome)):
+        assert made is not cls, f"{cls.__name__}'s fields changed: update its trusted constructor in ledger/schema.py"
+    [new] = submit(ledger, item("k1", params={"t": 1.5}, deadline_ts=9e9, max_runtime_s=2.0))
+    [dup] = submit(ledger, item("k1"))
+    assert type(new) is protocol.SubmitResult and new == protocol.SubmitResult("k1", new.item_id)
+    assert dup == protocol.SubmitResult("k1", new.item_id, duplicate=True)
+    [task] = lease_all(ledger)
+    assert type(task) is protocol.Task
+    assert task == protocol.Task(new.item_id, task.token, "echo", blob(b"k1"), {"t": 1.5}, 1, 2.0, 9e9)
+    txn = ledger.begin()
+    res = protocol.TaskResult(new.item_id, task.token, blob(b"ok"), handler="h", handler_version="1")
+    assert txn.complete(res, 3_000, "w1") == protocol.Outcome.ACCEPTED.value
+    txn.commit()
+    with ledger.read() as view:
+        d = view.delivery(new.item_id, False)
+    assert type(d) is protocol.Delivery
+    assert d == protocol.Delivery(new.item_id, "k1", "echo", blob(b"ok"), {"t": 1.5}, 1, "h", "1", 3.0)
+    assert protocol.encode_body(d) == protocol.encode_body(protocol.Delivery(*(getattr(d, f) for f in d.__slots__)))

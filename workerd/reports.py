@@ -61,11 +61,16 @@ from ccsq.common.storage.claimstore import store_failure
 from ccsq.common.wire import protocol
 from ccsq.common.wire.config import WorkerConfig
 from ccsq.common.wire.errors import PermanentHandlerError
-from ccsq.common.wire.frames import FrameBudget, encoded_size
+from ccsq.common.wire.frames import FrameBudget, encoded_size, split_bounded, text_bound
 from ccsq.workerd.claims import Claims
 from ccsq.workerd.handlers import Handler
 from ccsq.workerd.jobs import Job, Key, RunOutcome, failure
 from ccsq.workerd.worker_journal import EntryState, GroupCommit, JournalEntry
+
+#: Each job's TaskResult without a frozen ``__init__`` (one ``object.__setattr__`` a field; the class
+#: has no checks of its own): the same object, ~4 us less a job (ledger/schema.py ``trusted_task``)
+_task_result = protocol.trusted_constructor(protocol.TaskResult, (
+    "item_id", "token", "result", "handler", "handler_version", "runtime_s", "proof", "proof_sig"))
 
 _FENCED = protocol.Outcome.FENCED.value  # enum .value is a property: read once, not per confirmation
 _CONFIRMED_QUIETLY = frozenset((protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value))
@@ -85,6 +90,20 @@ class Unconfirmed:
 def _report_size(u: Unconfirmed) -> int:
     """The encoded bytes of one COMPLETE/FAIL record (common/wire/frames.py)."""
     return encoded_size(u.report)
+
+
+#: msgpack bytes of a TaskResult map besides its strings and bytes, over-counted: map headers,
+#: every field name (the extension ones included), the blob's map with its digest, numbers at 9 bytes
+_RESULT_FIXED_BOUND = 260  # counted: 173 (every string empty)
+
+
+def _report_bound(u: Unconfirmed) -> int:
+    """An upper bound of :func:`_report_size` of a result from lengths alone (a COMPLETE of one
+    worker's batch then goes out as one frame, nothing packed to size it): see ``frames.split_bounded``."""
+    r = cast(protocol.TaskResult, u.report)
+    inline = r.result.inline
+    return (_RESULT_FIXED_BOUND + text_bound(r.item_id) + text_bound(r.handler) + text_bound(r.handler_version)
+            + (0 if inline is None else len(inline)) + len(r.proof) + len(r.proof_sig))
 
 
 class Credit:
@@ -264,7 +283,7 @@ class Reports:
             await self.report_many(reports)
 
     def _result(self, job: Job, blob: protocol.Blob, runtime_s: float) -> protocol.TaskResult:
-        return protocol.TaskResult(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s)
+        return _task_result(job.task.item_id, job.task.token, blob, self.handler.name, self._handler_version, runtime_s, b"", b"")
 
     async def _store(self, job: Job, data: bytes, runtime_s: float) -> tuple[Job, Report | None]:
         """Store one result in the claim store: its report, or None if released meanwhile."""
@@ -403,7 +422,9 @@ class Reports:
         now = time.monotonic()
         if results and not self.cfg.log_each_job:  # per report frame instead of job_completed per item
             self._log.info("results_reported", items=len(results), done=self.done)
-        for chunk in self._chunks(results):
+        budget = FrameBudget(self.cfg.max_frame_bytes)
+        for chunk in split_bounded(results, size_of=_report_size, bound_of=_report_bound, budget_bytes=budget.room_bytes,
+                                   max_items=budget.max_items):
             if self._link.send(protocol.Complete(results=[u.report for u in chunk])):  # type: ignore[misc]
                 for u in chunk:
                     u.sent_mono = now

@@ -503,7 +503,7 @@ class LedgerTxn(LedgerView):
             if now_ms - created_ms <= window_ms:
                 self.bump("duplicate_submits")
                 self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
-                return protocol.SubmitResult(item.key, item_id, duplicate=True)
+                return schema.trusted_submit_result(item.key, item_id, True, "", "")
             stale_key = (item_id, created_ms)
         if refuse:
             return protocol.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
@@ -555,7 +555,7 @@ class LedgerTxn(LedgerView):
             self.event(
                 gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} (window passed)"
             )
-        return protocol.SubmitResult(item.key, item_id)
+        return schema.trusted_submit_result(item.key, item_id, False, "", "")
 
     # --- LEASE ---
     def lease(self, item_id: str, worker: str, now_ms: int, lease_ttl_ms: int) -> protocol.Task | None:
@@ -576,16 +576,9 @@ class LedgerTxn(LedgerView):
             rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
         )
         self.bump("routed")
-        return protocol.Task(
-            item_id=item_id,
-            token=token,
-            kind=rec["kind"],
-            payload=self.payload(item_id),
-            params=rec["params"],
-            attempt=rec["attempt"],
-            max_runtime_s=rec["max_runtime_s"],
-            deadline_ts=rec["deadline_ms"] / 1000.0 if rec["deadline_ms"] is not None else None,
-        )
+        deadline_ms = rec["deadline_ms"]
+        return schema.trusted_task(item_id, token, rec["kind"], self.payload(item_id), rec["params"], rec["attempt"],
+                                   rec["max_runtime_s"], deadline_ms / 1000.0 if deadline_ms is not None else None, b"", b"")
 
     def release(self, item_id: str, token: int, now_ms: int) -> bool:
         """Give a lease back without counting the attempt (never sent, or the worker

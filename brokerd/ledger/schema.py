@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
+import threading
 from typing import Any, TypedDict
 
 import lz4.block
@@ -239,8 +240,22 @@ def parse_event_key(key: bytes) -> tuple[str, int]:
 
 
 # --- values ---
+_packers = threading.local()
+
+
+def _pack() -> Any:
+    """This thread's ``msgpack.Packer(use_bin_type=True).pack``: the bytes of ``msgpack.packb(...,
+    use_bin_type=True)`` without a Packer made per call (~1 us of the ~1.3-1.7 us of a small value;
+    each job's path packs four: its payload, its result, its lease and its idempotency key)."""
+    try:
+        return _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack
+        return pack
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return _pack()(obj)
 
 
 def unpack(raw: bytes) -> Any:
@@ -273,12 +288,22 @@ def pack_blob(blob: protocol.Blob, *, compress: bool = False) -> bytes:
     if compress and inline is not None and len(inline) >= COMPRESS_MIN_BYTES:
         packed = lz4.block.compress(inline, mode="fast", acceleration=4, store_size=False)
         if len(packed) <= len(inline) - (len(inline) >> 3):
-            return msgpack.packb([sha, blob.size, packed, _LZ4], use_bin_type=True)
-    return msgpack.packb([sha, blob.size, inline], use_bin_type=True)
+            return _pack()([sha, blob.size, packed, _LZ4])
+    return _pack()([sha, blob.size, inline])
 
 
 #: ``Blob(sha256, size, inline)`` without its checks (for values checked when they came in)
 _trusted_blob = protocol.trusted_constructor(protocol.Blob, ("sha256", "size", "inline"))
+#: The records the broker makes per job from values it holds (every field given, in order), without
+#: a frozen ``__init__`` (one ``object.__setattr__`` a field: a Task cost ~6 us, a Delivery ~6 us);
+#: neither class has checks of its own (``__post_init__``), so the objects are the same.
+trusted_task = protocol.trusted_constructor(protocol.Task, (
+    "item_id", "token", "kind", "payload", "params", "attempt", "max_runtime_s", "deadline_ts", "origin", "origin_sig"))
+trusted_delivery = protocol.trusted_constructor(protocol.Delivery, (
+    "item_id", "key", "kind", "result", "params", "attempt", "handler", "handler_version", "completed_ts", "redelivery",
+    "proof", "proof_sig"))
+trusted_submit_result = protocol.trusted_constructor(protocol.SubmitResult, ("key", "item_id", "duplicate", "error", "message"))
+trusted_outcome = protocol.trusted_constructor(protocol.ItemOutcome, ("item_id", "token", "outcome"))
 
 
 def unpack_blob(raw: bytes) -> protocol.Blob:

@@ -296,18 +296,9 @@ class LedgerView:
         result = self.result(item_id)
         if result is None:
             raise LedgerError(f"completed item {item_id} has no result")
-        return protocol.Delivery(
-            item_id=item_id,
-            key=rec["key"],
-            kind=rec["kind"],
-            result=result,
-            params=rec["params"],
-            attempt=rec["attempt"],
-            handler=rec.get("handler", ""),
-            handler_version=rec.get("handler_version", ""),
-            completed_ts=rec.get("completed_ms", 0) / 1000.0,
-            redelivery=redelivery,
-        )
+        return schema.trusted_delivery(item_id, rec["key"], rec["kind"], result, rec["params"], rec["attempt"],
+                                       rec.get("handler", ""), rec.get("handler_version", ""),
+                                       rec.get("completed_ms", 0) / 1000.0, redelivery, b"", b"")
 
     def scan_ready(self, kinds: list[str] | None, limit: int, now_ms: int) -> tuple[list[str], int | None]:
         """Eligible ready item ids for ``kinds`` (None: every kind), best first.

@@ -122,6 +122,32 @@ def split_frames(items: Iterable[T], *, size_of: Callable[[T], int] | None = Non
     return frames
 
 
+def text_bound(s: str) -> int:
+    """Bytes of ``s`` packed, at most: a 5-byte header and 4 bytes a character unless ASCII
+    (for the size bounds of :func:`split_bounded`)."""
+    return 5 + (len(s) if s.isascii() else 4 * len(s))
+
+
+def params_bound(params: protocol.Params) -> int:
+    """Bytes of a params map packed, at most: every value at its widest header, a number at 9 bytes."""
+    n = 5
+    for k, v in params.items():
+        n += text_bound(k) + (text_bound(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 9)
+    return n
+
+
+def split_bounded(items: list[T], *, size_of: Callable[[T], int], bound_of: Callable[[T], int], budget_bytes: int,
+                  max_items: int) -> list[list[T]]:
+    """:func:`split_frames` by ``size_of``, except that when the records' ``bound_of`` sum (an
+    upper bound of ``size_of``, from lengths alone) fits ``budget_bytes`` and they are at most
+    ``max_items``, they are one frame without any record sized exactly (packed twice: to size
+    it, then to send it). Same frames either way when the bound holds; :func:`encode_fitting`
+    still splits a frame that comes out too large."""
+    if items and len(items) <= max_items and sum(map(bound_of, items)) <= budget_bytes:
+        return [items]
+    return split_frames(items, size_of=size_of, budget_bytes=budget_bytes, max_items=max_items)
+
+
 def halves(msg: protocol.Message) -> tuple[protocol.Message, protocol.Message] | None:
     """``msg`` as two messages of the same type, each with half its records (order kept,
     every other field copied), or None when it has fewer than two records or is not a
