@@ -189,6 +189,10 @@ class Broker:
         self._kinds_seen: dict[str, bool] = {}  # kinds a worker connected since start serves ("": any)
         self._kinds_unsaved: set[str] = set()  # kinds of HELLOs not yet noted in the ledger (meta w:<kind>)
         self._kinds_recorded = False  # the ledger named kinds served recently: no grace after start needed
+        #: peer id -> (session, HELLO ts_ms) of HELLOs that opened a session, for the ledger (meta
+        #: p:<peer>): written by the next transaction that commits, in every mode, before (or with)
+        #: any lease effect of those HELLOs; kept until one commits
+        self._hellos_unsaved: dict[str, tuple[int, int]] = {}
         self._stopping = False
         self._started_mono = self.clock.monotonic_s()
         self._last_turn_mono = self._started_mono
@@ -221,7 +225,7 @@ class Broker:
         self.sessions = Sessions(cfg, self.epoch, self.peers, self.leases, self.delivery, self.outbound, self.stats,
                                  defer=self._defer, wake_dispatch=self._wake_dispatch, worker_kinds=self._worker_hello,
                                  count_reject=self.intake.count_reject, heartbeat_info=self.relaying.heartbeat_info,
-                                 clock=clock)
+                                 clock=clock, hello_opened=self._hello_opened)
         self.admin = AdminCommands(self._admin_view())
         self._recover()
         if self.fed.enabled:
@@ -241,6 +245,8 @@ class Broker:
             recent = view.kinds_served(self.clock.wall_ms() - int(KINDS_SERVED_MEMORY_S * 1000))
             self._kinds_seen.update(dict.fromkeys(recent, True))
             self._kinds_recorded = bool(recent)
+            hellos = view.last_hellos()
+        self.codec.restore_hellos(hellos)  # a HELLO accepted before this start, or signed before it, is REPLAY
         log.info("ledger_recovered", epoch=self.epoch, leases=len(self.leases), states=states, received=counters["received"],
                  draining=sorted(self.peers.draining))
 
@@ -288,7 +294,7 @@ class Broker:
         log.info("broker_stopped", peers=len(self.peers))
 
     def _idle_timeout_s(self, now: float) -> float:
-        if self.deferred or self._rejects_unsaved or self._carry:
+        if self.deferred or self._rejects_unsaved or self._carry or self._hellos_unsaved:
             return 0.0
         wake = min(self.sessions.next_wake_mono(), self._next_background_mono)
         if self._workers_with_credit():
@@ -383,6 +389,12 @@ class Broker:
     def _end_session(self, sess: Session, reason: str) -> None:
         self.sessions.end(sess, reason)
 
+    def _hello_opened(self, peer_id: str, session: int, ts_ms: int) -> None:
+        """A HELLO opened a session: its replay identity goes into the ledger with this turn's
+        transaction (:meth:`_transact`), the one that applies the lease effects it deferred, so
+        that a restarted broker (or a promoted standby) refuses it and older ones (REPLAY)."""
+        self._hellos_unsaved[peer_id] = (session, ts_ms)
+
     def _defer(self, op: str, item_id: str, token: int, why: str) -> None:
         """Queue a ledger op (release, expire, dead) for the next transaction."""
         self.deferred.append((op, item_id, token, why))
@@ -411,7 +423,7 @@ class Broker:
 
     # --- the transaction of a turn ---
     def _background_due(self, now: float) -> bool:
-        if self.deferred or self._rejects_unsaved or now >= self._next_background_mono:
+        if self.deferred or self._rejects_unsaved or self._hellos_unsaved or now >= self._next_background_mono:
             return True
         due = self.leases.next_due_mono()
         if due is not None and due <= now:
@@ -438,6 +450,8 @@ class Broker:
         def step(txn: LedgerTxn, mode: str) -> tuple[Batch, bool]:
             # one run of the turn's ledger work; the ledger runs it again after growing a full map or in a smaller mode
             batch = Batch()
+            if self._hellos_unsaved:  # in every mode: tiny, and before any lease effect of those HELLOs
+                txn.note_hellos(self._hellos_unsaved, self.clock.wall_ms())
             if mode == "acks":  # at the max size even without growth: only what keeps delivery moving
                 self._apply_ops(txn, batch, [op for op in ops if isinstance(op[2].message, (protocol.Ack, protocol.Status))], "QUEUE_FULL")
             else:
@@ -491,6 +505,7 @@ class Broker:
             self.ledger_full_since_ms = 0  # completions fit again
             log.info("ledger_full_cleared")
         self._rejects_unsaved.clear()
+        self._hellos_unsaved.clear()
         for name in batch.crash_points:
             crash_point(name)
         for fn in batch.effects:

@@ -49,13 +49,16 @@ class Sessions:
     heartbeats). Callbacks into the actor: ``defer(op, item_id, token, why)`` queues a
     lease expiry for the next transaction, ``wake_dispatch()``, ``worker_kinds(kinds)``
     (a worker said HELLO), ``count_reject(code, reason, peer, rid, now)``,
-    ``heartbeat_info()`` (peer id -> Heartbeat.info to send, for relays)."""
+    ``heartbeat_info()`` (peer id -> Heartbeat.info to send, for relays),
+    ``hello_opened(peer_id, session, ts_ms)`` (a HELLO opened a session: its replay identity
+    for the ledger, written by the turn's transaction with the HELLO's lease effects)."""
 
     def __init__(self, cfg: BrokerConfig, epoch: int, peers: PeerTable, leases: LeaseTimers, delivery: DeliveryTracker,
                  outbound: Outbound, stats: BrokerStats, *, defer: Callable[[str, str, int, str], None],
                  wake_dispatch: Callable[[], None], worker_kinds: Callable[[tuple[str, ...]], None],
                  count_reject: Callable[[str, str, str | None, bytes, float], None],
-                 heartbeat_info: Callable[[], dict[str, dict]], clock: Clock = SYSTEM_CLOCK) -> None:
+                 heartbeat_info: Callable[[], dict[str, dict]], clock: Clock = SYSTEM_CLOCK,
+                 hello_opened: Callable[[str, int, int], None] = lambda peer_id, session, ts_ms: None) -> None:
         self.cfg = cfg
         self.clock = clock
         self.hb_s = cfg.heartbeat_interval_s
@@ -71,6 +74,7 @@ class Sessions:
         self._worker_kinds = worker_kinds
         self._count_reject = count_reject
         self._heartbeat_info = heartbeat_info
+        self._hello_opened = hello_opened
         self._in_use_logged: set[tuple[str, str]] = set()  # (peer id, refused instance) logged once
         now = clock.monotonic_s()
         self._next_hb_mono = now + self.hb_s
@@ -112,6 +116,7 @@ class Sessions:
             return
         self._replace(env.sender, rid)
         sess = self._open(rid, env, hello)
+        self._hello_opened(env.sender, env.session, env.ts_ms)
         if sess.role is protocol.Role.WORKER or (sess.role is protocol.Role.RELAY and hello.info.get(fed.RELAY_SIDE) == fed.UPSTREAM):
             # a relay's upstream side takes work of its kinds like a worker (another swarm runs it)
             self._worker_kinds(sess.kinds or ("",))

@@ -237,6 +237,54 @@ def test_a_job_lost_running_is_expired_though_an_older_token_of_its_item_is_list
     assert windows["G2"] == 2
 
 
+@pytest.mark.parametrize("replayed", ["accepted", "signed_earlier"])
+def test_a_hello_replayed_after_a_broker_restart_is_refused_and_the_lease_stays(h, replayed):
+    """Found by the simulation (tests/sim, seed 2 of a million items): a stranger replays a
+    worker's signed HELLO within max_clock_skew_s of its signing, after a broker restart.
+    The restarted broker's replay memory began empty, so it opened a session for wA on the
+    stranger's socket and applied that HELLO's lease list: wA's lease, not listed, was
+    released uncounted and the item leased again (a duplicate run without its gap event).
+    The replayed HELLO is either the one that opened wA's session (``accepted``) or one wA
+    signed before it and that never reached the broker (``signed_earlier``, e.g. lost in a
+    cut). Either is REPLAY now (the ledger keeps the newest HELLO per peer id); the lease
+    stays wA's, and wA's own reconnect resumes it."""
+    b = h.start(lease_ttl_s=30.0)
+    h.pin_endpoint(b.endpoint)
+    prod = h.peer("prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("once")])
+    wa = h.peer("wA", b.endpoint)
+    instance = {protocol.INSTANCE_INFO: f"harness/wA/{id(wa):x}"}
+    earlier = wa.codec.encode(protocol.Hello(role="worker", slots=1, credit=1, info=instance))  # signed, never sent
+    t0_ms = msgpack.unpackb(earlier[0], raw=False)[5]
+    wait_for(lambda: time.time() * 1000 > t0_ms + 2, 1, what="the clock to pass the first HELLO's timestamp")
+    wa.connect()
+    accepted = wa.codec.encode(protocol.Hello(role="worker", slots=1, credit=1, info=instance))
+    wa.send_raw(accepted)
+    wa.recv_type(protocol.Welcome)
+    (t,) = recv_tasks(wa, 1)
+    lease = protocol.LeaseRef(t.item_id, t.token)
+    b.kill()
+    b = h.start()
+    stranger = h.peer("wB", b.endpoint)  # any socket: the replayed frames are wA's, signed by wA
+    stranger.send_raw(accepted if replayed == "accepted" else earlier)
+    env = stranger.recv(5.0)  # (the old broker: a WELCOME, and wA's lease released uncounted)
+    prod.connect()
+    prod.hello("producer")
+    st = prod.status([r.item_id])[0]
+    assert (st.state, st.attempt) == ("leased", 1), st
+    assert env is not None and isinstance(env.message, protocol.Error), env
+    assert env.message.code == protocol.REJECT_REPLAY, env.message
+    wa.connect()
+    welcome = wa.hello("worker", slots=1, credit=0, leases=[lease])
+    assert welcome.resumed == [lease] and welcome.released == []
+    wa.send(protocol.Complete([result_of(t)]))
+    assert wa.recv_type(protocol.CompleteAck).outcomes[0].outcome == "accepted"
+    rep = h.report()
+    assert (rep["counters"]["released"], rep["counters"]["retried"]) == (0, 0) and rep["balanced"]
+    assert rep["rejects"].get(protocol.REJECT_REPLAY) == 1
+
+
 # --- C07b ------------------------------------------------------------------------------
 def test_poison_job_dead_lettered_attempts_survive_restart(h):
     """C07b: a job that kills every worker that runs it is dead-lettered with

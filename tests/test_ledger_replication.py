@@ -45,6 +45,7 @@ def lifecycle(led: Ledger, base_ms: int = 1_000, n: int = 12) -> None:
                          for i in range(n)])
     ids = [r.item_id for r in ids]
     turn(led, lambda t: t.note_kinds_served({"echo"}, t0))
+    turn(led, lambda t: t.note_hellos({"w1": (12345, t0 + 5), "w2": (678, t0 + 6)}, t0 + 7))  # HELLO replay memory
     tasks = turn(led, lambda t: [x for x in (t.lease(i, "w1", t0 + 10, 5_000) for i in ids) if x])
     assert len(tasks) == n
     done = tasks[1:5]
@@ -102,7 +103,14 @@ def test_replica_is_identical_after_every_kind_of_transition(primary, tmp_path):
     assert (promoted.ledger_id, promoted.id_prefix, promoted.restored_from) == (primary.ledger_id, primary.id_prefix, "")
     with promoted.read() as v:
         assert v.states() == states and v.balanced()
+        # a promoted standby refuses the HELLOs its primary accepted (and older ones): the memory came along
+        assert v.last_hellos() == {"w1": (12345, 1_005), "w2": (678, 1_006)}
     promoted.close()
+    primary.backup(tmp_path / "copy")  # and so does a broker started on a `ccsq backup` copy
+    restored = open_ledger(tmp_path / "copy")
+    with restored.read() as v:
+        assert v.last_hellos() == {"w1": (12345, 1_005), "w2": (678, 1_006)}
+    restored.close()
 
 
 def test_apply_is_fsynced_and_one_transaction(primary, tmp_path):

@@ -197,6 +197,39 @@ def test_replay_stale_and_session_rules(pki) -> None:
     assert exc.value.code == protocol.REJECT_STALE
 
 
+def test_a_restarted_broker_refuses_hellos_up_to_the_last_one_accepted_before(pki) -> None:
+    """A broker's replay memory across its restart (``restore_hellos``, from its ledger):
+    the HELLO that opened the peer's last session and any HELLO signed before it are REPLAY,
+    a frame of that session is NO_SESSION (the peer reconnects), a newer HELLO opens a
+    session, and the restored session stays refused after it."""
+    now_ms = [1_800_000_000_000]
+    broker1 = pki("broker", wall_ms=lambda: now_ms[0])
+    worker = pki("worker-1", require_hello=False, wall_ms=lambda: now_ms[0])
+    earlier = worker.encode(protocol.Hello(role="worker"))  # signed, never delivered
+    now_ms[0] += 10
+    worker.new_session()
+    accepted = worker.encode(protocol.Hello(role="worker"))
+    env = broker1.decode(accepted)
+    credit = worker.encode(protocol.Credit(1))
+    broker2 = pki("broker", wall_ms=lambda: now_ms[0])  # the restart, with the ledger's memory
+    broker2.restore_hellos({"worker-1": (env.session, env.ts_ms)})
+    for replayed in (accepted, earlier):
+        with pytest.raises(AuthError) as exc:
+            broker2.decode(replayed)
+        assert exc.value.code == protocol.REJECT_REPLAY
+    with pytest.raises(AuthError) as exc:
+        broker2.decode(credit)
+    assert exc.value.code == protocol.REJECT_NO_SESSION
+    now_ms[0] += 10
+    worker.new_session()
+    assert broker2.decode(worker.encode(protocol.Hello(role="worker"))).session == worker.session
+    with pytest.raises(AuthError) as exc:
+        broker2.decode(accepted)
+    assert exc.value.code == protocol.REJECT_REPLAY
+    fresh = pki("broker", wall_ms=lambda: now_ms[0])  # without the memory (the old broker): taken for new
+    assert fresh.decode(accepted).message.role == "worker"
+
+
 def test_a_peer_takes_a_restarted_broker_whose_clock_stepped_back(pki) -> None:
     """Found by the simulation (tests/sim, a clock_jump then a broker crash): a broker restarted
     after its wall clock was stepped back (NTP) answers from a new session whose timestamps are

@@ -264,6 +264,16 @@ class LedgerTxn(LedgerView):
             self.txn.put(schema.served_key(kind), schema.pack_num(now_ms), db=self.db["meta"])
         self.changed = self.changed or bool(kinds)
 
+    def note_hellos(self, hellos: dict[str, tuple[int, int]], now_ms: int) -> None:
+        """Record the replay identity of the newest HELLO that opened a session of each peer:
+        ``{peer id: (session, hello ts_ms)}`` (meta ``p:<peer id>``, overwritten; see
+        :meth:`LedgerView.last_hellos`). Written in the turn that opened those sessions,
+        before any lease side effect of theirs commits."""
+        meta = self.db["meta"]
+        for peer_id, (session, ts_ms) in hellos.items():
+            self.txn.put(schema.last_hello_key(peer_id), schema.pack([session, ts_ms, now_ms]), db=meta)
+        self.changed = self.changed or bool(hellos)
+
     def count_reject(self, code: str, n: int = 1) -> None:
         self._add(schema.reject_key(code), n)
 

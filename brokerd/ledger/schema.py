@@ -86,6 +86,9 @@ GAP = b"g:"  # g:<window> -> >q events ever recorded
 REJECT = b"r:"  # r:<reason> -> >q frames rejected
 DRAIN = b"d:"  # d:<worker> -> b"" (drained by an operator)
 SERVED = b"w:"  # w:<kind> -> >q ms of the last HELLO of a worker serving it
+#: p:<peer id> -> msgpack [session, hello ts_ms, broker wall ms]: the newest HELLO that opened a
+#: session of that peer (its replay identity: a restarted broker refuses it and older ones again)
+LAST_HELLO = b"p:"
 SAMPLE = b"t:"  # t: + >I slot -> msgpack accounting sample (a ring)
 HISTORY = b"h:"  # h: + >Q txnid -> msgpack [ts_ms, last_pgno, live_pages]
 
@@ -141,6 +144,10 @@ def drain_key(worker: str) -> bytes:
 
 def served_key(kind: str) -> bytes:
     return SERVED + kind.encode()
+
+
+def last_hello_key(peer_id: str) -> bytes:
+    return LAST_HELLO + peer_id.encode()
 
 
 def sample_key(n: int) -> bytes:

@@ -66,6 +66,17 @@ class LedgerView:
         broker start, so the unserved-kind hint needs no grace period after a restart."""
         return {kind.decode() for kind, v in self._meta_scan(schema.SERVED) if schema.unpack_num(v) >= since_ms}
 
+    def last_hellos(self) -> dict[str, tuple[int, int]]:
+        """``{peer id: (session, hello ts_ms)}``: the newest HELLO that opened a session of
+        each peer (meta ``p:<peer id>``, one entry per peer id that ever had a session).
+        Loaded at broker start into the replay guard (``EnvelopeCodec.restore_hellos``), so
+        that a HELLO accepted before the restart, or one signed earlier, is refused (REPLAY)."""
+        out = {}
+        for peer, v in self._meta_scan(schema.LAST_HELLO):
+            session, ts_ms = schema.unpack(v)[:2]
+            out[peer.decode()] = (int(session), int(ts_ms))
+        return out
+
     def state_count(self, state: str) -> int:
         return self.num(schema.state_key(state))
 

@@ -160,6 +160,10 @@ class ReplayGuard:
     and their newest HELLO timestamp becomes a floor: a new session must open
     with a HELLO stamped later than that, so forgetting never opens a replay hole.
     Memory is bounded by (authorized senders x RETIRED_PER_SENDER).
+
+    Across a restart (:meth:`restore`, the broker's persisted memory): the newest HELLO
+    that opened a session of a sender before the restart may not open one again, nor may
+    a HELLO stamped earlier than it, until a new session of that sender opened here.
     """
 
     RETIRED_PER_SENDER = 1024
@@ -171,6 +175,15 @@ class ReplayGuard:
         self._floor_ms: dict[str, int] = {}
         self._last_retired: dict[str, tuple[int, int, int]] = {}  # sender -> the session its newest HELLO retired
         self._loose: set[str] = set()  # senders whose next new session need not be newer than the current one
+        self._restored: dict[str, tuple[int, int]] = {}  # sender -> (session, hello ts_ms) accepted before a restart
+
+    def restore(self, sender: str, session: int, hello_ts_ms: int) -> None:
+        """Before any frame: ``session`` of ``sender``, opened by a HELLO stamped
+        ``hello_ts_ms``, was accepted before this process started (the broker's ledger keeps
+        the newest per sender). Its HELLO is REPLAY from now on, and so is any HELLO of
+        ``sender`` stamped earlier, as if that session were current; its other frames are
+        NO_SESSION (the peer reconnects). Kept until ``sender`` opens a new session here."""
+        self._restored[sender] = (session, hello_ts_ms)
 
     def loosen(self) -> None:
         """A peer opened a new session of its own (a new socket): the remote (the broker) may
@@ -196,6 +209,14 @@ class ReplayGuard:
             raise AuthError(f"{sender}: HELLO older than its current session's", code=protocol.REJECT_REPLAY)
         if ts_ms <= self._floor_ms.get(sender, -1):
             raise AuthError(f"{sender}: new session older than a forgotten one (replay?)", code=protocol.REJECT_REPLAY)
+        before = self._restored.get(sender) if self._restored else None
+        if before is not None:
+            if session == before[0]:
+                raise AuthError(f"{sender}: HELLO of a session already accepted before this broker restarted (a replay)",
+                                code=protocol.REJECT_REPLAY)
+            if ts_ms < before[1]:
+                raise AuthError(f"{sender}: HELLO older than the last one accepted from it before this broker restarted "
+                                f"(a replay, or its clock stepped back by up to {before[1] - ts_ms} ms)", code=protocol.REJECT_REPLAY)
 
     def accept(self, sender: str, session: int, seq: int, ts_ms: int = 0) -> None:
         if self._loose:
@@ -204,6 +225,9 @@ class ReplayGuard:
         if cur is not None and cur[0] == session:
             self._current[sender] = (session, seq, cur[2])
             return
+        before = self._restored.pop(sender, None) if self._restored else None
+        if before is not None:  # the session before the restart is retired like one of this run
+            self._retired.setdefault(sender, OrderedDict())[before[0]] = before[1]
         if cur is not None:
             self._last_retired[sender] = cur
             retired = self._retired.setdefault(sender, OrderedDict())
@@ -358,6 +382,14 @@ class EnvelopeCodec:
         self._rx[env.sender] = mac
         self._tx[channel] = mac
         return mine
+
+    def restore_hellos(self, hellos: dict[str, tuple[int, int]]) -> None:
+        """Broker side, before the first frame: ``{peer id: (session, hello ts_ms)}``, the newest
+        HELLO that opened a session of each peer before this broker started (its ledger,
+        ``LedgerView.last_hellos``). Such a HELLO, replayed, and any HELLO signed before it are
+        REPLAY (:meth:`ReplayGuard.restore`): a restarted broker takes no captured HELLO for new."""
+        for sender, (session, ts_ms) in hellos.items():
+            self._replay.restore(sender, session, ts_ms)
 
     def reinstate_session(self, sender: str, session: int) -> bool:
         """Broker side: a HELLO of ``sender`` was verified but refused (its peer id is held

@@ -77,6 +77,10 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
         "Broker._recover does not restore the lease timers of leased items at a restart",
         lambda: _rewrite(actor_mod.Broker, "_recover", "self.leases.add(item_id, token, worker, expires)", "pass"),
     ),
+    "hello_replay_after_restart": (
+        "Broker._recover does not load the HELLOs accepted before a restart into the replay guard (a replayed HELLO is taken for new)",
+        lambda: _rewrite(actor_mod.Broker, "_recover", "self.codec.restore_hellos(hellos)", "pass"),
+    ),
     "confirm_before_fsync": (
         "Broker._transact sends the turn's replies before the commit (and its fsync)",
         lambda: _rewrite(actor_mod.Broker, "_transact", "        if txn.changed:\n",
