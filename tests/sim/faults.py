@@ -106,7 +106,7 @@ def strike(world, f: tuple) -> None:
     t = world.clock.t
     if kind == "broker_crash":
         modes = ["now", "commit", "send:1", "send:3", *CRASH_POINTS]
-        world.crash_broker(modes[target % len(modes)])
+        world.broker_of(target >> 12).crash(modes[target % len(modes)])
     elif kind.endswith("_crash"):
         peer = _peer(world, target, kind.split("_")[0].capitalize())
         if not peer.down:
@@ -168,26 +168,30 @@ def strike(world, f: tuple) -> None:
         _temporary(world, 1 + 14 * b * b, lambda: setattr(peer, "skew_ms", 0))
     elif kind == "clock_jump":
         delta = int((1 if b < 0.5 else -1) * (500 + 39_500 * a))
-        world.clock.jump_ms += delta
+        clock = world.broker_of(target).clock
+        clock.jump_ms += delta
 
         def back() -> None:
-            world.clock.jump_ms -= delta
+            clock.jump_ms -= delta
 
         _temporary(world, 1 + 19 * b * b, back)
     elif kind == "stall":
-        world.stall_until = max(world.stall_until, t + 0.2 + 14.8 * a ** 4)
+        bp = world.broker_of(target)
+        bp.stall_until = max(bp.stall_until, t + 0.2 + 14.8 * a ** 4)
     elif kind == "slow_fsync":
-        world.slow_fsync.extend(0.01 + 2.99 * a ** 4 for _ in range(1 + target % 3))
+        world.broker_of(target >> 2).slow_fsync.extend(0.01 + 2.99 * a ** 4 for _ in range(1 + target % 3))
     elif kind == "disk_full":
-        world.disk_full_until = max(world.disk_full_until, t + 0.5 + 9.5 * a ** 3)
+        bp = world.broker_of(target)
+        bp.disk_full_until = max(bp.disk_full_until, t + 0.5 + 9.5 * a ** 3)
         _temporary(world, 0.5 + 9.5 * a ** 3, lambda: None)
     elif kind == "map_full":
-        if world.ledger is not None:
-            led = world.ledger
+        bp = world.broker_of(target)
+        if bp.ledger is not None:
+            led = bp.ledger
             led.max_map_size_bytes = led.map_size_bytes()
 
             def back() -> None:
-                if world.ledger is led:
+                if bp.ledger is led:
                     led.max_map_size_bytes = world.cfg.max_map_size_bytes
 
             _temporary(world, 0.5 + 9.5 * a ** 3, back)
@@ -197,7 +201,7 @@ def strike(world, f: tuple) -> None:
 
 def _junk(world, target: int, a: float) -> None:
     """A stranger's frame on a connection of its own (the broker's answers reach nobody)."""
-    conn = world.new_conn(None)
+    conn = world.new_conn(None, world.broker_of(target >> 3))
     rng = world.rng
     kind = target % 5
     if kind == 0:  # garbage
@@ -216,5 +220,5 @@ def _junk(world, target: int, a: float) -> None:
         if not world.captured:
             return
         raw = [conn.rid, *world.captured[int(a * len(world.captured)) % len(world.captured)]]
-    world.inject(raw)
+    conn.bp.inject(raw)
     world.close_conn(conn)
