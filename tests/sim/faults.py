@@ -38,15 +38,22 @@ KINDS = {
     "disk_full": 1.5,      # free disk below min_free_disk_bytes for a while
     "map_full": 1.5,       # the ledger map cannot grow for a while
 }
+#: kind -> relative weight, added in a federated world (two swarms and a relay, tests/sim/relay.py); the
+#: kinds above strike its brokers (chosen by target), its relay's two sessions (partitions on each link) too
+RELAY_KINDS = {
+    "relay_crash": 1.0,    # the relay process dies: now, or at one of relayd's crash points
+    "forged_origin": 1.0,  # the relay's downstream session SUBMITs an item whose origin does not verify
+}
 
 
-def generate(seed: int, items: int, per_item: float, only: tuple[str, ...] = ()) -> list[tuple]:
+def generate(seed: int, items: int, per_item: float, only: tuple[str, ...] = (), *, federated: bool = False) -> list[tuple]:
     """The fault list of ``seed``: ``round(items x per_item)`` faults, ordered by when they strike
-    (``only``: of these kinds alone)."""
+    (``only``: of these kinds alone; ``federated``: :data:`RELAY_KINDS` too)."""
     rng = random.Random(seed * 31337 + 11)
     n = int(round(items * per_item))
-    kinds = [k for k in KINDS if not only or k in only]
-    weights = [KINDS[k] for k in kinds]
+    table = {**KINDS, **RELAY_KINDS} if federated else KINDS
+    kinds = [k for k in table if not only or k in only]
+    weights = [table[k] for k in kinds]
     out = []
     for _ in range(n):
         kind = rng.choices(kinds, weights)[0]
@@ -104,7 +111,9 @@ def strike(world, f: tuple) -> None:
     world.fault_kinds[kind] = world.fault_kinds.get(kind, 0) + 1
     world.note("fault", kind, target, f"{a:.3f}", f"{b:.3f}")
     t = world.clock.t
-    if kind == "broker_crash":
+    if kind in RELAY_KINDS:
+        world.relay.strike(kind, target, a)
+    elif kind == "broker_crash":
         modes = ["now", "commit", "send:1", "send:3", *CRASH_POINTS]
         world.broker_of(target >> 12).crash(modes[target % len(modes)])
     elif kind.endswith("_crash"):

@@ -495,6 +495,7 @@ class World:
         self.current: BrokerProcess = self.brokers[0]  # the broker process whose code runs now
         self._keys(peers_mod, workers, producers, completions)
         self.relay = None
+        self.relay_confirmed: set[tuple[str, int]] = set()  # (item, token) whose COMPLETE_ACK reached the relay
         self.peers = self._make_peers(peers_mod, workers, producers, completions)
 
     # --- set-up ---
