@@ -24,6 +24,7 @@ import random
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ccsq.brokerd import gaps
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
 from ccsq.common.wire.policy import task_failure
@@ -37,7 +38,7 @@ UP_ID, DOWN_ID = f"r0-{LINK}-up", f"r0-{LINK}-down"  # relayd: <peer_id>-<link>-
 TICK_S = 0.1  # relayd/relay.py TICK_S
 RESEND_S = 2.0  # relayd/config.py resend_interval_s
 STATUS_S = 5.0  # status_interval_s
-HOLD_MAX_S = 30.0  # downstream_hold_max_s
+HOLD_MAX_S = 2.0  # downstream_hold_max_s (default 30 s; 2 here: a partition fault (up to 12 s) the relay notices after 5 s passes it)
 RESULT_CREDIT = 64  # result_credit
 MAX_IN_FLIGHT = 256  # max_in_flight
 BATCH = 64  # items per SUBMIT / COMPLETE / FAIL frame (relayd cuts by the frame budget; small inline items here)
@@ -129,6 +130,7 @@ class SimRelay:
         self.life = 0
         self.crash_at = ""
         self.forged: dict[str, int] = {}  # forged items' keys -> variant (fault forged_origin)
+        self.seen = {"fenced": 0, "resubmits": 0}  # relayed results fenced upstream, dedup hits downstream (as confirmed)
         self._boot()
 
     def _boot(self) -> None:
@@ -310,6 +312,8 @@ class SimRelay:
         elif isinstance(msg, protocol.CompleteAck):
             for o in msg.outcomes:  # ground truth: the upstream confirmed this COMPLETE (any outcome)
                 self.w.relay_confirmed.add((o.item_id, o.token))
+                if o.outcome == protocol.Outcome.FENCED.value:
+                    self.seen["fenced"] += 1
                 if o.outcome in (protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value):
                     self.up_bp.confirm(o.item_id, 2)
             self._on_complete_ack(msg.outcomes)
@@ -436,6 +440,7 @@ class SimRelay:
                     self.w.stats["forged_refused"] += 1
                 elif r.item_id:
                     self.down_bp.confirm(r.item_id, 1)
+                    self.seen["resubmits"] += 1 if r.duplicate else 0
             self._on_submit_ack(msg.results)
         elif isinstance(msg, protocol.Result):
             self._on_result(msg.deliveries)
@@ -666,6 +671,14 @@ class SimRelay:
     def final_checks(self) -> None:
         """Every row ended (the journal is empty) and the link's books balance
         (``federation_report``: leased == in flight + ended_acked + ended_failed + ended_released)."""
+        w = self.w
+        up, down = self.up_bp.gap_totals, self.down_bp.gap_totals
+        for window, where, need, what in ((gaps.F2_RELAYED_RESULT_LATE, up, self.seen["fenced"], "relayed results fenced"),
+                                          (gaps.F3_RELAYED_RESUBMIT, down, self.seen["resubmits"], "relayed resubmissions"),
+                                          (gaps.F4_RELAYED_ITEM_REFUSED, down, w.stats["forged_refused"], "forged origins refused")):
+            if where.get(window, 0) < need:
+                w.fail("federation_gap_missing", f"{need} {what} confirmed to the relay, {where.get(window, 0)} {window} events")
+                return
         c = self.jcounters
         ended = sum(c.get(k, 0) for k in ("ended_acked", "ended_failed", "ended_released"))
         if c.get("leased", 0) != len(self.jrows) + ended:
