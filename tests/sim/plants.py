@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ccsq.brokerd import actor as actor_mod
 from ccsq.brokerd import delivery as delivery_mod
+from ccsq.brokerd import relaying as relaying_mod
 from ccsq.brokerd.ledger import rules as rules_mod
 from ccsq.brokerd.ledger import store as store_mod
 from ccsq.common.wire import federation as fed_mod
@@ -110,6 +111,11 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
         "the downstream broker does not verify a relayed item's origin signature (common/wire/federation.py check_origin)",
         lambda: _rewrite_fn(fed_mod, "check_origin", "key.verify(item.origin_sig, item.origin)", "pass"),
     ),
+    "no_f1_event": (
+        "Relaying.note_lease_lost writes no F1 event when a relay's lease expires upstream",
+        lambda: _rewrite(relaying_mod.Relaying, "note_lease_lost", "txn.event(gaps.F1_RELAY_LEASE_LOST,",
+                         "(lambda *a: None)(gaps.F1_RELAY_LEASE_LOST,"),
+    ),
     "relay_ack_before_confirm": (
         "the simulated relay ACKs a downstream RESULT once it sent the COMPLETE, before the upstream confirmed it",
         lambda: _rewrite(_sim_relay(), "_ack", "all(r.state == RETURNED for r in", "all(r.state in (RESULTED, RETURNED) for r in"),
@@ -122,7 +128,7 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
 
 
 #: plants of the relay (a federated world; their default budget is ``__main__.RELAY_PLANT_SEEDS``)
-RELAY_PLANTS = ("origin_unchecked", "relay_ack_before_confirm", "relay_send_before_journal")
+RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "relay_ack_before_confirm", "relay_send_before_journal")
 
 
 def apply(name: str) -> Callable[[], None]:

@@ -673,7 +673,8 @@ class SimRelay:
         (``federation_report``: leased == in flight + ended_acked + ended_failed + ended_released)."""
         w = self.w
         up, down = self.up_bp.gap_totals, self.down_bp.gap_totals
-        for window, where, need, what in ((gaps.F2_RELAYED_RESULT_LATE, up, self.seen["fenced"], "relayed results fenced"),
+        for window, where, need, what in ((gaps.F1_RELAY_LEASE_LOST, up, self.up_bp.relay_leases_expired, "relay leases expired"),
+                                          (gaps.F2_RELAYED_RESULT_LATE, up, self.seen["fenced"], "relayed results fenced"),
                                           (gaps.F3_RELAYED_RESUBMIT, down, self.seen["resubmits"], "relayed resubmissions"),
                                           (gaps.F4_RELAYED_ITEM_REFUSED, down, w.stats["forged_refused"], "forged origins refused")):
             if where.get(window, 0) < need:

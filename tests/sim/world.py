@@ -204,6 +204,7 @@ class BrokerProcess:
         self.results_db: dict[str, bytes] = {}  # this swarm's completion services' database (durable)
         self.done_items = 0  # items landed (first landing)
         self.relayed: dict[str, str] = {}  # relayed item id (committed here by a relay's SUBMIT) -> its origin key
+        self.relay_leases_expired = 0  # committed expiries of leases a relay held (each owes an F1 event)
 
     def _tag(self) -> tuple[str, ...]:
         """The trace's name of this broker ("" in a world of one: its traces read as before)."""
@@ -742,7 +743,7 @@ class World:
         """Observe the real ledger rules (wrappers that call them unchanged) and the crash points."""
         world = self
         self._saved = {name: getattr(LedgerTxn, name)
-                       for name in ("lease", "complete", "fail", "event", "commit", "abort", "forget", "submit")}
+                       for name in ("lease", "complete", "fail", "event", "commit", "abort", "forget", "submit", "expire_lease")}
         orig = self._saved
         pending = self._pending
 
@@ -795,6 +796,15 @@ class World:
                 rec(txn).append(("relayed", res.item_id, item.key))
             return res
 
+        relays = {self.relay.up.id} if self.relay is not None else set()
+
+        def expire_lease(txn, item_id, token, now_ms, why="lease expired"):
+            holder = (txn.get(item_id) or {}).get("worker", "") if relays else ""
+            new = orig["expire_lease"](txn, item_id, token, now_ms, why)
+            if new and holder in relays:
+                rec(txn).append(("relay_expired", item_id, 0))
+            return new
+
         def event(txn, window, item_id, now_ms, detail):
             orig["event"](txn, window, item_id, now_ms, detail)
             rec(txn).append(("event", item_id, window))
@@ -813,7 +823,8 @@ class World:
             bp.turn_records += txn.records
             orig["commit"](txn)
             txn_leases.pop(id(txn), None)
-            for what, item_id, x in pending.pop(id(txn), ()):
+            done = pending.pop(id(txn), ())
+            for what, item_id, x in done:
                 if what == "lease":
                     bp.leases.setdefault(item_id, []).append(x)
                 elif what == "purged":
@@ -822,6 +833,11 @@ class World:
                     bp.fails_accepted[item_id] = bp.fails_accepted.get(item_id, 0) + 1
                 elif what == "relayed":
                     bp.relayed[item_id] = x
+                elif what == "relay_expired":
+                    bp.relay_leases_expired += 1
+                    if ("event", item_id, gaps.F1_RELAY_LEASE_LOST) not in done:
+                        world.fail("federation_gap_missing", f"{bp.name}: the relay's lease of {item_id} expired "
+                                                             f"without its F1 event")
                 else:
                     bp.gap_totals[x] = bp.gap_totals.get(x, 0) + 1
                     if x in _PER_ITEM_GAPS:
@@ -834,7 +850,8 @@ class World:
             orig["abort"](txn)
 
         for name, fn in (("lease", lease), ("complete", complete), ("fail", fail), ("event", event),
-                         ("commit", commit), ("abort", abort), ("forget", forget), ("submit", submit)):
+                         ("commit", commit), ("abort", abort), ("forget", forget), ("submit", submit),
+                         ("expire_lease", expire_lease)):
             setattr(LedgerTxn, name, fn)
         self._saved_crash_point = actor_mod.crash_point
         actor_mod.crash_point = self._crash_point
