@@ -116,6 +116,12 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
         lambda: _rewrite(relaying_mod.Relaying, "note_lease_lost", "txn.event(gaps.F1_RELAY_LEASE_LOST,",
                          "(lambda *a: None)(gaps.F1_RELAY_LEASE_LOST,"),
     ),
+    "routes_lost_at_restart": (
+        "DeliveryTracker.recover_routes forgets at a restart which completed items are owed to a relay "
+        "(their results go to the downstream's completion service)",
+        lambda: _rewrite(delivery_mod.DeliveryTracker, "recover_routes", 'if rec is not None and rec.get("reply_to"):',
+                         "if False:"),
+    ),
     "relay_ack_before_confirm": (
         "the simulated relay ACKs a downstream RESULT once it sent the COMPLETE, before the upstream confirmed it",
         lambda: _rewrite(_sim_relay(), "_ack", "all(r.state == RETURNED for r in", "all(r.state in (RESULTED, RETURNED) for r in"),
@@ -128,7 +134,7 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
 
 
 #: plants of the relay (a federated world; their default budget is ``__main__.RELAY_PLANT_SEEDS``)
-RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "relay_ack_before_confirm", "relay_send_before_journal")
+RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "routes_lost_at_restart", "relay_ack_before_confirm", "relay_send_before_journal")
 
 
 def apply(name: str) -> Callable[[], None]:
