@@ -446,7 +446,7 @@ class Worker(Peer):
                 continue
             e[0] = "started"
             self.running += 1
-            self.bp.executed.setdefault(key[0], set()).add(key[1])
+            self.bp.ran(key[0], key[1])
             self.in_process(w.rng.uniform(*self.RUN_S), lambda k=key: self._finish(k))
 
     def _finish(self, key: tuple[str, int]) -> None:

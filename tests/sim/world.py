@@ -205,6 +205,7 @@ class BrokerProcess:
         self.done_items = 0  # items landed (first landing)
         self.relayed: dict[str, str] = {}  # relayed item id (committed here by a relay's SUBMIT) -> its origin key
         self.relay_leases_expired = 0  # committed expiries of leases a relay held (each owes an F1 event)
+        self.upstream: BrokerProcess | None = None  # the swarm whose items a relay brings here
 
     def _tag(self) -> tuple[str, ...]:
         """The trace's name of this broker ("" in a world of one: its traces read as before)."""
@@ -386,6 +387,15 @@ class BrokerProcess:
                 f"next turn {self.next_turn_at:.3f}"
         return line
 
+    def ran(self, item_id: str, token: int) -> None:
+        """A worker of this swarm started ``item_id`` under ``token``. A relayed item's run is also
+        a run of its origin item upstream (token -1: "ran downstream"), so an item run both at
+        home and downstream needs its explanation there too (:meth:`check_runs`)."""
+        self.executed.setdefault(item_id, set()).add(token)
+        key = self.relayed.get(item_id)
+        if key is not None and self.upstream is not None:
+            self.upstream.executed.setdefault(key.rsplit(":", 1)[-1], set()).add(-1)
+
     def dead_items(self) -> int:
         return len(self.gap_events.get(gaps.G7_DEAD_LETTERED, ())) if self.key_item else 0
 
@@ -434,7 +444,9 @@ class BrokerProcess:
 
     def check_runs(self, item_id: str) -> None:
         """Every duplicate execution has its gap event: an item run under n tokens had n - 1
-        lease expiries (G2) or accepted FAILs."""
+        lease expiries (G2) or accepted FAILs (a relay's FAIL ``released`` included: the lease it
+        gives back after a downstream partition may have a copy running there, the F1 window of
+        docs/federation.md; a worker's ``released`` never ran)."""
         toks = self.executed.get(item_id, ())
         extra = len(toks) - 1
         g2 = self.gap_events.get(gaps.G2_LEASE_EXPIRED, {}).get(item_id, 0)
@@ -560,6 +572,7 @@ class World:
                 out.append(peers_mod.Worker(self, f"bw{i}", slots=8, window=64, bp=down))
             out.append(peers_mod.Completion(self, "bc0", credit=256, bp=down))
             self.relay = relay_mod.SimRelay(self, self.brokers[0], down)
+            down.upstream = self.brokers[0]
             out += self.relay.sides
         return out
 
@@ -748,6 +761,7 @@ class World:
         pending = self._pending
 
         txn_leases = self._txn_leases  # id(txn) -> item id -> tokens this transaction leased it with (incremental)
+        relays = {self.relay.up.id} if self.relay is not None else set()  # the relay's upstream peer id
 
         def rec(txn) -> list:
             r = pending.get(id(txn))
@@ -786,7 +800,8 @@ class World:
                 if f.token != newest_token(txn, f.item_id):
                     world.fail("fenced_result_accepted", f"FAIL of {f.item_id} with token {f.token} accepted; "
                                                          f"its newest lease has token {newest_token(txn, f.item_id)}")
-                if f.reason != protocol.FailReason.RELEASED.value:  # a lease given back unrun explains no second run
+                if f.reason != protocol.FailReason.RELEASED.value or sender in relays:
+                    # a worker's lease given back unrun explains no second run; a relay's may be running downstream
                     rec(txn).append(("fail", f.item_id, f.token))
             return outcome
 
@@ -795,8 +810,6 @@ class World:
             if kw.get("origin") is not None and res.item_id and not res.duplicate:
                 rec(txn).append(("relayed", res.item_id, item.key))
             return res
-
-        relays = {self.relay.up.id} if self.relay is not None else set()
 
         def expire_lease(txn, item_id, token, now_ms, why="lease expired"):
             holder = (txn.get(item_id) or {}).get("worker", "") if relays else ""
