@@ -104,7 +104,8 @@ def test_a_federated_seed_holds_every_invariant_and_replays():
 
 
 @pytest.mark.parametrize("plant, violation", [("relay_ack_before_confirm", "relay_acked_before_confirm"),
-                                              ("origin_unchecked", "forged_origin_accepted")])
+                                              ("origin_unchecked", "forged_origin_accepted"),
+                                              ("no_f1_event", "federation_gap_missing")])
 def test_a_planted_relay_defect_is_found(plant, violation):
     rc, out = sim("--seed", "4", "--items", "3000", "--plant", plant, "--no-shrink")
     assert rc == 1 and f"VIOLATION {violation}" in out, out[-3000:]
