@@ -122,6 +122,11 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
         lambda: _rewrite(delivery_mod.DeliveryTracker, "recover_routes", 'if rec is not None and rec.get("reply_to"):',
                          "if False:"),
     ),
+    "purged_origin_taken": (
+        "LedgerTxn.submit answers a relayed item whose earlier copy was purged as a dedup hit (the relay is then "
+        "refused ORIGIN_KEY_TAKEN; the defect the simulation found)",
+        lambda: _rewrite(T, "submit", "purged = origin is not None and self.record(item_id) is None", "purged = False"),
+    ),
     "relay_ack_before_confirm": (
         "the simulated relay ACKs a downstream RESULT once it sent the COMPLETE, before the upstream confirmed it",
         lambda: _rewrite(_sim_relay(), "_ack", "all(r.state == RETURNED for r in", "all(r.state in (RESULTED, RETURNED) for r in"),
@@ -134,7 +139,8 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
 
 
 #: plants of the relay (a federated world; their default budget is ``__main__.RELAY_PLANT_SEEDS``)
-RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "routes_lost_at_restart", "relay_ack_before_confirm", "relay_send_before_journal")
+RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "routes_lost_at_restart", "purged_origin_taken",
+                "relay_ack_before_confirm", "relay_send_before_journal")
 
 
 def apply(name: str) -> Callable[[], None]:

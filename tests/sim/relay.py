@@ -476,6 +476,8 @@ class SimRelay:
                 if res.error == fed.ORIGIN_REJECTED:
                     self.w.fail("origin_refused", f"{self.down_bp.name} refused the genuine origin of {up_item}: {res.message}")
                     return
+                # a genuine item is refused only for a defect here (every item fits, none has a deadline)
+                self.w.fail("relayed_item_refused", f"{self.down_bp.name} refused {res.key}: {res.error} {res.message}")
                 refused += [task_failure(r.up_item, r.token, protocol.FailReason.HANDLER_ERROR,
                                          f"downstream {res.error}: {res.message}"[:500]) for r in rows]
                 continue
