@@ -362,11 +362,13 @@ class BrokerProcess:
                     continue
                 rec = view.get(item_id)
                 if rec is None:
-                    w.fail("confirmed_lost", f"{item_id} was confirmed ({_LEVELS[level]}) and is gone after a crash")
+                    w.fail("confirmed_lost", f"{''.join(t + ': ' for t in self._tag())}{item_id} was confirmed "
+                                             f"({_LEVELS[level]}) and is gone after a crash")
                     return
                 st = rec["state"]
                 if level == 2 and st not in (C, A) or level == 3 and st != A:
-                    w.fail("confirmed_lost", f"{item_id} was confirmed {_LEVELS[level]} and is {st} after a crash")
+                    w.fail("confirmed_lost", f"{''.join(t + ': ' for t in self._tag())}{item_id} was confirmed "
+                                             f"{_LEVELS[level]} and is {st} after a crash")
                     return
 
     def quiet(self) -> bool:
