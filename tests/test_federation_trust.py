@@ -137,6 +137,47 @@ def test_downstream_rejects_forged_items_dedups_replays_and_routes_results(tmp_p
     assert len(broker.events("relayed_rejected")) >= 1
 
 
+def test_a_relayed_item_submitted_again_after_its_copy_was_purged_runs_again(tmp_path: Path) -> None:
+    # the upstream leased an item again long after its first result was fenced there, and the
+    # downstream has purged its acknowledged copy (retention_s) while the origin key is still
+    # remembered (dedup_window_s): the relay must get a new item, not ORIGIN_KEY_TAKEN (the
+    # key is no producer's), which it FAILs retryably until the upstream dead-letters the item
+    # (found by the simulation, tests/sim: seed 34, 91 items dead-lettered so)
+    a_priv, _ = write_keypair(tmp_path / "a-keys", "broker-a")
+    a_key = load_private_key(a_priv)
+    root = tmp_path / "b"
+    root.mkdir()
+    trust = _trust(root / "trusted_swarms.toml", {"a": tmp_path / "a-keys" / "broker-a.pub"})
+    cfg = make_swarm(root, {"relay-down": "relay", "worker-1": "worker"}, swarm_id="b", trusted_swarms=str(trust),
+                     retention_s=0.2)
+    broker = BrokerProcess(cfg).start()
+    try:
+        relay = ScriptedPeer(root, "relay-down", broker.endpoint)
+        relay.hello("relay", credit=8, kinds=["echo"], info={fed.RELAY_SIDE: fed.DOWNSTREAM})
+        item = _genuine(a_key)
+        [first] = relay.submit([item])
+        worker = ScriptedPeer(root, "worker-1", broker.endpoint)
+        worker.hello("worker", credit=4, kinds=["echo"])
+        [task] = worker.recv_type(protocol.Dispatch).tasks
+        worker.send(protocol.Complete([protocol.TaskResult(task.item_id, task.token, _blob(b"HELLO"), "echo", "1")]))
+        [d] = relay.recv_type(protocol.Result).deliveries
+        relay.send(protocol.Ack([d.item_id]))
+        assert relay.recv_type(protocol.AckOk).item_ids == [first.item_id]
+        deadline = time.monotonic() + 20
+        while True:  # purged once past retention_s (the broker's background slice, every second)
+            relay.send(protocol.Status(relay.next_req(), [first.item_id]))
+            if relay.recv_type(protocol.StatusReply).items[0].state == "unknown":
+                break
+            assert time.monotonic() < deadline, "the acknowledged copy was never purged"
+            time.sleep(0.2)
+        [again] = relay.submit([item])
+        assert not again.error and again.item_id and again.item_id != first.item_id and not again.duplicate, again
+        [task2] = worker.recv_type(protocol.Dispatch).tasks  # it runs again here
+        assert task2.item_id == again.item_id
+    finally:
+        broker.stop()
+
+
 def test_upstream_signs_dispatch_checks_proofs_and_fences_late_results(tmp_path: Path) -> None:
     """At the upstream broker: DISPATCH to a relay carries a valid origin signature; a
     COMPLETE with a forged or misdirected proof is rejected (counted, lease untouched);

@@ -89,3 +89,23 @@ def test_every_plant_is_found_by_its_default_budget(plant):
     # finds it (--no-shrink only skips the shrinking that follows the finding)
     rc, out = sim("--plant", plant, "--no-shrink", timeout_s=900)
     assert rc == 1 and "VIOLATION" in out, out[-3000:]
+
+
+def test_a_federated_seed_holds_every_invariant_and_replays():
+    # seed 4: two swarms and a relay (the workers downstream only), faults on both brokers, the
+    # relay (crashes at relayd's crash points, forged origins) and both links
+    runs = [sim("--seed", "4", "--items", "1500") for _ in range(2)]
+    for rc, out in runs:
+        assert rc == 0, out[-3000:]
+    a, b = (summary(out) for _, out in runs)
+    assert a["swarms"] == "2" and a["violations"] == "0" and int(a["landed"]) + int(a["dead"]) == 1500
+    assert int(a["relayed"]) > 1000 and int(a["relay_crashes"]) > 0, a
+    assert a["trace"] == b["trace"] and a["turns"] == b["turns"]
+
+
+@pytest.mark.parametrize("plant, violation", [("relay_ack_before_confirm", "relay_acked_before_confirm"),
+                                              ("origin_unchecked", "forged_origin_accepted"),
+                                              ("no_f1_event", "federation_gap_missing")])
+def test_a_planted_relay_defect_is_found(plant, violation):
+    rc, out = sim("--seed", "4", "--items", "3000", "--plant", plant, "--no-shrink")
+    assert rc == 1 and f"VIOLATION {violation}" in out, out[-3000:]

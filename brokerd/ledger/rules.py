@@ -498,7 +498,10 @@ class LedgerTxn(LedgerView):
         """Create one item (or answer a duplicate). ``refuse`` is an error code
         (QUEUE_FULL/DISK_FULL) to answer for new items without writing them.
         ``origin``/``reply_to``: a relayed item's verified origin ({swarm, item_id, hops})
-        and the relay its result goes back to (common/wire/federation.py)."""
+        and the relay its result goes back to (common/wire/federation.py). A relayed item
+        whose key names an item already purged here (acknowledged, past ``retention_s``) is
+        created anew: its upstream leased it again (the first result was fenced there) and
+        no result is left here to hand back (G5)."""
         policy = self.ledger.policy
         why = protocol.submit_item_problem(item)
         if why:
@@ -510,11 +513,12 @@ class LedgerTxn(LedgerView):
             found = None  # (a digest collision: another key's item; 2^-128 per pair of keys)
         if found is not None:
             item_id, created_ms, _entry = found
-            if now_ms - created_ms <= window_ms:
+            purged = origin is not None and self.record(item_id) is None
+            if now_ms - created_ms <= window_ms and not purged:
                 self.bump("duplicate_submits")
                 self.event(gaps.G9_SUBMIT_RETRIED, item_id, now_ms, f"key {item.key[:80]!r}")
                 return schema.trusted_submit_result(item.key, item_id, True, "", "")
-            stale_key = (item_id, created_ms)
+            stale_key = (item_id, "purged" if purged else "window passed")
         if refuse:
             return protocol.SubmitResult(item.key, "", error=refuse, message=_REFUSE_MESSAGES.get(refuse, refuse))
         if policy.max_ready_items and self.state_count(_READY) >= policy.max_ready_items:
@@ -563,7 +567,7 @@ class LedgerTxn(LedgerView):
             self.txn.put(schema.timed_key(deadline_ms, item_id.encode()), b"", db=self.db["deadline"])
         if stale_key is not None:
             self.event(
-                gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} (window passed)"
+                gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} ({stale_key[1]})"
             )
         return schema.trusted_submit_result(item.key, item_id, False, "", "")
 

@@ -38,15 +38,22 @@ KINDS = {
     "disk_full": 1.5,      # free disk below min_free_disk_bytes for a while
     "map_full": 1.5,       # the ledger map cannot grow for a while
 }
+#: kind -> relative weight, added in a federated world (two swarms and a relay, tests/sim/relay.py); the
+#: kinds above strike its brokers (chosen by target), its relay's two sessions (partitions on each link) too
+RELAY_KINDS = {
+    "relay_crash": 1.0,    # the relay process dies: now, or at one of relayd's crash points
+    "forged_origin": 1.0,  # the relay's downstream session SUBMITs an item whose origin does not verify
+}
 
 
-def generate(seed: int, items: int, per_item: float, only: tuple[str, ...] = ()) -> list[tuple]:
+def generate(seed: int, items: int, per_item: float, only: tuple[str, ...] = (), *, federated: bool = False) -> list[tuple]:
     """The fault list of ``seed``: ``round(items x per_item)`` faults, ordered by when they strike
-    (``only``: of these kinds alone)."""
+    (``only``: of these kinds alone; ``federated``: :data:`RELAY_KINDS` too)."""
     rng = random.Random(seed * 31337 + 11)
     n = int(round(items * per_item))
-    kinds = [k for k in KINDS if not only or k in only]
-    weights = [KINDS[k] for k in kinds]
+    table = {**KINDS, **RELAY_KINDS} if federated else KINDS
+    kinds = [k for k in table if not only or k in only]
+    weights = [table[k] for k in kinds]
     out = []
     for _ in range(n):
         kind = rng.choices(kinds, weights)[0]
@@ -104,9 +111,11 @@ def strike(world, f: tuple) -> None:
     world.fault_kinds[kind] = world.fault_kinds.get(kind, 0) + 1
     world.note("fault", kind, target, f"{a:.3f}", f"{b:.3f}")
     t = world.clock.t
-    if kind == "broker_crash":
+    if kind in RELAY_KINDS:
+        world.relay.strike(kind, target, a)
+    elif kind == "broker_crash":
         modes = ["now", "commit", "send:1", "send:3", *CRASH_POINTS]
-        world.crash_broker(modes[target % len(modes)])
+        world.broker_of(target >> 12).crash(modes[target % len(modes)])
     elif kind.endswith("_crash"):
         peer = _peer(world, target, kind.split("_")[0].capitalize())
         if not peer.down:
@@ -168,26 +177,30 @@ def strike(world, f: tuple) -> None:
         _temporary(world, 1 + 14 * b * b, lambda: setattr(peer, "skew_ms", 0))
     elif kind == "clock_jump":
         delta = int((1 if b < 0.5 else -1) * (500 + 39_500 * a))
-        world.clock.jump_ms += delta
+        clock = world.broker_of(target).clock
+        clock.jump_ms += delta
 
         def back() -> None:
-            world.clock.jump_ms -= delta
+            clock.jump_ms -= delta
 
         _temporary(world, 1 + 19 * b * b, back)
     elif kind == "stall":
-        world.stall_until = max(world.stall_until, t + 0.2 + 14.8 * a ** 4)
+        bp = world.broker_of(target)
+        bp.stall_until = max(bp.stall_until, t + 0.2 + 14.8 * a ** 4)
     elif kind == "slow_fsync":
-        world.slow_fsync.extend(0.01 + 2.99 * a ** 4 for _ in range(1 + target % 3))
+        world.broker_of(target >> 2).slow_fsync.extend(0.01 + 2.99 * a ** 4 for _ in range(1 + target % 3))
     elif kind == "disk_full":
-        world.disk_full_until = max(world.disk_full_until, t + 0.5 + 9.5 * a ** 3)
+        bp = world.broker_of(target)
+        bp.disk_full_until = max(bp.disk_full_until, t + 0.5 + 9.5 * a ** 3)
         _temporary(world, 0.5 + 9.5 * a ** 3, lambda: None)
     elif kind == "map_full":
-        if world.ledger is not None:
-            led = world.ledger
+        bp = world.broker_of(target)
+        if bp.ledger is not None:
+            led = bp.ledger
             led.max_map_size_bytes = led.map_size_bytes()
 
             def back() -> None:
-                if world.ledger is led:
+                if bp.ledger is led:
                     led.max_map_size_bytes = world.cfg.max_map_size_bytes
 
             _temporary(world, 0.5 + 9.5 * a ** 3, back)
@@ -197,7 +210,7 @@ def strike(world, f: tuple) -> None:
 
 def _junk(world, target: int, a: float) -> None:
     """A stranger's frame on a connection of its own (the broker's answers reach nobody)."""
-    conn = world.new_conn(None)
+    conn = world.new_conn(None, world.broker_of(target >> 3))
     rng = world.rng
     kind = target % 5
     if kind == 0:  # garbage
@@ -216,5 +229,5 @@ def _junk(world, target: int, a: float) -> None:
         if not world.captured:
             return
         raw = [conn.rid, *world.captured[int(a * len(world.captured)) % len(world.captured)]]
-    world.inject(raw)
+    conn.bp.inject(raw)
     world.close_conn(conn)

@@ -48,8 +48,9 @@ def blob(data: bytes) -> protocol.Blob:
 class Peer:
     role: protocol.Role
 
-    def __init__(self, world, peer_id: str) -> None:
+    def __init__(self, world, peer_id: str, bp=None) -> None:
         self.w = world
+        self.bp = bp or world.brokers[0]  # the broker process (tests/sim/world.py BrokerProcess) this peer talks to
         self.id = peer_id
         self.gen = 0  # bumped at every crash and reconnect: callbacks of an older session do nothing
         self.life = 0  # bumped at every crash
@@ -115,7 +116,7 @@ class Peer:
         if gen != self.gen or conn is not self.conn or self.down:
             return
         try:
-            env = self.codec.decode(frames, bound_sender="broker")
+            env = self.codec.decode(frames, bound_sender=self.bp.peer_id)
         except DecodeError as exc:
             self.reconnect(f"invalid envelope from broker: {exc.code}")
             return
@@ -138,7 +139,8 @@ class Peer:
         elif isinstance(msg, protocol.Bye):
             self.reconnect("bye")
         elif isinstance(msg, protocol.Heartbeat):
-            pass
+            if self.up:
+                self.on_heartbeat(msg)
         elif self.up:
             self.on_message(msg)
 
@@ -186,6 +188,9 @@ class Peer:
         pass
 
     def on_tick(self) -> None:
+        pass
+
+    def on_heartbeat(self, msg: protocol.Heartbeat) -> None:
         pass
 
     def on_link_lost(self) -> None:
@@ -304,14 +309,14 @@ class Producer(Peer):
         refused = False
         for n, r in zip(sent[1], msg.results):
             if r.item_id:
-                known = w.key_item.get(r.key)
+                known = self.bp.key_item.get(r.key)
                 if known is None:
-                    w.key_item[r.key] = r.item_id
+                    self.bp.key_item[r.key] = r.item_id
                     self.accepted += 1
                     self._built.pop(n, None)
                 elif known != r.item_id:
                     w.fail("dedup", f"key {r.key} confirmed as {known} and then as {r.item_id}")
-                w.confirm(r.item_id, 1)
+                self.bp.confirm(r.item_id, 1)
             elif r.error in ("QUEUE_FULL", "DISK_FULL"):
                 self.retry.append(n)
                 refused = True
@@ -338,8 +343,8 @@ class Worker(Peer):
     FAIL_RATE = 0.05
     FATAL_RATE = 0.002
 
-    def __init__(self, world, peer_id: str, *, slots: int, window: int) -> None:
-        super().__init__(world, peer_id)
+    def __init__(self, world, peer_id: str, *, slots: int, window: int, bp=None) -> None:
+        super().__init__(world, peer_id, bp)
         self.slots, self.window = slots, window
         self.journal: dict[tuple[str, int], list] = {}
         self.queue: list[tuple[str, int]] = []
@@ -430,7 +435,7 @@ class Worker(Peer):
                     del self.journal[key]  # confirmed (whatever the outcome): forgotten
                     self._flush_soon()
                 if completed and o.outcome in (protocol.Outcome.ACCEPTED.value, protocol.Outcome.DUPLICATE.value):
-                    self.w.confirm(o.item_id, 2)
+                    self.bp.confirm(o.item_id, 2)
 
     def _start_jobs(self) -> None:
         w = self.w
@@ -441,7 +446,7 @@ class Worker(Peer):
                 continue
             e[0] = "started"
             self.running += 1
-            w.executed.setdefault(key[0], set()).add(key[1])
+            self.bp.ran(key[0], key[1])
             self.in_process(w.rng.uniform(*self.RUN_S), lambda k=key: self._finish(k))
 
     def _finish(self, key: tuple[str, int]) -> None:
@@ -505,8 +510,8 @@ class Completion(Peer):
     role = protocol.Role.COMPLETION
     LAND_S = 0.003  # deliveries that arrive within this long land in one database transaction
 
-    def __init__(self, world, peer_id: str, *, credit: int) -> None:
-        super().__init__(world, peer_id)
+    def __init__(self, world, peer_id: str, *, credit: int, bp=None) -> None:
+        super().__init__(world, peer_id, bp)
         self.credit = credit
         self.batch: list[str] = []
 
@@ -520,36 +525,38 @@ class Completion(Peer):
         return protocol.Hello(role=self.role.value, credit=self.credit)
 
     def on_message(self, msg: protocol.Message) -> None:
-        w = self.w
         if isinstance(msg, protocol.Result):
             if not self.batch:
                 self.later(self.LAND_S, self._land)
             self.batch.extend(msg.deliveries)
         elif isinstance(msg, protocol.AckOk):
             for item_id in msg.item_ids:
-                w.confirm(item_id, 3)
+                self.bp.confirm(item_id, 3)
 
     def _land(self) -> None:
         """One database transaction for the batch (results upserted by item id), then ACK, then credit."""
-        w = self.w
+        w, bp = self.w, self.bp
         batch, self.batch = self.batch, []
         if batch:
             ids = []
             for d in batch:
+                if not d.key.startswith("k"):  # a relayed item's result goes to its relay, never here (docs/federation.md)
+                    w.fail("relayed_result_landed", f"{bp.name}: {d.item_id} ({d.key}) delivered to completion {self.id}")
+                    return
                 n = int(d.key[1:])
-                known = w.key_item.get(d.key)
+                known = bp.key_item.get(d.key)
                 if known is not None and known != d.item_id:
                     w.fail("dedup", f"a result for {d.item_id} of key {d.key}, which was confirmed as {known}")
                 if not d.redelivery:  # only the first delivery the broker sends may be unmarked (G3)
-                    if d.item_id in w.first_delivered:
+                    if d.item_id in bp.first_delivered:
                         w.fail("redelivery_unmarked", f"{d.item_id} delivered twice without redelivery=true (G3)")
-                    w.first_delivered.add(d.item_id)
+                    bp.first_delivered.add(d.item_id)
                 if d.result.inline != result_of(payload_of(n)):
                     w.fail("wrong_result", f"{d.item_id}: {d.result.inline[:40]!r}")
-                if d.item_id not in w.results_db:
-                    w.results_db[d.item_id] = d.result.inline
-                    w.done_items += 1
-                w.landed[d.item_id] = w.landed.get(d.item_id, 0) + 1
+                if d.item_id not in bp.results_db:
+                    bp.results_db[d.item_id] = d.result.inline
+                    bp.done_items += 1
+                bp.landed[d.item_id] = bp.landed.get(d.item_id, 0) + 1
                 ids.append(d.item_id)
             self.send(protocol.Ack(ids))
             self.send(protocol.Credit(len(ids)))

@@ -16,8 +16,10 @@ from collections.abc import Callable
 
 from ccsq.brokerd import actor as actor_mod
 from ccsq.brokerd import delivery as delivery_mod
+from ccsq.brokerd import relaying as relaying_mod
 from ccsq.brokerd.ledger import rules as rules_mod
 from ccsq.brokerd.ledger import store as store_mod
+from ccsq.common.wire import federation as fed_mod
 
 
 def _rewrite(cls: type, name: str, old: str, new: str) -> Callable[[], None]:
@@ -32,6 +34,24 @@ def _rewrite(cls: type, name: str, old: str, new: str) -> Callable[[], None]:
     exec(compile(src.replace(old, new), f"<plant {cls.__name__}.{name}>", "exec"), module.__dict__, ns)
     setattr(cls, name, ns[name])
     return lambda: setattr(cls, name, fn)
+
+
+def _rewrite_fn(module, name: str, old: str, new: str) -> Callable[[], None]:
+    """:func:`_rewrite` for a module-level function (callers look it up in its module at each call)."""
+    fn = getattr(module, name)
+    src = textwrap.dedent(inspect.getsource(fn))
+    if src.count(old) != 1:
+        raise RuntimeError(f"plant: {module.__name__}.{name} no longer contains {old!r} exactly once: update tests/sim/plants.py")
+    ns: dict = {}
+    exec(compile(src.replace(old, new), f"<plant {module.__name__}.{name}>", "exec"), module.__dict__, ns)
+    setattr(module, name, ns[name])
+    return lambda: setattr(module, name, fn)
+
+
+def _sim_relay():
+    from tests.sim import relay
+
+    return relay.SimRelay
 
 
 T = rules_mod.LedgerTxn
@@ -59,7 +79,7 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     ),
     "no_dedup": (
         "LedgerTxn.submit forgets the idempotency key (a re-sent SUBMIT makes a second item)",
-        lambda: _rewrite(T, "submit", "if raw is not None:", "if False:"),
+        lambda: _rewrite(T, "submit", "if found is not None:\n", "if False:\n"),
     ),
     "no_gap_event": (
         "LedgerTxn.expire_lease requeues an item without its G2 event",
@@ -91,7 +111,40 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
         "the ledger's LMDB environment is opened with sync=False (commits not fsynced)",
         lambda: _rewrite(store_mod.Ledger, "_open_env", "\n        sync=True,", "\n        sync=False,"),
     ),
+    "origin_unchecked": (
+        "the downstream broker does not verify a relayed item's origin signature (common/wire/federation.py check_origin)",
+        lambda: _rewrite_fn(fed_mod, "check_origin", "key.verify(item.origin_sig, item.origin)", "pass"),
+    ),
+    "no_f1_event": (
+        "Relaying.note_lease_lost writes no F1 event when a relay's lease expires upstream",
+        lambda: _rewrite(relaying_mod.Relaying, "note_lease_lost", "txn.event(gaps.F1_RELAY_LEASE_LOST,",
+                         "(lambda *a: None)(gaps.F1_RELAY_LEASE_LOST,"),
+    ),
+    "routes_lost_at_restart": (
+        "DeliveryTracker.recover_routes forgets at a restart which completed items are owed to a relay "
+        "(their results go to the downstream's completion service)",
+        lambda: _rewrite(delivery_mod.DeliveryTracker, "recover_routes", 'if rec is not None and rec.get("reply_to"):',
+                         "if False:"),
+    ),
+    "purged_origin_taken": (
+        "LedgerTxn.submit answers a relayed item whose earlier copy was purged as a dedup hit (the relay is then "
+        "refused ORIGIN_KEY_TAKEN; the defect the simulation found)",
+        lambda: _rewrite(T, "submit", "purged = origin is not None and self.record(item_id) is None", "purged = False"),
+    ),
+    "relay_ack_before_confirm": (
+        "the simulated relay ACKs a downstream RESULT once it sent the COMPLETE, before the upstream confirmed it",
+        lambda: _rewrite(_sim_relay(), "_ack", "all(r.state == RETURNED for r in", "all(r.state in (RESULTED, RETURNED) for r in"),
+    ),
+    "relay_send_before_journal": (
+        "the simulated relay sends each step's message before its journal write is fsynced (synced at the next tick)",
+        lambda: _rewrite(_sim_relay(), "_write", "\n    fn()", "\n    self.unsynced.append((keys, fn))"),
+    ),
 }
+
+
+#: plants of the relay (a federated world; their default budget is ``__main__.RELAY_PLANT_SEEDS``)
+RELAY_PLANTS = ("origin_unchecked", "no_f1_event", "routes_lost_at_restart", "purged_origin_taken",
+                "relay_ack_before_confirm", "relay_send_before_journal")
 
 
 def apply(name: str) -> Callable[[], None]:
