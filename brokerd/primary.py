@@ -100,6 +100,7 @@ class ConfirmGate:
         self._writer: threading.Thread | None = None
         self.lost = ""  # why this broker may never confirm again (the lease is gone): "" while primary
         self.paused = ""  # a planned failover in progress: why (confirms held)
+        self.pinned: tuple[str, ...] | None = None  # a planned failover's sync set: only this node may take the key
         self.confirming = False  # the last check's answer (status, metrics)
         self._next_check = 0.0
 
@@ -195,6 +196,8 @@ class ConfirmGate:
         set stays empty (any standby may take over)."""
         if self.mode == "async":
             return
+        if self.pinned is not None:
+            raise RuntimeError(f"a planned failover pinned the sync set to {list(self.pinned)}: not rewritten")
         new = set(members)
         want = tuple(sorted(new if len(new) >= self.sync_standbys else new | set(self.members)))
         if want == self.members:
@@ -230,8 +233,11 @@ class ConfirmGate:
                     self._want, self._degrade_wanted = want, degrade
 
     def _write(self, want: tuple[str, ...], *, degrade: bool) -> bool:
-        """Write ``want`` to ``/sync`` and count it from then on; False when not written."""
+        """Write ``want`` to ``/sync`` and count it from then on; False when not written (or
+        a planned failover pinned the set: :meth:`pin`)."""
         with self._etcd_lock:
+            if self.pinned is not None and want != self.pinned:
+                return False
             try:
                 written = self.election.write_sync(list(want))
             except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
@@ -253,6 +259,33 @@ class ConfirmGate:
                 log.info("ha_sync_set", members=list(want))
         self.wake()
         return True
+
+    def pin(self, node: str) -> str:
+        """A planned failover to ``node`` (a standby that acknowledged the last turn while
+        confirms are paused): write ``/sync`` = ``[node]`` so that only ``node`` may take the
+        key once this broker resigns (every other standby, in sync or not, and this broker,
+        rejoining as a standby, are outside the set), and write nothing else from now on.
+        Safe for RPO 0: shrinking the set only removes candidates, and ``node`` holds every
+        turn this primary confirmed. Blocks on etcd (call it in a thread). Returns "" when
+        written, else why not (the pin is undone: :meth:`unpin`)."""
+        with self._etcd_lock:
+            self.pinned = (node,)
+            try:
+                written = self.election.write_sync([node])
+            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
+                written, why = False, f"etcd: {str(exc)[:300]}"
+            else:
+                why = "" if written else "this broker's primary key is gone"
+            if written:
+                self.members = (node,)
+                log.warning("ha_sync_set_pinned", members=[node], note="a planned failover: only this standby may take the key")
+                return ""
+            self.pinned = None
+            return f"the sync set could not be pinned to {node!r} ({why})"
+
+    def unpin(self) -> None:
+        """A refused planned failover: the sync set follows the standbys again."""
+        self.pinned = None
 
     def wait_written(self, timeout_s: float) -> bool:
         """Block until the sync-set writer has nothing left to write (tests, shutdown); True if so."""

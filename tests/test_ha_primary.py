@@ -261,6 +261,50 @@ def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, e
         el.resign()
 
 
+def test_failover_to_a_named_standby_hands_over_to_that_one_and_refuses_one_not_in_sync(tmp_path, etcd, brokers, peers):
+    """Three brokers, broker-2 and broker-3 both standbys in the sync set (the server lists
+    broker-2 first). ``failover to=broker-9`` (no such standby) is refused at once naming the
+    standbys that are in sync, and nothing changes; ``failover to=broker-3`` hands over to
+    broker-3 (the reply names it, etcd's sync set is pinned to it before the key goes) and
+    broker-3, not broker-2, takes the key with a higher epoch."""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    cfg = make_swarm(tmp_path, {**PEERS, "broker-3": "standby"}, ha_etcd_endpoints=etcd, ha_node_id="broker-1",
+                     ha_node_key="keys/broker-1.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}", ha_swarm_id=SWARM,
+                     ha_lease_ttl_s=TTL_S, ha_lease_margin_s=MARGIN_S)
+    b = with_standby(brokers, cfg)
+    conf = tomllib.loads(cfg.read_text())
+    conf.update(data_dir="broker-data-3", endpoint=f"tcp://127.0.0.1:{free_port()}", ha_node_id="broker-3",
+                ha_node_key="keys/broker-3.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    third = cfg.parent / "brokerd-3.toml"
+    third.write_text(tomli_w.dumps(conf))
+    start(brokers, third, wait=False)
+    el = observer(etcd)
+    epoch = el.holder().epoch
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2", "broker-3"), 60,
+             what="broker-2 and broker-3 in /sync")
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    t0 = time.monotonic()
+    reply = admin(adm, "failover", timeout_s=5.0, to="broker-9")
+    assert not reply.ok and "'broker-9' is not a connected standby in sync" in reply.error, reply.error
+    assert "broker-2, broker-3" in reply.error and "nothing changed" in reply.error
+    assert time.monotonic() - t0 < 3.0  # at once, not after timeout_s
+    ha = ha_doc(adm)
+    assert (ha["role"], ha["epoch"], ha["failover"]) == ("primary", epoch, "")
+    assert [s["node"] for s in ha["standbys"]] == ["broker-2", "broker-3"]
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    assert prod.submit([item("after the refusal")], timeout_s=10)[0].item_id  # still confirming
+    reply = admin(adm, "failover", timeout_s=10.0, to="broker-3")
+    assert reply.ok, reply.error
+    doc = msgpack.unpackb(reply.body, raw=False)
+    assert (doc["standby"], doc["epoch"]) == ("broker-3", epoch)
+    h = wait_for(lambda: (h := el.holder()) is not None and h.epoch > epoch and h, 20, what="a new primary")
+    assert h.node == "broker-3", h
+    assert wait_for(lambda: b.events("ha_standby"), 15, what="the old primary in the standby role")
+
+
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
     """ha_on_standby_loss = degrade: with no standby for ha_degrade_after_s the primary
     writes its sync set (empty) in etcd, then confirms alone; log and status say so."""
