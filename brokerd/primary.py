@@ -62,13 +62,34 @@ class Lease(Protocol):
 
     def may_confirm(self, now_mono: float) -> bool: ...
 
-    def write_sync(self, members: list[str]) -> bool: ...
+    def write_sync(self, members: list[str], *, handover: bool = False) -> bool: ...
 
 
 def is_confirm(msg: protocol.Message) -> bool:
     """A reply that tells a peer something is durable (held by a primary)."""
     return isinstance(msg, (protocol.SubmitAck, protocol.CompleteAck, protocol.FailAck, protocol.AckOk, protocol.Dispatch,
                             protocol.Result, protocol.StatusReply, protocol.AdminReply))
+
+
+def alone_at_promotion(previous: Any, node: str, *, mode: str, on_standby_loss: str) -> str:
+    """Whether a broker just promoted may degrade at once instead of after
+    ``ha_degrade_after_s`` (docs/ha.md, "A pair of two"): "" = no, else why. Yes when
+    ``ha_mode = sync``, ``ha_on_standby_loss = degrade``, and the sync set the last primary
+    wrote (``previous``: an ``election.SyncSet`` or None) names no standby besides ``node``
+    and was not written by a planned failover (whose old primary rejoins at once, alive, with
+    every turn). Then no broker can be in sync within the wait: the only other broker that
+    held the confirmed turns is the deposed primary, just lost, which comes back (if at all)
+    through a restart, a fresh session and, with an unreplicated tail, a copy: seconds at
+    best. Waiting would only hold every confirm and DISPATCH for ``ha_degrade_after_s``."""
+    if mode != "sync" or on_standby_loss != "degrade" or previous is None:
+        return ""
+    if getattr(previous, "handover", False):
+        return ""
+    others = [m for m in getattr(previous, "members", ()) if m != node]
+    if others:
+        return ""
+    return (f"the last sync set {list(getattr(previous, 'members', ()))} (epoch {getattr(previous, 'epoch', 0)}) names no "
+            f"standby besides {node}: the deposed primary {getattr(previous, 'primary', '') or '?'} was the only other copy")
 
 
 class ConfirmGate:
@@ -271,7 +292,7 @@ class ConfirmGate:
         with self._etcd_lock:
             self.pinned = (node,)
             try:
-                written = self.election.write_sync([node])
+                written = self.election.write_sync([node], handover=True)
             except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
                 written, why = False, f"etcd: {str(exc)[:300]}"
             else:

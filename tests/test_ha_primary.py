@@ -305,6 +305,54 @@ def test_failover_to_a_named_standby_hands_over_to_that_one_and_refuses_one_not_
     assert wait_for(lambda: b.events("ha_standby"), 15, what="the old primary in the standby role")
 
 
+def test_a_pairs_new_primary_after_its_primary_died_degrades_at_once_not_after_ha_degrade_after_s(tmp_path, etcd, brokers,
+                                                                                                     peers):
+    """A pair (sync, degrade after 4 s): SIGKILL the primary; broker-2, the last sync set's only
+    member, takes the key and confirms alone at once (log ``ha_degrade_at_promotion``, status
+    ``degraded``, etcd's set written empty first), not 4 s later: no standby could be back
+    within the wait (the only other copy is the broker just lost). (4 s: below the scripted
+    producer's 5 s silence window, after which the broker would drop its session.)"""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd, ha_on_standby_loss="degrade", ha_degrade_after_s=4.0))
+    second = brokers[1]
+    el = observer(etcd)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
+    epoch = el.holder().epoch
+    b.kill()
+    h = wait_for(lambda: (h := el.holder()) is not None and h.epoch > epoch and h, TTL_S + 20, 0.05, what="broker-2 primary")
+    promoted = time.monotonic()
+    assert h.node == "broker-2"
+    prod = peer(peers, tmp_path, "prod", h.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("after the failover")], timeout_s=15)
+    assert r.item_id and time.monotonic() - promoted < 3.0  # not after ha_degrade_after_s = 4 s
+    assert second.events("ha_degrade_at_promotion") and el.read_sync().members == ()
+    adm = peer(peers, tmp_path, "admin", h.endpoint)
+    adm.hello("admin")
+    assert ha_doc(adm)["mode"] == "degraded"
+
+
+def test_only_a_new_primary_left_without_any_other_copy_degrades_at_promotion():
+    """``alone_at_promotion``: yes for a pair's standby after an unplanned failover (the last
+    set names only it); no when the set names another standby (it reconnects and is in sync
+    within moments), after a planned failover (the old primary rejoins at once), in async
+    mode, with ``wait``, or with no set written."""
+    from ccsq.brokerd.election import SyncSet
+    from ccsq.brokerd.primary import alone_at_promotion
+
+    pair = SyncSet(7, ("broker-2",), "broker-1")
+    assert "broker-1" in alone_at_promotion(pair, "broker-2", mode="sync", on_standby_loss="degrade")
+    assert alone_at_promotion(SyncSet(7, (), "broker-1"), "broker-2", mode="sync", on_standby_loss="degrade")
+    assert not alone_at_promotion(SyncSet(7, ("broker-2", "broker-3"), "broker-1"), "broker-2", mode="sync",
+                                  on_standby_loss="degrade")
+    assert not alone_at_promotion(SyncSet(7, ("broker-2",), "broker-1", handover=True), "broker-2", mode="sync",
+                                  on_standby_loss="degrade")
+    assert not alone_at_promotion(pair, "broker-2", mode="sync", on_standby_loss="wait")
+    assert not alone_at_promotion(pair, "broker-2", mode="async", on_standby_loss="degrade")
+    assert not alone_at_promotion(None, "broker-2", mode="sync", on_standby_loss="degrade")
+
+
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
     """ha_on_standby_loss = degrade: with no standby for ha_degrade_after_s the primary
     writes its sync set (empty) in etcd, then confirms alone; log and status say so."""
