@@ -302,10 +302,8 @@ BENCHES["ha_sync"] = bench_ha_sync  # in the default run; alone: --only ha_sync 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="pipeline,ocr,backlog,federation,failover", help="comma list of: " + ", ".join(BENCHES))
-
-
-    ap.add_argument("--only", default="pipeline,ocr,backlog,federation,ha_sync", help="comma list of: " + ", ".join(BENCHES))
+    ap.add_argument("--only", default="pipeline,ocr,backlog,federation,failover,ha_sync",
+                    help="comma list of: " + ", ".join(BENCHES))
     ap.add_argument("--n", type=int, default=20_000, help="jobs per pipeline run (issue: 100,000)")
     ap.add_argument("--batch", type=int, default=100, help="jobs per producer batch (one durable confirm)")
     ap.add_argument("--window", type=int, default=8, help="producer batches in flight")

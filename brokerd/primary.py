@@ -2,7 +2,7 @@
 
 :class:`ConfirmGate` is driven by the actor (``brokerd/actor.py``) only. Every confirm
 a committed turn produces (SUBMIT_ACK, COMPLETE_ACK, FAIL_ACK, ACK_OK, DISPATCH,
-RESULT, a CANCEL's STATUS_REPLY, the reply of an admin command that changes state) is
+a CANCEL's STATUS_REPLY, the reply of an admin command that changes state) is
 *held* with the replication seq of the ledger at that turn (``ReplicationLog.position``
 after it: a duplicate SUBMIT answered without a write still waits for the turn that
 wrote its item). Held replies are released in commit order once both hold:
@@ -15,7 +15,8 @@ wrote its item). Held replies are released in commit order once both hold:
 - ``Election.may_confirm(now)``: the etcd lease cannot have expired yet (the margin).
 
 Reads (STATUS, admin status / items_show / dlq_list), heartbeats, WELCOMEs and
-refusals are never held. While the gate cannot confirm at all (the lease is in doubt,
+refusals are never held; RESULT leaves at the commit while the lease allows confirming
+(held, like a confirm, while it does not). While the gate cannot confirm at all (the lease is in doubt,
 a sync primary without enough standbys, a planned failover) the actor leases and
 delivers nothing new (a DISPATCH that cannot leave would only run its lease down).
 
@@ -66,9 +67,15 @@ class Lease(Protocol):
 
 
 def is_confirm(msg: protocol.Message) -> bool:
-    """A reply that tells a peer something is durable (held by a primary)."""
+    """A reply that tells a peer something is durable (held by a primary until its turn is).
+    RESULT is not one: it hands the completion service a result and confirms nothing to the
+    worker or the producer, so it leaves at this primary's commit while the lease allows
+    confirming (:meth:`ConfirmGate.hold`; docs/ha.md, "What a confirm waits for": if this
+    primary dies before a standby has the COMPLETE, the worker still holds its unconfirmed
+    report and resends it, and the new primary's delivery counts as a redelivery, G3, and
+    lands once by item id)."""
     return isinstance(msg, (protocol.SubmitAck, protocol.CompleteAck, protocol.FailAck, protocol.AckOk, protocol.Dispatch,
-                            protocol.Result, protocol.StatusReply, protocol.AdminReply))
+                            protocol.StatusReply, protocol.AdminReply))
 
 
 def alone_at_promotion(previous: Any, node: str, *, mode: str, on_standby_loss: str) -> str:
@@ -131,8 +138,16 @@ class ConfirmGate:
         """After a commit: queue the turn's confirms with ``seq``; reads (ids in ``reads``)
         and non-confirms go now. Then release what may leave."""
         now = self.monotonic_s()
+        lease_ok: bool | None = None
         for rid, msg in replies:
-            if id(msg) in reads or not is_confirm(msg):
+            if isinstance(msg, protocol.Result):  # at commit, but never from a primary whose lease is in doubt
+                if lease_ok is None:
+                    lease_ok = not self.lost and not self.paused and self.election.may_confirm(now)
+                if lease_ok:
+                    send(rid, msg)
+                else:
+                    self.held.append((seq, now, rid, msg))
+            elif id(msg) in reads or not is_confirm(msg):
                 send(rid, msg)
             else:
                 self.held.append((seq, now, rid, msg))

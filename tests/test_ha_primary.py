@@ -353,6 +353,40 @@ def test_only_a_new_primary_left_without_any_other_copy_degrades_at_promotion():
     assert not alone_at_promotion(None, "broker-2", mode="sync", on_standby_loss="degrade")
 
 
+def test_a_sync_primary_sends_result_at_its_commit_and_holds_complete_ack_until_the_standby_has_the_turn(
+        tmp_path, etcd, brokers, peers):
+    """Sync pair; the standby SIGSTOPped after the lease was granted: the worker's COMPLETE is
+    committed, its RESULT reaches the completion service at once (RESULT confirms nothing to
+    anyone, docs/ha.md), while the COMPLETE_ACK (a confirm) waits until the standby, resumed,
+    has acknowledged the turn."""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
+    standby = brokers[1]
+    el = observer(etcd)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("doc-1")], timeout_s=10)
+    w = peer(peers, tmp_path, "wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    comp = peer(peers, tmp_path, "comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    standby.signal(signal.SIGSTOP)
+    try:
+        w.send(protocol.Complete([result_of(t)]))
+        (d,) = comp.recv_type(protocol.Result, 3.0).deliveries  # at the commit, not after the standby's ack
+        assert d.item_id == r.item_id
+        with pytest.raises(TimeoutError):
+            w.recv_type(protocol.CompleteAck, 0.5)  # the confirm waits for the standby
+    finally:
+        standby.signal(signal.SIGCONT)
+    assert w.recv_type(protocol.CompleteAck, 10).outcomes[0].outcome == "accepted"
+    comp.send(protocol.Ack([d.item_id]))
+    assert comp.recv_type(protocol.AckOk, 10).item_ids == [r.item_id]
+
+
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
     """ha_on_standby_loss = degrade: with no standby for ha_degrade_after_s the primary
     writes its sync set (empty) in etcd, then confirms alone; log and status say so."""
