@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -212,7 +213,7 @@ class Broker:
         self.ha = ha
         self.gate = ha.gate if ha is not None else None
         self.epoch = ledger.bump_epoch() if ha is None else ha.epoch
-        self._failover: tuple[bytes, int, float, int] | None = None  # (rid, req, deadline mono, target seq)
+        self._failover: _Failover | None = None  # a planned failover in progress
         self.fed = Federation.from_config(cfg, ledger.ledger_id)  # relays (docs/federation.md)
         self.outbound = Outbound(transport, self.peers, cfg.max_frame_bytes, end_session=self._end_session,
                                  defer=self._defer, unblocked=self._unblocked)
@@ -832,8 +833,10 @@ class Broker:
                 "repl_endpoint": self.ha.repl_endpoint, **self.gate.status(), "failover": "in progress" if self._failover else ""}
 
     def _failover_start(self, rid: bytes, msg: protocol.Admin) -> None:
-        """Admin ``failover``: stop confirming, then (:meth:`_failover_step`) hand over once
-        a standby of the sync set holds the last turn, or refuse after ``timeout_s``."""
+        """Admin ``failover`` (``timeout_s``, ``to``): stop confirming, then
+        (:meth:`_failover_step`) hand over once a standby of the sync set (``to``: that one)
+        holds the last turn, or refuse after ``timeout_s``. A ``to`` that is not a connected
+        standby in sync is refused at once, naming the ones that are."""
         if self.ha is None or self.gate is None:
             self._send(rid, protocol.AdminReply(msg.req, False, error="failover: this is a single broker (ha_etcd_endpoints is "
                                                                "empty): there is no standby to hand over to"))
@@ -845,38 +848,96 @@ class Broker:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
             self._send(rid, protocol.AdminReply(msg.req, False, error="failover: timeout_s must be a number of seconds in (0, 600]"))
             return
+        to = msg.args.get("to", "")
+        if not isinstance(to, str):
+            self._send(rid, protocol.AdminReply(msg.req, False, error="failover: to must be a node id (a string), e.g. broker-2"))
+            return
+        if to:
+            eligible = self._failover_candidates()
+            if to not in eligible:
+                self._send(rid, protocol.AdminReply(msg.req, False, error=(
+                    f"failover: {to!r} is not a connected standby in sync (in sync now: "
+                    f"{', '.join(eligible) or 'none'}): nothing changed, this broker stays primary")))
+                return
         rep = self.ledger.replication
         target = rep.position[1] if rep is not None else 0
-        self.gate.paused = f"planned failover: waiting for a standby to hold seq {target}"
-        self._failover = (rid, msg.req, self.clock.monotonic_s() + float(timeout_s), target)
-        log.warning("ha_failover_started", seq=target, timeout_s=timeout_s)
+        self.gate.paused = f"planned failover: waiting for {to or 'a standby'} to hold seq {target}"
+        self._failover = _Failover(rid, msg.req, self.clock.monotonic_s() + float(timeout_s), target, to)
+        log.warning("ha_failover_started", seq=target, timeout_s=timeout_s, to=to or None)
         self.transport.wake()
+
+    def _failover_candidates(self) -> list[str]:
+        """The standbys a planned failover may hand over to: connected, not copying, and in
+        the sync set as written to etcd (async: every connected one)."""
+        assert self.ha is not None and self.gate is not None
+        members = set(self.gate.members)
+        return [str(s.get("node")) for s in self.ha.server.status().get("standbys", [])
+                if s.get("copying") is None and (self.gate.mode == "async" or (s.get("in_sync") and s.get("node") in members))]
 
     def _failover_step(self, now: float) -> None:
         assert self._failover is not None and self.ha is not None and self.gate is not None
-        rid, req, deadline, target = self._failover
-        members = set(self.gate.members)  # async: any standby may take over (the set is empty)
-        ready = [s for s in self.ha.server.status().get("standbys", [])
-                 if (s.get("node") in members or self.gate.mode == "async") and int(s.get("seq", 0)) >= target]
-        if ready:
-            node = str(ready[0].get("node"))
-            body = msgpack.packb({"ok": True, "epoch": self.epoch, "standby": node, "seq": target}, use_bin_type=True)
-            self._send(rid, protocol.AdminReply(req, True, body=body))
+        fo = self._failover
+        if fo.pinning is not None:  # the sync set is being pinned to fo.node (a thread): wait for etcd's answer
+            if fo.pinning.is_alive():
+                return
+            if fo.pin_error:
+                self._failover_refuse(fo, f"failover: {fo.pin_error}: nothing changed, this broker stays primary")
+                return
+            body = msgpack.packb({"ok": True, "epoch": self.epoch, "standby": fo.node, "seq": fo.target}, use_bin_type=True)
+            self._send(fo.rid, protocol.AdminReply(fo.req, True, body=body))
             self.outbound.flush()
-            log.warning("ha_failover_handing_over", standby=node, seq=target)
+            log.warning("ha_failover_handing_over", standby=fo.node, seq=fo.target)
             self._failover = None
-            self.gate.lose(f"planned failover to {node}")
-            self.ha.step_down(f"planned failover to {node}")
+            self.gate.lose(f"planned failover to {fo.node}")
+            self.ha.step_down(f"planned failover to {fo.node}")
             return
-        if now >= deadline:
-            self._failover = None
-            self.gate.paused = ""
-            self.gate.recheck()
-            self.gate.release(self._send)
-            log.warning("ha_failover_refused", seq=target, members=sorted(members))
-            self._send(rid, protocol.AdminReply(req, False, error=(
-                f"failover: no standby of the sync set {sorted(members)} acknowledged seq {target} in time: "
-                "nothing changed, this broker stays primary (see ccsq status: ha.standbys)")))
+        members = set(self.gate.members)  # async: any standby may take over (the set is empty)
+        ready = [str(s.get("node")) for s in self.ha.server.status().get("standbys", [])
+                 if (s.get("node") in members or self.gate.mode == "async") and int(s.get("seq", 0)) >= fo.target
+                 and (not fo.to or s.get("node") == fo.to)]
+        if ready:
+            fo.node = ready[0]
+            if self.gate.mode == "async":  # any standby may campaign: nothing to pin
+                fo.pinning = threading.Thread(target=lambda: None)
+            else:  # only fo.node may take the key (brokerd/primary.py ConfirmGate.pin), then resign
+
+                def pin(f: _Failover = fo, gate=self.gate, wake=self.transport.wake) -> None:
+                    f.pin_error = gate.pin(f.node)
+                    wake()
+
+                fo.pinning = threading.Thread(target=pin, name="ccsq-ha-failover-pin", daemon=True)
+            fo.pinning.start()
+            return
+        if now >= fo.deadline:
+            who = f"{fo.to!r} did not acknowledge" if fo.to else f"no standby of the sync set {sorted(members)} acknowledged"
+            self._failover_refuse(fo, f"failover: {who} seq {fo.target} in time: nothing changed, this broker stays primary "
+                                  "(see ccsq status: ha.standbys)")
+
+    def _failover_refuse(self, fo: "_Failover", error: str) -> None:
+        assert self.gate is not None
+        self._failover = None
+        self.gate.unpin()
+        self.gate.paused = ""
+        self.gate.recheck()
+        self.gate.release(self._send)
+        log.warning("ha_failover_refused", seq=fo.target, to=fo.to or None, members=sorted(self.gate.members), error=error)
+        self._send(fo.rid, protocol.AdminReply(fo.req, False, error=error))
+
+
+@dataclasses.dataclass
+class _Failover:
+    """A planned failover in progress (admin ``failover``): who asked, until when, the seq
+    the standby must hold, the wanted node (``to``, "" = any of the sync set), and once one
+    is ready its ``node`` and the thread pinning the sync set to it."""
+
+    rid: bytes
+    req: int
+    deadline: float
+    target: int
+    to: str
+    node: str = ""
+    pinning: threading.Thread | None = None
+    pin_error: str = ""
 
 
 def _features(sess: Session) -> set[str]:

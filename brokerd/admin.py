@@ -26,7 +26,7 @@ Commands (arguments are scalars, see :class:`ccsq.common.wire.protocol.Admin`):
   protocol's CANCEL: a *ready* item becomes dead with reason ``cancelled`` (G7 event);
   a leased, completed or terminal item is left as it is and reported with its state.
 
-- ``failover`` (``timeout_s``, default 10): a replicated primary's planned switchover
+- ``failover`` (``timeout_s``, default 10; ``to``, a standby node id): a replicated primary's planned switchover
   (docs/ha.md); answered by the actor (``Broker._failover_start``), not by this class:
   it is no ledger command. A single broker refuses it.
 

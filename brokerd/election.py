@@ -84,6 +84,7 @@ class SyncSet:
     epoch: int
     members: tuple[str, ...]
     primary: str = ""  # the node id of the primary that wrote it ("" from an older writer)
+    handover: bool = False  # written by a planned failover (the writer hands over and rejoins as a standby)
 
 
 def primary_key(swarm_id: str) -> str:
@@ -239,13 +240,17 @@ class Election:
             self.created_revision = int(out["header"]["revision"])
         return epoch
 
-    def write_sync(self, members: Sequence[str]) -> bool:
-        """As the primary: ``/ccsq/S/sync`` = ``{"epoch", "members", "node"}`` in one transaction
-        that holds only while this broker's key is the one it created (a deposed primary
-        writes nothing). True when written. Raises :class:`EtcdUnavailable`."""
+    def write_sync(self, members: Sequence[str], *, handover: bool = False) -> bool:
+        """As the primary: ``/ccsq/S/sync`` = ``{"epoch", "members", "node"}`` (and
+        ``"handover": true`` from a planned failover) in one transaction that holds only while
+        this broker's key is the one it created (a deposed primary writes nothing). True when
+        written. Raises :class:`EtcdUnavailable`."""
         if not self.created_revision:
             return False
-        value = json.dumps({"epoch": self.epoch, "members": sorted(members), "node": self.fields.get("node", "")})
+        doc: dict[str, Any] = {"epoch": self.epoch, "members": sorted(members), "node": self.fields.get("node", "")}
+        if handover:
+            doc["handover"] = True
+        value = json.dumps(doc)
         txn = {"compare": [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL",
                             "create_revision": self.created_revision}],
                "success": [{"request_put": {"key": _b64(self.sync_key), "value": _b64(value)}}], "failure": []}
@@ -257,7 +262,8 @@ class Election:
         if not kvs:
             return None
         d = json.loads(_unb64(kvs[0]["value"]))
-        return SyncSet(int(d.get("epoch", 0)), tuple(str(m) for m in d.get("members", [])), str(d.get("node", "")))
+        return SyncSet(int(d.get("epoch", 0)), tuple(str(m) for m in d.get("members", [])), str(d.get("node", "")),
+                       bool(d.get("handover", False)))
 
     def renew(self) -> bool:
         """One keep-alive. True: renewed (``renewed_at`` moves to the time before it was

@@ -2,7 +2,7 @@
 
 :class:`ConfirmGate` is driven by the actor (``brokerd/actor.py``) only. Every confirm
 a committed turn produces (SUBMIT_ACK, COMPLETE_ACK, FAIL_ACK, ACK_OK, DISPATCH,
-RESULT, a CANCEL's STATUS_REPLY, the reply of an admin command that changes state) is
+a CANCEL's STATUS_REPLY, the reply of an admin command that changes state) is
 *held* with the replication seq of the ledger at that turn (``ReplicationLog.position``
 after it: a duplicate SUBMIT answered without a write still waits for the turn that
 wrote its item). Held replies are released in commit order once both hold:
@@ -15,7 +15,8 @@ wrote its item). Held replies are released in commit order once both hold:
 - ``Election.may_confirm(now)``: the etcd lease cannot have expired yet (the margin).
 
 Reads (STATUS, admin status / items_show / dlq_list), heartbeats, WELCOMEs and
-refusals are never held. While the gate cannot confirm at all (the lease is in doubt,
+refusals are never held; RESULT leaves at the commit while the lease allows confirming
+(held, like a confirm, while it does not). While the gate cannot confirm at all (the lease is in doubt,
 a sync primary without enough standbys, a planned failover) the actor leases and
 delivers nothing new (a DISPATCH that cannot leave would only run its lease down).
 
@@ -62,13 +63,40 @@ class Lease(Protocol):
 
     def may_confirm(self, now_mono: float) -> bool: ...
 
-    def write_sync(self, members: list[str]) -> bool: ...
+    def write_sync(self, members: list[str], *, handover: bool = False) -> bool: ...
 
 
 def is_confirm(msg: protocol.Message) -> bool:
-    """A reply that tells a peer something is durable (held by a primary)."""
+    """A reply that tells a peer something is durable (held by a primary until its turn is).
+    RESULT is not one: it hands the completion service a result and confirms nothing to the
+    worker or the producer, so it leaves at this primary's commit while the lease allows
+    confirming (:meth:`ConfirmGate.hold`; docs/ha.md, "What a confirm waits for": if this
+    primary dies before a standby has the COMPLETE, the worker still holds its unconfirmed
+    report and resends it, and the new primary's delivery counts as a redelivery, G3, and
+    lands once by item id)."""
     return isinstance(msg, (protocol.SubmitAck, protocol.CompleteAck, protocol.FailAck, protocol.AckOk, protocol.Dispatch,
-                            protocol.Result, protocol.StatusReply, protocol.AdminReply))
+                            protocol.StatusReply, protocol.AdminReply))
+
+
+def alone_at_promotion(previous: Any, node: str, *, mode: str, on_standby_loss: str) -> str:
+    """Whether a broker just promoted may degrade at once instead of after
+    ``ha_degrade_after_s`` (docs/ha.md, "A pair of two"): "" = no, else why. Yes when
+    ``ha_mode = sync``, ``ha_on_standby_loss = degrade``, and the sync set the last primary
+    wrote (``previous``: an ``election.SyncSet`` or None) names no standby besides ``node``
+    and was not written by a planned failover (whose old primary rejoins at once, alive, with
+    every turn). Then no broker can be in sync within the wait: the only other broker that
+    held the confirmed turns is the deposed primary, just lost, which comes back (if at all)
+    through a restart, a fresh session and, with an unreplicated tail, a copy: seconds at
+    best. Waiting would only hold every confirm and DISPATCH for ``ha_degrade_after_s``."""
+    if mode != "sync" or on_standby_loss != "degrade" or previous is None:
+        return ""
+    if getattr(previous, "handover", False):
+        return ""
+    others = [m for m in getattr(previous, "members", ()) if m != node]
+    if others:
+        return ""
+    return (f"the last sync set {list(getattr(previous, 'members', ()))} (epoch {getattr(previous, 'epoch', 0)}) names no "
+            f"standby besides {node}: the deposed primary {getattr(previous, 'primary', '') or '?'} was the only other copy")
 
 
 class ConfirmGate:
@@ -100,6 +128,7 @@ class ConfirmGate:
         self._writer: threading.Thread | None = None
         self.lost = ""  # why this broker may never confirm again (the lease is gone): "" while primary
         self.paused = ""  # a planned failover in progress: why (confirms held)
+        self.pinned: tuple[str, ...] | None = None  # a planned failover's sync set: only this node may take the key
         self.confirming = False  # the last check's answer (status, metrics)
         self._next_check = 0.0
 
@@ -109,8 +138,16 @@ class ConfirmGate:
         """After a commit: queue the turn's confirms with ``seq``; reads (ids in ``reads``)
         and non-confirms go now. Then release what may leave."""
         now = self.monotonic_s()
+        lease_ok: bool | None = None
         for rid, msg in replies:
-            if id(msg) in reads or not is_confirm(msg):
+            if isinstance(msg, protocol.Result):  # at commit, but never from a primary whose lease is in doubt
+                if lease_ok is None:
+                    lease_ok = not self.lost and not self.paused and self.election.may_confirm(now)
+                if lease_ok:
+                    send(rid, msg)
+                else:
+                    self.held.append((seq, now, rid, msg))
+            elif id(msg) in reads or not is_confirm(msg):
                 send(rid, msg)
             else:
                 self.held.append((seq, now, rid, msg))
@@ -195,6 +232,8 @@ class ConfirmGate:
         set stays empty (any standby may take over)."""
         if self.mode == "async":
             return
+        if self.pinned is not None:
+            raise RuntimeError(f"a planned failover pinned the sync set to {list(self.pinned)}: not rewritten")
         new = set(members)
         want = tuple(sorted(new if len(new) >= self.sync_standbys else new | set(self.members)))
         if want == self.members:
@@ -230,8 +269,11 @@ class ConfirmGate:
                     self._want, self._degrade_wanted = want, degrade
 
     def _write(self, want: tuple[str, ...], *, degrade: bool) -> bool:
-        """Write ``want`` to ``/sync`` and count it from then on; False when not written."""
+        """Write ``want`` to ``/sync`` and count it from then on; False when not written (or
+        a planned failover pinned the set: :meth:`pin`)."""
         with self._etcd_lock:
+            if self.pinned is not None and want != self.pinned:
+                return False
             try:
                 written = self.election.write_sync(list(want))
             except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
@@ -253,6 +295,33 @@ class ConfirmGate:
                 log.info("ha_sync_set", members=list(want))
         self.wake()
         return True
+
+    def pin(self, node: str) -> str:
+        """A planned failover to ``node`` (a standby that acknowledged the last turn while
+        confirms are paused): write ``/sync`` = ``[node]`` so that only ``node`` may take the
+        key once this broker resigns (every other standby, in sync or not, and this broker,
+        rejoining as a standby, are outside the set), and write nothing else from now on.
+        Safe for RPO 0: shrinking the set only removes candidates, and ``node`` holds every
+        turn this primary confirmed. Blocks on etcd (call it in a thread). Returns "" when
+        written, else why not (the pin is undone: :meth:`unpin`)."""
+        with self._etcd_lock:
+            self.pinned = (node,)
+            try:
+                written = self.election.write_sync([node], handover=True)
+            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable, or anything else
+                written, why = False, f"etcd: {str(exc)[:300]}"
+            else:
+                why = "" if written else "this broker's primary key is gone"
+            if written:
+                self.members = (node,)
+                log.warning("ha_sync_set_pinned", members=[node], note="a planned failover: only this standby may take the key")
+                return ""
+            self.pinned = None
+            return f"the sync set could not be pinned to {node!r} ({why})"
+
+    def unpin(self) -> None:
+        """A refused planned failover: the sync set follows the standbys again."""
+        self.pinned = None
 
     def wait_written(self, timeout_s: float) -> bool:
         """Block until the sync-set writer has nothing left to write (tests, shutdown); True if so."""

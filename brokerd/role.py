@@ -46,7 +46,7 @@ import zmq
 
 from ccsq.brokerd.actor import Broker
 from ccsq.brokerd.ledger.store import Ledger, LedgerError, Policy
-from ccsq.brokerd.primary import ConfirmGate, HaPrimary
+from ccsq.brokerd.primary import ConfirmGate, HaPrimary, alone_at_promotion
 from ccsq.brokerd.transport import EndpointInUse, Transport
 from ccsq.common.runtime.daemon import die
 from ccsq.common.runtime.systemd import Notifier, stop_signals_and_watchdog
@@ -322,7 +322,17 @@ class RoleLoop:
             sinks.append(server.sink)
             gate.server = server
             ledger.adopt_epoch(epoch)
-            gate.set_members([], initial=True)  # this epoch's sync set: nobody until a standby is in sync (async: always empty)
+            try:
+                previous = await asyncio.to_thread(election.read_sync)  # the last primary's set (this epoch writes next)
+            except Exception as exc:  # noqa: BLE001 - EtcdUnavailable: wait ha_degrade_after_s as usual
+                previous = None
+                log.warning("ha_sync_set_read_failed", error=str(exc)[:300])
+            alone = alone_at_promotion(previous, cfg.ha_node_id, mode=cfg.ha_mode, on_standby_loss=cfg.ha_on_standby_loss)
+            if alone:  # a pair's new primary after an unplanned failover: no standby can be back within the wait
+                log.warning("ha_degrade_at_promotion", why=alone, note="confirming alone once etcd's sync set is written "
+                            "empty (ha_on_standby_loss = degrade), without waiting ha_degrade_after_s")
+            # this epoch's sync set: nobody until a standby is in sync (async: always empty); degraded at once if alone
+            gate.set_members([], initial=True, degrade=bool(alone))
 
             def lost(why: str) -> None:  # the keep-alive thread: stop confirming at once, then leave the role
                 gate.lose(why)

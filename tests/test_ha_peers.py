@@ -555,3 +555,50 @@ def test_a_stalled_primary_is_rejoined_after_a_standby_first_met_names_it(tmp_pa
                 refused = [e["reason"] for e in _events(swarm, name, "broker_link_lost") if "REPLAY" in e["reason"]]
                 assert not refused, refused
             assert not stub.errors, stub.errors
+
+
+def _unanswering_endpoint() -> tuple[str, list]:
+    """An endpoint whose host never completes a TCP handshake (as a host whose cable is pulled):
+    a listening socket with a full accept queue (backlog 0, filled, never accepted) drops every
+    further SYN. Returns the endpoint and the sockets to keep open."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    keep = [srv]
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        keep.append(c)
+    return f"tcp://127.0.0.1:{port}", keep
+
+
+@pytest.mark.timeout(120)
+def test_a_host_that_never_accepts_the_connection_is_passed_at_once_not_after_hello_timeout_s(tmp_path: Path) -> None:
+    """broker_endpoint = "GONE,BROKER" where GONE never answers the TCP handshake (a cut cable,
+    DROPped packets; a standby still naming that primary sends peers there): the admin CLI moves
+    on after PAIR_CONNECT_TIMEOUT_S (0.5 s), not after hello_timeout_s (10 s here)."""
+    with Swarm(tmp_path / "s") as swarm:
+        gone, keep = _unanswering_endpoint()
+        try:
+            _set_broker_endpoints(swarm, f"{gone},{swarm.endpoint}")
+            admin = Path(swarm.configs["admin"])
+            doc = tomllib.loads(admin.read_text())
+            doc.update(hello_timeout_s=10.0, connect_timeout_s=30.0)
+            admin.write_text(tomli_w.dumps(doc))
+            swarm.start_broker()
+            t0 = time.monotonic()
+            out = subprocess.run([bin_path("ccsq"), "status", "--config", str(admin), "--json"], capture_output=True,
+                                 text=True, timeout=60)
+            took = time.monotonic() - t0
+            assert out.returncode == 0, out.stderr
+            assert took < 6.0, took  # the old rule: 10 s of hello_timeout_s at GONE first
+        finally:
+            for s in keep:
+                s.close()

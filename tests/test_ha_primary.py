@@ -262,6 +262,132 @@ def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, e
         el.resign()
 
 
+def test_failover_to_a_named_standby_hands_over_to_that_one_and_refuses_one_not_in_sync(tmp_path, etcd, brokers, peers):
+    """Three brokers, broker-2 and broker-3 both standbys in the sync set (the server lists
+    broker-2 first). ``failover to=broker-9`` (no such standby) is refused at once naming the
+    standbys that are in sync, and nothing changes; ``failover to=broker-3`` hands over to
+    broker-3 (the reply names it, etcd's sync set is pinned to it before the key goes) and
+    broker-3, not broker-2, takes the key with a higher epoch."""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    cfg = make_swarm(tmp_path, {**PEERS, "broker-3": "standby"}, ha_etcd_endpoints=etcd, ha_node_id="broker-1",
+                     ha_node_key="keys/broker-1.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}", ha_swarm_id=SWARM,
+                     ha_lease_ttl_s=TTL_S, ha_lease_margin_s=MARGIN_S)
+    b = with_standby(brokers, cfg)
+    conf = tomllib.loads(cfg.read_text())
+    conf.update(data_dir="broker-data-3", endpoint=f"tcp://127.0.0.1:{free_port()}", ha_node_id="broker-3",
+                ha_node_key="keys/broker-3.key", ha_repl_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    third = cfg.parent / "brokerd-3.toml"
+    third.write_text(tomli_w.dumps(conf))
+    start(brokers, third, wait=False)
+    el = observer(etcd)
+    epoch = el.holder().epoch
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2", "broker-3"), 60,
+             what="broker-2 and broker-3 in /sync")
+    adm = peer(peers, tmp_path, "admin", b.endpoint)
+    adm.hello("admin")
+    t0 = time.monotonic()
+    reply = admin(adm, "failover", timeout_s=5.0, to="broker-9")
+    assert not reply.ok and "'broker-9' is not a connected standby in sync" in reply.error, reply.error
+    assert "broker-2, broker-3" in reply.error and "nothing changed" in reply.error
+    assert time.monotonic() - t0 < 3.0  # at once, not after timeout_s
+    ha = ha_doc(adm)
+    assert (ha["role"], ha["epoch"], ha["failover"]) == ("primary", epoch, "")
+    assert [s["node"] for s in ha["standbys"]] == ["broker-2", "broker-3"]
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    assert prod.submit([item("after the refusal")], timeout_s=10)[0].item_id  # still confirming
+    reply = admin(adm, "failover", timeout_s=10.0, to="broker-3")
+    assert reply.ok, reply.error
+    doc = msgpack.unpackb(reply.body, raw=False)
+    assert (doc["standby"], doc["epoch"]) == ("broker-3", epoch)
+    h = wait_for(lambda: (h := el.holder()) is not None and h.epoch > epoch and h, 20, what="a new primary")
+    assert h.node == "broker-3", h
+    assert wait_for(lambda: b.events("ha_standby"), 15, what="the old primary in the standby role")
+
+
+def test_a_pairs_new_primary_after_its_primary_died_degrades_at_once_not_after_ha_degrade_after_s(tmp_path, etcd, brokers,
+                                                                                                     peers):
+    """A pair (sync, degrade after 4 s): SIGKILL the primary; broker-2, the last sync set's only
+    member, takes the key and confirms alone at once (log ``ha_degrade_at_promotion``, status
+    ``degraded``, etcd's set written empty first), not 4 s later: no standby could be back
+    within the wait (the only other copy is the broker just lost). (4 s: below the scripted
+    producer's 5 s silence window, after which the broker would drop its session.)"""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd, ha_on_standby_loss="degrade", ha_degrade_after_s=4.0))
+    second = brokers[1]
+    el = observer(etcd)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
+    epoch = el.holder().epoch
+    b.kill()
+    h = wait_for(lambda: (h := el.holder()) is not None and h.epoch > epoch and h, TTL_S + 20, 0.05, what="broker-2 primary")
+    promoted = time.monotonic()
+    assert h.node == "broker-2"
+    prod = peer(peers, tmp_path, "prod", h.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("after the failover")], timeout_s=15)
+    assert r.item_id and time.monotonic() - promoted < 3.0  # not after ha_degrade_after_s = 4 s
+    assert second.events("ha_degrade_at_promotion") and el.read_sync().members == ()
+    adm = peer(peers, tmp_path, "admin", h.endpoint)
+    adm.hello("admin")
+    assert ha_doc(adm)["mode"] == "degraded"
+
+
+def test_only_a_new_primary_left_without_any_other_copy_degrades_at_promotion():
+    """``alone_at_promotion``: yes for a pair's standby after an unplanned failover (the last
+    set names only it); no when the set names another standby (it reconnects and is in sync
+    within moments), after a planned failover (the old primary rejoins at once), in async
+    mode, with ``wait``, or with no set written."""
+    from ccsq.brokerd.election import SyncSet
+    from ccsq.brokerd.primary import alone_at_promotion
+
+    pair = SyncSet(7, ("broker-2",), "broker-1")
+    assert "broker-1" in alone_at_promotion(pair, "broker-2", mode="sync", on_standby_loss="degrade")
+    assert alone_at_promotion(SyncSet(7, (), "broker-1"), "broker-2", mode="sync", on_standby_loss="degrade")
+    assert not alone_at_promotion(SyncSet(7, ("broker-2", "broker-3"), "broker-1"), "broker-2", mode="sync",
+                                  on_standby_loss="degrade")
+    assert not alone_at_promotion(SyncSet(7, ("broker-2",), "broker-1", handover=True), "broker-2", mode="sync",
+                                  on_standby_loss="degrade")
+    assert not alone_at_promotion(pair, "broker-2", mode="sync", on_standby_loss="wait")
+    assert not alone_at_promotion(pair, "broker-2", mode="async", on_standby_loss="degrade")
+    assert not alone_at_promotion(None, "broker-2", mode="sync", on_standby_loss="degrade")
+
+
+def test_a_sync_primary_sends_result_at_its_commit_and_holds_complete_ack_until_the_standby_has_the_turn(
+        tmp_path, etcd, brokers, peers):
+    """Sync pair; the standby SIGSTOPped after the lease was granted: the worker's COMPLETE is
+    committed, its RESULT reaches the completion service at once (RESULT confirms nothing to
+    anyone, docs/ha.md), while the COMPLETE_ACK (a confirm) waits until the standby, resumed,
+    has acknowledged the turn."""
+    if not REAL_STANDBY:
+        pytest.skip("needs the real replication server and standby")
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
+    standby = brokers[1]
+    el = observer(etcd)
+    wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
+    prod = peer(peers, tmp_path, "prod", b.endpoint)
+    prod.hello("producer")
+    (r,) = prod.submit([item("doc-1")], timeout_s=10)
+    w = peer(peers, tmp_path, "wA", b.endpoint)
+    w.hello("worker", slots=1, credit=1)
+    (t,) = recv_tasks(w, 1)
+    comp = peer(peers, tmp_path, "comp", b.endpoint)
+    comp.hello("completion", credit=10)
+    standby.signal(signal.SIGSTOP)
+    try:
+        w.send(protocol.Complete([result_of(t)]))
+        (d,) = comp.recv_type(protocol.Result, 3.0).deliveries  # at the commit, not after the standby's ack
+        assert d.item_id == r.item_id
+        with pytest.raises(TimeoutError):
+            w.recv_type(protocol.CompleteAck, 0.5)  # the confirm waits for the standby
+    finally:
+        standby.signal(signal.SIGCONT)
+    assert w.recv_type(protocol.CompleteAck, 10).outcomes[0].outcome == "accepted"
+    comp.send(protocol.Ack([d.item_id]))
+    assert comp.recv_type(protocol.AckOk, 10).item_ids == [r.item_id]
+
+
 def test_sync_primary_degrades_after_ha_degrade_after_s_and_says_so(tmp_path, etcd, brokers, peers):
     """ha_on_standby_loss = degrade: with no standby for ha_degrade_after_s the primary
     writes its sync set (empty) in etcd, then confirms alone; log and status say so."""

@@ -345,3 +345,33 @@ def test_apply_many_is_one_transaction_and_all_or_nothing(primary, tmp_path):
     assert standby.position == log.position and replication.dump(standby.env) == replication.dump(primary.env)
     assert standby.apply_many(turns) == 0
     standby.close()
+
+
+def test_a_result_completed_under_an_earlier_primarys_lease_is_marked_for_a_counted_redelivery(primary):
+    """A replicated primary releases RESULT at its commit, before a standby has the COMPLETE
+    (docs/ha.md): after a failover the same result may be delivered again. So a completion
+    under a lease an earlier epoch granted (the worker resending its unconfirmed COMPLETE), or
+    of an item an earlier epoch had leased (that lease expired and the item was leased anew),
+    records ``completed_epoch`` = that older epoch, and the delivery tracker counts its next
+    delivery as a redelivery (G3). A lease and its COMPLETE in one epoch: the current epoch."""
+    from ccsq.brokerd.delivery import DeliveryTracker
+
+    primary.replicate(1)
+    primary.adopt_epoch(1)
+    now = 1_000
+    ids = [turn(primary, lambda t, n=n: t.submit(protocol.SubmitItem(f"k{n}", "echo", blob()), now)).item_id for n in range(3)]
+    first = [turn(primary, lambda t, i=i: t.lease(i, "w1", now, 60_000)) for i in ids]
+    primary.adopt_epoch(2)  # a failover: this ledger is the new primary's
+    turn(primary, lambda t: t.complete(protocol.TaskResult(ids[0], first[0].token, blob(b"r"), "h", "1"), now, "w1"))
+    turn(primary, lambda t: t.expire_lease(ids[1], first[1].token, now + 70_000))
+    again = turn(primary, lambda t: t.lease(ids[1], "w2", now + 70_000, 60_000))
+    turn(primary, lambda t: t.complete(protocol.TaskResult(ids[1], again.token, blob(b"r"), "h", "1"), now, "w2"))
+    turn(primary, lambda t: t.expire_lease(ids[2], first[2].token, now + 70_000))
+    fresh = turn(primary, lambda t: t.submit(protocol.SubmitItem("k-new", "echo", blob()), now)).item_id
+    lease = turn(primary, lambda t: t.lease(fresh, "w2", now, 60_000))
+    turn(primary, lambda t: t.complete(protocol.TaskResult(fresh, lease.token, blob(b"r"), "h", "1"), now, "w2"))
+    with primary.read() as v:
+        recs = {i: v.get(i) for i in (ids[0], ids[1], fresh)}
+    assert [recs[i]["completed_epoch"] for i in (ids[0], ids[1], fresh)] == [1, 1, 2]
+    tracker = DeliveryTracker(2, None, 100, lambda: 1 << 20)  # type: ignore[arg-type]
+    assert [tracker.redelivery(i, recs[i], "")[0] for i in (ids[0], ids[1], fresh)] == [True, True, False]

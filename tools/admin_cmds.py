@@ -421,8 +421,9 @@ def _cmd_dlq_change(args: argparse.Namespace) -> int:
 
 def _cmd_failover(args: argparse.Namespace) -> int:
     """``ccsq failover [--to NODE] [--timeout-s N]``: a planned switchover (docs/ha.md). The
-    primary stops confirming, waits until a standby in the sync set holds its last turn,
-    resigns its etcd key and rejoins as a standby (the broker's admin command ``failover``);
+    primary stops confirming, waits until a standby in the sync set (``--to``: that one; refused
+    at once unless it is a connected standby in sync) holds its last turn, pins etcd's sync set
+    to it, resigns its etcd key and rejoins as a standby (the broker's admin command ``failover``);
     this then waits until a broker answers as primary with a higher epoch. Exit 0 when one
     does, 4 when none did within ``--timeout-s`` (the swarm may still be electing: ``ccsq
     status``), 65 when the primary refused (no standby caught up in time: nothing changed),

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = admin_parser("failover", "planned switchover of a broker pair: the primary hands over to a caught-up standby "
                      "and rejoins as one (docs/ha.md)")
     p.add_argument("--to", metavar="NODE", default="", help="the standby node to hand over to, e.g. broker-2 (default: any "
-                   "standby of the sync set that holds the last turn)")
+                   "standby of the sync set that holds the last turn); refused at once unless it is a connected standby in sync")
     p.add_argument("--timeout-s", type=float, default=30.0, help="refuse (nothing changes) when no standby caught up within "
                    "this; also how long to wait for the new primary (default %(default)s)")
     p.set_defaults(func=_cmd_failover)

@@ -198,7 +198,7 @@ class RecordingTxn:
     Everything else is LMDB's transaction. Writes through a cursor are not recorded:
     the ledger writes only with ``put`` and ``delete``."""
 
-    __slots__ = ("_txn", "_names", "ops", "get", "cursor", "id", "stat")
+    __slots__ = ("_txn", "_names", "ops", "get", "cursor", "id", "stat", "_put", "_append")
 
     def __init__(self, txn: lmdb.Transaction, names: dict[Any, str]) -> None:
         self._txn = txn
@@ -206,12 +206,17 @@ class RecordingTxn:
         self.ops: list[tuple[str, bytes, bytes | None]] = []
         # reads go straight to LMDB's bound methods (no Python frame per read)
         self.get, self.cursor, self.id, self.stat = txn.get, txn.cursor, txn.id, txn.stat
+        self._put, self._append = txn.put, self.ops.append  # the write path: bound once per turn
 
     def put(self, key: bytes, value: bytes, *, db: Any = None, dupdata: bool = True, overwrite: bool = True,
             append: bool = False) -> bool:
-        ok = self._txn.put(key, value, db=db, dupdata=dupdata, overwrite=overwrite, append=append)
-        if ok:
-            self.ops.append((self._names[db], bytes(key), bytes(value)))
+        if dupdata and overwrite and not append:  # the ledger's usual put: no keyword forwarding
+            ok = self._put(key, value, db=db)
+        else:
+            ok = self._put(key, value, db=db, dupdata=dupdata, overwrite=overwrite, append=append)
+        if ok:  # bytes(b) of a bytes object is that object: a copy only of a memoryview or bytearray
+            self._append((self._names[db], key if type(key) is bytes else bytes(key),
+                          value if type(value) is bytes else bytes(value)))
         return ok
 
     def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:

@@ -583,11 +583,18 @@ class LedgerTxn(LedgerView):
             return None
         token = self.next_num(schema.NEXT_TOKEN)
         fence = self.ledger.fencing_epoch
+        more: dict[str, Any] = {}
         if fence:  # a replicated primary: the election epoch in the high bits (docs/ha.md, fencing tokens)
             token = schema.fencing_token(fence, token)
+            before = schema.token_epoch(rec["token"])
+            if 0 < before < fence and before < rec.get("completed_epoch", fence):
+                # leased by an earlier primary, whose RESULT of it may have left before a standby had the
+                # COMPLETE: this item's next delivery counts as a redelivery (G3, docs/ha.md)
+                more["completed_epoch"] = before
         rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
         self._transition(
             rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
+            **more,
         )
         self.bump("routed")
         deadline_ms = rec["deadline_ms"]
@@ -650,7 +657,11 @@ class LedgerTxn(LedgerView):
                 cseq=cseq,
                 completed_token=res.token,
                 completed_ms=now_ms,
-                completed_epoch=self.epoch(),
+                # the oldest primary that may have delivered this result (a replicated pair: a lease an
+                # earlier primary granted, which released RESULT at its commit; docs/ha.md): older than
+                # the current epoch -> the next delivery is a redelivery (G3, brokerd/delivery.py)
+                completed_epoch=min(self.epoch(), schema.token_epoch(res.token) or self.epoch(),
+                                    rec.get("completed_epoch") or self.epoch()),
                 handler=res.handler,
                 handler_version=res.handler_version,
                 runtime_s=res.runtime_s,

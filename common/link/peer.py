@@ -187,6 +187,11 @@ CONNECT_EVENTS = CURVE_FAILED_EVENTS | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_R
 #: broker process that died (its host's kernel closes the TCP connection) ends the session
 #: at once, so the link moves to the next broker without waiting heartbeat x liveness.
 PAIR_EVENTS = CONNECT_EVENTS | zmq.EVENT_DISCONNECTED
+#: With a list of brokers: an attempt whose TCP connection is not established within this
+#: (or ``hello_timeout_s`` if shorter) moves on to the next broker (a live host's TCP
+#: handshake takes milliseconds; a cut one never answers, and a redirect to it by a standby
+#: that still sees its key would otherwise cost ``hello_timeout_s`` per attempt).
+PAIR_CONNECT_TIMEOUT_S = 0.5
 
 
 def curve_mismatch_hint(settings: PeerSettings, endpoint: str | None = None) -> str:
@@ -484,9 +489,21 @@ class BrokerLink:
             return await self._handshake(sock)
         hello = asyncio.ensure_future(self._handshake(sock))
         failed = asyncio.ensure_future(monitor.recv_multipart())
+        # a list (a broker pair): a host that has not even accepted the TCP connection within
+        # PAIR_CONNECT_TIMEOUT_S is gone or cut off; try the next broker instead of waiting out hello_timeout_s
+        pair = len(self.endpoints) > 1 or self.endpoint not in self.endpoints
+        connect_by = time.monotonic() + min(PAIR_CONNECT_TIMEOUT_S, self.settings.hello_timeout_s) if pair else None
         try:
             while True:
-                await asyncio.wait({hello, failed}, return_when=asyncio.FIRST_COMPLETED)
+                left = None if connect_by is None else max(0.0, connect_by - time.monotonic())
+                await asyncio.wait({hello, failed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not hello.done() and not failed.done():  # the deadline passed: one more look at queued events
+                    await asyncio.wait({hello, failed}, timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+                if not hello.done() and not failed.done():  # no TCP connection in time
+                    self.connect_problem = (f"no TCP connection to {self.endpoint} within "
+                                            f"{min(PAIR_CONNECT_TIMEOUT_S, self.settings.hello_timeout_s):g} s "
+                                            "(the host is gone or cut off)")
+                    raise LinkLost(self.connect_problem)
                 if hello.done():
                     self.connect_problem = None
                     self.refused_since_mono = None
@@ -498,6 +515,7 @@ class BrokerLink:
                 event = parse_monitor_message(failed.result())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self.refused_since_mono = None  # something listens; WELCOME may still be slow
+                    connect_by = None  # connected: WELCOME has hello_timeout_s
                 elif event["event"] == zmq.EVENT_DISCONNECTED:  # a list only (PAIR_EVENTS)
                     raise LinkLost(f"connection to {self.endpoint} closed before WELCOME")
                 elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
