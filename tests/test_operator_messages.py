@@ -351,3 +351,27 @@ def test_the_console_items_page_lists_recent_items_by_state_and_kind(tmp_path: P
         assert listed("?state=ready&kind=ocrr") == [typo]
         assert listed("?state=dead") == [cancelled]
         assert listed("?kind=nothing") == []
+
+
+def test_a_missing_key_file_is_refused_naming_the_config_file_and_its_key(tmp_path: Path, capsys) -> None:
+    """A private_key or authorized_keys path that names no file: the command and the broker
+    refuse with exit 78 naming the config file and the key to fix (they used to name the
+    missing file only, so an operator with several configs could not tell which one to edit)."""
+    from ccsq.brokerd import main as brokerd_main
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("x")
+    for key in ("private_key", "authorized_keys"):
+        producer = _set(Path(configs["producer"]), **{key: "keys/absent"})
+        rc, _, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", doc)
+        assert rc == ExitCode.CONFIG and f"{producer}: {key}: " in err and "absent" in err, err
+        broker = _set(Path(configs["brokerd"]), **{key: "keys/absent"})
+        capsys.readouterr()
+        assert brokerd_main.run(str(broker)) == ExitCode.CONFIG
+        err = capsys.readouterr().err
+        assert f"{broker}: {key}: " in err and "absent" in err, err
+        _set(Path(configs["producer"]), **{key: "keys/producer-1.key" if key == "private_key" else "authorized_keys.toml"})
+        _set(Path(configs["brokerd"]), **{key: "keys/broker.key" if key == "private_key" else "authorized_keys.toml"})
+    assert not (tmp_path / "s" / "broker-data" / "data.mdb").exists()  # refused before the ledger was opened

@@ -222,10 +222,19 @@ def make_codec(settings: PeerSettings) -> EnvelopeCodec:
         except ConfigError as exc:  # name the file and key: the fix is in this peer's config or next to it
             raise ConfigError(f"{settings.config_path or 'config'}: broker_curve_public_key: {exc}") from None
         peer_curve_secret(settings)
+    where = settings.config_path or "config"
+    try:  # name the file and key, as for the CURVE keys: a missing or open key file is fixed in this config
+        private = load_private_key(Path(settings.private_key))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: private_key: {exc}") from None
+    try:
+        authorized = AuthorizedKeys(Path(settings.authorized_keys))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: authorized_keys: {exc}") from None
     return EnvelopeCodec(
         settings.peer_id,
-        load_private_key(Path(settings.private_key)),
-        AuthorizedKeys(Path(settings.authorized_keys)),
+        private,
+        authorized,
         max_frame_bytes=settings.max_frame_bytes,
         max_clock_skew_s=settings.max_clock_skew_s,
         require_hello=False,
