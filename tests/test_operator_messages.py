@@ -375,3 +375,18 @@ def test_a_missing_key_file_is_refused_naming_the_config_file_and_its_key(tmp_pa
         _set(Path(configs["producer"]), **{key: "keys/producer-1.key" if key == "private_key" else "authorized_keys.toml"})
         _set(Path(configs["brokerd"]), **{key: "keys/broker.key" if key == "private_key" else "authorized_keys.toml"})
     assert not (tmp_path / "s" / "broker-data" / "data.mdb").exists()  # refused before the ledger was opened
+
+
+def test_a_broker_endpoint_whose_host_does_not_resolve_is_named_as_such(tmp_path: Path, capsys) -> None:
+    """A typo in broker_endpoint's host name (it does not resolve) is said as that, naming the
+    host, not as "refused (nothing listens there)", which sent the operator to start a broker
+    that was running; still exit 69 at once, nothing submitted."""
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    producer = _set(Path(configs["producer"]), broker_endpoint="tcp://no-such-broker.invalid:5555")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("x")
+    rc, _, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", "--connect-timeout-s", "20", doc)
+    assert rc == ExitCode.UNAVAILABLE, err
+    assert "'no-such-broker.invalid'" in err and "does not resolve" in err and "nothing listens" not in err, err
