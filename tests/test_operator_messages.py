@@ -390,3 +390,19 @@ def test_a_broker_endpoint_whose_host_does_not_resolve_is_named_as_such(tmp_path
     rc, _, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", "--connect-timeout-s", "20", doc)
     assert rc == ExitCode.UNAVAILABLE, err
     assert "'no-such-broker.invalid'" in err and "does not resolve" in err and "nothing listens" not in err, err
+
+
+def test_a_peer_id_in_use_message_gives_the_fix_once() -> None:
+    """The broker's refusal of a second live session ends with its own short fix; the
+    peer's sentence (exit 78) quotes the broker and then gives the full fix: once (it
+    used to print "give each process its own peer id and key" twice in one line)."""
+    from types import SimpleNamespace
+
+    from ccsq.common.link.peer import id_in_use_message
+    from ccsq.common.wire.config import WorkerConfig
+
+    broker_said = ("peer id 'worker-1' is in use by a live session from vm/1/ab (heard 1.00s ago; liveness window 5s): "
+                   "give each process its own peer id and key, or stop the other one")
+    msg = id_in_use_message(WorkerConfig(peer_id="worker-1"), SimpleNamespace(in_use_by=broker_said))  # type: ignore[arg-type]
+    assert msg.count("give each process its own peer id") == 1, msg
+    assert "vm/1/ab (heard 1.00s ago" in msg and "ccsq keygen --id NAME" in msg, msg

@@ -135,7 +135,8 @@ def id_in_use_message(settings: PeerSettings, link: BrokerLink) -> str:
     fix = ("give each process its own peer id and key (`ccsq keygen --id NAME`, then add it to "
            "authorized_keys.toml), or stop the other process")
     if link.in_use_by:
-        return f"another live process uses peer id {settings.peer_id!r}: the broker said: {link.in_use_by}; {fix}"
+        said = link.in_use_by.split(": give each process its own peer id", 1)[0]  # the broker's own fix: said once, below
+        return f"another live process uses peer id {settings.peer_id!r}: the broker said: {said}; {fix}"
     return (f"another live process uses peer id {settings.peer_id!r} (an older broker let its newer session replace "
             f"this one); {fix}")
 
