@@ -406,3 +406,23 @@ def test_a_peer_id_in_use_message_gives_the_fix_once() -> None:
     msg = id_in_use_message(WorkerConfig(peer_id="worker-1"), SimpleNamespace(in_use_by=broker_said))  # type: ignore[arg-type]
     assert msg.count("give each process its own peer id") == 1, msg
     assert "vm/1/ab (heard 1.00s ago" in msg and "ccsq keygen --id NAME" in msg, msg
+
+
+def test_a_config_file_of_another_kind_is_named_as_that_kind(tmp_path: Path, capsys) -> None:
+    """ccsq-brokerd given a workerd-0.toml, ccsq status given a producer.toml: exit 78 saying
+    which kind of file it is and which the command needs (it said "unknown key(s)
+    'broker_endpoint' (did you mean 'ha_repl_endpoint'?)", which sent the operator to rename
+    keys of a good file); a typo in the right file keeps its "did you mean"."""
+    from ccsq.brokerd import main as brokerd_main
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    capsys.readouterr()
+    assert brokerd_main.run(str(configs["workerd-0"])) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert "those of workerd-N.toml, not of brokerd.toml" in err and "did you mean" not in err, err
+    rc, _, err = run_ccsq(capsys, "status", "--config", configs["producer"])
+    assert rc == ExitCode.CONFIG and "those of producer.toml, not of admin.toml" in err and "did you mean" not in err, err
+    broker = _set(Path(configs["brokerd"]), endpont="tcp://127.0.0.1:1")
+    assert brokerd_main.run(str(broker)) == ExitCode.CONFIG
+    assert "'endpont' (did you mean 'endpoint'?)" in capsys.readouterr().err
