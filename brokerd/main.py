@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 import structlog
@@ -74,14 +75,25 @@ def _fail(code: ExitCode | BaseException, message: str | None = None) -> int:
     return die("ccsq-brokerd", code, message)
 
 
+_T = TypeVar("_T")
+
+
+def _keyed(config_path: str, key: str, load: Callable[[], _T]) -> _T:
+    """``load()``, its ConfigError prefixed with the file and key (``brokerd.toml: private_key: ...``)."""
+    try:
+        return load()
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {key}: {exc}") from None
+
+
 def run(config_path: str) -> int:
     """Load, lock, open, bind, serve until SIGTERM; returns the exit code."""
     try:
         cfg = load(BrokerConfig, config_path)
         if cfg.max_map_size_bytes < cfg.map_size_bytes:
             raise ConfigError(f"{config_path}: max_map_size_bytes must be >= map_size_bytes")
-        key = load_private_key(Path(cfg.private_key))
-        authorized = AuthorizedKeys(Path(cfg.authorized_keys))
+        key = _keyed(config_path, "private_key", lambda: load_private_key(Path(cfg.private_key)))
+        authorized = _keyed(config_path, "authorized_keys", lambda: AuthorizedKeys(Path(cfg.authorized_keys)))
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         check_bind_local(cfg.bind or cfg.endpoint, where=_bind_key(cfg))
         check_exposure(cfg, authorized, config_path)

@@ -351,3 +351,78 @@ def test_the_console_items_page_lists_recent_items_by_state_and_kind(tmp_path: P
         assert listed("?state=ready&kind=ocrr") == [typo]
         assert listed("?state=dead") == [cancelled]
         assert listed("?kind=nothing") == []
+
+
+def test_a_missing_key_file_is_refused_naming_the_config_file_and_its_key(tmp_path: Path, capsys) -> None:
+    """A private_key or authorized_keys path that names no file: the command and the broker
+    refuse with exit 78 naming the config file and the key to fix (they used to name the
+    missing file only, so an operator with several configs could not tell which one to edit)."""
+    from ccsq.brokerd import main as brokerd_main
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("x")
+    for key in ("private_key", "authorized_keys"):
+        producer = _set(Path(configs["producer"]), **{key: "keys/absent"})
+        rc, _, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", doc)
+        assert rc == ExitCode.CONFIG and f"{producer}: {key}: " in err and "absent" in err, err
+        broker = _set(Path(configs["brokerd"]), **{key: "keys/absent"})
+        capsys.readouterr()
+        assert brokerd_main.run(str(broker)) == ExitCode.CONFIG
+        err = capsys.readouterr().err
+        assert f"{broker}: {key}: " in err and "absent" in err, err
+        _set(Path(configs["producer"]), **{key: "keys/producer-1.key" if key == "private_key" else "authorized_keys.toml"})
+        _set(Path(configs["brokerd"]), **{key: "keys/broker.key" if key == "private_key" else "authorized_keys.toml"})
+    assert not (tmp_path / "s" / "broker-data" / "data.mdb").exists()  # refused before the ledger was opened
+
+
+def test_a_broker_endpoint_whose_host_does_not_resolve_is_named_as_such(tmp_path: Path, capsys) -> None:
+    """A typo in broker_endpoint's host name (it does not resolve) is said as that, naming the
+    host, not as "refused (nothing listens there)", which sent the operator to start a broker
+    that was running; still exit 69 at once, nothing submitted."""
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    producer = _set(Path(configs["producer"]), broker_endpoint="tcp://no-such-broker.invalid:5555")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("x")
+    rc, _, err = run_ccsq(capsys, "submit", "--config", producer, "--kind", "echo", "--connect-timeout-s", "20", doc)
+    assert rc == ExitCode.UNAVAILABLE, err
+    assert "'no-such-broker.invalid'" in err and "does not resolve" in err and "nothing listens" not in err, err
+
+
+def test_a_peer_id_in_use_message_gives_the_fix_once() -> None:
+    """The broker's refusal of a second live session ends with its own short fix; the
+    peer's sentence (exit 78) quotes the broker and then gives the full fix: once (it
+    used to print "give each process its own peer id and key" twice in one line)."""
+    from types import SimpleNamespace
+
+    from ccsq.common.link.peer import id_in_use_message
+    from ccsq.common.wire.config import WorkerConfig
+
+    broker_said = ("peer id 'worker-1' is in use by a live session from vm/1/ab (heard 1.00s ago; liveness window 5s): "
+                   "give each process its own peer id and key, or stop the other one")
+    msg = id_in_use_message(WorkerConfig(peer_id="worker-1"), SimpleNamespace(in_use_by=broker_said))  # type: ignore[arg-type]
+    assert msg.count("give each process its own peer id") == 1, msg
+    assert "vm/1/ab (heard 1.00s ago" in msg and "ccsq keygen --id NAME" in msg, msg
+
+
+def test_a_config_file_of_another_kind_is_named_as_that_kind(tmp_path: Path, capsys) -> None:
+    """ccsq-brokerd given a workerd-0.toml, ccsq status given a producer.toml: exit 78 saying
+    which kind of file it is and which the command needs (it said "unknown key(s)
+    'broker_endpoint' (did you mean 'ha_repl_endpoint'?)", which sent the operator to rename
+    keys of a good file); a typo in the right file keeps its "did you mean"."""
+    from ccsq.brokerd import main as brokerd_main
+    from ccsq.tools.init import init_swarm
+
+    configs = init_swarm(tmp_path / "s", workers=1, endpoint=f"tcp://127.0.0.1:{free_tcp_port()}")
+    capsys.readouterr()
+    assert brokerd_main.run(str(configs["workerd-0"])) == ExitCode.CONFIG
+    err = capsys.readouterr().err
+    assert "those of workerd-N.toml, not of brokerd.toml" in err and "did you mean" not in err, err
+    rc, _, err = run_ccsq(capsys, "status", "--config", configs["producer"])
+    assert rc == ExitCode.CONFIG and "those of producer.toml, not of admin.toml" in err and "did you mean" not in err, err
+    broker = _set(Path(configs["brokerd"]), endpont="tcp://127.0.0.1:1")
+    assert brokerd_main.run(str(broker)) == ExitCode.CONFIG
+    assert "'endpont' (did you mean 'endpoint'?)" in capsys.readouterr().err

@@ -53,7 +53,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
 from ccsq.common.wire.config import PeerSettings
-from ccsq.common.wire.endpoints import check_endpoint, split_endpoints
+from ccsq.common.wire.endpoints import check_endpoint, split_endpoints, split_tcp
 from ccsq.common.wire.envelope import Envelope, EnvelopeCodec
 from ccsq.common.wire.errors import ConfigError, DecodeError
 from ccsq.common.wire.frames import FRAME_SLACK_BYTES, encode_fitting
@@ -135,7 +135,8 @@ def id_in_use_message(settings: PeerSettings, link: BrokerLink) -> str:
     fix = ("give each process its own peer id and key (`ccsq keygen --id NAME`, then add it to "
            "authorized_keys.toml), or stop the other process")
     if link.in_use_by:
-        return f"another live process uses peer id {settings.peer_id!r}: the broker said: {link.in_use_by}; {fix}"
+        said = link.in_use_by.split(": give each process its own peer id", 1)[0]  # the broker's own fix: said once, below
+        return f"another live process uses peer id {settings.peer_id!r}: the broker said: {said}; {fix}"
     return (f"another live process uses peer id {settings.peer_id!r} (an older broker let its newer session replace "
             f"this one); {fix}")
 
@@ -218,6 +219,23 @@ def peer_curve_secret(settings: PeerSettings) -> bytes:
     return load_curve_secret(Path(settings.curve_secret_key))
 
 
+async def unresolved_host(endpoint: str) -> str | None:
+    """A sentence naming the host when a ``tcp://`` endpoint's host name does not resolve
+    (a typo, or DNS or /etc/hosts lacks it: ZeroMQ reports that as a retried connect, like
+    a refused one), else None. Resolves in the loop's executor, never on the loop."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    try:
+        host, port = split_tcp(endpoint)
+        await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return (f"the host {host!r} of {endpoint} does not resolve ({exc.strerror}): "
+                "check the name in broker_endpoint, DNS or /etc/hosts")
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def make_codec(settings: PeerSettings) -> EnvelopeCodec:
     """Build this peer's codec from its settings (keys loaded, and the broker's
     CURVE public key checked when ``curve`` is on; ConfigError on problems)."""
@@ -227,10 +245,19 @@ def make_codec(settings: PeerSettings) -> EnvelopeCodec:
         except ConfigError as exc:  # name the file and key: the fix is in this peer's config or next to it
             raise ConfigError(f"{settings.config_path or 'config'}: broker_curve_public_key: {exc}") from None
         peer_curve_secret(settings)
+    where = settings.config_path or "config"
+    try:  # name the file and key, as for the CURVE keys: a missing or open key file is fixed in this config
+        private = load_private_key(Path(settings.private_key))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: private_key: {exc}") from None
+    try:
+        authorized = AuthorizedKeys(Path(settings.authorized_keys))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: authorized_keys: {exc}") from None
     return EnvelopeCodec(
         settings.peer_id,
-        load_private_key(Path(settings.private_key)),
-        AuthorizedKeys(Path(settings.authorized_keys)),
+        private,
+        authorized,
         max_frame_bytes=settings.max_frame_bytes,
         max_clock_skew_s=settings.max_clock_skew_s,
         require_hello=False,
@@ -311,6 +338,7 @@ class BrokerLink:
         self._in_use_retry = False  # the last handshake was refused ID_IN_USE: retry soon, not by backoff
         self.connect_problem: str | None = None  # why the last attempts got no WELCOME (refused, CURVE mismatch)
         self.refused_since_mono: float | None = None  # connects refused (nothing listens) without a break since then
+        self._unresolved: str | None = None  # why the endpoint's host name does not resolve, during that streak
         self.curve_mismatch = False  # the last CURVE handshake failed: CURVE on one side only or a wrong key (connect_problem says which)
         self.refused = None
         self._hello_role = ""
@@ -521,7 +549,8 @@ class BrokerLink:
                 elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
                     if self.refused_since_mono is None:
                         self.refused_since_mono = time.monotonic()
-                    self.connect_problem = f"connection to {self.endpoint} refused (nothing listens there)"
+                        self._unresolved = await unresolved_host(self.endpoint)  # once per streak, off the loop
+                    self.connect_problem = self._unresolved or f"connection to {self.endpoint} refused (nothing listens there)"
                     if len(self.endpoints) > 1 or self.endpoint not in self.endpoints:
                         # a list (a broker pair): the next broker now, not after hello_timeout_s
                         raise LinkLost(self.connect_problem)

@@ -74,6 +74,21 @@ def _check(cls_name: str, where: str, f: dataclasses.Field, tp: Any, value: Any)
     return value
 
 
+#: config class -> the file ``ccsq init`` writes for it (what a refusal names)
+_FILE_OF = {"BrokerConfig": "brokerd.toml", "WorkerConfig": "workerd-N.toml", "ProducerConfig": "producer.toml",
+            "CompletionConfig": "completion.toml", "AdminConfig": "admin.toml"}
+
+
+def _other_kind_of_file(cls: type, data: dict[str, Any]) -> str:
+    """The file (``_FILE_OF``) of the first other config class that knows every key of ``data``:
+    a worker's file given to the broker, a producer's to ``ccsq status``; "" when none does."""
+    for name, file in _FILE_OF.items():
+        other = globals().get(name)
+        if other is not None and other is not cls and set(data) <= {f.name for f in dataclasses.fields(other)}:
+            return file
+    return ""
+
+
 def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: str) -> T:
     """Build ``cls`` from a mapping, rejecting unknown keys and bad values."""
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
@@ -82,6 +97,11 @@ def from_mapping(cls: type[T], data: dict[str, Any], *, base_dir: Path, where: s
         import difflib
 
         known = sorted(set(fields) - {"config_path"})
+        other = _other_kind_of_file(cls, data)
+        if other:  # a whole file of another kind: "did you mean" on each of its keys would mislead
+            mine = _FILE_OF.get(cls.__name__, cls.__name__)
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(repr(k) for k in sorted(unknown))}: the file's keys are "
+                              f"those of {other}, not of {mine}: give --config the {mine} (`ccsq init` writes each)")
         named = []
         for key in sorted(unknown):
             close = difflib.get_close_matches(key, known, n=1)
