@@ -198,7 +198,7 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
     """C04 with the whole swarm: worker A (echo handler on kind ``sleep``: instant)
     stores its result and dies before its COMPLETE leaves (crash point
     worker.after_result_stored, SIGKILL). Its lease expires (lease_ttl 1 s), worker B
-    (the real sleep handler, 4 s) gets the item as attempt 2. A restarts and replays
+    (the real sleep handler, 8 s: A restarts well within it, under load too) gets the item as attempt 2. A restarts and replays
     its journaled COMPLETE: confirmed to A but fenced (stale token), counted and
     written to the gap register (G4). B's result is the one recorded, the
     completion service receives it once, the results table holds it once."""
@@ -209,7 +209,7 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
         swarm.start_completion()
         swarm.start_worker(1, env=env_for("worker.after_result_stored"))
         with swarm.client() as client:
-            r = client.submit(b"A's answer", "sleep", params={"seconds": 4.0})
+            r = client.submit(b"A's answer", "sleep", params={"seconds": 8.0})
             assert swarm.procs.wait_exit("worker-1", timeout_s=30) == -signal.SIGKILL
             swarm.start_worker(2)
             (b_start,) = wait_until(lambda: events(swarm, "worker-2", "job_started", item_id=r.item_id), 20,
@@ -223,7 +223,7 @@ def test_c04_completion_after_the_lease_moved_on_is_fenced(tmp_path: Path) -> No
         (b_done,) = events(swarm, "worker-2", "job_completed", item_id=r.item_id)
         assert ts(fenced[0]) < ts(b_done)  # A replayed while B still ran
         (row,) = assert_landed_once(swarm, [r.item_id])
-        assert b'"slept_s": 4.0' in row["result"]  # B's result, not A's echo
+        assert b'"slept_s": 8.0' in row["result"]  # B's result, not A's echo
         rep = swarm.report()
     counts = rep["counters"]
     assert rep["balanced"] and counts["completed"] + counts["acknowledged"] >= 1 and counts["fenced_completions"] == 1
