@@ -331,7 +331,13 @@ class Broker:
         """This turn's ledger ops: carried ones first, then new ones, in arrival order,
         whole frames up to :data:`TURN_ITEM_BUDGET` items (at least one frame); the
         rest is carried to the next turn."""
-        new = [(_op_items(env.message), rid, sess, env) for rid, sess, env in new_ops]
+        if not self._carry:  # the common case: no carry, and this turn's frames fit the budget
+            counts = [_op_items(env.message) for _, _, env in new_ops]
+            if sum(counts) - (counts[-1] if counts else 0) < TURN_ITEM_BUDGET:
+                return new_ops  # (all but the last under the budget: the loop below takes them all)
+            new = [(n, rid, sess, env) for n, (rid, sess, env) in zip(counts, new_ops)]
+        else:
+            new = [(_op_items(env.message), rid, sess, env) for rid, sess, env in new_ops]
         queue = self._carry + new if self._carry else new
         total = self._carry_items + sum(n for n, *_ in new)
         taken = items = 0
