@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgpack
 import structlog
@@ -86,6 +86,28 @@ def submit_item(task: protocol.Task) -> protocol.SubmitItem:
         origin=task.origin,
         origin_sig=task.origin_sig,
     )
+
+
+def status_failures(rows: Iterable[Row], items: Iterable[protocol.ItemStatus]) -> list[protocol.TaskFailure]:
+    """What the upstream is told for the downstream copies a STATUS poll found ended there
+    without a result: ``rows`` the link's journal rows (only ``submitted`` ones count),
+    ``items`` the downstream's STATUS answer. A copy dead there fails its upstream lease
+    with the downstream's reason, an expired one as a handler error, one the downstream no
+    longer knows is given back (``released``: no attempt counted). One FAIL per row."""
+    rows = list(rows)
+    failures: list[protocol.TaskFailure] = []
+    for st in items:
+        mine = [r for r in rows if r.down_item == st.item_id and r.state == SUBMITTED]
+        if st.state == protocol.ItemState.DEAD.value:
+            failures += [task_failure(r.up_item, r.token, _reason(st.error),
+                                       f"dead in the downstream swarm ({st.error})") for r in mine]
+        elif st.state == protocol.ItemState.EXPIRED.value:
+            failures += [task_failure(r.up_item, r.token, protocol.FailReason.HANDLER_ERROR,
+                                       "deadline expired in the downstream swarm") for r in mine]
+        elif st.state == "unknown":
+            failures += [task_failure(r.up_item, r.token, protocol.FailReason.RELEASED,
+                                       "the downstream swarm no longer knows the item") for r in mine]
+    return failures
 
 
 class LinkRunner:
@@ -552,18 +574,7 @@ class LinkRunner:
         self.log.info("downstream_copies_cancelled", cancelled=len(cancelled), ran=len(items) - len(cancelled))
 
     def _on_status(self, items: list[protocol.ItemStatus]) -> None:
-        failures: list[protocol.TaskFailure] = []
-        for st in items:
-            rows = [r for r in self.rows.values() if r.down_item == st.item_id and r.state == SUBMITTED]
-            if st.state == protocol.ItemState.DEAD.value:
-                failures += [task_failure(r.up_item, r.token, _reason(st.error),
-                                           f"dead in the downstream swarm ({st.error})") for r in rows]
-            elif st.state == protocol.ItemState.EXPIRED.value:
-                failures += [task_failure(r.up_item, r.token, protocol.FailReason.HANDLER_ERROR,
-                                           "deadline expired in the downstream swarm") for r in rows]
-            elif st.state == "unknown":
-                failures += [task_failure(r.up_item, r.token, protocol.FailReason.RELEASED,
-                                           "the downstream swarm no longer knows the item") for r in rows]
+        failures = status_failures(self.rows.values(), items)
         if failures:
             self._fail(failures, "failed_down")
 

@@ -28,8 +28,8 @@ from ccsq.brokerd import gaps
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
 from ccsq.common.wire.policy import task_failure
-from ccsq.relayd.relay import RETRY_LATER, _reason, submit_item
-from ccsq.relayd.relay_journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED
+from ccsq.relayd.relay import RETRY_LATER, status_failures, submit_item
+from ccsq.relayd.relay_journal import FAILING, LEASED, RESULTED, RETURNED, SUBMITTED, Row
 from tests.sim.peers import KIND, Peer, blob
 from tests.sim.world import RESTART_DELAY_S
 
@@ -50,22 +50,10 @@ class _Died(Exception):
     """The relay process dies at a crash point (caught where the message was handled)."""
 
 
-@dataclasses.dataclass
-class Row:
-    """One upstream lease, as ``relay_journal.Row``."""
-
-    up_item: str
-    token: int
-    state: str
-    task: protocol.Task
-    down_item: str = ""
-    report: protocol.TaskResult | protocol.TaskFailure | None = None
-    outcome: str = ""
-    lost: bool = False
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.up_item, self.token)
+def _row(task: protocol.Task) -> Row:
+    """The journal row relayd writes for an upstream lease (``relay_journal.Row``, state
+    ``leased``; this world has one link, ``ab``)."""
+    return Row("ab", task.item_id, task.token, task.kind, LEASED, task)
 
 
 class RelaySide(Peer):
@@ -233,7 +221,7 @@ class SimRelay:
             self.jcounters[name] = self.jcounters.get(name, 0) + n
 
     def _j_insert(self, tasks: list[protocol.Task]) -> None:
-        rows = [Row(t.item_id, t.token, LEASED, t) for t in tasks]
+        rows = [_row(t) for t in tasks]
 
         def fn() -> None:
             for r in rows:
@@ -333,7 +321,7 @@ class SimRelay:
         new = [t for t in tasks if (t.item_id, t.token) not in self.rows]
         self._j_insert(new)
         for t in new:
-            self.rows[(t.item_id, t.token)] = Row(t.item_id, t.token, LEASED, t)
+            self.rows[(t.item_id, t.token)] = _row(t)
         self._point("relay.after_lease_journaled")
         if self.broken:
             self._fail([task_failure(t.item_id, t.token, protocol.FailReason.RELEASED, self.broken) for t in new], "released")
@@ -567,18 +555,7 @@ class SimRelay:
         self._bump("cancelled_down", len(cancelled))
 
     def _on_status(self, items: list[protocol.ItemStatus]) -> None:
-        failures: list[protocol.TaskFailure] = []
-        for st in items:
-            rows = [r for r in self.rows.values() if r.down_item == st.item_id and r.state == SUBMITTED]
-            if st.state == protocol.ItemState.DEAD.value:
-                failures += [task_failure(r.up_item, r.token, _reason(st.error), f"dead in the downstream swarm ({st.error})")
-                             for r in rows]
-            elif st.state == protocol.ItemState.EXPIRED.value:
-                failures += [task_failure(r.up_item, r.token, protocol.FailReason.HANDLER_ERROR,
-                                          "deadline expired in the downstream swarm") for r in rows]
-            elif st.state == "unknown":
-                failures += [task_failure(r.up_item, r.token, protocol.FailReason.RELEASED,
-                                          "the downstream swarm no longer knows the item") for r in rows]
+        failures = status_failures(self.rows.values(), items)
         if failures:
             self._fail(failures, "failed_down")
 
