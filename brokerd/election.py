@@ -256,6 +256,8 @@ class _EtcdSession(requests.Session):
                                json={"name": self.sec.user, "password": self.sec.password()})
         if resp.status_code != 200 and "authentication is not enabled" in resp.text:
             self._token = "off"  # etcd without auth: send no token (log in once it answers "user name is empty")
+            log.warning("etcd_auth_not_enabled", endpoint=self.base_url, user=self.sec.user,
+                        note=f"{USER_KEY} is set but etcd has authentication disabled: anyone reaching etcd may take the key")
             self.headers.pop("Authorization", None)
             return
         if resp.status_code != 200:

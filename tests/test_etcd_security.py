@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -190,12 +191,26 @@ def election(url: str, me: str = "tcp://a:5555", ttl_s: int = TTL_S, **security)
                     security=EtcdSecurity(**security))
 
 
+def _standby_sees_the_key_go(holder: Election, standby: Election) -> None:
+    """The standby's watch (a streamed request on the same session) sees the holder resign."""
+    assert standby.campaign() is None and not standby.wait_vacant(0.3)
+    timer = threading.Timer(0.5, holder.resign)
+    timer.start()
+    try:
+        assert standby.wait_vacant(10)
+    finally:
+        timer.join()
+    assert standby.campaign() == 2
+    standby.resign()
+
+
 def test_etcd_auth_right_password_elects_a_wrong_one_names_the_key(tmp_path, secured):
     etcd = secured(users={"root": "rootpw", "ccsq": "s3cret"})
     good = election(etcd.url, user="ccsq", password_file=str(password_file(tmp_path, "s3cret")))
     good.check()
     assert good.campaign() == 1 and good.renew() and good.holder().endpoint == "tcp://a:5555"
-    good.resign()
+    _standby_sees_the_key_go(good, election(etcd.url, "tcp://b:5555", user="ccsq",
+                                            password_file=str(password_file(tmp_path, "s3cret"))))
     bad = election(etcd.url, user="ccsq", password_file=str(password_file(tmp_path, "wrong")))
     with pytest.raises(ConfigError, match=f"{PASSWORD_KEY}: etcd at {etcd.url} refused {USER_KEY} = 'ccsq'"):
         bad.check()
@@ -233,7 +248,7 @@ def test_etcd_tls_right_ca_elects_a_wrong_or_no_ca_names_the_key(tmp_path, secur
     good = election(etcd.url, ca_cert=str(pki.ca_path))
     good.check()
     assert good.campaign() == 1 and good.renew()
-    good.resign()
+    _standby_sees_the_key_go(good, election(etcd.url, "tcp://b:5555", ca_cert=str(pki.ca_path)))
     with pytest.raises(ConfigError, match=f"{CA_KEY}: etcd's certificate at {etcd.url} does not verify against {CA_KEY} = "):
         election(etcd.url, ca_cert=str(other.ca_path)).check()
     with pytest.raises(ConfigError, match=rf"{CA_KEY}: .* does not verify against {CA_KEY} \(unset: the system CA store\)"):
@@ -312,3 +327,13 @@ def test_broker_with_a_wrong_etcd_ca_exits_78_naming_the_key(tmp_path, secured, 
     b = start(brokers, cfg)
     assert b.events("ha_primary")
     assert b.stop() == 0
+
+
+def test_a_user_against_an_etcd_without_auth_still_elects(tmp_path, secured):
+    """etcd answers the login "authentication is not enabled" (auth being set up, say): the
+    broker goes on without a token (and warns) rather than refusing to start."""
+    etcd = secured()
+    e = election(etcd.url, user="ccsq", password_file=str(password_file(tmp_path, "s3cret")))
+    e.check()
+    assert e.campaign() == 1 and e.renew() and "Authorization" not in e._clients[0].session.headers
+    e.resign()
