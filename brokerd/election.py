@@ -385,10 +385,21 @@ class Election:
         raise ConfigError(f"{ENDPOINTS_KEY}: no etcd answers for the election key {self.key} ("
                           + "; ".join(why) + "): fix the endpoints or start etcd")
 
+    def _answers_plain_http(self, name: str) -> bool:
+        """True when the https endpoint ``name`` answers as etcd over plain HTTP (a scheme typo)."""
+        try:
+            resp = requests.get("http://" + name.removeprefix("https://") + "/version", timeout=2.0)
+            return resp.ok and "etcdserver" in resp.json()
+        except (requests.RequestException, ValueError):
+            return False
+
     def _tls_refused(self, name: str, exc: Exception) -> ConfigError:
         """The ConfigError for a TLS handshake with ``name`` that failed: this side did not
         verify etcd's certificate (:data:`CA_KEY`), or etcd refused ours (:data:`CERT_KEY`)."""
         text = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" not in text and self._answers_plain_http(name):
+            return ConfigError(f"{ENDPOINTS_KEY}: {name} answers without TLS (for the election key {self.key}): write it "
+                               "http://, or give etcd --cert-file/--key-file and https:// client URLs")
         if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
             ca = f"{CA_KEY} = {self.security.ca_cert!r}" if self.security.ca_cert else f"{CA_KEY} (unset: the system CA store)"
             return ConfigError(f"{CA_KEY}: etcd's certificate at {name} does not verify against {ca} "

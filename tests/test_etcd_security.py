@@ -337,3 +337,6 @@ def test_a_user_against_an_etcd_without_auth_still_elects(tmp_path, secured):
     e.check()
     assert e.campaign() == 1 and e.renew() and "Authorization" not in e._clients[0].session.headers
     e.resign()
+    https = etcd.url.replace("http://", "https://")
+    with pytest.raises(ConfigError, match=f"ha_etcd_endpoints: {https} answers without TLS"):
+        election(https).check()
