@@ -22,16 +22,29 @@ parts per million; a process paused mid-confirm is what the epoch in every fenci
 token is for). etcd may keep a lease longer than its TTL (a leader change renews
 them), never shorter.
 
+Security (:class:`EtcdSecurity`): ``https://`` endpoints are verified against
+``ha_etcd_ca_cert`` (else the system CA store); ``ha_etcd_cert`` + ``ha_etcd_key`` are
+the client certificate (etcd ``--client-cert-auth``); ``ha_etcd_user`` +
+``ha_etcd_password_file`` log in to etcd's v3 authentication (``POST
+/v3/auth/authenticate`` -> a token sent as the ``Authorization`` header; when etcd
+answers that the token is invalid, as after a simple token's 5 min idle expiry, the
+session logs in again and repeats the request once).
+
 Errors: :class:`~ccsq.common.wire.errors.ConfigError` (exit 78) for endpoints that
 are malformed or of which none answers as etcd, naming the config key
-(:data:`ENDPOINTS_KEY`) and the election key; :class:`EtcdUnavailable` (exit 75) for
-a request that fails once running (the caller retries; ``may_confirm`` runs out).
+(:data:`ENDPOINTS_KEY`) and the election key, and for a certificate, key or password
+that is missing, unreadable, or that etcd refuses, naming its key;
+:class:`EtcdUnavailable` (exit 75) for a request that fails once running (the caller
+retries; ``may_confirm`` runs out).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import ssl
+import stat
 import threading
 import time
 import urllib.parse
@@ -39,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import requests
 import structlog
 
 from ccsq.common.wire.errors import ConfigError, ExitCode, RetryableError
@@ -129,6 +143,160 @@ def parse_endpoints(endpoints: Sequence[str] | str, swarm_id: str) -> list[tuple
     return out
 
 
+#: The config keys of etcd's TLS and authentication (named in every ConfigError about them).
+CA_KEY, CERT_KEY, KEY_KEY = "ha_etcd_ca_cert", "ha_etcd_cert", "ha_etcd_key"
+USER_KEY, PASSWORD_KEY = "ha_etcd_user", "ha_etcd_password_file"
+
+
+class EtcdAuthFailed(EtcdUnavailable):
+    """etcd refused the user name or password (``/v3/auth/authenticate``), or a request
+    with this user's token (permission denied). A retryable error while running (the
+    operator may fix etcd's users); :meth:`Election.check` turns it into a ConfigError."""
+
+    code = "ETCD_AUTH_FAILED"
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key  # the config key to fix
+
+
+def _readable(key: str, path: str, what: str, *, private: bool = False) -> None:
+    """ConfigError naming ``key`` unless ``path`` is a readable file (and, ``private``, not
+    readable by group or others)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key} = {path!r}: cannot read the {what} ({exc.strerror or exc}): fix the path or the "
+                          "file's owner (the broker's user must read it)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{key} = {path!r} is not a file: give the path of the {what}")
+    if private and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{key} = {path!r}: the {what} is readable by group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 {path}")
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How the broker proves itself to etcd and checks etcd (all optional; "" = unset):
+    ``ca_cert``: PEM file of the CA that signed etcd's server certificates (https
+    endpoints; "" = the system CA store); ``cert`` + ``key``: the client certificate and
+    its private key (PEM; both or neither); ``user`` + ``password_file``: etcd v3
+    authentication (the file holds the password, a trailing newline is dropped; mode 0600)."""
+
+    ca_cert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password_file: str = ""
+
+    def validate(self) -> None:
+        """ConfigError naming the key of a missing, unreadable, malformed or half-given setting."""
+        if bool(self.cert) != bool(self.key):
+            given, missing = (CERT_KEY, KEY_KEY) if self.cert else (KEY_KEY, CERT_KEY)
+            raise ConfigError(f"{given} is set but {missing} is not: a client certificate needs both (the PEM certificate "
+                              f"in {CERT_KEY}, its private key in {KEY_KEY}); set both or neither")
+        if bool(self.user) != bool(self.password_file):
+            given, missing = (USER_KEY, PASSWORD_KEY) if self.user else (PASSWORD_KEY, USER_KEY)
+            raise ConfigError(f"{given} is set but {missing} is not: etcd authentication needs the user name "
+                              f"({USER_KEY}) and a file with its password ({PASSWORD_KEY}); set both or neither")
+        if self.ca_cert:
+            _readable(CA_KEY, self.ca_cert, "CA certificate")
+            try:
+                ssl.create_default_context(cafile=self.ca_cert)
+            except (ssl.SSLError, ValueError) as exc:
+                raise ConfigError(f"{CA_KEY} = {self.ca_cert!r} holds no PEM CA certificate ({exc}): give the CA that "
+                                  "signed etcd's server certificates (etcd --trusted-ca-file's CA, PEM)") from None
+        if self.cert:
+            _readable(CERT_KEY, self.cert, "client certificate")
+            _readable(KEY_KEY, self.key, "client certificate's private key", private=True)
+            try:
+                ssl.create_default_context().load_cert_chain(self.cert, self.key)
+            except (ssl.SSLError, ValueError) as exc:
+                raise ConfigError(f"{CERT_KEY} = {self.cert!r} / {KEY_KEY} = {self.key!r}: not a PEM certificate and "
+                                  f"its matching private key ({exc}): fix the pair") from None
+        if self.password_file:
+            self.password()
+
+    def password(self) -> str:
+        """The password (ConfigError naming :data:`PASSWORD_KEY` when unreadable, open to others, or empty)."""
+        _readable(PASSWORD_KEY, self.password_file, "etcd password file", private=True)
+        with open(self.password_file, encoding="utf-8") as f:
+            text = f.read().rstrip("\r\n")
+        if not text:
+            raise ConfigError(f"{PASSWORD_KEY} = {self.password_file!r} is empty: write the password of "
+                              f"{USER_KEY} = {self.user!r} into it (one line, mode 0600)")
+        return text
+
+
+#: etcd's answers to a request whose token it does not take (log in again, then repeat it once).
+_TOKEN_REFUSED = ("invalid auth token", "auth token is expired", "user name is empty", "revision of auth store is old")
+
+
+class _EtcdSession(requests.Session):
+    """A requests session to one etcd member with TLS settings and, with a user, a token:
+    logs in before the first request and again when etcd refuses the token."""
+
+    def __init__(self, base_url: str, sec: EtcdSecurity, timeout_s: float) -> None:
+        super().__init__()
+        self.base_url, self.sec, self.timeout_s = base_url, sec, timeout_s
+        if sec.ca_cert:
+            self.verify = sec.ca_cert
+        if sec.cert:
+            self.cert = (sec.cert, sec.key)
+        self._token_lock = threading.Lock()
+        self._token = ""
+
+    def login(self) -> None:
+        """``POST /v3/auth/authenticate``; raises :class:`EtcdAuthFailed` when etcd refuses the
+        user or password, requests' errors when it cannot be reached."""
+        resp = self.send_plain("POST", self.base_url + "/v3/auth/authenticate", timeout=self.timeout_s,
+                               headers={"Authorization": None},  # etcd refuses a login that carries a stale token
+                               json={"name": self.sec.user, "password": self.sec.password()})
+        if resp.status_code != 200 and "authentication is not enabled" in resp.text:
+            self._token = "off"  # etcd without auth: send no token (log in once it answers "user name is empty")
+            log.warning("etcd_auth_not_enabled", endpoint=self.base_url, user=self.sec.user,
+                        note=f"{USER_KEY} is set but etcd has authentication disabled: anyone reaching etcd may take the key")
+            self.headers.pop("Authorization", None)
+            return
+        if resp.status_code != 200:
+            key = PASSWORD_KEY if "password" in resp.text else USER_KEY
+            raise EtcdAuthFailed(f"etcd at {self.base_url} refused {USER_KEY} = {self.sec.user!r} with the password in "
+                                 f"{PASSWORD_KEY} = {self.sec.password_file!r} ({resp.status_code}: {resp.text[:200]}): fix "
+                                 "the user name or the password (etcdctl user passwd)", key)
+        self._token = str(resp.json()["token"])
+        self.headers["Authorization"] = self._token
+
+    def send_plain(self, method: str, url: str, *args: Any, **kwargs: Any) -> requests.Response:
+        """One request without the login logic. ``verify`` is passed on each request: requests
+        lets ``REQUESTS_CA_BUNDLE`` in the environment override a session's CA file."""
+        if kwargs.get("verify") is None:
+            kwargs["verify"] = self.verify
+        return super().request(method, url, *args, **kwargs)
+
+    def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> requests.Response:  # type: ignore[override]
+        if not self.sec.user:
+            return self.send_plain(method, url, *args, **kwargs)
+        if not self._token:
+            with self._token_lock:
+                if not self._token:
+                    self.login()
+        token = self._token
+        resp = self.send_plain(method, url, *args, **kwargs)
+        if resp.status_code in (400, 401) and any(t in resp.text for t in _TOKEN_REFUSED):
+            with self._token_lock:
+                if self._token == token:
+                    log.info("etcd_login_again", endpoint=self.base_url, why=resp.text[:200])
+                    self.login()
+            resp = self.send_plain(method, url, *args, **kwargs)
+        if resp.status_code == 403:
+            raise EtcdAuthFailed(f"etcd at {self.base_url}: {USER_KEY} = {self.sec.user!r} may not do this ({resp.text[:200]}): "
+                                 "grant the user a role with readwrite on the prefix /ccsq/ (etcdctl role grant-permission "
+                                 "--prefix ROLE readwrite /ccsq/)", USER_KEY)
+        return resp
+
+
 class Election:
     """One broker's side of the election for ``swarm_id``; ``endpoint``: what it writes
     as its address. ``endpoints``: etcd client URLs (tried in order; a failing one is
@@ -141,7 +309,8 @@ class Election:
 
     def __init__(self, endpoints: Sequence[str] | str, swarm_id: str, endpoint: str, *, ttl_s: int = DEFAULT_TTL_S,
                  margin_s: float = DEFAULT_MARGIN_S, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic, fields: dict[str, str] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, fields: dict[str, str] | None = None,
+                 security: EtcdSecurity | None = None) -> None:
         from etcd3gw.client import Etcd3Client  # optional dependency: extra "ha"
 
         if not 0 < margin_s < ttl_s:
@@ -152,9 +321,12 @@ class Election:
         self.fields = dict(fields or {})
         self.created_revision = 0  # the etcd revision that created this holder's key (guards /sync writes)
         self.ttl_s, self.margin_s, self.clock = ttl_s, margin_s, clock
-        self._clients = [Etcd3Client(host=h, port=p, protocol=s, timeout=request_timeout_s, api_path="/v3/")
-                         for s, h, p in parse_endpoints(endpoints, swarm_id)]
+        self.security = security or EtcdSecurity()
+        self.security.validate()
         self._names = [f"{s}://{h}:{p}" for s, h, p in parse_endpoints(endpoints, swarm_id)]
+        self._sessions = [_EtcdSession(name, self.security, request_timeout_s) for name in self._names]
+        self._clients = [Etcd3Client(host=h, port=p, protocol=s, timeout=request_timeout_s, api_path="/v3/", session=session)
+                         for (s, h, p), session in zip(parse_endpoints(endpoints, swarm_id), self._sessions, strict=True)]
         self._lock = threading.Lock()
         self.lease_id = 0
         self.epoch = 0
@@ -176,21 +348,70 @@ class Election:
         raise EtcdUnavailable(f"etcd for {self.key}: " + "; ".join(errors))
 
     def check(self) -> None:
-        """At start: some endpoint answers as etcd (``/version``). Raises :class:`ConfigError`
-        naming :data:`ENDPOINTS_KEY` and the election key when none does."""
-        import requests
+        """At start: some endpoint answers as etcd (``/version``) and lets this broker read
+        the election key (TLS, login, permission). Raises :class:`ConfigError` naming
+        :data:`ENDPOINTS_KEY` and the election key when none answers, or naming the key to
+        fix when etcd refuses the CA (:data:`CA_KEY`), the client certificate
+        (:data:`CERT_KEY`), the user or password (:data:`USER_KEY`, :data:`PASSWORD_KEY`)."""
+        from etcd3gw import exceptions as etcd_errors
 
         why = []
         for i, client in enumerate(self._clients):
+            name = self._names[i]
             try:
-                resp = client.session.get(client.base_url + "/version", timeout=client.timeout)
-                if resp.ok and "etcdserver" in resp.json():
-                    return
-                why.append(f"{self._names[i]} answered {resp.status_code} without an etcd version")
-            except (requests.RequestException, ValueError) as exc:
-                why.append(f"{self._names[i]}: {type(exc).__name__}")
+                resp = self._sessions[i].send_plain("GET", client.base_url + "/version", timeout=client.timeout)
+                if not (resp.ok and "etcdserver" in resp.json()):
+                    why.append(f"{name} answered {resp.status_code} without an etcd version")
+                    continue
+                client.post(client.get_url("/kv/range"), json={"key": _b64(self.key)})
+                return
+            except requests.exceptions.SSLError as exc:
+                raise self._tls_refused(name, exc) from None
+            except etcd_errors.ConnectionFailedError as exc:
+                if "SSL" in str(exc) or "certificate" in str(exc).lower():
+                    raise self._tls_refused(name, exc) from None
+                why.append(f"{name}: {type(exc).__name__}")
+            except EtcdAuthFailed as exc:
+                raise ConfigError(f"{exc.key}: {exc} (for the election key {self.key})") from None
+            except etcd_errors.Etcd3Exception as exc:
+                detail = str(exc.detail_text or exc)
+                if "user name is empty" in detail or "invalid auth token" in detail:
+                    raise ConfigError(f"{USER_KEY}: etcd at {name} has authentication enabled and this broker logs in as "
+                                      f"nobody (for the election key {self.key}): set {USER_KEY} and {PASSWORD_KEY} "
+                                      "(docs/ha.md \"etcd with TLS and authentication\")") from None
+                why.append(f"{name}: {detail[:200]}")
+            except (requests.RequestException, etcd_errors.ConnectionTimeoutError, ValueError) as exc:
+                why.append(f"{name}: {type(exc).__name__}")
         raise ConfigError(f"{ENDPOINTS_KEY}: no etcd answers for the election key {self.key} ("
                           + "; ".join(why) + "): fix the endpoints or start etcd")
+
+    def _answers_plain_http(self, name: str) -> bool:
+        """True when the https endpoint ``name`` answers as etcd over plain HTTP (a scheme typo)."""
+        try:
+            resp = requests.get("http://" + name.removeprefix("https://") + "/version", timeout=2.0)
+            return resp.ok and "etcdserver" in resp.json()
+        except (requests.RequestException, ValueError):
+            return False
+
+    def _tls_refused(self, name: str, exc: Exception) -> ConfigError:
+        """The ConfigError for a TLS handshake with ``name`` that failed: this side did not
+        verify etcd's certificate (:data:`CA_KEY`), or etcd refused ours (:data:`CERT_KEY`)."""
+        text = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" not in text and self._answers_plain_http(name):
+            return ConfigError(f"{ENDPOINTS_KEY}: {name} answers without TLS (for the election key {self.key}): write it "
+                               "http://, or give etcd --cert-file/--key-file and https:// client URLs")
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            ca = f"{CA_KEY} = {self.security.ca_cert!r}" if self.security.ca_cert else f"{CA_KEY} (unset: the system CA store)"
+            return ConfigError(f"{CA_KEY}: etcd's certificate at {name} does not verify against {ca} "
+                               f"({text[-200:]}; for the election key {self.key}): set {CA_KEY} to the PEM file of the CA "
+                               "that signed etcd's server certificate (etcd --cert-file)")
+        if self.security.cert:
+            return ConfigError(f"{CERT_KEY}: etcd at {name} refused the TLS handshake with the client certificate "
+                               f"{CERT_KEY} = {self.security.cert!r} ({text[-200:]}): give a certificate signed by etcd's "
+                               "--trusted-ca-file")
+        return ConfigError(f"{CERT_KEY}: etcd at {name} refused the TLS handshake ({text[-200:]}; for the election key "
+                           f"{self.key}): etcd may require a client certificate (--client-cert-auth): set {CERT_KEY} "
+                           f"and {KEY_KEY}")
 
     def holder(self) -> Holder | None:
         """The current primary (None when the key is absent)."""

@@ -21,7 +21,9 @@ Start checks (:func:`check_start`; :class:`~ccsq.common.wire.errors.ConfigError`
 ``ha_repl_endpoint`` an address of this host; no other broker on this host claims the
 same ``ha_node_id`` for the same swarm (a lock file in ``/run/lock``, else the temp
 directory, held while running); nothing on this host has ``ha_repl_endpoint`` bound
-(probed); etcd answers at ``ha_etcd_endpoints``; the optional
+(probed); etcd answers at ``ha_etcd_endpoints`` and takes the TLS and login settings
+(``ha_etcd_ca_cert``, ``ha_etcd_cert``/``ha_etcd_key``, ``ha_etcd_user``/
+``ha_etcd_password_file``: each named when wrong); the optional
 dependency (extra ``ha``) installed. Two configs sharing a ``data_dir`` are refused by
 the ledger lock (exit 75), sharing an endpoint by the bind (exit 75).
 """
@@ -131,14 +133,16 @@ def check_start(cfg: BrokerConfig) -> HaStart:
     check_bind_local(cfg.ha_repl_endpoint, where=f"{where}: ha_repl_endpoint")
     _probe_repl_endpoint(cfg)
     try:
-        from ccsq.brokerd.election import Election
+        from ccsq.brokerd.election import Election, EtcdSecurity
     except ImportError as exc:  # pragma: no cover - the extra is installed with the package's tests
         raise ConfigError(f"{where}: ha_etcd_endpoints is set but the etcd client is missing ({exc}): "
                           "pip install 'ccsq[ha]'") from None
     try:
         election = Election(cfg.ha_etcd_endpoints, cfg.ha_namespace(), cfg.endpoint, ttl_s=cfg.ha_lease_ttl_s,
                             margin_s=cfg.ha_lease_margin_s,
-                            fields={"repl_endpoint": cfg.ha_repl_endpoint, "node": cfg.ha_node_id})
+                            fields={"repl_endpoint": cfg.ha_repl_endpoint, "node": cfg.ha_node_id},
+                            security=EtcdSecurity(cfg.ha_etcd_ca_cert, cfg.ha_etcd_cert, cfg.ha_etcd_key, cfg.ha_etcd_user,
+                                                  cfg.ha_etcd_password_file))
         election.check()
     except ImportError as exc:
         raise ConfigError(f"{where}: ha_etcd_endpoints is set but the etcd client is missing ({exc}): "

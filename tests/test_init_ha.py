@@ -204,6 +204,9 @@ def test_standby_on_loopback_ports_for_one_host(tmp_path: Path) -> None:
     (["--standby", "10.0.0.12", "--etcd", "http://e:2379,http://e:2379"], "--etcd: an etcd URL is given twice"),
     (["--standby", "bad host", "--etcd", ETCD], "--standby 'bad host'"),
     (["--standby", "10.0.0.12", "--etcd", ETCD, "--endpoint", "ipc:///tmp/b.sock"], "--standby needs a tcp:// --endpoint"),
+    (["--etcd-ca", "/etc/ccsq/etcd-ca.pem"], "--etcd-ca: given without --etcd"),
+    (["--standby", "10.0.0.12", "--etcd", ETCD, "--etcd-user", "ccsq"], "--etcd-user needs --etcd-password-file"),
+    (["--standby", "10.0.0.12", "--etcd", ETCD, "--etcd-password-file", "pw"], "--etcd-password-file needs --etcd-user"),
 ])
 def test_bad_pair_flags_exit_78_naming_the_flag_and_write_nothing(tmp_path: Path, capsys, argv: list[str], flag: str) -> None:
     d = tmp_path / "s"
@@ -215,8 +218,26 @@ def test_bad_pair_flags_exit_78_naming_the_flag_and_write_nothing(tmp_path: Path
     assert not d.exists()
 
 
+def test_etcd_tls_and_login_flags_reach_every_broker(tmp_path: Path, capsys) -> None:
+    """``--etcd-ca``, ``--etcd-user``, ``--etcd-password-file``: the keys ``ha_etcd_*`` in every
+    brokerd config (paths as given: the files live on the broker hosts), which load."""
+    d = tmp_path / "s"
+    tls = "https://10.0.0.5:2379,https://10.0.0.6:2379"
+    assert main(["init", str(d), "--endpoint", "tcp://10.0.0.11:5555", "--swarm-id", "s1", "--standby", "10.0.0.12",
+                 "--etcd", tls, "--etcd-ca", "/etc/ccsq/etcd-ca.pem", "--etcd-user", "ccsq-broker",
+                 "--etcd-password-file", "keys/etcd-password"]) == 0
+    for name in ("brokerd.toml", "brokerd-2.toml"):
+        cfg = load(BrokerConfig, d / name)
+        assert (cfg.ha_etcd_endpoints, cfg.ha_etcd_ca_cert, cfg.ha_etcd_user) == (tls, "/etc/ccsq/etcd-ca.pem", "ccsq-broker")
+        assert cfg.ha_etcd_password_file == str(d / "keys/etcd-password") and not cfg.ha_etcd_cert
+    plain = tmp_path / "p"
+    assert main(["init", str(plain), "--endpoint", "tcp://10.0.0.11:5555", "--standby", "10.0.0.12", "--etcd", ETCD]) == 0
+    assert not any(k.startswith(("ha_etcd_ca", "ha_etcd_user")) for k in tomllib.loads((plain / "brokerd.toml").read_text()))
+
+
 def test_init_help_names_the_pair_flags(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["init", "--help"])
     out = re.sub(r"\s+", " ", capsys.readouterr().out)
     assert "--standby HOST[:PORT]" in out and "--etcd URLS" in out
+    assert "--etcd-ca FILE" in out and "--etcd-user NAME" in out and "--etcd-password-file FILE" in out

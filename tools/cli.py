@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "through etcd (needs --etcd; docs/ha.md)")
     p.add_argument("--etcd", metavar="URLS", help="with --standby: etcd client URLs, http://HOST:2379[,...] (three members "
                    "in production; docs/ha.md)")
+    p.add_argument("--etcd-ca", metavar="FILE", help="with --etcd https://...: PEM CA of etcd's server certificates "
+                   "(every brokerd's ha_etcd_ca_cert; a path on the broker hosts, relative to the config file)")
+    p.add_argument("--etcd-user", metavar="NAME", help="with --etcd: etcd v3 authentication user (ha_etcd_user; needs "
+                   "--etcd-password-file)")
+    p.add_argument("--etcd-password-file", metavar="FILE", help="with --etcd-user: file with its password, mode 0600, on "
+                   "the broker hosts (ha_etcd_password_file)")
     p.set_defaults(func=_cmd_init)
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for a peer")

@@ -37,6 +37,7 @@ def init_swarm(
     swarm_id: str | None = None,
     standbys: Sequence[str] = (),
     etcd: str = "",
+    etcd_security: dict[str, str] | None = None,
 ) -> dict[str, Path]:
     """Write a ready-to-run swarm directory; returns ``{name: config path}``.
 
@@ -73,6 +74,11 @@ def init_swarm(
     written, the files are those of a single broker. ConfigError (exit 78) naming the
     flag: a standby without ``etcd`` (or ``etcd`` without a standby), a host given twice
     or equal to the endpoint's, an ``ipc://`` endpoint, a malformed etcd URL.
+    ``etcd_security``: ``{"ca", "user", "password_file"}`` (``--etcd-ca``, ``--etcd-user``,
+    ``--etcd-password-file``; each optional) written into every broker's config as
+    ``ha_etcd_ca_cert``, ``ha_etcd_user``, ``ha_etcd_password_file`` (paths as given: the
+    files are on the broker hosts; the broker checks them at start). ConfigError naming the
+    flag: given without ``etcd``, a user without a password file or the reverse.
 
     ``broker``/``worker``/``producer``/``completion`` override config keys (``broker``:
     of every broker).
@@ -89,6 +95,7 @@ def init_swarm(
     if (directory / "brokerd.toml").exists():
         raise ConfigError(f"{directory} already holds a swarm (brokerd.toml exists); choose another directory")
     pair = ha_pair(endpoint, bind, standbys, etcd) if (standbys or etcd) else []
+    etcd_keys = etcd_security_keys(etcd_security or {}, etcd)
     swarm_id = default_swarm_id(directory) if swarm_id is None else check_swarm_id(swarm_id, where="--swarm-id")
     directory.mkdir(parents=True, exist_ok=True)
     _write_keys(directory, workers, nodes=len(pair))
@@ -112,7 +119,7 @@ def init_swarm(
         write("brokerd.toml", _broker_config(endpoint, bind, curve_on, {**swarm_keys, **(broker or {})}))
     for b in pair:  # broker-1 = brokerd.toml, broker-N = brokerd-N.toml
         n = b["n"]
-        ha = _ha_keys(b, etcd, data_dir=("broker-data" if n == 1 else f"broker-{n}-data"))
+        ha = {**_ha_keys(b, etcd, data_dir=("broker-data" if n == 1 else f"broker-{n}-data")), **etcd_keys}
         if not swarm_id:  # the pair's etcd namespace must be one name (the ledger id differs until the standby copied it)
             ha["ha_swarm_id"] = ha_swarm_id
         write("brokerd.toml" if n == 1 else f"brokerd-{n}.toml",
@@ -228,6 +235,24 @@ def ha_pair(endpoint: str, bind: str, standbys: Sequence[str], etcd: str) -> lis
     return brokers
 
 
+def etcd_security_keys(sec: dict[str, str], etcd: str) -> dict[str, str]:
+    """``--etcd-ca`` / ``--etcd-user`` / ``--etcd-password-file`` -> the brokers' ``ha_etcd_*``
+    keys (only those given). ConfigError naming the flag when given without ``--etcd`` or
+    when a user comes without a password file (or the reverse)."""
+    given = {k: v for k, v in sec.items() if v}
+    unknown = set(given) - {"ca", "user", "password_file"}
+    if unknown:
+        raise ValueError(f"unknown etcd_security keys {sorted(unknown)}")
+    if given and not etcd:
+        flags = ", ".join("--etcd-" + k.replace("_", "-") for k in sorted(given))
+        raise ConfigError(f"{flags}: given without --etcd (and --standby): a single broker uses no etcd")
+    if bool(given.get("user")) != bool(given.get("password_file")):
+        raise ConfigError("--etcd-user needs --etcd-password-file (a file with its password, mode 0600, on the broker hosts)"
+                          if given.get("user") else "--etcd-password-file needs --etcd-user (the etcd user it is the password of)")
+    names = {"ca": "ha_etcd_ca_cert", "user": "ha_etcd_user", "password_file": "ha_etcd_password_file"}
+    return {names[k]: v for k, v in given.items()}
+
+
 def _ha_keys(b: dict, etcd: str, *, data_dir: str) -> dict:
     """The HA keys of broker-N's ``brokerd.toml`` (docs/ha.md; the table of the config keys)."""
     return {"data_dir": data_dir, "ha_etcd_endpoints": check_etcd_endpoints(etcd), "ha_node_id": f"broker-{b['n']}",
@@ -307,7 +332,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
     bind = args.bind if args.bind is not None else default_bind(args.endpoint)
     try:
         written = init_swarm(Path(args.dir), endpoint=args.endpoint, workers=args.workers, handler=args.handler, bind=bind,
-                             swarm_id=args.swarm_id, standbys=args.standby or (), etcd=args.etcd or "")
+                             swarm_id=args.swarm_id, standbys=args.standby or (), etcd=args.etcd or "",
+                             etcd_security={"ca": args.etcd_ca or "", "user": args.etcd_user or "",
+                                            "password_file": args.etcd_password_file or ""})
     except OSError as exc:
         raise CantCreate.of("the swarm directory", args.dir, exc) from None
     for name, path in written.items():

@@ -247,6 +247,14 @@ class BrokerConfig:
     ha_etcd_endpoints: str = opt("",
                                  doc="high availability (docs/ha.md): comma-separated etcd client URLs, e.g. http://10.0.0.5:2379 ('' = a "
                                      "single broker: no etcd, no standby)")
+    ha_etcd_ca_cert: str = opt("", path=True,
+                               doc="HA: PEM file of the CA that signed etcd's server certificates; https:// endpoints are verified "
+                                   "against it ('' = the system CA store)")
+    ha_etcd_cert: str = opt("", path=True, doc="HA: PEM client certificate for etcd --client-cert-auth ('' = none; with ha_etcd_key)")
+    ha_etcd_key: str = opt("", path=True, doc="HA: the private key of ha_etcd_cert (PEM, mode 0600; '' = none)")
+    ha_etcd_user: str = opt("", doc="HA: etcd v3 authentication user name ('' = none; with ha_etcd_password_file)")
+    ha_etcd_password_file: str = opt("", path=True,
+                                     doc="HA: file holding ha_etcd_user's password (one line, mode 0600; '' = none)")
     ha_node_id: str = opt("broker-1",
                           doc="HA: this broker host's node id (its peer id on the replication link; listed with role standby in every "
                               "broker's authorized_keys)")
