@@ -143,7 +143,7 @@ class ReplicationServer:
         authorized = authorized or AuthorizedKeys(Path(cfg.authorized_keys))
         self.codec = EnvelopeCodec(cfg.peer_id, load_private_key(Path(cfg.private_key)), authorized,
                                    max_frame_bytes=self.max_frame_bytes, max_clock_skew_s=cfg.max_clock_skew_s,
-                                   require_hello=True)
+                                   require_hello=True, session_macs=True)
         curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         allow = None
         if curve_secret is not None:
@@ -303,7 +303,11 @@ class ReplicationServer:
             self._end(old, "replaced by a new HELLO")
         sess = _Session(rid, env.sender, now, now)
         self.sessions[rid], self.by_node[env.sender] = sess, sess
-        self._send(sess, protocol.Welcome(self.hb_s, self.liveness, broker_epoch=self.epoch))
+        # session MACs when the standby's HELLO offered them (as on the peer link: the HELLO and
+        # this WELCOME are signed; every later frame both ways carries an HMAC-SHA256 tag, not an
+        # Ed25519 signature of its whole body: a REPL_TURNS carries ~1.7 KB per job)
+        mac = self.codec.open_session_mac(env, rid)
+        self._send(sess, protocol.Welcome(self.hb_s, self.liveness, broker_epoch=self.epoch, mac_x25519=mac))
         log.info("standby_connected", standby=sess.node, ledger_id=lid or None, position=list(pos),
                  primary_position=list(self.log.position))
         if not lid:
@@ -461,6 +465,7 @@ class ReplicationServer:
         if sess.ended:
             return
         sess.ended = True
+        self.codec.close_channel(sess.rid)  # frames to its routing id are signed again
         if self.sessions.get(sess.rid) is sess:
             del self.sessions[sess.rid]
         if self.by_node.get(sess.node) is sess:

@@ -164,7 +164,7 @@ class StandbyNode:
         self.link_codec = EnvelopeCodec(self.node, load_private_key(Path(getattr(cfg, "ha_node_key", DEFAULT_NODE_KEY))),
                                         _LinkKeys(self.authorized, service),  # type: ignore[arg-type]
                                         max_frame_bytes=self.max_frame_bytes, max_clock_skew_s=cfg.max_clock_skew_s,
-                                        require_hello=False)
+                                        require_hello=False, session_macs=True)  # offered in each HELLO
         self.curve_secret = load_curve_secret(Path(cfg.curve_secret_key)) if cfg.curve else None
         self.replica: replication.ReplicaLedger | None = None
         self.force_copy = False

@@ -29,7 +29,7 @@ from ccsq.brokerd.ledger.store import Ledger, Policy, data_paths
 from ccsq.brokerd.replserver import ReplicationServer
 from ccsq.brokerd.standby import DISCARDED, sync_key
 from ccsq.common.wire import protocol
-from ccsq.common.wire.envelope import EnvelopeCodec
+from ccsq.common.wire.envelope import MAC_BYTES, EnvelopeCodec
 from ccsq.common.wire.keys import (AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys,
                                    write_curve_keypair, write_keypair)
 from tests.test_election import etcd_server  # noqa: F401 - the fixture (a real etcd in tmp_path)
@@ -575,6 +575,55 @@ def test_a_standby_that_heartbeats_but_does_not_acknowledge_leaves_the_in_sync_s
             assert time.monotonic() - t0 >= primary.server.lag_out_s() * 0.9
             assert primary.standby()["lag_turns"] == 5 and primary.server.durable_seq() == seq
             assert primary.standby()["lag_bytes"] > 0 and primary.standby()["lag_s"] >= primary.server.lag_out_s()
+        finally:
+            s.close()
+            ctx.term()
+            primary.server.stop()
+            await task
+            primary.close()
+
+    run(scenario)
+
+
+def test_after_the_signed_hello_and_welcome_the_link_uses_session_macs_both_ways(swarm, etcd_url):
+    """As on the peer link: a standby that offers session MACs in its signed HELLO gets a
+    signed WELCOME answering the offer; every REPL_TURNS after it carries a 32-byte HMAC tag
+    (not a 64-byte Ed25519 signature of its whole body, the primary's largest cost per
+    turn), and the standby's tagged REPL_ACK counts (the turns become durable)."""
+
+    async def scenario():
+        primary = Primary(swarm, etcd_url)
+        task = await serving(primary)
+        codec = EnvelopeCodec("broker-1", load_private_key(swarm / "keys" / "broker-1.key"),
+                              AuthorizedKeys(swarm / "at_worker.toml"), require_hello=False, session_macs=True)
+        ctx = zmq.asyncio.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(primary.server.endpoint)
+        epoch, seq = primary.log.position
+        try:
+            await s.send_multipart(codec.encode(protocol.Hello(role="standby", info={
+                "repl_ledger_id": primary.ledger.ledger_id, "repl_epoch": epoch, "repl_seq": seq})))
+            frames = await asyncio.wait_for(s.recv_multipart(), 10)
+            assert len(frames[1]) == protocol.SIGNATURE_BYTES  # the WELCOME is signed
+            welcome = codec.decode(frames).message
+            assert isinstance(welcome, protocol.Welcome) and welcome.mac_x25519
+            assert codec.mac_active
+            primary.commit(3)
+            turns: list[protocol.ReplTurns] = []
+            deadline = time.monotonic() + 10
+            while sum(len(t.turns) for t in turns) < 3:
+                assert time.monotonic() < deadline, f"3 turns shipped, got {turns}"
+                frames = await asyncio.wait_for(s.recv_multipart(), 10)
+                env = codec.decode(frames)  # verifies the tag with the session's key
+                if isinstance(env.message, protocol.ReplTurns):
+                    assert len(frames[1]) == MAC_BYTES, len(frames[1])
+                    turns.append(env.message)
+            top = primary.log.position[1]
+            ack = codec.encode(protocol.ReplAck(epoch=primary.log.position[0], seq=top))
+            assert len(ack[1]) == MAC_BYTES
+            await s.send_multipart(ack)
+            await until(lambda: primary.standby()["seq"] == top, 10, "the tagged REPL_ACK to count")
         finally:
             s.close()
             ctx.term()
