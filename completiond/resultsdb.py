@@ -434,7 +434,9 @@ class SqliteResults(ResultsDB):
         con.execute("PRAGMA synchronous=FULL")
         # CAST(result AS TEXT) reads the bytes in the database's text encoding: UTF-8 only
         once = _SQLITE_HAS_GENERATED_COLUMNS and con.execute("PRAGMA encoding").fetchone()[0] == "UTF-8"
-        con.executescript((_SQLITE_RESULTS_V2 if once else _SQLITE_RESULTS_V1) + _SQLITE_SCHEMA)
+        # one transaction: a reader (or a crash) sees the whole schema or none of it, never
+        # ``results`` without ``results_quarantine``
+        con.executescript("BEGIN;\n" + (_SQLITE_RESULTS_V2 if once else _SQLITE_RESULTS_V1) + _SQLITE_SCHEMA + "\nCOMMIT;")
         self._results_sql = _SQLITE_RESULTS_V2_UPSERT if self.schema_version(con) == 2 else self._results_v1_sql
 
     @staticmethod
