@@ -370,6 +370,8 @@ class Election:
             except etcd_errors.ConnectionFailedError as exc:
                 if "SSL" in str(exc) or "certificate" in str(exc).lower():
                     raise self._tls_refused(name, exc) from None
+                if name.startswith("https://") and self._answers_plain_http(name):
+                    raise self._plain_http(name) from None
                 why.append(f"{name}: {type(exc).__name__}")
             except EtcdAuthFailed as exc:
                 raise ConfigError(f"{exc.key}: {exc} (for the election key {self.key})") from None
@@ -381,6 +383,10 @@ class Election:
                                       "(docs/ha.md \"etcd with TLS and authentication\")") from None
                 why.append(f"{name}: {detail[:200]}")
             except (requests.RequestException, etcd_errors.ConnectionTimeoutError, ValueError) as exc:
+                # a TLS ClientHello to a plain-HTTP etcd may end as a reset connection rather than
+                # an SSLError (the server's answer cut the handshake): the same scheme typo
+                if name.startswith("https://") and self._answers_plain_http(name):
+                    raise self._plain_http(name) from None
                 why.append(f"{name}: {type(exc).__name__}")
         raise ConfigError(f"{ENDPOINTS_KEY}: no etcd answers for the election key {self.key} ("
                           + "; ".join(why) + "): fix the endpoints or start etcd")
@@ -393,13 +399,17 @@ class Election:
         except (requests.RequestException, ValueError):
             return False
 
+    def _plain_http(self, name: str) -> ConfigError:
+        """The ConfigError for an https endpoint ``name`` whose etcd speaks plain HTTP."""
+        return ConfigError(f"{ENDPOINTS_KEY}: {name} answers without TLS (for the election key {self.key}): write it "
+                           "http://, or give etcd --cert-file/--key-file and https:// client URLs")
+
     def _tls_refused(self, name: str, exc: Exception) -> ConfigError:
         """The ConfigError for a TLS handshake with ``name`` that failed: this side did not
         verify etcd's certificate (:data:`CA_KEY`), or etcd refused ours (:data:`CERT_KEY`)."""
         text = str(exc)
         if "CERTIFICATE_VERIFY_FAILED" not in text and self._answers_plain_http(name):
-            return ConfigError(f"{ENDPOINTS_KEY}: {name} answers without TLS (for the election key {self.key}): write it "
-                               "http://, or give etcd --cert-file/--key-file and https:// client URLs")
+            return self._plain_http(name)
         if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
             ca = f"{CA_KEY} = {self.security.ca_cert!r}" if self.security.ca_cert else f"{CA_KEY} (unset: the system CA store)"
             return ConfigError(f"{CA_KEY}: etcd's certificate at {name} does not verify against {ca} "
