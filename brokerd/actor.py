@@ -743,7 +743,7 @@ class Broker:
                 self.relaying.note_lease_lost(txn, item_id, holder, now_ms, new)
                 if new:
                     batch.effects.append(lambda n=new: self.stats.lease_expired(n))
-                    batch.log("info", "lease_expired", item=item_id, token=token, why=why, now=new)
+                    batch.log("info", "lease_expired", item=item_id, token=token, why=why, now=new, at_ms=now_ms)
             elif op == "dead":
                 if txn.dead_letter(item_id, token, why, "cannot be dispatched", now_ms):
                     batch.log("warning", "item_dead", item=item_id, reason=why)
@@ -761,7 +761,8 @@ class Broker:
                 holder.lease_lost_recv_mono = holder.last_recv_mono
             if new:
                 batch.effects.append(lambda n=new: self.stats.lease_expired(n))
-                batch.log("info", "lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new)
+                batch.log("info", "lease_expired", item=lease.item_id, token=lease.token, worker=lease.worker, now=new,
+                          at_ms=now_ms)
                 if new == protocol.ItemState.DEAD.value:
                     batch.log("warning", "item_dead", item=lease.item_id, reason="worker_lost")
             self._lease_ends(batch, lease.item_id, lease.token)
