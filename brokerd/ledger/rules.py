@@ -19,6 +19,7 @@ The background slices (deadline expiry, purges, samples) are in
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from ccsq.brokerd import gaps
@@ -47,13 +48,11 @@ _MOVED_PREFIXES = (schema.STATE, schema.KIND_STATE)  # meta keys a state move ch
 _CACHED_STATES = frozenset({_READY, _LEASED, _COMPLETED})  # records kept between transactions (Ledger.cache_records)
 _IN_FLIGHT_STATES = frozenset({_LEASED, _COMPLETED})  # ... those kept while the queue is deep (_keep_records)
 _READY_KEY = schema.state_key(_READY)
+_pack_item_state = schema.pack_item_state
 #: A payload or result kept with its record in the ledger's record cache: a claim-check
 #: reference, or inline bytes up to this size.
 CACHED_BLOB_MAX_BYTES = 2048
 
-
-def _small(blob: protocol.Blob | None) -> bool:
-    return blob is not None and (blob.inline is None or len(blob.inline) <= CACHED_BLOB_MAX_BYTES)
 
 #: Shortest wait before an item whose worker could not reach the claim store is ready again.
 STORE_RETRY_MIN_MS = 1000
@@ -90,7 +89,10 @@ class LedgerTxn(LedgerView):
         self._delta: dict[bytes, int] = {}
         # Per-state counts moved by transitions: (kind, old state, new state) -> items,
         # folded into ``_delta`` (four meta keys each) when read or at commit.
-        self._moves: dict[tuple[str, str, str], int] = {}
+        self._moves: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        # Flow counters bumped here: name -> change, folded into ``_delta`` (``c:<name>``)
+        # when one is read or at commit (a bump is one dict increment, not a key lookup).
+        self._counts: defaultdict[str, int] = defaultdict(int)
         self.changed = False
         self.records = 0  # item records written (group-commit size, exported as a metric)
         # Records and payloads this transaction wrote, by item id: a lease right after its
@@ -111,6 +113,8 @@ class LedgerTxn(LedgerView):
         db = self.db
         self._items_db, self._ready_db, self._leased_db = db["items"], db["ready"], db["leased"]
         self._completed_db, self._dead_db, self._acked_db = db["completed"], db["dead"], db["acked"]
+        self._payloads_db, self._results_db, self._keys_db = db["payloads"], db["results"], db["keys"]
+        self._keytime_db, self._deadline_db, self._events_db = db["keytime"], db["deadline"], db["events"]
 
     def __exit__(self, *exc: object) -> None:
         if self.txn is not None:
@@ -125,6 +129,7 @@ class LedgerTxn(LedgerView):
         rep = self.ledger.replication
         try:
             self._fold_moves()
+            self._fold_counts()
             if self.ledger.record_cache_max:
                 self._ready_after = self.num(_READY_KEY)
             put, nums = self.txn.put, self._nums
@@ -164,19 +169,23 @@ class LedgerTxn(LedgerView):
         # records that their COMPLETE, delivery and ACK read a few turns later (with
         # 100,000 queued most of those would miss the cache and be unpacked from LMDB).
         states = _CACHED_STATES if self._ready_after <= self.ledger.record_cache_ready_max else _IN_FLIGHT_STATES
+        pop, get_payload, get_result, get_head = cache.pop, payloads.get, results.get, heads.get
         for item_id, rec in self._recs.items():
-            was = cache.pop(item_id, None)  # (mostly taken already by the transition: _rec)
+            was = pop(item_id, None)  # (mostly taken already by the transition: _rec)
             if rec["state"] in states:
                 # payload and result never change once written: kept when small, from this
                 # transaction or the entry before; re-inserted last (the oldest entries go first)
-                payload = payloads.get(item_id)
+                payload = get_payload(item_id)
                 if payload is None and was is not None:
                     payload = was[2]
-                result = results.get(item_id)
+                if payload is not None and payload.inline is not None and len(payload.inline) > CACHED_BLOB_MAX_BYTES:
+                    payload = None
+                result = get_result(item_id)
                 if result is None and was is not None:
                     result = was[3]
-                cache[item_id] = (rec, heads.get(item_id), payload if _small(payload) else None,
-                                  result if _small(result) else None)
+                if result is not None and result.inline is not None and len(result.inline) > CACHED_BLOB_MAX_BYTES:
+                    result = None
+                cache[item_id] = (rec, get_head(item_id), payload, result)
         for _ in range(len(cache) - self.ledger.record_cache_max):
             cache.popitem(last=False)
 
@@ -196,6 +205,8 @@ class LedgerTxn(LedgerView):
     def num(self, key: bytes) -> int:
         if self._moves and key[:2] in _MOVED_PREFIXES:
             self._fold_moves()
+        if self._counts and key[:2] == schema.COUNTER:
+            self._fold_counts()
         return self._base(key) + self._delta.get(key, 0)
 
     def _add(self, key: bytes, delta: int) -> None:
@@ -204,16 +215,21 @@ class LedgerTxn(LedgerView):
         self.changed = True
 
     def bump(self, name: str, delta: int = 1) -> None:
-        key = _COUNTER_KEYS.get(name) or schema.counter_key(name)
-        d = self._delta
-        d[key] = d.get(key, 0) + delta
+        """Add ``delta`` to flow counter ``name`` (meta ``c:<name>``, written at commit)."""
+        self._counts[name] += delta
         self.changed = True
+
+    def _fold_counts(self) -> None:
+        """Fold the counters bumped so far into ``_delta`` (their meta keys)."""
+        d = self._delta
+        for name, n in self._counts.items():
+            key = _COUNTER_KEYS.get(name) or schema.counter_key(name)
+            d[key] = d.get(key, 0) + n
+        self._counts.clear()
 
     def _move(self, kind: str, old: str, new: str) -> None:
         """One item of ``kind`` went from state ``old`` ("" for a new item) to ``new``."""
-        m = self._moves
-        k = (kind, old, new)
-        m[k] = m.get(k, 0) + 1
+        self._moves[(kind, old, new)] += 1
         self.changed = True
 
     def _fold_moves(self) -> None:
@@ -243,10 +259,15 @@ class LedgerTxn(LedgerView):
         return out
 
     def next_num(self, key: bytes) -> int:
-        """Increment the meta sequence ``key`` (``schema.NEXT_SEQ``...) and return its new value."""
-        v = self.num(key) + 1
-        self._add(key, 1)
-        return v
+        """Increment the meta sequence ``key`` (``schema.NEXT_SEQ``..., or a gap window's count;
+        not a counter or a per-state count) and return its new value."""
+        v = self._nums.get(key)
+        if v is None:
+            v = self._base(key)
+        d = self._delta
+        n = d[key] = d.get(key, 0) + 1
+        self.changed = True
+        return v + n
 
     # --- bookkeeping beside the items: drains, kinds served, rejects, gap events, history ---
     def set_draining(self, worker: str, on: bool) -> None:
@@ -279,10 +300,9 @@ class LedgerTxn(LedgerView):
 
     def event(self, window: str, item_id: str, now_ms: int, detail: str) -> None:
         """Append a gap-register event and bump the window's count."""
-        n = self.num(schema.gap_key(window)) + 1
-        self._add(schema.gap_key(window), 1)
+        n = self.next_num(schema.gap_key(window))
         ev = {"window": window, "item_id": item_id, "ts": now_ms / 1000.0, "detail": detail}
-        self.txn.put(schema.event_key(window, n), schema.pack(ev), db=self.db["events"])
+        self.txn.put(schema.event_key(window, n), schema.pack(ev), db=self._events_db)
 
     def restored_from_backup(self, now_ms: int) -> int:
         """The first write to a restored ``ccsq backup`` copy: every item not done in the
@@ -422,9 +442,10 @@ class LedgerTxn(LedgerView):
         head = self._heads.get(item_id)
         if head is None:  # a record of format 1 or 2 (or a new one): rewritten in format 3
             head = self._heads[item_id] = schema.pack_item_head(rec)
-        packed = head + schema.pack_item_state(rec)
-        if not (append and self.txn.put(iid, packed, db=self._items_db, append=True)):
-            self.txn.put(iid, packed, db=self._items_db)
+        packed = head + _pack_item_state(rec)
+        put = self.txn.put
+        if not (append and put(iid, packed, db=self._items_db, append=True)):
+            put(iid, packed, db=self._items_db)
         self._recs[item_id] = rec
         self.changed = True
         self.records += 1
@@ -506,7 +527,8 @@ class LedgerTxn(LedgerView):
         why = protocol.submit_item_problem(item)
         if why:
             return protocol.SubmitResult(item.key, "", error="MALFORMED", message=why)
-        found = self.key_entry(item.key)
+        kb = schema.key_index(item.key)
+        found = self.key_entry(item.key, kb)
         window_ms = int(policy.dedup_window_s * 1000)
         stale_key = None
         if found is not None and self._key_of(found[0]) not in (None, item.key):
@@ -551,20 +573,21 @@ class LedgerTxn(LedgerView):
         if origin:
             rec["origin"], rec["reply_to"] = origin, reply_to
         iid = item_id.encode()
-        payloads = self.db["payloads"]
+        txn = self.txn
+        put = txn.put
+        payloads = self._payloads_db
         blob = schema.pack_blob(item.payload, compress=True)
         # ids only grow: append (full pages, not half-split ones); out of order it falls back
-        self.txn.put(iid, blob, db=payloads, append=True) or self.txn.put(iid, blob, db=payloads)
+        put(iid, blob, db=payloads, append=True) or put(iid, blob, db=payloads)
         self._put(rec, iid, append=True)
         self._payloads[item_id] = item.payload
-        self._index_add(rec, iid)
-        self._move(item.kind, "", _READY)
-        self.bump("received")
-        kb = schema.key_index(item.key)
-        self.txn.put(kb, schema.pack([item_id, now_ms]), db=self.db["keys"])
-        self.txn.put(schema.timed_key(now_ms, kb), b"", db=self.db["keytime"])
+        put(schema.ready_key(item.kind, item.priority, now_ms, seq), iid, db=self._ready_db)  # (_index_add)
+        self._moves[(item.kind, "", _READY)] += 1
+        self._counts["received"] += 1
+        put(kb, schema.pack([item_id, now_ms]), db=self._keys_db)
+        put(schema.timed_key(now_ms, kb), b"", db=self._keytime_db)
         if deadline_ms is not None:
-            self.txn.put(schema.timed_key(deadline_ms, item_id.encode()), b"", db=self.db["deadline"])
+            put(schema.timed_key(deadline_ms, iid), b"", db=self._deadline_db)
         if stale_key is not None:
             self.event(
                 gaps.G5_DEDUP_WINDOW_PASSED, item_id, now_ms, f"key {item.key[:80]!r} was item {stale_key[0]} ({stale_key[1]})"
@@ -592,11 +615,19 @@ class LedgerTxn(LedgerView):
                 # COMPLETE: this item's next delivery counts as a redelivery (G3, docs/ha.md)
                 more["completed_epoch"] = before
         rec.pop("token_worker", None)  # an older record's holder of the previous token: ``worker`` says it now
-        self._transition(
-            rec, _LEASED, attempt=rec["attempt"] + 1, token=token, worker=worker, lease_expires_ms=now_ms + lease_ttl_ms,
-            **more,
-        )
-        self.bump("routed")
+        # ready -> leased, as _transition does it (the same writes, in the same order), unrolled: the hot path
+        iid = item_id.encode()
+        txn = self.txn
+        txn.delete(schema.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self._ready_db)
+        rec["attempt"] += 1
+        rec["token"], rec["worker"], rec["lease_expires_ms"] = token, worker, now_ms + lease_ttl_ms
+        if more:
+            rec.update(more)  # type: ignore[typeddict-item]  # completed_epoch
+        rec["state"] = _LEASED
+        txn.put(iid, schema.pack([token, worker]), db=self._leased_db)
+        self._moves[(rec["kind"], _READY, _LEASED)] += 1
+        self._put(rec, iid)
+        self._counts["routed"] += 1
         deadline_ms = rec["deadline_ms"]
         return schema.trusted_task(item_id, token, rec["kind"], self.payload(item_id), rec["params"], rec["attempt"],
                                    rec["max_runtime_s"], deadline_ms / 1000.0 if deadline_ms is not None else None, b"", b"")
@@ -648,27 +679,34 @@ class LedgerTxn(LedgerView):
             return protocol.Outcome.DUPLICATE.value
         late = st == _READY and rec["token"] == res.token and res.token != 0
         if ((st == _LEASED and rec["token"] == res.token) or late) and not self._not_holder(rec, sender):
-            self.txn.put(res.item_id.encode(), schema.pack_blob(res.result), db=self.db["results"])
+            iid = res.item_id.encode()
+            txn = self.txn
+            txn.put(iid, schema.pack_blob(res.result), db=self._results_db)
             self._results[res.item_id] = res.result
             cseq = self.next_num(schema.NEXT_CSEQ)
-            self._transition(
-                rec,
-                _COMPLETED,
-                cseq=cseq,
-                completed_token=res.token,
-                completed_ms=now_ms,
-                # the oldest primary that may have delivered this result (a replicated pair: a lease an
-                # earlier primary granted, which released RESULT at its commit; docs/ha.md): older than
-                # the current epoch -> the next delivery is a redelivery (G3, brokerd/delivery.py)
-                completed_epoch=min(self.epoch(), schema.token_epoch(res.token) or self.epoch(),
-                                    rec.get("completed_epoch") or self.epoch()),
-                handler=res.handler,
-                handler_version=res.handler_version,
-                runtime_s=res.runtime_s,
-                worker_done=schema.token_holder(rec) or sender,
-                lease_expires_ms=0,
-            )
-            self.bump("completed")
+            epoch = self.epoch()
+            # leased (or ready, late) -> completed, as _transition does it (the same writes, in the same order)
+            if st == _LEASED:
+                txn.delete(iid, db=self._leased_db)
+            else:
+                txn.delete(schema.ready_key(rec["kind"], rec["priority"], rec["nb_ms"], rec["seq"]), db=self._ready_db)
+            rec["cseq"] = cseq
+            rec["completed_token"] = res.token
+            rec["completed_ms"] = now_ms
+            # the oldest primary that may have delivered this result (a replicated pair: a lease an
+            # earlier primary granted, which released RESULT at its commit; docs/ha.md): older than
+            # the current epoch -> the next delivery is a redelivery (G3, brokerd/delivery.py)
+            rec["completed_epoch"] = min(epoch, schema.token_epoch(res.token) or epoch, rec.get("completed_epoch") or epoch)
+            rec["handler"] = res.handler
+            rec["handler_version"] = res.handler_version
+            rec["runtime_s"] = res.runtime_s
+            rec["worker_done"] = schema.token_holder(rec) or sender
+            rec["lease_expires_ms"] = 0
+            rec["state"] = _COMPLETED
+            txn.put(schema.seq_key(cseq), iid, db=self._completed_db)
+            self._moves[(rec["kind"], st, _COMPLETED)] += 1
+            self._put(rec, iid)
+            self._counts["completed"] += 1
             if late:
                 self.bump("late_results_accepted")
                 self.event(gaps.G8_LATE_RESULT_ACCEPTED, res.item_id, now_ms, f"token {res.token} after its lease expired")
@@ -770,9 +808,17 @@ class LedgerTxn(LedgerView):
             self._transition(rec, _ACKNOWLEDGED, acked_ms=now_ms, quarantined=quarantine_error[:500])
             self.bump("quarantined")
             self.event(gaps.G12_RESULT_QUARANTINED, item_id, now_ms, quarantine_error[:200])
-        else:
-            self._transition(rec, _ACKNOWLEDGED, acked_ms=now_ms)
-        self.bump("acknowledged")
+        else:  # completed -> acknowledged, as _transition does it (the same writes, in the same order)
+            iid = item_id.encode()
+            txn = self.txn
+            txn.delete(schema.seq_key(rec["cseq"]), db=self._completed_db)
+            rec["acked_ms"] = now_ms
+            rec["state"] = _ACKNOWLEDGED
+            txn.put(schema.timed_key(now_ms, iid), b"", db=self._acked_db)
+            self._moves[(rec["kind"], _COMPLETED, _ACKNOWLEDGED)] += 1
+            self._put(rec, iid)
+        self._counts["acknowledged"] += 1
+        self.changed = True
         return True
 
     def note_redelivery(self, item_id: str, now_ms: int, why: str) -> None:

@@ -155,12 +155,13 @@ class LedgerView:
         return out
 
     # --- idempotency keys ---
-    def key_entry(self, key: str) -> tuple[str, int, bytes] | None:
+    def key_entry(self, key: str, digest: bytes | None = None) -> tuple[str, int, bytes] | None:
         """``(item_id, created_ms, entry)`` of idempotency key ``key`` in ``keys`` (``entry``:
         its key there: :func:`~ccsq.brokerd.ledger.schema.key_index`, or the raw UTF-8 key
-        an older version wrote, looked up only while the ledger holds such entries), or None."""
+        an older version wrote, looked up only while the ledger holds such entries), or None.
+        ``digest``: ``key_index(key)`` when the caller has it already."""
         db = self.db["keys"]
-        entry = schema.key_index(key)
+        entry = schema.key_index(key) if digest is None else digest
         raw = self.txn.get(entry, db=db)
         if raw is None and self.ledger.legacy_keys:
             entry = key.encode()
