@@ -1,0 +1,169 @@
+"""The broker turn's per-frame forms of per-record work (brokerd/outbound.py, peers.py,
+delivery.py, ledger/view.py): each must give what the per-record form gives (or, for a
+size bound, never less than the packed size), on generated records."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from ccsq.brokerd.delivery import DeliveryTracker
+from ccsq.brokerd.outbound import (deliveries_bound, delivery_size, delivery_size_bound, dispatch_refusal, dispatch_refusals,
+                                   task_size, task_size_bound, tasks_bound)
+from ccsq.brokerd.peers import HEAP_COMPACT_MIN, LeaseTimers, PeerStatus, Session
+from ccsq.brokerd.relaying import Federation
+from ccsq.common.wire import protocol
+from ccsq.common.wire.frames import FrameBudget, encoded_size, split_bounded
+
+from tests.test_frames import _random_records
+
+
+def test_list_bounds_are_never_below_the_packed_list_and_equal_the_record_bounds_when_ascii() -> None:
+    """``tasks_bound`` / ``deliveries_bound`` (one pass over a DISPATCH's or RESULT's records,
+    one ASCII check for all their strings) are what ``split_bounded`` skips exact sizing on: never
+    below the packed records' sum; with ASCII strings exactly the per-record bounds' sum."""
+    rng = random.Random(2403)
+    for _ in range(300):
+        pairs = [_random_records(rng) for _ in range(rng.randint(1, 6))]
+        tasks, deliveries = [p[0] for p in pairs], [p[1] for p in pairs]
+        assert tasks_bound(tasks) >= sum(map(task_size, tasks))
+        assert deliveries_bound(deliveries) >= sum(map(delivery_size, deliveries))
+        assert tasks_bound(tasks) >= sum(map(task_size_bound, tasks))
+        assert deliveries_bound(deliveries) >= sum(map(delivery_size_bound, deliveries))
+        ascii_t = all(t.item_id.isascii() and t.kind.isascii() and all(
+            k.isascii() and (not isinstance(v, str) or v.isascii()) for k, v in t.params.items()) for t in tasks)
+        if ascii_t:
+            assert tasks_bound(tasks) == sum(map(task_size_bound, tasks))
+        ascii_d = all(all(s.isascii() for s in (d.item_id, d.key, d.kind, d.handler, d.handler_version)) and all(
+            k.isascii() and (not isinstance(v, str) or v.isascii()) for k, v in d.params.items()) for d in deliveries)
+        if ascii_d:
+            assert deliveries_bound(deliveries) == sum(map(delivery_size_bound, deliveries))
+    assert tasks_bound([]) == 0 and deliveries_bound([]) == 0
+
+
+def test_split_bounded_takes_a_list_bound() -> None:
+    """One call for the whole list; exactly one of the two bounds."""
+    sized: list[int] = []
+
+    def size(i: int) -> int:
+        sized.append(i)
+        return 10
+
+    assert split_bounded(list(range(5)), size_of=size, bound=lambda xs: 20 * len(xs), budget_bytes=100, max_items=5) == [
+        list(range(5))]
+    assert sized == []
+    assert split_bounded(list(range(6)), size_of=size, bound=lambda xs: 20 * len(xs), budget_bytes=100, max_items=9) == [
+        list(range(6))]
+    assert sized == list(range(6))
+    for kwargs in ({}, {"bound_of": len, "bound": len}):
+        try:
+            split_bounded([1], size_of=size, budget_bytes=100, max_items=5, **kwargs)  # type: ignore[arg-type]
+        except TypeError:
+            continue
+        raise AssertionError(f"accepted {kwargs}")
+
+
+def _item(rng: random.Random, budget: FrameBudget) -> protocol.SubmitItem:
+    letters = rng.choice(["abc", "a\u00e9\u6f22\U0001f600"])
+    inline = b"x" * rng.choice([0, 10, 1000, budget.room_bytes // 2, budget.room_bytes - 900, budget.room_bytes - 300,
+                                budget.room_bytes])
+    params: dict = {}
+    for _ in range(rng.choice([0, 1, 3, 40])):
+        v = rng.choice([1.5, 7, None, True, "v" * rng.choice([1, 100, 4000]), rng.choice(letters) * rng.choice([1, 3000]),
+                        b"b" * rng.choice([1, 5000])])
+        params["".join(rng.choice(letters) for _ in range(rng.choice([1, 20])))] = v
+    kind = "".join(rng.choice(letters) for _ in range(rng.choice([1, 30, 128])))
+    return protocol.SubmitItem("k" * 64, kind, protocol.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline), params)
+
+
+def test_dispatch_refusals_of_a_frame_are_each_items_dispatch_refusal() -> None:
+    """The SUBMIT loop's one call per frame gives every item's ``dispatch_refusal`` (the same
+    reason, the same "" for an item that fits), None only when every item fits; items near the
+    frame's room on generated sizes, federated or not, relayed or not."""
+    rng = random.Random(24)
+    budget = FrameBudget(64 * 1024)
+    seen_refused = seen_fit = 0
+    for _ in range(300):
+        items = [_item(rng, budget) for _ in range(rng.randint(1, 5))]
+        kw = dict(id_len=rng.choice([20, 28]), swarm_id=rng.choice(["", "swarm-a", "\u00e9" * 30]), relayed=rng.random() < 0.3,
+                  federated=rng.random() < 0.5)
+        want = [dispatch_refusal(it, budget, **kw) for it in items]  # type: ignore[arg-type]
+        got = dispatch_refusals(items, budget, **kw)  # type: ignore[arg-type]
+        assert (got if got is not None else [""] * len(items)) == want
+        assert (got is None) == (not any(want))
+        seen_refused += sum(1 for w in want if w)
+        seen_fit += sum(1 for w in want if not w)
+    assert seen_refused > 50 and seen_fit > 50  # both sides of the room were generated
+
+
+def test_lease_timers_batch_forms_equal_one_by_one() -> None:
+    """``add_many`` / ``discard_many`` (one DISPATCH's leases, one COMPLETE's ended ones) leave
+    the timers as ``add`` / ``discard`` one by one do: leases, per-worker sets, what comes due
+    and when; a re-lease of an item under a new token replaces the old lease; an ended pair
+    with a stale token leaves the live lease alone."""
+    rng = random.Random(7)
+    one, many = LeaseTimers(ttl_s=30.0), LeaseTimers(ttl_s=30.0)
+    token = 0
+    for step in range(3 * HEAP_COMPACT_MIN // 50):
+        worker = rng.choice(["w1", "w2", "w3"])
+        ids = [f"i{rng.randint(0, 3000)}" for _ in range(rng.randint(1, 64))]
+        ids = list(dict.fromkeys(ids))
+        tasks = []
+        for i in ids:
+            token += 1
+            tasks.append(protocol.Task(i, token, "k", protocol.Blob("c" * 64, 0, b""), {}, 1, 0.0, None))
+        expires = 100.0 + step
+        for t in tasks:
+            one.add(t.item_id, t.token, worker, expires)
+        many.add_many(tasks, worker, expires)
+        live = list(one.leases.values())
+        ended = [(lease.item_id, lease.token if rng.random() < 0.8 else lease.token + 10**9)
+                 for lease in rng.sample(live, min(len(live), rng.randint(0, 70)))]
+        for item_id, tok in ended:
+            one.discard(item_id, tok)
+        many.discard_many(ended)
+        assert {k: (v.token, v.worker, v.expires_mono) for k, v in one.leases.items()} == \
+            {k: (v.token, v.worker, v.expires_mono) for k, v in many.leases.items()}
+        assert one.by_worker == many.by_worker
+    assert len(many._heap) <= 2 * len(many) + HEAP_COMPACT_MIN + 64  # rebuilt once ended entries pile up
+    due = lambda t: [(x.item_id, x.token) for x in t.pop_due(1e9, 1 << 20)]  # noqa: E731
+    assert due(one) == due(many) and len(one) > 0
+
+
+def _tracker() -> DeliveryTracker:
+    return DeliveryTracker(1, Federation("", "swarm", None), max_batch_items=64, reply_budget=lambda: 1 << 20)
+
+
+def test_acknowledged_many_equals_acknowledged_one_by_one() -> None:
+    """An ACK frame's ids through ``acknowledged_many`` leave the tracker as ``acknowledged``
+    per id does: nothing in flight, owed or routed for them; the rest untouched."""
+    rng = random.Random(5)
+    one, many = _tracker(), _tracker()
+    sessions = [Session(f"c{i}", protocol.Role.COMPLETION, b"r%d" % i, 1) for i in range(3)]
+    for s in sessions:
+        s.status = PeerStatus.CONNECTED
+    res = protocol.Blob("c" * 64, 0, b"")
+    for _ in range(200):
+        sess = rng.choice(sessions)
+        ids = list(dict.fromkeys(f"i{rng.randint(0, 500)}" for _ in range(rng.randint(1, 30))))
+        ds = [protocol.Delivery(i, "k", "kind", res, {}, 1, "", "", 0.0, False, b"", b"") for i in ids]
+        route = rng.random() < 0.2
+        for t in (one, many):
+            t.sent(sess, ds)
+            if route:
+                t.route("relay-1", ids[0])
+        if rng.random() < 0.1:
+            for t in (one, many):
+                t.session_ended(sess.peer_id)
+        acked = rng.sample(ids, rng.randint(0, len(ids))) + [f"unknown{rng.randint(0, 9)}"]
+        for i in acked:
+            one.acknowledged(i)
+        many.acknowledged_many(acked)
+        assert one._sent_to == many._sent_to and one._by_peer == many._by_peer
+        assert one._redeliver == many._redeliver and one.routed_all == many.routed_all and one._routed == many._routed
+
+
+def test_a_lone_item_fits_exactly_as_sized() -> None:
+    """The bound of one task is what a lone DISPATCH of it packs to, at most (sanity of the fixed parts)."""
+    task, delivery = _random_records(random.Random(1))
+    assert encoded_size(task) <= tasks_bound([task]) and encoded_size(delivery) <= deliveries_bound([delivery])
