@@ -70,7 +70,7 @@ def _item(rng: random.Random, budget: FrameBudget) -> protocol.SubmitItem:
     params: dict = {}
     for _ in range(rng.choice([0, 1, 3, 40])):
         v = rng.choice([1.5, 7, None, True, "v" * rng.choice([1, 100, 4000]), rng.choice(letters) * rng.choice([1, 3000]),
-                        b"b" * rng.choice([1, 5000])])
+                        b"b" * rng.choice([1, 5000, 20000])])
         params["".join(rng.choice(letters) for _ in range(rng.choice([1, 20])))] = v
     kind = "".join(rng.choice(letters) for _ in range(rng.choice([1, 30, 128])))
     return protocol.SubmitItem("k" * 64, kind, protocol.Blob(hashlib.sha256(inline).hexdigest(), len(inline), inline), params)
@@ -167,3 +167,25 @@ def test_a_lone_item_fits_exactly_as_sized() -> None:
     """The bound of one task is what a lone DISPATCH of it packs to, at most (sanity of the fixed parts)."""
     task, delivery = _random_records(random.Random(1))
     assert encoded_size(task) <= tasks_bound([task]) and encoded_size(delivery) <= deliveries_bound([delivery])
+
+
+def test_scan_ready_of_one_kind_is_the_merged_order(tmp_path) -> None:
+    """``scan_ready`` of one kind returns its entries in key order without sorting: the same ids,
+    in the same order (priority, then not-before, then arrival) and the same hint as a scan of
+    that kind with another one beside it, which sorts; backing-off items and limits generated."""
+    from tests.test_ledger import item, open_ledger, submit
+
+    led = open_ledger(tmp_path / "l", retry_backoff_base_s=5.0, max_attempts=50)
+    rng = random.Random(11)
+    submit(led, *[item(f"k{i}", kind=rng.choice(["a", "b"]), priority=rng.choice([-3, 0, 0, 2, 9])) for i in range(300)])
+    txn = led.begin()  # some back off: leased and expired (not-before in the future)
+    ids, _ = txn.scan_ready(["a"], 80, 2_000)
+    for i in rng.sample(ids, 40):
+        task = txn.lease(i, "w1", 2_000, 5_000)
+        assert task is not None and txn.expire_lease(i, task.token, 2_500) == "ready"
+    txn.commit()
+    with led.read() as view:
+        for now_ms in (2_000, 3_000, 6_000, 20_000, 10**9):
+            for limit in (1, 7, 64, 500):
+                assert view.scan_ready(["a"], limit, now_ms) == view.scan_ready(["a", "none-such"], limit, now_ms)
+    led.close()
