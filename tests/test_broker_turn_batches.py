@@ -189,3 +189,41 @@ def test_scan_ready_of_one_kind_is_the_merged_order(tmp_path) -> None:
             for limit in (1, 7, 64, 500):
                 assert view.scan_ready(["a"], limit, now_ms) == view.scan_ready(["a", "none-such"], limit, now_ms)
     led.close()
+
+
+def test_generated_decoders_usual_map_path_decides_as_the_reference() -> None:
+    """The generated decoders read a record map with exactly the usual keys (every field but the
+    empty extensions) by key; a map of that size with an extension key instead of a usual one,
+    an unknown key beside the usual ones, or a usual key of the wrong type decodes (or is refused)
+    exactly as the reference codec does."""
+    from ccsq.common.wire import codec
+    from ccsq.common.wire.errors import DecodeError
+
+    blob = protocol.Blob(hashlib.sha256(b"x").hexdigest(), 1, b"x")
+    sub = codec.encode_body(protocol.Submit(3, [protocol.SubmitItem("k1", "echo", blob, {"t": 1.0}, 2, 5.0, 3, 1.5)]))
+    comp = codec.encode_body(protocol.Complete([protocol.TaskResult("i1", 7, blob, "h", "1", 0.25)]))
+
+    def both(msg_type: protocol.MsgType, body: dict) -> tuple:
+        out = []
+        for decode in (codec.decode_body, codec._slow_decode_body):
+            try:
+                out.append(decode(int(msg_type), body))
+            except DecodeError as exc:
+                out.append((exc.code, str(exc)))
+        return tuple(out)
+
+    variants = []
+    for msg_type, body, records in ((protocol.MsgType.SUBMIT, sub, "items"), (protocol.MsgType.COMPLETE, comp, "results")):
+        rec = body[records][0]
+        variants.append((msg_type, body))
+        for usual_key in [k for k in rec if k not in ("key", "kind", "payload", "item_id", "token", "result")]:
+            swapped = {k: v for k, v in rec.items() if k != usual_key}
+            swapped["origin" if records == "items" else "proof"] = b"o"
+            variants.append((msg_type, {**body, records: [swapped]}))
+            variants.append((msg_type, {**body, records: [{**rec, usual_key: "wrong type"}]}))
+        variants.append((msg_type, {**body, records: [{**rec, "unknown": 1}]}))
+        blob_field = "payload" if records == "items" else "result"
+        variants.append((msg_type, {**body, records: [{**rec, blob_field: {**codec.encode_body(blob), "extra": 1}}]}))
+    for msg_type, body in variants:
+        fast, slow = both(msg_type, body)
+        assert fast == slow, (body, fast, slow)
