@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, profile: Path | None = None,
-        signed: bool = False) -> dict:
+        signed: bool = False, profile_rate_hz: int = 200) -> dict:
     sys.path.insert(0, str(ROOT))
     from bench.ccsq_pipeline import start_swarm
     from ccsq.tools.procs import bin_path
@@ -58,7 +58,7 @@ def run(n: int = 20000, frame: int = 100, window: int = 8, credit: int = 512, pr
             pid = procs.procs["broker"].popen.pid
             spy = None
             if profile is not None:
-                spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(pid), "-r", "200", "--format", "raw",
+                spy = subprocess.Popen([bin_path("py-spy"), "record", "-p", str(pid), "-r", str(profile_rate_hz), "--format", "raw",
                                         "-o", str(profile), "--nonblocking", "--gil"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
@@ -106,9 +106,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profile of the broker (--gil)")
+    ap.add_argument("--profile-rate", type=int, default=200, help="py-spy samples per second (--profile)")
     ap.add_argument("--signed", action="store_true", help="peers sign every frame (no session MACs, like older peers)")
     args = ap.parse_args()
-    print(json.dumps(run(args.n, profile=args.profile, signed=args.signed)))
+    print(json.dumps(run(args.n, profile=args.profile, signed=args.signed, profile_rate_hz=args.profile_rate)))
 
 
 if __name__ == "__main__":

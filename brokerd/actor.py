@@ -48,7 +48,7 @@ from ccsq.brokerd.ledger import Ledger, LedgerTxn, ReadersFull, disk_free_bytes,
 from ccsq.brokerd.ledger import maintenance
 from ccsq.brokerd.ledger.schema import trusted_outcome
 from ccsq.brokerd.metrics import BrokerStats, build_snapshot
-from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, blob_size, dispatch_refusal, status_size
+from ccsq.brokerd.outbound import UNSENT_RETRY_S, Outbound, dispatch_refusals, status_size
 from ccsq.brokerd.peers import LeaseTimers, PeerTable, Session
 from ccsq.brokerd.primary import CHECK_INTERVAL_S, READ_COMMANDS, HaPrimary
 from ccsq.brokerd.relaying import Federation, Relaying, relay_sessions
@@ -615,38 +615,43 @@ class Broker:
                 # items not yet completed (ready + leased): read once per frame, then counted here
                 open_items = 0 if refuse else (txn.state_count(protocol.ItemState.READY.value)
                                                + txn.state_count(protocol.ItemState.LEASED.value))
-                for item in msg.items:
-                    too_big = dispatch_refusal(item, self.outbound.budget, id_len=len(self.ledger.id_prefix) + 16,
-                                               swarm_id=self.fed.swarm_id, relayed=sess.role is protocol.Role.RELAY,
-                                               federated=self.fed.enabled)
-                    if too_big:  # it could never be sent to a taker: refused now, not dead-lettered later
-                        results.append(protocol.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big))
+                relayed = sess.role is protocol.Role.RELAY
+                too_big = dispatch_refusals(msg.items, self.outbound.budget, id_len=len(self.ledger.id_prefix) + 16,
+                                            swarm_id=self.fed.swarm_id, relayed=relayed, federated=self.fed.enabled)
+                submit, admission = txn.submit, self._admission_refusal
+                added = 0  # new ready items of this frame
+                for at, item in enumerate(msg.items):
+                    if too_big is not None and too_big[at]:  # it could never be sent to a taker: refused now, not dead-lettered later
+                        results.append(protocol.SubmitResult(item.key, "", error="PAYLOAD_TOO_LARGE", message=too_big[at]))
                         continue
-                    cost = blob_size(item.payload) + ITEM_RECORD_BYTES
-                    refusal = refuse or self._admission_refusal(open_items, admitted + cost)
-                    if sess.role is protocol.Role.RELAY:
+                    inline = item.payload.inline
+                    cost = (0 if inline is None else len(inline)) + ITEM_RECORD_BYTES  # (blob_size)
+                    refusal = refuse or admission(open_items, admitted + cost)
+                    if relayed:
                         r = self.relaying.submit(txn, batch, sess, item, now_ms, refusal)
                     else:
-                        r = txn.submit(item, now_ms, refuse=refusal)
+                        r = submit(item, now_ms, refuse=refusal)
                     if r.item_id and not r.duplicate:  # a new ready item
                         admitted += cost
                         open_items += 1
+                        added += 1
                     results.append(r)
                 unserved = self._unserved(sess, msg.items)
                 batch.replies.append((rid, protocol.SubmitAck(msg.req, results, unserved=unserved,
                                                        served=self._served(sess) if unserved else [])))
-                if any(r.item_id and not r.duplicate for r in results):
+                if added:
                     batch.crash("broker.after_submit_commit")
                     batch.effects.append(self._wake_dispatch)
             elif isinstance(msg, protocol.Complete):
                 outcomes = []
                 ended = []  # (item_id, token) whose lease timer goes after commit
                 relay = sess.role is protocol.Role.RELAY
+                federated, complete, sender = self.fed.enabled, txn.complete, env.sender
                 for res in msg.results:
                     outcome = self.relaying.complete(txn, batch, sess, res, now_ms) if relay \
-                        else txn.complete(res, now_ms, env.sender)
+                        else complete(res, now_ms, sender)
                     outcomes.append(trusted_outcome(res.item_id, res.token, outcome))
-                    if self.fed.enabled and outcome == _ACCEPTED:
+                    if federated and outcome == _ACCEPTED:
                         reply_to = (txn.record(res.item_id) or {}).get("reply_to")
                         if reply_to:  # at once, not after commit: this turn's _deliver must skip it too
                             self.delivery.route(reply_to, res.item_id)  # (a hint: delivery checks the ledger state)
@@ -719,9 +724,7 @@ class Broker:
 
     def _leases_end(self, ended: list[tuple[str, int]]) -> None:
         """After commit: the lease timers of ``ended`` (item id, token) go (as :meth:`_lease_ends`)."""
-        discard = self.leases.discard
-        for item_id, token in ended:
-            discard(item_id, token)
+        self.leases.discard_many(ended)
 
     def _admission_refusal(self, open_items: int, cost: int) -> str:
         """"QUEUE_FULL" when one more item of ``cost`` bytes (plus this turn's earlier ones)
@@ -807,9 +810,7 @@ class Broker:
 
     def _acknowledged_all(self, item_ids: list[str]) -> None:
         """After commit: ACKs of ``item_ids``; they need neither delivery nor routing any more."""
-        acknowledged = self.delivery.acknowledged
-        for item_id in item_ids:
-            acknowledged(item_id)
+        self.delivery.acknowledged_many(item_ids)
 
 
     # --- sending (brokerd/outbound.py) and timers ---

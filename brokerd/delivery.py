@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ccsq.brokerd.outbound import delivery_size, delivery_size_bound
+from ccsq.brokerd.outbound import deliveries_bound, delivery_size
 from ccsq.brokerd.peers import PeerStatus
 from ccsq.common.wire import protocol
 from ccsq.common.wire.frames import split_bounded
@@ -101,10 +101,13 @@ class DeliveryTracker:
             self.set_possible(True)
             return False
         held = self._by_peer.setdefault(sess.peer_id, set())
-        for d in deliveries:
-            self._sent_to[d.item_id] = sess.peer_id
-            self._redeliver.discard(d.item_id)
-            held.add(d.item_id)
+        sent_to, peer_id = self._sent_to, sess.peer_id
+        ids = [d.item_id for d in deliveries]
+        for item_id in ids:
+            sent_to[item_id] = peer_id
+        held.update(ids)
+        if self._redeliver:
+            self._redeliver.difference_update(ids)
         return True
 
     def route(self, peer_id: str, item_id: str) -> None:
@@ -144,6 +147,22 @@ class DeliveryTracker:
                 if not held:
                     del self._by_peer[peer]
 
+    def acknowledged_many(self, item_ids: list[str]) -> None:
+        """:meth:`acknowledged` of every id of one ACK frame."""
+        routed, sent_to, redeliver, by_peer = self.routed_all, self._sent_to, self._redeliver, self._by_peer
+        for item_id in item_ids:
+            if item_id in routed:
+                self.unroute(item_id)
+            peer = sent_to.pop(item_id, None)
+            if peer is not None:
+                held = by_peer.get(peer)
+                if held is not None:
+                    held.discard(item_id)
+                    if not held:
+                        del by_peer[peer]
+        if redeliver:
+            redeliver.difference_update(item_ids)
+
     def session_ended(self, peer_id: str) -> None:
         """The session of ``peer_id`` ended: its unacknowledged deliveries are owed a
         redelivery (G3) and deliverable again."""
@@ -177,25 +196,27 @@ class DeliveryTracker:
         floor = self._floor_cseq
         budget = DELIVER_PER_TURN
         routed = self.routed_all  # results of relayed items go to their relay only
+        sent_to = self._sent_to
         for sess in takers:
             limit = min(sess.credit, self.max_batch_items, budget)
             if limit <= 0:
                 more = True
                 break
-            ids, floor = txn.completed_ids(lambda i: i in self._sent_to or i in planned or i in routed, limit, floor)
+            ids, floor = txn.completed_ids(lambda i: i in sent_to or i in planned or i in routed, limit, floor)
             if len(ids) == limit:
                 more = True
             if not ids:
                 continue
             budget -= len(ids)
             deliveries = []
+            planned.update(ids)
+            record, delivery, owed = txn.record, txn.delivery, self.redelivery
             for item_id in ids:
-                planned.add(item_id)
-                rec = txn.record(item_id)  # (read only)
-                redelivery, why = self.redelivery(item_id, rec, "completion session ended before ACK")
+                rec = record(item_id)  # (read only)
+                redelivery, why = owed(item_id, rec, "completion session ended before ACK")
                 if redelivery:
                     txn.note_redelivery(item_id, now_ms, why)
-                deliveries.append(txn.delivery(item_id, redelivery, rec))
+                deliveries.append(delivery(item_id, redelivery, rec))
             self._queue(batch, sess, deliveries, on_sent)
         batch.effects.append(lambda f=floor, g=self._floor_generation: self.advance_floor(f, g))
         return more
@@ -234,7 +255,7 @@ class DeliveryTracker:
     def _queue(self, batch: Batch, sess: Session, deliveries: list[protocol.Delivery],
                on_sent: Callable[[Session, list[protocol.Delivery]], None]) -> None:
         batch.effects.append(lambda s=sess, ds=deliveries: on_sent(s, ds))
-        for chunk in split_bounded(deliveries, size_of=delivery_size, bound_of=delivery_size_bound,
+        for chunk in split_bounded(deliveries, size_of=delivery_size, bound=deliveries_bound,
                                    budget_bytes=self.reply_budget(), max_items=self.max_batch_items):
             batch.replies.append((sess.routing_id, protocol.Result(chunk)))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ccsq.brokerd.clock import SYSTEM_CLOCK, Clock
-from ccsq.brokerd.outbound import task_size, task_size_bound
+from ccsq.brokerd.outbound import task_size, tasks_bound
 from ccsq.brokerd.relaying import Federation, relay_sessions, scan_for_relay
 from ccsq.common.wire import federation as fed
 from ccsq.common.wire import protocol
@@ -119,7 +119,7 @@ class Dispatcher:
                 continue
             batch.crash("broker.after_lease_commit")
             batch.effects.append(lambda s=sess, ts=tasks: self._leased(s, ts))
-            for chunk in split_bounded(tasks, size_of=task_size, bound_of=task_size_bound, budget_bytes=self.reply_budget(),
+            for chunk in split_bounded(tasks, size_of=task_size, bound=tasks_bound, budget_bytes=self.reply_budget(),
                                        max_items=self.cfg.max_batch_items):
                 batch.replies.append((sess.routing_id, protocol.Dispatch(chunk)))
         at = 0.0 if exhausted else next_at
@@ -127,9 +127,7 @@ class Dispatcher:
 
     def _leased(self, sess: Session, tasks: list[protocol.Task]) -> None:
         """After commit: lease timers for ``tasks``; they spend the taker's credit."""
-        expires = self.leases.expiry(self.clock.monotonic_s())
-        for t in tasks:
-            self.leases.add(t.item_id, t.token, sess.peer_id, expires)
+        self.leases.add_many(tasks, sess.peer_id, self.leases.expiry(self.clock.monotonic_s()))
         sess.credit -= len(tasks)
 
     def _advance_round_robin(self) -> None:

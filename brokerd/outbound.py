@@ -212,6 +212,65 @@ def delivery_size_bound(d: protocol.Delivery) -> int:
             + (0 if inline is None else len(inline)) + len(d.proof) + len(d.proof_sig))
 
 
+def _params_into(params: protocol.Params, texts: list[str]) -> int:
+    """:func:`~ccsq.common.wire.frames.params_bound` of ``params`` less its strings' bytes,
+    whose texts go on ``texts`` (counted once for a whole record list by :func:`_texts_bound`)."""
+    n = 5
+    for k, v in params.items():
+        texts.append(k)
+        if isinstance(v, str):
+            texts.append(v)
+            n += 10
+        elif isinstance(v, bytes):
+            n += 10 + len(v)
+        else:
+            n += 14
+    return n
+
+
+def _texts_bound(texts: list[str]) -> int:
+    """Bytes the strings ``texts`` take packed, less their 5-byte headers, at most: their
+    length when all of them are ASCII (one check for the whole list), else 4 bytes a character."""
+    s = "".join(texts)
+    return len(s) if s.isascii() else 4 * len(s)
+
+
+def tasks_bound(tasks: list[protocol.Task]) -> int:
+    """An upper bound (bytes) of the :func:`task_size` sum of ``tasks`` in one pass: the sum of
+    their :func:`task_size_bound` when every string is ASCII, else every string counted at 4
+    bytes a character (a DISPATCH's size bound for ``frames.split_bounded``)."""
+    n = len(tasks) * (_TASK_FIXED_BOUND + 10)  # + item_id's and kind's 5-byte headers
+    texts: list[str] = []
+    add = texts.append
+    for t in tasks:
+        inline = t.payload.inline
+        if inline is not None:
+            n += len(inline)
+        add(t.item_id)
+        add(t.kind)
+        n += len(t.origin) + len(t.origin_sig) + (_params_into(t.params, texts) if t.params else 5)
+    return n + _texts_bound(texts)
+
+
+def deliveries_bound(deliveries: list[protocol.Delivery]) -> int:
+    """An upper bound (bytes) of the :func:`delivery_size` sum of ``deliveries`` in one pass (as
+    :func:`tasks_bound`: the sum of their :func:`delivery_size_bound` when every string is ASCII)."""
+    n = len(deliveries) * (_DELIVERY_FIXED_BOUND + 25)  # + the 5-byte headers of its five strings
+    texts: list[str] = []
+    add = texts.append
+    for d in deliveries:
+        inline = d.result.inline
+        if inline is not None:
+            n += len(inline)
+        add(d.item_id)
+        add(d.key)
+        add(d.kind)
+        add(d.handler)
+        add(d.handler_version)
+        n += len(d.proof) + len(d.proof_sig) + (_params_into(d.params, texts) if d.params else 5)
+    return n + _texts_bound(texts)
+
+
 _MAX_INT = (1 << 63) - 1  # every number of a record at its widest (9 bytes)
 _SIG = b"\0" * protocol.SIGNATURE_BYTES
 
@@ -238,6 +297,29 @@ def _task_bound(item: protocol.SubmitItem, id_len: int, swarm_id: str) -> int:
     for k, v in item.params.items():
         n += 2 * (14 + 4 * len(k) + (5 + 4 * len(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 0))
     return n
+
+
+def dispatch_refusals(items: list[protocol.SubmitItem], budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool,
+                      federated: bool) -> list[str] | None:
+    """:func:`dispatch_refusal` of every item of a SUBMIT frame: None when every one surely fits
+    (its :func:`_task_bound`, computed here in one loop, fits the frame's room: the common
+    case, nothing encoded), else a list with each item's reason ("" when it fits)."""
+    room = budget.room_bytes
+    base = 1024 + 2 * id_len + 4 * len(swarm_id)
+    out: list[str] | None = None
+    for i, item in enumerate(items):
+        inline = item.payload.inline
+        n = base + 8 * len(item.kind) + (0 if inline is None else len(inline))
+        for k, v in item.params.items():
+            n += 2 * (14 + 4 * len(k) + (5 + 4 * len(v) if isinstance(v, str) else 5 + len(v) if isinstance(v, bytes) else 0))
+        if n <= room:
+            continue
+        why = dispatch_refusal(item, budget, id_len=id_len, swarm_id=swarm_id, relayed=relayed, federated=federated)
+        if why:
+            if out is None:
+                out = [""] * len(items)
+            out[i] = why
+    return out
 
 
 def dispatch_refusal(item: protocol.SubmitItem, budget: FrameBudget, *, id_len: int, swarm_id: str, relayed: bool,

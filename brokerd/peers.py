@@ -109,7 +109,7 @@ class PeerTable:
         return [s for s in self.by_id.values() if role is None or s.role is role]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Lease:
     item_id: str
     token: int
@@ -166,6 +166,35 @@ class LeaseTimers:
         self.leases[item_id] = Lease(item_id, token, worker, expires_mono)
         self.by_worker.setdefault(worker, set()).add(item_id)
         heapq.heappush(self._heap, (expires_mono, item_id, token))
+
+    def add_many(self, tasks: list[protocol.Task], worker: str, expires_mono: float) -> None:
+        """:meth:`add` for every task of one DISPATCH to ``worker`` (one expiry for them all)."""
+        leases, heap, push = self.leases, self._heap, heapq.heappush
+        held = self.by_worker.setdefault(worker, set())
+        for t in tasks:
+            item_id, token = t.item_id, t.token
+            if item_id in leases:  # a lease of it still held (another token): it goes first, as in add
+                self.discard(item_id)
+                held = self.by_worker.setdefault(worker, set())
+            leases[item_id] = Lease(item_id, token, worker, expires_mono)
+            held.add(item_id)
+            push(heap, (expires_mono, item_id, token))
+
+    def discard_many(self, ended: list[tuple[str, int]]) -> None:
+        """:meth:`discard` of each ``(item_id, token)`` of ``ended``; the heap is rebuilt at most once."""
+        leases, by_worker = self.leases, self.by_worker
+        for item_id, token in ended:
+            lease = leases.get(item_id)
+            if lease is None or lease.token != token:
+                continue
+            del leases[item_id]
+            held = by_worker.get(lease.worker)
+            if held is not None:
+                held.discard(item_id)
+                if not held:
+                    del by_worker[lease.worker]
+        if len(self._heap) > 2 * len(leases) + HEAP_COMPACT_MIN:
+            self._compact()
 
     def extend(self, item_id: str, token: int, worker: str, expires_mono: float) -> bool:
         """Extend a lease held by ``worker`` with ``token``; False if it is not that lease."""

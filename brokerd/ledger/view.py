@@ -288,14 +288,16 @@ class LedgerView:
         cur = self.txn.cursor(db=self.db["completed"])
         if not cur.set_range(schema.seq_key(start_cseq)):
             return out, next_cseq
+        k = None
         for k, v in cur:
-            next_cseq = schema.parse_seq(k) + 1
             item_id = v.decode()
             if skip(item_id):
                 continue
             out.append(item_id)
             if len(out) >= limit:
                 break
+        if k is not None:  # the last entry looked at
+            next_cseq = schema.parse_seq(k) + 1
         return out, next_cseq
 
     def delivery(self, item_id: str, redelivery: bool, rec: Item | None = None) -> protocol.Delivery:
@@ -320,26 +322,35 @@ class LedgerView:
         """
         kinds = self.ready_kinds() if kinds is None else sorted(set(kinds))
         cands: list[tuple[int, int, int, str]] = []
+        ids: list[str] = []  # one kind: its entries come in key order, the order wanted
+        one = len(kinds) == 1
         hint: int | None = None
         cur = self.txn.cursor(db=self.db["ready"])
+        parse, last = schema.parse_ready, schema.LAST_PRIO_KEY
         for kind in kinds:
             prefix = schema.ready_prefix(kind)
+            n = len(prefix)
             found = 0
             ok = cur.set_range(prefix)
             while ok and found < limit:
-                k = cur.key()
+                k, v = cur.item()
                 if not k.startswith(prefix):
                     break
-                pk, nb, seq = schema.parse_ready(k[len(prefix):])
+                pk, nb, seq = parse(k[n:])
                 if nb > now_ms:
                     hint = nb if hint is None else min(hint, nb)
-                    if pk == schema.LAST_PRIO_KEY:
+                    if pk == last:
                         break
                     ok = cur.set_range(schema.ready_bucket_after(prefix, pk))
                     continue
-                cands.append((pk, nb, seq, cur.value().decode()))
+                if one:
+                    ids.append(v.decode())
+                else:
+                    cands.append((pk, nb, seq, v.decode()))
                 found += 1
                 ok = cur.next()
+        if one:
+            return ids, hint
         cands.sort()
         return [c[3] for c in cands[:limit]], hint
 

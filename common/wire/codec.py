@@ -223,7 +223,8 @@ def _slow_decode_body(msg_type: int, body: Any) -> Message:
 # that words a refusal. On the hot path every process runs instead one function per
 # message type, generated here once at import as Python source: type checks inlined
 # per field (exact ``type(v) is T``), nested records and lists of records inlined into
-# loops, each record's slots filled directly
+# loops, a record map with exactly its usual keys (all but the empty extensions) read by
+# key without a lookup per absent field, each record's slots filled directly
 # (``__post_init__`` still runs, or its rule is inlined: ``_INLINE_CHECKS``).
 # A generated decoder only ever accepts a subset of what the reference accepts (it
 # bails out on anything unusual: a missing or unknown field, a subclass, a wrong type,
@@ -330,6 +331,11 @@ def _gen_dec_value(g: _Gen, tp: Any, x: str, depth: int, ind: int) -> None:
     raise TypeError(f"unsupported field type {tp!r}")
 
 
+#: Default factories whose value is immutable: a decoder uses one value made at import (the same
+#: object: ``bytes()`` and ``str()`` are singletons) instead of a call per record.
+_IMMUTABLE_FACTORIES = (bytes, str, tuple, frozenset)
+
+
 def _gen_dec_record(g: _Gen, cls: Any, m: str, depth: int, ind: int) -> None:
     """Emit statements that decode the map in local ``m`` as ``_record_decoder(cls)(m, _, depth)``
     would and leave the instance in ``m``."""
@@ -337,32 +343,45 @@ def _gen_dec_record(g: _Gen, cls: Any, m: str, depth: int, ind: int) -> None:
     fields = _plain_fields(cls)
     n_req = sum(1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
     g.emit(ind, f"if type({m}) is not dict: raise _Bail")
-    cnt = None
+    args = [g.var("v") for _ in fields]
+    required = [f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields]
+    defaults = {f.name: (g.const(f.default, f.name) if f.default is not dataclasses.MISSING
+                         else g.const(f.default_factory(), f.name) if f.default_factory in _IMMUTABLE_FACTORIES
+                         else g.const(f.default_factory, f.name) + "()") for f, req in zip(fields, required) if not req}
     if n_req == len(fields):
         g.emit(ind, f"if len({m}) != {n_req}: raise _Bail")
-    else:
-        cnt = g.var("n")
-        g.emit(ind, f"{cnt} = {n_req}")
-    args = []
-    for f in fields:
-        v = g.var("v")
-        args.append(v)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        for f, v in zip(fields, args):
             g.emit(ind, f"{v} = {m}[{f.name!r}]")  # KeyError: the reference names the missing field
             _gen_dec_value(g, hints[f.name], v, depth, ind)
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = g.const(f.default, f.name)
-        else:
-            default = g.const(f.default_factory, f.name) + "()"
-        g.emit(ind, f"{v} = {m}.get({f.name!r}, _MISS)")
-        g.emit(ind, f"if {v} is _MISS:")
-        g.emit(ind + 1, f"{v} = {default}")
+    else:
+        # The usual map (every field but the empty extensions the encoder leaves out): each
+        # field read by its key, the extensions at their defaults. Exactly that many keys, all
+        # found, are exactly those keys; a missing one raises KeyError: the reference decides.
+        usual = [not f.metadata.get(_OMIT_EMPTY) for f in fields]
+        g.emit(ind, f"if len({m}) == {sum(usual)}:")
+        for f, v, is_usual in zip(fields, args, usual):
+            if is_usual:
+                g.emit(ind + 1, f"{v} = {m}[{f.name!r}]")
+                _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
+            else:
+                g.emit(ind + 1, f"{v} = {defaults[f.name]}")
         g.emit(ind, "else:")
-        g.emit(ind + 1, f"{cnt} += 1")
-        _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
-    if cnt is not None:
+        ind += 1
+        cnt = g.var("n")
+        g.emit(ind, f"{cnt} = {n_req}")
+        for f, v, req in zip(fields, args, required):
+            if req:
+                g.emit(ind, f"{v} = {m}[{f.name!r}]")  # KeyError: the reference names the missing field
+                _gen_dec_value(g, hints[f.name], v, depth, ind)
+                continue
+            g.emit(ind, f"{v} = {m}.get({f.name!r}, _MISS)")
+            g.emit(ind, f"if {v} is _MISS:")
+            g.emit(ind + 1, f"{v} = {defaults[f.name]}")
+            g.emit(ind, "else:")
+            g.emit(ind + 1, f"{cnt} += 1")
+            _gen_dec_value(g, hints[f.name], v, depth, ind + 1)
         g.emit(ind, f"if len({m}) != {cnt}: raise _Bail")  # every key was a known field
+        ind -= 1
     post = getattr(cls, "__post_init__", None)
     check = _INLINE_CHECKS.get(cls)
     if check is not None:  # __post_init__'s rule as one expression over the (exactly typed) values

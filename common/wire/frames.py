@@ -136,14 +136,19 @@ def params_bound(params: protocol.Params) -> int:
     return n
 
 
-def split_bounded(items: list[T], *, size_of: Callable[[T], int], bound_of: Callable[[T], int], budget_bytes: int,
-                  max_items: int) -> list[list[T]]:
+def split_bounded(items: list[T], *, size_of: Callable[[T], int], bound_of: Callable[[T], int] | None = None,
+                  bound: Callable[[list[T]], int] | None = None, budget_bytes: int, max_items: int) -> list[list[T]]:
     """:func:`split_frames` by ``size_of``, except that when the records' ``bound_of`` sum (an
-    upper bound of ``size_of``, from lengths alone) fits ``budget_bytes`` and they are at most
+    upper bound of ``size_of``, from lengths alone; or ``bound``: such an upper bound of the
+    whole list's ``size_of`` sum, in one call) fits ``budget_bytes`` and they are at most
     ``max_items``, they are one frame without any record sized exactly (packed twice: to size
     it, then to send it). Same frames either way when the bound holds; :func:`encode_fitting`
-    still splits a frame that comes out too large."""
-    if items and len(items) <= max_items and sum(map(bound_of, items)) <= budget_bytes:
+    still splits a frame that comes out too large. Raises ``TypeError`` unless exactly one of
+    ``bound_of`` and ``bound`` is given."""
+    if (bound_of is None) == (bound is None):
+        raise TypeError("split_bounded: give exactly one of bound_of and bound")
+    if items and len(items) <= max_items and (bound(items) if bound is not None
+                                              else sum(map(bound_of, items))) <= budget_bytes:  # type: ignore[arg-type]
         return [items]
     return split_frames(items, size_of=size_of, budget_bytes=budget_bytes, max_items=max_items)
 
