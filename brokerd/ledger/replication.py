@@ -335,49 +335,49 @@ class ReplicaLedger:
         ready index put by one turn and deleted by the next, the counters and the position).
         Raises :class:`ReplicationError` for a malformed op, :class:`Diverged` as said."""
         by_index = self._by_index
-        nets: dict[int, dict[bytes, bytes | None]] = {}
+        nets: dict[int, dict[bytes, bytes | None]] = {i: {} for i in by_index}
         checks: dict[int, list[bytes]] = {}
         first_check: dict[int, WriteSet] = {}
         for ws in todo:
             try:
                 for i, key, value in ws.ops:
-                    d = nets.get(i)
-                    if d is None:
-                        if i not in by_index:
-                            raise IndexError(f"sub-database index {i!r}")
-                        d = nets[i] = {}
-                    if value is None:
-                        prev = d.get(key, _ABSENT)
-                        if prev is None:
-                            raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {schema.DB_NAMES[i]}/{key!r}, "
-                                           "absent here (deleted before in this batch)")
-                        if prev is _ABSENT:
-                            checks.setdefault(i, []).append(key)
-                            first_check.setdefault(i, ws)
-                    elif type(value) is not bytes:
-                        raise TypeError(f"value of {type(value).__name__}")
-                    d[key] = value
-            except (ValueError, TypeError, IndexError) as exc:
-                raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) holds a malformed op: {exc}") from None
-        return [(by_index[i], d, checks.get(i, []), first_check.get(i)) for i, d in nets.items()]
+                    if value is not None:
+                        nets[i][key] = value  # (a value that is not bytes: TypeError at the write)
+                        continue
+                    d = nets[i]
+                    prev = d.get(key, _ABSENT)
+                    if prev is None:
+                        raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {schema.DB_NAMES[i]}/{key!r}, "
+                                       "absent here (deleted before in this batch)")
+                    if prev is _ABSENT:
+                        checks.setdefault(i, []).append(key)
+                        first_check.setdefault(i, ws)
+                    d[key] = None
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) holds a malformed op: {exc!r}") from None
+        return [(by_index[i], d, checks.get(i, []), first_check.get(i)) for i, d in nets.items() if d]
 
     def _write(self, txn: lmdb.Transaction, net: list[tuple[Any, dict[bytes, bytes | None], list[bytes], WriteSet | None]]) -> None:
-        """Write ``net`` (:meth:`_net_effect`) in ``txn``: the checks first (nothing is written
-        before every key to check is found present), then the deletes, then the puts of each
-        sub-database in key order through one cursor (LMDB's ``putmulti``: no Python call per put)."""
+        """Write ``net`` (:meth:`_net_effect`) in ``txn``: per sub-database its deletes (one to
+        check that finds its key absent: :class:`Diverged`; a key to check that ends put: read
+        first), then its puts in key order through one cursor (LMDB's ``putmulti``: no Python
+        call per put). A raise leaves the caller to abort: nothing of the batch is written."""
+        delete, get = txn.delete, txn.get
         for db, d, check, ws in net:
-            for key in check:
-                if txn.get(key, db=db) is None:
-                    assert ws is not None
-                    raise Diverged(f"turn ({ws.epoch}, {ws.seq}) or a later one of its batch deletes "
-                                   f"{self._name(db)}/{key!r}, absent here")
-        for db, d, _check, _ws in net:
             puts: list[tuple[bytes, bytes]] = [kv for kv in d.items() if kv[1] is not None]  # type: ignore[misc]
+            absent = None
             if len(puts) < len(d):
-                delete = txn.delete
-                for key, value in d.items():
-                    if value is None:
-                        delete(key, db=db)
+                must = set(check)
+                for key in [k for k, v in d.items() if v is None]:
+                    if not delete(key, db=db) and key in must:
+                        absent = key
+                        break
+            if absent is None:
+                absent = next((k for k in check if d[k] is not None and get(k, db=db) is None), None)
+            if absent is not None:
+                assert ws is not None
+                raise Diverged(f"turn ({ws.epoch}, {ws.seq}) or a later one of its batch deletes "
+                               f"{self._name(db)}/{absent!r}, absent here")
             if puts:
                 puts.sort()
                 with txn.cursor(db=db) as cur:
