@@ -452,7 +452,7 @@ def test_a_batch_is_applied_as_its_turns_in_order(primary, tmp_path):
     standby.close()
 
 
-@pytest.mark.parametrize("op", [(99, b"k", b"v"), (-1, b"k", b"v"), (0, "k", b"v"), (0, b"k", "v"), (0, b"k")])
+@pytest.mark.parametrize("op", [(99, b"k", b"v"), (-1, b"k", b"v"), (0, "k", b"v"), (0, b"k", "v"), (0, b"k"), (0, b"", b"v")])
 def test_a_malformed_op_is_refused_and_writes_nothing(primary, tmp_path, op):
     primary.replicate(1)
     standby, _ = seeded(primary, tmp_path / "standby")

@@ -414,7 +414,7 @@ class ReplicaLedger:
             try:
                 self._write(txn, net)
                 txn.commit()
-            except TypeError as exc:  # a key that is not bytes
+            except (TypeError, lmdb.BadValsizeError) as exc:  # a key or value not bytes, an empty or oversized key
                 txn.abort()
                 raise ReplicationError(f"a turn of ({todo[0].epoch}, {todo[0].seq})..({pos[0]}, {pos[1]}) holds a "
                                        f"malformed op: {exc}") from None
