@@ -10,9 +10,18 @@ delivers (``completed_ids`` + ``delivery``) and acknowledges the ones delivered 
 transaction before. The queue stays ``queued`` deep all along, so the leases read items
 submitted long before (out of the record cache when the queue is deeper than it).
 
+With ``--replicate`` the cycled part runs as a primary's (docs/ha.md): the ledger records every
+turn's write set (``Ledger.replicate``) and a sink does per turn what the replication server
+does for one standby short of the socket (its lag count, ``Shipper.messages``, the REPL_TURNS
+body packed as the envelope packs it): ``--replicate off,on`` measures both in one process.
+``--standby`` adds the standby's side to each turn: a :class:`ReplicaLedger` seeded from the
+ledger after the fill unpacks and applies it (one fsynced transaction per turn, as a standby
+that drained one turn per batch); its CPU (thread time) is reported apart (``standby_cpu_us_per_job``)
+and not counted in ``cpu_us_per_job``.
+
 Prints process CPU (user + system: the fsyncs' writes count) per job of the cycled part.
 
-    python -m bench.ledger_cpu [--queued 10000,100000] [--n 20000] [--profile FILE]
+    python -m bench.ledger_cpu [--queued 10000,100000] [--n 20000] [--replicate off,on [--standby]] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -25,7 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgpack
+
 from bench.common import claim_ref
+from ccsq.brokerd import replica as replica_link
+from ccsq.brokerd.ledger import replication
 from ccsq.brokerd.ledger.store import Ledger
 from ccsq.common.wire import protocol
 
@@ -64,7 +77,7 @@ def _written() -> int:
 
 
 def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = CACHE_ITEMS,
-            profile: Path | None = None) -> dict:
+            profile: Path | None = None, replicate: bool = False, standby: bool = False) -> dict:
     ledger = Ledger(root / "ledger", map_size_bytes=4 << 30)
     ledger.cache_records(cache_items)
     result = protocol.Blob(hashlib.sha256(b"ok").hexdigest(), 2, b"ok")
@@ -79,6 +92,9 @@ def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = C
             txn.commit()
             nxt = min(queued, nxt + FILL_PER_TXN)
         fill_s = time.monotonic() - t0
+        standby_cpu = [0.0]
+        if replicate:
+            _ship_each_turn(ledger, root / "standby" if standby else None, standby_cpu)
         leased: list[protocol.Task] = []
         delivered: list[str] = []
         sent: set[str] = set()
@@ -112,17 +128,46 @@ def measure(queued: int, n: int, frame: int, root: Path, *, cache_items: int = C
                 delivered.append(item_id)
             txn.commit()
             sent.update(delivered)
-        cpu, sys_s, wrote, wall = _cpu() - cpu0, _sys() - sys0, _written() - wr0, time.monotonic() - w0
+        cpu, sys_s, wrote, wall = _cpu() - cpu0 - standby_cpu[0], _sys() - sys0, _written() - wr0, time.monotonic() - w0
         if prof is not None:
             prof.disable()
             prof.dump_stats(str(profile))
-        return {"queued": queued, "n": acked, "frame": frame, "cache_items": cache_items,
+        return {"queued": queued, "n": acked, "frame": frame, "cache_items": cache_items, "replicate": replicate,
                 "cpu_us_per_job": round(cpu / acked * 1e6, 1), "sys_us_per_job": round(sys_s / acked * 1e6, 1),
                 "written_bytes_per_job": round(wrote / acked),
+                "standby_cpu_us_per_job": round(standby_cpu[0] / acked * 1e6, 1) if standby else None,
                 "wall_us_per_job": round(wall / acked * 1e6, 1),
                 "fill_s": round(fill_s, 1)}
     finally:
         ledger.close()
+
+
+def _ship_each_turn(ledger: Ledger, standby_dir: Path | None, standby_cpu: list[float]) -> None:
+    """Replication on, with a sink doing what ReplicationServer.sink does for one streaming
+    standby but the send: the lag's byte count, the Shipper's REPL_TURNS, each body packed;
+    with ``standby_dir``, a standby there applies each turn (its thread CPU added to ``standby_cpu[0]``)."""
+    log = ledger.replicate(1)
+    replica = None
+    if standby_dir is not None:
+        replication.take_copy(ledger, standby_dir)
+        replica = replication.ReplicaLedger(standby_dir, map_size_bytes=4 << 30)
+    hello = protocol.Hello(role=protocol.Role.STANDBY.value, info={
+        replica_link.INFO_LEDGER_ID: ledger.ledger_id, replica_link.INFO_EPOCH: log.position[0],
+        replica_link.INFO_SEQ: log.position[1]})
+    shipper = replica_link.Shipper(log, ledger.ledger_id, hello)
+    total = [0]
+
+    def sink(ws) -> None:
+        total[0] += ws.nbytes()
+        for msg in shipper.messages([ws]):
+            body = msgpack.packb([int(msg.TYPE), protocol.encode_body(msg)], use_bin_type=True)
+            if replica is not None:
+                t0 = time.thread_time()
+                got = protocol.decode_body(msg.TYPE, msgpack.unpackb(body, raw=False)[1])
+                replica.apply_many([replication.WriteSet.unpack(raw) for raw in got.turns])
+                standby_cpu[0] += time.thread_time() - t0
+
+    log.sink = sink
 
 
 def main() -> None:
@@ -132,12 +177,18 @@ def main() -> None:
     ap.add_argument("--frame", type=int, default=100, help="jobs per transition per transaction")
     ap.add_argument("--cache-items", type=int, default=CACHE_ITEMS)
     ap.add_argument("--profile", type=Path, default=None, help="cProfile the cycled part into FILE.<queued>")
+    ap.add_argument("--replicate", default="off", help="off, on, or off,on: replication (a primary's recording and shipping)")
+    ap.add_argument("--standby", action="store_true", help="with replication on: a standby applies each turn too")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = ap.parse_args()
+    modes = [m.strip() == "on" for m in args.replicate.split(",")]
     for q in (int(x) for x in args.queued.split(",")):
-        with tempfile.TemporaryDirectory(dir=args.dir) as d:
-            prof = args.profile.with_name(f"{args.profile.name}.{q}") if args.profile else None
-            print(json.dumps(measure(q, args.n, args.frame, Path(d), cache_items=args.cache_items, profile=prof)), flush=True)
+        for rep in modes:
+            with tempfile.TemporaryDirectory(dir=args.dir) as d:
+                tag = f"{q}{'.repl' if rep else ''}"
+                prof = args.profile.with_name(f"{args.profile.name}.{tag}") if args.profile else None
+                print(json.dumps(measure(q, args.n, args.frame, Path(d), cache_items=args.cache_items, profile=prof,
+                                         replicate=rep, standby=args.standby and rep)), flush=True)
 
 
 if __name__ == "__main__":

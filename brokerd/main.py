@@ -39,7 +39,8 @@ from ccsq.common.wire.keys import AuthorizedKeys, load_curve_secret, load_privat
 from ccsq.common.runtime.systemd import Notifier, catch_early_stop, stop_signals_and_watchdog
 
 log = structlog.get_logger("ccsq.brokerd")
-#: Environment variable naming a file: the broker runs under cProfile and writes its stats there at exit.
+#: Environment variable naming a file: the broker runs under cProfile and writes its stats there at exit
+#: (``{pid}`` in it: this process's id, so the two brokers of a pair write two files).
 PROFILE_ENV = "CCSQ_PROFILE_FILE"
 
 
@@ -121,7 +122,7 @@ def run(config_path: str) -> int:
         if ha is not None:
             from ccsq.brokerd import role
 
-            return role.serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret, ha)
+            return _profiled(lambda: role.serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret, ha))
         return _serve(cfg, key, authorized, ledger_dir, data_dir, notifier, curve_secret)
     finally:
         os.close(lock_fd)
@@ -219,23 +220,24 @@ def _serve(cfg: BrokerConfig, key, authorized: AuthorizedKeys, ledger_dir: Path,
 
 
 
-def _profiled(serve: Callable[[], None]) -> None:
-    """Run ``serve``; with ``CCSQ_PROFILE_FILE`` set, under cProfile, its stats written to that
-    path (pstats format, ``python -m pstats FILE``) when it returns or raises: a benchmark's
-    view of the broker's CPU per function (docs/benchmarks.md; the profiler roughly doubles its CPU)."""
+def _profiled(serve: Callable[[], _T]) -> _T:
+    """Run ``serve`` and return its value; with ``CCSQ_PROFILE_FILE`` set, under cProfile (the
+    main thread), its stats written to that path (``{pid}`` replaced by this process's id;
+    pstats format, ``python -m pstats FILE``) when it returns or raises: a benchmark's view of
+    the broker's CPU per function, a primary's or a standby's as well (docs/benchmarks.md; the
+    profiler roughly doubles its CPU)."""
     out = os.environ.get(PROFILE_ENV)
     if not out:
-        serve()
-        return
+        return serve()
     import cProfile
 
     prof = cProfile.Profile()
     prof.enable()
     try:
-        serve()
+        return serve()
     finally:
         prof.disable()
-        prof.dump_stats(out)
+        prof.dump_stats(out.replace("{pid}", str(os.getpid())))
 
 
 def _free_bytes(path: Path) -> int | None:

@@ -87,7 +87,7 @@ def test_replica_is_identical_after_every_kind_of_transition(primary, tmp_path):
     assert pos == (0, 0)
     lifecycle(primary)
     assert [ws.seq for ws in shipped] == list(range(1, len(shipped) + 1)) and {ws.epoch for ws in shipped} == {1}
-    kinds = {name for ws in shipped for name, _, v in ws.ops if v is None}
+    kinds = {name for ws in shipped for name, _, v in ws.named_ops() if v is None}
     assert {"ready", "leased", "completed", "acked", "items", "payloads", "keys", "meta", "deadline"} <= kinds
     for ws in shipped:
         assert standby.apply(replication.WriteSet.unpack(ws.pack())) is True  # what a link carries
@@ -120,7 +120,8 @@ def test_apply_is_fsynced_and_one_transaction(primary, tmp_path):
     assert flags["sync"] and flags["metasync"]
     lifecycle(primary)
     ws = primary.replication.backlog[0]
-    broken = replication.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:2] + (("items", b"nope", None),) + ws.ops[2:])
+    absent = (replication.DB_INDEX["items"], b"nope", None)
+    broken = replication.WriteSet(ws.ledger_id, ws.epoch, ws.seq, ws.ops[:2] + (absent,) + ws.ops[2:])
     with pytest.raises(replication.Diverged, match="absent"):
         standby.apply(broken)
     assert replication.dump(standby.env)["items"] == {} and standby.position == (0, 0)  # nothing half-applied
@@ -375,3 +376,117 @@ def test_a_result_completed_under_an_earlier_primarys_lease_is_marked_for_a_coun
     assert [recs[i]["completed_epoch"] for i in (ids[0], ids[1], fresh)] == [1, 1, 2]
     tracker = DeliveryTracker(2, None, 100, lambda: 1 << 20)  # type: ignore[arg-type]
     assert [tracker.redelivery(i, recs[i], "")[0] for i in (ids[0], ids[1], fresh)] == [True, True, False]
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_turns_applied_in_batches_stay_identical(primary, tmp_path, seed):
+    """The standby writes a batch's net effect (each key once, as its last op in the batch left
+    it): random turns applied in random batches of 1-12 turns (each unpacked from what the link
+    carries) leave the standby equal to the primary after every batch."""
+    rng = random.Random(seed)
+    log = primary.replicate(seed)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    now, n, ids = 10_000, 0, []
+    for _ in range(12):
+        for _ in range(rng.randint(1, 12)):
+            now += rng.randint(1, 3000)
+            txn = primary.begin()
+            for _ in range(rng.randint(1, 5)):  # the same items move through several turns of one batch
+                n += 1
+                ids.append(txn.submit(protocol.SubmitItem(f"b{seed}-{n % 30}", "a", blob(rng.randbytes(rng.randint(1, 900)))),
+                                      now).item_id)
+            for i in txn.scan_ready(None, rng.randint(0, 4), now)[0]:
+                txn.lease(i, "w1", now, rng.randint(100, 2000))
+            leased = [(k.decode(), sc_unpack(v)) for k, v in txn.txn.cursor(db=primary.db["leased"])]
+            for iid, (token, worker) in rng.sample(leased, min(len(leased), rng.randint(0, 3))):
+                if rng.random() < 0.7:
+                    txn.complete(protocol.TaskResult(iid, token, blob(b"r"), "h", "1"), now, worker)
+                else:
+                    txn.expire_lease(iid, token, now)
+            for k in [k for k, _ in txn.txn.cursor(db=primary.db["completed"])][:rng.randint(0, 3)]:
+                txn.ack(txn.txn.get(k, db=primary.db["completed"]).decode(), now)
+            if rng.random() < 0.3:
+                maintenance.purge(txn, now, 20)
+            txn.commit()
+        batch = [replication.WriteSet.unpack(ws.pack()) for ws in log.since(standby.position)]
+        assert standby.apply_many(batch) == len(batch)
+        assert standby.position == log.position
+        assert replication.dump(standby.env) == replication.dump(primary.env)
+    standby.close()
+
+
+def _turn_of(standby: replication.ReplicaLedger, seq: int, ops: list) -> replication.WriteSet:
+    idx = replication.DB_INDEX
+    pos = (idx["meta"], replication.REPL_POS, replication.pack_pos(1, seq))
+    return replication.WriteSet(standby.ledger_id, 1, seq, tuple((idx[d], k, v) for d, k, v in ops) + (pos,))
+
+
+def test_a_batch_is_applied_as_its_turns_in_order(primary, tmp_path):
+    """Each key ends as its last op in the batch left it; a delete needs the key present at its
+    place in the order (present before the batch, or put earlier in it): a delete of a key absent
+    before the batch, or deleted before in it with no put between, is Diverged, nothing written."""
+    primary.replicate(1)
+    turn(primary, lambda t: t.txn.put(b"m:old", b"1", db=primary.db["meta"]))
+    turn(primary, lambda t: t.txn.put(b"m:gone", b"1", db=primary.db["meta"]))
+    standby, _ = seeded(primary, tmp_path / "standby")
+    assert standby.position == (1, 2)
+    txnid = standby.env.info()["last_txnid"]
+    for bad in ([("meta", b"m:gone", None)], [("meta", b"m:new", b"x"), ("meta", b"m:new", None), ("meta", b"m:new", None)],
+                [("meta", b"m:never", None), ("meta", b"m:never", b"v")]):
+        batch = [_turn_of(standby, 3, [("meta", b"m:a", b"1"), ("meta", b"m:old", None)]), _turn_of(standby, 4, bad)]
+        if bad[0][1] == b"m:gone":
+            batch[0] = _turn_of(standby, 3, [("meta", b"m:gone", None)])  # deleted by the batch's first turn
+        with pytest.raises(replication.Diverged, match="absent"):
+            standby.apply_many(batch)
+        assert standby.env.info()["last_txnid"] == txnid and standby.position == (1, 2)  # nothing written
+    batch = [_turn_of(standby, 3, [("meta", b"m:old", None), ("meta", b"m:tmp", b"1"), ("ready", b"r1", b"i1")]),
+             _turn_of(standby, 4, [("meta", b"m:old", b"2"), ("meta", b"m:tmp", None), ("ready", b"r1", None),
+                                   ("ready", b"r1", b"i2"), ("meta", b"m:gone", None)]),
+             _turn_of(standby, 5, [("meta", b"m:tmp", b"3"), ("meta", b"m:tmp", None), ("items", b"i", b"a"),
+                                   ("items", b"i", b"b")])]
+    assert standby.apply_many(batch) == 3
+    got = replication.dump(standby.env)
+    assert got["meta"][b"m:old"] == b"2" and b"m:tmp" not in got["meta"] and b"m:gone" not in got["meta"]
+    assert got["ready"] == {b"r1": b"i2"} and got["items"] == {b"i": b"b"}
+    assert replication.unpack_pos(got["meta"][replication.REPL_POS]) == (1, 5) == standby.position
+    standby.close()
+
+
+@pytest.mark.parametrize("op", [(99, b"k", b"v"), (-1, b"k", b"v"), (0, "k", b"v"), (0, b"k", "v"), (0, b"k"), (0, b"", b"v")])
+def test_a_malformed_op_is_refused_and_writes_nothing(primary, tmp_path, op):
+    primary.replicate(1)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    good = _turn_of(standby, 1, [("items", b"i", b"a")])
+    bad = replication.WriteSet(good.ledger_id, 1, 2, (op,) + _turn_of(standby, 2, []).ops)
+    raw = replication.WriteSet.unpack(bad.pack())  # what a link would carry
+    with pytest.raises(replication.ReplicationError, match="malformed"):
+        standby.apply_many([good, raw])
+    assert standby.position == (0, 0) and replication.dump(standby.env)["items"] == {}
+    standby.close()
+
+
+def test_only_effective_writes_are_recorded(primary, tmp_path):
+    """A put that wrote nothing (overwrite=False on a present key, an append out of order) and a
+    delete of an absent key are not in the write set; a memoryview key or value is copied."""
+    log = primary.replicate(1)
+    standby, _ = seeded(primary, tmp_path / "standby")
+    meta, items = primary.db["meta"], primary.db["items"]
+
+    def writes(t):
+        assert t.txn.put(b"m:a", b"1", db=meta) is True
+        assert t.txn.put(b"m:a", b"2", db=meta, overwrite=False) is False
+        assert t.txn.put(b"z", b"1", db=items, append=True) is True
+        assert t.txn.put(b"a", b"1", db=items, append=True) is False  # out of order
+        assert t.txn.delete(b"m:absent", db=meta) is False
+        buf = bytearray(b"m:b")
+        assert t.txn.put(memoryview(buf), memoryview(bytearray(b"v")), db=meta) is True
+        buf[:] = b"XXX"  # the recorded key is a copy
+        assert t.txn.delete(b"z", db=items) is True
+
+    turn(primary, writes)
+    ws = log.backlog[-1]
+    assert ws.named_ops()[:-1] == [("meta", b"m:a", b"1"), ("items", b"z", b"1"), ("meta", b"m:b", b"v"), ("items", b"z", None)]
+    assert all(type(k) is bytes and (v is None or type(v) is bytes) for _, k, v in ws.ops)
+    assert standby.apply(replication.WriteSet.unpack(ws.pack())) is True
+    assert replication.dump(standby.env) == replication.dump(primary.env)
+    standby.close()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import msgpack
 import structlog
 
 from ccsq.brokerd.ledger import schema
@@ -47,8 +48,10 @@ _POS = struct.Struct(">QQ")
 #: Turns a primary keeps after their commit for a standby that catches up (about a
 #: minute at 1000 turns/s; older ones: the standby takes a new copy).
 BACKLOG_TURNS = 65536
-#: The index of a sub-database in a packed write set (position in ``schema.DB_NAMES``).
-_DB_INDEX = {name: i for i, name in enumerate(schema.DB_NAMES)}
+#: The index of a sub-database in a write set's ops (its position in ``schema.DB_NAMES``).
+DB_INDEX = {name: i for i, name in enumerate(schema.DB_NAMES)}
+META_INDEX = DB_INDEX["meta"]
+_ABSENT = object()
 
 
 class ReplicationError(CcsqError):
@@ -108,33 +111,50 @@ def unpack_pos(raw: bytes | None) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class WriteSet:
-    """One committed turn. ``ops``: ``(db name, key, value)`` in commit order; value None
-    is a delete. ``ledger_id``: the ledger's id (meta ``m:ledger_id``), so a standby
-    seeded from another ledger refuses it. The last op writes :data:`REPL_POS`."""
+    """One committed turn. ``ops``: ``(db index, key, value)`` in commit order (the index
+    of the sub-database in ``schema.DB_NAMES``, :data:`DB_INDEX`); value None is a delete.
+    ``ledger_id``: the ledger's id (meta ``m:ledger_id``), so a standby seeded from
+    another ledger refuses it. The last op writes :data:`REPL_POS`. The ops are what the
+    primary recorded (or what :meth:`unpack` read, its types checked by the apply, which
+    refuses a malformed op as :class:`ReplicationError`)."""
 
     ledger_id: str
     epoch: int
     seq: int
-    ops: tuple[tuple[str, bytes, bytes | None], ...]
+    ops: tuple[tuple[int, bytes, bytes | None], ...]
+    #: the packed bytes, once :meth:`pack` made them (a turn is packed once, however often shipped)
+    raw: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def pack(self) -> bytes:
-        """msgpack ``[ledger_id, epoch, seq, [[db index, key, value or nil], ...]]``."""
-        return schema.pack([self.ledger_id, self.epoch, self.seq, [[_DB_INDEX[d], k, v] for d, k, v in self.ops]])
+        """msgpack ``[ledger_id, epoch, seq, [[db index, key, value or nil], ...]]`` (the ops
+        tuples are msgpack arrays as they are: no list built per op), made once."""
+        raw = self.raw
+        if raw is None:
+            raw = schema.pack([self.ledger_id, self.epoch, self.seq, self.ops])
+            object.__setattr__(self, "raw", raw)
+        return raw
 
     @classmethod
     def unpack(cls, raw: bytes) -> WriteSet:
-        """Inverse of :meth:`pack`. Raises :class:`ReplicationError` on a malformed one."""
+        """Inverse of :meth:`pack` (the ops as tuples, no copy per op). Raises
+        :class:`ReplicationError` on a malformed header or op list; a malformed op (a
+        db index out of range, a key or value that is not bytes) is refused by the apply."""
         try:
-            lid, epoch, seq, ops = schema.unpack(raw)
-            out = tuple((schema.DB_NAMES[i], bytes(k), None if v is None else bytes(v)) for i, k, v in ops)
-            if not (isinstance(lid, str) and isinstance(epoch, int) and isinstance(seq, int)) or epoch < 0 or seq < 1:
+            lid, epoch, seq, ops = msgpack.unpackb(raw, raw=False, use_list=False)
+            if not (type(lid) is str and type(epoch) is int and type(seq) is int and type(ops) is tuple) \
+                    or epoch < 0 or seq < 1:
                 raise ValueError("bad header")
-        except (ValueError, TypeError, IndexError) as exc:
+        except (ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             raise ReplicationError(f"malformed write set ({len(raw)} bytes): {exc}") from None
-        return cls(lid, epoch, seq, out)
+        return cls(lid, epoch, seq, ops, raw)
 
     def nbytes(self) -> int:
-        return sum(len(k) + (len(v) if v is not None else 0) for _, k, v in self.ops)
+        """The packed size (what the link carries for this turn)."""
+        return len(self.pack())
+
+    def named_ops(self) -> list[tuple[str, bytes, bytes | None]]:
+        """``ops`` with sub-database names (for logs and tests)."""
+        return [(schema.DB_NAMES[i], k, v) for i, k, v in self.ops]
 
 
 class ReplicationLog:
@@ -198,32 +218,34 @@ class RecordingTxn:
     Everything else is LMDB's transaction. Writes through a cursor are not recorded:
     the ledger writes only with ``put`` and ``delete``."""
 
-    __slots__ = ("_txn", "_names", "ops", "get", "cursor", "id", "stat", "_put", "_append")
+    __slots__ = ("_txn", "_index", "ops", "get", "cursor", "id", "stat", "_put", "_delete", "_append")
 
     def __init__(self, txn: lmdb.Transaction, names: dict[Any, str]) -> None:
         self._txn = txn
-        self._names = names
-        self.ops: list[tuple[str, bytes, bytes | None]] = []
+        self._index = {db: DB_INDEX[name] for db, name in names.items()}  # LMDB handle -> index in DB_NAMES
+        self.ops: list[tuple[int, bytes, bytes | None]] = []
         # reads go straight to LMDB's bound methods (no Python frame per read)
         self.get, self.cursor, self.id, self.stat = txn.get, txn.cursor, txn.id, txn.stat
-        self._put, self._append = txn.put, self.ops.append  # the write path: bound once per turn
+        # the write path: bound once per turn
+        self._put, self._delete, self._append = txn.put, txn.delete, self.ops.append
 
     def put(self, key: bytes, value: bytes, *, db: Any = None, dupdata: bool = True, overwrite: bool = True,
             append: bool = False) -> bool:
-        if dupdata and overwrite and not append:  # the ledger's usual put: no keyword forwarding
-            ok = self._put(key, value, db=db)
-        else:
-            ok = self._put(key, value, db=db, dupdata=dupdata, overwrite=overwrite, append=append)
-        if ok:  # bytes(b) of a bytes object is that object: a copy only of a memoryview or bytearray
-            self._append((self._names[db], key if type(key) is bytes else bytes(key),
-                          value if type(value) is bytes else bytes(value)))
-        return ok
+        if overwrite and not append:  # the ledger's usual put (its sub-databases are not DUPSORT:
+            # dupdata changes nothing, and an overwriting put always writes): nothing to forward or test
+            self._put(key, value, db=db)
+        elif not self._put(key, value, db=db, dupdata=dupdata, overwrite=overwrite, append=append):
+            return False  # wrote nothing (the key exists, or an append out of order): not recorded
+        # bytes(b) of a bytes object is that object: a copy only of a memoryview or bytearray
+        self._append((self._index[db], key if type(key) is bytes else bytes(key),
+                      value if type(value) is bytes else bytes(value)))
+        return True
 
     def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:
-        ok = self._txn.delete(key, value, db=db)
-        if ok:
-            self.ops.append((self._names[db], bytes(key), None))
-        return ok
+        if not self._delete(key, value, db=db):
+            return False  # absent: nothing deleted, not recorded
+        self._append((self._index[db], key if type(key) is bytes else bytes(key), None))
+        return True
 
     def commit(self) -> None:
         self._txn.commit()
@@ -264,6 +286,8 @@ class ReplicaLedger:
         except lmdb.Error as exc:
             self.env.close()
             raise NotSeeded(f"standby ledger {self.path} lacks its sub-databases ({exc}): seed it again") from None
+        #: index in a write set's ops -> LMDB handle (a dict: a negative or bool index is no sub-database)
+        self._by_index = {i: self.db[name] for i, name in enumerate(schema.DB_NAMES)}
         with self.env.begin() as txn:
             lid = txn.get(schema.LEDGER_ID, db=self.db["meta"])
             if txn.get(schema.RESTORE_PENDING, db=self.db["meta"]) is not None:
@@ -300,6 +324,68 @@ class ReplicaLedger:
                                  f"{seq + 1}..{ws.seq - 1} are missing", expected=seq + 1, got=ws.seq)
         return True
 
+    def _net_effect(self, todo: list[WriteSet]) -> list[tuple[Any, dict[bytes, bytes | None], list[bytes], WriteSet | None]]:
+        """What the ops of ``todo`` in order leave, per sub-database: ``(LMDB handle, {key:
+        last value or None for deleted}, keys to check, the first turn deleting one of them)``.
+        The ledger's sub-databases hold one value per key (none is DUPSORT), so a key ends as its
+        last op left it; the keys to check are those whose first op in the batch is a delete:
+        in order, that delete needs the key present before the batch (a delete after a delete
+        of the same key, with no put between: absent, :class:`Diverged` at once). A batch of
+        several turns writes each key once (an item's record rewritten by each turn, the
+        ready index put by one turn and deleted by the next, the counters and the position).
+        Raises :class:`ReplicationError` for a malformed op, :class:`Diverged` as said."""
+        by_index = self._by_index
+        nets: dict[int, dict[bytes, bytes | None]] = {i: {} for i in by_index}
+        checks: dict[int, list[bytes]] = {}
+        first_check: dict[int, WriteSet] = {}
+        for ws in todo:
+            try:
+                for i, key, value in ws.ops:
+                    if value is not None:
+                        nets[i][key] = value  # (a value that is not bytes: TypeError at the write)
+                        continue
+                    d = nets[i]
+                    prev = d.get(key, _ABSENT)
+                    if prev is None:
+                        raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {schema.DB_NAMES[i]}/{key!r}, "
+                                       "absent here (deleted before in this batch)")
+                    if prev is _ABSENT:
+                        checks.setdefault(i, []).append(key)
+                        first_check.setdefault(i, ws)
+                    d[key] = None
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) holds a malformed op: {exc!r}") from None
+        return [(by_index[i], d, checks.get(i, []), first_check.get(i)) for i, d in nets.items() if d]
+
+    def _write(self, txn: lmdb.Transaction, net: list[tuple[Any, dict[bytes, bytes | None], list[bytes], WriteSet | None]]) -> None:
+        """Write ``net`` (:meth:`_net_effect`) in ``txn``: per sub-database its deletes (one to
+        check that finds its key absent: :class:`Diverged`; a key to check that ends put: read
+        first), then its puts in key order through one cursor (LMDB's ``putmulti``: no Python
+        call per put). A raise leaves the caller to abort: nothing of the batch is written."""
+        delete, get = txn.delete, txn.get
+        for db, d, check, ws in net:
+            puts: list[tuple[bytes, bytes]] = [kv for kv in d.items() if kv[1] is not None]  # type: ignore[misc]
+            absent = None
+            if len(puts) < len(d):
+                must = set(check)
+                for key in [k for k, v in d.items() if v is None]:
+                    if not delete(key, db=db) and key in must:
+                        absent = key
+                        break
+            if absent is None:
+                absent = next((k for k in check if d[k] is not None and get(k, db=db) is None), None)
+            if absent is not None:
+                assert ws is not None
+                raise Diverged(f"turn ({ws.epoch}, {ws.seq}) or a later one of its batch deletes "
+                               f"{self._name(db)}/{absent!r}, absent here")
+            if puts:
+                puts.sort()
+                with txn.cursor(db=db) as cur:
+                    cur.putmulti(puts)
+
+    def _name(self, db: Any) -> str:
+        return next((n for n, h in self.db.items() if h is db), "?")
+
     def apply(self, ws: WriteSet) -> bool:
         """Apply ``ws`` (see :meth:`check`): True when written and fsynced, False when it
         was already applied (a resend). A delete of an absent key or a turn whose last
@@ -316,24 +402,22 @@ class ReplicaLedger:
         for ws in batch:
             if not self._check_at(ws, pos):
                 continue
-            if not ws.ops or ws.ops[-1] != ("meta", REPL_POS, pack_pos(ws.epoch, ws.seq)):
+            if not ws.ops or tuple(ws.ops[-1]) != (META_INDEX, REPL_POS, pack_pos(ws.epoch, ws.seq)):
                 raise ReplicationError(f"turn ({ws.epoch}, {ws.seq}) does not end with its own position")
             todo.append(ws)
             pos = (ws.epoch, ws.seq)
         if not todo:
             return 0
+        net = self._net_effect(todo)
         while True:
             txn = self.env.begin(write=True)
             try:
-                db = self.db
-                for ws in todo:
-                    for name, key, value in ws.ops:
-                        if value is None:
-                            if not txn.delete(key, db=db[name]):
-                                raise Diverged(f"turn ({ws.epoch}, {ws.seq}) deletes {name}/{key!r}, absent here")
-                        else:
-                            txn.put(key, value, db=db[name])
+                self._write(txn, net)
                 txn.commit()
+            except (TypeError, lmdb.BadValsizeError) as exc:  # a key or value not bytes, an empty or oversized key
+                txn.abort()
+                raise ReplicationError(f"a turn of ({todo[0].epoch}, {todo[0].seq})..({pos[0]}, {pos[1]}) holds a "
+                                       f"malformed op: {exc}") from None
             except lmdb.MapFullError:
                 txn.abort()
                 cur = self.env.info()["map_size"]
