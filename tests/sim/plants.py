@@ -75,7 +75,7 @@ PLANTS: dict[str, tuple[str, Callable[[], Callable[[], None]]]] = {
     ),
     "count_attempt_twice": (
         "LedgerTxn.lease counts an attempt twice",
-        lambda: _rewrite(T, "lease", 'attempt=rec["attempt"] + 1,', 'attempt=rec["attempt"] + 2,'),
+        lambda: _rewrite(T, "lease", 'rec["attempt"] += 1', 'rec["attempt"] += 2'),
     ),
     "no_dedup": (
         "LedgerTxn.submit forgets the idempotency key (a re-sent SUBMIT makes a second item)",
