@@ -318,7 +318,8 @@ class RoleLoop:
             gate = ConfirmGate(mode=cfg.ha_mode, sync_standbys=cfg.ha_sync_standbys, on_standby_loss=cfg.ha_on_standby_loss,
                                degrade_after_s=cfg.ha_degrade_after_s, election=election, server=None,  # type: ignore[arg-type]
                                last_seq=lambda: ledger.replication.position[1] if ledger.replication else 0,
-                               wake=transport.wake, epoch=epoch, node=cfg.ha_node_id)
+                               wake=lambda: aloop.call_soon_threadsafe(transport.wake),  # called in etcd threads
+                               epoch=epoch, node=cfg.ha_node_id)
             sinks: list[Any] = []
             repl_log = ledger.replicate(epoch, sink=lambda ws: sinks[0](ws) if sinks else None)
             server = ReplicationServer(cfg, ledger, repl_log, epoch, sync_standbys=cfg.ha_sync_standbys,
