@@ -353,6 +353,7 @@ class RoleLoop:
                 code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
                 raise _Exit(_fail(code, why)) from None
             self.broker = broker
+            server.on_durable = broker.release_durable  # an ack read between two turns releases at once
             (self.data_dir / "endpoint").write_text(transport.endpoint + "\n")
             if cfg.metrics_port or cfg.metrics_listen:
                 from ccsq.brokerd.metrics import broker_listen, start_metrics
