@@ -358,10 +358,16 @@ class ReplicationServer:
         """Send ``sess``'s outbox until empty or the socket pushes back. A send on the ROUTER
         outside run()'s own pass (the actor's ``sink``, a copy task) may consume ZMQ_FD's edge
         for a REPL_ACK already queued, and no later frame raises another while it is unread:
-        run()'s wait would sleep to its next tick (up to 250 ms per confirm), so it is woken to
-        check EVENTS again (not from inside run()'s pass: it checks EVENTS before it waits again)."""
-        if sess.outbox and not sess.ended and not self._in_pass:
+        run()'s wait would sleep to its next tick (up to 250 ms per confirm), so after such sends
+        EVENTS is checked here and the wait woken when a frame is queued (not from inside run()'s
+        pass: it checks EVENTS before it waits again; with nothing queued the next frame raises the
+        edge itself, and run() needs no pass for this send), or when the socket pushed back."""
+        outside = not self._in_pass
+        self._send_outbox(sess)
+        if outside and (self.transport.readable() or (sess.outbox and not sess.ended)):
             self.transport.wake()
+
+    def _send_outbox(self, sess: _Session) -> None:
         while sess.outbox and not sess.ended:
             status = self.transport.send(sess.rid, sess.outbox[0])
             if status == SENT:

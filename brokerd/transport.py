@@ -225,6 +225,11 @@ class Transport:
         else:
             self._woken = True
 
+    def readable(self) -> bool:
+        """Whether a message is queued now (ZMQ_FD's EVENTS; after a send from outside the
+        waiting task's pass, a queued message raises no new edge: :meth:`wake` it)."""
+        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
     def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
         """Receive up to ``max_messages`` queued multipart messages without blocking,
         stopping early once they hold ``max_bytes`` (at least one message is taken).
