@@ -39,6 +39,7 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lmdb
@@ -318,7 +319,7 @@ class RoleLoop:
             gate = ConfirmGate(mode=cfg.ha_mode, sync_standbys=cfg.ha_sync_standbys, on_standby_loss=cfg.ha_on_standby_loss,
                                degrade_after_s=cfg.ha_degrade_after_s, election=election, server=None,  # type: ignore[arg-type]
                                last_seq=lambda: ledger.replication.position[1] if ledger.replication else 0,
-                               wake=lambda: aloop.call_soon_threadsafe(transport.wake),  # called in etcd threads
+                               wake=lambda: _call_soon(aloop, transport.wake),  # called in etcd threads
                                epoch=epoch, node=cfg.ha_node_id)
             sinks: list[Any] = []
             repl_log = ledger.replicate(epoch, sink=lambda ws: sinks[0](ws) if sinks else None)
@@ -401,6 +402,11 @@ class RoleLoop:
             log.warning("ha_stepping_down", why=why)
         if self.broker is not None:
             self.broker.stop()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """Run ``fn`` in ``loop``'s thread (from any thread)."""
+    loop.call_soon_threadsafe(fn)
 
 
 async def _stop(server: Any, task: asyncio.Task) -> None:

@@ -48,7 +48,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import zmq
@@ -415,12 +415,12 @@ async def _readable(sock: zmq.Socket, timeout_s: float, *, events: int = zmq.POL
     POLLOUT: room to send). ZMQ_FD is edge-triggered: EVENTS is checked before sleeping and
     after the wake-up. Yields to the loop either way (its other tasks: the peers' endpoint, etcd's
     news), however fast the primary sends."""
-    if sock.getsockopt(zmq.EVENTS) & events:
+    if cast(int, sock.getsockopt(zmq.EVENTS)) & events:
         await asyncio.sleep(0)
         return True
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    fd = sock.getsockopt(zmq.FD)
+    fd = cast(int, sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
 
     def wake() -> None:
         if not fut.done():
@@ -433,7 +433,7 @@ async def _readable(sock: zmq.Socket, timeout_s: float, *, events: int = zmq.POL
     finally:
         timer.cancel()
         loop.remove_reader(fd)
-    return bool(sock.getsockopt(zmq.EVENTS) & events)
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & events)
 
 
 async def _send(sock: zmq.Socket, frames: list[bytes], timeout_s: float) -> None:
