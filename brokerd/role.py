@@ -355,6 +355,7 @@ class RoleLoop:
                 raise _Exit(_fail(code, why)) from None
             self.broker = broker
             server.on_durable = broker.release_durable  # an ack read between two turns releases at once
+            gate.observe_held = broker.stats.held_histogram().observe  # ccsq_ha_held_seconds
             (self.data_dir / "endpoint").write_text(transport.endpoint + "\n")
             if cfg.metrics_port or cfg.metrics_listen:
                 from ccsq.brokerd.metrics import broker_listen, start_metrics

@@ -218,8 +218,10 @@ def with_standby(brokers, cfg: Path) -> HaBroker:
 def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_the_sync_set(tmp_path, etcd, brokers, peers):
     """ha_mode = sync with a standby that is in sync and acknowledges every turn (a real
     second broker, or the stub of tests/ha_fakes.py until harepl's server is merged): the
-    primary writes it into /sync and confirms; status lists it."""
-    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
+    primary writes it into /sync and confirms; status lists it, and the metrics have the hold of
+    each confirm (``ccsq_ha_held_seconds``: its turn's commit until it left)."""
+    port = free_port()
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd, metrics_port=port))
     el = observer(etcd)
     wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
     prod = peer(peers, tmp_path, "prod", b.endpoint)
@@ -231,6 +233,10 @@ def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_
     ha = ha_doc(adm)
     assert (ha["mode"], ha["confirming"], ha["sync_members"]) == ("sync", True, ["broker-2"])
     assert [(s["node"], s["in_sync"]) for s in ha["standbys"]] == [("broker-2", True)]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        counts = [float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                  if line.startswith("ccsq_ha_held_seconds_count")]
+    assert counts and counts[0] >= 1, counts  # the SUBMIT_ACK's hold at least
 
 
 def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, etcd, brokers, peers):
