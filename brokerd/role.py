@@ -38,8 +38,8 @@ import inspect
 import os
 import signal
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lmdb
