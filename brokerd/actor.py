@@ -829,6 +829,15 @@ class Broker:
         self.outbound.flush()
         self.sessions.tick(now)
 
+    def release_durable(self) -> None:
+        """A primary's replication server read acknowledgements that made turns durable (its
+        ``on_durable``, called in the loop between two turns of this actor): their held replies
+        leave now, not after this actor's next turn and its commit (brokerd/role.py)."""
+        if self.gate is not None and self.gate.release(self._send):
+            self._wake_dispatch()
+            self._wake_delivery()
+        self.transport.wake()
+
     # --- a replicated primary (brokerd/primary.py, docs/ha.md) ---
     def ha_status(self) -> dict:
         """The status document's ``ha`` section."""

@@ -30,7 +30,9 @@ longest a frame arriving meanwhile waits to be handled); ``map_size_bytes``, ``m
 ``single`` or ``primary``), ``ha_epoch``, ``ha_confirming`` (0/1), ``ha_degraded`` (0/1),
 ``ha_degraded_total``, ``ha_held_replies`` (confirms held for the standbys or the lease),
 ``ha_oldest_held_seconds``, per standby ``ha_standby_lag_turns``, ``ha_standby_lag_bytes``,
-``ha_standby_lag_seconds``, ``ha_standby_in_sync`` (label ``node``);
+``ha_standby_lag_seconds``, ``ha_standby_in_sync`` (label ``node``), ``ha_held_seconds`` (histogram, a
+primary only: each confirm's hold from its turn's commit until it left, i.e. the standbys'
+round trip as the peers see it);
 ``build_info{version,process,python,libzmq}``
 (every process, :mod:`ccsq.common.runtime.metrics_exporter`); ``zap_refused_total`` (CURVE
 handshakes the ZAP allow-list refused; with ``curve = true``); ``handshake_failed_total{reason}``
@@ -89,9 +91,19 @@ class BrokerStats:
             "ccsq_turn_seconds", "one actor turn (decode, commit with fsync, replies, timers)", buckets=TURN_BUCKETS_S,
             registry=self.registry,
         )
+        self._held: Histogram | None = None
         self.lease_expiries = Counter(
             "ccsq_lease_expiries", "leases that ran out, by the item's next state", ["outcome"], registry=self.registry
         )
+
+    def held_histogram(self) -> Histogram:
+        """``ccsq_ha_held_seconds``, registered on first use (a primary's; a single broker has none):
+        observe each confirm's hold (seconds from its turn's commit until it left)."""
+        if self._held is None:
+            self._held = Histogram("ccsq_ha_held_seconds", "a primary's confirm: its turn's commit until it left "
+                                   "(the standbys' acknowledgement and the lease)", buckets=TURN_BUCKETS_S,
+                                   registry=self.registry)
+        return self._held
 
     def heartbeat(self, ts_ms: int) -> None:
         self.heartbeat_lag.observe(max(0.0, time.time() - ts_ms / 1000.0))

@@ -130,6 +130,8 @@ class ConfirmGate:
         self.paused = ""  # a planned failover in progress: why (confirms held)
         self.pinned: tuple[str, ...] | None = None  # a planned failover's sync set: only this node may take the key
         self.confirming = False  # the last check's answer (status, metrics)
+        #: called with each released confirm's hold in seconds (its turn's commit -> sent; the metric)
+        self.observe_held: Callable[[float], None] | None = None
         self._next_check = 0.0
 
     # --- the actor's side ---
@@ -169,10 +171,12 @@ class ConfirmGate:
         if not ok or durable is None:
             return 0
         n = 0
-        held = self.held
+        held, observe = self.held, self.observe_held
         while held and held[0][0] <= durable:
-            _seq, _t, rid, msg = held.popleft()
+            _seq, t, rid, msg = held.popleft()
             send(rid, msg)
+            if observe is not None:
+                observe(now - t)
             n += 1
         self.released += n
         return n

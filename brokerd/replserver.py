@@ -172,6 +172,7 @@ class ReplicationServer:
         self._bytes_total = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
+        self._in_pass = False  # run() is in its own pass (it checks EVENTS before it waits again: no wake needed)
         self._stopping = False
         self._refused_at: dict[bytes, float] = {}
         self._copy_tasks: set[asyncio.Task] = set()
@@ -221,6 +222,7 @@ class ReplicationServer:
                 if self._retry_at_mono > now and self._want != self.members:
                     wake_at = min(wake_at, self._retry_at_mono)
                 await self.transport.wait_readable(max(0.0, wake_at - now))
+                self._in_pass = True
                 for raw in self.transport.drain(DRAIN_FRAMES):
                     self._on_frames(raw, time.monotonic())
                 self._ship_pending()
@@ -229,6 +231,7 @@ class ReplicationServer:
                     self._tick(now)
                     next_tick = now + min(self.hb_s / 2, 0.25)
                 self._membership(now)
+                self._in_pass = False
         finally:
             for sess in list(self.sessions.values()):
                 self.transport.send(sess.rid, protocol.Bye(reason="primary stopping"))
@@ -355,10 +358,16 @@ class ReplicationServer:
         """Send ``sess``'s outbox until empty or the socket pushes back. A send on the ROUTER
         outside run()'s own pass (the actor's ``sink``, a copy task) may consume ZMQ_FD's edge
         for a REPL_ACK already queued, and no later frame raises another while it is unread:
-        run()'s wait would sleep to its next tick (up to 250 ms per confirm), so it is woken to
-        check EVENTS again (a no-op inside run()'s pass: nothing waits then)."""
-        if sess.outbox and not sess.ended:
+        run()'s wait would sleep to its next tick (up to 250 ms per confirm), so after such sends
+        EVENTS is checked here and the wait woken when a frame is queued (not from inside run()'s
+        pass: it checks EVENTS before it waits again; with nothing queued the next frame raises the
+        edge itself, and run() needs no pass for this send), or when the socket pushed back."""
+        outside = not self._in_pass
+        self._send_outbox(sess)
+        if outside and (self.transport.readable() or (sess.outbox and not sess.ended)):
             self.transport.wake()
+
+    def _send_outbox(self, sess: _Session) -> None:
         while sess.outbox and not sess.ended:
             status = self.transport.send(sess.rid, sess.outbox[0])
             if status == SENT:

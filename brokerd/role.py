@@ -38,6 +38,7 @@ import inspect
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +319,8 @@ class RoleLoop:
             gate = ConfirmGate(mode=cfg.ha_mode, sync_standbys=cfg.ha_sync_standbys, on_standby_loss=cfg.ha_on_standby_loss,
                                degrade_after_s=cfg.ha_degrade_after_s, election=election, server=None,  # type: ignore[arg-type]
                                last_seq=lambda: ledger.replication.position[1] if ledger.replication else 0,
-                               wake=transport.wake, epoch=epoch, node=cfg.ha_node_id)
+                               wake=lambda: _call_soon(aloop, transport.wake),  # called in etcd threads
+                               epoch=epoch, node=cfg.ha_node_id)
             sinks: list[Any] = []
             repl_log = ledger.replicate(epoch, sink=lambda ws: sinks[0](ws) if sinks else None)
             server = ReplicationServer(cfg, ledger, repl_log, epoch, sync_standbys=cfg.ha_sync_standbys,
@@ -352,6 +354,8 @@ class RoleLoop:
                 code, why = ledger_failure(exc, ledger.path / "data.mdb", "starting on the ledger")
                 raise _Exit(_fail(code, why)) from None
             self.broker = broker
+            server.on_durable = broker.release_durable  # an ack read between two turns releases at once
+            gate.observe_held = broker.stats.held_histogram().observe  # ccsq_ha_held_seconds
             (self.data_dir / "endpoint").write_text(transport.endpoint + "\n")
             if cfg.metrics_port or cfg.metrics_listen:
                 from ccsq.brokerd.metrics import broker_listen, start_metrics
@@ -399,6 +403,11 @@ class RoleLoop:
             log.warning("ha_stepping_down", why=why)
         if self.broker is not None:
             self.broker.stop()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """Run ``fn`` in ``loop``'s thread (from any thread)."""
+    loop.call_soon_threadsafe(fn)
 
 
 async def _stop(server: Any, task: asyncio.Task) -> None:

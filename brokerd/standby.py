@@ -48,11 +48,10 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from ccsq.brokerd import replica as replica_link
 from ccsq.brokerd.election import EtcdUnavailable, _b64, _unb64
@@ -269,8 +268,14 @@ class StandbyNode:
             return protocol.Hello(role=protocol.Role.STANDBY.value, info=empty)
         return replica_link.standby_hello(self.replica)
 
-    async def session(self, ctx: zmq.asyncio.Context, primary: dict[str, Any]) -> None:
-        """One session with ``primary``; returns (or raises :class:`_Restart`) when it ends."""
+    async def session(self, ctx: zmq.Context, primary: dict[str, Any]) -> None:
+        """One session with ``primary``; returns (or raises :class:`_Restart`) when it ends.
+
+        The DEALER is a plain (not asyncio) socket read and written without blocking: one wait
+        for its descriptor per batch (:func:`_readable`), then every queued message taken at once
+        (up to 512), and the REPL_ACK sent as soon as the batch is fsynced. (zmq.asyncio's
+        ``poll``/``recv`` went through the event loop once per message: CPU and latency on every
+        turn the standby acknowledges, which a sync primary's confirms wait for.)"""
         endpoint = str(primary.get("repl_endpoint") or "")
         if not endpoint:
             raise _Restart(f"the primary's etcd value names no repl_endpoint: {primary}")
@@ -286,19 +291,20 @@ class StandbyNode:
         codec.new_session()
         inc: _Incoming | None = None
         try:
-            await sock.send_multipart(codec.encode(self.hello()))
+            await _send(sock, codec.encode(self.hello()), self.silence_s)
             last_sent = last_recv = time.monotonic()
             welcome = None
             standby: replica_link.Standby | None = None
             while True:
                 if self.etcd.primary != primary:
                     raise _Restart("the primary key changed")
-                if await sock.poll(int(min(self.hb_s, 0.25) * 1000)):
-                    batch = [await sock.recv_multipart()]
-                    while len(batch) < 512 and await sock.poll(0):
-                        batch.append(await sock.recv_multipart())
-                else:
-                    batch = []
+                batch: list[list[bytes]] = []
+                if await _readable(sock, min(self.hb_s, 0.25)):
+                    while len(batch) < 512:
+                        try:
+                            batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
                 now = time.monotonic()
                 ack: protocol.ReplAck | None = None
                 out: list[protocol.Message] = []
@@ -370,7 +376,7 @@ class StandbyNode:
                 if not out and now - last_sent >= self.hb_s:
                     out.append(protocol.Heartbeat())
                 for m in out:
-                    await sock.send_multipart(codec.encode(m))
+                    await _send(sock, codec.encode(m), self.silence_s)
                 if out:
                     last_sent = now
                 if now - last_recv > self.silence_s:
@@ -402,6 +408,47 @@ class StandbyNode:
         return self._stop_event is not None and self._stop_event.is_set()
 
     _stop_event: asyncio.Event | None = None
+
+
+async def _readable(sock: zmq.Socket, timeout_s: float, *, events: int = zmq.POLLIN) -> bool:
+    """Wait up to ``timeout_s`` until ``sock`` has ``events`` (POLLIN: a message to read;
+    POLLOUT: room to send). ZMQ_FD is edge-triggered: EVENTS is checked before sleeping and
+    after the wake-up. Yields to the loop either way (its other tasks: the peers' endpoint, etcd's
+    news), however fast the primary sends."""
+    if cast(int, sock.getsockopt(zmq.EVENTS)) & events:
+        await asyncio.sleep(0)
+        return True
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    fd = cast(int, sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
+    timer = loop.call_later(timeout_s, wake)
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & events)
+
+
+async def _send(sock: zmq.Socket, frames: list[bytes], timeout_s: float) -> None:
+    """Send ``frames`` on ``sock``, waiting (up to ``timeout_s``) while its high-water mark is
+    reached. Raises :class:`_Restart` when it stays full: the primary reads nothing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Restart(f"the link to the primary stayed full for {timeout_s:.2f}s") from None
+            await _readable(sock, left, events=zmq.POLLOUT)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -461,7 +508,7 @@ async def run_standby(cfg: Any, election: Any, stop_event: asyncio.Event) -> Sta
     watcher = threading.Thread(target=node.watch, args=(loop, watch_stop), name="ccsq-standby-etcd", daemon=True)
     watcher.start()
     answering = loop.create_task(_answer_peers(node, transport))
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.Context()
     failures = 0
     log.info("standby_started", node=node.node, ledger_dir=str(node.ledger_dir), mode=node.mode,
              position=list(node.replica.position) if node.replica else None, peer_endpoint=transport.endpoint)

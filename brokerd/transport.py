@@ -185,16 +185,19 @@ class Transport:
         self.handshakes = HandshakeWatch(self.sock, curve=self.curve)
         self.fd = cast(int, self.sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
         self._waiter: asyncio.Future | None = None
+        self._woken = False  # wake() came while no wait_readable was pending: the next one returns at once
         self.sent_again = 0  # sends refused with EAGAIN (peer pipe full)
         self.sent_unroutable = 0
         self.drained_all = True  # the last drain() emptied the queue
 
     async def wait_readable(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for input. ZMQ_FD is edge-triggered, so EVENTS is
-        checked before sleeping and after every wake-up."""
+        """Wait up to ``timeout_s`` for input, or until :meth:`wake`. ZMQ_FD is edge-triggered,
+        so EVENTS is checked before sleeping and after every wake-up. Returns at once when
+        :meth:`wake` was called since the last wait began (a wake between two waits is not lost)."""
+        woken, self._woken = self._woken, False
         if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return True
-        if timeout_s <= 0:
+        if timeout_s <= 0 or woken:
             return False
         loop = asyncio.get_running_loop()
         fut = self._waiter = loop.create_future()
@@ -214,9 +217,18 @@ class Transport:
         return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def wake(self) -> None:
-        """End a pending :meth:`wait_readable` now (e.g. on SIGTERM)."""
+        """End a pending :meth:`wait_readable` now (e.g. on SIGTERM), or, when none is pending (the
+        waiting task is between two waits: in its pass, or asleep elsewhere), the next one. Loop
+        thread only."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        else:
+            self._woken = True
+
+    def readable(self) -> bool:
+        """Whether a message is queued now (ZMQ_FD's EVENTS; after a send from outside the
+        waiting task's pass, a queued message raises no new edge: :meth:`wake` it)."""
+        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def drain(self, max_messages: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
         """Receive up to ``max_messages`` queued multipart messages without blocking,

@@ -14,6 +14,7 @@ import threading
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
 
@@ -217,8 +218,10 @@ def with_standby(brokers, cfg: Path) -> HaBroker:
 def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_the_sync_set(tmp_path, etcd, brokers, peers):
     """ha_mode = sync with a standby that is in sync and acknowledges every turn (a real
     second broker, or the stub of tests/ha_fakes.py until harepl's server is merged): the
-    primary writes it into /sync and confirms; status lists it."""
-    b = with_standby(brokers, ha_swarm(tmp_path, etcd))
+    primary writes it into /sync and confirms; status lists it, and the metrics have the hold of
+    each confirm (``ccsq_ha_held_seconds``: its turn's commit until it left)."""
+    port = free_port()
+    b = with_standby(brokers, ha_swarm(tmp_path, etcd, metrics_port=port))
     el = observer(etcd)
     wait_for(lambda: (s := el.read_sync()) is not None and s.members == ("broker-2",), 30, what="broker-2 in /sync")
     prod = peer(peers, tmp_path, "prod", b.endpoint)
@@ -230,6 +233,10 @@ def test_sync_primary_with_a_standby_that_acknowledges_confirms_and_names_it_in_
     ha = ha_doc(adm)
     assert (ha["mode"], ha["confirming"], ha["sync_members"]) == ("sync", True, ["broker-2"])
     assert [(s["node"], s["in_sync"]) for s in ha["standbys"]] == [("broker-2", True)]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        counts = [float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                  if line.startswith("ccsq_ha_held_seconds_count")]
+    assert counts and counts[0] >= 1, counts  # the SUBMIT_ACK's hold at least
 
 
 def test_failover_hands_over_once_a_sync_standby_holds_the_last_turn(tmp_path, etcd, brokers, peers):
@@ -612,6 +619,33 @@ def test_a_sync_primary_counts_a_standby_only_once_the_sync_set_names_it_and_nev
         gate.recheck()
         assert gate.release(send) == 0 and el.read_sync().members == ("broker-2",)
         assert gate.status()["held_replies"] == 1 and "waiting for 1 standby" in gate.status()["waiting"]
+    finally:
+        el.resign()
+
+
+def test_an_acknowledgement_read_between_two_turns_releases_the_held_dispatch_in_that_call(etcd):
+    """The replication server's ``on_durable`` is ``Broker.release_durable`` (brokerd/role.py), called
+    in the loop when an acknowledgement made turns durable: the held DISPATCH of such a turn leaves in
+    that call, between two turns of the actor, and dispatch and delivery are woken. Before, on_durable
+    only woke the actor, whose next pass ran its turn (frames, transaction, commit and fsync) before
+    it released anything: under load one more turn on every held DISPATCH (bench.ha_sync paced)."""
+    from ccsq.brokerd.actor import Broker
+
+    server = StubServer()
+    gate, el, last = _gate(etcd, server)
+    sent, woken = [], []
+    broker = types.SimpleNamespace(gate=gate, _send=lambda rid, msg: sent.append(msg),
+                                   _wake_dispatch=lambda: woken.append("dispatch"), _wake_delivery=lambda: woken.append("delivery"),
+                                   transport=types.SimpleNamespace(wake=lambda: woken.append("actor")))
+    try:
+        gate.on_members(["broker-2"])
+        last["seq"] = 1
+        dispatch = protocol.Dispatch([])
+        gate.hold(1, [(b"w", dispatch)], set(), broker._send)
+        assert sent == []  # held: nobody acknowledged turn 1
+        server.standbys, server.durable = [{"node": "broker-2", "seq": 1, "in_sync": True}], 1
+        Broker.release_durable(broker)  # type: ignore[arg-type]  # what the server calls on the ack
+        assert sent == [dispatch] and woken == ["dispatch", "delivery", "actor"]
     finally:
         el.resign()
 

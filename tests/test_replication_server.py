@@ -28,6 +28,7 @@ from ccsq.brokerd.ledger import replication
 from ccsq.brokerd.ledger.store import Ledger, Policy, data_paths
 from ccsq.brokerd.replserver import ReplicationServer
 from ccsq.brokerd.standby import DISCARDED, sync_key
+from ccsq.brokerd.transport import Transport
 from ccsq.common.wire import protocol
 from ccsq.common.wire.envelope import MAC_BYTES, EnvelopeCodec
 from ccsq.common.wire.keys import (AuthorizedKeys, load_private_key, public_key_b64, write_authorized_keys,
@@ -507,6 +508,35 @@ def test_an_ack_that_came_while_the_loop_was_busy_is_read_at_once_after_the_next
             primary.close()
 
     run(scenario)
+
+
+def test_a_wake_that_comes_between_two_waits_ends_the_next_wait_at_once(tmp_path):
+    """The server's ``on_durable`` is the actor's ``transport.wake``, called in the loop while the
+    actor is *not* inside ``wait_readable`` (asleep in its commit delay after a turn, or in its
+    pass): the wake is kept, the actor's next wait returns at once, and the held DISPATCH leaves
+    then. Before: the wake found no waiter and was dropped, so the actor slept up to
+    primary.CHECK_INTERVAL_S (100 ms) or until another frame came (in bench.ha_sync's light run one
+    DISPATCH in ten waited 80-100 ms after its turn was durable). A kept wake ends one wait only."""
+    priv, _ = write_keypair(tmp_path / "keys", "broker")
+    key = load_private_key(priv)
+    write_authorized_keys(tmp_path / "ak.toml", {"broker": ("broker", public_key_b64(key))})
+    codec = EnvelopeCodec("broker", key, AuthorizedKeys(tmp_path / "ak.toml"))
+    transport = Transport("tcp://127.0.0.1:0", codec, sndhwm=100, max_frame_bytes=1 << 20)
+
+    async def scenario():
+        transport.wake()  # nobody waits (the actor is between two waits)
+        t0 = time.monotonic()
+        await transport.wait_readable(5.0)
+        woken_s = time.monotonic() - t0
+        assert woken_s < 0.5, f"the kept wake did not end the wait: {woken_s:.2f} s"  # before: 5 s
+        t0 = time.monotonic()
+        await transport.wait_readable(0.3)  # the wake was used up: this one waits its timeout
+        assert time.monotonic() - t0 >= 0.25
+
+    try:
+        run(scenario)
+    finally:
+        transport.close()
 
 
 def test_durable_seq_covers_only_what_a_listed_in_sync_standby_fsynced(swarm, etcd_url):
