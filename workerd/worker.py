@@ -95,7 +95,7 @@ LAG_PROBE_INTERVAL_S = 0.02  # the loop-lag probe wakes this often
 LAG_WARN_MS = 250.0  # log loop_lag when one wake-up is later than this
 ACK_WAIT_ON_STOP_S = 2.0  # at shutdown, wait this long for outstanding confirmations
 GPU_MEM_POLL_S = 10.0  # how often GPU free memory is sampled (GPU providers only)
-JOURNAL_WINDOW_S = 0.001  # journal group commit: writes within this window share one fsync
+JOURNAL_WINDOW_S = 0.0  # journal group commit: no timer (one loop tick; writes queued during a commit share the next)
 
 
 class Worker:
