@@ -9,6 +9,7 @@ import signal
 import sqlite3
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from ccsq.common.runtime.faults import env_for
@@ -228,3 +229,42 @@ def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.Mo
     j = Journal.open(d)
     assert _state(j) == {("done", 5): (EntryState.FINISHED, _result("done", 5)), ("x", 1): (EntryState.STARTED, None)}
     j.close()
+
+
+def _log_ops(directory: Path) -> list[list]:
+    """The journal's log rows in order, each the msgpack list of ``[op, rows]`` it holds (read while the
+    worker runs: the file is SQLite in WAL mode)."""
+    db = sqlite3.connect(directory / "journal.sqlite3", timeout=5)
+    try:
+        return [msgpack.unpackb(raw, raw=False) for (raw,) in db.execute("SELECT ops FROM log ORDER BY seq")]
+    finally:
+        db.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_a_free_slot_takes_is_journaled_held_and_started_in_one_commit(
+        broker: WorkerBroker, workers: Workers, tmp_path: Path) -> None:  # noqa: F811
+    """A DISPATCH that an idle lane takes at once is journaled held AND started in ONE commit (the
+    handler waits for one fsync, not two); one that arrives while the slot is busy is held only (it
+    waits for the slot). SIGKILL while the first runs: the restarted worker names the first in HELLO
+    info "lost" (its attempt counts) and gives the waiting one back released (no attempt)."""
+    proc = workers.start(handler="sleep", prefetch=2)
+    broker.wait_for(protocol.Hello)
+    broker.dispatch(task("run", "sleep", params={"seconds": 60.0}, token=1))
+    broker.wait_for(protocol.Heartbeat, lambda m: m.busy == 1)
+    broker.dispatch(task("wait", "sleep", params={"seconds": 0.0}, token=2))
+
+    def row_of(item_id: str) -> list | None:
+        return next((ops for ops in _log_ops(tmp_path / "journal")
+                     if any(op == "h" and any(r[0] == item_id for r in rows) for op, rows in ops)), None)
+
+    wait_until(lambda: row_of("wait"), 10, "the second lease held")
+    assert row_of("run") == [["h", [["run", 1, "sleep"]]], ["s", [["run", 1]]]]  # one transaction
+    assert row_of("wait") == [["h", [["wait", 2, "sleep"]]]]
+    proc.kill()
+    assert proc.wait(20) == -signal.SIGKILL
+    workers.start(handler="sleep", prefetch=2)
+    (hello,) = broker.wait_for(protocol.Hello, n=2)[1:]
+    assert protocol.parse_lost_info(hello.msg.info.get(protocol.LOST_INFO)) == {("run", 1)}
+    (fail,) = broker.wait_for(protocol.Fail)
+    assert [(f.item_id, f.reason) for f in fail.msg.failures] == [("wait", "released")]

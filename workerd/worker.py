@@ -40,7 +40,9 @@ Restart (the journal outlives the process):
   ``FAIL(reason="released")`` (retryable) so the broker re-leases them at
   once without consuming an attempt.
 - ``started`` rows (the process died while the handler ran: a crash, an
-  OOM kill, or a poison job that kills its worker): NOT listed in HELLO's
+  OOM kill, or a poison job that kills its worker; or in the moment before a
+  free lane started a lease journaled started with its hold,
+  :mod:`ccsq.workerd.dispatch_intake`): NOT listed in HELLO's
   leases and NOT reported, but named in HELLO ``info["lost"]``; the rows
   are deleted once the broker WELCOMEd that HELLO. The broker expires those
   leases at once ("worker reconnected without it"; at the latest when

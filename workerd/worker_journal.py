@@ -6,7 +6,8 @@ lease the worker holds, keyed by ``(item_id, token)``::
 
     state     meaning                                         written when
     held      dispatched to us, not started yet               DISPATCH arrives
-    started   the handler was entered                         the slot is taken
+    started   the handler was entered                         the slot is taken (or with the hold, when
+                                                              a free lane takes the lease at once)
     finished  a result is stored, COMPLETE not confirmed      before COMPLETE is sent
     failed    a failure is decided, FAIL not confirmed        before FAIL is sent
 
@@ -437,6 +438,16 @@ class GroupCommit:
         else:
             self._eager += 1
             self._commit_soon(loop)
+        return fut
+
+    def queue_ops(self, ops: list[Op]) -> asyncio.Future:
+        """:meth:`queue` of several ops, in order, resolved by ONE future: they are queued in the
+        same call, so they always go into the same commit (one transaction, all or nothing)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.extend((op, fut) for op in ops)
+        self._eager += len(ops)
+        self._commit_soon(loop)
         return fut
 
     def _commit_soon(self, loop: asyncio.AbstractEventLoop) -> None:
