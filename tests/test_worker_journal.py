@@ -268,3 +268,24 @@ def test_a_lease_a_free_slot_takes_is_journaled_held_and_started_in_one_commit(
     assert protocol.parse_lost_info(hello.msg.info.get(protocol.LOST_INFO)) == {("run", 1)}
     (fail,) = broker.wait_for(protocol.Fail)
     assert [(f.item_id, f.reason) for f in fail.msg.failures] == [("wait", "released")]
+
+
+@pytest.mark.timeout(60)
+def test_a_partial_batch_that_may_wait_for_more_is_held_only(broker: WorkerBroker, workers: Workers,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    """With max_wait_ms > 0 a partial batch may wait in the queue for more: only whole batches are
+    journaled started with their hold. max_batch 4: a frame of 3 is held only; then, the lane
+    idle again, a frame of 4 is held and started in one commit."""
+    workers.start(handler="sleep", max_batch=4, max_wait_ms=300.0, prefetch=4)
+    broker.wait_for(protocol.Hello)
+
+    def results() -> int:
+        return sum(len(s.msg.results) for s in broker.of(protocol.Complete))
+
+    broker.dispatch(*[task(f"p{n}", "sleep", params={"seconds": 0.0}, token=n + 1) for n in range(3)])
+    wait_until(lambda: results() >= 3, 20, "3 results")
+    broker.dispatch(*[task(f"q{n}", "sleep", params={"seconds": 0.0}, token=n + 11) for n in range(4)])
+    wait_until(lambda: results() >= 7, 20, "7 results")
+    holds = [[op for op in ops if op[0] in "hs"] for ops in _log_ops(tmp_path / "journal") if any(op[0] == "h" for op in ops)]
+    assert holds[0] == [["h", [[f"p{n}", n + 1, "sleep"] for n in range(3)]]]
+    assert holds[1] == [["h", [[f"q{n}", n + 11, "sleep"] for n in range(4)]], ["s", [[f"q{n}", n + 11] for n in range(4)]]]

@@ -121,7 +121,8 @@ class DispatchIntake:
         its way to the batch queue and nothing waits there (so these are the next items any lane
         takes), for a handler without its own ``batch_key`` (one batch group per kind), of the
         frame's first kind, with an inline payload verified on the loop (queued by the runner at
-        once, in order), up to :meth:`Lanes.start_at_once`. A crash between this commit and the
+        once, in order), up to :meth:`Lanes.start_at_once`; whole batches only when the batch queue
+        may hold a partial one back (``max_wait_ms`` > 0). A crash between this commit and the
         handler's start counts their attempt (HELLO ``lost``), as it would a moment later."""
         if self._own_batch_key or self._frames_in_flight:
             return []
@@ -130,7 +131,7 @@ class DispatchIntake:
             return []
         on_loop_max = self._claims.verify_on_loop_max_bytes()
         kind = None
-        keys: list[Key] = []
+        chosen: list[Job] = []
         for job, verdict in new:
             inline = job.task.payload.inline
             if verdict is not None or inline is None or len(inline) > on_loop_max:
@@ -139,11 +140,14 @@ class DispatchIntake:
                 kind = job.task.kind
             elif job.task.kind != kind:
                 break  # another batch group: it may wait for a lane
-            job.started = True
-            keys.append(job.key)
-            if len(keys) >= room:
+            chosen.append(job)
+            if len(chosen) >= room:
                 break
-        return keys
+        if self._lanes.batches.max_wait_s > 0:  # a partial batch may wait for more: only whole batches go at once
+            del chosen[len(chosen) - len(chosen) % self._lanes.max_batch:]
+        for job in chosen:
+            job.started = True
+        return [job.key for job in chosen]
 
     @staticmethod
     async def _await_hold(hold: asyncio.Future) -> None:
