@@ -34,7 +34,9 @@ WORKER_PREFETCH = 64
 #: Jobs per handler call: the peers' workers take up to 64 jobs per read
 #: (``peer_pipeline.WORKER_BATCH``); ccsq's dynamic batching does the same.
 WORKER_MAX_BATCH = 64
-WORKER_MAX_WAIT_MS = 1.0
+#: The peers' reads return at once with what has arrived (``XREADGROUP ... BLOCK`` waits only while
+#: nothing is there; AMQP prefetch pushes what is there): no wait for a fuller batch, as here.
+WORKER_MAX_WAIT_MS = 0.0
 #: One log line per batch and per report frame, not two per job (the peers log nothing per job;
 #: ``log_each_job`` in docs/benchmarks.md). The default config logs each job.
 WORKER_LOG_EACH_JOB = False

@@ -10,10 +10,15 @@ the service
    a row the database refuses for a data reason (a constraint, a trigger, a value
    the column cannot hold) goes to ``results_quarantine`` instead (gap G12),
 3. ``crash_point("completion.after_db_commit")``,
-4. sends ACK and waits for ACK_OK (re-sent on timeout and on reconnect),
-5. grants CREDIT for the batch.
+4. sends ACK (re-sent on timeout and on reconnect until its ACK_OK comes),
+5. grants CREDIT for the batch once its ACK_OK comes.
 
-So an ACK always follows a commit; a crash between 2 and 4 makes the broker
+The next batch does not wait for the ACK_OK: it is gathered and landed while the broker
+commits the ACK (at most ``MAX_ACKS_IN_FLIGHT`` ACKs wait for their ACK_OK at once), so
+a result waits for at most the database transaction in progress, not for that
+transaction plus the broker's commit of its ACK.
+
+So an ACK always follows its own batch's commit; a crash between 2 and 4 makes the broker
 redeliver, and the upsert lands the result once (``deliveries`` counts it).
 When the database fails or a write takes longer than ``db_slow_s``, the
 service stops (no ACK, no credit), backs off exponentially (capped at
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +71,18 @@ _PARK_BASE_S = 0.5
 _STOP_ACK_GRACE_S = 5.0  # on shutdown, how long to wait for the last ACK_OK
 #: Database error text per quarantined row in an ACK (batch_max <= 2048 keeps the ACK far below 1 MiB).
 ACK_ERROR_MAX_CHARS = 200
+#: ACKs sent and not answered by ACK_OK yet, at most; the pipeline waits for one before landing more.
+MAX_ACKS_IN_FLIGHT = 4
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _AckInFlight:
+    """An ACK sent after its batch committed, waiting for ACK_OK (re-sent until then)."""
+
+    msg: protocol.Ack
+    session: int  # the link session its deliveries came in (credit goes back only within it)
+    credit: int  # credit to grant back on ACK_OK (deliveries of that session)
+    sent_mono: float  # last (re)send, monotonic seconds
 
 
 class CompletionService:
@@ -84,9 +102,8 @@ class CompletionService:
     # --- state (event loop only) ---
     _incoming: collections.deque[tuple[int, Sequence[protocol.Delivery]]]  # (session number, a RESULT's deliveries)
     _arrived: asyncio.Event  # set when a RESULT is appended to ``_incoming``
-    _ack_msg: protocol.Ack | None  # the ACK in flight (re-sent on reconnect); None: none
-    _ack_ids: frozenset[str]  # its item ids (empty: none)
-    _ack_ok: asyncio.Event
+    _acks: dict[frozenset[str], _AckInFlight]  # ACKs in flight by their item ids, oldest first (re-sent on reconnect)
+    _ack_ok: asyncio.Event  # set when an ACK_OK retires an ACK in flight
     _stop: asyncio.Event
     healthy: bool  # last database write succeeded
     landed: int  # results written so far (this process)
@@ -109,8 +126,7 @@ class CompletionService:
         self.landed = 0
         self.acked = 0
         self.quarantined = 0
-        self._ack_ids = frozenset()
-        self._ack_msg = None
+        self._acks = {}
         self._incoming = collections.deque()
         self._arrived = asyncio.Event()
         # deliveries whose result blob was missing: item_id -> (session, delivery, retry_at_mono, attempt);
@@ -139,10 +155,13 @@ class CompletionService:
         link_task.add_done_callback(lambda _t: self.request_stop() if self.link.replaced or self.link.refused else None)
         self.log.info("completion_started", database=_redact(self.db.url), credit=self.config.credit,
                       batch_max=self.config.batch_max)
+        resender = asyncio.create_task(self._resend_acks(), name="completion-ack-resend")
         try:
             await self._make_schema()
             await self._pump()
+            await self._drain_acks()
         finally:
+            resender.cancel()
             await self.link.stop("completion stopping")
             try:
                 await asyncio.wait_for(link_task, timeout=2.0)
@@ -172,18 +191,17 @@ class CompletionService:
                 self._incoming.append((self.link.sessions, msg.deliveries))
                 self._arrived.set()
         elif isinstance(msg, protocol.AckOk):
-            if self._ack_ids and not (self._ack_ids.isdisjoint(msg.item_ids) and self._ack_ids.isdisjoint(msg.unknown)):
-                if msg.unknown:
-                    self.log.info("ack_unknown_items", count=len(msg.unknown))
-                self._ack_ok.set()
+            self._on_ack_ok(msg)
         elif isinstance(msg, protocol.Error):
             self.log.warning("broker_error", code=msg.code, message=msg.message, ref_seq=msg.ref_seq)
         else:
             self.log.warning("unexpected_message", type=type(msg).__name__)
 
     def _on_connect(self, welcome: protocol.Welcome) -> None:
-        if self._ack_msg is not None and not self._ack_ok.is_set():
-            self.link.send(self._ack_msg)
+        now = time.monotonic()
+        for a in self._acks.values():  # the broker's ACK is idempotent: every one not answered, again
+            if self.link.send(a.msg):
+                a.sent_mono = now
 
     # --- the pipeline ---
     async def _pump(self) -> None:
@@ -203,10 +221,13 @@ class CompletionService:
                     return  # stopping while the database is down: nothing acknowledged, the broker keeps them
                 quarantined = landed
             crash_point("completion.after_db_commit")
-            if rows:
-                await self._ack(sorted({r[0] for r in rows}),
-                                [protocol.Quarantined(r[0], error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined])
-            self._grant(fresh, missing)
+            credit = sum(len(ds) for session, ds in fresh if session == self.link.sessions)
+            if rows:  # ACK now; its credit comes back with its ACK_OK, while the next batch lands
+                self._send_ack(sorted({r[0] for r in rows}),
+                               [protocol.Quarantined(r[0], error[:ACK_ERROR_MAX_CHARS]) for r, error in quarantined], credit)
+                await self._acks_below(MAX_ACKS_IN_FLIGHT)
+            else:
+                self._grant(credit, len(missing))
 
     def _park(self, groups: list[tuple[int, Sequence[protocol.Delivery]]], missing: list[protocol.Delivery]) -> None:
         """Remember deliveries whose result blob is missing (never ACKed); forget landed ones."""
@@ -376,39 +397,79 @@ class CompletionService:
             except asyncio.TimeoutError:
                 pass
 
-    async def _ack(self, item_ids: list[str], quarantined: list[protocol.Quarantined]) -> None:
-        """Send ACK and wait for ACK_OK, re-sending after a silent liveness window
-        and on reconnect (the broker's ACK is idempotent)."""
-        self._ack_ids = frozenset(item_ids)
-        self._ack_ok.clear()
-        msg = self._ack_msg = protocol.Ack(item_ids=item_ids, quarantined=quarantined)
-        stop_deadline: float | None = None
-        try:
-            self.link.send(msg)  # if not connected, on_connect sends it
-            while not self._ack_ok.is_set():
-                if self._stop.is_set():
-                    stop_deadline = stop_deadline or time.monotonic() + _STOP_ACK_GRACE_S
-                    if time.monotonic() >= stop_deadline:
-                        self.log.warning("ack_abandoned", items=len(item_ids), reason="stopping; the broker will redeliver")
-                        return
-                wait_s = max(self.link.heartbeat_interval_s * self.link.liveness, 0.5)
-                try:
-                    await asyncio.wait_for(self._ack_ok.wait(), timeout=min(wait_s, 1.0) if self._stop.is_set() else wait_s)
-                except asyncio.TimeoutError:
-                    if self.link.send(msg):
-                        self.log.info("ack_resent", items=len(item_ids))
-            self.acked += len(item_ids)
-            self.log.info("results_acked", items=len(item_ids), total=self.acked)
-        finally:
-            self._ack_ids = frozenset()
-            self._ack_msg = None
+    def _send_ack(self, item_ids: list[str], quarantined: list[protocol.Quarantined], credit: int) -> None:
+        """Send the ACK of a committed batch (if not connected, :meth:`_on_connect` sends it) and
+        keep it in flight until its ACK_OK (:meth:`_on_ack_ok`) grants ``credit`` back."""
+        msg = protocol.Ack(item_ids=item_ids, quarantined=quarantined)
+        self._acks[frozenset(item_ids)] = _AckInFlight(msg, self.link.sessions, credit, time.monotonic())
+        self.link.send(msg)
 
-    def _grant(self, groups: list[tuple[int, Sequence[protocol.Delivery]]], missing: list[protocol.Delivery]) -> None:
-        """Give back the credit these deliveries used, if they came in this session
-        (a new session's HELLO already reset the credit)."""
-        current = sum(len(ds) for session, ds in groups if session == self.link.sessions)
-        if current and self.link.send(protocol.Credit(credit=current)):
-            self.log.debug("credit_granted", credit=current, missing=len(missing))
+    def _on_ack_ok(self, msg: protocol.AckOk) -> None:
+        """ACK_OK answers one ACK: every id of it, as done or unknown (another ACK of the same
+        ids, a re-send, finds nothing: ignored). Counts it and grants its credit back."""
+        answered = frozenset(msg.item_ids) | frozenset(msg.unknown)
+        a = self._acks.pop(answered, None)
+        if a is None:  # not the exact set (a broker that splits or merges): the oldest it covers
+            key = next((k for k in self._acks if k <= answered), None)
+            if key is None:
+                return
+            a = self._acks.pop(key)
+        if msg.unknown:
+            self.log.info("ack_unknown_items", count=len(msg.unknown))
+        n = len(a.msg.item_ids)
+        self.acked += n
+        self.log.info("results_acked", items=n, total=self.acked)
+        if a.session == self.link.sessions:  # a new session's HELLO already reset the credit
+            self._grant(a.credit, 0)
+        self._ack_ok.set()
+
+    async def _acks_below(self, limit: int) -> None:
+        """Wait until fewer than ``limit`` ACKs are in flight (or asked to stop)."""
+        while len(self._acks) >= limit and not self._stop.is_set():
+            self._ack_ok.clear()
+            stop_wait = asyncio.ensure_future(self._stop.wait())
+            answered = asyncio.ensure_future(self._ack_ok.wait())
+            try:
+                await asyncio.wait({stop_wait, answered}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_wait.cancel()
+                answered.cancel()
+
+    async def _drain_acks(self) -> None:
+        """Stopping: wait (at most ``_STOP_ACK_GRACE_S``) for the ACK_OK of every ACK in flight;
+        what is left the broker redelivers to the next session (the upsert lands it once)."""
+        deadline = time.monotonic() + _STOP_ACK_GRACE_S
+        while self._acks:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                self.log.warning("ack_abandoned", items=sum(len(a.msg.item_ids) for a in self._acks.values()),
+                                 reason="stopping; the broker will redeliver")
+                return
+            self._ack_ok.clear()
+            try:
+                await asyncio.wait_for(self._ack_ok.wait(), timeout=min(left_s, 1.0))
+            except asyncio.TimeoutError:
+                self._resend_stale(1.0)
+
+    async def _resend_acks(self) -> None:
+        """Re-send every ACK not answered within a liveness window (the broker's ACK is idempotent)."""
+        while True:
+            wait_s = max(self.link.heartbeat_interval_s * self.link.liveness, 0.5)
+            await asyncio.sleep(wait_s / 2)
+            self._resend_stale(wait_s)
+
+    def _resend_stale(self, older_than_s: float) -> None:
+        now = time.monotonic()
+        for a in self._acks.values():
+            if now - a.sent_mono >= older_than_s and self.link.send(a.msg):
+                a.sent_mono = now
+                self.log.info("ack_resent", items=len(a.msg.item_ids))
+
+    def _grant(self, credit: int, missing: int) -> None:
+        """Give back ``credit`` (deliveries that came in the current session; ``missing`` of them
+        parked because their result blob is missing)."""
+        if credit and self.link.send(protocol.Credit(credit=credit)):
+            self.log.debug("credit_granted", credit=credit, missing=missing)
 
 
 class _Stopping(Exception):

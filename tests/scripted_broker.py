@@ -63,6 +63,7 @@ class ScriptedBroker:
         # --- knobs (set before or while running) ---
         self.drop_submit_frames = 0  # ignore the next N SUBMIT frames
         self.submit_delay_s = 0.0  # answer SUBMITs this late
+        self.ack_ok_delay_s = 0.0  # answer ACKs this late (a broker slow to commit them)
         self.queue_full_frames = 0  # answer the next N SUBMIT frames with QUEUE_FULL for every item
         self.silent = False  # read nothing, send nothing (a frozen broker); set with set_silent()
         #: admin commands: ``admin(command, args) -> (ok, body dict or error text)``; None: ADMIN is not answered
@@ -283,7 +284,11 @@ class ScriptedBroker:
                 else:
                     unknown.append(i)
                 peer.in_flight.pop(i, None)
-        self._send(sock, ident, protocol.AckOk(item_ids=known, unknown=unknown))
+        reply = protocol.AckOk(item_ids=known, unknown=unknown)
+        if self.ack_ok_delay_s:
+            self._delayed.append((time.monotonic() + self.ack_ok_delay_s, ident, reply))
+            return
+        self._send(sock, ident, reply)
 
     def _deliver(self, sock) -> None:
         for ident, peer in list(self._peers.items()):

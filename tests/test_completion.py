@@ -165,6 +165,34 @@ def test_killed_between_commit_and_ack_lands_once_and_counts_the_redelivery(env)
     assert proc.starts == 2
 
 
+def test_the_next_batch_lands_while_the_broker_commits_the_previous_ack(env) -> None:
+    """ACKs are pipelined: the broker answers each ACK 3 s late (slow to commit it), and a result
+    that arrives meanwhile is landed and ACKed without waiting for that ACK_OK (before: the
+    second ACK came only after the first ACK_OK). Each result lands once, is ACKed once after its
+    own commit (re-sent, as ever, when its ACK_OK is later than a liveness window), and the credit
+    of both comes back with their ACK_OKs."""
+    e = env(credit=4, batch_max=8, batch_wait_ms=0.0)
+    e.broker.ack_ok_delay_s = 3.0
+    e.start()
+    e.broker.add_completed(delivery(0))
+    wait_until(lambda: e.broker.ack_frames() >= 1, 20, "the first ACK")
+    e.broker.add_completed(delivery(1))
+    wait_until(lambda: e.broker.ack_frames() >= 2, 20, "the second ACK")
+    with e.broker.lock:
+        (t0, first), (t1, second) = e.broker.acks[:2]
+    assert (first, second) == (["item-00000"], ["item-00001"])
+    assert t1 - t0 < 2.0, t1 - t0  # not held back until the first ACK_OK (3 s)
+    assert set(sqlite_rows(e.root / "results.db")) == {"item-00000", "item-00001"}  # each committed before its ACK
+    wait_until(lambda: e.count("results_acked") == 2, 20, "both ACK_OKs")  # (re-sent after a liveness window: idempotent)
+    e.broker.ack_ok_delay_s = 0.0
+    for n in range(2, 10):  # the credit came back: more results flow
+        e.broker.add_completed(delivery(n))
+    wait_until(lambda: len(e.broker.acked_ids()) == 10, 60, "10 results acknowledged")
+    rows = sqlite_rows(e.root / "results.db")
+    assert len(rows) == 10 and {r["deliveries"] for r in rows.values()} == {1}
+    assert {e.broker.ack_count[f"item-{n:05d}"] for n in range(2, 10)} == {1} and e.broker.max_in_flight <= 4
+
+
 @pytest.mark.postgres
 def test_postgres_outage_stops_acks_and_every_result_lands_once(env, pg_server, pg_database) -> None:  # noqa: F811
     e = env(database=pg_database, db_slow_s=2.0)

@@ -9,6 +9,7 @@ import signal
 import sqlite3
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from ccsq.common.runtime.faults import env_for
@@ -228,3 +229,63 @@ def test_a_snapshot_keeps_format1_reports(tmp_path: Path, monkeypatch: pytest.Mo
     j = Journal.open(d)
     assert _state(j) == {("done", 5): (EntryState.FINISHED, _result("done", 5)), ("x", 1): (EntryState.STARTED, None)}
     j.close()
+
+
+def _log_ops(directory: Path) -> list[list]:
+    """The journal's log rows in order, each the msgpack list of ``[op, rows]`` it holds (read while the
+    worker runs: the file is SQLite in WAL mode)."""
+    db = sqlite3.connect(directory / "journal.sqlite3", timeout=5)
+    try:
+        return [msgpack.unpackb(raw, raw=False) for (raw,) in db.execute("SELECT ops FROM log ORDER BY seq")]
+    finally:
+        db.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_a_free_slot_takes_is_journaled_held_and_started_in_one_commit(
+        broker: WorkerBroker, workers: Workers, tmp_path: Path) -> None:  # noqa: F811
+    """A DISPATCH that an idle lane takes at once is journaled held AND started in ONE commit (the
+    handler waits for one fsync, not two); one that arrives while the slot is busy is held only (it
+    waits for the slot). SIGKILL while the first runs: the restarted worker names the first in HELLO
+    info "lost" (its attempt counts) and gives the waiting one back released (no attempt)."""
+    proc = workers.start(handler="sleep", prefetch=2)
+    broker.wait_for(protocol.Hello)
+    broker.dispatch(task("run", "sleep", params={"seconds": 60.0}, token=1))
+    broker.wait_for(protocol.Heartbeat, lambda m: m.busy == 1)
+    broker.dispatch(task("wait", "sleep", params={"seconds": 0.0}, token=2))
+
+    def row_of(item_id: str) -> list | None:
+        return next((ops for ops in _log_ops(tmp_path / "journal")
+                     if any(op == "h" and any(r[0] == item_id for r in rows) for op, rows in ops)), None)
+
+    wait_until(lambda: row_of("wait"), 10, "the second lease held")
+    assert row_of("run") == [["h", [["run", 1, "sleep"]]], ["s", [["run", 1]]]]  # one transaction
+    assert row_of("wait") == [["h", [["wait", 2, "sleep"]]]]
+    proc.kill()
+    assert proc.wait(20) == -signal.SIGKILL
+    workers.start(handler="sleep", prefetch=2)
+    (hello,) = broker.wait_for(protocol.Hello, n=2)[1:]
+    assert protocol.parse_lost_info(hello.msg.info.get(protocol.LOST_INFO)) == {("run", 1)}
+    (fail,) = broker.wait_for(protocol.Fail)
+    assert [(f.item_id, f.reason) for f in fail.msg.failures] == [("wait", "released")]
+
+
+@pytest.mark.timeout(60)
+def test_a_partial_batch_that_may_wait_for_more_is_held_only(broker: WorkerBroker, workers: Workers,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    """With max_wait_ms > 0 a partial batch may wait in the queue for more: only whole batches are
+    journaled started with their hold. max_batch 4: a frame of 3 is held only; then, the lane
+    idle again, a frame of 4 is held and started in one commit."""
+    workers.start(handler="sleep", max_batch=4, max_wait_ms=300.0, prefetch=4)
+    broker.wait_for(protocol.Hello)
+
+    def results() -> int:
+        return sum(len(s.msg.results) for s in broker.of(protocol.Complete))
+
+    broker.dispatch(*[task(f"p{n}", "sleep", params={"seconds": 0.0}, token=n + 1) for n in range(3)])
+    wait_until(lambda: results() >= 3, 20, "3 results")
+    broker.dispatch(*[task(f"q{n}", "sleep", params={"seconds": 0.0}, token=n + 11) for n in range(4)])
+    wait_until(lambda: results() >= 7, 20, "7 results")
+    holds = [[op for op in ops if op[0] in "hs"] for ops in _log_ops(tmp_path / "journal") if any(op[0] == "h" for op in ops)]
+    assert holds[0] == [["h", [[f"p{n}", n + 1, "sleep"] for n in range(3)]]]
+    assert holds[1] == [["h", [[f"q{n}", n + 11, "sleep"] for n in range(4)]], ["s", [[f"q{n}", n + 11] for n in range(4)]]]

@@ -121,6 +121,46 @@ def test_journal_group_commit_coalesces_writes_in_order(tmp_path: Path) -> None:
     j.close()
 
 
+def test_journal_group_commit_without_a_timer_still_groups_the_writes_queued_during_a_commit(tmp_path: Path) -> None:
+    """The default group commit sleeps no window before committing: a lone write starts its commit at
+    once, and every write queued while that commit runs (held here until 12 writes wait) goes into
+    the ONE next commit, in order."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ccsq.workerd.worker_journal import GroupCommit
+
+    j = Journal.open(tmp_path / "j")
+    pool = ThreadPoolExecutor(1)
+    in_commit, release = threading.Event(), threading.Event()
+    real_apply = j.apply
+
+    def gated_apply(ops: list) -> None:
+        in_commit.set()
+        release.wait(10)
+        real_apply(ops)
+
+    j.apply = gated_apply  # type: ignore[method-assign]
+
+    async def main() -> GroupCommit:
+        gc = GroupCommit(j, pool)
+        assert gc.window_s == 0.0
+        first = asyncio.ensure_future(gc.hold([("a", 0, "echo")]))
+        while not in_commit.is_set():  # the first commit runs (in the journal thread)
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(gc.hold([(f"b{n}", n, "echo")])) for n in range(1, 13)]
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(first, *rest)
+        return gc
+
+    gc = asyncio.run(main())
+    assert (gc.commits, gc.ops) == (2, 13)
+    assert [e.item_id for e in j.entries()] == ["a"] + [f"b{n}" for n in range(1, 13)]
+    pool.shutdown()
+    j.close()
+
+
 def test_journal_lazy_forget_rides_with_the_next_commit_or_its_timer(tmp_path: Path) -> None:
     """A lazy forget (confirmed reports) starts no commit: it joins the next eager write,
     else it is committed lazy_s later, and drain() commits what is still queued."""

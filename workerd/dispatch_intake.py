@@ -5,7 +5,8 @@ in the worker's table of held jobs (the leases it holds and has not reported yet
 :mod:`ccsq.workerd.reports` removes a job once its report is journaled) and starts ONE
 runner for the whole frame, an asyncio task that carries its jobs to the batch queue::
 
-    journal "held" (one fsync for the whole DISPATCH, shared by its jobs)
+    journal "held" (one fsync for the whole DISPATCH, shared by its jobs; "started" too, in
+      the same commit, for the jobs a free lane will take at once: _start_with_hold)
       -> fetch each payload from the claim check and verify its SHA-256
          (inline ones on the loop, in turn; stored ones in the I/O threads, together;
          prefetch: outside the slot, while the GPU runs earlier items)
@@ -104,10 +105,49 @@ class DispatchIntake:
             rows.append((task.item_id, task.token, task.kind))
         if not new:
             return
-        hold = self._jw.queue(OpKind.HOLD, rows)  # the frame's runner awaits it (one future, no task)
+        started = self._start_with_hold(new)
+        if started:  # one commit: held, then started (the ops of one queue_ops call never split)
+            hold = self._jw.queue_ops([(OpKind.HOLD, rows), (OpKind.STARTED, started)])
+        else:
+            hold = self._jw.queue(OpKind.HOLD, rows)  # the frame's runner awaits it (one future, no task)
         self._frames_in_flight += 1
         self._spawn(self._run_frame(new, hold), "dispatch")
         self._log.info("dispatched", tasks=len(new), held=len(jobs))
+
+    def _start_with_hold(self, new: list[tuple[Job, protocol.TaskFailure | None]]) -> list[Key]:
+        """The jobs of this frame that a free lane will start as soon as their hold is durable:
+        they are journaled "started" in the hold's own commit (``job.started``), and the lane
+        writes nothing more for them before the handler runs. Only while no other frame is on
+        its way to the batch queue and nothing waits there (so these are the next items any lane
+        takes), for a handler without its own ``batch_key`` (one batch group per kind), of the
+        frame's first kind, with an inline payload verified on the loop (queued by the runner at
+        once, in order), up to :meth:`Lanes.start_at_once`; whole batches only when the batch queue
+        may hold a partial one back (``max_wait_ms`` > 0). A crash between this commit and the
+        handler's start counts their attempt (HELLO ``lost``), as it would a moment later."""
+        if self._own_batch_key or self._frames_in_flight:
+            return []
+        room = self._lanes.start_at_once()
+        if room <= 0:
+            return []
+        on_loop_max = self._claims.verify_on_loop_max_bytes()
+        kind = None
+        chosen: list[Job] = []
+        for job, verdict in new:
+            inline = job.task.payload.inline
+            if verdict is not None or inline is None or len(inline) > on_loop_max:
+                continue  # never queued (its failure), or queued later (a stored payload): takes no lane room
+            if kind is None:
+                kind = job.task.kind
+            elif job.task.kind != kind:
+                break  # another batch group: it may wait for a lane
+            chosen.append(job)
+            if len(chosen) >= room:
+                break
+        if self._lanes.batches.max_wait_s > 0:  # a partial batch may wait for more: only whole batches go at once
+            del chosen[len(chosen) - len(chosen) % self._lanes.max_batch:]
+        for job in chosen:
+            job.started = True
+        return [job.key for job in chosen]
 
     @staticmethod
     async def _await_hold(hold: asyncio.Future) -> None:

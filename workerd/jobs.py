@@ -51,6 +51,7 @@ class Job:
     clock_offset_s: float = 0.0  # broker wall clock - ours, as seen in the DISPATCH envelope
     payload: bytes | None = None  # fetched and verified (prefetch); dropped once run
     batch_key: Hashable = None  # its group in the batch queue, once queued
+    started: bool = False  # journaled "started" with its hold (a lane was free on arrival): no write of its own
 
     def deadline_passed(self, now_wall_s: float) -> bool:
         """Whether ``deadline_ts`` has passed by the broker's clock (estimated)."""

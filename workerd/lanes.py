@@ -3,7 +3,8 @@
 There are ``slots`` lanes. Each takes the next batch from the batch queue
 (:mod:`ccsq.workerd.batching`: up to ``max_batch`` ready items of one ``(kind,
 handler.batch_key(params))``), holds ONE slot of the semaphore
-(:mod:`ccsq.workerd.slots`) for it, journals the items "started" (one transaction),
+(:mod:`ccsq.workerd.slots`) for it, journals the items "started" (one transaction; none for
+items the intake journaled started with their hold, :meth:`Lanes.start_at_once`),
 and calls ``handler.run`` (one item) or ``handler.run_batch`` (several) in an
 inference thread, never on the loop, so heartbeats keep flowing while a model runs
 (case C06). ``max_batch`` = the config's, else the handler's (default 1);
@@ -100,6 +101,7 @@ class Lanes:
         self._on_outputs = on_outputs
         self._infer_pool = ThreadPoolExecutor(cfg.slots, thread_name_prefix="ccsq-infer")
         self._infer_futures: set[asyncio.Future] = set()
+        self._idle = 0  # lanes waiting in batches.take() (they hold no batch and no slot)
 
     @property
     def stuck_threads(self) -> int:
@@ -128,10 +130,23 @@ class Lanes:
         """Whether more items can come may have changed: look at waiting batches again."""
         self.batches.poke()
 
+    def start_at_once(self) -> int:
+        """How many items queued now would start at once, without waiting for a slot: the idle
+        lanes (with a free permit) times ``max_batch`` while nothing waits in the batch queue, else 0.
+        The intake journals that many of a DISPATCH's items "started" with their hold (one fsync
+        less on their way); items of one batch group only (:meth:`DispatchIntake.on_dispatch`)."""
+        if self._idle <= 0 or len(self.batches) > 0:
+            return 0
+        return min(self._idle, self.gate.free) * self.max_batch
+
     # --- lanes: one per slot, one batch at a time under one permit ----------------------
     async def lane(self) -> None:
         while True:
-            _, taken = await self.batches.take()
+            self._idle += 1
+            try:
+                _, taken = await self.batches.take()
+            finally:
+                self._idle -= 1
             jobs = [j for j in taken if not j.released and j.state is JobState.QUEUED]
             if not jobs:
                 continue
@@ -158,7 +173,9 @@ class Lanes:
             self._on_outcomes(skipped)
         if not run:
             return
-        await self._jw.started([j.key for j in run])
+        fresh = [j.key for j in run if not j.started]  # the rest were journaled started with their hold
+        if fresh:
+            await self._jw.started(fresh)
         self._log_start(run)
         limit_s = self._batch_limit_s(run)
         items = [(j.payload or b"", dict(j.task.params)) for j in run]

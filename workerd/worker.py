@@ -40,7 +40,9 @@ Restart (the journal outlives the process):
   ``FAIL(reason="released")`` (retryable) so the broker re-leases them at
   once without consuming an attempt.
 - ``started`` rows (the process died while the handler ran: a crash, an
-  OOM kill, or a poison job that kills its worker): NOT listed in HELLO's
+  OOM kill, or a poison job that kills its worker; or in the moment before a
+  free lane started a lease journaled started with its hold,
+  :mod:`ccsq.workerd.dispatch_intake`): NOT listed in HELLO's
   leases and NOT reported, but named in HELLO ``info["lost"]``; the rows
   are deleted once the broker WELCOMEd that HELLO. The broker expires those
   leases at once ("worker reconnected without it"; at the latest when
@@ -95,7 +97,7 @@ LAG_PROBE_INTERVAL_S = 0.02  # the loop-lag probe wakes this often
 LAG_WARN_MS = 250.0  # log loop_lag when one wake-up is later than this
 ACK_WAIT_ON_STOP_S = 2.0  # at shutdown, wait this long for outstanding confirmations
 GPU_MEM_POLL_S = 10.0  # how often GPU free memory is sampled (GPU providers only)
-JOURNAL_WINDOW_S = 0.001  # journal group commit: writes within this window share one fsync
+JOURNAL_WINDOW_S = 0.0  # journal group commit: no timer (one loop tick; writes queued during a commit share the next)
 
 
 class Worker:

@@ -6,7 +6,8 @@ lease the worker holds, keyed by ``(item_id, token)``::
 
     state     meaning                                         written when
     held      dispatched to us, not started yet               DISPATCH arrives
-    started   the handler was entered                         the slot is taken
+    started   the handler was entered                         the slot is taken (or with the hold, when
+                                                              a free lane takes the lease at once)
     finished  a result is stored, COMPLETE not confirmed      before COMPLETE is sent
     failed    a failure is decided, FAIL not confirmed        before FAIL is sent
 
@@ -37,8 +38,8 @@ The journal is single-writer: :meth:`Journal.open` takes an exclusive
 ``flock`` on ``<journal_dir>/LOCK`` and raises :class:`JournalLocked` when
 another worker process holds it. A journal object is used from one thread at
 a time (the worker runs every call on one dedicated thread), and the worker
-writes through :class:`GroupCommit`: every write that falls in one short
-window (or arrives while the previous commit runs) shares ONE transaction.
+writes through :class:`GroupCommit`: every write queued in the same event-loop tick
+(or while the previous commit runs) shares ONE transaction.
 """
 
 from __future__ import annotations
@@ -368,10 +369,12 @@ class GroupCommit:
     """Group commit of one worker's journal writes (used from one event loop).
 
     :meth:`hold`, :meth:`started`, :meth:`record` and :meth:`forget` queue a write
-    (see :meth:`Journal.apply`) and return once it is durable. Ops queued while a commit is running, or within ``window_s``
-    seconds (monotonic) of the first one, go into the NEXT commit together:
-    one SQLite transaction, one fsync, ops applied in the order queued. An
-    error fails every op of that commit (nothing of it was written).
+    (see :meth:`Journal.apply`) and return once it is durable. Ops queued while a commit is running, or in
+    the same loop tick as the first one (or within ``window_s`` seconds of it, monotonic; 0 by default: a
+    sleep before each commit only adds its length to every write's wait, while under load the writes
+    queued during a commit form the next one anyway), go into the NEXT commit together: one SQLite
+    transaction, one fsync, ops applied in the order queued. An error fails every op of that commit
+    (nothing of it was written).
 
     A *lazy* write (``forget(..., lazy=True)``: rows of confirmed reports, whose
     deletion nothing waits for) starts no commit of its own: it rides with the next
@@ -390,7 +393,7 @@ class GroupCommit:
     ops: int  # ops in them
     observe_commit: Callable[[int, float], None] | None = None  # metrics hook: (ops, seconds) once per commit
 
-    def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.001, lazy_s: float = 0.05) -> None:
+    def __init__(self, journal: Journal, executor: Executor, window_s: float = 0.0, lazy_s: float = 0.05) -> None:
         self.journal = journal
         self.window_s = window_s
         self.lazy_s = lazy_s
@@ -435,6 +438,16 @@ class GroupCommit:
         else:
             self._eager += 1
             self._commit_soon(loop)
+        return fut
+
+    def queue_ops(self, ops: list[Op]) -> asyncio.Future:
+        """:meth:`queue` of several ops, in order, resolved by ONE future: they are queued in the
+        same call, so they always go into the same commit (one transaction, all or nothing)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.extend((op, fut) for op in ops)
+        self._eager += len(ops)
+        self._commit_soon(loop)
         return fut
 
     def _commit_soon(self, loop: asyncio.AbstractEventLoop) -> None:
