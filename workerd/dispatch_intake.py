@@ -134,8 +134,10 @@ class DispatchIntake:
         chosen: list[Job] = []
         for job, verdict in new:
             inline = job.task.payload.inline
-            if verdict is not None or inline is None or len(inline) > on_loop_max:
+            if verdict is not None or inline is None:
                 continue  # never queued (its failure), or queued later (a stored payload): takes no lane room
+            if len(inline) > on_loop_max:
+                break  # fetched in the I/O threads but queued in frame order, AHEAD of the jobs behind it
             if kind is None:
                 kind = job.task.kind
             elif job.task.kind != kind:
