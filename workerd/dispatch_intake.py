@@ -121,7 +121,8 @@ class DispatchIntake:
         its way to the batch queue and nothing waits there (so these are the next items any lane
         takes), for a handler without its own ``batch_key`` (one batch group per kind), of the
         frame's first kind, with an inline payload verified on the loop (queued by the runner at
-        once, in order), up to :meth:`Lanes.start_at_once`; whole batches only when the batch queue
+        once, in order), up to :meth:`Lanes.start_at_once` and never past an inline payload too large
+        to verify on the loop (it is queued in frame order too, ahead of the jobs behind it); whole batches only when the batch queue
         may hold a partial one back (``max_wait_ms`` > 0). A crash between this commit and the
         handler's start counts their attempt (HELLO ``lost``), as it would a moment later."""
         if self._own_batch_key or self._frames_in_flight:

@@ -1,4 +1,4 @@
-"""Hostile checks of the worker's "started journaled with the hold" (dispatch_intake._start_with_hold).
+"""The worker's "started journaled with the hold" (dispatch_intake._start_with_hold) under a crash.
 
 A lease journaled "started" with its hold must be one the free lane really takes next: if a
 crash comes while another job runs, a lease that never ran must not be charged an attempt
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm import Swarm, wait_until
+from tests.swarm import Swarm
 from tests.test_cases import events, ledger_record
 
 
