@@ -58,7 +58,7 @@ from ccsq.brokerd.election import EtcdUnavailable, _b64, _unb64
 from ccsq.brokerd.ledger import replication
 from ccsq.brokerd.ledger.store import data_paths
 from ccsq.brokerd.replserver import OTHER_LEDGER
-from ccsq.brokerd.transport import Transport
+from ccsq.brokerd.transport import Transport, sleep_until_events
 from ccsq.common.wire import frames
 from ccsq.common.wire import protocol
 from ccsq.common.wire.backoff import backoff_delay_s
@@ -418,22 +418,7 @@ async def _readable(sock: zmq.Socket, timeout_s: float, *, events: int = zmq.POL
     if cast(int, sock.getsockopt(zmq.EVENTS)) & events:
         await asyncio.sleep(0)
         return True
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    fd = cast(int, sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
-
-    def wake() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, wake)
-    timer = loop.call_later(timeout_s, wake)
-    try:
-        await fut
-    finally:
-        timer.cancel()
-        loop.remove_reader(fd)
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & events)
+    return await sleep_until_events(sock, timeout_s, events)
 
 
 async def _send(sock: zmq.Socket, frames: list[bytes], timeout_s: float) -> None:

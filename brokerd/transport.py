@@ -133,6 +133,33 @@ class FrameTransport(Protocol):
     def send(self, routing_id: bytes, msg: protocol.Message) -> str: ...
 
 
+async def sleep_until_events(sock: zmq.Socket, timeout_s: float, events: int = zmq.POLLIN, *,
+                             fut: asyncio.Future | None = None, fd: int | None = None) -> bool:
+    """Sleep until ``sock``'s ZMQ_FD signals, ``timeout_s`` passed or ``fut`` (a future the caller
+    may resolve to end the wait early) is done; then whether ``sock`` has ``events`` (POLLIN: a
+    message to read; POLLOUT: room to send). ZMQ_FD is edge-triggered: callers check EVENTS
+    before sleeping (an edge consumed earlier raises no new one). The one such wait of the broker's
+    sockets (:meth:`Transport.wait_readable`, the standby's DEALER)."""
+    loop = asyncio.get_running_loop()
+    if fut is None:
+        fut = loop.create_future()
+    if fd is None:
+        fd = cast(int, sock.getsockopt(zmq.FD))  # ZMQ_FD is an int option
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
+    timer = loop.call_later(timeout_s, wake)
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        loop.remove_reader(fd)
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & events)
+
+
 class Transport:
     """ROUTER socket bound to ``endpoint``; frames are ``[routing_id, payload, sig]``.
 
@@ -195,26 +222,15 @@ class Transport:
         so EVENTS is checked before sleeping and after every wake-up. Returns at once when
         :meth:`wake` was called since the last wait began (a wake between two waits is not lost)."""
         woken, self._woken = self._woken, False
-        if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if self.readable():
             return True
         if timeout_s <= 0 or woken:
             return False
-        loop = asyncio.get_running_loop()
-        fut = self._waiter = loop.create_future()
-
-        def wake() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(self.fd, wake)
-        timer = loop.call_later(timeout_s, wake)
+        fut = self._waiter = asyncio.get_running_loop().create_future()
         try:
-            await fut
+            return await sleep_until_events(self.sock, timeout_s, fut=fut, fd=self.fd)
         finally:
             self._waiter = None
-            timer.cancel()
-            loop.remove_reader(self.fd)
-        return bool(cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def wake(self) -> None:
         """End a pending :meth:`wait_readable` now (e.g. on SIGTERM), or, when none is pending (the
