@@ -198,10 +198,7 @@ class CompletionService:
             self.log.warning("unexpected_message", type=type(msg).__name__)
 
     def _on_connect(self, welcome: protocol.Welcome) -> None:
-        now = time.monotonic()
-        for a in self._acks.values():  # the broker's ACK is idempotent: every one not answered, again
-            if self.link.send(a.msg):
-                a.sent_mono = now
+        self._resend_stale(0.0)  # the broker's ACK is idempotent: every one not answered, again
 
     # --- the pipeline ---
     async def _pump(self) -> None:

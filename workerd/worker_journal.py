@@ -430,14 +430,12 @@ class GroupCommit:
     def queue(self, op: OpKind, rows: list, *, lazy: bool = False) -> asyncio.Future:
         """:meth:`write` without a coroutine: queue ``(op, rows)`` now and return the future
         that the commit resolves (no task per write; the caller must consume its error)."""
+        if not lazy:
+            return self.queue_ops([(op, rows)])
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.append(((op, rows), fut))
-        if lazy:
-            self._commit_later(loop)
-        else:
-            self._eager += 1
-            self._commit_soon(loop)
+        self._commit_later(loop)
         return fut
 
     def queue_ops(self, ops: list[Op]) -> asyncio.Future:
